@@ -1,0 +1,1 @@
+"""The `attngrad` command line."""

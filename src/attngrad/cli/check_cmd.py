@@ -1,0 +1,131 @@
+"""`attngrad check`: prove every gradient and print the verdicts as one table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ..check import FLAVORS, VARIANTS, CheckConfig, CheckReport, run_check
+from ..check.compare import ErrorFigure
+
+ALL_VARIANTS = tuple(dict.fromkeys(v for flavor in FLAVORS for v in VARIANTS[flavor]))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = CheckConfig()
+    size = parser.add_argument_group("sizes")
+    size.add_argument("--batch", type=int, default=defaults.batch, metavar="B", help="batch size (default %(default)s)")
+    size.add_argument("--heads", type=int, default=defaults.heads, metavar="H", help="query heads (default %(default)s); the gqa variants use H/2 key/value heads")
+    size.add_argument("--len-q", type=int, default=defaults.len_q, metavar="LQ", help="decoder/query length (default %(default)s)")
+    size.add_argument("--len-k", type=int, default=defaults.len_k, metavar="LK", help="encoder/key length (default %(default)s)")
+    size.add_argument("--embed-dim", type=int, default=defaults.embed_dim, metavar="E", help="model width, a multiple of H (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the random inputs and upstream gradients (default %(default)s)")
+    parser.add_argument("--dtype", choices=("float64", "float32"), default=defaults.dtype, help="dtype of attngrad's computation; the truth is always float64 (default %(default)s)")
+    parser.add_argument("--flavor", action="append", choices=FLAVORS, help=f"run only this flavor (repeatable; default all: {', '.join(FLAVORS)})")
+    parser.add_argument("--variant", action="append", choices=ALL_VARIANTS, help="run only this variant (repeatable; default all)")
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch autograd column")
+    parser.add_argument("--no-finite-diff", action="store_true", help="skip the finite-difference column (it costs 2 forwards per input element)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+
+
+def _fmt(figure: ErrorFigure | None, skipped: str) -> str:
+    if figure is None:
+        return skipped
+    return f"{figure.rel:.1e}"
+
+
+def render_table(report: CheckReport, console) -> None:  # console: rich.console.Console
+    from rich import box
+    from rich.table import Table
+
+    tol = report.tolerances
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        title=f"attngrad check: {report.config.dtype}, relative error max|ours - ref| / max|ref|",
+        caption=f"tolerances: autograd {tol['autograd']:.0e}, finite differences {tol['finite_diff']:.0e}",
+    )
+    for name, justify in (("flavor", "left"), ("variant", "left"), ("tensor", "left"), ("shape", "left"),
+                          ("vs autograd", "right"), ("vs finite diff", "right"), ("verdict", "center")):
+        table.add_column(name, justify=justify, no_wrap=True)
+    autograd_skip = "skipped" if report.torch_version is None else "-"
+    previous = None
+    for row in report.rows:
+        first = (row.flavor, row.variant) != previous
+        if first and previous is not None:
+            table.add_section()
+        previous = (row.flavor, row.variant)
+        verdict = "[green]pass[/green]" if row.passed else "[bold red]FAIL[/bold red]"
+        note = " (=0)" if row.tensor == "b^K" else ""
+        table.add_row(
+            row.flavor if first else "", row.variant if first else "", row.tensor + note, str(tuple(row.shape)),
+            _fmt(row.autograd, autograd_skip), _fmt(row.finite_diff, "-"), verdict,
+        )
+    console.print(table)
+
+
+def summary_lines(report: CheckReport) -> list[str]:
+    rows = report.rows
+    failed = [r for r in rows if not r.passed]
+    cases = len({(r.flavor, r.variant) for r in rows})
+    worst = {}
+    for column in ("autograd", "finite_diff"):
+        figures = [getattr(r, column).rel for r in rows if getattr(r, column) is not None]
+        worst[column] = f"{max(figures):.1e}" if figures else "n/a"
+    lines = [
+        f"{len(rows)} tensors in {cases} cases, {report.seconds:.1f} s: "
+        + ("all pass" if not failed else f"{len(failed)} FAIL")
+        + f"; worst relative error {worst['autograd']} vs autograd, {worst['finite_diff']} vs finite differences."
+    ]
+    if report.torch_version is None:
+        lines.append("PyTorch is not installed (or --no-torch): the autograd column was skipped; "
+                     "finite differences alone were checked. pip install 'attngrad[torch]' to add it.")
+    else:
+        lines.append(f"autograd oracle: PyTorch {report.torch_version}, float64: torch.nn.MultiheadAttention; "
+                     "gqa and dropout variants: F.linear + PyTorch's math SDPA kernel (the module has no "
+                     "GQA and takes no dropout mask).")
+    if any(r.tensor == "b^K" for r in rows):
+        lines.append("b^K (=0): the key bias shifts each score row by a constant, which softmax ignores, so its "
+                     "gradient is 0 exactly; it is judged against the scale of the case's other gradients.")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = CheckConfig(batch=args.batch, heads=args.heads, len_q=args.len_q, len_k=args.len_k,
+                             embed_dim=args.embed_dim, seed=args.seed, dtype=args.dtype)
+    except ValueError as err:
+        print(f"attngrad check: error: {err}", file=sys.stderr)
+        return 2
+    # PyTorch's math kernel logs "dropout mask should only be used for testing purposes"
+    # when given the keep-mask; testing is what it is used for here (set before torch loads)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    flavors = tuple(args.flavor) if args.flavor else FLAVORS
+    variants = tuple(args.variant) if args.variant else None
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    err_console = Console(stderr=True)
+    with Progress(TextColumn("checking {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err_console, transient=True) as progress:
+        task = progress.add_task("", total=None)
+
+        def on_case(case, i: int, n: int) -> None:
+            progress.update(task, description=case.title, completed=i, total=n)
+
+        report = run_check(config, flavors, variants, use_torch=not args.no_torch,
+                           finite_differences=not args.no_finite_diff, progress=on_case)
+    if not report.rows:
+        print("attngrad check: error: no case matches the flavors and variants given", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(report.to_json(), sys.stdout, indent=2)
+        print()
+    else:
+        console = Console(width=None if sys.stdout.isatty() else 110)
+        render_table(report, console)
+        for line in summary_lines(report):
+            console.print(line, highlight=False)
+    return 0 if report.passed else 1

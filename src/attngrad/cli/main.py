@@ -1,0 +1,41 @@
+"""Entry point of the `attngrad` command: one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import __version__
+from . import check_cmd
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attngrad",
+        description="The gradient of Transformer attention, in closed form, proved.",
+    )
+    parser.add_argument("--version", action="version", version=f"attngrad {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    check = commands.add_parser(
+        "check",
+        help="prove every attention gradient against PyTorch autograd and finite differences",
+        description="Check every gradient of every attention flavor and option against PyTorch "
+        "autograd (float64) and central finite differences, with random inputs and a random "
+        "upstream gradient. Exit status 1 if any check fails.",
+    )
+    check_cmd.add_arguments(check)
+    check.set_defaults(run=check_cmd.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""`attngrad check` as a user runs it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from attngrad.cli.main import main
+
+SMALL = ["--batch", "2", "--heads", "2", "--len-q", "3", "--len-k", "4", "--embed-dim", "4"]
+
+
+def run_cli(*args, block=()):
+    """Run `python -m attngrad` in a fresh process; `block` makes those modules unimportable."""
+    code = "import sys\n"
+    for name in block:
+        code += f"sys.modules[{name!r}] = None\n"
+    code += "from attngrad.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_table_lists_every_tensor_and_exits_0():
+    pytest.importorskip("torch")
+    result = run_cli("check", *SMALL, "--flavor", "encoder", "--variant", "plain", "--variant", "gqa")
+    assert result.returncode == 0, result.stderr
+    for fragment in ("flavor", "vs autograd", "vs finite diff", "verdict", "W^Q", "b^O", "gqa", "all pass"):
+        assert fragment in result.stdout
+    assert "Dropout mask should only be used" not in result.stderr
+
+
+def test_json_output(capsys):
+    pytest.importorskip("torch")
+    code = main(["check", *SMALL, "--flavor", "sdpa", "--variant", "dropout", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["passed"] is True
+    assert report["config"]["batch"] == 2 and report["tolerances"]["autograd"] == 1e-12
+    assert {r["tensor"] for r in report["rows"]} == {"out", "query", "key", "value"}
+    assert all(r["autograd"]["rel"] < 1e-12 for r in report["rows"])
+
+
+def test_runs_without_torch_and_says_so():
+    result = run_cli("check", *SMALL, "--flavor", "cross", "--variant", "all", block=("torch",))
+    assert result.returncode == 0, result.stderr
+    assert "skipped" in result.stdout and "PyTorch is not installed" in result.stdout
+
+
+def test_a_failing_check_exits_1(monkeypatch, capsys):
+    from attngrad import reference
+
+    original = reference.sdpa_backward
+    monkeypatch.setattr(
+        "attngrad.check.cases.ref.sdpa_backward", lambda d, c: original(d, c)._replace(dk=original(d, c).dk * 1.001)
+    )
+    assert main(["check", *SMALL, "--flavor", "sdpa", "--variant", "plain", "--no-torch"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_bad_options_exit_2(capsys):
+    assert main(["check", "--heads", "3", "--embed-dim", "8"]) == 2
+    assert "embed_dim=8 is not divisible by heads=3" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check", "--flavor", "mlp"])
+    assert exit_info.value.code == 2
+    assert main(["check", "--flavor", "encoder", "--variant", "bias"]) == 2  # sdpa-only variant
+
+
+def test_core_imports_with_numpy_alone():
+    code = (
+        "import sys\n"
+        "for name in ('torch', 'rich', 'hypothesis', 'matplotlib'): sys.modules[name] = None\n"
+        "import attngrad, attngrad.reference, attngrad.check\n"
+        "from attngrad.check import run_check, CheckConfig\n"
+        "assert run_check(CheckConfig(batch=1, heads=1, len_q=2, len_k=2, embed_dim=2), ('sdpa',), ('plain',)).passed\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ})
+    assert result.returncode == 0, result.stderr
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "check" in capsys.readouterr().out

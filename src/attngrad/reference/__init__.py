@@ -14,6 +14,7 @@ from .flavors import (
     encoder_self_attention_backward,
     encoder_self_attention_forward,
     self_attention_backward,
+    self_attention_forward,
 )
 from .linear import linear_backward, linear_forward, merge_heads, split_heads
 from .mha import MHACache, MHAGrads, mha_backward, mha_forward
@@ -45,6 +46,7 @@ __all__ = [
     "sdpa_backward",
     "sdpa_forward",
     "self_attention_backward",
+    "self_attention_forward",
     "softmax_backward",
     "softmax_forward",
     "split_heads",

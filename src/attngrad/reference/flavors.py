@@ -42,49 +42,40 @@ class CrossAttentionGrads(NamedTuple):
     dattn_mask: np.ndarray | None
 
 
-def _self_attention_forward(x: Any, params: MHAParams, num_heads: int, is_causal: bool, **options: Any) -> tuple[np.ndarray, MHACache]:
+def self_attention_forward(
+    x: Any,
+    params: MHAParams,
+    num_heads: int,
+    *,
+    is_causal: bool = False,
+    key_padding_mask: Any = None,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    keep_mask: Any = None,
+) -> tuple[np.ndarray, MHACache]:
+    """Self-attention: x (B, L, E) is query, key and value. Options as in `mha_forward`."""
     if params.kdim != params.embed_dim or params.vdim != params.embed_dim:
         raise ValueError(
             f"self-attention needs kdim = vdim = E; the parameters have E={params.embed_dim}, "
             f"kdim={params.kdim}, vdim={params.vdim}"
         )
-    return mha_forward(x, x, x, params, num_heads, is_causal=is_causal, **options)
-
-
-def encoder_self_attention_forward(
-    x: Any,
-    params: MHAParams,
-    num_heads: int,
-    *,
-    key_padding_mask: Any = None,
-    attn_mask: Any = None,
-    dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
-    keep_mask: Any = None,
-) -> tuple[np.ndarray, MHACache]:
-    """Encoder self-attention: every position of x (B, L, E) attends to every unpadded one."""
-    return _self_attention_forward(
-        x, params, num_heads, False, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+    return mha_forward(
+        x, x, x, params, num_heads, is_causal=is_causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
         dropout_p=dropout_p, dropout_seed=dropout_seed, keep_mask=keep_mask,
     )
 
 
-def decoder_self_attention_forward(
-    x: Any,
-    params: MHAParams,
-    num_heads: int,
-    *,
-    key_padding_mask: Any = None,
-    attn_mask: Any = None,
-    dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
-    keep_mask: Any = None,
-) -> tuple[np.ndarray, MHACache]:
-    """Decoder masked self-attention: position i of x (B, L, E) attends to positions j <= i."""
-    return _self_attention_forward(
-        x, params, num_heads, True, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-        dropout_p=dropout_p, dropout_seed=dropout_seed, keep_mask=keep_mask,
-    )
+def encoder_self_attention_forward(x: Any, params: MHAParams, num_heads: int, **options: Any) -> tuple[np.ndarray, MHACache]:
+    """Encoder self-attention: every position of x (B, L, E) attends to every unpadded one.
+    Options: key_padding_mask, attn_mask, dropout_p, dropout_seed, keep_mask."""
+    return self_attention_forward(x, params, num_heads, is_causal=False, **options)
+
+
+def decoder_self_attention_forward(x: Any, params: MHAParams, num_heads: int, **options: Any) -> tuple[np.ndarray, MHACache]:
+    """Decoder masked self-attention: position i of x (B, L, E) attends to positions j <= i.
+    Options: key_padding_mask, attn_mask, dropout_p, dropout_seed, keep_mask."""
+    return self_attention_forward(x, params, num_heads, is_causal=True, **options)
 
 
 def self_attention_backward(dout: Any, cache: MHACache) -> SelfAttentionGrads:

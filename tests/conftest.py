@@ -23,3 +23,22 @@ def rel_err(ours, ref) -> float:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(20261122)
+
+
+def assert_all_close(ours: dict, theirs: dict, *, zeros=frozenset(), floor_fraction: float = 0.0, bar: float = EXACT) -> None:
+    """Judge several gradients of one computation (numpy arrays or tensors) against a reference.
+
+    scale = the largest reference magnitude over all of them. A name in `zeros` is 0 in exact
+    arithmetic, so both sides hold rounding noise: it is measured against `scale`. Otherwise
+    the error is relative to max(max|ref|, floor_fraction * scale); the property tests set
+    floor_fraction = 1e-3 because the tiny shapes they draw can make a whole tensor the result
+    of cancellation, which no two summation orders reproduce to 1e-12 of its own size.
+    """
+    ours = {k: v.detach().numpy() if hasattr(v, "detach") else np.asarray(v) for k, v in ours.items()}
+    theirs = {k: v.detach().numpy() if hasattr(v, "detach") else np.asarray(v) for k, v in theirs.items()}
+    assert ours.keys() == theirs.keys()
+    scale = max((float(np.abs(v).max()) for v in theirs.values() if v.size), default=0.0)
+    for name in ours:
+        floor = scale if name in zeros else floor_fraction * scale
+        figure = error_figure(ours[name], theirs[name], floor=floor)
+        assert figure.rel <= bar, f"{name}: {figure}"

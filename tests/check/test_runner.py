@@ -79,6 +79,28 @@ def test_key_bias_is_zero_and_judged_on_the_case_scale():
     assert rows["b^K"].finite_diff.rel < 1e-7
 
 
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        dict(batch=2, heads=2, len_q=3, len_k=1, embed_dim=4),  # one key: the query side is exactly 0
+        dict(batch=1, heads=1, len_q=2, len_k=2, embed_dim=2),  # padding leaves a single key
+        dict(batch=1, heads=1, len_q=1, len_k=1, embed_dim=1),
+        dict(batch=3, heads=3, len_q=2, len_k=5, embed_dim=3),  # odd H: GQA with one key/value head
+    ],
+)
+def test_degenerate_sizes_pass(sizes):
+    pytest.importorskip("torch")
+    report = run_check(CheckConfig(**sizes))
+    assert report.passed, [r for r in report.rows if not r.passed]
+
+
+def test_single_key_rows_make_the_query_side_exactly_zero():
+    case = make_case("cross", "plain", CheckConfig(batch=2, heads=2, len_q=3, len_k=1, embed_dim=4))
+    assert case.exact_zeros == {"b^K", "W^Q", "b^Q", "W^K", "x"}
+    case = make_case("decoder", "plain", CheckConfig(batch=2, heads=2, len_q=3, len_k=1, embed_dim=4))
+    assert case.exact_zeros == {"b^K"}  # causal rows 1.. still see several keys
+
+
 def test_cases_are_deterministic_and_differ_by_seed():
     a = make_case("cross", "all", SMALL)
     b = make_case("cross", "all", SMALL)

@@ -73,10 +73,35 @@ class Case:
 
     @property
     def exact_zeros(self) -> frozenset[str]:
-        """Gradients that are zero in exact arithmetic. The key bias b^K adds q_i . b^K to
-        every score of row i, a shift that softmax ignores, so dL/db^K = 0 whatever the
-        data; what any implementation returns for it is rounding noise."""
-        return frozenset({"b^K"} & self.inputs.keys())
+        """Gradients that are zero in exact arithmetic, whatever the data; what any
+        implementation returns for them is rounding noise, so they are judged against the
+        scale of the case's other gradients.
+
+        - b^K adds q_i . b^K to every score of row i, a shift that softmax ignores.
+        - When no query row has more than one key to attend to, every row of P is constant
+          (1 on its key, or all 0), so nothing flows back to the scores: the query side,
+          the key side and the bias get 0 (the values still get their gradient).
+        """
+        zeros = {"b^K"}
+        if self._max_keys_per_row() <= 1:
+            zeros |= {"query", "key", "bias", "W^Q", "b^Q", "W^K", "attn_bias"}
+            if self.flavor == "cross":
+                zeros.add("x")  # the decoder stream feeds only the queries
+        return frozenset(zeros & self.inputs.keys())
+
+    def _max_keys_per_row(self) -> int:
+        """The most keys any query row may attend to under this case's masks."""
+        c, f = self.config, self.fixed
+        len_q = c.len_k if self.flavor == "encoder" else c.len_q
+        len_k = c.len_q if self.flavor == "decoder" else c.len_k
+        allowed = np.ones((c.batch, 1, len_q, len_k), dtype=bool)
+        if f.get("mask") is not None:
+            allowed = allowed & f["mask"]
+        if f.get("key_padding_mask") is not None:
+            allowed = allowed & ~f["key_padding_mask"][:, None, None, :]
+        if f.get("is_causal") or self.flavor == "decoder":
+            allowed = allowed & ref.causal_mask(len_q, len_k)
+        return int(allowed.sum(-1).max())
 
     def forward(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
         """attngrad's forward on `inputs` (used by finite differences)."""

@@ -31,6 +31,7 @@ class Row:
     finite_diff: ErrorFigure | None  # None: not applicable (the forward value)
     passed: bool
     oracle: str | None
+    exact_zero: bool = False  # 0 in exact arithmetic: judged against the case's gradient scale
 
 
 @dataclass
@@ -69,6 +70,7 @@ class CheckReport:
                     "finite_diff": figure(r.finite_diff),
                     "passed": r.passed,
                     "oracle": r.oracle,
+                    "exact_zero": r.exact_zero,
                 }
                 for r in self.rows
             ],
@@ -109,11 +111,12 @@ def check_case(case: Case, oracle: Any = None, *, finite_differences: bool = Tru
     out_fig = None if ref_out is None else error_figure(out, ref_out)
     rows.append(Row(case.flavor, case.variant, "out", out.shape, out_fig, None, within(out_fig, tol["autograd"]), oracle_name))
     for name, grad in grads.items():
-        floor = scale if name in case.exact_zeros else 0.0
+        zero = name in case.exact_zeros
+        floor = scale if zero else 0.0
         auto = None if ref_grads is None else error_figure(grad, ref_grads[name], floor=floor)
         fd = error_figure(grad, fd_grads[name], floor=floor) if name in fd_grads else None
         ok = within(auto, tol["autograd"]) and within(fd, tol["finite_diff"]) and bool(np.isfinite(grad).all())
-        rows.append(Row(case.flavor, case.variant, name, grad.shape, auto, fd, ok, oracle_name))
+        rows.append(Row(case.flavor, case.variant, name, grad.shape, auto, fd, ok, oracle_name, zero))
     return rows
 
 

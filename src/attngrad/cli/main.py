@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .. import __version__
-from . import check_cmd
+from . import check_cmd, formulas_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check_cmd.add_arguments(check)
     check.set_defaults(run=check_cmd.run)
+    show = commands.add_parser(
+        "formulas",
+        help="print the gradient formulas of each attention flavor",
+        description="Print, for each flavor, the forward lines and the backward lines that differentiate them.",
+    )
+    formulas_cmd.add_arguments(show)
+    show.set_defaults(run=formulas_cmd.run)
     return parser
 
 

@@ -16,6 +16,7 @@ from .flavors import (
     self_attention_backward,
     self_attention_forward,
 )
+from .jacobian import jacobian_from_vjp, mha_jacobian, sdpa_jacobian
 from .linear import linear_backward, linear_forward, merge_heads, split_heads
 from .mha import MHACache, MHAGrads, mha_backward, mha_forward
 from .params import MHAParams
@@ -38,13 +39,16 @@ __all__ = [
     "encoder_decoder_attention_forward",
     "encoder_self_attention_backward",
     "encoder_self_attention_forward",
+    "jacobian_from_vjp",
     "linear_backward",
     "linear_forward",
     "merge_heads",
     "mha_backward",
     "mha_forward",
+    "mha_jacobian",
     "sdpa_backward",
     "sdpa_forward",
+    "sdpa_jacobian",
     "self_attention_backward",
     "self_attention_forward",
     "softmax_backward",

@@ -12,13 +12,28 @@ def python_blocks(path: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(encoding="utf-8"), flags=re.S)
 
 
+def run_blocks(path: Path) -> int:
+    """Run the file's Python blocks in order, in one namespace; return how many ran."""
+    namespace: dict = {}
+    blocks = python_blocks(path)
+    for number, block in enumerate(blocks, 1):
+        try:
+            exec(compile(block, f"{path.name}, block {number}", "exec"), namespace)  # noqa: S102
+        except Exception as err:
+            raise AssertionError(f"{path.name}: python block {number} failed:\n{block}") from err
+    return len(blocks)
+
+
 def test_readme_python_blocks_run():
     pytest.importorskip("torch")  # the check example reports autograd figures
-    blocks = python_blocks(ROOT / "README.md")
-    assert len(blocks) >= 2
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+    assert run_blocks(ROOT / "README.md") >= 2
+
+
+def test_derivation_blocks_run():
+    """Every formula of docs/derivation.md is followed by code asserting it equals attngrad's
+    backward (or autograd, or finite differences): a changed result fails here."""
+    pytest.importorskip("torch")  # section 8.3, 9 and 10 compare with PyTorch
+    assert run_blocks(ROOT / "docs" / "derivation.md") >= 15
 
 
 def test_readme_commands_match_ci():

@@ -71,6 +71,7 @@ def test_core_imports_with_numpy_alone():
         "import sys\n"
         "for name in ('torch', 'rich', 'hypothesis', 'matplotlib'): sys.modules[name] = None\n"
         "import attngrad, attngrad.reference, attngrad.check\n"
+        "from attngrad.derivation import chain_rule, defects, element_jacobians, formulas, head_selector\n"
         "from attngrad.check import run_check, CheckConfig\n"
         "assert run_check(CheckConfig(batch=1, heads=1, len_q=2, len_k=2, embed_dim=2), ('sdpa',), ('plain',)).passed\n"
     )

@@ -8,7 +8,7 @@ finite differences, and returns a `CheckReport`.
 
 from .cases import FLAVORS, VARIANTS, Case, CheckConfig, all_cases, make_case
 from .compare import TOLERANCES, ErrorFigure, error_figure
-from .finite_diff import finite_difference_gradients
+from .finite_diff import finite_difference_gradients, finite_difference_jacobian
 from .runner import CheckReport, Row, check_case, run_check
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "check_case",
     "error_figure",
     "finite_difference_gradients",
+    "finite_difference_jacobian",
     "make_case",
     "run_check",
 ]

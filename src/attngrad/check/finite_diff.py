@@ -50,3 +50,20 @@ def finite_difference_gradients(
             flat_g[i] = (plus - minus) / (2.0 * step)
         grads[name] = grad
     return grads
+
+
+def finite_difference_jacobian(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, *, step: float = 1e-6) -> np.ndarray:
+    """Full Jacobian d fn(x) / d x by central differences: shape fn(x).shape + x.shape, float64."""
+    x = np.array(x, dtype=np.float64)
+    out_shape = np.shape(fn(x))
+    columns = []
+    flat = x.reshape(-1)  # a view into x
+    for i in range(flat.size):
+        saved = flat[i]
+        flat[i] = saved + step
+        plus = np.asarray(fn(x), dtype=np.float64)
+        flat[i] = saved - step
+        minus = np.asarray(fn(x), dtype=np.float64)
+        flat[i] = saved
+        columns.append((plus - minus) / (2.0 * step))
+    return np.stack(columns, axis=-1).reshape(out_shape + x.shape)

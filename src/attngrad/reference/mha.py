@@ -35,7 +35,7 @@ import numpy as np
 from .linear import LinearCache, linear_backward, linear_forward, merge_heads, split_heads
 from .params import MHAParams
 from .sdpa import SDPACache, sdpa_backward, sdpa_forward
-from .validate import as_bool_array, as_float_array, common_dtype, require_ndim
+from .validate import as_bool_array, as_float_array, common_dtype, require_broadcastable, require_ndim
 
 
 class MHAGrads(NamedTuple):
@@ -105,12 +105,7 @@ def _attn_mask_to_4d(attn_mask: np.ndarray, batch: int, heads: int, len_q: int, 
         return attn_mask.reshape(full)
     if attn_mask.ndim not in (2, 4):
         raise ValueError(f"attn_mask must be (Lq, Lk), (B*H, Lq, Lk) or 4-D; got shape {attn_mask.shape}")
-    try:
-        ok = np.broadcast_shapes(attn_mask.shape, full) == full
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"attn_mask with shape {attn_mask.shape} does not broadcast to (B, H, Lq, Lk) = {full}")
+    require_broadcastable("attn_mask", attn_mask, full, "(B, H, Lq, Lk)")
     return attn_mask
 
 

@@ -1,0 +1,10 @@
+"""attngrad.torch: exact attention for PyTorch in O(L) memory.
+
+`scaled_dot_product_attention` is a drop-in for PyTorch's function that also returns the
+gradient of a float attention mask; `MultiheadAttention` is a drop-in for
+`torch.nn.MultiheadAttention` built on it. Both run wherever the tensors are.
+"""
+
+from .functional import scaled_dot_product_attention
+
+__all__ = ["scaled_dot_product_attention"]

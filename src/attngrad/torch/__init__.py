@@ -6,5 +6,6 @@ gradient of a float attention mask; `MultiheadAttention` is a drop-in for
 """
 
 from .functional import scaled_dot_product_attention
+from .mha import MultiheadAttention
 
-__all__ = ["scaled_dot_product_attention"]
+__all__ = ["MultiheadAttention", "scaled_dot_product_attention"]

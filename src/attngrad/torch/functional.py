@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .op import attention_forward
+from .op import attention
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -99,5 +99,5 @@ def scaled_dot_product_attention(
         seed = torch.randint(0, 2**62, (), dtype=torch.int64)  # from PyTorch's default generator
     else:
         seed = torch.zeros((), dtype=torch.int64)
-    out, _ = attention_forward(query, key, value, mask, bias, seed, is_causal, float(scale), float(dropout_p))
+    out = attention(query, key, value, mask, bias, seed, is_causal, float(scale), float(dropout_p))
     return out.squeeze(1) if squeeze else out

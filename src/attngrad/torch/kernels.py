@@ -7,17 +7,21 @@ Shape legend
 The manner of FlashAttention-2 (Dao, 2023), with whole key rows per block:
     forward, per block of R query rows:
         S   = scale * Q_blk K~^T + bias_blk, masked -> -inf      # (B, H, R, Lk')
-        lse = m + log(sum exp(S - m)),  m = rowmax(S)             # (B, H, R), kept
-        P   = exp(S - lse);  O_blk = (P * Z) V~                   # Z = keep / (1 - p)
-    backward, per block, recomputing P from lse (nothing Lq x Lk is kept between blocks):
+        m   = rowmax(S),  E = exp(S - m),  l = rowsum(E)          # m, 1/l (B, H, R) kept
+        O_blk = ((E * Z) V~) / l                                  # Z = keep / (1 - p); P = E / l
+    backward, per block, recomputing E from m (nothing Lq x Lk is kept between blocks):
         D    = rowsum(dO * O)                                     # = rowsum(dP * P), dropout or not
-        dP   = (dO_blk V~^T) * Z
-        dS   = P * (dP - D)
-        dV~ += (P * Z)^T dO_blk,  dQ_blk = scale * dS K~,  dK~ += scale * dS^T Q_blk
+        dO'  = dO_blk / l                                         # folds 1/l into a small block
+        dP l = (dO' V~^T) * Z
+        dS   = E * (dP l - D / l)                                 # = P * (dP - D)
+        dV~ += (E * Z)^T dO',  dQ_blk = scale * dS K~,  dK~ += scale * dS^T Q_blk
         dbias_blk = dS, summed over the axes the bias broadcasts along
+The logsumexp m + log(l) is the usual single statistic; keeping m and 1/l apart instead
+recomputes P to within two roundings in float32, where exp(S - lse) would carry lse's
+absolute rounding error (|lse| ~ 5-10) into every probability.
 Lk' is Lk, or for a causal block only the keys any of its rows may see (j <= last row),
-which halves the work. A row that may see no key gets lse = +inf, so P = exp(S - lse) = 0
-there in both passes: output 0, gradients 0, no NaN.
+which halves the work. A row that may see no key gets m = 0 and 1/l = 0, so its output
+is 0 and everything it sends back is 0: no NaN.
 
 Dropout keep-masks are never stored: block i draws its (B, H, R, Lk') uniforms from a
 generator seeded with (seed, i), so the backward regenerates the very same mask.
@@ -37,10 +41,31 @@ TILE_ELEMENTS = 1 << 22
 MIN_ROWS = 16
 
 
-def block_rows(batch: int, heads: int, len_q: int, len_k: int) -> int:
-    """Rows R per query block, so that one score tile holds about TILE_ELEMENTS numbers."""
-    rows = TILE_ELEMENTS // max(1, batch * heads * len_k)
-    return max(1, min(len_q, max(MIN_ROWS, rows)))
+MAX_ROWS = 512
+
+
+def blocks(batch: int, heads: int, len_q: int, len_k: int, is_causal: bool) -> list[tuple[int, int, int]]:
+    """The query blocks (start, stop, keys): rows start:stop see keys :keys.
+
+    Each block's score tile holds about TILE_ELEMENTS numbers. A causal block sees only
+    the keys up to its last row, so early blocks, which see few keys, take more rows.
+    Forward and backward use the same blocks (the dropout masks are drawn per block).
+    """
+    out = []
+    start = 0
+    while start < len_q:
+        keys = len_k
+        rows = TILE_ELEMENTS // max(1, batch * heads * len_k)
+        if is_causal:  # solve rows * (start + rows) ~ budget / (B H) for this block's rows
+            budget = TILE_ELEMENTS / max(1, batch * heads)
+            rows = int((math.sqrt(start * start + 4 * budget) - start) / 2)
+        rows = max(1, min(len_q - start, max(MIN_ROWS, min(MAX_ROWS, rows))))
+        stop = start + rows
+        if is_causal:
+            keys = min(len_k, stop)
+        out.append((start, stop, keys))
+        start = stop
+    return out
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -58,23 +83,20 @@ def _rows(t: Tensor | None, start: int, stop: int, keys: int) -> Tensor | None:
     return t
 
 
-def _key_range(start: int, stop: int, len_k: int, is_causal: bool) -> int:
-    """Keys a block of rows start:stop may see: all, or for causal up to its last row."""
-    return min(len_k, stop) if is_causal else len_k
+def _sizes(plan: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    return [(start, stop - start, keys) for start, stop, keys in plan]
 
 
 class _Tiles:
     """Score-sized scratch buffers, allocated once per call and reused by every block:
     a fresh 16 MiB tensor per operation would cost more in page faults than the math."""
 
-    def __init__(self, count: int, batch: int, heads: int, rows: int, len_k: int, dtype: torch.dtype, device) -> None:
-        self.flat = [torch.empty(batch * heads * rows * len_k, dtype=dtype, device=device) for _ in range(count)]
-        self.lead = (batch, heads)
+    def __init__(self, count: int, numel: int, dtype: torch.dtype, device) -> None:
+        self.flat = [torch.empty(numel, dtype=dtype, device=device) for _ in range(count)]
 
-    def get(self, index: int, rows: int, keys: int) -> Tensor:
-        """Buffer `index` as a contiguous (B, H, rows, keys) tensor."""
-        n = self.lead[0] * self.lead[1] * rows * keys
-        return self.flat[index][:n].view(*self.lead, rows, keys)
+    def get(self, index: int, shape: tuple[int, int, int, int]) -> Tensor:
+        """Buffer `index` as a contiguous tensor of `shape`."""
+        return self.flat[index][: math.prod(shape)].view(shape)
 
 
 def _keep_scale_into(out: Tensor, seed: int, block: int, dropout_p: float) -> Tensor:
@@ -109,8 +131,9 @@ def _scores(
 def attention_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, seed: int,
     is_causal: bool, scale: float, dropout_p: float,
-) -> tuple[Tensor, Tensor]:
-    """(out (B, H, Lq, dv) in q's dtype, lse (B, H, Lq) in the compute dtype)."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out (B, H, Lq, dv) in q's dtype; row max m and inverse row sum 1/l, (B, H, Lq) each,
+    in the compute dtype)."""
     batch, heads, len_q, _ = q.shape
     len_k = k.shape[-2]
     work = compute_dtype(q.dtype)
@@ -120,28 +143,27 @@ def attention_forward(
     q_scaled = q.to(work) * scale  # the scale folded into Q once
     bias = None if bias is None else bias.to(work)
     out = torch.empty(batch, heads, len_q, v.shape[-1], dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, heads, len_q, dtype=work, device=q.device)
-    rows = block_rows(batch, heads, len_q, len_k)
-    tiles = _Tiles(2 if dropout_p > 0.0 else 1, batch, heads, min(rows, len_q), len_k, work, q.device)
-    for block, start in enumerate(range(0, len_q, rows)):
-        stop = min(start + rows, len_q)
-        keys = _key_range(start, stop, len_k, is_causal)
+    row_max = torch.zeros(batch, heads, len_q, dtype=work, device=q.device)
+    inv_sum = torch.zeros(batch, heads, len_q, dtype=work, device=q.device)
+    plan = blocks(batch, heads, len_q, len_k, is_causal)
+    tiles = _Tiles(2 if dropout_p > 0.0 else 1, batch * heads * max(r * k for _, r, k in _sizes(plan)), work, q.device)
+    for block, (start, stop, keys) in enumerate(plan):
         if keys == 0:  # no key at all for these rows
             out[:, :, start:stop] = 0
-            lse[:, :, start:stop] = math.inf
             continue
-        s = _scores(tiles.get(0, stop - start, keys), q_scaled[:, :, start:stop], k_rep, mask, bias, start, stop, is_causal)
+        s = _scores(tiles.get(0, (batch, heads, stop - start, keys)), q_scaled[:, :, start:stop], k_rep, mask, bias, start, stop, is_causal)
         m = s.amax(dim=-1, keepdim=True)  # (B, H, R, 1)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # empty rows: any finite shift
-        p = s.sub_(m).exp_()  # exp(S - m), unnormalised
-        denom = p.sum(dim=-1, keepdim=True)  # (B, H, R, 1), 0 for an empty row
-        empty = denom == 0
-        lse[:, :, start:stop] = torch.where(empty, math.inf, m + torch.log(denom)).squeeze(-1)
+        e = s.sub_(m).exp_()  # E = exp(S - m)
+        total = e.sum(dim=-1, keepdim=True)  # l, (B, H, R, 1); 0 for an empty row
+        inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+        row_max[:, :, start:stop] = m.squeeze(-1)
+        inv_sum[:, :, start:stop] = inv.squeeze(-1)
         if dropout_p > 0.0:
-            p = p.mul_(_keep_scale_into(tiles.get(1, stop - start, keys), seed, block, dropout_p))
-        o = torch.matmul(p, v_rep[..., :keys, :])  # (B, H, R, dv), normalised below: cheaper than P
-        out[:, :, start:stop] = o.div_(torch.where(empty, torch.ones_like(denom), denom)).to(q.dtype)
-    return out, lse
+            e = e.mul_(_keep_scale_into(tiles.get(1, (batch, heads, stop - start, keys)), seed, block, dropout_p))
+        o = torch.matmul(e, v_rep[..., :keys, :])  # (B, H, R, dv), normalised here: cheaper than P
+        out[:, :, start:stop] = o.mul_(inv).to(q.dtype)
+    return out, row_max, inv_sum
 
 
 def _reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:
@@ -161,7 +183,7 @@ def _reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:
 
 def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, seed: int,
-    out: Tensor, lse: Tensor, is_causal: bool, scale: float, dropout_p: float, bias_grad: bool,
+    out: Tensor, row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float, bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv, dbias or None), each in its input's dtype and shape."""
     batch, heads, len_q, width = q.shape
@@ -178,31 +200,31 @@ def attention_backward(
     dk_rep = torch.zeros(batch, heads, len_k, width, dtype=work, device=q.device)
     dv_rep = torch.zeros(batch, heads, len_k, width_v, dtype=work, device=q.device)
     dbias = torch.zeros(bias.shape, dtype=work, device=q.device) if bias_grad else None
-    rows = block_rows(batch, heads, len_q, len_k)
-    tiles = _Tiles(3 if dropout_p > 0.0 else 2, batch, heads, min(rows, len_q), len_k, work, q.device)
+    plan = blocks(batch, heads, len_q, len_k, is_causal)
+    tiles = _Tiles(3 if dropout_p > 0.0 else 2, batch * heads * max(r * k for _, r, k in _sizes(plan)), work, q.device)
     bh = batch * heads
-    for block, start in enumerate(range(0, len_q, rows)):
-        stop = min(start + rows, len_q)
-        r, keys = stop - start, _key_range(start, stop, len_k, is_causal)
+    for block, (start, stop, keys) in enumerate(plan):
+        r = stop - start
         if keys == 0:
             dq[:, :, start:stop] = 0
             continue
         q_blk = q_scaled[:, :, start:stop]
-        do_blk = dout_w[:, :, start:stop]
-        # forward: P = exp(S - lse), recomputed; 0 on excluded entries and on empty rows
-        p = _scores(tiles.get(0, r, keys), q_blk, k_rep, mask, bias_work, start, stop, is_causal)
-        p = p.sub_(lse[:, :, start:stop, None]).exp_()
-        # forward: O = (P * Z) V~  ->  dP = (dO V~^T) * Z,  dV~ += (P * Z)^T dO
-        dp = torch.matmul(do_blk, v_rep[..., :keys, :].transpose(-1, -2), out=tiles.get(1, r, keys))
+        inv = inv_sum[:, :, start:stop, None]  # 1/l, (B, H, R, 1)
+        do_blk = dout_w[:, :, start:stop] * inv  # dO' = dO / l, (B, H, R, dv)
+        # forward: E = exp(S - m), recomputed; 0 on excluded entries and on empty rows
+        e = _scores(tiles.get(0, (batch, heads, r, keys)), q_blk, k_rep, mask, bias_work, start, stop, is_causal)
+        e = e.sub_(row_max[:, :, start:stop, None]).exp_()
+        # forward: O = (E * Z) V~ / l  ->  dP l = (dO' V~^T) * Z,  dV~ += (E * Z)^T dO'
+        dp = torch.matmul(do_blk, v_rep[..., :keys, :].transpose(-1, -2), out=tiles.get(1, (batch, heads, r, keys)))
         dv_acc = dv_rep[..., :keys, :].view(bh, keys, width_v)
         if dropout_p > 0.0:
-            z = _keep_scale_into(tiles.get(2, r, keys), seed, block, dropout_p)
+            z = _keep_scale_into(tiles.get(2, (batch, heads, r, keys)), seed, block, dropout_p)
             dp.mul_(z)
-            dv_acc.baddbmm_(z.mul_(p).view(bh, r, keys).transpose(1, 2), do_blk.reshape(bh, r, width_v))
+            dv_acc.baddbmm_(z.mul_(e).view(bh, r, keys).transpose(1, 2), do_blk.reshape(bh, r, width_v))
         else:
-            dv_acc.baddbmm_(p.view(bh, r, keys).transpose(1, 2), do_blk.reshape(bh, r, width_v))
-        # forward: P = softmax(S)  ->  dS = P * (dP - D)
-        ds = p.mul_(dp.sub_(delta[:, :, start:stop]))
+            dv_acc.baddbmm_(e.view(bh, r, keys).transpose(1, 2), do_blk.reshape(bh, r, width_v))
+        # forward: P = softmax(S)  ->  dS = P * (dP - D) = E * (dP l - D / l)
+        ds = e.mul_(dp.sub_(delta[:, :, start:stop] * inv))
         # forward: S = scale * Q K~^T + bias
         if dbias is not None:
             target = dbias

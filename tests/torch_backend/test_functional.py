@@ -1,0 +1,237 @@
+"""attngrad.torch.scaled_dot_product_attention against PyTorch's math backend."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from attngrad.torch import kernels, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch.op import attention  # noqa: E402
+
+from ..conftest import EXACT, rel_err  # noqa: E402
+
+
+@pytest.fixture
+def many_blocks(monkeypatch):
+    """Small tiles, so that every test crosses many block boundaries."""
+    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 1 << 9)
+    monkeypatch.setattr(kernels, "MIN_ROWS", 3)
+
+
+def math_sdpa(*args, **kwargs):
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(*args, **kwargs)
+
+
+def make(batch=2, heads=4, kv_heads=None, len_q=13, len_k=21, dim=8, dim_v=6, dtype=torch.float64):
+    kv_heads = heads if kv_heads is None else kv_heads
+    g = torch.Generator().manual_seed(1)
+    return (
+        torch.randn(batch, heads, len_q, dim, generator=g, dtype=dtype, requires_grad=True),
+        torch.randn(batch, kv_heads, len_k, dim, generator=g, dtype=dtype, requires_grad=True),
+        torch.randn(batch, kv_heads, len_k, dim_v, generator=g, dtype=dtype, requires_grad=True),
+    )
+
+
+def assert_matches_math(q, k, v, attn_mask=None, **options):
+    leaves = [q, k, v] + ([attn_mask] if attn_mask is not None and attn_mask.requires_grad else [])
+    out = scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref = math_sdpa(q, k, v, attn_mask=attn_mask, **options)
+    ref_grads = torch.autograd.grad(ref, leaves, dout)
+    assert rel_err(out, ref) < EXACT
+    for ours, theirs in zip(grads, ref_grads):
+        assert ours.shape == theirs.shape
+        assert rel_err(ours, theirs) < EXACT
+    return out, grads
+
+
+@pytest.mark.parametrize("len_q,len_k", [(13, 21), (21, 13), (16, 16), (1, 5)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_matches_math_backend(many_blocks, len_q, len_k, is_causal):
+    assert_matches_math(*make(len_q=len_q, len_k=len_k), is_causal=is_causal)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 13, 21), (2, 1, 13, 21), (13, 21), (4, 1, 21), (1, 4, 13, 21)])
+def test_float_mask_gradient_is_reduced_to_its_shape(many_blocks, shape):
+    g = torch.Generator().manual_seed(2)
+    bias = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+    assert_matches_math(*make(), attn_mask=bias)
+
+
+def test_boolean_mask_and_gqa(many_blocks):
+    q, k, v = make(heads=6, kv_heads=2)
+    mask = torch.rand(2, 1, 13, 21, generator=torch.Generator().manual_seed(3)) > 0.3
+    assert_matches_math(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert_matches_math(q, k, v, is_causal=True, enable_gqa=True, scale=0.3)
+
+
+def test_three_dimensional_inputs(many_blocks):
+    q, k, v = (t[:, 0].detach().requires_grad_() for t in make())
+    assert_matches_math(q, k, v, is_causal=True)
+
+
+def test_fully_masked_rows_give_zero_and_no_nan(many_blocks):
+    q, k, v = make()
+    mask = torch.ones(2, 4, 13, 21, dtype=torch.bool)
+    mask[0, 1, 5] = False
+    mask[1] = False
+    bias = torch.zeros(2, 4, 13, 21, dtype=torch.float64)
+    bias[0, 2, 7] = float("-inf")
+    bias.requires_grad_()
+    for attn_mask in (mask, bias):
+        out = scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        grads = torch.autograd.grad(out, [q, k, v], torch.randn_like(out))
+        assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    out, grads = assert_matches_math(q, k, v, attn_mask=mask)
+    assert (out[0, 1, 5] == 0).all() and (out[1] == 0).all() and (grads[0][1] == 0).all()
+
+
+def test_gradcheck_float64():
+    q, k, v = make(batch=1, heads=2, len_q=4, len_k=5, dim=3, dim_v=2)
+    bias = torch.randn(2, 4, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *t: scaled_dot_product_attention(*t[:3], attn_mask=t[3]), (q, k, v, bias))
+    assert torch.autograd.gradcheck(lambda *t: scaled_dot_product_attention(*t, is_causal=True), (q, k, v))
+
+
+def _keep_mask(batch, heads, len_q, len_k, seed, dropout_p, is_causal=False):
+    """The keep-mask the kernel draws, block by block, from the same seed."""
+    keep = torch.zeros(batch, heads, len_q, len_k, dtype=torch.float64)
+    plan = kernels.blocks(batch, heads, len_q, len_k, is_causal)
+    for block, (start, stop, keys) in enumerate(plan):
+        z = kernels._keep_scale_into(torch.empty(batch, heads, stop - start, keys, dtype=torch.float64), seed, block, dropout_p)
+        keep[:, :, start:stop, :keys] = z
+    return keep > 0
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_dropout_is_exact_with_the_regenerated_mask(many_blocks, is_causal):
+    """The mask is never stored: the backward regenerates it. Rebuilt here from the same seed,
+    PyTorch's math kernel with that mask gives the same output and gradients."""
+    q, k, v = make()
+    p, seed = 0.3, 12345
+    seed_t = torch.tensor(seed)
+    out = attention(q, k, v, None, None, seed_t, is_causal, 8**-0.5, p)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [q, k, v], dout)
+    keep = _keep_mask(2, 4, 13, 21, seed, p, is_causal)
+    ref, _ = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, None, p, is_causal, keep)
+    ref_grads = torch.autograd.grad(ref, [q, k, v], dout)
+    assert rel_err(out, ref) < EXACT
+    for ours, theirs in zip(grads, ref_grads):
+        assert rel_err(ours, theirs) < EXACT
+    drawn = keep if not is_causal else keep[..., torch.ones(13, 21, dtype=torch.bool).tril()]  # the causal part
+    assert 0.6 < drawn.float().mean() < 0.8  # P(keep) = 1 - p
+
+
+def test_dropout_gradcheck_and_reproducibility():
+    q, k, v = make(batch=1, heads=2, len_q=4, len_k=5, dim=3, dim_v=2)
+    seed = torch.tensor(7)
+    assert torch.autograd.gradcheck(lambda *t: attention(*t, None, None, seed, False, 0.5, 0.4), (q, k, v))
+    torch.manual_seed(0)
+    a = scaled_dot_product_attention(q, k, v, dropout_p=0.4)
+    b = scaled_dot_product_attention(q, k, v, dropout_p=0.4)
+    torch.manual_seed(0)
+    c = scaled_dot_product_attention(q, k, v, dropout_p=0.4)
+    assert torch.equal(a, c) and not torch.equal(a, b)
+
+
+def test_deterministic_bits(many_blocks):
+    q, k, v = make(dtype=torch.float32)
+    bias = torch.randn(13, 21, requires_grad=True)
+    runs = []
+    for _ in range(2):
+        out = scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        runs.append((out, *torch.autograd.grad(out.square().sum(), [q, k, v, bias])))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_float32_accuracy_is_on_par_with_pytorchs_default_backend():
+    """B=2, H=4, L=1024, d=64: error against the float64 truth, ours beside PyTorch's flash kernel.
+
+    Both are limited by float32 GEMM accumulation; over seeds each wins about half the
+    tensors (issue 4 asks for never worse: not met, see the issue notes). The bar held
+    here: within 2x of PyTorch's error on every tensor, and below 2e-6.
+    """
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 1024, 64, generator=g, dtype=torch.float64) for _ in range(3))
+    dout = torch.randn(2, 4, 1024, 64, generator=g, dtype=torch.float64)
+    for is_causal in (False, True):
+        errors = {}
+        for name, fn, dtype in (("truth", math_sdpa, torch.float64), ("ours", scaled_dot_product_attention, torch.float32),
+                                ("torch", F.scaled_dot_product_attention, torch.float32)):
+            leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+            out = fn(*leaves, is_causal=is_causal)
+            grads = torch.autograd.grad(out, leaves, dout.to(dtype))
+            errors[name] = (out.double(), *(gr.double() for gr in grads))
+        for i in range(4):
+            ours = rel_err(errors["ours"][i], errors["truth"][i])
+            theirs = rel_err(errors["torch"][i], errors["truth"][i])
+            assert ours <= 2 * theirs and ours < 2e-6, (is_causal, i, ours, theirs)
+
+
+def test_compiles_with_fullgraph():
+    q, k, v = make(batch=1, heads=2, len_q=6, len_k=7, dim=4, dim_v=4)
+    bias = torch.randn(6, 7, dtype=torch.float64, requires_grad=True)
+
+    def layer(q, k, v, bias):
+        return scaled_dot_product_attention(q, k, v, attn_mask=bias).sin().sum()
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    eager = torch.autograd.grad(layer(q, k, v, bias), [q, k, v, bias])
+    traced = torch.autograd.grad(compiled(q, k, v, bias), [q, k, v, bias])
+    assert all(torch.equal(a, b) for a, b in zip(eager, traced))
+
+
+def test_torch_func_grad_and_vjp():
+    q, k, v = (t.detach() for t in make(batch=1, heads=2, len_q=5, len_k=6))
+
+    def loss(q, k, v):
+        return scaled_dot_product_attention(q, k, v, is_causal=True).square().sum()
+
+    grads = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(loss(*leaves), leaves)
+    assert all(rel_err(a, b) < EXACT for a, b in zip(grads, ref))
+    out, pullback = torch.func.vjp(lambda q: scaled_dot_product_attention(q, k, v), q)
+    assert rel_err(pullback(torch.ones_like(out))[0], torch.func.grad(lambda q: scaled_dot_product_attention(q, k, v).sum())(q)) < EXACT
+
+
+def test_second_derivatives_refuse_rather_than_return_zero():
+    """Double backward is not implemented yet: it must raise, never give a silent 0."""
+    q, k, v = (t.detach() for t in make(batch=1, heads=2, len_q=5, len_k=6))
+
+    def loss(q):
+        return scaled_dot_product_attention(q, k, v).square().sum()
+
+    with pytest.raises(NotImplementedError, match="second derivative"):
+        torch.func.grad(lambda q: torch.func.grad(loss)(q).sum())(q)
+    leaf = q.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(loss(leaf), leaf, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad.sum().backward()
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,fragment",
+    [
+        (dict(key=torch.randn(2, 4, 21, 5)), ValueError, "last dimension"),
+        (dict(value=torch.randn(2, 4, 20, 6)), ValueError, "key and value"),
+        (dict(key=torch.randn(2, 3, 21, 8), value=torch.randn(2, 3, 21, 6)), ValueError, "enable_gqa"),
+        (dict(query=torch.randn(13, 8)), ValueError, "(B, H, L, E)"),
+        (dict(query=torch.randint(0, 3, (2, 4, 13, 8))), TypeError, "floating"),
+        (dict(key=torch.randn(2, 4, 21, 8, dtype=torch.float64)), TypeError, "share a dtype"),
+        (dict(key=torch.randn(2, 4, 21, 8, device="meta")), ValueError, "one device"),
+        (dict(attn_mask=torch.zeros(3, 13, 21)), ValueError, "does not broadcast"),
+        (dict(attn_mask=torch.zeros(13, 21, dtype=torch.int64)), TypeError, "boolean or floating"),
+        (dict(attn_mask=torch.zeros(13, 21), is_causal=True), ValueError, "not both"),
+        (dict(dropout_p=1.0), ValueError, "dropout_p"),
+    ],
+)
+def test_bad_input(kwargs, exc, fragment):
+    args = dict(query=torch.randn(2, 4, 13, 8), key=torch.randn(2, 4, 21, 8), value=torch.randn(2, 4, 21, 6))
+    args.update(kwargs)
+    with pytest.raises(exc, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        scaled_dot_product_attention(**args)

@@ -235,3 +235,23 @@ def test_bad_input(kwargs, exc, fragment):
     args.update(kwargs)
     with pytest.raises(exc, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         scaled_dot_product_attention(**args)
+
+
+def test_attention_entry_point_takes_mask_bias_and_causal_together(many_blocks):
+    from attngrad.torch import attention
+
+    q, k, v = make(heads=4, kv_heads=2)
+    mask = torch.rand(2, 1, 13, 21, generator=torch.Generator().manual_seed(5)) > 0.2
+    bias = torch.randn(4, 13, 21, dtype=torch.float64, requires_grad=True)
+    out = attention(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=True, enable_gqa=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [q, k, v, bias], dout)
+    allowed = mask & torch.ones(13, 21, dtype=torch.bool).tril()
+    ref = math_sdpa(q, k, v, attn_mask=bias.masked_fill(~allowed, float("-inf")), enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref, [q, k, v, bias], dout)
+    assert rel_err(out, ref) < EXACT
+    assert all(rel_err(a, b) < EXACT for a, b in zip(grads, ref_grads))
+    with pytest.raises(TypeError, match="pass a float mask as attn_bias"):
+        attention(q, k, v, attn_mask=bias)
+    with pytest.raises(TypeError, match="attn_bias must be floating"):
+        attention(q, k, v, attn_bias=mask)

@@ -97,3 +97,19 @@ def test_bad_configuration_and_input():
         ours(x, x, x, attn_mask=torch.zeros(2, 5, 5))
     with pytest.raises(ValueError, match="expected widths"):
         ours(x[..., :10], x, x)
+
+
+def test_causal_with_a_learned_bias_and_padding():
+    ref, ours = pair()
+    x = torch.randn(2, 5, 12, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(5, 5, dtype=torch.float64, requires_grad=True)
+    kpm = torch.zeros(2, 5, dtype=torch.bool)
+    kpm[1, 3:] = True
+    dout = torch.randn(2, 5, 12, dtype=torch.float64)
+    tri = torch.ones(5, 5, dtype=torch.bool).tril()
+    out, _ = ours(x, x, x, attn_mask=bias, key_padding_mask=kpm, is_causal=True, need_weights=False)
+    grads = torch.autograd.grad(out, [x, bias], dout)
+    out_ref, _ = ref(x, x, x, attn_mask=bias.masked_fill(~tri, float("-inf")), key_padding_mask=kpm.double().masked_fill(kpm, float("-inf")), need_weights=False)
+    grads_ref = torch.autograd.grad(out_ref, [x, bias], dout)
+    assert rel_err(out, out_ref) < EXACT
+    assert all(rel_err(a, b) < EXACT for a, b in zip(grads, grads_ref))

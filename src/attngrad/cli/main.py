@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .. import __version__
-from . import check_cmd, formulas_cmd
+from . import bench_cmd, check_cmd, formulas_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     formulas_cmd.add_arguments(show)
     show.set_defaults(run=formulas_cmd.run)
+    bench = commands.add_parser(
+        "bench",
+        help="time attngrad's attention beside PyTorch's (fwd+bwd, float32) and measure peak memory",
+        description="Forward+backward of attngrad.torch.scaled_dot_product_attention beside PyTorch's default "
+        "and math backends, on identical inputs in one process, alternating runs; peak memory per case in a "
+        "fresh process. Writes a table, results.md, results.json and results.png.",
+    )
+    bench_cmd.add_arguments(bench)
+    bench.set_defaults(run=bench_cmd.run)
     return parser
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .op import attention
+from .op import attention as attention_op
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -82,22 +82,56 @@ def scaled_dot_product_attention(
     float mask's gradient, which has the mask's own size.
     """
     _check(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
-    squeeze = query.dim() == 3
-    if squeeze:  # (B, L, E): one head
-        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-        if attn_mask is not None and attn_mask.dim() == 3:
-            attn_mask = attn_mask.unsqueeze(1)
     mask = bias = None
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             mask = attn_mask
         else:
             bias = attn_mask
+    return _run(query, key, value, mask, bias, dropout_p, is_causal, scale)
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    attn_bias: Optional[Tensor] = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """attngrad's own entry point: a boolean `attn_mask` (True = take part), a float
+    `attn_bias` (learned or not) and `is_causal`, in any combination.
+
+    PyTorch's signature takes one mask and refuses is_causal beside it, so a causal model
+    with a learned bias must spell the causal mask into the bias with -inf, and then no
+    kernel can skip the masked half. Here the causal blocks are skipped whatever else is given.
+    """
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        raise TypeError(f"attn_mask must be boolean here; pass a float mask as attn_bias (got {attn_mask.dtype})")
+    if attn_bias is not None and attn_bias.dtype == torch.bool:
+        raise TypeError("attn_bias must be floating; pass a boolean mask as attn_mask")
+    _check(query, key, value, attn_mask, dropout_p, False, enable_gqa)
+    if attn_bias is not None:
+        _check(query, key, value, attn_bias, dropout_p, False, enable_gqa)
+    return _run(query, key, value, attn_mask, attn_bias, dropout_p, is_causal, scale)
+
+
+def _run(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
+         dropout_p: float, is_causal: bool, scale: Optional[float]) -> Tensor:
+    squeeze = query.dim() == 3
+    if squeeze:  # (B, L, E): one head
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        mask = mask.unsqueeze(1) if mask is not None and mask.dim() == 3 else mask
+        bias = bias.unsqueeze(1) if bias is not None and bias.dim() == 3 else bias
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     if dropout_p > 0.0:
         seed = torch.randint(0, 2**62, (), dtype=torch.int64)  # from PyTorch's default generator
     else:
         seed = torch.zeros((), dtype=torch.int64)
-    out = attention(query, key, value, mask, bias, seed, is_causal, float(scale), float(dropout_p))
+    out = attention_op(query, key, value, mask, bias, seed, is_causal, float(scale), float(dropout_p))
     return out.squeeze(1) if squeeze else out

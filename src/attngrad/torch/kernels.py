@@ -168,6 +168,8 @@ def attention_forward(
 
 def _reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:
     """Sum a (B, H, R, keys) block of dS over the axes a bias of `shape` broadcasts along."""
+    if grad.numel() == math.prod(shape):  # only size-1 axes to drop: a view, no copy
+        return grad.view(shape)
     extra = grad.dim() - len(shape)
     if extra:
         grad = grad.sum(dim=tuple(range(extra)))

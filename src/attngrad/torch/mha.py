@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .functional import scaled_dot_product_attention
+from .functional import attention
 
 
 class MultiheadAttention(nn.Module):
@@ -129,20 +129,18 @@ class MultiheadAttention(nn.Module):
         q = heads(F.linear(query, w_q, b_q))
         k = heads(F.linear(key, w_k, b_k))
         v = heads(F.linear(value, w_v, b_v))
-        mask = self._merge_masks(key_padding_mask, attn_mask, batch, len_q, len_k, query.dtype)
+        mask, bias = self._merge_masks(key_padding_mask, attn_mask, batch, len_q, len_k, query.dtype)
         dropout_p = self.dropout if self.training else 0.0
-        if is_causal and mask is not None:  # spell causal out: the op takes one or the other
-            causal = torch.ones(len_q, len_k, dtype=torch.bool, device=query.device).tril()
-            mask = mask & causal if mask.dtype == torch.bool else mask.masked_fill(~causal, float("-inf"))
-            is_causal = False
-        attn = scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+        attn = attention(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=is_causal, dropout_p=dropout_p)
         out = self.out_proj(attn.transpose(1, 2).reshape(batch, len_q, self.embed_dim))  # (N, L, E)
 
         weights = None
         if need_weights:
             scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # (N, H, L, S): O(L S) by request
+            if bias is not None:
+                scores = scores + bias
             if mask is not None:
-                scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+                scores = scores.masked_fill(~mask, float("-inf"))
             if is_causal:
                 scores = scores.masked_fill(~torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril(), float("-inf"))
             weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key: 0
@@ -156,10 +154,10 @@ class MultiheadAttention(nn.Module):
         return out, weights
 
     def _merge_masks(self, key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], batch: int,
-                     len_q: int, len_k: int, dtype: torch.dtype) -> Optional[Tensor]:
-        """torch's mask conventions (True = NOT allowed; float = added) as one SDPA mask,
-        boolean True = attend or float, broadcastable to (N, H, L, S)."""
-        merged = None
+                     len_q: int, len_k: int, dtype: torch.dtype) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        """torch's mask conventions (boolean True = NOT allowed; float = added) as attngrad's
+        (boolean mask, True = attend; float bias), each broadcastable to (N, H, L, S)."""
+        mask = bias = None
         if attn_mask is not None:
             if attn_mask.dim() == 3:
                 if attn_mask.shape != (batch * self.num_heads, len_q, len_k):
@@ -167,17 +165,17 @@ class MultiheadAttention(nn.Module):
                 attn_mask = attn_mask.view(batch, self.num_heads, len_q, len_k)
             elif attn_mask.shape != (len_q, len_k):
                 raise ValueError(f"a 2-D attn_mask must be (L, S) = {(len_q, len_k)}; got {tuple(attn_mask.shape)}")
-            merged = ~attn_mask if attn_mask.dtype == torch.bool else attn_mask.to(dtype)
+            if attn_mask.dtype == torch.bool:
+                mask = ~attn_mask
+            else:
+                bias = attn_mask.to(dtype)
         if key_padding_mask is not None:
             if key_padding_mask.shape != (batch, len_k):
                 raise ValueError(f"key_padding_mask must be (N, S) = {(batch, len_k)}; got {tuple(key_padding_mask.shape)}")
             if key_padding_mask.dtype == torch.bool:
-                keep = ~key_padding_mask[:, None, None, :]
-                if merged is None or merged.dtype == torch.bool:
-                    merged = keep if merged is None else merged & keep
-                else:
-                    merged = merged.masked_fill(~keep, float("-inf"))
+                keep = ~key_padding_mask[:, None, None, :]  # (N, 1, 1, S)
+                mask = keep if mask is None else mask & keep
             else:  # a float key_padding_mask is added, as torch does
                 pad = key_padding_mask.to(dtype)[:, None, None, :]
-                merged = pad if merged is None else (merged + pad if merged.dtype != torch.bool else pad.masked_fill(~merged, float("-inf")))
-        return merged
+                bias = pad if bias is None else bias + pad
+        return mask, bias

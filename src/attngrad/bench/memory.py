@@ -1,0 +1,83 @@
+"""Peak memory of one forward + backward, measured in a fresh process.
+
+`python -m attngrad.bench.memory IMPLEMENTATION CASE_JSON` prints JSON with the process's
+peak resident memory before and after one step. The inputs are made, and a small warm-up
+step run (loading every library and kernel), before the baseline is read; the figure
+reported is the growth of the peak minus what the step must allocate anyway: its output
+and the gradients of q, k, v (and of the bias), so it is the memory the algorithm itself uses.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+from dataclasses import replace
+from typing import Any
+
+from .cases import BenchCase, make_inputs, step
+
+
+def _status_bytes(field: str) -> int | None:
+    """A memory line of /proc/self/status (Linux), in bytes; None elsewhere."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak() -> int:
+    """Restart the peak-RSS count at the current RSS and return that RSS, in bytes.
+
+    getrusage's ru_maxrss would not do: a child starts with its parent's peak (a bench
+    parent that just ran PyTorch's math backend holds gigabytes), so the process's own
+    high-water mark VmHWM is reset through /proc/self/clear_refs instead (Linux >= 4.0).
+    """
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
+            refs.write("5")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return _status_bytes("VmRSS") or 0
+
+
+def _peak_rss_bytes() -> int:
+    peak = _status_bytes("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure_here(implementation: str, case: BenchCase) -> dict[str, Any]:
+    """Run in this process (call it in a fresh one): peak growth of one step, in bytes."""
+    warm = replace(case, length=min(case.length, 64))
+    step(implementation, warm)(make_inputs(warm))
+    inputs = make_inputs(case)
+    baseline = _reset_peak()
+    step(implementation, case)(inputs)
+    growth = _peak_rss_bytes() - baseline
+    element = 4  # float32
+    required = element * case.batch * case.heads * case.length * case.dim * 4  # out, dq, dk, dv
+    if case.bias_grad:
+        required += element * case.heads * case.length * case.length  # dbias
+    return {"peak_growth_bytes": growth, "required_bytes": required, "extra_bytes": max(0, growth - required)}
+
+
+def measure(implementation: str, case: BenchCase, timeout: float = 600.0) -> dict[str, Any]:
+    """measure_here in a fresh Python process, so that earlier cases leave no trace."""
+    result = subprocess.run(
+        [sys.executable, "-m", "attngrad.bench.memory", implementation, json.dumps(case.as_dict())],
+        capture_output=True, text=True, timeout=timeout,
+    )
+    if result.returncode != 0:
+        return {"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    fields = json.loads(sys.argv[2])
+    fields.pop("name", None)
+    print(json.dumps(measure_here(sys.argv[1], BenchCase(**fields))))

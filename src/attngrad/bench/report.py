@@ -1,0 +1,96 @@
+"""The bench report as rows, Markdown, JSON and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .cases import IMPLEMENTATIONS
+from .runner import BenchReport, CaseResult
+
+# ours = attngrad; default / math = PyTorch's default and math SDPA backends
+COLUMNS = ("case", "L", "ours ms", "default ms", "math ms", "vs default", "vs math",
+           "ours GFLOP/s", "% peak", "ours MiB", "default MiB", "math MiB")
+
+
+def _mib(result: CaseResult, impl: str) -> str:
+    m = result.memory.get(impl)
+    if m is None:
+        return "-" if impl not in result.skipped else "skipped"
+    if "error" in m:
+        return "error"
+    return f"{m['extra_bytes'] / 2**20:.0f}"
+
+
+def rows(report: BenchReport) -> list[list[str]]:
+    out = []
+    for r in report.results:
+        ms = {impl: (f"{r.seconds[impl] * 1e3:.1f}" if impl in r.seconds else "skipped") for impl in IMPLEMENTATIONS}
+        vs_default, vs_math = r.ratio("torch-default"), r.ratio("torch-math")
+        gflops = r.gflops("attngrad")
+        out.append([
+            r.case.name, str(r.case.length), ms["attngrad"], ms["torch-default"], ms["torch-math"],
+            "-" if vs_default is None else f"{vs_default:.2f}x", "-" if vs_math is None else f"{vs_math:.2f}x",
+            "-" if gflops is None else f"{gflops:.0f}", "-" if gflops is None else f"{100 * gflops / report.gemm_peak_gflops:.0f}%",
+            _mib(r, "attngrad"), _mib(r, "torch-default"), _mib(r, "torch-math"),
+        ])
+    return out
+
+
+def markdown(report: BenchReport) -> str:
+    m = report.machine
+    lines = [
+        f"fwd+bwd, float32, B=1, H=8, d=64; {m['date']}; {m['processor']}, {m['threads']} threads, torch {m['torch']}; "
+        f"float32 GEMM peak {report.gemm_peak_gflops:.0f} GFLOP/s (2048x2048, same run). Times are medians of "
+        "interleaved runs; ours = attngrad, default / math = PyTorch's default and math SDPA backends; 'vs' is our "
+        "time over theirs (below 1 is faster); % peak is our GFLOP/s (FlashAttention's convention) over the GEMM "
+        "peak; MiB is peak memory beyond inputs, outputs and gradients, each case in a fresh process.",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in rows(report)]
+    return "\n".join(lines) + "\n"
+
+
+def write(report: BenchReport, directory: Path) -> list[Path]:
+    """results.json, results.md and, with matplotlib, results.png in `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    written = [directory / "results.json", directory / "results.md"]
+    written[0].write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
+    written[1].write_text(markdown(report), encoding="utf-8")
+    try:
+        written.append(plot(report, directory / "results.png"))
+    except ImportError:
+        pass  # matplotlib is optional: the table and JSON carry every figure
+    return written
+
+
+def plot(report: BenchReport, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r.case.name for r in report.results))
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.8), squeeze=False)
+    styles = {"attngrad": ("#1f4e9c", "o"), "torch-default": ("#c0392b", "s"), "torch-math": ("#7f8c8d", "^")}
+    for ax, name in zip(axes[0], names):
+        results = [r for r in report.results if r.case.name == name]
+        for impl in IMPLEMENTATIONS:
+            points = [(r.case.length, r.seconds[impl] * 1e3) for r in results if impl in r.seconds]
+            if points:
+                color, marker = styles[impl]
+                ax.plot(*zip(*points), marker=marker, color=color, label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(name)
+        ax.set_xlabel("sequence length L")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("fwd+bwd time (ms)")
+    axes[0][0].legend()
+    fig.suptitle(f"attngrad vs PyTorch, float32 CPU ({report.machine['date']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

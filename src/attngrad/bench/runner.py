@@ -1,0 +1,126 @@
+"""Timing side by side: every implementation on identical inputs, alternating, median of runs.
+
+Absolute times drift on a shared machine; ratios measured in one process, with the
+implementations interleaved run by run, do not. The float32 GEMM peak is measured in the
+same run, so the share of it each implementation reaches is comparable across machines.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from .cases import IMPLEMENTATIONS, BenchCase, make_inputs, step
+from .memory import measure
+
+
+def gemm_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
+    """float32 matmul throughput of this machine, best of `repeats` (2 n^3 flops each)."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.matmul(a, b)
+    best = min(_timed(lambda: torch.matmul(a, b)) for _ in range(repeats))
+    return 2.0 * size**3 / best / 1e9
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@dataclass
+class CaseResult:
+    case: BenchCase
+    seconds: dict[str, float] = field(default_factory=dict)  # median per implementation
+    memory: dict[str, dict[str, Any]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # implementation -> why
+
+    def ratio(self, other: str) -> float | None:
+        if "attngrad" in self.seconds and other in self.seconds:
+            return self.seconds["attngrad"] / self.seconds[other]
+        return None
+
+    def gflops(self, implementation: str) -> float | None:
+        seconds = self.seconds.get(implementation)
+        return None if seconds is None else self.case.flops / seconds / 1e9
+
+
+@dataclass
+class BenchReport:
+    results: list[CaseResult]
+    gemm_peak_gflops: float
+    machine: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "machine": self.machine,
+            "gemm_peak_gflops": self.gemm_peak_gflops,
+            "results": [
+                {
+                    "case": r.case.as_dict(),
+                    "flops": r.case.flops,
+                    "seconds": r.seconds,
+                    "gflops": {impl: r.gflops(impl) for impl in r.seconds},
+                    "ratio_to_torch_default": r.ratio("torch-default"),
+                    "ratio_to_torch_math": r.ratio("torch-math"),
+                    "memory": r.memory,
+                    "skipped": r.skipped,
+                }
+                for r in self.results
+            ],
+        }
+
+
+def machine_facts() -> dict[str, Any]:
+    import torch
+
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "processor": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def run_bench(
+    cases: list[BenchCase],
+    *,
+    repeats: int = 5,
+    max_math_length: int = 4096,
+    memory: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> BenchReport:
+    """Time (and measure the memory of) every implementation on every case."""
+    peak = gemm_peak_gflops()
+    results = []
+    for case in cases:
+        result = CaseResult(case)
+        implementations = list(IMPLEMENTATIONS)
+        if case.length > max_math_length:
+            implementations.remove("torch-math")
+            result.skipped["torch-math"] = f"L > {max_math_length}: O(L^2) memory"
+        if progress:
+            progress(f"{case.name} L={case.length}: timing")
+        inputs = make_inputs(case)
+        runs = {impl: step(impl, case) for impl in implementations}
+        for impl in implementations:  # warm-up: first-call costs are not the steady state
+            runs[impl](inputs)
+        samples: dict[str, list[float]] = {impl: [] for impl in implementations}
+        for _ in range(repeats):
+            for impl in implementations:  # interleaved, so drift hits all alike
+                samples[impl].append(_timed(lambda: runs[impl](inputs)))
+        result.seconds = {impl: statistics.median(s) for impl, s in samples.items()}
+        if memory:
+            for impl in implementations:
+                if progress:
+                    progress(f"{case.name} L={case.length}: memory of {impl}")
+                result.memory[impl] = measure(impl, case)
+        results.append(result)
+    return BenchReport(results, peak, machine_facts())

@@ -1,0 +1,61 @@
+"""The bench program's parts: cases and FLOPs, one step of each implementation, the memory
+probe, the report files, and the command's smoke run. Timings are never asserted."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from attngrad.bench.cases import IMPLEMENTATIONS, BenchCase, default_cases, make_inputs, step  # noqa: E402
+from attngrad.bench.memory import measure  # noqa: E402
+from attngrad.bench.report import COLUMNS, markdown, rows, write  # noqa: E402
+from attngrad.bench.runner import BenchReport, CaseResult, machine_facts  # noqa: E402
+from attngrad.cli.main import main  # noqa: E402
+
+
+def test_flop_convention():
+    case = BenchCase(1024)
+    assert case.flops == 3.5 * 4 * 1 * 8 * 1024 * 1024 * 64
+    assert BenchCase(1024, causal=True).flops == case.flops / 2
+    assert [c.name for c in default_cases((64,))] == ["full", "causal", "full+bias-grad", "causal+bias-grad", "full+dropout0.1"]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_every_implementation_steps_on_every_case(implementation):
+    for case in default_cases((32,)):
+        step(implementation, case)(make_inputs(case))
+    with pytest.raises(ValueError, match="unknown implementation"):
+        step("numpy", BenchCase(8))
+
+
+def test_memory_probe_in_a_fresh_process():
+    result = measure("attngrad", BenchCase(128, causal=True))
+    assert set(result) == {"peak_growth_bytes", "required_bytes", "extra_bytes"}
+    assert result["required_bytes"] == 4 * 8 * 128 * 64 * 4
+
+
+def test_report_files(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = [
+        CaseResult(BenchCase(256), {"attngrad": 0.01, "torch-default": 0.008, "torch-math": 0.02},
+                   {"attngrad": {"extra_bytes": 2**20}}),
+        CaseResult(BenchCase(512, causal=True), {"attngrad": 0.02, "torch-default": 0.01},
+                   skipped={"torch-math": "L > 256"}),
+    ]
+    report = BenchReport(results, 300.0, machine_facts())
+    table = rows(report)
+    assert len(table[0]) == len(COLUMNS) and table[0][5] == "1.25x" and table[1][4] == "skipped"
+    assert "| full | 256 |" in markdown(report)
+    written = write(report, tmp_path)
+    assert [p.name for p in written] == ["results.json", "results.md", "results.png"]
+    data = json.loads(written[0].read_text())
+    assert data["results"][0]["ratio_to_torch_default"] == pytest.approx(1.25)
+    assert data["gemm_peak_gflops"] == 300.0
+
+
+def test_quick_command_writes_its_files(tmp_path, capsys):
+    assert main(["bench", "--quick", "--no-memory", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "vs default" in text and "results.md" in text
+    assert (tmp_path / "results.json").exists() and (tmp_path / "results.md").exists()

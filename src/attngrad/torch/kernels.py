@@ -201,7 +201,13 @@ def attention_backward(
     dq = torch.empty(batch, heads, len_q, width, dtype=work, device=q.device)
     dk_rep = torch.zeros(batch, heads, len_k, width, dtype=work, device=q.device)
     dv_rep = torch.zeros(batch, heads, len_k, width_v, dtype=work, device=q.device)
-    dbias = torch.zeros(bias.shape, dtype=work, device=q.device) if bias_grad else None
+    # A bias with a row per query and a column per key gets each block's dS exactly once:
+    # it is copied into an uninitialised buffer (zeroing 0.5 GiB first would cost more
+    # than the copy). A bias broadcast along rows or keys sums several blocks: += into zeros.
+    written_once = bias_grad and bias.shape[-2] == len_q and bias.shape[-1] == len_k
+    dbias = None
+    if bias_grad:
+        dbias = (torch.empty if written_once else torch.zeros)(bias.shape, dtype=work, device=q.device)
     plan = blocks(batch, heads, len_q, len_k, is_causal)
     tiles = _Tiles(3 if dropout_p > 0.0 else 2, batch * heads * max(r * k for _, r, k in _sizes(plan)), work, q.device)
     bh = batch * heads
@@ -228,7 +234,10 @@ def attention_backward(
         # forward: P = softmax(S)  ->  dS = P * (dP - D) = E * (dP l - D / l)
         ds = e.mul_(dp.sub_(delta[:, :, start:stop] * inv))
         # forward: S = scale * Q K~^T + bias
-        if dbias is not None:
+        if written_once:
+            dbias[..., start:stop, :keys].copy_(_reduce_to(ds, dbias[..., start:stop, :keys].shape))
+            dbias[..., start:stop, keys:] = 0  # keys a causal block never sees
+        elif dbias is not None:
             target = dbias
             if bias.shape[-2] != 1:
                 target = target[..., start:stop, :]

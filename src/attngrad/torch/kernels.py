@@ -31,6 +31,7 @@ Everything is computed in float32 (float64 for float64 inputs) whatever the inpu
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -83,15 +84,31 @@ def _rows(t: Tensor | None, start: int, stop: int, keys: int) -> Tensor | None:
     return t
 
 
-def _sizes(plan: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    return [(start, stop - start, keys) for start, stop, keys in plan]
+class _Operands(NamedTuple):
+    work: torch.dtype  # the compute dtype
+    groups: int  # G = H / Hkv
+    q_scaled: Tensor  # scale * Q, (B, H, Lq, d)
+    k_rep: Tensor  # K~, (B, H, Lk, d)
+    v_rep: Tensor  # V~, (B, H, Lk, dv)
+    bias: Tensor | None
+
+
+def _operands(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> _Operands:
+    """Both passes' inputs in the compute dtype: keys and values repeated over each GQA
+    group (O(L) memory), and the scale folded into Q once."""
+    work = compute_dtype(q.dtype)
+    groups = q.shape[1] // k.shape[1]
+    k_rep = (k.repeat_interleave(groups, dim=1) if groups > 1 else k).to(work)
+    v_rep = (v.repeat_interleave(groups, dim=1) if groups > 1 else v).to(work)
+    return _Operands(work, groups, q.to(work) * scale, k_rep, v_rep, None if bias is None else bias.to(work))
 
 
 class _Tiles:
     """Score-sized scratch buffers, allocated once per call and reused by every block:
     a fresh 16 MiB tensor per operation would cost more in page faults than the math."""
 
-    def __init__(self, count: int, numel: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, count: int, plan: list[tuple[int, int, int]], batch: int, heads: int, dtype: torch.dtype, device) -> None:
+        numel = batch * heads * max((stop - start) * keys for start, stop, keys in plan)
         self.flat = [torch.empty(numel, dtype=dtype, device=device) for _ in range(count)]
 
     def get(self, index: int, shape: tuple[int, int, int, int]) -> Tensor:
@@ -136,17 +153,12 @@ def attention_forward(
     in the compute dtype)."""
     batch, heads, len_q, _ = q.shape
     len_k = k.shape[-2]
-    work = compute_dtype(q.dtype)
-    groups = heads // k.shape[1]
-    k_rep = (k.repeat_interleave(groups, dim=1) if groups > 1 else k).to(work)  # (B, H, Lk, d)
-    v_rep = (v.repeat_interleave(groups, dim=1) if groups > 1 else v).to(work)  # (B, H, Lk, dv)
-    q_scaled = q.to(work) * scale  # the scale folded into Q once
-    bias = None if bias is None else bias.to(work)
+    work, _, q_scaled, k_rep, v_rep, bias = _operands(q, k, v, bias, scale)
     out = torch.empty(batch, heads, len_q, v.shape[-1], dtype=q.dtype, device=q.device)
     row_max = torch.zeros(batch, heads, len_q, dtype=work, device=q.device)
     inv_sum = torch.zeros(batch, heads, len_q, dtype=work, device=q.device)
     plan = blocks(batch, heads, len_q, len_k, is_causal)
-    tiles = _Tiles(2 if dropout_p > 0.0 else 1, batch * heads * max(r * k for _, r, k in _sizes(plan)), work, q.device)
+    tiles = _Tiles(2 if dropout_p > 0.0 else 1, plan, batch, heads, work, q.device)
     for block, (start, stop, keys) in enumerate(plan):
         if keys == 0:  # no key at all for these rows
             out[:, :, start:stop] = 0
@@ -190,12 +202,7 @@ def attention_backward(
     """(dq, dk, dv, dbias or None), each in its input's dtype and shape."""
     batch, heads, len_q, width = q.shape
     kv_heads, len_k, width_v = k.shape[1], k.shape[-2], v.shape[-1]
-    work = compute_dtype(q.dtype)
-    groups = heads // kv_heads
-    k_rep = (k.repeat_interleave(groups, dim=1) if groups > 1 else k).to(work)
-    v_rep = (v.repeat_interleave(groups, dim=1) if groups > 1 else v).to(work)
-    q_scaled = q.to(work) * scale
-    bias_work = None if bias is None else bias.to(work)
+    work, groups, q_scaled, k_rep, v_rep, bias_work = _operands(q, k, v, bias, scale)
     dout_w = dout.to(work)
     delta = (dout_w * out.to(work)).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O), (B, H, Lq, 1)
     dq = torch.empty(batch, heads, len_q, width, dtype=work, device=q.device)
@@ -209,7 +216,7 @@ def attention_backward(
     if bias_grad:
         dbias = (torch.empty if written_once else torch.zeros)(bias.shape, dtype=work, device=q.device)
     plan = blocks(batch, heads, len_q, len_k, is_causal)
-    tiles = _Tiles(3 if dropout_p > 0.0 else 2, batch * heads * max(r * k for _, r, k in _sizes(plan)), work, q.device)
+    tiles = _Tiles(3 if dropout_p > 0.0 else 2, plan, batch, heads, work, q.device)
     bh = batch * heads
     for block, (start, stop, keys) in enumerate(plan):
         r = stop - start

@@ -51,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
     for row in rows(report):
         table.add_row(*row)
     console.print(table)
-    for path in write(report, args.out):
+    written = write(report, args.out)
+    for path in written:
         console.print(f"wrote {path}", highlight=False)
+    if not any(path.suffix == ".png" for path in written):
+        console.print("no results.png: matplotlib is not installed (pip install 'attngrad[docs]')", highlight=False)
     return 0

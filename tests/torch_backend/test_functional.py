@@ -255,3 +255,15 @@ def test_attention_entry_point_takes_mask_bias_and_causal_together(many_blocks):
         attention(q, k, v, attn_mask=bias)
     with pytest.raises(TypeError, match="attn_bias must be floating"):
         attention(q, k, v, attn_bias=mask)
+
+
+@pytest.mark.parametrize("dtype,bar", [(torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
+def test_half_precision_inputs_compute_in_float32(dtype, bar):
+    """Inputs and outputs stay in their dtype; the blocks are computed in float32, so the
+    error is the dtype's own rounding (fp16 eps 1e-3, bf16 eps 8e-3), not more."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in make())
+    out = scaled_dot_product_attention(q, k, v, is_causal=True)
+    grads = torch.autograd.grad(out, [q, k, v], torch.ones_like(out))
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+    ref = math_sdpa(*(t.detach().double() for t in (q, k, v)), is_causal=True)
+    assert rel_err(out.double(), ref) < bar

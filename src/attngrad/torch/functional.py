@@ -20,7 +20,7 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _check(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
-           is_causal: bool, enable_gqa: bool) -> None:
+           is_causal: bool, enable_gqa: bool, mask_name: str = "attn_mask") -> None:
     shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor):
@@ -50,16 +50,16 @@ def _check(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor
         if is_causal:
             raise ValueError("pass either attn_mask or is_causal=True, not both (as in PyTorch)")
         if attn_mask.dtype != torch.bool and attn_mask.dtype not in FLOATS:
-            raise TypeError(f"attn_mask must be boolean or floating; got {attn_mask.dtype}")
+            raise TypeError(f"{mask_name} must be boolean or floating; got {attn_mask.dtype}")
         if attn_mask.device != query.device:
-            raise ValueError(f"attn_mask is on {attn_mask.device} but query on {query.device}")
+            raise ValueError(f"{mask_name} is on {attn_mask.device} but query on {query.device}")
         target = (*query.shape[:-1], key.shape[-2])
         try:
             ok = attn_mask.dim() <= len(target) and torch.broadcast_shapes(attn_mask.shape, target) == torch.Size(target)
         except RuntimeError:
             ok = False
         if not ok:
-            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {target}")
+            raise ValueError(f"{mask_name} of shape {tuple(attn_mask.shape)} does not broadcast to {target}")
 
 
 def scaled_dot_product_attention(
@@ -116,7 +116,7 @@ def attention(
         raise TypeError("attn_bias must be floating; pass a boolean mask as attn_mask")
     _check(query, key, value, attn_mask, dropout_p, False, enable_gqa)
     if attn_bias is not None:
-        _check(query, key, value, attn_bias, dropout_p, False, enable_gqa)
+        _check(query, key, value, attn_bias, dropout_p, False, enable_gqa, mask_name="attn_bias")
     return _run(query, key, value, attn_mask, attn_bias, dropout_p, is_causal, scale)
 
 

@@ -179,10 +179,13 @@ def test_compiles_with_fullgraph():
     def layer(q, k, v, bias):
         return scaled_dot_product_attention(q, k, v, attn_mask=bias).sin().sum()
 
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     eager = torch.autograd.grad(layer(q, k, v, bias), [q, k, v, bias])
-    traced = torch.autograd.grad(compiled(q, k, v, bias), [q, k, v, bias])
-    assert all(torch.equal(a, b) for a, b in zip(eager, traced))
+    traced = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    assert all(torch.equal(a, b) for a, b in zip(eager, torch.autograd.grad(traced(q, k, v, bias), [q, k, v, bias])))
+    # the default backend, Inductor, generates C++ for the ops around ours (about 15 s here);
+    # its sin() is its own, so the results agree to rounding rather than to the bit
+    compiled = torch.compile(layer, fullgraph=True)
+    assert all(rel_err(a, b) < EXACT for a, b in zip(torch.autograd.grad(compiled(q, k, v, bias), [q, k, v, bias]), eager))
 
 
 def test_torch_func_grad_and_vjp():

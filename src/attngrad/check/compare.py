@@ -9,10 +9,11 @@ import numpy as np
 # Relative-error bars (max|ours - ref| / max|ref|). In float64 the reference is PyTorch's
 # autograd (expect 1e-16..1e-13) and central differences with step 1e-6 (truncation
 # ~eps^2 and rounding ~1e-16/eps put them near 1e-9). In float32 ours is compared with the
-# float64 truth: a few hundred float32 ulps (eps32 = 1.2e-7) of accumulated rounding.
+# float64 truth: about a hundred float32 ulps (eps32 = 1.2e-7) of accumulated rounding
+# (the worst seen at the default sizes is 8e-7).
 TOLERANCES = {
     "float64": {"autograd": 1e-12, "finite_diff": 1e-7},
-    "float32": {"autograd": 2e-5, "finite_diff": 2e-5},
+    "float32": {"autograd": 1e-5, "finite_diff": 1e-5},
 }
 
 

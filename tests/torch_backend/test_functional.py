@@ -270,3 +270,23 @@ def test_half_precision_inputs_compute_in_float32(dtype, bar):
     assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
     ref = math_sdpa(*(t.detach().double() for t in (q, k, v)), is_causal=True)
     assert rel_err(out.double(), ref) < bar
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_full_size_bias_gradient_with_causal_single_row_blocks(monkeypatch, heads):
+    """A full-size bias's gradient is written block by block in place; with one head and
+    one-row causal blocks the unseen keys of each row must still come back as 0."""
+    from attngrad.torch import attention
+
+    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 1)
+    monkeypatch.setattr(kernels, "MIN_ROWS", 1)
+    q, k, v = make(batch=1, heads=heads, len_q=7, len_k=7)
+    bias = torch.randn(1, heads, 7, 7, dtype=torch.float64, requires_grad=True)
+    out = attention(q, k, v, attn_bias=bias, is_causal=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [q, k, v, bias], dout)
+    tri = torch.ones(7, 7, dtype=torch.bool).tril()
+    ref = math_sdpa(q, k, v, attn_mask=bias.masked_fill(~tri, float("-inf")))
+    ref_grads = torch.autograd.grad(ref, [q, k, v, bias], dout)
+    assert all(rel_err(a, b) < EXACT for a, b in zip(grads, ref_grads))
+    assert (grads[3][..., ~tri] == 0).all()

@@ -239,18 +239,21 @@ def attention_backward(
         else:
             dv_acc.baddbmm_(e.view(bh, r, keys).transpose(1, 2), do_blk.reshape(bh, r, width_v))
         # forward: P = softmax(S)  ->  dS = P * (dP - D) = E * (dP l - D / l)
-        ds = e.mul_(dp.sub_(delta[:, :, start:stop] * inv))
-        # forward: S = scale * Q K~^T + bias
-        if written_once:
-            dbias[..., start:stop, :keys].copy_(_reduce_to(ds, dbias[..., start:stop, :keys].shape))
+        dp.sub_(delta[:, :, start:stop] * inv)
+        # forward: S = scale * Q K~^T + bias  ->  dbias = dS summed over the bias's broadcast axes
+        target = dbias[..., start:stop, :keys] if written_once else None
+        if target is not None and target.numel() == e.numel() and target.is_contiguous():
+            ds = torch.mul(e, dp, out=target.view(e.shape))  # a full-size bias: dS lands in its gradient
+        else:
+            ds = e.mul_(dp)
+            if target is not None:
+                target.copy_(_reduce_to(ds, target.shape))
+            elif dbias is not None:  # several blocks add into each entry
+                accumulate = dbias[..., start:stop, :] if bias.shape[-2] != 1 else dbias
+                accumulate = accumulate[..., :keys] if bias.shape[-1] != 1 else accumulate
+                accumulate += _reduce_to(ds, accumulate.shape)
+        if target is not None and keys < len_k:
             dbias[..., start:stop, keys:] = 0  # keys a causal block never sees
-        elif dbias is not None:
-            target = dbias
-            if bias.shape[-2] != 1:
-                target = target[..., start:stop, :]
-            if bias.shape[-1] != 1:
-                target = target[..., :keys]
-            target += _reduce_to(ds, target.shape)
         dq[:, :, start:stop] = torch.matmul(ds, k_rep[..., :keys, :]).mul_(scale)
         dk_rep[..., :keys, :].view(bh, keys, width).baddbmm_(ds.view(bh, r, keys).transpose(1, 2), q_blk.reshape(bh, r, width))
     # forward: K~, V~ = repeat(K, G), repeat(V, G)

@@ -29,7 +29,7 @@ def _tensors(inputs: Mapping[str, np.ndarray], dtype: torch.dtype) -> dict[str, 
     return {name: torch.tensor(value, dtype=dtype, requires_grad=True) for name, value in inputs.items()}
 
 
-def _math_sdpa(q, k, v, *, allowed, bias, is_causal, enable_gqa, dropout_p, keep_mask, scale=None):
+def _math_sdpa(q, k, v, *, allowed, bias, is_causal, enable_gqa, dropout_p, keep_mask):
     """PyTorch's math SDPA with an optional boolean mask and float bias combined as torch wants."""
     attn_mask = None
     if bias is not None:
@@ -43,12 +43,12 @@ def _math_sdpa(q, k, v, *, allowed, bias, is_causal, enable_gqa, dropout_p, keep
     if dropout_p > 0.0:
         keep = torch.as_tensor(np.broadcast_to(keep_mask, q.shape[:-1] + (k.shape[-2],)).copy())
         out, _ = torch.ops.aten._scaled_dot_product_attention_math(
-            q, k, v, attn_mask, dropout_p, is_causal, keep, scale=scale, enable_gqa=enable_gqa
+            q, k, v, attn_mask, dropout_p, is_causal, keep, enable_gqa=enable_gqa
         )
         return out
     with sdpa_kernel(SDPBackend.MATH):
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa
         )
 
 
@@ -127,6 +127,7 @@ def torch_gradients(
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """PyTorch's (out, {name: gradient}) for the case, after out.backward(dout)."""
     t = _tensors(inputs, dtype)
+    module = None
     if case.flavor == "sdpa":
         out = _sdpa_oracle(case, t)
     elif uses_module(case):
@@ -135,11 +136,7 @@ def torch_gradients(
         out = _composed_mha(case, t)
     out.backward(torch.as_tensor(dout, dtype=dtype))
     grads = {name: tensor.grad.numpy() for name, tensor in t.items() if tensor.grad is not None}
-    if case.flavor != "sdpa" and uses_module(case):
-        width = case.config.embed_dim
-        w_in = module.in_proj_weight.grad.numpy()
-        grads.update({"W^Q": w_in[:width], "W^K": w_in[width : 2 * width], "W^V": w_in[2 * width :], "W^O": module.out_proj.weight.grad.numpy()})
-        if module.in_proj_bias is not None:
-            b_in = module.in_proj_bias.grad.numpy()
-            grads.update({"b^Q": b_in[:width], "b^K": b_in[width : 2 * width], "b^V": b_in[2 * width :], "b^O": module.out_proj.bias.grad.numpy()})
+    if module is not None:  # the weights' gradients live in the module, in its own layout
+        params = ref.MHAParams.from_state_dict({name: p.grad for name, p in module.named_parameters()})
+        grads.update({PARAM_LABELS[name]: grad for name, grad in params.items()})
     return out.detach().numpy(), grads

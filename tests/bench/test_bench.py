@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attngrad.bench.cases import IMPLEMENTATIONS, BenchCase, default_cases, make_inputs, step  # noqa: E402
+from attngrad.bench.cases import IMPLEMENTATIONS, MODES, BenchCase, default_cases, make_inputs, step  # noqa: E402
 from attngrad.bench.memory import measure  # noqa: E402
 from attngrad.bench.report import COLUMNS, markdown, rows, write  # noqa: E402
 from attngrad.bench.runner import BenchReport, CaseResult, machine_facts  # noqa: E402
@@ -19,11 +19,20 @@ def test_flop_convention():
     assert case.flops == 3.5 * 4 * 1 * 8 * 1024 * 1024 * 64
     assert BenchCase(1024, causal=True).flops == case.flops / 2
     assert [c.name for c in default_cases((64,))] == ["full", "causal", "full+bias-grad", "causal+bias-grad", "full+dropout0.1"]
+    assert [c.name for c in default_cases((64,), ("jvp", "double-backward"))] == [
+        "jvp+full", "jvp+causal", "double-backward+full", "double-backward+causal"]
+    assert BenchCase(1024, mode="double-backward").flops == 9.5 * 4 * 8 * 1024 * 1024 * 64
+    with pytest.raises(ValueError, match="unknown mode"):
+        BenchCase(64, mode="hessian")
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_every_implementation_steps_on_every_case(implementation):
-    for case in default_cases((32,)):
+    for case in default_cases((32,), MODES):
+        if implementation == "torch-default" and case.mode != "train":
+            with pytest.raises((NotImplementedError, RuntimeError)):  # PyTorch's CPU kernel has neither
+                step(implementation, case)(make_inputs(case))
+            continue
         step(implementation, case)(make_inputs(case))
     with pytest.raises(ValueError, match="unknown implementation"):
         step("numpy", BenchCase(8))
@@ -33,6 +42,7 @@ def test_memory_probe_in_a_fresh_process():
     result = measure("attngrad", BenchCase(128, causal=True))
     assert set(result) == {"peak_growth_bytes", "required_bytes", "extra_bytes"}
     assert result["required_bytes"] == 4 * 8 * 128 * 64 * 4
+    assert measure("attngrad", BenchCase(128, mode="double-backward"))["required_bytes"] == 4 * 8 * 128 * 64 * 7
 
 
 def test_report_files(tmp_path):
@@ -42,10 +52,13 @@ def test_report_files(tmp_path):
                    {"attngrad": {"extra_bytes": 2**20}}),
         CaseResult(BenchCase(512, causal=True), {"attngrad": 0.02, "torch-default": 0.01},
                    skipped={"torch-math": "L > 256"}),
+        CaseResult(BenchCase(512, mode="jvp"), {"attngrad": 0.02, "torch-math": 0.06},
+                   skipped={"torch-default": "refused: Trying to use forward AD with ..."}),
     ]
     report = BenchReport(results, 300.0, machine_facts())
     table = rows(report)
     assert len(table[0]) == len(COLUMNS) and table[0][5] == "1.25x" and table[1][4] == "skipped"
+    assert table[2][:7] == ["jvp+full", "512", "20.0", "refused", "60.0", "-", "0.33x"]
     assert "| full | 256 |" in markdown(report)
     written = write(report, tmp_path)
     assert [p.name for p in written] == ["results.json", "results.md", "results.png"]
@@ -55,7 +68,7 @@ def test_report_files(tmp_path):
 
 
 def test_quick_command_writes_its_files(tmp_path, capsys):
-    assert main(["bench", "--quick", "--no-memory", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "--quick", "--no-memory", "--modes", "train", "double-backward", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
-    assert "vs default" in text and "results.md" in text
+    assert "vs default" in text and "results.md" in text and "double-backward+causal" in text and "refused" in text
     assert (tmp_path / "results.json").exists() and (tmp_path / "results.md").exists()

@@ -202,21 +202,6 @@ def test_torch_func_grad_and_vjp():
     assert rel_err(pullback(torch.ones_like(out))[0], torch.func.grad(lambda q: scaled_dot_product_attention(q, k, v).sum())(q)) < EXACT
 
 
-def test_second_derivatives_refuse_rather_than_return_zero():
-    """Double backward is not implemented yet: it must raise, never give a silent 0."""
-    q, k, v = (t.detach() for t in make(batch=1, heads=2, len_q=5, len_k=6))
-
-    def loss(q):
-        return scaled_dot_product_attention(q, k, v).square().sum()
-
-    with pytest.raises(NotImplementedError, match="second derivative"):
-        torch.func.grad(lambda q: torch.func.grad(loss)(q).sum())(q)
-    leaf = q.clone().requires_grad_()
-    (grad,) = torch.autograd.grad(loss(leaf), leaf, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        grad.sum().backward()
-
-
 @pytest.mark.parametrize(
     "kwargs,exc,fragment",
     [

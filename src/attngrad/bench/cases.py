@@ -1,4 +1,13 @@
-"""What `attngrad bench` measures: the cases, the implementations, the FLOP convention."""
+"""What `attngrad bench` measures: the cases, the implementations, the FLOP convention.
+
+Three modes, each one step of an attention call on (B, H, L, d) float32 q, k, v:
+    train            forward + backward
+    jvp              forward + the tangent of the output (torch.func.jvp), tangents of q, k, v
+    double-backward  forward, backward with create_graph=True, then the backward of
+                     <c, (dq, dk, dv)> for random c: what a gradient penalty or MAML runs
+PyTorch's default CPU backend refuses jvp and double backward; the runner records its
+error in the table instead of a time.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +15,17 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 IMPLEMENTATIONS = ("attngrad", "torch-default", "torch-math")
+MODES = ("train", "jvp", "double-backward")
+# GEMM work of each mode in units of one forward's 4 B H L^2 d (FlashAttention's convention
+# counts the backward as 2.5 forwards). jvp: the forward, then S' (2 products), P' V~ and
+# P V~': 1 + 2. double backward: 1 + 2.5, then S, T (2 products), dP, dO gV^T, two for
+# g_dO, g_V, two each for g_Q and g_K: 6 more.
+WORK = {"train": 3.5, "jvp": 3.0, "double-backward": 9.5}
 
 
 @dataclass(frozen=True)
 class BenchCase:
-    """Forward + backward of one attention call: (B, H, L, d) float32 q, k, v."""
+    """One step of one attention call: (B, H, L, d) float32 q, k, v."""
 
     length: int
     causal: bool = False
@@ -19,10 +34,16 @@ class BenchCase:
     batch: int = 1
     heads: int = 8
     dim: int = 64
+    mode: str = "train"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose from {MODES}")
 
     @property
     def name(self) -> str:
-        parts = ["causal" if self.causal else "full"]
+        parts = [] if self.mode == "train" else [self.mode]
+        parts.append("causal" if self.causal else "full")
         if self.bias_grad:
             parts.append("bias-grad")
         if self.dropout:
@@ -31,24 +52,34 @@ class BenchCase:
 
     @property
     def flops(self) -> float:
-        """FlashAttention's convention: forward 4 B H L^2 d, backward 2.5x that; causal halves it."""
+        """FlashAttention's convention: forward 4 B H L^2 d, backward 2.5x that; causal halves it.
+        The other modes count their GEMMs in the same units (WORK)."""
         forward = 4.0 * self.batch * self.heads * self.length * self.length * self.dim
-        return 3.5 * forward / (2.0 if self.causal else 1.0)
+        return WORK[self.mode] * forward / (2.0 if self.causal else 1.0)
+
+    @property
+    def outputs(self) -> int:
+        """How many (B, H, L, d) tensors the step must return: its memory floor."""
+        return {"train": 4, "jvp": 2, "double-backward": 7}[self.mode]  # out+dq,dk,dv / out, out' / +3 more
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "name": self.name}
 
 
-def default_cases(lengths: tuple[int, ...]) -> list[BenchCase]:
+def default_cases(lengths: tuple[int, ...], modes: tuple[str, ...] = ("train",)) -> list[BenchCase]:
     cases = []
-    for length in lengths:
-        cases += [
-            BenchCase(length),
-            BenchCase(length, causal=True),
-            BenchCase(length, bias_grad=True),
-            BenchCase(length, causal=True, bias_grad=True),
-            BenchCase(length, dropout=0.1),
-        ]
+    for mode in modes:
+        for length in lengths:
+            if mode == "train":
+                cases += [
+                    BenchCase(length),
+                    BenchCase(length, causal=True),
+                    BenchCase(length, bias_grad=True),
+                    BenchCase(length, causal=True, bias_grad=True),
+                    BenchCase(length, dropout=0.1),
+                ]
+            else:
+                cases += [BenchCase(length, mode=mode), BenchCase(length, causal=True, mode=mode)]
     return cases
 
 
@@ -58,14 +89,16 @@ def make_inputs(case: BenchCase, seed: int = 0) -> dict[str, Any]:
 
     g = torch.Generator().manual_seed(seed)
     shape = (case.batch, case.heads, case.length, case.dim)
-    tensors = {name: torch.randn(shape, generator=g) for name in ("q", "k", "v", "dout")}
+    names = {"train": ("q", "k", "v", "dout"), "jvp": ("q", "k", "v", "tq", "tk", "tv"),
+             "double-backward": ("q", "k", "v", "dout", "cq", "ck", "cv")}[case.mode]
+    tensors = {name: torch.randn(shape, generator=g) for name in names}
     if case.bias_grad:
         tensors["bias"] = torch.randn(case.heads, case.length, case.length, generator=g)
     return tensors
 
 
-def step(implementation: str, case: BenchCase) -> Callable[[dict[str, Any]], None]:
-    """One forward + backward of `implementation` on the case's inputs."""
+def _attention(implementation: str, case: BenchCase) -> Callable[..., Any]:
+    """(q, k, v, bias) -> out for `implementation`, with the case's mask and dropout."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -76,25 +109,42 @@ def step(implementation: str, case: BenchCase) -> Callable[[dict[str, Any]], Non
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown implementation {implementation!r}; choose from {IMPLEMENTATIONS}")
 
-    def run(inputs: dict[str, Any]) -> None:
-        leaves = [inputs[n].detach().requires_grad_() for n in ("q", "k", "v")]
-        bias = inputs["bias"].detach().requires_grad_() if case.bias_grad else None
+    def forward(q: Any, k: Any, v: Any, bias: Any = None) -> Any:
         kwargs = dict(attn_mask=bias, is_causal=case.causal, dropout_p=case.dropout)
         if case.causal and bias is not None:
             if implementation == "attngrad":  # its own entry point takes both, and skips the causal half
-                out = attention(*leaves, attn_bias=bias, is_causal=True, dropout_p=case.dropout)
-                out.backward(inputs["dout"])
-                return
+                return attention(q, k, v, attn_bias=bias, is_causal=True, dropout_p=case.dropout)
             # PyTorch's function refuses both: the causal mask is spelled into the bias
             tri = torch.ones(case.length, case.length, dtype=torch.bool).tril()
             kwargs.update(attn_mask=bias.masked_fill(~tri, float("-inf")), is_causal=False)
         if implementation == "attngrad":
-            out = ours(*leaves, **kwargs)
-        elif implementation == "torch-default":
-            out = F.scaled_dot_product_attention(*leaves, **kwargs)
-        else:
-            with sdpa_kernel(SDPBackend.MATH):
-                out = F.scaled_dot_product_attention(*leaves, **kwargs)
-        out.backward(inputs["dout"])
+            return ours(q, k, v, **kwargs)
+        if implementation == "torch-default":
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    return forward
+
+
+def step(implementation: str, case: BenchCase) -> Callable[[dict[str, Any]], None]:
+    """One step of `implementation` in the case's mode, on the case's inputs."""
+    import torch
+
+    forward = _attention(implementation, case)
+
+    def run(inputs: dict[str, Any]) -> None:
+        if case.mode == "jvp":
+            primals = tuple(inputs[n] for n in ("q", "k", "v"))
+            torch.func.jvp(forward, primals, tuple(inputs[n] for n in ("tq", "tk", "tv")))
+            return
+        leaves = [inputs[n].detach().requires_grad_() for n in ("q", "k", "v")]
+        bias = inputs["bias"].detach().requires_grad_() if case.bias_grad else None
+        out = forward(*leaves, bias)
+        if case.mode == "train":
+            out.backward(inputs["dout"])
+            return
+        grads = torch.autograd.grad(out, leaves, inputs["dout"], create_graph=True)
+        sum((g * inputs[c]).sum() for g, c in zip(grads, ("cq", "ck", "cv"))).backward()
 
     return run

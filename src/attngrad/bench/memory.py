@@ -4,7 +4,9 @@
 peak resident memory before and after one step. The inputs are made, and a small warm-up
 step run (loading every library and kernel), before the baseline is read; the figure
 reported is the growth of the peak minus what the step must allocate anyway: its output
-and the gradients of q, k, v (and of the bias), so it is the memory the algorithm itself uses.
+and the gradients of q, k, v (and of the bias); in the jvp mode the output and its tangent;
+in the double-backward mode also the first gradients. So it is the memory the algorithm
+itself uses.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def measure_here(implementation: str, case: BenchCase) -> dict[str, Any]:
     step(implementation, case)(inputs)
     growth = _peak_rss_bytes() - baseline
     element = 4  # float32
-    required = element * case.batch * case.heads * case.length * case.dim * 4  # out, dq, dk, dv
+    required = element * case.batch * case.heads * case.length * case.dim * case.outputs
     if case.bias_grad:
         required += element * case.heads * case.length * case.length  # dbias
     return {"peak_growth_bytes": growth, "required_bytes": required, "extra_bytes": max(0, growth - required)}

@@ -13,10 +13,15 @@ COLUMNS = ("case", "L", "ours ms", "default ms", "math ms", "vs default", "vs ma
            "ours GFLOP/s", "% peak", "ours MiB", "default MiB", "math MiB")
 
 
+def _absent(result: CaseResult, impl: str) -> str:
+    """Why a figure is missing: 'refused' (the implementation raised) or 'skipped'."""
+    return "refused" if result.skipped.get(impl, "").startswith("refused") else "skipped"
+
+
 def _mib(result: CaseResult, impl: str) -> str:
     m = result.memory.get(impl)
     if m is None:
-        return "-" if impl not in result.skipped else "skipped"
+        return "-" if impl not in result.skipped else _absent(result, impl)
     if "error" in m:
         return "error"
     return f"{m['extra_bytes'] / 2**20:.0f}"
@@ -25,7 +30,7 @@ def _mib(result: CaseResult, impl: str) -> str:
 def rows(report: BenchReport) -> list[list[str]]:
     out = []
     for r in report.results:
-        ms = {impl: (f"{r.seconds[impl] * 1e3:.1f}" if impl in r.seconds else "skipped") for impl in IMPLEMENTATIONS}
+        ms = {impl: (f"{r.seconds[impl] * 1e3:.1f}" if impl in r.seconds else _absent(r, impl)) for impl in IMPLEMENTATIONS}
         vs_default, vs_math = r.ratio("torch-default"), r.ratio("torch-math")
         gflops = r.gflops("attngrad")
         out.append([
@@ -40,11 +45,14 @@ def rows(report: BenchReport) -> list[list[str]]:
 def markdown(report: BenchReport) -> str:
     m = report.machine
     lines = [
-        f"fwd+bwd, float32, B=1, H=8, d=64; {m['date']}; {m['processor']}, {m['threads']} threads, torch {m['torch']}; "
+        f"float32, B=1, H=8, d=64; {m['date']}; {m['processor']}, {m['threads']} threads, torch {m['torch']}; "
         f"float32 GEMM peak {report.gemm_peak_gflops:.0f} GFLOP/s (2048x2048, same run). Times are medians of "
         "interleaved runs; ours = attngrad, default / math = PyTorch's default and math SDPA backends; 'vs' is our "
         "time over theirs (below 1 is faster); % peak is our GFLOP/s (FlashAttention's convention) over the GEMM "
-        "peak; MiB is peak memory beyond inputs, outputs and gradients, each case in a fresh process.",
+        "peak; MiB is peak memory beyond inputs, outputs and gradients, each case in a fresh process. Cases are "
+        "fwd+bwd unless named jvp (forward and output tangent) or double-backward (forward, backward with "
+        "create_graph, backward again); 'refused' means the backend raised (PyTorch's default CPU kernel has "
+        "neither forward mode nor a second derivative).",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
@@ -87,7 +95,7 @@ def plot(report: BenchReport, path: Path) -> Path:
         ax.set_title(name)
         ax.set_xlabel("sequence length L")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("fwd+bwd time (ms)")
+    axes[0][0].set_ylabel("time per step (ms)")
     axes[0][0].legend()
     fig.suptitle(f"attngrad vs PyTorch, float32 CPU ({report.machine['date']})")
     fig.tight_layout()

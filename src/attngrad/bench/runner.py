@@ -110,8 +110,12 @@ def run_bench(
             progress(f"{case.name} L={case.length}: timing")
         inputs = make_inputs(case)
         runs = {impl: step(impl, case) for impl in implementations}
-        for impl in implementations:  # warm-up: first-call costs are not the steady state
-            runs[impl](inputs)
+        for impl in list(implementations):  # warm-up: first-call costs are not the steady state
+            try:
+                runs[impl](inputs)
+            except (NotImplementedError, RuntimeError) as error:  # PyTorch's default refuses jvp, double backward
+                implementations.remove(impl)
+                result.skipped[impl] = "refused: " + (str(error).strip().splitlines() or [type(error).__name__])[0]
         samples: dict[str, list[float]] = {impl: [] for impl in implementations}
         for _ in range(repeats):
             for impl in implementations:  # interleaved, so drift hits all alike

@@ -21,6 +21,7 @@ from .linear import linear_backward, linear_forward, merge_heads, split_heads
 from .mha import MHACache, MHAGrads, mha_backward, mha_forward
 from .params import MHAParams
 from .sdpa import SDPACache, SDPAGrads, causal_mask, dropout_keep_mask, sdpa_backward, sdpa_forward
+from .second_order import mha_hvp, mha_jvp, sdpa_hvp, sdpa_jvp
 from .softmax import softmax_backward, softmax_forward
 
 __all__ = [
@@ -45,9 +46,13 @@ __all__ = [
     "merge_heads",
     "mha_backward",
     "mha_forward",
+    "mha_hvp",
+    "mha_jvp",
     "mha_jacobian",
     "sdpa_backward",
     "sdpa_forward",
+    "sdpa_hvp",
+    "sdpa_jvp",
     "sdpa_jacobian",
     "self_attention_backward",
     "self_attention_forward",

@@ -195,6 +195,14 @@ def _reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:
     return grad
 
 
+def add_block_to_bias(grad: Tensor, block: Tensor, start: int, stop: int, keys: int) -> None:
+    """grad += a (B, H, R, keys) block of a bias-shaped gradient (rows start:stop, keys :keys),
+    summed over the axes along which the bias broadcasts."""
+    target = grad[..., start:stop, :] if grad.shape[-2] != 1 else grad
+    target = target[..., :keys] if grad.shape[-1] != 1 else target
+    target += _reduce_to(block, target.shape)
+
+
 def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, seed: int,
     out: Tensor, row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float, bias_grad: bool,
@@ -249,9 +257,7 @@ def attention_backward(
             if target is not None:
                 target.copy_(_reduce_to(ds, target.shape))
             elif dbias is not None:  # several blocks add into each entry
-                accumulate = dbias[..., start:stop, :] if bias.shape[-2] != 1 else dbias
-                accumulate = accumulate[..., :keys] if bias.shape[-1] != 1 else accumulate
-                accumulate += _reduce_to(ds, accumulate.shape)
+                add_block_to_bias(dbias, ds, start, stop, keys)
         if target is not None and keys < len_k:
             dbias[..., start:stop, keys:] = 0  # keys a causal block never sees
         dq[:, :, start:stop] = torch.matmul(ds, k_rep[..., :keys, :]).mul_(scale)

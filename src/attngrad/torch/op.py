@@ -1,26 +1,37 @@
-"""The tiled kernels as PyTorch operators, with autograd: a thin wrapper over `kernels`.
+"""The tiled kernels as PyTorch operators, with autograd: a thin wrapper over `kernels`
+and `kernels_higher`.
 
-Two custom ops, `attngrad::attention_forward` and `attngrad::attention_backward`, so that
-torch.compile treats each pass as one opaque operator (their Python loops are not traced).
-`Attention`, an autograd.Function with a separate setup_context, joins them, so that
-autograd, torch.compile(fullgraph=True) and torch.func all see one differentiable op.
-(torch.library's own register_autograd would be the shorter spelling, but the wrapper it
-generates in torch 2.13 has no setup_context, and torch.func refuses it: pytorch#170834.)
+Each pass is a custom op (`attngrad::attention_forward`, `..._backward`, `..._jvp`,
+`..._backward_jvp`, `..._double_backward`), so that torch.compile treats it as one opaque
+operator (the Python loops are not traced). Two autograd.Functions with a separate
+setup_context join them, so that autograd, torch.compile(fullgraph=True) and torch.func
+all see differentiable ops:
+
+    Attention          forward -> out          backward: AttentionBackward    jvp: attention_jvp
+    AttentionBackward  forward -> dq, dk, ...  backward: double_backward      jvp: backward_jvp
+
+Because the first backward is itself a differentiable Function, double backward
+(create_graph=True), Hessian-vector products and torch.func.hessian work; a third
+derivative raises. (torch.library's own register_autograd would be the shorter spelling,
+but the wrapper it generates in torch 2.13 has no setup_context, and torch.func refuses
+it: pytorch#170834.)
 
 The forward saves q, k, v, the masks, out, and per query row the score maximum and the
-inverse softmax denominator: O(L). The backward recomputes the rest block by block.
+inverse softmax denominator: O(L). Everything else is recomputed block by block.
+`out`, the row statistics and `seed` reach AttentionBackward as caches: its derivatives
+are taken through q, k, v, bias and dout alone, which determine them.
 `seed` is a 0-d int64 tensor (drawn by the caller from PyTorch's generator) so that a
 compiled graph can draw it too.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
-from . import kernels
+from . import kernels, kernels_higher
 
 
 @torch.library.custom_op("attngrad::attention_forward", mutates_args=())
@@ -55,14 +66,103 @@ def _attention_backward_fake(dout, q, k, v, mask, bias, seed, out, row_max, inv_
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
-def _nested_functorch_level() -> bool:
-    """True inside two or more torch.func transforms (one grad level runs at level 1)."""
-    level = torch._C._functorch.maybe_current_level()
-    return level is not None and level >= 2
+def _maybe_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
+    return t if t is not None else like.new_empty(0)  # ops return tensors, not None
+
+
+@torch.library.custom_op("attngrad::attention_jvp", mutates_args=())
+def attention_jvp(
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
+    row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float,
+    tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
+) -> Tensor:
+    return kernels_higher.attention_jvp(
+        q, k, v, mask, bias, int(seed), row_max, inv_sum, is_causal, scale, dropout_p, tq, tk, tv, tbias
+    )
+
+
+@attention_jvp.register_fake
+def _attention_jvp_fake(q, k, v, mask, bias, seed, row_max, inv_sum, is_causal, scale, dropout_p, tq, tk, tv, tbias):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+@torch.library.custom_op("attngrad::attention_backward_jvp", mutates_args=())
+def attention_backward_jvp(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
+    out: Tensor, row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float, bias_grad: bool,
+    tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv, dbias = kernels_higher.attention_backward_jvp(
+        dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, is_causal, scale, dropout_p, bias_grad,
+        tdout, tq, tk, tv, tbias,
+    )
+    return dq, dk, dv, _maybe_empty(dbias, q)
+
+
+@attention_backward_jvp.register_fake
+def _attention_backward_jvp_fake(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, is_causal, scale, dropout_p,
+                                 bias_grad, tdout, tq, tk, tv, tbias):
+    return _attention_backward_fake(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, is_causal, scale, dropout_p, bias_grad)
+
+
+@torch.library.custom_op("attngrad::attention_double_backward", mutates_args=())
+def attention_double_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
+    out: Tensor, row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float, bias_grad: bool,
+    gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    g_dout, g_q, g_k, g_v, g_bias = kernels_higher.attention_double_backward(
+        dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, is_causal, scale, dropout_p, bias_grad,
+        gq, gk, gv, gbias,
+    )
+    return g_dout, g_q, g_k, g_v, _maybe_empty(g_bias, q)
+
+
+@attention_double_backward.register_fake
+def _attention_double_backward_fake(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, is_causal, scale,
+                                    dropout_p, bias_grad, gq, gk, gv, gbias):
+    g_bias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
+    return torch.empty_like(dout), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), g_bias
+
+
+THIRD_ORDER = "attngrad attention has derivatives up to second order; a third was asked for"
+REVERSE_OVER_FORWARD = (
+    "attngrad attention's JVP has no reverse-mode derivative; for Hessian-vector products take "
+    "forward over reverse (torch.func.jvp of torch.func.grad) or reverse over reverse (double backward)"
+)
+
+
+class _Final(torch.autograd.Function):
+    """Runs one kernel op as a leaf of differentiation: differentiating its results raises.
+
+    Autograd and torch.func transforms call a Function's backward and jvp on tensors that an
+    outer transform may still track (torch.func always builds the graph of a backward).
+    Calling the op inside this Function's forward hands it plain tensors, and a derivative
+    asked of its results gets a clear error instead of a silent zero."""
+
+    generate_vmap_rule = True  # vmap runs the op once per batched slice
+
+    @staticmethod
+    def forward(op: Callable, refusal: str, *args: Any):
+        return op(*args)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.refusal = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any):
+        raise NotImplementedError(ctx.refusal)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any):
+        raise NotImplementedError(ctx.refusal)
 
 
 class Attention(torch.autograd.Function):
     """out = attention(q, k, v; mask, bias, dropout) with the tiled backward."""
+
+    generate_vmap_rule = True  # vmap runs the custom ops once per batched slice
 
     @staticmethod
     def forward(q, k, v, mask, bias, seed, is_causal: bool, scale: float, dropout_p: float):
@@ -73,23 +173,77 @@ class Attention(torch.autograd.Function):
         q, k, v, mask, bias, seed, is_causal, scale, dropout_p = inputs
         out, row_max, inv_sum = output
         ctx.save_for_backward(q, k, v, mask, bias, seed, out, row_max, inv_sum)
+        ctx.save_for_forward(q, k, v, mask, bias, seed, out, row_max, inv_sum)
         ctx.options = (is_causal, scale, dropout_p)
-        ctx.mark_non_differentiable(row_max, inv_sum)
+        # row_max and inv_sum are not marked non-differentiable: under vmap, torch.func's
+        # generated rule loses that mark and then refuses the None tangent (torch 2.13).
+        # They get zero tangents, and their incoming gradients are ignored.
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dout: Tensor, _dmax: Tensor, _dinv: Tensor):
         q, k, v, mask, bias, seed, out, row_max, inv_sum = ctx.saved_tensors
-        if _nested_functorch_level():
-            # an outer torch.func transform would differentiate this backward, which has no
-            # derivative yet; running on would hand it a silent zero
-            raise NotImplementedError("attngrad attention has no second derivative yet (nested torch.func transforms)")
-        is_causal, scale, dropout_p = ctx.options
         bias_grad = bias is not None and ctx.needs_input_grad[4]
-        dq, dk, dv, dbias = attention_backward(
-            dout.contiguous(), q, k, v, mask, bias, seed, out, row_max, inv_sum, is_causal, scale, dropout_p, bias_grad
+        # out and the statistics enter as caches, detached: the second derivatives are taken
+        # through q, k, v and bias, and a graph edge back into this node would only make
+        # autograd rerun this backward on zeros
+        dq, dk, dv, dbias = AttentionBackward.apply(
+            dout.contiguous(), q, k, v, mask, bias, seed, out.detach(), row_max.detach(), inv_sum.detach(),
+            *ctx.options, bias_grad,
         )
         return dq, dk, dv, None, dbias if bias_grad else None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, tq, tk, tv, _tmask, tbias, _tseed, *_options):
+        q, k, v, mask, bias, seed, out, row_max, inv_sum = ctx.saved_tensors
+        tbias = tbias if bias is not None else None
+        out_t = _Final.apply(
+            attention_jvp, REVERSE_OVER_FORWARD, q, k, v, mask, bias, seed, row_max, inv_sum, *ctx.options, tq, tk, tv, tbias
+        )
+        return out_t, torch.zeros_like(row_max), torch.zeros_like(inv_sum)
+
+
+class AttentionBackward(torch.autograd.Function):
+    """(dq, dk, dv, dbias) = the backward of `Attention`, itself differentiable once more."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, is_causal, scale, dropout_p, bias_grad):
+        return attention_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, is_causal, scale, dropout_p, bias_grad)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, is_causal, scale, dropout_p, bias_grad = inputs
+        ctx.save_for_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum)
+        ctx.save_for_forward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum)
+        ctx.options = (is_causal, scale, dropout_p, bias_grad)
+        ctx.set_materialize_grads(False)  # a gradient nobody used arrives as None: no work for it
+
+    @staticmethod
+    def backward(ctx: Any, gq: Tensor, gk: Tensor, gv: Tensor, gbias: Tensor):
+        bias_grad = ctx.options[3]
+        g_dout, g_q, g_k, g_v, g_bias = _Final.apply(
+            attention_double_backward, THIRD_ORDER, *ctx.saved_tensors, *ctx.options, gq, gk, gv,
+            gbias if bias_grad else None,
+        )
+        return (g_dout, g_q, g_k, g_v, None, g_bias if bias_grad else None,
+                None, None, None, None, None, None, None, None)
+
+    @staticmethod
+    def jvp(ctx: Any, tdout, tq, tk, tv, _tmask, tbias, _tseed, _tout, _tmax, _tinv, *_options):
+        saved = ctx.saved_tensors
+        tbias = tbias if saved[5] is not None else None
+        dq_t, dk_t, dv_t, dbias_t = _Final.apply(
+            attention_backward_jvp, THIRD_ORDER, *saved, *ctx.options, tdout, tq, tk, tv, tbias
+        )
+        return dq_t, dk_t, dv_t, dbias_t  # without a bias gradient: the empty placeholder
+
+
+class _AttentionTraced(Attention):
+    """Attention as torch.compile sees it: Dynamo refuses autograd.Functions that define jvp
+    (torch 2.13), so a compiled graph gets this twin without forward mode."""
+
+    jvp = torch.autograd.Function.jvp
 
 
 def attention(
@@ -97,4 +251,5 @@ def attention(
     is_causal: bool, scale: float, dropout_p: float,
 ) -> Tensor:
     """The differentiable op on (B, H, L, E) tensors; inputs already checked."""
-    return Attention.apply(q, k, v, mask, bias, seed, is_causal, scale, dropout_p)[0]
+    function = _AttentionTraced if torch.compiler.is_compiling() else Attention
+    return function.apply(q, k, v, mask, bias, seed, is_causal, scale, dropout_p)[0]

@@ -1,0 +1,334 @@
+"""Forward-mode and second-order attention, tiled like `kernels`: O(L) extra memory.
+
+Three kernels, each a loop over the same query blocks as the first-order passes, each
+recomputing P = exp(S - m) / l (and the dropout factor Z) from the kept row statistics:
+
+    attention_jvp             the tangent O' of the output along (Q', K', V', bias')
+    attention_backward_jvp    the tangent of the backward's (dQ, dK, dV, dbias) along
+                              (Q', K', V', bias', dO'): forward-mode over reverse-mode
+    attention_double_backward the gradient of <(gQ, gK, gV, gbias), backward(...)> with
+                              respect to (Q, K, V, bias, dO): reverse-mode over reverse-mode
+
+Shape legend and the forward as in `kernels`; per block of R rows every Lq x Lk quantity
+below is an (B, H, R, Lk') tile, rowsum keeps its axis, and K~, V~ repeat over GQA groups.
+The lines, derived in docs/derivation.md ("Forward mode and second order"):
+
+    S' = scale (Q' K~^T + Q K~'^T) + bias'         the tangent of the scores
+    P' = P * (S' - rowsum(P * S'))                 the softmax's Jacobian applied to S'
+    O' = (P' * Z) V~ + (P * Z) V~'
+
+    dP = (dO V~^T) * Z,  D = rowsum(dO * O) = rowsum(P * dP),  dS = P * (dP - D)
+  tangent of the backward:
+    dP~ = (dO' V~^T + dO V~'^T) * Z,  D~ = rowsum(P' * dP + P * dP~)
+    dS~ = P' * (dP - D) + P * (dP~ - D~)
+    dV~~ = (P' * Z)^T dO + (P * Z)^T dO'
+    dQ~ = scale (dS~ K~ + dS K~'),  dK~~ = scale (dS~^T Q + dS^T Q'),  dbias~ = dS~
+  double backward, for cotangents (gQ, gK~, gV~, gbias) of (dQ, dK~, dV~, dbias):
+    T    = scale (gQ K~^T + Q gK~^T) + gbias       (the S' form, fed with cotangents)
+    t    = rowsum(P * T)
+    g_dP = P * (T - t)                             -> g_dO = (g_dP * Z) V~ + (P * Z) gV~
+                                                      g_V~ = (g_dP * Z)^T dO
+    g_P  = (dP - D) * (T - t) + (dO gV~^T) * Z      (the exact (dP - D) T - t dP + ..., less
+                                                    t D, a per-row constant the softmax ignores)
+    g_S  = P * (g_P - rowsum(P * g_P))
+    g_Q  = scale (g_S K~ + dS gK~),  g_K~ = scale (g_S^T Q + dS^T gQ),  g_bias = g_S
+Each row sum runs over a whole row of keys, which every block holds. Masked entries and
+empty rows have P = 0, so every term above is 0 there: no NaN.
+The double backward is the transpose of the backward's tangent map: the tests check both
+against PyTorch and against each other (<g, J t> = <J^T g, t>).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .kernels import _keep_scale_into, _operands, _rows, _scores, _Tiles, add_block_to_bias, blocks
+
+
+def _repeat(t: Optional[Tensor], groups: int, work: torch.dtype) -> Optional[Tensor]:
+    """A key/value-side tangent or cotangent, repeated over GQA groups like K and V."""
+    if t is None:
+        return None
+    return (t.repeat_interleave(groups, dim=1) if groups > 1 else t).to(work)
+
+
+def _to(t: Optional[Tensor], work: torch.dtype, factor: float = 1.0) -> Optional[Tensor]:
+    if t is None:
+        return None
+    t = t.to(work)
+    return t * factor if factor != 1.0 else t
+
+
+class _ScoreForm:
+    """A (B, H, R, Lk') tile of the form  A_q K~^T + Q B_k^T + C, with any term absent.
+
+    This is S' for tangents (A_q = scale Q', B_k = K~', C = bias') and T for cotangents
+    (A_q = scale gQ, B_k = gK~, C = gbias). The two products share one GEMM: [A_q | Q] is
+    multiplied by [K~ | B_k]^T, width 2d.
+    """
+
+    def __init__(self, q_scaled: Tensor, k_rep: Tensor, a_q: Optional[Tensor], b_k: Optional[Tensor], c: Optional[Tensor]):
+        lefts, rights = [], []
+        if a_q is not None:
+            lefts.append(a_q)
+            rights.append(k_rep)
+        if b_k is not None:
+            lefts.append(q_scaled)
+            rights.append(b_k)
+        self.left = torch.cat(lefts, dim=-1) if lefts else None  # (B, H, Lq, d or 2d)
+        self.right = torch.cat(rights, dim=-1) if rights else None  # (B, H, Lk, d or 2d)
+        self.c = c
+
+    def tile_into(self, out: Tensor, start: int, stop: int) -> Tensor:
+        """The rows start:stop and keys :out.shape[-1] of the form, written into `out`."""
+        keys = out.shape[-1]
+        if self.left is None:
+            out.zero_()
+        else:
+            torch.matmul(self.left[:, :, start:stop], self.right[..., :keys, :].transpose(-1, -2), out=out)
+        c = _rows(self.c, start, stop, keys)
+        if c is not None:
+            out.add_(c)
+        return out
+
+
+class _Recompute:
+    """Per block: P = exp(S - m) / l and Z = keep / (1 - p), as the first-order passes had
+    them, in reused score-sized buffers (fresh 16 MiB tiles would cost more in page faults
+    than the arithmetic on them)."""
+
+    def __init__(self, q, k, v, mask, bias, seed, row_max, inv_sum, is_causal, scale, dropout_p, buffers: int):
+        self.batch, self.heads, self.len_q, _ = q.shape
+        self.len_k = k.shape[-2]
+        ops = _operands(q, k, v, bias, scale)
+        self.work, self.groups, self.q_scaled, self.k_rep, self.v_rep = ops.work, ops.groups, ops.q_scaled, ops.k_rep, ops.v_rep
+        self.bias, self.mask, self.seed = ops.bias, mask, seed
+        self.row_max, self.inv_sum = row_max, inv_sum
+        self.is_causal, self.scale, self.dropout_p = is_causal, scale, dropout_p
+        self.plan = blocks(self.batch, self.heads, self.len_q, self.len_k, is_causal)
+        count = buffers + (1 if dropout_p > 0.0 else 0)
+        self.tiles = _Tiles(count, self.plan, self.batch, self.heads, self.work, q.device)
+        self.zeros = None
+
+    def tile(self, index: int, start: int, stop: int, keys: int) -> Tensor:
+        """Scratch buffer `index` shaped as this block's (B, H, R, keys) tile."""
+        return self.tiles.get(index, (self.batch, self.heads, stop - start, keys))
+
+    def probs(self, block: int, start: int, stop: int, keys: int) -> tuple[Tensor, Optional[Tensor]]:
+        """(P, Z or None) for one block, each (B, H, R, keys), in buffers 0 and the last."""
+        s = _scores(self.tile(0, start, stop, keys), self.q_scaled[:, :, start:stop], self.k_rep, self.mask, self.bias,
+                    start, stop, self.is_causal)
+        p = s.sub_(self.row_max[:, :, start:stop, None]).exp_().mul_(self.inv_sum[:, :, start:stop, None])
+        z = None
+        if self.dropout_p > 0.0:
+            z = _keep_scale_into(self.tile(len(self.tiles.flat) - 1, start, stop, keys), self.seed, block, self.dropout_p)
+        return p, z
+
+    def score_form(self, a_q: Optional[Tensor], b_k: Optional[Tensor], c: Optional[Tensor]) -> _ScoreForm:
+        """The S'/T form for query-side `a_q` (B, H, Lq, d), key-side `b_k` (B, Hkv, Lk, d)
+        and a bias-shaped `c`, in the compute dtype."""
+        return _ScoreForm(self.q_scaled, self.k_rep, _to(a_q, self.work, self.scale), _repeat(b_k, self.groups, self.work), _to(c, self.work))
+
+    def sum_groups(self, t: Tensor) -> Tensor:
+        """Adjoint of the GQA repeat: (B, H, Lk, .) -> (B, Hkv, Lk, .)."""
+        if self.groups == 1:
+            return t
+        return t.view(self.batch, self.heads // self.groups, self.groups, *t.shape[2:]).sum(dim=2)
+
+
+def _add_matmul(acc: Tensor, a: Tensor, b: Tensor, *, transpose_a: bool = False, alpha: float = 1.0) -> None:
+    """acc += alpha a b (a^T b with transpose_a) over the leading (B, H) axes, in place, as
+    one batched GEMM. acc is (B, H, X, Y), a view whose (B, H) axes merge (a row or key
+    slice of a (B, H, L, .) tensor does)."""
+    bh = a.shape[0] * a.shape[1]
+    a3 = a.reshape(bh, *a.shape[2:])
+    acc.view(bh, *acc.shape[2:]).baddbmm_(a3.transpose(1, 2) if transpose_a else a3, b.reshape(bh, *b.shape[2:]), alpha=alpha)
+
+
+def _sum_of_products(*terms: Optional[tuple[Tensor, Tensor, float]]) -> Tensor:
+    """sum of alpha a b over the present (a, b, alpha) terms, as a new contiguous (B, H, R, .)
+    block (accumulating in a strided row slice of a (B, H, L, .) tensor would be slower)."""
+    present = [t for t in terms if t is not None]
+    a, b, alpha = present[0]
+    out = torch.matmul(a, b)
+    if alpha != 1.0:
+        out.mul_(alpha)
+    for a, b, alpha in present[1:]:
+        _add_matmul(out, a, b, alpha=alpha)
+    return out
+
+
+def _times(t: Tensor, z: Optional[Tensor], out: Tensor) -> Tensor:
+    """t * Z into `out`; t itself without dropout (callers only read the result)."""
+    return torch.mul(t, z, out=out) if z is not None else t
+
+
+def _softmax_jacobian_times(p: Tensor, x: Tensor, out: Tensor) -> Tensor:
+    """P * (X - rowsum(P * X)) into `out` (not x's buffer): the softmax's Jacobian, which is
+    symmetric, times X row by row. It is S' -> P' in forward mode and g_P -> g_S in reverse;
+    PyTorch's fused softmax-backward kernel computes exactly this, in one pass instead of four."""
+    return torch.ops.aten._softmax_backward_data.out(x, p, -1, p.dtype, grad_input=out)
+
+
+def attention_jvp(
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
+    row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float,
+    tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
+) -> Tensor:
+    """O' (B, H, Lq, dv) in q's dtype; an absent tangent is zero."""
+    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, is_causal, scale, dropout_p, buffers=3)
+    form = r.score_form(tq, tk, tbias)
+    tv_rep = _repeat(tv, r.groups, r.work)
+    out_t = torch.zeros(r.batch, r.heads, r.len_q, v.shape[-1], dtype=r.work, device=q.device)
+    for block, (start, stop, keys) in enumerate(r.plan):
+        if keys == 0:
+            continue
+        p, z = r.probs(block, start, stop, keys)
+        s_t = form.tile_into(r.tile(1, start, stop, keys), start, stop)  # S'
+        p_t = _softmax_jacobian_times(p, s_t, out=r.tile(2, start, stop, keys))  # P'
+        scratch = s_t  # S' is spent
+        # forward: O = (P * Z) V~  ->  O' = (P' * Z) V~ + (P * Z) V~'
+        out_t[:, :, start:stop] = _sum_of_products(
+            (p_t.mul_(z) if z is not None else p_t, r.v_rep[..., :keys, :], 1.0),
+            None if tv_rep is None else (_times(p, z, scratch), tv_rep[..., :keys, :], 1.0),
+        )
+    return out_t.to(q.dtype)
+
+
+def _delta(dout: Tensor, out: Tensor, work: torch.dtype) -> Tensor:
+    """D = rowsum(dO * O), (B, H, Lq, 1)."""
+    return (dout.to(work) * out.to(work)).sum(dim=-1, keepdim=True)
+
+
+def attention_backward_jvp(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
+    out: Tensor, row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float, bias_grad: bool,
+    tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Tangents of (dq, dk, dv, dbias or None), each in its input's dtype and shape."""
+    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, is_causal, scale, dropout_p, buffers=5)
+    work, device = r.work, q.device
+    form = r.score_form(tq, tk, tbias)
+    tq_s, tk_rep, tv_rep = _to(tq, work, scale), _repeat(tk, r.groups, work), _repeat(tv, r.groups, work)
+    do_w, tdo_w = dout.to(work), _to(tdout, work)
+    delta = _delta(dout, out, work)
+    dq_t = torch.zeros_like(r.q_scaled, memory_format=torch.contiguous_format)
+    dk_t = torch.zeros_like(r.k_rep, memory_format=torch.contiguous_format)
+    dv_t = torch.zeros_like(r.v_rep, memory_format=torch.contiguous_format)
+    dbias_t = torch.zeros(bias.shape, dtype=work, device=device) if bias_grad else None
+    for block, (start, stop, keys) in enumerate(r.plan):
+        if keys == 0:
+            continue
+        rows = slice(start, stop)
+        do_blk, k_blk, v_blk = do_w[:, :, rows], r.k_rep[..., :keys, :], r.v_rep[..., :keys, :]
+        p, z = r.probs(block, start, stop, keys)
+        s_t = form.tile_into(r.tile(1, start, stop, keys), start, stop)  # S'
+        p_t = _softmax_jacobian_times(p, s_t, out=r.tile(4, start, stop, keys))  # P'
+        scratch = s_t  # S' is spent
+        # backward: dP = (dO V~^T) * Z, and its tangent dP~ = (dO' V~^T + dO V~'^T) * Z
+        dp = torch.matmul(do_blk, v_blk.transpose(-1, -2), out=r.tile(2, start, stop, keys))
+        dp_t = r.tile(3, start, stop, keys).zero_()
+        if tdo_w is not None:
+            _add_matmul(dp_t, tdo_w[:, :, rows], v_blk.transpose(-1, -2))
+        if tv_rep is not None:
+            _add_matmul(dp_t, do_blk, tv_rep[..., :keys, :].transpose(-1, -2))
+        if z is not None:
+            dp.mul_(z)
+            dp_t.mul_(z)
+        # backward: dS = P * (dP - D)  ->  dS~ = P' * (dP - D) + P * (dP~ - D~)
+        delta_t = torch.mul(p_t, dp, out=scratch).sum(dim=-1, keepdim=True)
+        delta_t += torch.mul(p, dp_t, out=scratch).sum(dim=-1, keepdim=True)
+        # backward: dV~ = (P * Z)^T dO  ->  dV~~ = (P' * Z)^T dO + (P * Z)^T dO'
+        _add_matmul(dv_t[..., :keys, :], _times(p_t, z, scratch), do_blk, transpose_a=True)
+        if tdo_w is not None:
+            _add_matmul(dv_t[..., :keys, :], _times(p, z, scratch), tdo_w[:, :, rows], transpose_a=True)
+        dp.sub_(delta[:, :, rows])  # dP - D
+        ds_t = p_t.mul_(dp).add_(dp_t.sub_(delta_t).mul_(p))  # dS~, in P''s buffer
+        ds = p.mul_(dp)  # dS, in P's buffer
+        # backward: dQ = scale dS K~, dK~ = scale dS^T Q  ->  product rule on each
+        dq_t[:, :, rows] = _sum_of_products(
+            (ds_t, k_blk, scale), None if tk_rep is None else (ds, tk_rep[..., :keys, :], scale)
+        )
+        _add_matmul(dk_t[..., :keys, :], ds_t, r.q_scaled[:, :, rows], transpose_a=True)
+        if tq_s is not None:
+            _add_matmul(dk_t[..., :keys, :], ds, tq_s[:, :, rows], transpose_a=True)
+        if dbias_t is not None:
+            add_block_to_bias(dbias_t, ds_t, start, stop, keys)
+    return (
+        dq_t.to(q.dtype),
+        r.sum_groups(dk_t).to(k.dtype),
+        r.sum_groups(dv_t).to(v.dtype),
+        None if dbias_t is None else dbias_t.to(bias.dtype),
+    )
+
+
+def attention_double_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
+    out: Tensor, row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float, bias_grad: bool,
+    gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """(g_dout, g_q, g_k, g_v, g_bias or None): the gradients, with respect to the backward's
+    inputs, of <gq, dq> + <gk, dk> + <gv, dv> + <gbias, dbias>; an absent cotangent is zero."""
+    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, is_causal, scale, dropout_p, buffers=5)
+    work = r.work
+    form = r.score_form(gq, gk, gbias if bias_grad else None)  # T
+    gq_s, gk_rep, gv_rep = _to(gq, work, scale), _repeat(gk, r.groups, work), _repeat(gv, r.groups, work)
+    do_w = dout.to(work)
+    delta = _delta(dout, out, work)
+    g_do = torch.zeros_like(do_w, memory_format=torch.contiguous_format)
+    g_q = torch.zeros_like(r.q_scaled, memory_format=torch.contiguous_format)
+    g_k = torch.zeros_like(r.k_rep, memory_format=torch.contiguous_format)
+    g_v = torch.zeros_like(r.v_rep, memory_format=torch.contiguous_format)
+    g_bias = torch.zeros(bias.shape, dtype=work, device=q.device) if bias_grad else None
+    for block, (start, stop, keys) in enumerate(r.plan):
+        if keys == 0:
+            continue
+        rows = slice(start, stop)
+        do_blk, k_blk, v_blk = do_w[:, :, rows], r.k_rep[..., :keys, :], r.v_rep[..., :keys, :]
+        p, z = r.probs(block, start, stop, keys)
+        scratch = r.tile(3, start, stop, keys)
+        t_form = form.tile_into(r.tile(1, start, stop, keys), start, stop)  # T
+        t_row = torch.mul(p, t_form, out=scratch).sum(dim=-1, keepdim=True)  # t = rowsum(P * T)
+        dp = torch.matmul(do_blk, v_blk.transpose(-1, -2), out=r.tile(2, start, stop, keys))
+        if z is not None:
+            dp.mul_(z)
+        dp.sub_(delta[:, :, rows])  # dP - D
+        # through dS = P * (dP - D), D = rowsum(P * dP): to dP, then to P
+        t_form.sub_(t_row)  # T - t
+        g_dp = torch.mul(p, t_form, out=scratch)
+        # through dP = (dO V~^T) * Z
+        g_dp_z = g_dp.mul_(z) if z is not None else g_dp
+        _add_matmul(g_v[..., :keys, :], g_dp_z, do_blk, transpose_a=True)
+        g_p = t_form.mul_(dp)  # (dP - D) * (T - t), in T's buffer
+        # through dV~ = (P * Z)^T dO, with dP's path to dO beside it
+        if gv_rep is None:
+            g_do[:, :, rows] = torch.matmul(g_dp_z, v_blk)
+        else:
+            g_do[:, :, rows] = _sum_of_products((g_dp_z, v_blk, 1.0), (_times(p, z, r.tile(4, start, stop, keys)), gv_rep[..., :keys, :], 1.0))
+            if z is None:
+                _add_matmul(g_p, do_blk, gv_rep[..., :keys, :].transpose(-1, -2))
+            else:
+                g_p.addcmul_(torch.matmul(do_blk, gv_rep[..., :keys, :].transpose(-1, -2), out=scratch), z)
+        # through P = softmax(S), then S = scale Q K~^T + bias; dQ, dK~ also hold K~, Q directly
+        g_s = _softmax_jacobian_times(p, g_p, out=scratch)  # g_S = P * (g_P - rowsum(P * g_P))
+        ds = p.mul_(dp)  # dS = P * (dP - D), in P's buffer
+        g_q[:, :, rows] = _sum_of_products(
+            (g_s, k_blk, scale), None if gk_rep is None else (ds, gk_rep[..., :keys, :], scale)
+        )
+        _add_matmul(g_k[..., :keys, :], g_s, r.q_scaled[:, :, rows], transpose_a=True)
+        if gq_s is not None:
+            _add_matmul(g_k[..., :keys, :], ds, gq_s[:, :, rows], transpose_a=True)
+        if g_bias is not None:
+            add_block_to_bias(g_bias, g_s, start, stop, keys)
+    return (
+        g_do.to(dout.dtype),
+        g_q.to(q.dtype),
+        r.sum_groups(g_k).to(k.dtype),
+        r.sum_groups(g_v).to(v.dtype),
+        None if g_bias is None else g_bias.to(bias.dtype),
+    )
+
+

@@ -1,0 +1,253 @@
+"""Forward mode and second order of attngrad.torch against PyTorch's math kernel.
+
+PyTorch's default CPU kernel refuses both; its math kernel is a composite of differentiable
+ops, so autograd differentiates it to any order: that is the reference here, in float64.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from attngrad.torch import MultiheadAttention, attention, kernels, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch import op as attention_op  # noqa: E402
+
+from ..conftest import EXACT, assert_all_close, rel_err  # noqa: E402
+from .test_functional import _keep_mask, make  # noqa: E402
+
+B, H, HKV, LQ, LK = 2, 4, 2, 13, 21
+DOUBLE = torch.float64
+
+
+@pytest.fixture
+def many_blocks(monkeypatch):
+    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 1 << 9)
+    monkeypatch.setattr(kernels, "MIN_ROWS", 3)
+
+
+def randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DOUBLE)
+
+
+class Case:
+    """One configuration as a pair of functions of (q, k, v[, bias]): ours and the math kernel's."""
+
+    def __init__(self, *, is_causal=False, mask=None, bias_shape=None, gqa=False, len_q=LQ, len_k=LK, dropout_p=0.0):
+        self.q, self.k, self.v = (t.detach() for t in make(heads=H, kv_heads=HKV if gqa else H, len_q=len_q, len_k=len_k))
+        self.bias = None if bias_shape is None else randn(*bias_shape, seed=9)
+        self.mask, self.is_causal, self.gqa, self.dropout_p = mask, is_causal, gqa, dropout_p
+        self.allowed = None
+        if mask is not None or is_causal:
+            allowed = torch.ones(len_q, len_k, dtype=torch.bool)
+            allowed = allowed.tril() if is_causal else allowed
+            self.allowed = allowed if mask is None else allowed & mask
+        self.keep = None
+        if dropout_p:
+            self.keep = _keep_mask(B, H, len_q, len_k, 77, dropout_p, is_causal)
+
+    @property
+    def primals(self):
+        return (self.q, self.k, self.v) + (() if self.bias is None else (self.bias,))
+
+    def ours(self, q, k, v, bias=None):
+        if self.dropout_p:
+            return attention_op.attention(q, k, v, self.mask, bias, torch.tensor(77), self.is_causal, q.shape[-1] ** -0.5, self.dropout_p)
+        return attention(q, k, v, attn_mask=self.mask, attn_bias=bias, is_causal=self.is_causal, enable_gqa=self.gqa)
+
+    def theirs(self, q, k, v, bias=None):
+        attn_mask = bias
+        if self.allowed is not None:  # the raw math op takes masks additively: spell them with -inf
+            attn_mask = (bias if bias is not None else q.new_zeros(())).masked_fill(~self.allowed, float("-inf"))
+        with sdpa_kernel(SDPBackend.MATH):
+            out, _ = torch.ops.aten._scaled_dot_product_attention_math(
+                q, k, v, attn_mask, self.dropout_p, False, self.keep, enable_gqa=self.gqa
+            )
+        return out
+
+
+CASES = {
+    "causal-gqa-bias": dict(is_causal=True, gqa=True, bias_shape=(1, H, LQ, LK)),
+    "mask-bias": dict(mask=torch.rand(B, 1, LQ, LK, generator=torch.Generator().manual_seed(3)) > 0.3, bias_shape=(LQ, LK)),
+    "causal-long-queries": dict(is_causal=True, len_q=LK, len_k=LQ),
+    "dropout-bias": dict(dropout_p=0.3, bias_shape=(B, 1, LQ, LK)),
+    "dropout-causal-gqa": dict(dropout_p=0.2, is_causal=True, gqa=True),
+}
+
+
+def tangents_like(primals, seed):
+    return tuple(randn(*p.shape, seed=seed + i) for i, p in enumerate(primals))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_jvp_matches_math_kernel(many_blocks, name):
+    case = Case(**CASES[name])
+    tangents = tangents_like(case.primals, 20)
+    out, out_t = torch.func.jvp(case.ours, case.primals, tangents)
+    ref, ref_t = torch.func.jvp(case.theirs, case.primals, tangents)
+    assert rel_err(out, ref) < EXACT and rel_err(out_t, ref_t) < EXACT
+    with torch.autograd.forward_ad.dual_level():  # the autograd spelling, same numbers
+        duals = [torch.autograd.forward_ad.make_dual(p, t) for p, t in zip(case.primals, tangents)]
+        assert rel_err(torch.autograd.forward_ad.unpack_dual(case.ours(*duals)).tangent, ref_t) < EXACT
+
+
+def double_backward(fn, primals, dout, cotangents):
+    """Gradients of <cotangents, d<dout, fn>/d primals> with respect to the primals and dout."""
+    leaves = [p.clone().requires_grad_() for p in primals]
+    dout = dout.clone().requires_grad_()
+    grads = torch.autograd.grad(fn(*leaves), leaves, dout, create_graph=True)
+    inner = sum((g * c).sum() for g, c in zip(grads, cotangents))
+    return torch.autograd.grad(inner, leaves + [dout])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_double_backward_matches_math_kernel(many_blocks, name):
+    case = Case(**CASES[name])
+    dout = randn(*case.q.shape[:-1], case.v.shape[-1], seed=30)
+    cotangents = tangents_like(case.primals, 40)
+    ours = double_backward(case.ours, case.primals, dout, cotangents)
+    theirs = double_backward(case.theirs, case.primals, dout, cotangents)
+    names = ["q", "k", "v", "bias"][: len(case.primals)] + ["dout"]
+    assert_all_close(dict(zip(names, ours)), dict(zip(names, theirs)))
+
+
+@pytest.mark.parametrize("name", ["causal-gqa-bias", "dropout-bias"])
+def test_forward_over_reverse_hvp_matches_math_kernel(many_blocks, name):
+    """jvp of the gradient: the Hessian-vector product without a second backward pass."""
+    case = Case(**CASES[name])
+    dout = randn(*case.q.shape[:-1], case.v.shape[-1], seed=31)
+    primals, tangents = case.primals + (dout,), tangents_like(case.primals + (dout,), 50)
+
+    def gradient(fn):
+        return lambda *x: torch.func.vjp(fn, *x[:-1])[1](x[-1])
+
+    _, ours = torch.func.jvp(gradient(case.ours), primals, tangents)
+    _, theirs = torch.func.jvp(gradient(case.theirs), primals, tangents)
+    names = ["q", "k", "v", "bias"][: len(case.primals)]
+    assert_all_close(dict(zip(names, ours)), dict(zip(names, theirs)))
+
+
+def test_backward_jvp_is_the_transpose_of_double_backward(many_blocks):
+    """<g, J t> = <J^T g, t> for the backward map J: the two second-order kernels agree."""
+    case = Case(**CASES["causal-gqa-bias"])
+    dout = randn(*case.q.shape[:-1], case.v.shape[-1], seed=32)
+    primals = case.primals + (dout,)
+    tangents, cotangents = tangents_like(primals, 60), tangents_like(case.primals, 70)
+    _, forward = torch.func.jvp(lambda *x: torch.func.vjp(case.ours, *x[:-1])[1](x[-1]), primals, tangents)
+    reverse = double_backward(case.ours, case.primals, dout, cotangents)
+    lhs = sum((g * jt).sum() for g, jt in zip(cotangents, forward))
+    rhs = sum((jg * t).sum() for jg, t in zip(reverse, tangents))
+    assert abs(lhs - rhs) <= EXACT * abs(rhs)
+
+
+def test_gradgradcheck_and_forward_ad_gradcheck():
+    for options in (dict(is_causal=True, gqa=True, bias_shape=(1, H, 3, 4), len_q=3, len_k=4),
+                    dict(dropout_p=0.4, bias_shape=(3, 4), len_q=3, len_k=4)):
+        case = Case(**options)
+        leaves = [p[:1, :, :, :3].clone().requires_grad_() if p.dim() == 4 and p is not case.bias else p.clone().requires_grad_()
+                  for p in case.primals]
+        assert torch.autograd.gradcheck(case.ours, leaves, check_forward_ad=True, check_backward_ad=True)
+        assert torch.autograd.gradgradcheck(case.ours, leaves)
+
+
+def test_hessian_through_torch_func():
+    case = Case(is_causal=True, gqa=True, bias_shape=(1, H, 3, 4), len_q=3, len_k=4)
+    small = tuple(p[:1, :, :, :2] if p.dim() == 4 and p is not case.bias else p for p in case.primals)
+
+    def loss(fn):
+        return lambda *x: fn(*x).sin().sum()
+
+    ours = torch.func.hessian(loss(case.ours), argnums=(0, 1, 3))(*small)
+    theirs = torch.func.hessian(loss(case.theirs), argnums=(0, 1, 3))(*small)
+    for row_ours, row_theirs in zip(ours, theirs):
+        for a, b in zip(row_ours, row_theirs):
+            assert rel_err(a, b) < EXACT
+
+
+def test_fully_masked_rows_have_zero_tangents_and_second_derivatives(many_blocks):
+    mask = torch.ones(B, H, LQ, LK, dtype=torch.bool)
+    mask[0, 1, 5] = False
+    mask[1, :, 2] = False
+    case = Case(mask=mask, bias_shape=(LQ, LK))
+    tangents = tangents_like(case.primals, 80)
+    _, out_t = torch.func.jvp(case.ours, case.primals, tangents)
+    dout = randn(B, H, LQ, 6, seed=33)
+    second = double_backward(case.ours, case.primals, dout, tangents_like(case.primals, 90))
+    assert all(torch.isfinite(t).all() for t in (out_t, *second))
+    assert (out_t[0, 1, 5] == 0).all() and (out_t[1, :, 2] == 0).all()
+    g_q, g_dout = second[0], second[-1]
+    assert (g_q[0, 1, 5] == 0).all() and (g_dout[1, :, 2] == 0).all()
+    _, ref_t = torch.func.jvp(case.theirs, case.primals, tangents)
+    assert rel_err(out_t, ref_t) < EXACT
+
+
+def test_third_derivatives_and_reverse_over_forward_raise():
+    case = Case(is_causal=True, len_q=4, len_k=5)
+    q, k, v = case.primals
+
+    def loss(q):
+        return case.ours(q, k, v).square().sum()
+
+    with pytest.raises(NotImplementedError, match="up to second order"):
+        torch.func.grad(lambda q: torch.func.grad(lambda q: torch.func.grad(loss)(q).sum())(q).sum())(q)
+    leaf = q.clone().requires_grad_()
+    (g,) = torch.autograd.grad(loss(leaf), leaf, create_graph=True)
+    (gg,) = torch.autograd.grad(g.sum(), leaf, create_graph=True)
+    with pytest.raises(NotImplementedError, match="up to second order"):
+        gg.sum().backward()
+    with pytest.raises(NotImplementedError, match="forward over reverse"):
+        torch.func.grad(lambda q: torch.func.jvp(lambda q: case.ours(q, k, v), (q,), (torch.ones_like(q),))[1].sum())(q)
+
+
+def test_float32_second_order_against_float64():
+    """float32 inputs: the second-order kernels compute in float32 and land within its rounding."""
+    case = Case(is_causal=True, bias_shape=(1, H, LQ, LK))
+    dout = randn(B, H, LQ, 6, seed=34)
+    cot = tangents_like(case.primals, 100)
+    truth = double_backward(case.theirs, case.primals, dout, cot)
+    single = double_backward(case.ours, [p.float() for p in case.primals], dout.float(), [c.float() for c in cot])
+    assert all(s.dtype == torch.float32 for s in single)
+    assert all(rel_err(s.double(), t) < 1e-5 for s, t in zip(single, truth))  # float32 eps 6e-8, sums over L
+
+
+def test_multihead_attention_module_second_order():
+    """attngrad.torch.MultiheadAttention: jvp and double backward through the projections
+    match torch.nn.MultiheadAttention (math kernel) with the same state_dict."""
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(12, 3, batch_first=True, dtype=DOUBLE)
+    ours = MultiheadAttention(12, 3, batch_first=True, dtype=DOUBLE)
+    ours.load_state_dict(ref.state_dict())
+    x, memory = randn(2, 4, 12, seed=1), randn(2, 6, 12, seed=2)
+    bias = randn(4, 6, seed=3)
+    params = {n: p.detach() for n, p in ref.named_parameters()}
+
+    def call(module):
+        def fn(x, memory, bias, params):
+            out, _ = torch.func.functional_call(module, params, (x, memory, memory), dict(attn_mask=bias, need_weights=False))
+            return out
+        return fn
+
+    primals = (x, memory, bias, params)
+    tangents = (randn(2, 4, 12, seed=4), randn(2, 6, 12, seed=5), randn(4, 6, seed=6),
+                {n: randn(*p.shape, seed=7 + i) for i, (n, p) in enumerate(params.items())})
+    with sdpa_kernel(SDPBackend.MATH):
+        _, ref_t = torch.func.jvp(call(ref), primals, tangents)
+        ref_h = torch.func.jvp(torch.func.grad(lambda *a: call(ref)(*a).sin().sum(), argnums=(0, 1, 2, 3)), primals, tangents)[1]
+    _, our_t = torch.func.jvp(call(ours), primals, tangents)
+    our_h = torch.func.jvp(torch.func.grad(lambda *a: call(ours)(*a).sin().sum(), argnums=(0, 1, 2, 3)), primals, tangents)[1]
+    assert rel_err(our_t, ref_t) < EXACT
+    flat = lambda h: {"x": h[0], "memory": h[1], "bias": h[2], **h[3]}  # noqa: E731
+    assert_all_close(flat(our_h), flat(ref_h))
+
+
+def test_drop_in_function_second_order():
+    """The drop-in spelling: a float attn_mask that requires grad gets its second derivatives."""
+    q, k, v = make(batch=1, heads=2, len_q=5, len_k=6)
+    bias = randn(5, 6, seed=8).requires_grad_()
+    out = scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    (g_bias,) = torch.autograd.grad(out.sin().sum(), bias, create_graph=True)
+    ours = torch.autograd.grad(g_bias.square().sum(), [q, k, v, bias])
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    (g_ref,) = torch.autograd.grad(ref.sin().sum(), bias, create_graph=True)
+    theirs = torch.autograd.grad(g_ref.square().sum(), [q, k, v, bias])
+    assert_all_close(dict(zip("qkvb", ours)), dict(zip("qkvb", theirs)))

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .. import __version__
-from . import bench_cmd, check_cmd, formulas_cmd
+from . import bench_cmd, check_cmd, formulas_cmd, generate_cmd, train_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_cmd.add_arguments(bench)
     bench.set_defaults(run=bench_cmd.run)
+    training = commands.add_parser(
+        "train",
+        help="train a NumPy Transformer by hand-derived gradients (reverse, copy, sort, lm)",
+        description="Train the Transformer of 'Attention Is All You Need', written in NumPy with every backward "
+        "pass derived by hand, on a toy task or a text. Progress bar with loss, accuracy and tokens per second; "
+        "writes model.npz, history.json and curves.png.",
+    )
+    train_cmd.add_arguments(training)
+    training.set_defaults(run=train_cmd.run)
+    generate = commands.add_parser(
+        "generate",
+        help="decode with a trained checkpoint: reverse/copy/sort digits, or sample text",
+        description="Greedy-decode a digit sequence with a toy-task checkpoint, or sample text after a prompt "
+        "with a language-model checkpoint.",
+    )
+    generate_cmd.add_arguments(generate)
+    generate.set_defaults(run=generate_cmd.run)
     return parser
 
 

@@ -40,7 +40,8 @@ def test_every_implementation_steps_on_every_case(implementation):
 
 def test_memory_probe_in_a_fresh_process():
     result = measure("attngrad", BenchCase(128, causal=True))
-    assert set(result) == {"peak_growth_bytes", "required_bytes", "extra_bytes"}
+    assert set(result) == {"peak_growth_bytes", "required_bytes", "extra_bytes", "process_peak_bytes"}
+    assert result["process_peak_bytes"] > result["peak_growth_bytes"]
     assert result["required_bytes"] == 4 * 8 * 128 * 64 * 4
     assert measure("attngrad", BenchCase(128, mode="double-backward"))["required_bytes"] == 4 * 8 * 128 * 64 * 7
 

@@ -10,12 +10,14 @@ from attngrad.model import PAD, TransformerConfig, backward, forward, init_param
 from attngrad.model.layers import Dropout, positional_encoding
 from attngrad.model.loss import cross_entropy_backward, cross_entropy_forward
 
-from ..conftest import assert_all_close
+from ..conftest import EXACT, assert_all_close
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-BAR = 1e-10  # the issue's bar: a whole model's chain of float64 roundings, not one layer's
+# The issue asks for 1e-10 over a whole model's chain of float64 roundings; the project's
+# 1e-12 holds too (the worst parameter is at about 5e-15).
+BAR = EXACT
 
 
 class TorchTransformer:

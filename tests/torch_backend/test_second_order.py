@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from attngrad.torch import MultiheadAttention, attention, kernels, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch import kernels_higher  # noqa: E402
 from attngrad.torch import op as attention_op  # noqa: E402
 
 from ..conftest import EXACT, assert_all_close, rel_err  # noqa: E402
@@ -23,6 +24,7 @@ DOUBLE = torch.float64
 def many_blocks(monkeypatch):
     monkeypatch.setattr(kernels, "TILE_ELEMENTS", 1 << 9)
     monkeypatch.setattr(kernels, "MIN_ROWS", 3)
+    monkeypatch.setattr(kernels_higher, "HIGHER_MIN_ROWS", 3)
 
 
 def randn(*shape, seed):

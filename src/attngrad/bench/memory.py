@@ -65,7 +65,8 @@ def measure_here(implementation: str, case: BenchCase) -> dict[str, Any]:
     required = element * case.batch * case.heads * case.length * case.dim * case.outputs
     if case.bias_grad:
         required += element * case.heads * case.length * case.length  # dbias
-    return {"peak_growth_bytes": growth, "required_bytes": required, "extra_bytes": max(0, growth - required)}
+    return {"peak_growth_bytes": growth, "required_bytes": required, "extra_bytes": max(0, growth - required),
+            "process_peak_bytes": baseline + growth}
 
 
 def measure(implementation: str, case: BenchCase, timeout: float = 600.0) -> dict[str, Any]:

@@ -30,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"{args.checkpoint} is a language model without its character table")
             vocab = CharVocab(ckpt.chars)
             rng = np.random.default_rng(args.seed)
-            sampled = sample_text(ckpt.params, ckpt.model, vocab.encode(args.prompt), args.length, rng, args.temperature)
+            sampled = sample_text(ckpt.params, ckpt.model, vocab.encode(args.prompt), args.length, rng, args.temperature,
+                                  context=ckpt.train.window)
             print(args.prompt + vocab.decode(sampled))
             return 0
         digits = parse_digits(args.prompt)

@@ -84,12 +84,14 @@ def greedy_decode(params: dict[str, np.ndarray], config: TransformerConfig, src:
 
 
 def sample_text(params: dict[str, np.ndarray], config: TransformerConfig, prompt: list[int], length: int,
-                rng: np.random.Generator, temperature: float = 1.0) -> list[int]:
-    """Decoder-only sampling of `length` tokens after `prompt` (greedy at temperature 0)."""
+                rng: np.random.Generator, temperature: float = 1.0, context: int | None = None) -> list[int]:
+    """Decoder-only sampling of `length` tokens after `prompt` (greedy at temperature 0), each
+    from the last `context` tokens (the training window: later positions were never trained)."""
     tokens = [BOS] + list(prompt)
+    context = min(context or config.max_len, config.max_len)
     for _ in range(length):
-        context = np.array([tokens[-config.max_len:]], dtype=np.int64)
-        logits, _ = forward(params, config, None, context)
+        window = np.array([tokens[-context:]], dtype=np.int64)
+        logits, _ = forward(params, config, None, window)
         last = logits[0, -1].astype(np.float64)
         last[:EOS + 1] = -np.inf  # never PAD, BOS or EOS in running text
         if temperature <= 0:

@@ -45,13 +45,15 @@ MIN_ROWS = 16
 MAX_ROWS = 512
 
 
-def blocks(batch: int, heads: int, len_q: int, len_k: int, is_causal: bool) -> list[tuple[int, int, int]]:
+def blocks(batch: int, heads: int, len_q: int, len_k: int, is_causal: bool, min_rows: int | None = None) -> list[tuple[int, int, int]]:
     """The query blocks (start, stop, keys): rows start:stop see keys :keys.
 
-    Each block's score tile holds about TILE_ELEMENTS numbers. A causal block sees only
-    the keys up to its last row, so early blocks, which see few keys, take more rows.
-    Forward and backward use the same blocks (the dropout masks are drawn per block).
+    Each block's score tile holds about TILE_ELEMENTS numbers, but at least `min_rows`
+    (default MIN_ROWS) rows. A causal block sees only the keys up to its last row, so early
+    blocks, which see few keys, take more rows. Forward and backward use the same blocks
+    (the dropout masks are drawn per block).
     """
+    min_rows = MIN_ROWS if min_rows is None else min_rows
     out = []
     start = 0
     while start < len_q:
@@ -60,7 +62,7 @@ def blocks(batch: int, heads: int, len_q: int, len_k: int, is_causal: bool) -> l
         if is_causal:  # solve rows * (start + rows) ~ budget / (B H) for this block's rows
             budget = TILE_ELEMENTS / max(1, batch * heads)
             rows = int((math.sqrt(start * start + 4 * budget) - start) / 2)
-        rows = max(1, min(len_q - start, max(MIN_ROWS, min(MAX_ROWS, rows))))
+        rows = max(1, min(len_q - start, max(min_rows, min(MAX_ROWS, rows))))
         stop = start + rows
         if is_causal:
             keys = min(len_k, stop)

@@ -47,6 +47,8 @@ from torch import Tensor
 
 from .kernels import _keep_scale_into, _operands, _rows, _scores, _Tiles, add_block_to_bias, blocks
 
+HIGHER_MIN_ROWS = 128
+
 
 def _repeat(t: Optional[Tensor], groups: int, work: torch.dtype) -> Optional[Tensor]:
     """A key/value-side tangent or cotangent, repeated over GQA groups like K and V."""
@@ -108,7 +110,12 @@ class _Recompute:
         self.bias, self.mask, self.seed = ops.bias, mask, seed
         self.row_max, self.inv_sum = row_max, inv_sum
         self.is_causal, self.scale, self.dropout_p = is_causal, scale, dropout_p
-        self.plan = blocks(self.batch, self.heads, self.len_q, self.len_k, is_causal)
+        # Dropout masks are drawn per block, so with dropout the blocks must be the forward's.
+        # Without, long sequences get taller blocks: these passes do 2.5-6 forwards' worth of
+        # GEMMs per tile, and 16-row GEMMs are thin (JVP at L=16384: 10.6 s with 32-row
+        # blocks, 7.7 s with 128), for some more memory (128 rows x L keys x B H per tile).
+        min_rows = None if dropout_p > 0.0 else HIGHER_MIN_ROWS
+        self.plan = blocks(self.batch, self.heads, self.len_q, self.len_k, is_causal, min_rows)
         count = buffers + (1 if dropout_p > 0.0 else 0)
         self.tiles = _Tiles(count, self.plan, self.batch, self.heads, self.work, q.device)
         self.zeros = None
@@ -159,6 +166,26 @@ def _sum_of_products(*terms: Optional[tuple[Tensor, Tensor, float]]) -> Tensor:
     for a, b, alpha in present[1:]:
         _add_matmul(out, a, b, alpha=alpha)
     return out
+
+
+def _back_through_scores(
+    r: "_Recompute", x: Tensor, ds: Tensor, key_side: Optional[Tensor], query_side: Optional[Tensor],
+    dq: Tensor, dk: Tensor, dbias: Optional[Tensor], start: int, stop: int, keys: int,
+) -> None:
+    """How both second-order passes end, for one block. A score-shaped tile X (dS~ or g_S)
+    goes back through S = scale Q K~^T + bias, and dS = P * (dP - D) meets the key-side and
+    query-side tangents or cotangents (K~', Q' or gK~, gQ) of dQ = scale dS K~, dK~ = scale dS^T Q:
+        dq[rows] = scale (X K~ + dS key_side),  dk += X^T (scale Q) + dS^T query_side,  dbias += X
+    (query_side carries the scale already)."""
+    rows = slice(start, stop)
+    dq[:, :, rows] = _sum_of_products(
+        (x, r.k_rep[..., :keys, :], r.scale), None if key_side is None else (ds, key_side[..., :keys, :], r.scale)
+    )
+    _add_matmul(dk[..., :keys, :], x, r.q_scaled[:, :, rows], transpose_a=True)
+    if query_side is not None:
+        _add_matmul(dk[..., :keys, :], ds, query_side[:, :, rows], transpose_a=True)
+    if dbias is not None:
+        add_block_to_bias(dbias, x, start, stop, keys)
 
 
 def _times(t: Tensor, z: Optional[Tensor], out: Tensor) -> Tensor:
@@ -223,7 +250,7 @@ def attention_backward_jvp(
         if keys == 0:
             continue
         rows = slice(start, stop)
-        do_blk, k_blk, v_blk = do_w[:, :, rows], r.k_rep[..., :keys, :], r.v_rep[..., :keys, :]
+        do_blk, v_blk = do_w[:, :, rows], r.v_rep[..., :keys, :]
         p, z = r.probs(block, start, stop, keys)
         s_t = form.tile_into(r.tile(1, start, stop, keys), start, stop)  # S'
         p_t = _softmax_jacobian_times(p, s_t, out=r.tile(4, start, stop, keys))  # P'
@@ -248,15 +275,8 @@ def attention_backward_jvp(
         dp.sub_(delta[:, :, rows])  # dP - D
         ds_t = p_t.mul_(dp).add_(dp_t.sub_(delta_t).mul_(p))  # dS~, in P''s buffer
         ds = p.mul_(dp)  # dS, in P's buffer
-        # backward: dQ = scale dS K~, dK~ = scale dS^T Q  ->  product rule on each
-        dq_t[:, :, rows] = _sum_of_products(
-            (ds_t, k_blk, scale), None if tk_rep is None else (ds, tk_rep[..., :keys, :], scale)
-        )
-        _add_matmul(dk_t[..., :keys, :], ds_t, r.q_scaled[:, :, rows], transpose_a=True)
-        if tq_s is not None:
-            _add_matmul(dk_t[..., :keys, :], ds, tq_s[:, :, rows], transpose_a=True)
-        if dbias_t is not None:
-            add_block_to_bias(dbias_t, ds_t, start, stop, keys)
+        # backward: dQ = scale dS K~, dK~ = scale dS^T Q, dbias = dS  ->  product rule on each
+        _back_through_scores(r, ds_t, ds, tk_rep, tq_s, dq_t, dk_t, dbias_t, start, stop, keys)
     return (
         dq_t.to(q.dtype),
         r.sum_groups(dk_t).to(k.dtype),
@@ -287,7 +307,7 @@ def attention_double_backward(
         if keys == 0:
             continue
         rows = slice(start, stop)
-        do_blk, k_blk, v_blk = do_w[:, :, rows], r.k_rep[..., :keys, :], r.v_rep[..., :keys, :]
+        do_blk, v_blk = do_w[:, :, rows], r.v_rep[..., :keys, :]
         p, z = r.probs(block, start, stop, keys)
         scratch = r.tile(3, start, stop, keys)
         t_form = form.tile_into(r.tile(1, start, stop, keys), start, stop)  # T
@@ -315,14 +335,7 @@ def attention_double_backward(
         # through P = softmax(S), then S = scale Q K~^T + bias; dQ, dK~ also hold K~, Q directly
         g_s = _softmax_jacobian_times(p, g_p, out=scratch)  # g_S = P * (g_P - rowsum(P * g_P))
         ds = p.mul_(dp)  # dS = P * (dP - D), in P's buffer
-        g_q[:, :, rows] = _sum_of_products(
-            (g_s, k_blk, scale), None if gk_rep is None else (ds, gk_rep[..., :keys, :], scale)
-        )
-        _add_matmul(g_k[..., :keys, :], g_s, r.q_scaled[:, :, rows], transpose_a=True)
-        if gq_s is not None:
-            _add_matmul(g_k[..., :keys, :], ds, gq_s[:, :, rows], transpose_a=True)
-        if g_bias is not None:
-            add_block_to_bias(g_bias, g_s, start, stop, keys)
+        _back_through_scores(r, g_s, ds, gk_rep, gq_s, g_q, g_k, g_bias, start, stop, keys)
     return (
         g_do.to(dout.dtype),
         g_q.to(q.dtype),

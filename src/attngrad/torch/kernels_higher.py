@@ -139,6 +139,13 @@ class _Recompute:
         and a bias-shaped `c`, in the compute dtype."""
         return _ScoreForm(self.q_scaled, self.k_rep, _to(a_q, self.work, self.scale), _repeat(b_k, self.groups, self.work), _to(c, self.work))
 
+    def gradient_accumulators(self, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+        """Zeros shaped like Q, K~, V~ (contiguous, whatever the inputs' strides) and, when
+        asked, like the bias, in the compute dtype."""
+        zeros = [torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (self.q_scaled, self.k_rep, self.v_rep)]
+        bias = torch.zeros(self.bias.shape, dtype=self.work, device=self.q_scaled.device) if bias_grad else None
+        return zeros[0], zeros[1], zeros[2], bias
+
     def sum_groups(self, t: Tensor) -> Tensor:
         """Adjoint of the GQA repeat: (B, H, Lk, .) -> (B, Hkv, Lk, .)."""
         if self.groups == 1:
@@ -237,15 +244,12 @@ def attention_backward_jvp(
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Tangents of (dq, dk, dv, dbias or None), each in its input's dtype and shape."""
     r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, is_causal, scale, dropout_p, buffers=5)
-    work, device = r.work, q.device
+    work = r.work
     form = r.score_form(tq, tk, tbias)
     tq_s, tk_rep, tv_rep = _to(tq, work, scale), _repeat(tk, r.groups, work), _repeat(tv, r.groups, work)
     do_w, tdo_w = dout.to(work), _to(tdout, work)
     delta = _delta(dout, out, work)
-    dq_t = torch.zeros_like(r.q_scaled, memory_format=torch.contiguous_format)
-    dk_t = torch.zeros_like(r.k_rep, memory_format=torch.contiguous_format)
-    dv_t = torch.zeros_like(r.v_rep, memory_format=torch.contiguous_format)
-    dbias_t = torch.zeros(bias.shape, dtype=work, device=device) if bias_grad else None
+    dq_t, dk_t, dv_t, dbias_t = r.gradient_accumulators(bias_grad)
     for block, (start, stop, keys) in enumerate(r.plan):
         if keys == 0:
             continue
@@ -299,10 +303,7 @@ def attention_double_backward(
     do_w = dout.to(work)
     delta = _delta(dout, out, work)
     g_do = torch.zeros_like(do_w, memory_format=torch.contiguous_format)
-    g_q = torch.zeros_like(r.q_scaled, memory_format=torch.contiguous_format)
-    g_k = torch.zeros_like(r.k_rep, memory_format=torch.contiguous_format)
-    g_v = torch.zeros_like(r.v_rep, memory_format=torch.contiguous_format)
-    g_bias = torch.zeros(bias.shape, dtype=work, device=q.device) if bias_grad else None
+    g_q, g_k, g_v, g_bias = r.gradient_accumulators(bias_grad)
     for block, (start, stop, keys) in enumerate(r.plan):
         if keys == 0:
             continue

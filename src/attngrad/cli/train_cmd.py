@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=int, default=250, help="steps between held-out evaluations (default %(default)s)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="(default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="(default %(default)s)")
-    parser.add_argument("--resume", type=Path, metavar="CHECKPOINT", help="continue from a checkpoint, up to --steps in all")
+    parser.add_argument("--resume", type=Path, metavar="CHECKPOINT", help="continue from a checkpoint (its model, optimizer state and step count), up to --steps in all")
     parser.add_argument("--out", type=Path, default=Path("runs/latest"),
                         help="folder for model.npz, history.json, curves.png (default %(default)s)")
 

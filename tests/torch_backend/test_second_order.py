@@ -253,3 +253,25 @@ def test_drop_in_function_second_order():
     (g_ref,) = torch.autograd.grad(ref.sin().sum(), bias, create_graph=True)
     theirs = torch.autograd.grad(g_ref.square().sum(), [q, k, v, bias])
     assert_all_close(dict(zip("qkvb", ours)), dict(zip("qkvb", theirs)))
+
+
+@pytest.mark.filterwarnings("error:There is a performance drop:UserWarning")
+@pytest.mark.parametrize("name", ["causal-gqa-bias", "mask-bias", "dropout-bias"])
+def test_vmap_batching_rules_match_a_loop(many_blocks, name):
+    """vmap folds its axis into the batch (dropout: one call per slice); per-sample gradients,
+    bias gradients included, equal a Python loop over the samples, and PyTorch's slow
+    fallback (which warns) is never taken."""
+    case = Case(**CASES[name])
+    q, k, v, bias = case.primals
+    qs = torch.stack([q, 2 * q, q.flip(2)])
+
+    def loss(q, bias):
+        return case.ours(q, k, v, bias).sin().sum()
+
+    batched = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=(0, None))(qs, bias)
+    for i in range(3):
+        single = torch.func.grad(loss, argnums=(0, 1))(qs[i], bias)
+        assert all(rel_err(b[i], s) < EXACT for b, s in zip(batched, single))
+    tangents = torch.randn_like(qs)
+    _, out_t = torch.func.vmap(lambda t: torch.func.jvp(lambda q: case.ours(q, k, v, bias), (q,), (t,)))(tangents)
+    assert rel_err(out_t[1], torch.func.jvp(lambda q: case.ours(q, k, v, bias), (q,), (tangents[1],))[1]) < EXACT

@@ -16,6 +16,9 @@ derivative raises. (torch.library's own register_autograd would be the shorter s
 but the wrapper it generates in torch 2.13 has no setup_context, and torch.func refuses
 it: pytorch#170834.)
 
+Each op also has a batching rule (`vmap_rules`), so torch.func.vmap, jacrev and hessian
+run it once over the folded batch.
+
 The forward saves q, k, v, the masks, out, and per query row the score maximum and the
 inverse softmax denominator: O(L). Everything else is recomputed block by block.
 `out`, the row statistics and `seed` reach AttentionBackward as caches: its derivatives
@@ -31,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from . import kernels, kernels_higher
+from . import kernels, kernels_higher, vmap_rules
 
 
 @torch.library.custom_op("attngrad::attention_forward", mutates_args=())
@@ -123,6 +126,25 @@ def _attention_double_backward_fake(dout, q, k, v, mask, bias, seed, out, row_ma
                                     dropout_p, bias_grad, gq, gk, gv, gbias):
     g_bias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
     return torch.empty_like(dout), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), g_bias
+
+
+def _register_batching_rules() -> None:
+    forward_args = ["q", "k", "v", "mask", "bias", "seed", "is_causal", "scale", "dropout_p"]
+    backward_args = ["dout", "q", "k", "v", "mask", "bias", "seed", "out", "row_max", "inv_sum",
+                     "is_causal", "scale", "dropout_p", "bias_grad"]
+    jvp_args = ["q", "k", "v", "mask", "bias", "seed", "row_max", "inv_sum", "is_causal", "scale", "dropout_p",
+                "tq", "tk", "tv", "tbias"]
+    for op, names, bias_output in (
+        (attention_forward, forward_args, False),
+        (attention_backward, backward_args, True),
+        (attention_jvp, jvp_args, False),
+        (attention_backward_jvp, backward_args + ["tdout", "tq", "tk", "tv", "tbias"], True),
+        (attention_double_backward, backward_args + ["gq", "gk", "gv", "gbias"], True),
+    ):
+        op.register_vmap(vmap_rules.make_rule(op, names, bias_output))
+
+
+_register_batching_rules()
 
 
 THIRD_ORDER = "attngrad attention has derivatives up to second order; a third was asked for"

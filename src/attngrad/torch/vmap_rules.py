@@ -1,0 +1,92 @@
+"""Batching rules for the attention ops, so that torch.func.vmap (and jacrev, jacfwd, hessian,
+which vmap) runs each op once instead of once per batched slice.
+
+Attention is already batched over B, so a vmapped axis of size N folds into it: every
+(B, ...) operand becomes (N B, ...), a bias-like operand (a mask, a bias, or its tangent or
+cotangent, broadcastable to (B, H, Lq, Lk)) is expanded to (N B, h, lq, lk), the op runs once,
+and the outputs unfold to (N, B, ...). A bias gradient comes back per vmapped slice, summed to
+the bias's own shape. With dropout the fold would change the blocks' shapes and so the masks
+drawn for them, so then, as with a batched seed, the op runs once per slice.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+BIAS_LIKE = frozenset({"mask", "bias", "tbias", "gbias"})
+
+
+def _moved(t: Tensor, dim: int | None) -> Tensor:
+    return t if dim is None else t.movedim(dim, 0)
+
+
+def _fold_batch(t: Tensor, dim: int | None, n: int) -> Tensor:
+    """(B, ...) with an optional vmapped axis -> (N B, ...)."""
+    t = _moved(t, dim) if dim is not None else t.expand(n, *t.shape)
+    return t.reshape(n * t.shape[1], *t.shape[2:])
+
+
+def _fold_bias(t: Tensor, dim: int | None, n: int, batch: int) -> Tensor:
+    """A tensor broadcastable to (B, H, Lq, Lk), with an optional vmapped axis -> (N B, h, lq, lk)."""
+    t = _moved(t, dim) if dim is not None else t.expand(n, *t.shape)
+    t = t.reshape(n, *([1] * (5 - t.dim())), *t.shape[1:])  # (N, b0, h, lq, lk)
+    return t.expand(n, batch, *t.shape[2:]).reshape(n * batch, *t.shape[2:])
+
+
+def _unfold_bias(grad: Tensor, n: int, batch: int, shape: torch.Size) -> Tensor:
+    """(N B, h, lq, lk) -> (N, *shape): each slice's gradient in the bias's own shape."""
+    grad = grad.reshape(n, batch, *grad.shape[1:])
+    padded = (1,) * (4 - len(shape)) + tuple(shape)
+    if padded[0] == 1:
+        grad = grad.sum(dim=1, keepdim=True)
+    return grad.reshape(n, *shape)
+
+
+def make_rule(op: Callable, names: Sequence[str], bias_output: bool) -> Callable:
+    """The batching rule of `op`, whose arguments are called `names` in order; with
+    `bias_output`, its last output is a bias gradient (or an empty placeholder)."""
+    q_index, seed_index, dropout_index = names.index("q"), names.index("seed"), names.index("dropout_p")
+
+    def per_slice(info: Any, in_dims: tuple, args: tuple) -> tuple[Any, Any]:
+        results = []
+        for i in range(info.batch_size):
+            sliced = [a.select(d, i) if isinstance(a, Tensor) and d is not None else a for a, d in zip(args, in_dims)]
+            results.append(op(*sliced))
+        if isinstance(results[0], Tensor):
+            return torch.stack(results), 0
+        return tuple(torch.stack(parts) for parts in zip(*results)), (0,) * len(results[0])
+
+    def rule(info: Any, in_dims: tuple, *args: Any) -> tuple[Any, Any]:
+        if args[dropout_index] > 0.0 or in_dims[seed_index] is not None:
+            return per_slice(info, in_dims, args)
+        n = info.batch_size
+        q, q_dim = args[q_index], in_dims[q_index]
+        batch = q.shape[0] if q_dim is None else _moved(q, q_dim).shape[1]
+        bias_shape = None
+        folded = []
+        for name, arg, dim in zip(names, args, in_dims):
+            if not isinstance(arg, Tensor) or name == "seed":
+                folded.append(arg)
+            elif name in BIAS_LIKE:
+                if name == "bias":
+                    bias_shape = arg.shape if dim is None else _moved(arg, dim).shape[1:]
+                folded.append(_fold_bias(arg, dim, n, batch))
+            else:
+                folded.append(_fold_batch(arg, dim, n))
+        outputs = op(*folded)
+        if isinstance(outputs, Tensor):
+            return outputs.reshape(n, batch, *outputs.shape[1:]), 0
+        unfolded = [out.reshape(n, batch, *out.shape[1:]) for out in outputs]
+        dims: list[int | None] = [0] * len(outputs)
+        if bias_output:
+            last = outputs[-1]
+            if last.numel() == 0:  # the placeholder: no bias gradient was asked for
+                unfolded[-1], dims[-1] = last, None
+            else:
+                unfolded[-1] = _unfold_bias(last, n, batch, bias_shape)
+        return tuple(unfolded), tuple(dims)
+
+    return rule

@@ -9,6 +9,31 @@ from .. import __version__
 from . import bench_cmd, check_cmd, formulas_cmd, generate_cmd, train_cmd
 
 
+COMMANDS = (  # (name, module, one-line help, description)
+    ("check", check_cmd,
+     "prove every attention gradient against PyTorch autograd and finite differences",
+     "Check every gradient of every attention flavor and option against PyTorch autograd (float64) and central "
+     "finite differences, with random inputs and a random upstream gradient. Exit status 1 if any check fails."),
+    ("formulas", formulas_cmd,
+     "print the gradient formulas of each attention flavor",
+     "Print, for each flavor, the forward lines and the backward lines that differentiate them."),
+    ("bench", bench_cmd,
+     "time attngrad's attention beside PyTorch's (fwd+bwd, jvp, double backward) and measure peak memory",
+     "attngrad.torch beside PyTorch's default and math backends, on identical inputs in one process, alternating "
+     "runs: forward+backward, forward-mode JVP, double backward; peak memory per case in a fresh process. Writes "
+     "a table, results.md, results.json and results.png."),
+    ("train", train_cmd,
+     "train a NumPy Transformer by hand-derived gradients (reverse, copy, sort, lm)",
+     "Train the Transformer of 'Attention Is All You Need', written in NumPy with every backward pass derived by "
+     "hand, on a toy task or a text. Progress bar with loss, accuracy and tokens per second; writes model.npz, "
+     "history.json and curves.png."),
+    ("generate", generate_cmd,
+     "decode with a trained checkpoint: reverse/copy/sort digits, or sample text",
+     "Greedy-decode a digit sequence with a toy-task checkpoint, or sample text after a prompt with a "
+     "language-model checkpoint."),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attngrad",
@@ -16,48 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"attngrad {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    check = commands.add_parser(
-        "check",
-        help="prove every attention gradient against PyTorch autograd and finite differences",
-        description="Check every gradient of every attention flavor and option against PyTorch "
-        "autograd (float64) and central finite differences, with random inputs and a random "
-        "upstream gradient. Exit status 1 if any check fails.",
-    )
-    check_cmd.add_arguments(check)
-    check.set_defaults(run=check_cmd.run)
-    show = commands.add_parser(
-        "formulas",
-        help="print the gradient formulas of each attention flavor",
-        description="Print, for each flavor, the forward lines and the backward lines that differentiate them.",
-    )
-    formulas_cmd.add_arguments(show)
-    show.set_defaults(run=formulas_cmd.run)
-    bench = commands.add_parser(
-        "bench",
-        help="time attngrad's attention beside PyTorch's (fwd+bwd, float32) and measure peak memory",
-        description="Forward+backward of attngrad.torch.scaled_dot_product_attention beside PyTorch's default "
-        "and math backends, on identical inputs in one process, alternating runs; peak memory per case in a "
-        "fresh process. Writes a table, results.md, results.json and results.png.",
-    )
-    bench_cmd.add_arguments(bench)
-    bench.set_defaults(run=bench_cmd.run)
-    training = commands.add_parser(
-        "train",
-        help="train a NumPy Transformer by hand-derived gradients (reverse, copy, sort, lm)",
-        description="Train the Transformer of 'Attention Is All You Need', written in NumPy with every backward "
-        "pass derived by hand, on a toy task or a text. Progress bar with loss, accuracy and tokens per second; "
-        "writes model.npz, history.json and curves.png.",
-    )
-    train_cmd.add_arguments(training)
-    training.set_defaults(run=train_cmd.run)
-    generate = commands.add_parser(
-        "generate",
-        help="decode with a trained checkpoint: reverse/copy/sort digits, or sample text",
-        description="Greedy-decode a digit sequence with a toy-task checkpoint, or sample text after a prompt "
-        "with a language-model checkpoint.",
-    )
-    generate_cmd.add_arguments(generate)
-    generate.set_defaults(run=generate_cmd.run)
+    for name, module, summary, description in COMMANDS:
+        command = commands.add_parser(name, help=summary, description=description)
+        module.add_arguments(command)
+        command.set_defaults(run=module.run)
     return parser
 
 

@@ -163,6 +163,14 @@ def _sublayer_forward(
     return y, (pre_ln, norm_cache, body_cache, keep)
 
 
+def _sublayer_runner(params: dict[str, np.ndarray], config: TransformerConfig, dropout: Dropout) -> Callable:
+    """sub(x, body, norm_prefix, name) = _sublayer_forward with this model's norms, LN placement and dropout."""
+    def sub(x: np.ndarray, body: Callable, norm: str, name: str) -> tuple[np.ndarray, tuple]:
+        return _sublayer_forward(x, body, _norm(params, norm), config.pre_ln, dropout, name)
+
+    return sub
+
+
 def _sublayer_backward(
     dy: np.ndarray, cache: tuple, body_backward: Callable[[np.ndarray, Any], tuple[np.ndarray, Any]],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any]:
@@ -272,12 +280,12 @@ def encode(params: dict[str, np.ndarray], config: TransformerConfig, src: np.nda
     """The encoder: src (B, S) -> (memory (B, S, D), cache)."""
     padding = src == PAD  # (B, S), True = padding, as torch's key_padding_mask
     x, embed_cache = _embed(src, params["src_embed"], dropout, "src_embed")
+    sub = _sublayer_runner(params, config, dropout)
     layers = []
     for i in range(config.layers):
         p = f"enc.{i}"
-        x, c1 = _sublayer_forward(x, _self_attention(params, f"{p}.attn", config, dropout, causal=False, padding=padding),
-                                  _norm(params, f"{p}.ln1"), config.pre_ln, dropout, f"{p}.attn")
-        x, c2 = _sublayer_forward(x, _feed_forward(params, f"{p}.ffn"), _norm(params, f"{p}.ln2"), config.pre_ln, dropout, f"{p}.ffn")
+        x, c1 = sub(x, _self_attention(params, f"{p}.attn", config, dropout, causal=False, padding=padding), f"{p}.ln1", f"{p}.attn")
+        x, c2 = sub(x, _feed_forward(params, f"{p}.ffn"), f"{p}.ln2", f"{p}.ffn")
         layers.append((c1, c2))
     final = None
     if config.pre_ln:
@@ -289,16 +297,15 @@ def decode(params: dict[str, np.ndarray], config: TransformerConfig, tgt: np.nda
            src_padding: np.ndarray | None, dropout: Dropout = NO_DROPOUT):
     """The decoder and the output projection: tgt (B, T) -> (logits (B, T, V), cache)."""
     y, embed_cache = _embed(tgt, params["tgt_embed"], dropout, "tgt_embed")
+    sub = _sublayer_runner(params, config, dropout)
     layers = []
     for i in range(config.layers):
         p = f"dec.{i}"
-        y, c1 = _sublayer_forward(y, _self_attention(params, f"{p}.self", config, dropout, causal=True, padding=None),
-                                  _norm(params, f"{p}.ln1"), config.pre_ln, dropout, f"{p}.self")
+        y, c1 = sub(y, _self_attention(params, f"{p}.self", config, dropout, causal=True, padding=None), f"{p}.ln1", f"{p}.self")
         c2 = None
         if memory is not None:
-            y, c2 = _sublayer_forward(y, _cross_attention(params, f"{p}.cross", config, dropout, memory, src_padding),
-                                      _norm(params, f"{p}.ln2"), config.pre_ln, dropout, f"{p}.cross")
-        y, c3 = _sublayer_forward(y, _feed_forward(params, f"{p}.ffn"), _norm(params, f"{p}.ln3"), config.pre_ln, dropout, f"{p}.ffn")
+            y, c2 = sub(y, _cross_attention(params, f"{p}.cross", config, dropout, memory, src_padding), f"{p}.ln2", f"{p}.cross")
+        y, c3 = sub(y, _feed_forward(params, f"{p}.ffn"), f"{p}.ln3", f"{p}.ffn")
         layers.append((c1, c2, c3))
     final = None
     if config.pre_ln:

@@ -40,7 +40,7 @@ against PyTorch and against each other (<g, J t> = <J^T g, t>).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -134,6 +134,13 @@ class _Recompute:
             z = _keep_scale_into(self.tile(len(self.tiles.flat) - 1, start, stop, keys), self.seed, block, self.dropout_p)
         return p, z
 
+    def each_block(self) -> Iterator[tuple[int, int, int, Tensor, Optional[Tensor]]]:
+        """(start, stop, keys, P, Z or None) for every block that sees a key; rows that see
+        none keep their zero tangents and gradients."""
+        for block, (start, stop, keys) in enumerate(self.plan):
+            if keys:
+                yield (start, stop, keys, *self.probs(block, start, stop, keys))
+
     def score_form(self, a_q: Optional[Tensor], b_k: Optional[Tensor], c: Optional[Tensor]) -> _ScoreForm:
         """The S'/T form for query-side `a_q` (B, H, Lq, d), key-side `b_k` (B, Hkv, Lk, d)
         and a bias-shaped `c`, in the compute dtype."""
@@ -217,10 +224,7 @@ def attention_jvp(
     form = r.score_form(tq, tk, tbias)
     tv_rep = _repeat(tv, r.groups, r.work)
     out_t = torch.zeros(r.batch, r.heads, r.len_q, v.shape[-1], dtype=r.work, device=q.device)
-    for block, (start, stop, keys) in enumerate(r.plan):
-        if keys == 0:
-            continue
-        p, z = r.probs(block, start, stop, keys)
+    for start, stop, keys, p, z in r.each_block():
         s_t = form.tile_into(r.tile(1, start, stop, keys), start, stop)  # S'
         p_t = _softmax_jacobian_times(p, s_t, out=r.tile(2, start, stop, keys))  # P'
         scratch = s_t  # S' is spent
@@ -250,12 +254,9 @@ def attention_backward_jvp(
     do_w, tdo_w = dout.to(work), _to(tdout, work)
     delta = _delta(dout, out, work)
     dq_t, dk_t, dv_t, dbias_t = r.gradient_accumulators(bias_grad)
-    for block, (start, stop, keys) in enumerate(r.plan):
-        if keys == 0:
-            continue
+    for start, stop, keys, p, z in r.each_block():
         rows = slice(start, stop)
         do_blk, v_blk = do_w[:, :, rows], r.v_rep[..., :keys, :]
-        p, z = r.probs(block, start, stop, keys)
         s_t = form.tile_into(r.tile(1, start, stop, keys), start, stop)  # S'
         p_t = _softmax_jacobian_times(p, s_t, out=r.tile(4, start, stop, keys))  # P'
         scratch = s_t  # S' is spent
@@ -304,12 +305,9 @@ def attention_double_backward(
     delta = _delta(dout, out, work)
     g_do = torch.zeros_like(do_w, memory_format=torch.contiguous_format)
     g_q, g_k, g_v, g_bias = r.gradient_accumulators(bias_grad)
-    for block, (start, stop, keys) in enumerate(r.plan):
-        if keys == 0:
-            continue
+    for start, stop, keys, p, z in r.each_block():
         rows = slice(start, stop)
         do_blk, v_blk = do_w[:, :, rows], r.v_rep[..., :keys, :]
-        p, z = r.probs(block, start, stop, keys)
         scratch = r.tile(3, start, stop, keys)
         t_form = form.tile_into(r.tile(1, start, stop, keys), start, stop)  # T
         t_row = torch.mul(p, t_form, out=scratch).sum(dim=-1, keepdim=True)  # t = rowsum(P * T)

@@ -109,6 +109,10 @@ def test_checkpoints_refuse_pickles_and_mismatched_shapes(tmp_path):
     np.savez(tmp_path / "config.npz", **arrays)
     with pytest.raises(ValueError, match="the configuration says"):
         load_checkpoint(tmp_path / "config.npz")
+    meta["model"]["d_model"] = "wide"
+    np.savez(tmp_path / "meta.npz", **{**arrays, "meta": np.array(json.dumps(meta))})
+    with pytest.raises(ValueError, match="configuration cannot be read"):
+        load_checkpoint(tmp_path / "meta.npz")
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(ValueError, match="not a readable"):
         load_checkpoint(tmp_path / "junk.npz")

@@ -164,10 +164,15 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise ValueError(f"{path}: not a readable .npz checkpoint ({error})") from None
     if "meta" not in arrays:
         raise ValueError(f"{path}: not an attngrad checkpoint (no 'meta' entry)")
-    meta = json.loads(str(arrays.pop("meta")))
-    if meta.get("format") != "attngrad-transformer-1":
-        raise ValueError(f"{path}: unknown checkpoint format {meta.get('format')!r}")
-    model = TransformerConfig(**meta["model"])
+    try:
+        meta = json.loads(str(arrays.pop("meta")))
+        if meta.get("format") != "attngrad-transformer-1":
+            raise ValueError(f"unknown checkpoint format {meta.get('format')!r}")
+        model = TransformerConfig(**meta["model"])
+        train_config = TrainConfig(**meta["train"])
+        history = History(**meta["history"]) if meta.get("history") else History()
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as error:
+        raise ValueError(f"{path}: its configuration cannot be read ({error})") from None
     params = {n[len("param."):]: a for n, a in arrays.items() if n.startswith("param.")}
     expected = parameter_shapes(model)
     if params.keys() != expected.keys():
@@ -178,9 +183,14 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             raise ValueError(f"{path}: parameter {name} has shape {params[name].shape}, the configuration says {shape}")
         if params[name].dtype not in (np.float32, np.float64):
             raise ValueError(f"{path}: parameter {name} has dtype {params[name].dtype}; expected float32 or float64")
-    history = History(**meta["history"]) if meta.get("history") else History()
     optimizer_state = {n: a for n, a in arrays.items() if n.startswith("adam.")}
-    return Checkpoint(params, model, TrainConfig(**meta["train"]), history, optimizer_state, meta.get("chars"))
+    if optimizer_state:
+        for name, shape in expected.items():
+            for moment in ("m", "v"):
+                key = f"adam.{moment}.{name}"
+                if key not in optimizer_state or optimizer_state[key].shape != shape:
+                    raise ValueError(f"{path}: the optimizer state {key} is missing or not of shape {shape}")
+    return Checkpoint(params, model, train_config, history, optimizer_state, meta.get("chars"))
 
 
 # --- the loop -------------------------------------------------------------------------------

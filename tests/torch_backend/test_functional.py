@@ -14,9 +14,11 @@ from ..conftest import EXACT, rel_err  # noqa: E402
 
 @pytest.fixture
 def many_blocks(monkeypatch):
-    """Small tiles, so that every test crosses many block boundaries."""
+    """Small tiles, so that every test crosses many block boundaries, and short key slices
+    in the forward's E V product (the last one shorter than the rest)."""
     monkeypatch.setattr(kernels, "TILE_ELEMENTS", 1 << 9)
     monkeypatch.setattr(kernels, "MIN_ROWS", 3)
+    monkeypatch.setattr(kernels, "VALUE_SLICE", 4)
 
 
 def math_sdpa(*args, **kwargs):
@@ -148,12 +150,18 @@ def test_deterministic_bits(many_blocks):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-def test_float32_accuracy_is_on_par_with_pytorchs_default_backend():
+def normwise_err(ours, ref) -> float:
+    """||ours - ref|| / ||ref||, Frobenius: the error of the whole tensor."""
+    return float((ours - ref).norm() / ref.norm())
+
+
+def test_float32_error_is_below_pytorchs_default_backend():
     """B=2, H=4, L=1024, d=64: error against the float64 truth, ours beside PyTorch's flash kernel.
 
-    Both are limited by float32 GEMM accumulation; over seeds each wins about half the
-    tensors (issue 4 asks for never worse: not met, see the issue notes). The bar held
-    here: within 2x of PyTorch's error on every tensor, and below 2e-6.
+    The bar (issue 4) holds in the normwise error of every tensor: ours no larger than
+    PyTorch's (0.76-0.93x of it over 8 seeds, full and causal). The forward's 128-key value
+    slices are what bring the output below. The largest single-entry error is a noisier
+    figure, where each kernel wins about half the time; within 1.5x is asserted for it.
     """
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, 4, 1024, 64, generator=g, dtype=torch.float64) for _ in range(3))
@@ -166,10 +174,10 @@ def test_float32_accuracy_is_on_par_with_pytorchs_default_backend():
             out = fn(*leaves, is_causal=is_causal)
             grads = torch.autograd.grad(out, leaves, dout.to(dtype))
             errors[name] = (out.double(), *(gr.double() for gr in grads))
-        for i in range(4):
-            ours = rel_err(errors["ours"][i], errors["truth"][i])
-            theirs = rel_err(errors["torch"][i], errors["truth"][i])
-            assert ours <= 2 * theirs and ours < 2e-6, (is_causal, i, ours, theirs)
+        for i, tensor in enumerate(("out", "dq", "dk", "dv")):
+            truth, ours, theirs = errors["truth"][i], errors["ours"][i], errors["torch"][i]
+            assert normwise_err(ours, truth) <= normwise_err(theirs, truth), (is_causal, tensor)
+            assert rel_err(ours, truth) <= 1.5 * rel_err(theirs, truth), (is_causal, tensor)
 
 
 def test_compiles_with_fullgraph():

@@ -25,6 +25,7 @@ def many_blocks(monkeypatch):
     monkeypatch.setattr(kernels, "TILE_ELEMENTS", 1 << 9)
     monkeypatch.setattr(kernels, "MIN_ROWS", 3)
     monkeypatch.setattr(kernels_higher, "HIGHER_MIN_ROWS", 3)
+    monkeypatch.setattr(kernels, "VALUE_SLICE", 4)
 
 
 def randn(*shape, seed):
@@ -92,24 +93,51 @@ def test_jvp_matches_math_kernel(many_blocks, name):
         assert rel_err(torch.autograd.forward_ad.unpack_dual(case.ours(*duals)).tangent, ref_t) < EXACT
 
 
-def double_backward(fn, primals, dout, cotangents):
-    """Gradients of <cotangents, d<dout, fn>/d primals> with respect to the primals and dout."""
+def double_backward(fn, primals, dout, cotangents, dout_grad=True):
+    """Gradients of <cotangents, d<dout, fn>/d primals> with respect to the primals and, with
+    `dout_grad`, dout (a gradient penalty's dout is a constant, and the kernel skips it)."""
     leaves = [p.clone().requires_grad_() for p in primals]
-    dout = dout.clone().requires_grad_()
+    dout = dout.clone().requires_grad_(dout_grad)
     grads = torch.autograd.grad(fn(*leaves), leaves, dout, create_graph=True)
     inner = sum((g * c).sum() for g, c in zip(grads, cotangents))
-    return torch.autograd.grad(inner, leaves + [dout])
+    return torch.autograd.grad(inner, leaves + ([dout] if dout_grad else []))
 
 
+@pytest.mark.parametrize("dout_grad", [True, False])
 @pytest.mark.parametrize("name", CASES)
-def test_double_backward_matches_math_kernel(many_blocks, name):
+def test_double_backward_matches_math_kernel(many_blocks, name, dout_grad):
     case = Case(**CASES[name])
     dout = randn(*case.q.shape[:-1], case.v.shape[-1], seed=30)
     cotangents = tangents_like(case.primals, 40)
-    ours = double_backward(case.ours, case.primals, dout, cotangents)
-    theirs = double_backward(case.theirs, case.primals, dout, cotangents)
-    names = ["q", "k", "v", "bias"][: len(case.primals)] + ["dout"]
+    ours = double_backward(case.ours, case.primals, dout, cotangents, dout_grad)
+    theirs = double_backward(case.theirs, case.primals, dout, cotangents, dout_grad)
+    names = ["q", "k", "v", "bias"][: len(case.primals)] + (["dout"] if dout_grad else [])
+    assert len(ours) == len(names)
     assert_all_close(dict(zip(names, ours)), dict(zip(names, theirs)))
+
+
+def test_vmapped_double_backward_op_without_dout_gradient(many_blocks):
+    """The op's batching rule passes an absent g_dout (an empty placeholder) through, as it
+    does an absent bias gradient, and g_q, g_k, g_v do not depend on whether g_dout is asked."""
+    q, k, v = (t.detach() for t in make(heads=H, len_q=LQ, len_k=LK))
+    qs = torch.stack([q, 2 * q, q.flip(2)])
+    dout = randn(*q.shape[:-1], v.shape[-1], seed=60)
+    gq, gk, gv = (randn(*t.shape, seed=61 + i) for i, t in enumerate((q, k, v)))
+    seed, options = torch.tensor(0), (False, 0.3, 0.0)
+
+    def second(q, dout_grad):
+        out, row_max, inv_sum = attention_op.attention_forward(q, k, v, None, None, seed, *options)
+        return attention_op.attention_double_backward(dout, q, k, v, None, None, seed, out, row_max, inv_sum,
+                                                      *options, False, dout_grad, gq, gk, gv, None)
+
+    without = torch.func.vmap(lambda q: second(q, False))(qs)
+    with_dout = torch.func.vmap(lambda q: second(q, True))(qs)
+    assert without[0].numel() == 0 and with_dout[0].shape == (3, *dout.shape)
+    for i in range(3):
+        single = second(qs[i], False)
+        for batched, full, alone in zip(without[1:4], with_dout[1:4], single[1:4]):
+            assert torch.equal(batched[i], full[i])
+            assert rel_err(batched[i], alone) < EXACT
 
 
 @pytest.mark.parametrize("name", ["causal-gqa-bias", "dropout-bias"])

@@ -45,7 +45,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from .kernels import _keep_scale_into, _operands, _rows, _scores, _Tiles, add_block_to_bias, blocks
+from .kernels import _keep_scale_into, _operands, _rows, _scores, _Tiles, add_block_to_bias, blocks, with_column
 
 HIGHER_MIN_ROWS = 128
 
@@ -109,6 +109,8 @@ class _Recompute:
         self.work, self.groups, self.q_scaled, self.k_rep, self.v_rep = ops.work, ops.groups, ops.q_scaled, ops.k_rep, ops.v_rep
         self.bias, self.mask, self.seed = ops.bias, mask, seed
         self.row_max, self.inv_sum = row_max, inv_sum
+        # [scale Q | -m] [K~ | 1]^T = S - m in one GEMM (see kernels.with_column)
+        self.q_shifted, self.k_ones = with_column(self.q_scaled, -row_max[..., None]), with_column(self.k_rep, 1.0)
         self.is_causal, self.scale, self.dropout_p = is_causal, scale, dropout_p
         # Dropout masks are drawn per block, so with dropout the blocks must be the forward's.
         # Without, long sequences get taller blocks: these passes do 2.5-6 forwards' worth of
@@ -126,9 +128,9 @@ class _Recompute:
 
     def probs(self, block: int, start: int, stop: int, keys: int) -> tuple[Tensor, Optional[Tensor]]:
         """(P, Z or None) for one block, each (B, H, R, keys), in buffers 0 and the last."""
-        s = _scores(self.tile(0, start, stop, keys), self.q_scaled[:, :, start:stop], self.k_rep, self.mask, self.bias,
-                    start, stop, self.is_causal)
-        p = s.sub_(self.row_max[:, :, start:stop, None]).exp_().mul_(self.inv_sum[:, :, start:stop, None])
+        s = _scores(self.tile(0, start, stop, keys), self.q_shifted[:, :, start:stop], self.k_ones, self.mask, self.bias,
+                    start, stop, self.is_causal)  # S - m
+        p = s.exp_().mul_(self.inv_sum[:, :, start:stop, None])
         z = None
         if self.dropout_p > 0.0:
             z = _keep_scale_into(self.tile(len(self.tiles.flat) - 1, start, stop, keys), self.seed, block, self.dropout_p)
@@ -293,28 +295,34 @@ def attention_backward_jvp(
 def attention_double_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
     out: Tensor, row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float, bias_grad: bool,
-    gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """(g_dout, g_q, g_k, g_v, g_bias or None): the gradients, with respect to the backward's
-    inputs, of <gq, dq> + <gk, dk> + <gv, dv> + <gbias, dbias>; an absent cotangent is zero."""
+    dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
+) -> tuple[Optional[Tensor], Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """(g_dout or None, g_q, g_k, g_v, g_bias or None): the gradients, with respect to the
+    backward's inputs, of <gq, dq> + <gk, dk> + <gv, dv> + <gbias, dbias>; an absent cotangent
+    is zero. g_dout only with `dout_grad`: a gradient penalty's dO is a constant, and g_dout
+    takes two of the twelve score-sized products per block."""
     r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, is_causal, scale, dropout_p, buffers=5)
     work = r.work
     form = r.score_form(gq, gk, gbias if bias_grad else None)  # T
     gq_s, gk_rep, gv_rep = _to(gq, work, scale), _repeat(gk, r.groups, work), _repeat(gv, r.groups, work)
-    do_w = dout.to(work)
-    delta = _delta(dout, out, work)
-    g_do = torch.zeros_like(do_w, memory_format=torch.contiguous_format)
+    width_v = v.shape[-1]
+    # [dO | -D] [V~ | 1]^T = dP - D in one GEMM without dropout (see kernels.with_column)
+    do_shifted = with_column(dout.to(work), -_delta(dout, out, work))
+    v_ones = with_column(r.v_rep, 1.0) if dropout_p == 0.0 else None
+    g_do = torch.zeros(*dout.shape, dtype=work, device=dout.device) if dout_grad else None
     g_q, g_k, g_v, g_bias = r.gradient_accumulators(bias_grad)
     for start, stop, keys, p, z in r.each_block():
         rows = slice(start, stop)
-        do_blk, v_blk = do_w[:, :, rows], r.v_rep[..., :keys, :]
+        do_rows, v_blk = do_shifted[:, :, rows], r.v_rep[..., :keys, :]
+        do_blk = do_rows[..., :width_v]
         scratch = r.tile(3, start, stop, keys)
         t_form = form.tile_into(r.tile(1, start, stop, keys), start, stop)  # T
         t_row = torch.mul(p, t_form, out=scratch).sum(dim=-1, keepdim=True)  # t = rowsum(P * T)
-        dp = torch.matmul(do_blk, v_blk.transpose(-1, -2), out=r.tile(2, start, stop, keys))
-        if z is not None:
-            dp.mul_(z)
-        dp.sub_(delta[:, :, rows])  # dP - D
+        dp_out = r.tile(2, start, stop, keys)
+        if z is None:
+            dp = torch.matmul(do_rows, v_ones[..., :keys, :].transpose(-1, -2), out=dp_out)  # dP - D
+        else:
+            dp = torch.matmul(do_blk, v_blk.transpose(-1, -2), out=dp_out).mul_(z).add_(do_rows[..., width_v:])
         # through dS = P * (dP - D), D = rowsum(P * dP): to dP, then to P
         t_form.sub_(t_row)  # T - t
         g_dp = torch.mul(p, t_form, out=scratch)
@@ -323,10 +331,12 @@ def attention_double_backward(
         _add_matmul(g_v[..., :keys, :], g_dp_z, do_blk, transpose_a=True)
         g_p = t_form.mul_(dp)  # (dP - D) * (T - t), in T's buffer
         # through dV~ = (P * Z)^T dO, with dP's path to dO beside it
-        if gv_rep is None:
-            g_do[:, :, rows] = torch.matmul(g_dp_z, v_blk)
-        else:
-            g_do[:, :, rows] = _sum_of_products((g_dp_z, v_blk, 1.0), (_times(p, z, r.tile(4, start, stop, keys)), gv_rep[..., :keys, :], 1.0))
+        if g_do is not None:
+            g_do[:, :, rows] = _sum_of_products(
+                (g_dp_z, v_blk, 1.0),
+                None if gv_rep is None else (_times(p, z, r.tile(4, start, stop, keys)), gv_rep[..., :keys, :], 1.0),
+            )
+        if gv_rep is not None:
             if z is None:
                 _add_matmul(g_p, do_blk, gv_rep[..., :keys, :].transpose(-1, -2))
             else:
@@ -336,7 +346,7 @@ def attention_double_backward(
         ds = p.mul_(dp)  # dS = P * (dP - D), in P's buffer
         _back_through_scores(r, g_s, ds, gk_rep, gq_s, g_q, g_k, g_bias, start, stop, keys)
     return (
-        g_do.to(dout.dtype),
+        None if g_do is None else g_do.to(dout.dtype),
         g_q.to(q.dtype),
         r.sum_groups(g_k).to(k.dtype),
         r.sum_groups(g_v).to(v.dtype),

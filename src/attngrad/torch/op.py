@@ -112,20 +112,21 @@ def _attention_backward_jvp_fake(dout, q, k, v, mask, bias, seed, out, row_max, 
 def attention_double_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
     out: Tensor, row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float, bias_grad: bool,
-    gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
+    dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     g_dout, g_q, g_k, g_v, g_bias = kernels_higher.attention_double_backward(
         dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, is_causal, scale, dropout_p, bias_grad,
-        gq, gk, gv, gbias,
+        dout_grad, gq, gk, gv, gbias,
     )
-    return g_dout, g_q, g_k, g_v, _maybe_empty(g_bias, q)
+    return _maybe_empty(g_dout, q), g_q, g_k, g_v, _maybe_empty(g_bias, q)
 
 
 @attention_double_backward.register_fake
 def _attention_double_backward_fake(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, is_causal, scale,
-                                    dropout_p, bias_grad, gq, gk, gv, gbias):
+                                    dropout_p, bias_grad, dout_grad, gq, gk, gv, gbias):
+    g_dout = torch.empty_like(dout) if dout_grad else q.new_empty(0)
     g_bias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
-    return torch.empty_like(dout), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), g_bias
+    return g_dout, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), g_bias
 
 
 def _register_batching_rules() -> None:
@@ -139,7 +140,7 @@ def _register_batching_rules() -> None:
         (attention_backward, backward_args, True),
         (attention_jvp, jvp_args, False),
         (attention_backward_jvp, backward_args + ["tdout", "tq", "tk", "tv", "tbias"], True),
-        (attention_double_backward, backward_args + ["gq", "gk", "gv", "gbias"], True),
+        (attention_double_backward, backward_args + ["dout_grad", "gq", "gk", "gv", "gbias"], True),
     ):
         op.register_vmap(vmap_rules.make_rule(op, names, bias_output))
 
@@ -244,11 +245,12 @@ class AttentionBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, gq: Tensor, gk: Tensor, gv: Tensor, gbias: Tensor):
         bias_grad = ctx.options[3]
+        dout_grad = ctx.needs_input_grad[0]  # a gradient penalty's dout is a constant
         g_dout, g_q, g_k, g_v, g_bias = _Final.apply(
-            attention_double_backward, THIRD_ORDER, *ctx.saved_tensors, *ctx.options, gq, gk, gv,
+            attention_double_backward, THIRD_ORDER, *ctx.saved_tensors, *ctx.options, dout_grad, gq, gk, gv,
             gbias if bias_grad else None,
         )
-        return (g_dout, g_q, g_k, g_v, None, g_bias if bias_grad else None,
+        return (g_dout if dout_grad else None, g_q, g_k, g_v, None, g_bias if bias_grad else None,
                 None, None, None, None, None, None, None, None)
 
     @staticmethod

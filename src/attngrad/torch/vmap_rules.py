@@ -79,14 +79,18 @@ def make_rule(op: Callable, names: Sequence[str], bias_output: bool) -> Callable
         outputs = op(*folded)
         if isinstance(outputs, Tensor):
             return outputs.reshape(n, batch, *outputs.shape[1:]), 0
-        unfolded = [out.reshape(n, batch, *out.shape[1:]) for out in outputs]
-        dims: list[int | None] = [0] * len(outputs)
-        if bias_output:
-            last = outputs[-1]
-            if last.numel() == 0:  # the placeholder: no bias gradient was asked for
-                unfolded[-1], dims[-1] = last, None
+        unfolded: list[Tensor] = []
+        dims: list[int | None] = []
+        for i, out in enumerate(outputs):
+            if out.dim() == 1 and out.numel() == 0:  # a placeholder: that gradient was not asked for
+                unfolded.append(out)
+                dims.append(None)
+            elif bias_output and i == len(outputs) - 1:
+                unfolded.append(_unfold_bias(out, n, batch, bias_shape))
+                dims.append(0)
             else:
-                unfolded[-1] = _unfold_bias(last, n, batch, bias_shape)
+                unfolded.append(out.reshape(n, batch, *out.shape[1:]))
+                dims.append(0)
         return tuple(unfolded), tuple(dims)
 
     return rule

@@ -250,13 +250,13 @@ def attention_backward(
     work, groups, q_scaled, k_rep, v_rep, bias_work = _operands(q, k, v, bias, scale)
     dout_w = dout.to(work)
     delta = (dout_w * out.to(work)).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O), (B, H, Lq, 1)
-    inv_all = inv_sum[..., None]  # 1/l, (B, H, Lq, 1)
     # The row offsets -m and -D/l ride in the GEMMs as an extra column (`with_column`):
     # [scale Q | -m] [K~ | 1]^T = S - m (before bias and masks), and without dropout
     # [dO' | -D/l] [V~ | 1]^T = dP l - D/l, where dO' = dO / l
     q_shifted, k_ones = with_column(q_scaled, -row_max[..., None]), with_column(k_rep, 1.0)
-    do_shifted = with_column(dout_w * inv_all, -(delta * inv_all))
+    q_scaled, k_rep = q_shifted[..., :-1], k_ones[..., :-1]  # views: no second copy kept
     v_ones = with_column(v_rep, 1.0) if dropout_p == 0.0 else None
+    v_rep = v_rep if v_ones is None else v_ones[..., :-1]
     dq = torch.empty(batch, heads, len_q, width, dtype=work, device=q.device)
     dk_rep = torch.zeros(batch, heads, len_k, width, dtype=work, device=q.device)
     dv_rep = torch.zeros(batch, heads, len_k, width_v, dtype=work, device=q.device)
@@ -276,7 +276,8 @@ def attention_backward(
             dq[:, :, start:stop] = 0
             continue
         q_blk = q_scaled[:, :, start:stop]
-        do_rows = do_shifted[:, :, start:stop]  # [dO' | -D/l], (B, H, R, dv + 1)
+        inv = inv_sum[:, :, start:stop, None]  # 1/l, (B, H, R, 1)
+        do_rows = with_column(dout_w[:, :, start:stop] * inv, -(delta[:, :, start:stop] * inv))  # [dO' | -D/l]
         do_blk = do_rows[..., :width_v]  # dO' = dO / l
         # forward: E = exp(S - m), recomputed; 0 on excluded entries and on empty rows
         e = _scores(tiles.get(0, (batch, heads, r, keys)), q_shifted[:, :, start:stop], k_ones, mask, bias_work,

@@ -111,6 +111,7 @@ class _Recompute:
         self.row_max, self.inv_sum = row_max, inv_sum
         # [scale Q | -m] [K~ | 1]^T = S - m in one GEMM (see kernels.with_column)
         self.q_shifted, self.k_ones = with_column(self.q_scaled, -row_max[..., None]), with_column(self.k_rep, 1.0)
+        self.q_scaled, self.k_rep = self.q_shifted[..., :-1], self.k_ones[..., :-1]  # views: no second copy kept
         self.is_causal, self.scale, self.dropout_p = is_causal, scale, dropout_p
         # Dropout masks are drawn per block, so with dropout the blocks must be the forward's.
         # Without, long sequences get taller blocks: these passes do 2.5-6 forwards' worth of
@@ -147,6 +148,13 @@ class _Recompute:
         """The S'/T form for query-side `a_q` (B, H, Lq, d), key-side `b_k` (B, Hkv, Lk, d)
         and a bias-shaped `c`, in the compute dtype."""
         return _ScoreForm(self.q_scaled, self.k_rep, _to(a_q, self.work, self.scale), _repeat(b_k, self.groups, self.work), _to(c, self.work))
+
+    def values_with_ones(self) -> Tensor:
+        """[V~ | 1] (B, H, Lk, dv + 1), so that [dO | -D] [V~ | 1]^T = dP - D is one GEMM;
+        V~ becomes a view of it."""
+        v_ones = with_column(self.v_rep, 1.0)
+        self.v_rep = v_ones[..., :-1]
+        return v_ones
 
     def gradient_accumulators(self, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         """Zeros shaped like Q, K~, V~ (contiguous, whatever the inputs' strides) and, when
@@ -307,13 +315,13 @@ def attention_double_backward(
     gq_s, gk_rep, gv_rep = _to(gq, work, scale), _repeat(gk, r.groups, work), _repeat(gv, r.groups, work)
     width_v = v.shape[-1]
     # [dO | -D] [V~ | 1]^T = dP - D in one GEMM without dropout (see kernels.with_column)
-    do_shifted = with_column(dout.to(work), -_delta(dout, out, work))
-    v_ones = with_column(r.v_rep, 1.0) if dropout_p == 0.0 else None
+    do_w, delta = dout.to(work), _delta(dout, out, work)
+    v_ones = r.values_with_ones() if dropout_p == 0.0 else None
     g_do = torch.zeros(*dout.shape, dtype=work, device=dout.device) if dout_grad else None
     g_q, g_k, g_v, g_bias = r.gradient_accumulators(bias_grad)
     for start, stop, keys, p, z in r.each_block():
         rows = slice(start, stop)
-        do_rows, v_blk = do_shifted[:, :, rows], r.v_rep[..., :keys, :]
+        do_rows, v_blk = with_column(do_w[:, :, rows], -delta[:, :, rows]), r.v_rep[..., :keys, :]  # [dO | -D]
         do_blk = do_rows[..., :width_v]
         scratch = r.tile(3, start, stop, keys)
         t_form = form.tile_into(r.tile(1, start, stop, keys), start, stop)  # T

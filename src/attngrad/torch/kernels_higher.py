@@ -45,7 +45,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from .kernels import _keep_scale_into, _operands, _rows, _scores, _Tiles, add_block_to_bias, blocks, with_column
+from .kernels import KeyGradient, _keep_scale_into, _operands, _rows, _scores, _Tiles, add_block_to_bias, blocks, with_column
 
 HIGHER_MIN_ROWS = 128
 
@@ -156,27 +156,21 @@ class _Recompute:
         self.v_rep = v_ones[..., :-1]
         return v_ones
 
-    def gradient_accumulators(self, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-        """Zeros shaped like Q, K~, V~ (contiguous, whatever the inputs' strides) and, when
-        asked, like the bias, in the compute dtype."""
-        zeros = [torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (self.q_scaled, self.k_rep, self.v_rep)]
+    def gradient_accumulators(self, bias_grad: bool) -> tuple[Tensor, KeyGradient, KeyGradient, Optional[Tensor]]:
+        """Zeros shaped like Q (contiguous, whatever the inputs' strides), sums for K~ and V~,
+        and, when asked, zeros shaped like the bias, in the compute dtype."""
+        dq = torch.zeros_like(self.q_scaled, memory_format=torch.contiguous_format)
+        dk = KeyGradient(self.k_rep, self.k_rep.shape[-1], self.is_causal)
+        dv = KeyGradient(self.v_rep, self.v_rep.shape[-1], self.is_causal)
         bias = torch.zeros(self.bias.shape, dtype=self.work, device=self.q_scaled.device) if bias_grad else None
-        return zeros[0], zeros[1], zeros[2], bias
-
-    def sum_groups(self, t: Tensor) -> Tensor:
-        """Adjoint of the GQA repeat: (B, H, Lk, .) -> (B, Hkv, Lk, .)."""
-        if self.groups == 1:
-            return t
-        return t.view(self.batch, self.heads // self.groups, self.groups, *t.shape[2:]).sum(dim=2)
+        return dq, dk, dv, bias
 
 
-def _add_matmul(acc: Tensor, a: Tensor, b: Tensor, *, transpose_a: bool = False, alpha: float = 1.0) -> None:
-    """acc += alpha a b (a^T b with transpose_a) over the leading (B, H) axes, in place, as
-    one batched GEMM. acc is (B, H, X, Y), a view whose (B, H) axes merge (a row or key
-    slice of a (B, H, L, .) tensor does)."""
+def _add_matmul(acc: Tensor, a: Tensor, b: Tensor, *, alpha: float = 1.0) -> None:
+    """acc += alpha a b over the leading (B, H) axes, in place, as one batched GEMM. acc is
+    (B, H, X, Y), contiguous in its last two axes."""
     bh = a.shape[0] * a.shape[1]
-    a3 = a.reshape(bh, *a.shape[2:])
-    acc.view(bh, *acc.shape[2:]).baddbmm_(a3.transpose(1, 2) if transpose_a else a3, b.reshape(bh, *b.shape[2:]), alpha=alpha)
+    acc.view(bh, *acc.shape[2:]).baddbmm_(a.reshape(bh, *a.shape[2:]), b.reshape(bh, *b.shape[2:]), alpha=alpha)
 
 
 def _sum_of_products(*terms: Optional[tuple[Tensor, Tensor, float]]) -> Tensor:
@@ -194,7 +188,7 @@ def _sum_of_products(*terms: Optional[tuple[Tensor, Tensor, float]]) -> Tensor:
 
 def _back_through_scores(
     r: "_Recompute", x: Tensor, ds: Tensor, key_side: Optional[Tensor], query_side: Optional[Tensor],
-    dq: Tensor, dk: Tensor, dbias: Optional[Tensor], start: int, stop: int, keys: int,
+    dq: Tensor, dk: KeyGradient, dbias: Optional[Tensor], start: int, stop: int, keys: int,
 ) -> None:
     """How both second-order passes end, for one block. A score-shaped tile X (dS~ or g_S)
     goes back through S = scale Q K~^T + bias, and dS = P * (dP - D) meets the key-side and
@@ -205,9 +199,9 @@ def _back_through_scores(
     dq[:, :, rows] = _sum_of_products(
         (x, r.k_rep[..., :keys, :], r.scale), None if key_side is None else (ds, key_side[..., :keys, :], r.scale)
     )
-    _add_matmul(dk[..., :keys, :], x, r.q_scaled[:, :, rows], transpose_a=True)
+    dk.add(x, r.q_scaled[:, :, rows])
     if query_side is not None:
-        _add_matmul(dk[..., :keys, :], ds, query_side[:, :, rows], transpose_a=True)
+        dk.add(ds, query_side[:, :, rows])
     if dbias is not None:
         add_block_to_bias(dbias, x, start, stop, keys)
 
@@ -284,9 +278,9 @@ def attention_backward_jvp(
         delta_t = torch.mul(p_t, dp, out=scratch).sum(dim=-1, keepdim=True)
         delta_t += torch.mul(p, dp_t, out=scratch).sum(dim=-1, keepdim=True)
         # backward: dV~ = (P * Z)^T dO  ->  dV~~ = (P' * Z)^T dO + (P * Z)^T dO'
-        _add_matmul(dv_t[..., :keys, :], _times(p_t, z, scratch), do_blk, transpose_a=True)
+        dv_t.add(_times(p_t, z, scratch), do_blk)
         if tdo_w is not None:
-            _add_matmul(dv_t[..., :keys, :], _times(p, z, scratch), tdo_w[:, :, rows], transpose_a=True)
+            dv_t.add(_times(p, z, scratch), tdo_w[:, :, rows])
         dp.sub_(delta[:, :, rows])  # dP - D
         ds_t = p_t.mul_(dp).add_(dp_t.sub_(delta_t).mul_(p))  # dS~, in P''s buffer
         ds = p.mul_(dp)  # dS, in P's buffer
@@ -294,8 +288,8 @@ def attention_backward_jvp(
         _back_through_scores(r, ds_t, ds, tk_rep, tq_s, dq_t, dk_t, dbias_t, start, stop, keys)
     return (
         dq_t.to(q.dtype),
-        r.sum_groups(dk_t).to(k.dtype),
-        r.sum_groups(dv_t).to(v.dtype),
+        dk_t.total(r.groups).to(k.dtype),
+        dv_t.total(r.groups).to(v.dtype),
         None if dbias_t is None else dbias_t.to(bias.dtype),
     )
 
@@ -336,7 +330,7 @@ def attention_double_backward(
         g_dp = torch.mul(p, t_form, out=scratch)
         # through dP = (dO V~^T) * Z
         g_dp_z = g_dp.mul_(z) if z is not None else g_dp
-        _add_matmul(g_v[..., :keys, :], g_dp_z, do_blk, transpose_a=True)
+        g_v.add(g_dp_z, do_blk)
         g_p = t_form.mul_(dp)  # (dP - D) * (T - t), in T's buffer
         # through dV~ = (P * Z)^T dO, with dP's path to dO beside it
         if g_do is not None:
@@ -356,8 +350,8 @@ def attention_double_backward(
     return (
         None if g_do is None else g_do.to(dout.dtype),
         g_q.to(q.dtype),
-        r.sum_groups(g_k).to(k.dtype),
-        r.sum_groups(g_v).to(v.dtype),
+        g_k.total(r.groups).to(k.dtype),
+        g_v.total(r.groups).to(v.dtype),
         None if g_bias is None else g_bias.to(bias.dtype),
     )
 

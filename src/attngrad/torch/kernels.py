@@ -136,7 +136,8 @@ class KeyGradient:
     row slice of a (B, H, Lk, w) tensor in one call: PyTorch runs a GEMM per head, about
     20% slower than one batched call. With `prefixes` the sum is kept transposed,
     (B, H, w, Lk), whose [..., :keys] slice those per-head GEMMs fill faster (X^T A,
-    w x keys): at L = 4096 the causal backward took 0.95x the time, its double backward 0.96x."""
+    w x keys): at L = 4096 the causal backward took 0.95x the time, its double backward 0.96x,
+    for one more (B, H, Lk, w) copy at the end (fwd+bwd at L = 16384: 168 MiB, was 134)."""
 
     def __init__(self, like: Tensor, width: int, prefixes: bool) -> None:
         batch, heads, len_k = like.shape[0], like.shape[1], like.shape[-2]
@@ -155,8 +156,9 @@ class KeyGradient:
 
     def total(self, groups: int) -> Tensor:
         """The gradient (B, H / groups, Lk, w), contiguous, summed over each GQA group
-        (the adjoint of repeating K and V over it)."""
-        out = self.sum.transpose(-1, -2) if self.prefixes else self.sum
+        (the adjoint of repeating K and V over it). Call it once: the sum is let go, so that
+        its buffer is freed as soon as the copy is made."""
+        out, self.sum = (self.sum.transpose(-1, -2) if self.prefixes else self.sum), None
         if groups > 1:
             out = out.unflatten(1, (-1, groups)).sum(dim=2)
         return out.contiguous()

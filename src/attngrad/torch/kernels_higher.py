@@ -121,7 +121,6 @@ class _Recompute:
         self.plan = blocks(self.batch, self.heads, self.len_q, self.len_k, is_causal, min_rows)
         count = buffers + (1 if dropout_p > 0.0 else 0)
         self.tiles = _Tiles(count, self.plan, self.batch, self.heads, self.work, q.device)
-        self.zeros = None
 
     def tile(self, index: int, start: int, stop: int, keys: int) -> Tensor:
         """Scratch buffer `index` shaped as this block's (B, H, R, keys) tile."""

@@ -24,8 +24,9 @@ S - m in the backward, and dP l - D / l without dropout; that saves two passes o
 score tile (and in our runs gave the same bits as the separate subtraction). The
 forward's E V~ sums over VALUE_SLICE keys at a time, for float32 accuracy.
 Lk' is Lk, or for a causal block only the keys any of its rows may see (j <= last row),
-which halves the work; dK~ and dV~ then grow by key prefixes (`KeyGradient`). A row that may see no key gets m = 0 and 1/l = 0, so its output
-is 0 and everything it sends back is 0: no NaN.
+which halves the work; dK~ and dV~ then grow by key prefixes (`KeyGradient`). A row that
+may see no key gets m = 0 and 1/l = 0, so its output is 0 and everything it sends back
+is 0: no NaN.
 
 Dropout keep-masks are never stored: block i draws its (B, H, R, Lk') uniforms from a
 generator seeded with (seed, i), so the backward regenerates the very same mask.

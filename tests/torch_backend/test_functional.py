@@ -6,7 +6,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from attngrad.torch import kernels, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch import kernels, native, scaled_dot_product_attention  # noqa: E402
 from attngrad.torch.op import attention  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
@@ -15,10 +15,23 @@ from ..conftest import EXACT, rel_err  # noqa: E402
 @pytest.fixture
 def many_blocks(monkeypatch):
     """Small tiles, so that every test crosses many block boundaries, and short key slices
-    in the forward's E V product (the last one shorter than the rest)."""
+    in the forward's E V product (the last one shorter than the rest). The compiled tiles
+    get 20-key blocks: a 16-wide vector and a scalar tail per row."""
     monkeypatch.setattr(kernels, "TILE_ELEMENTS", 1 << 9)
     monkeypatch.setattr(kernels, "MIN_ROWS", 3)
     monkeypatch.setattr(kernels, "VALUE_SLICE", 4)
+    monkeypatch.setattr(native, "BLOCK_ROWS", 3)
+    monkeypatch.setattr(native, "BLOCK_KEYS", 20)
+    monkeypatch.setattr(native, "VALUE_SLICE", 4)
+
+
+@pytest.fixture(params=["tiles", "torch-ops"])
+def backend(request, monkeypatch):
+    """Both implementations of a mask-free call: the compiled tiles (where built) and the
+    torch-ops kernels."""
+    if request.param == "torch-ops":
+        monkeypatch.setattr(native, "supports", lambda *args: False)
+    return request.param
 
 
 def math_sdpa(*args, **kwargs):
@@ -52,7 +65,7 @@ def assert_matches_math(q, k, v, attn_mask=None, **options):
 
 @pytest.mark.parametrize("len_q,len_k", [(13, 21), (21, 13), (16, 16), (1, 5)])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_matches_math_backend(many_blocks, len_q, len_k, is_causal):
+def test_matches_math_backend(many_blocks, backend, len_q, len_k, is_causal):
     assert_matches_math(*make(len_q=len_q, len_k=len_k), is_causal=is_causal)
 
 
@@ -91,7 +104,7 @@ def test_fully_masked_rows_give_zero_and_no_nan(many_blocks):
     assert (out[0, 1, 5] == 0).all() and (out[1] == 0).all() and (grads[0][1] == 0).all()
 
 
-def test_gradcheck_float64():
+def test_gradcheck_float64(backend):
     q, k, v = make(batch=1, heads=2, len_q=4, len_k=5, dim=3, dim_v=2)
     bias = torch.randn(2, 4, 5, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda *t: scaled_dot_product_attention(*t[:3], attn_mask=t[3]), (q, k, v, bias))

@@ -1,5 +1,5 @@
-"""The tiled kernels as PyTorch operators, with autograd: a thin wrapper over `kernels`
-and `kernels_higher`.
+"""The tiled kernels as PyTorch operators, with autograd: a thin wrapper over `native`
+(the compiled forward and backward, where they apply), `kernels` and `kernels_higher`.
 
 Each pass is a custom op (`attngrad::attention_forward`, `..._backward`, `..._jvp`,
 `..._backward_jvp`, `..._double_backward`), so that torch.compile treats it as one opaque
@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from . import kernels, kernels_higher, vmap_rules
+from . import kernels, kernels_higher, native, vmap_rules
 
 
 @torch.library.custom_op("attngrad::attention_forward", mutates_args=())
@@ -42,6 +42,8 @@ def attention_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
     is_causal: bool, scale: float, dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    if native.supports(q, k, v, mask, bias, dropout_p):
+        return native.attention_forward(q, k, v, is_causal, scale)
     return kernels.attention_forward(q, k, v, mask, bias, int(seed), is_causal, scale, dropout_p)
 
 
@@ -57,6 +59,9 @@ def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
     out: Tensor, row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float, bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if native.supports(q, k, v, mask, bias, dropout_p):  # no bias, so no bias gradient
+        dq, dk, dv = native.attention_backward(dout.to(q.dtype), q, k, v, out, row_max, inv_sum, is_causal, scale)
+        return dq, dk, dv, q.new_empty(0)
     dq, dk, dv, dbias = kernels.attention_backward(
         dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, is_causal, scale, dropout_p, bias_grad
     )

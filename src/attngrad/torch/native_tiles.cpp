@@ -1,0 +1,414 @@
+// attngrad's compiled tiles: the forward and backward of exact attention, with no mask or
+// the causal mask, no bias and no dropout, in the manner of FlashAttention-2 (Dao, 2023) on
+// per-thread tiles small enough to stay in a core's cache.
+//
+// Shape legend (row-major, contiguous)
+//   q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), out and dout (B, H, Lq, dv),
+//   row_max and inv_sum (B, H, Lq). G = H / Hkv query heads share one key/value head.
+//   R rows of a query block, C keys of a key block.
+//
+// forward, per (b, h, query block), over key blocks with an online softmax:
+//   S = scale Q_blk K_blk^T                                    (R, C)
+//   m' = max(m, rowmax S),  E = exp(S - m'),  l = l exp(m - m') + rowsum E
+//   acc = acc exp(m - m') + E V_blk                            (R, dv)
+//   out = acc / l;  row_max = m, inv_sum = 1 / l              (the statistics attngrad keeps)
+// backward, per (b, key/value head, chunk of key blocks), over query blocks:
+//   P  = exp(S - m) / l,  dP = dO V_blk^T,  dS = P (dP - D)    D = rowsum(dO * O)
+//   dV_blk += P^T dO,  dK_blk += scale dS^T Q,  dQ += scale dS K_blk
+// A work item owns its dK and dV rows, and its own copy of dQ when the keys are split into
+// chunks: nothing is written by two threads, so the bits do not depend on the schedule.
+// The causal mask is top-left: row i sees keys j <= i.
+//
+// The GEMMs are the BLAS's Fortran sgemm/dgemm, handed over by pointer at load time (the
+// MKL inside PyTorch), called single-threaded inside the OpenMP work loop.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <omp.h>
+
+namespace {
+
+using index_t = int64_t;
+
+using sgemm_fn = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                          const int*, const float*, const int*, const float*, float*, const int*);
+using dgemm_fn = void (*)(const char*, const char*, const int*, const int*, const int*, const double*, const double*,
+                          const int*, const double*, const int*, const double*, double*, const int*);
+using local_threads_fn = int (*)(int);
+
+sgemm_fn blas_sgemm = nullptr;
+dgemm_fn blas_dgemm = nullptr;
+local_threads_fn blas_local_threads = nullptr;  // MKL_Set_Num_Threads_Local, if there is one
+
+void fortran_gemm(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* alpha,
+                  const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+                  const int* ldc) {
+    blas_sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void fortran_gemm(const char* ta, const char* tb, const int* m, const int* n, const int* k, const double* alpha,
+                  const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+                  const int* ldc) {
+    blas_dgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+// C (m x n, row-major, ldc) = alpha op(A) op(B) + beta C, op(A) m x k, op(B) k x n.
+// A row-major matrix is its transpose in column-major, so the Fortran call computes
+// C^T = op(B)^T op(A)^T with the operands swapped.
+template <typename T>
+void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alpha, const T* a, index_t lda, const T* b,
+          index_t ldb, T beta, T* c, index_t ldc) {
+    const int mi = static_cast<int>(n), ni = static_cast<int>(m), ki = static_cast<int>(k);
+    const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+    fortran_gemm(trans_b ? "T" : "N", trans_a ? "T" : "N", &mi, &ni, &ki, &alpha, b, &la, a, &lb, &beta, c, &lc);
+}
+
+// exp for x <= 0 (a score minus its row maximum): exp(x) = 2^n exp(r), n = round(x / ln 2),
+// |r| <= ln(2) / 2, and exp(r) by its degree-7 Taylor polynomial (truncation 5e-9 relative,
+// below float32's 6e-8 rounding). Below -87.3 (2^-126, where float32 turns subnormal), and
+// at -inf, 0. Written once over a generic element type so that the same lines serve one
+// float and a 16-float vector (GCC's vector extensions: the loops below are explicit SIMD,
+// where the auto-vectoriser gave up on the reductions).
+template <typename F, typename I>
+inline F exp_score_any(F x) {
+    const F lowest = F{} - 87.3f;
+    const F highest = F{} + 88.0f;  // x is <= 0 up to rounding; the clamp keeps 2^n finite
+    const F xc = x < lowest ? lowest : (x > highest ? highest : x);
+    const F n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23)
+    const F r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // ln 2 in two parts (Cody and Waite)
+    F p = F{} + 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    I bits;
+    if constexpr (sizeof(F) == sizeof(float)) {
+        bits = (static_cast<I>(n) + 127) << 23;  // 2^n, n in [-126, 127]
+    } else {
+        bits = (__builtin_convertvector(n, I) + 127) << 23;
+    }
+    F two_n;
+    std::memcpy(&two_n, &bits, sizeof two_n);
+    const F zero{};
+    return x < lowest ? zero : p * two_n;
+}
+
+constexpr int kLanes = 16;
+using floatv = float __attribute__((vector_size(kLanes * sizeof(float))));
+using intv = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline float exp_score(float x) { return exp_score_any<float, int32_t>(x); }
+inline floatv exp_score(floatv x) { return exp_score_any<floatv, intv>(x); }
+// float64 is the exactness path: the C library's exp, within an ulp
+inline double exp_score(double x) { return std::exp(x); }
+
+inline floatv load(const float* p) {
+    floatv v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+inline void store(float* p, floatv v) { std::memcpy(p, &v, sizeof v); }
+
+// Each row operation below has a loop over elements, which float32 also runs on a row's
+// last n mod 16 entries, and a float32 version over 16-float vectors.
+
+// max_j x_j (-inf for n = 0)
+template <typename T>
+T max_of_each(const T* x, index_t n) {
+    T top = -std::numeric_limits<T>::infinity();
+    for (index_t j = 0; j < n; ++j) top = x[j] > top ? x[j] : top;
+    return top;
+}
+
+template <typename T>
+T max_of(const T* x, index_t n) {
+    return max_of_each(x, n);
+}
+
+template <>
+float max_of(const float* x, index_t n) {
+    floatv lanes = floatv{} - std::numeric_limits<float>::infinity();
+    index_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+        const floatv v = load(x + j);
+        lanes = v > lanes ? v : lanes;
+    }
+    float top = max_of_each(x + j, n - j);
+    for (int t = 0; t < kLanes; ++t) top = lanes[t] > top ? lanes[t] : top;
+    return top;
+}
+
+// x_j <- exp(x_j - shift); returns the sum of the new x_j
+template <typename T>
+T exp_and_sum_each(T* x, index_t n, T shift) {
+    T sum = 0;
+    for (index_t j = 0; j < n; ++j) {
+        x[j] = exp_score(x[j] - shift);
+        sum += x[j];
+    }
+    return sum;
+}
+
+template <typename T>
+T exp_and_sum(T* x, index_t n, T shift) {
+    return exp_and_sum_each(x, n, shift);
+}
+
+template <>
+float exp_and_sum(float* x, index_t n, float shift) {
+    floatv lanes{};
+    index_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+        const floatv e = exp_score(load(x + j) - shift);
+        store(x + j, e);
+        lanes += e;
+    }
+    float sum = exp_and_sum_each(x + j, n - j, shift);
+    for (int t = 0; t < kLanes; ++t) sum += lanes[t];
+    return sum;
+}
+
+// forward: P = exp(S - m) / l  ->  dS = P (dP - D); p holds S and becomes P, ds holds dP
+// and becomes dS
+template <typename T>
+void probs_and_score_grad_each(T* p, T* ds, index_t n, T m, T inv, T d) {
+    for (index_t j = 0; j < n; ++j) {
+        const T pj = exp_score(p[j] - m) * inv;
+        p[j] = pj;
+        ds[j] = pj * (ds[j] - d);
+    }
+}
+
+template <typename T>
+void probs_and_score_grad(T* p, T* ds, index_t n, T m, T inv, T d) {
+    probs_and_score_grad_each(p, ds, n, m, inv, d);
+}
+
+template <>
+void probs_and_score_grad(float* p, float* ds, index_t n, float m, float inv, float d) {
+    index_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+        const floatv pj = exp_score(load(p + j) - m) * inv;
+        store(p + j, pj);
+        store(ds + j, pj * (load(ds + j) - d));
+    }
+    probs_and_score_grad_each(p + j, ds + j, n - j, m, inv, d);
+}
+
+// While it lives, the BLAS runs on the calling thread alone: the tiles are the parallel axis.
+class SingleThreadedBlas {
+   public:
+    SingleThreadedBlas() : previous_(blas_local_threads ? blas_local_threads(1) : 0) {}
+    ~SingleThreadedBlas() {
+        if (blas_local_threads) blas_local_threads(previous_);
+    }
+
+   private:
+    int previous_;
+};
+
+// Keys of block [c0, c0 + cols) that row `row` may see: all, or up to the diagonal.
+inline index_t visible(bool causal, index_t row, index_t c0, index_t cols) {
+    return causal ? std::clamp<index_t>(row - c0 + 1, 0, cols) : cols;
+}
+
+struct Shape {
+    index_t batch, heads, kv_heads, len_q, len_k, dim, dim_v;
+};
+
+template <typename T>
+void forward(const T* q, const T* k, const T* v, T* out, T* row_max, T* inv_sum, const Shape& s, bool causal, T scale,
+             int threads, index_t block_rows, index_t block_keys, index_t value_slice) {
+    const index_t group = s.heads / s.kv_heads;
+    const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
+    const index_t bh_count = s.batch * s.heads;
+    const T neg_inf = -std::numeric_limits<T>::infinity();
+#pragma omp parallel num_threads(threads)
+    {
+        SingleThreadedBlas blas_guard;
+        std::vector<T> scores(block_rows * block_keys), acc(block_rows * s.dim_v), m(block_rows), l(block_rows);
+        // the last query blocks first: a causal pass's heaviest work is scheduled first
+#pragma omp for schedule(dynamic, 1)
+        for (index_t item = 0; item < query_blocks * bh_count; ++item) {
+            const index_t qb = query_blocks - 1 - item / bh_count, bh = item % bh_count;
+            const index_t b = bh / s.heads, h = bh % s.heads;
+            const index_t r0 = qb * block_rows, rows = std::min(block_rows, s.len_q - r0);
+            const T* q_blk = q + (bh * s.len_q + r0) * s.dim;
+            const T* k_head = k + (b * s.kv_heads + h / group) * s.len_k * s.dim;
+            const T* v_head = v + (b * s.kv_heads + h / group) * s.len_k * s.dim_v;
+            const index_t keys = causal ? std::min(s.len_k, r0 + rows) : s.len_k;
+            std::fill(m.begin(), m.end(), neg_inf);
+            std::fill(l.begin(), l.end(), T(0));
+            std::fill(acc.begin(), acc.end(), T(0));
+            for (index_t c0 = 0; c0 < keys; c0 += block_keys) {
+                const index_t cols = std::min(block_keys, keys - c0);
+                // forward: S = scale Q_blk K_blk^T
+                gemm<T>(false, true, rows, cols, s.dim, scale, q_blk, s.dim, k_head + c0 * s.dim, s.dim, T(0),
+                        scores.data(), cols);
+                for (index_t i = 0; i < rows; ++i) {
+                    T* row = scores.data() + i * cols;
+                    const index_t seen = visible(causal, r0 + i, c0, cols);
+                    const T m_new = std::max(m[i], max_of(row, seen));
+                    const T sum = seen > 0 ? exp_and_sum(row, seen, m_new) : T(0);  // E = exp(S - m')
+                    std::fill(row + seen, row + cols, T(0));  // keys in the row's future
+                    if (m_new != m[i]) {  // rescale what earlier key blocks summed
+                        const T correction = m[i] == neg_inf ? T(0) : exp_score(m[i] - m_new);
+                        l[i] *= correction;
+                        T* acc_row = acc.data() + i * s.dim_v;
+                        for (index_t c = 0; c < s.dim_v; ++c) acc_row[c] *= correction;
+                        m[i] = m_new;
+                    }
+                    l[i] += sum;
+                }
+                // forward: acc += E V_blk, over slices of `value_slice` keys: a float32 sum's
+                // rounding grows with its length, and blocked sums keep each part short
+                for (index_t j0 = 0; j0 < cols; j0 += value_slice) {
+                    gemm<T>(false, false, rows, s.dim_v, std::min(value_slice, cols - j0), T(1), scores.data() + j0,
+                            cols, v_head + (c0 + j0) * s.dim_v, s.dim_v, T(1), acc.data(), s.dim_v);
+                }
+            }
+            for (index_t i = 0; i < rows; ++i) {
+                const index_t r = bh * s.len_q + r0 + i;
+                const bool empty = !(l[i] > T(0));  // a row that saw no key: out 0, statistics 0
+                const T inv = empty ? T(0) : T(1) / l[i];
+                row_max[r] = empty ? T(0) : m[i];
+                inv_sum[r] = inv;
+                const T* acc_row = acc.data() + i * s.dim_v;
+                T* out_row = out + r * s.dim_v;
+                for (index_t c = 0; c < s.dim_v; ++c) out_row[c] = acc_row[c] * inv;
+            }
+        }
+    }
+}
+
+template <typename T>
+void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, const T* row_max, const T* inv_sum,
+              T* delta, T* dq_parts, T* dk, T* dv, const Shape& s, bool causal, T scale, int threads,
+              index_t block_rows, index_t block_keys, index_t chunks) {
+    const index_t group = s.heads / s.kv_heads;
+    const index_t rows_total = s.batch * s.heads * s.len_q;
+    // D = rowsum(dO * O)
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (index_t r = 0; r < rows_total; ++r) {
+        const T* a = dout + r * s.dim_v;
+        const T* o = out + r * s.dim_v;
+        T sum = 0;
+        for (index_t c = 0; c < s.dim_v; ++c) sum += a[c] * o[c];
+        delta[r] = sum;
+    }
+    const index_t key_blocks = (s.len_k + block_keys - 1) / block_keys;
+    const index_t bhk_count = s.batch * s.kv_heads;
+#pragma omp parallel num_threads(threads)
+    {
+        SingleThreadedBlas blas_guard;
+        std::vector<T> probs(block_rows * block_keys), dscores(block_rows * block_keys);
+        // chunk-major: in a causal pass the first key chunks, seen by the most rows, go first
+#pragma omp for schedule(dynamic, 1)
+        for (index_t item = 0; item < chunks * bhk_count; ++item) {
+            const index_t chunk = item / bhk_count, bhk = item % bhk_count;
+            const index_t b = bhk / s.kv_heads, hk = bhk % s.kv_heads;
+            const T* k_head = k + bhk * s.len_k * s.dim;
+            const T* v_head = v + bhk * s.len_k * s.dim_v;
+            T* dk_head = dk + bhk * s.len_k * s.dim;
+            T* dv_head = dv + bhk * s.len_k * s.dim_v;
+            T* dq = dq_parts + chunk * rows_total * s.dim;
+            for (index_t kb = chunk * key_blocks / chunks; kb < (chunk + 1) * key_blocks / chunks; ++kb) {
+                const index_t c0 = kb * block_keys, cols = std::min(block_keys, s.len_k - c0);
+                const T* k_blk = k_head + c0 * s.dim;
+                const T* v_blk = v_head + c0 * s.dim_v;
+                for (index_t h = hk * group; h < (hk + 1) * group; ++h) {
+                    const index_t bh = b * s.heads + h;
+                    // causal: rows before c0 see none of these keys
+                    for (index_t r0 = causal ? c0 / block_rows * block_rows : 0; r0 < s.len_q; r0 += block_rows) {
+                        const index_t rows = std::min(block_rows, s.len_q - r0), first = bh * s.len_q + r0;
+                        // forward: S = scale Q K_blk^T;  backward: dP = dO V_blk^T
+                        gemm<T>(false, true, rows, cols, s.dim, scale, q + first * s.dim, s.dim, k_blk, s.dim, T(0),
+                                probs.data(), cols);
+                        gemm<T>(false, true, rows, cols, s.dim_v, T(1), dout + first * s.dim_v, s.dim_v, v_blk,
+                                s.dim_v, T(0), dscores.data(), cols);
+                        for (index_t i = 0; i < rows; ++i) {
+                            T* p = probs.data() + i * cols;
+                            T* ds = dscores.data() + i * cols;
+                            const index_t seen = visible(causal, r0 + i, c0, cols);
+                            const T m = row_max[first + i], inv = inv_sum[first + i], d_row = delta[first + i];
+                            probs_and_score_grad(p, ds, seen, m, inv, d_row);
+                            std::fill(p + seen, p + cols, T(0));
+                            std::fill(ds + seen, ds + cols, T(0));
+                        }
+                        // forward: O = P V  ->  dV_blk += P^T dO
+                        gemm<T>(true, false, cols, s.dim_v, rows, T(1), probs.data(), cols, dout + first * s.dim_v,
+                                s.dim_v, T(1), dv_head + c0 * s.dim_v, s.dim_v);
+                        // forward: S = scale Q K^T  ->  dK_blk += scale dS^T Q,  dQ += scale dS K_blk
+                        gemm<T>(true, false, cols, s.dim, rows, scale, dscores.data(), cols, q + first * s.dim, s.dim,
+                                T(1), dk_head + c0 * s.dim, s.dim);
+                        gemm<T>(false, false, rows, s.dim, cols, scale, dscores.data(), cols, k_blk, s.dim, T(1),
+                                dq + first * s.dim, s.dim);
+                    }
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// The BLAS entry points; `local_threads` may be null. Call once before anything else.
+void attngrad_set_blas(void* sgemm, void* dgemm, void* local_threads) {
+    blas_sgemm = reinterpret_cast<sgemm_fn>(sgemm);
+    blas_dgemm = reinterpret_cast<dgemm_fn>(dgemm);
+    blas_local_threads = reinterpret_cast<local_threads_fn>(local_threads);
+}
+
+// `sizes`: batch, heads, kv_heads, len_q, len_k, dim, dim_v. `double_precision` picks the
+// element type of every pointer.
+void attngrad_forward(int double_precision, const void* q, const void* k, const void* v, void* out, void* row_max,
+                      void* inv_sum, const int64_t* sizes, int causal, double scale, int threads, int64_t block_rows,
+                      int64_t block_keys, int64_t value_slice) {
+    const Shape s{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6]};
+    if (double_precision) {
+        forward<double>(static_cast<const double*>(q), static_cast<const double*>(k), static_cast<const double*>(v),
+                        static_cast<double*>(out), static_cast<double*>(row_max), static_cast<double*>(inv_sum), s,
+                        causal != 0, scale, threads, block_rows, block_keys, value_slice);
+    } else {
+        forward<float>(static_cast<const float*>(q), static_cast<const float*>(k), static_cast<const float*>(v),
+                       static_cast<float*>(out), static_cast<float*>(row_max), static_cast<float*>(inv_sum), s,
+                       causal != 0, static_cast<float>(scale), threads, block_rows, block_keys, value_slice);
+    }
+}
+
+// dq_parts holds `chunks` zeroed (B, H, Lq, d) partial sums of dQ, one per chunk of key
+// blocks; dk and dv are zeroed; delta is (B, H, Lq) scratch.
+void attngrad_backward(int double_precision, const void* dout, const void* q, const void* k, const void* v,
+                       const void* out, const void* row_max, const void* inv_sum, void* delta, void* dq_parts,
+                       void* dk, void* dv, const int64_t* sizes, int causal, double scale, int threads,
+                       int64_t block_rows, int64_t block_keys, int64_t chunks) {
+    const Shape s{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6]};
+    if (double_precision) {
+        using T = double;
+        backward<T>(static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k),
+                    static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(row_max),
+                    static_cast<const T*>(inv_sum), static_cast<T*>(delta), static_cast<T*>(dq_parts),
+                    static_cast<T*>(dk), static_cast<T*>(dv), s, causal != 0, scale, threads, block_rows, block_keys,
+                    chunks);
+    } else {
+        using T = float;
+        backward<T>(static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k),
+                    static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(row_max),
+                    static_cast<const T*>(inv_sum), static_cast<T*>(delta), static_cast<T*>(dq_parts),
+                    static_cast<T*>(dk), static_cast<T*>(dv), s, causal != 0, static_cast<T>(scale), threads,
+                    block_rows, block_keys, chunks);
+    }
+}
+
+}  // extern "C"

@@ -1,0 +1,151 @@
+"""The compiled tiles (attngrad.torch.native) against the torch-ops kernels and PyTorch."""
+
+import os
+import shutil
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from attngrad.torch import kernels, native, scaled_dot_product_attention  # noqa: E402
+
+from ..conftest import EXACT, assert_all_close, rel_err  # noqa: E402
+from .test_functional import math_sdpa  # noqa: E402
+
+compiler = shutil.which(os.environ.get("CXX", "c++"))
+needs_tiles = pytest.mark.skipif(native.library() is None, reason=f"no compiled tiles: {native.build_info.reason}")
+
+
+@pytest.mark.skipif(compiler is None, reason="no C++ compiler")
+def test_tiles_are_built_where_there_is_a_compiler():
+    """A silent fallback would leave the compiled path untested and slow: with a compiler
+    and PyTorch's BLAS at hand, the library must load."""
+    assert native.library() is not None, native.build_info.reason
+
+
+def _inputs(batch, heads, kv_heads, len_q, len_k, dim, dim_v, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, len_q, dim, generator=g, dtype=dtype)
+    k = torch.randn(batch, kv_heads, len_k, dim, generator=g, dtype=dtype)
+    v = torch.randn(batch, kv_heads, len_k, dim_v, generator=g, dtype=dtype)
+    dout = torch.randn(batch, heads, len_q, dim_v, generator=g, dtype=dtype)
+    return q, k, v, dout
+
+
+@needs_tiles
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 3),
+    len_q=st.integers(1, 70), len_k=st.integers(1, 70), dim=st.sampled_from([1, 5, 16]), dim_v=st.sampled_from([3, 16]),
+    is_causal=st.booleans(),
+    # (rows, keys, value slice): one block, many with row tails, 16-wide vectors with tails
+    blocks=st.sampled_from([(128, 512, 128), (3, 5, 2), (7, 20, 4), (16, 33, 16)]),
+    chunks=st.integers(1, 4), seed=st.integers(0, 2**16),
+)
+def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, is_causal, blocks, chunks, seed):
+    """float64, every block layout and key split: the same statistics, output and gradients
+    as `kernels` to 1e-12."""
+    q, k, v, dout = _inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
+    scale = dim**-0.5
+    old = native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE
+    native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE = blocks
+    try:
+        ours = native.attention_forward(q, k, v, is_causal, scale)
+        grads = native.attention_backward(dout, q, k, v, *ours, is_causal, scale, chunks=chunks)
+    finally:
+        native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE = old
+    theirs = kernels.attention_forward(q, k, v, None, None, 0, is_causal, scale, 0.0)
+    their_grads = kernels.attention_backward(dout, q, k, v, None, None, 0, *theirs, is_causal, scale, 0.0, False)[:3]
+    names = ("out", "row_max", "inv_sum", "dq", "dk", "dv")
+    for a, b in zip((*ours, *grads), (*theirs, *their_grads)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+    # Where every row sees one key (one key, or causal with one query), P = 1 whatever the
+    # scores: dQ and dK are 0, and both sides hold rounding noise (conftest's `zeros`);
+    # floor_fraction as in the other property tests
+    zeros = {"dq", "dk"} if len_k == 1 or (is_causal and len_q == 1) else set()
+    assert_all_close(dict(zip(names, (*ours, *grads))), dict(zip(names, (*theirs, *their_grads))), zeros=zeros,
+                     floor_fraction=1e-3)
+
+
+@needs_tiles
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_float32_tiles_agree_with_float64(is_causal):
+    """float32 through the vectorised exp and the explicit SIMD loops: within float32 rounding
+    of the float64 tiles (a wrong polynomial or lane would be off by far more)."""
+    q, k, v, dout = _inputs(2, 4, 2, 200, 300, 64, 64, torch.float64, 5)
+    results = []
+    for dtype in (torch.float64, torch.float32):
+        args = [t.to(dtype) for t in (q, k, v)]
+        out, row_max, inv_sum = native.attention_forward(*args, is_causal, 0.125)
+        results.append((out, inv_sum, *native.attention_backward(dout.to(dtype), *args, out, row_max, inv_sum, is_causal, 0.125)))
+    for name, exact, single in zip(("out", "inv_sum", "dq", "dk", "dv"), *results):
+        error = float(((single.double() - exact).norm() / exact.norm()))
+        assert error < 1e-6, (name, error)
+
+
+@needs_tiles
+def test_tiles_run_behind_the_public_function_and_are_deterministic(monkeypatch):
+    """No mask, bias or dropout: the public function takes the tiles (same bits as calling
+    them), gives the same bits twice, and matches PyTorch's math backend in float64."""
+    q, k, v, dout = _inputs(2, 6, 3, 150, 90, 16, 8, torch.float64, 9)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    for is_causal in (False, True):
+        runs = []
+        for _ in range(2):
+            out = scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+            runs.append((out, *torch.autograd.grad(out, [q, k, v], dout)))
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
+        direct = native.attention_forward(q.detach(), k.detach(), v.detach(), is_causal, 0.25)[0]
+        assert torch.equal(runs[0][0], direct)
+        ref = math_sdpa(q, k, v, is_causal=is_causal, enable_gqa=True)
+        for ours, theirs in zip(runs[0], (ref, *torch.autograd.grad(ref, [q, k, v], dout))):
+            assert rel_err(ours, theirs) < EXACT
+
+
+@needs_tiles
+def test_key_chunks_give_the_same_gradients():
+    """One head on several threads splits its keys into chunks, each with its own dQ sum."""
+    q, k, v, dout = _inputs(1, 1, 1, 300, 1100, 16, 16, torch.float64, 3)
+    stats = native.attention_forward(q, k, v, True, 0.25)
+    one = native.attention_backward(dout, q, k, v, *stats, True, 0.25, chunks=1)
+    for chunks in (2, 3, 8):
+        for a, b in zip(native.attention_backward(dout, q, k, v, *stats, True, 0.25, chunks=chunks), one):
+            assert rel_err(a, b) < EXACT
+
+
+def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNGRAD_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a compiler that always fails
+    native.library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="compiled attention tiles are unavailable"):
+            assert native.library() is None
+        assert "failed" in native.build_info.reason
+        q, k, v, _ = _inputs(1, 2, 2, 5, 6, 4, 4, torch.float64, 0)
+        assert not native.supports(q, k, v, None, None, 0.0)
+        out = scaled_dot_product_attention(q, k, v)  # the torch-ops kernels run instead
+        assert rel_err(out, math_sdpa(q, k, v)) < EXACT
+        monkeypatch.setenv("ATTNGRAD_NATIVE", "0")
+        native.library.cache_clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # turned off on purpose: no warning
+            assert native.library() is None
+        assert native.build_info.reason == "turned off by ATTNGRAD_NATIVE=0"
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+        native.library()
+
+
+def test_what_the_tiles_take():
+    q, k, v, _ = _inputs(1, 2, 2, 5, 6, 4, 4, torch.float64, 0)
+    available = native.library() is not None
+    assert native.supports(q, k, v, None, None, 0.0) is available
+    assert not native.supports(q, k, v, torch.ones(5, 6, dtype=torch.bool), None, 0.0)
+    assert not native.supports(q, k, v, None, torch.zeros(5, 6, dtype=torch.float64), 0.0)
+    assert not native.supports(q, k, v, None, None, 0.1)
+    assert not native.supports(q.half(), k.half(), v.half(), None, None, 0.0)
+    assert not native.supports(q, k[..., :0, :], v[..., :0, :], None, None, 0.0)

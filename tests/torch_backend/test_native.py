@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from attngrad.torch import kernels, native, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch import kernels, kernels_higher, native, scaled_dot_product_attention  # noqa: E402
 
 from ..conftest import EXACT, assert_all_close, rel_err  # noqa: E402
 from .test_functional import math_sdpa  # noqa: E402
@@ -71,17 +71,63 @@ def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k
 
 
 @needs_tiles
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 3),
+    len_q=st.integers(1, 50), len_k=st.integers(1, 50), dim=st.sampled_from([1, 5, 16]), dim_v=st.sampled_from([3, 16]),
+    is_causal=st.booleans(), rows=st.sampled_from([3, 128]), chunks=st.integers(1, 4),
+    present=st.sampled_from([(1, 1, 1), (1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 0, 0)]), dout_grad=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, is_causal,
+                                                           rows, chunks, present, dout_grad, seed):
+    """float64, any subset of the cotangents (gQ, gK, gV), with and without g_dO, every
+    block height and split of the query blocks: `kernels_higher`'s results to 1e-12."""
+    q, k, v, dout = _inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    gq, gk, gv = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep else None
+                  for t, keep in zip((q, k, v), present))
+    scale = dim**-0.5
+    out, row_max, inv_sum = kernels.attention_forward(q, k, v, None, None, 0, is_causal, scale, 0.0)
+    old = native.BLOCK_ROWS
+    native.BLOCK_ROWS = rows
+    try:
+        ours = native.attention_double_backward(dout, q, k, v, out, row_max, inv_sum, is_causal, scale, dout_grad,
+                                                gq, gk, gv, chunks=chunks)
+    finally:
+        native.BLOCK_ROWS = old
+    theirs = kernels_higher.attention_double_backward(dout, q, k, v, None, None, 0, out, row_max, inv_sum, is_causal,
+                                                      scale, 0.0, False, dout_grad, gq, gk, gv, None)[:4]
+    assert (ours[0] is None) is (not dout_grad)
+    names = ("g_dout", "g_q", "g_k", "g_v")
+    kept = [i for i in range(4) if theirs[i] is not None]
+    if len_k == 1 or (is_causal and len_q == 1):
+        # every row sees one key, so P = 1 whatever the scores: the backward's dQ, dK, dV
+        # do not depend on q, k, v, and g_q, g_k, g_v are 0 (both sides hold rounding noise)
+        for i in (1, 2, 3):
+            assert float(ours[i].abs().max()) < EXACT and float(theirs[i].abs().max()) < EXACT, names[i]
+        kept = [0] if dout_grad else []
+    assert_all_close({names[i]: ours[i] for i in kept}, {names[i]: theirs[i] for i in kept}, floor_fraction=1e-3)
+
+
+@needs_tiles
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_float32_tiles_agree_with_float64(is_causal):
-    """float32 through the vectorised exp and the explicit SIMD loops: within float32 rounding
-    of the float64 tiles (a wrong polynomial or lane would be off by far more)."""
+    """float32 through the vectorised exp and the explicit SIMD loops, in all three passes:
+    within float32 rounding of the float64 tiles (a wrong polynomial or lane would be off by
+    far more)."""
     q, k, v, dout = _inputs(2, 4, 2, 200, 300, 64, 64, torch.float64, 5)
+    cotangents = [torch.randn_like(t) for t in (q, k, v)]
     results = []
     for dtype in (torch.float64, torch.float32):
-        args = [t.to(dtype) for t in (q, k, v)]
+        args, do = [t.to(dtype) for t in (q, k, v)], dout.to(dtype)
         out, row_max, inv_sum = native.attention_forward(*args, is_causal, 0.125)
-        results.append((out, inv_sum, *native.attention_backward(dout.to(dtype), *args, out, row_max, inv_sum, is_causal, 0.125)))
-    for name, exact, single in zip(("out", "inv_sum", "dq", "dk", "dv"), *results):
+        grads = native.attention_backward(do, *args, out, row_max, inv_sum, is_causal, 0.125)
+        second = native.attention_double_backward(do, *args, out, row_max, inv_sum, is_causal, 0.125, True,
+                                                  *(c.to(dtype) for c in cotangents))
+        results.append((out, inv_sum, *grads, *second))
+    names = ("out", "inv_sum", "dq", "dk", "dv", "g_dout", "g_q", "g_k", "g_v")
+    for name, exact, single in zip(names, *results):
         error = float(((single.double() - exact).norm() / exact.norm()))
         assert error < 1e-6, (name, error)
 

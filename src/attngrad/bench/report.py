@@ -54,6 +54,8 @@ def markdown(report: BenchReport) -> str:
         "create_graph, backward again); 'refused' means the backend raised (PyTorch's default CPU kernel has "
         "neither forward mode nor a second derivative).",
         "",
+        f"attngrad: {m.get('attngrad_tiles', 'torch-ops kernels')}.",
+        "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
     ]

@@ -80,7 +80,10 @@ class BenchReport:
 def machine_facts() -> dict[str, Any]:
     import torch
 
+    from ..torch import native
+
     return {
+        "attngrad_tiles": native.status(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "processor": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),

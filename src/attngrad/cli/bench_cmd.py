@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     for row in rows(report):
         table.add_row(*row)
     console.print(table)
+    console.print(f"attngrad: {report.machine['attngrad_tiles']}", highlight=False)
     written = write(report, args.out)
     for path in written:
         console.print(f"wrote {path}", highlight=False)

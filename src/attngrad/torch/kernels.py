@@ -1,5 +1,8 @@
 """Tiled exact attention on plain tensors: forward and backward in O(L) extra memory.
 
+These run every case on any device; the ops (`op`) hand a CPU call with no mask, bias or
+dropout to the compiled tiles (`native`) instead, which fuse the passes below in cache.
+
 Shape legend
     B batch, H query heads, Hkv key/value heads (G = H / Hkv), Lq / Lk query / key lengths,
     d query/key width, dv value width, R rows of one query block.

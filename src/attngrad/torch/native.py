@@ -1,5 +1,6 @@
-"""The compiled tiles (`native_tiles.cpp`): the forward and backward of attention without a
-mask, bias or dropout (the causal mask allowed), float32 or float64, on the CPU.
+"""The compiled tiles (`native_tiles.cpp`): the forward, backward and double backward of
+attention without a mask, bias or dropout (the causal mask allowed), float32 or float64, on
+the CPU.
 
 The torch-ops kernels (`kernels`) run any case on any device, but each of their passes is a
 separate sweep over a score tile too large for the cache. The compiled tiles fuse those
@@ -43,6 +44,10 @@ BLOCK_KEYS = 512
 # H=4, L=1024 the output's normwise error against PyTorch's flash kernel's went from
 # 1.02x (one 512-key product) to below it (figures in the tests).
 VALUE_SLICE = 128
+# Numbers in each of the double backward's four whole-row tiles (R x Lk'), 4 MiB of float32
+# (16 MiB per thread). Its GEMMs want tall blocks more than the tiles want cache: at L=4096
+# the pass took 1033 ms with 16 rows, 817 with 32, 700 with 64 and 681 with 128.
+DOUBLE_TILE = 1 << 20
 
 _BLAS_SYMBOLS = ("SGEMM", "DGEMM")  # the Fortran interface, 32-bit integers
 _LOCAL_THREADS = "MKL_Set_Num_Threads_Local"
@@ -96,6 +101,24 @@ def _compile(target: Path) -> None:
         os.replace(built, target)  # atomic: a concurrent process sees all of it or none
 
 
+def fresh_build_seconds() -> float:
+    """Seconds a first use spends compiling the tiles (timed into a scratch folder, so the
+    cache is not touched): what a new machine pays once."""
+    with tempfile.TemporaryDirectory() as scratch:
+        start = time.perf_counter()
+        _compile(Path(scratch) / "native_tiles.so")
+        return time.perf_counter() - start
+
+
+def status() -> str:
+    """One line for reports: whether the tiles run, and what their first use costs."""
+    if library() is None:
+        return f"compiled tiles unavailable ({build_info.reason}); torch-ops kernels throughout"
+    return (f"compiled tiles for mask-free forward, backward and double backward (first use compiles them once: "
+            f"{fresh_build_seconds():.1f} s on this machine, then cached); torch-ops kernels for masks, bias, dropout "
+            "and forward mode")
+
+
 def _blas_symbols() -> list[int]:
     """Addresses of sgemm, dgemm and MKL's per-thread thread count inside PyTorch's own library."""
     lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))  # already loaded
@@ -133,6 +156,7 @@ def library() -> ctypes.CDLL | None:
     p, i64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
     lib.attngrad_forward.argtypes = [i32, p, p, p, p, p, p, p, i32, f64, i32, i64, i64, i64]
     lib.attngrad_backward.argtypes = [i32, p, p, p, p, p, p, p, p, p, p, p, p, i32, f64, i32, i64, i64, i64]
+    lib.attngrad_double_backward.argtypes = [i32, *[p] * 15, p, i32, f64, i32, i64, i64]
     return lib
 
 
@@ -170,14 +194,15 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: f
     return out, row_max, inv_sum
 
 
-def _key_chunks(batch_kv_heads: int, len_k: int) -> int:
-    """Work items of the backward are (batch, key/value head, chunk of keys); each chunk
-    sums its own dQ. One chunk while there are heads enough for every thread; otherwise
-    about four items per thread, no more than the key blocks."""
+def _chunks(batch_kv_heads: int, blocks: int) -> int:
+    """Work items of the backward passes are (batch, key/value head, chunk of blocks); each
+    chunk sums its own copy of the gradients its blocks share. One chunk while there are
+    heads enough for every thread; otherwise about four items per thread, no more than the
+    blocks."""
     threads = torch.get_num_threads()
     if batch_kv_heads % threads == 0 or batch_kv_heads >= 4 * threads:
         return 1
-    return max(1, min(-(-len_k // BLOCK_KEYS), -(-4 * threads // batch_kv_heads)))
+    return max(1, min(blocks, -(-4 * threads // batch_kv_heads)))
 
 
 def attention_backward(
@@ -185,11 +210,11 @@ def attention_backward(
     is_causal: bool, scale: float, chunks: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv): `kernels.attention_backward`'s results for the cases `supports` accepts.
-    `chunks` splits each head's keys into that many work items (default: `_key_chunks`)."""
+    `chunks` splits each head's keys into that many work items (default: `_chunks`)."""
     dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
     row_max, inv_sum = row_max.contiguous(), inv_sum.contiguous()
     if chunks is None:
-        chunks = _key_chunks(k.shape[0] * k.shape[1], k.shape[2])
+        chunks = _chunks(k.shape[0] * k.shape[1], -(-k.shape[2] // BLOCK_KEYS))
     dq_parts = q.new_zeros(chunks, *q.shape)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     delta = q.new_empty(q.shape[:-1])
@@ -200,3 +225,38 @@ def attention_backward(
     )
     dq = dq_parts[0] if chunks == 1 else dq_parts.sum(dim=0)
     return dq, dk, dv
+
+
+def _rows_per_block(len_k: int) -> int:
+    """Query rows per block of the double backward, which holds four R x Lk' tiles of whole
+    rows: at most DOUBLE_TILE numbers each, 8 (or BLOCK_ROWS if fewer) to BLOCK_ROWS rows."""
+    return max(min(8, BLOCK_ROWS), min(BLOCK_ROWS, DOUBLE_TILE // max(1, len_k)))
+
+
+def attention_double_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
+    is_causal: bool, scale: float, dout_grad: bool, gq: Tensor | None, gk: Tensor | None, gv: Tensor | None,
+    chunks: int | None = None,
+) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:
+    """(g_dout or None, g_q, g_k, g_v): `kernels_higher.attention_double_backward`'s results
+    for the cases `supports` accepts; an absent cotangent is zero. `chunks` splits each
+    head's query blocks into that many work items (default: `_chunks`)."""
+    dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
+    gq, gk, gv = (None if t is None else t.to(q.dtype).contiguous() for t in (gq, gk, gv))
+    row_max, inv_sum = row_max.contiguous(), inv_sum.contiguous()
+    rows = _rows_per_block(k.shape[2])
+    if chunks is None:
+        chunks = _chunks(k.shape[0] * k.shape[1], -(-q.shape[2] // rows))
+    g_dout = torch.empty_like(dout) if dout_grad else None
+    g_q = torch.empty_like(q)
+    gk_parts, gv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
+    delta = q.new_empty(q.shape[:-1])
+    optional = [0 if t is None else _ptr(t) for t in (gq, gk, gv)]
+    library().attngrad_double_backward(
+        q.dtype == torch.float64, _ptr(dout), _ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(row_max), _ptr(inv_sum),
+        *optional, _ptr(delta), 0 if g_dout is None else _ptr(g_dout), _ptr(g_q), _ptr(gk_parts), _ptr(gv_parts),
+        _sizes(q, k, v), is_causal, scale, torch.get_num_threads(), rows, chunks,
+    )
+    g_k = gk_parts[0] if chunks == 1 else gk_parts.sum(dim=0)
+    g_v = gv_parts[0] if chunks == 1 else gv_parts.sum(dim=0)
+    return g_dout, g_q, g_k, g_v

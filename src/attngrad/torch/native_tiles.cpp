@@ -1,6 +1,6 @@
-// attngrad's compiled tiles: the forward and backward of exact attention, with no mask or
-// the causal mask, no bias and no dropout, in the manner of FlashAttention-2 (Dao, 2023) on
-// per-thread tiles small enough to stay in a core's cache.
+// attngrad's compiled tiles: the forward, backward and double backward of exact attention,
+// with no mask or the causal mask, no bias and no dropout, in the manner of
+// FlashAttention-2 (Dao, 2023) on per-thread tiles small enough to stay in a core's cache.
 //
 // Shape legend (row-major, contiguous)
 //   q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), out and dout (B, H, Lq, dv),
@@ -15,8 +15,10 @@
 // backward, per (b, key/value head, chunk of key blocks), over query blocks:
 //   P  = exp(S - m) / l,  dP = dO V_blk^T,  dS = P (dP - D)    D = rowsum(dO * O)
 //   dV_blk += P^T dO,  dK_blk += scale dS^T Q,  dQ += scale dS K_blk
+// double backward: see `double_backward` below.
 // A work item owns its dK and dV rows, and its own copy of dQ when the keys are split into
-// chunks: nothing is written by two threads, so the bits do not depend on the schedule.
+// chunks (the double backward: its g_Q rows, and its own g_K, g_V when the query blocks are
+// split): nothing is written by two threads, so the bits do not depend on the schedule.
 // The causal mask is top-left: row i sees keys j <= i.
 //
 // The GEMMs are the BLAS's Fortran sgemm/dgemm, handed over by pointer at load time (the
@@ -204,6 +206,94 @@ void probs_and_score_grad(float* p, float* ds, index_t n, float m, float inv, fl
     probs_and_score_grad_each(p + j, ds + j, n - j, m, inv, d);
 }
 
+// The double backward's row work, in three sweeps over one row (in the manner of the row
+// operations above: a loop for any type, 16-float vectors for float32).
+// p <- P = exp(S - m) / l; returns t = rowsum(P * T)
+template <typename T>
+T probs_and_dot_each(T* p, const T* t, index_t n, T m, T inv) {
+    T sum = 0;
+    for (index_t j = 0; j < n; ++j) {
+        p[j] = exp_score(p[j] - m) * inv;
+        sum += p[j] * t[j];
+    }
+    return sum;
+}
+
+template <typename T>
+T probs_and_dot(T* p, const T* t, index_t n, T m, T inv) {
+    return probs_and_dot_each(p, t, n, m, inv);
+}
+
+template <>
+float probs_and_dot(float* p, const float* t, index_t n, float m, float inv) {
+    floatv lanes{};
+    index_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+        const floatv pj = exp_score(load(p + j) - m) * inv;
+        store(p + j, pj);
+        lanes += pj * load(t + j);
+    }
+    float sum = probs_and_dot_each(p + j, t + j, n - j, m, inv);
+    for (int i = 0; i < kLanes; ++i) sum += lanes[i];
+    return sum;
+}
+
+// x <- g_P = (dP - D) (T - t) + X,  t <- g_dP = P (T - t),  dp <- dS = P (dP - D);
+// returns u = rowsum(P * g_P)
+template <typename T>
+T second_order_terms_each(const T* p, T* t, T* dp, T* x, index_t n, T t_sum, T d_row) {
+    T sum = 0;
+    for (index_t j = 0; j < n; ++j) {
+        const T t_centred = t[j] - t_sum, dp_centred = dp[j] - d_row;
+        const T g_p = dp_centred * t_centred + x[j];
+        sum += p[j] * g_p;
+        x[j] = g_p;
+        t[j] = p[j] * t_centred;
+        dp[j] = p[j] * dp_centred;
+    }
+    return sum;
+}
+
+template <typename T>
+T second_order_terms(const T* p, T* t, T* dp, T* x, index_t n, T t_sum, T d_row) {
+    return second_order_terms_each(p, t, dp, x, n, t_sum, d_row);
+}
+
+template <>
+float second_order_terms(const float* p, float* t, float* dp, float* x, index_t n, float t_sum, float d_row) {
+    floatv lanes{};
+    index_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+        const floatv pj = load(p + j), t_centred = load(t + j) - t_sum, dp_centred = load(dp + j) - d_row;
+        const floatv g_p = dp_centred * t_centred + load(x + j);
+        lanes += pj * g_p;
+        store(x + j, g_p);
+        store(t + j, pj * t_centred);
+        store(dp + j, pj * dp_centred);
+    }
+    float sum = second_order_terms_each(p + j, t + j, dp + j, x + j, n - j, t_sum, d_row);
+    for (int i = 0; i < kLanes; ++i) sum += lanes[i];
+    return sum;
+}
+
+// x <- P (x - u)
+template <typename T>
+void centre_and_scale_each(const T* p, T* x, index_t n, T u) {
+    for (index_t j = 0; j < n; ++j) x[j] = p[j] * (x[j] - u);
+}
+
+template <typename T>
+void centre_and_scale(const T* p, T* x, index_t n, T u) {
+    centre_and_scale_each(p, x, n, u);
+}
+
+template <>
+void centre_and_scale(const float* p, float* x, index_t n, float u) {
+    index_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) store(x + j, load(p + j) * (load(x + j) - u));
+    centre_and_scale_each(p + j, x + j, n - j, u);
+}
+
 // While it lives, the BLAS runs on the calling thread alone: the tiles are the parallel axis.
 class SingleThreadedBlas {
    public:
@@ -290,21 +380,24 @@ void forward(const T* q, const T* k, const T* v, T* out, T* row_max, T* inv_sum,
     }
 }
 
+// delta_r = rowsum(a_r * b_r) for `rows` rows of width `width`
+template <typename T>
+void row_dots(const T* a, const T* b, T* delta, index_t rows, index_t width, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (index_t r = 0; r < rows; ++r) {
+        T sum = 0;
+        for (index_t c = 0; c < width; ++c) sum += a[r * width + c] * b[r * width + c];
+        delta[r] = sum;
+    }
+}
+
 template <typename T>
 void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, const T* row_max, const T* inv_sum,
               T* delta, T* dq_parts, T* dk, T* dv, const Shape& s, bool causal, T scale, int threads,
               index_t block_rows, index_t block_keys, index_t chunks) {
     const index_t group = s.heads / s.kv_heads;
     const index_t rows_total = s.batch * s.heads * s.len_q;
-    // D = rowsum(dO * O)
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (index_t r = 0; r < rows_total; ++r) {
-        const T* a = dout + r * s.dim_v;
-        const T* o = out + r * s.dim_v;
-        T sum = 0;
-        for (index_t c = 0; c < s.dim_v; ++c) sum += a[c] * o[c];
-        delta[r] = sum;
-    }
+    row_dots(dout, out, delta, rows_total, s.dim_v, threads);  // D = rowsum(dO * O)
     const index_t key_blocks = (s.len_k + block_keys - 1) / block_keys;
     const index_t bhk_count = s.batch * s.kv_heads;
 #pragma omp parallel num_threads(threads)
@@ -353,6 +446,100 @@ void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, c
                         gemm<T>(false, false, rows, s.dim, cols, scale, dscores.data(), cols, k_blk, s.dim, T(1),
                                 dq + first * s.dim, s.dim);
                     }
+                }
+            }
+        }
+    }
+}
+
+
+// The double backward, for cotangents gQ, gK, gV (each may be null: zero) of the backward's
+// dQ, dK, dV; per (b, key/value head, chunk of query blocks), each query block holding
+// whole rows of keys, since two row sums run over all of them (R rows x Lk' keys each):
+//   T = scale (gQ K^T + Q gK^T),  t = rowsum(P * T),  X = dO gV^T
+//   g_P = (dP - D) * (T - t) + X,  u = rowsum(P * g_P)
+//   g_dP = P * (T - t)    -> g_V += g_dP^T dO,  g_dO = g_dP V + P gV (when asked)
+//   g_S = P * (g_P - u),  dS = P * (dP - D)
+//   g_Q = scale (g_S K + dS gK),  g_K += scale (g_S^T Q + dS^T gQ)
+template <typename T>
+void double_backward(const T* dout, const T* q, const T* k, const T* v, const T* out, const T* row_max,
+                     const T* inv_sum, const T* gq, const T* gk, const T* gv, T* delta, T* g_dout, T* g_q,
+                     T* gk_parts, T* gv_parts, const Shape& s, bool causal, T scale, int threads,
+                     index_t block_rows, index_t chunks) {
+    const index_t group = s.heads / s.kv_heads;
+    const index_t rows_total = s.batch * s.heads * s.len_q;
+    row_dots(dout, out, delta, rows_total, s.dim_v, threads);  // D = rowsum(dO * O)
+    const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
+    const index_t bhk_count = s.batch * s.kv_heads;
+    const index_t kv_size = bhk_count * s.len_k;
+#pragma omp parallel num_threads(threads)
+    {
+        SingleThreadedBlas blas_guard;
+        const index_t tile = block_rows * s.len_k;
+        // P; T, then g_dP; dP - D, then dS; X, then g_P, then g_S
+        std::vector<T> p_rows(tile), t_rows(tile), dp_rows(tile), x_rows(tile);
+#pragma omp for schedule(dynamic, 1)
+        for (index_t item = 0; item < chunks * bhk_count; ++item) {
+            const index_t chunk = item / bhk_count, bhk = item % bhk_count;
+            const index_t b = bhk / s.kv_heads, hk = bhk % s.kv_heads;
+            const T* k_head = k + bhk * s.len_k * s.dim;
+            const T* v_head = v + bhk * s.len_k * s.dim_v;
+            const T* gk_head = gk ? gk + bhk * s.len_k * s.dim : nullptr;
+            const T* gv_head = gv ? gv + bhk * s.len_k * s.dim_v : nullptr;
+            T* g_k = gk_parts + (chunk * kv_size + bhk * s.len_k) * s.dim;
+            T* g_v = gv_parts + (chunk * kv_size + bhk * s.len_k) * s.dim_v;
+            for (index_t h = hk * group; h < (hk + 1) * group; ++h) {
+                const index_t bh = b * s.heads + h;
+                for (index_t qb = chunk * query_blocks / chunks; qb < (chunk + 1) * query_blocks / chunks; ++qb) {
+                    const index_t r0 = qb * block_rows, rows = std::min(block_rows, s.len_q - r0);
+                    const index_t first = bh * s.len_q + r0;
+                    const index_t keys = causal ? std::min(s.len_k, r0 + rows) : s.len_k;
+                    const T* q_blk = q + first * s.dim;
+                    const T* do_blk = dout + first * s.dim_v;
+                    const T* gq_blk = gq ? gq + first * s.dim : nullptr;
+                    T *p = p_rows.data(), *t = t_rows.data(), *dp = dp_rows.data(), *x = x_rows.data();
+                    // forward: S = scale Q K^T;  T = scale (gQ K^T + Q gK^T);  dP = dO V^T;  X = dO gV^T
+                    gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
+                    if (gq_blk) gemm<T>(false, true, rows, keys, s.dim, scale, gq_blk, s.dim, k_head, s.dim, T(0), t, keys);
+                    if (gk_head) {
+                        gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, gk_head, s.dim, T(gq_blk ? 1 : 0),
+                                t, keys);
+                    }
+                    if (!gq_blk && !gk_head) std::fill(t, t + rows * keys, T(0));
+                    gemm<T>(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, v_head, s.dim_v, T(0), dp, keys);
+                    if (gv_head) {
+                        gemm<T>(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, gv_head, s.dim_v, T(0), x,
+                                keys);
+                    } else {
+                        std::fill(x, x + rows * keys, T(0));
+                    }
+                    for (index_t i = 0; i < rows; ++i) {
+                        T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
+                        const index_t seen = visible(causal, r0 + i, 0, keys);
+                        const T m = row_max[first + i], inv = inv_sum[first + i], d_row = delta[first + i];
+                        const T t_sum = probs_and_dot(pi, ti, seen, m, inv);  // P, t = rowsum(P * T)
+                        const T u_sum = second_order_terms(pi, ti, dpi, xi, seen, t_sum, d_row);
+                        centre_and_scale(pi, xi, seen, u_sum);  // g_S = P (g_P - u)
+                        for (T* row : {pi, ti, dpi, xi}) std::fill(row + seen, row + keys, T(0));
+                    }
+                    // backward: dV = P^T dO  ->  g_V += g_dP^T dO
+                    gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), g_v, s.dim_v);
+                    // backward: dP = dO V^T, dV = P^T dO  ->  g_dO = g_dP V + P gV
+                    if (g_dout) {
+                        T* g_do = g_dout + first * s.dim_v;
+                        gemm<T>(false, false, rows, s.dim_v, keys, T(1), t, keys, v_head, s.dim_v, T(0), g_do, s.dim_v);
+                        if (gv_head) {
+                            gemm<T>(false, false, rows, s.dim_v, keys, T(1), p, keys, gv_head, s.dim_v, T(1), g_do,
+                                    s.dim_v);
+                        }
+                    }
+                    // backward: dQ = scale dS K, dK = scale dS^T Q  ->  g_Q = scale (g_S K + dS gK),
+                    // g_K += scale (g_S^T Q + dS^T gQ)
+                    T* g_q_blk = g_q + first * s.dim;
+                    gemm<T>(false, false, rows, s.dim, keys, scale, x, keys, k_head, s.dim, T(0), g_q_blk, s.dim);
+                    if (gk_head) gemm<T>(false, false, rows, s.dim, keys, scale, dp, keys, gk_head, s.dim, T(1), g_q_blk, s.dim);
+                    gemm<T>(true, false, keys, s.dim, rows, scale, x, keys, q_blk, s.dim, T(1), g_k, s.dim);
+                    if (gq_blk) gemm<T>(true, false, keys, s.dim, rows, scale, dp, keys, gq_blk, s.dim, T(1), g_k, s.dim);
                 }
             }
         }
@@ -408,6 +595,33 @@ void attngrad_backward(int double_precision, const void* dout, const void* q, co
                     static_cast<const T*>(inv_sum), static_cast<T*>(delta), static_cast<T*>(dq_parts),
                     static_cast<T*>(dk), static_cast<T*>(dv), s, causal != 0, static_cast<T>(scale), threads,
                     block_rows, block_keys, chunks);
+    }
+}
+
+// gq, gk, gv may be null (zero cotangents), and g_dout (not asked for). gk_parts and gv_parts
+// hold `chunks` zeroed (B, Hkv, Lk, .) partial sums, one per chunk of query blocks.
+void attngrad_double_backward(int double_precision, const void* dout, const void* q, const void* k, const void* v,
+                              const void* out, const void* row_max, const void* inv_sum, const void* gq,
+                              const void* gk, const void* gv, void* delta, void* g_dout, void* g_q, void* gk_parts,
+                              void* gv_parts, const int64_t* sizes, int causal, double scale, int threads,
+                              int64_t block_rows, int64_t chunks) {
+    const Shape s{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6]};
+    if (double_precision) {
+        using T = double;
+        double_backward<T>(static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k),
+                           static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(row_max),
+                           static_cast<const T*>(inv_sum), static_cast<const T*>(gq), static_cast<const T*>(gk),
+                           static_cast<const T*>(gv), static_cast<T*>(delta), static_cast<T*>(g_dout),
+                           static_cast<T*>(g_q), static_cast<T*>(gk_parts), static_cast<T*>(gv_parts), s, causal != 0,
+                           scale, threads, block_rows, chunks);
+    } else {
+        using T = float;
+        double_backward<T>(static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k),
+                           static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(row_max),
+                           static_cast<const T*>(inv_sum), static_cast<const T*>(gq), static_cast<const T*>(gk),
+                           static_cast<const T*>(gv), static_cast<T*>(delta), static_cast<T*>(g_dout),
+                           static_cast<T*>(g_q), static_cast<T*>(gk_parts), static_cast<T*>(gv_parts), s, causal != 0,
+                           static_cast<T>(scale), threads, block_rows, chunks);
     }
 }
 

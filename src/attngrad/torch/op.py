@@ -1,5 +1,6 @@
 """The tiled kernels as PyTorch operators, with autograd: a thin wrapper over `native`
-(the compiled forward and backward, where they apply), `kernels` and `kernels_higher`.
+(the compiled forward, backward and double backward, where they apply), `kernels` and
+`kernels_higher`.
 
 Each pass is a custom op (`attngrad::attention_forward`, `..._backward`, `..._jvp`,
 `..._backward_jvp`, `..._double_backward`), so that torch.compile treats it as one opaque
@@ -119,6 +120,11 @@ def attention_double_backward(
     out: Tensor, row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float, bias_grad: bool,
     dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if native.supports(q, k, v, mask, bias, dropout_p):  # no bias, so no bias gradient
+        g_dout, g_q, g_k, g_v = native.attention_double_backward(
+            dout.to(q.dtype), q, k, v, out, row_max, inv_sum, is_causal, scale, dout_grad, gq, gk, gv
+        )
+        return _maybe_empty(g_dout, q), g_q, g_k, g_v, q.new_empty(0)
     g_dout, g_q, g_k, g_v, g_bias = kernels_higher.attention_double_backward(
         dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, is_causal, scale, dropout_p, bias_grad,
         dout_grad, gq, gk, gv, gbias,

@@ -315,6 +315,17 @@ struct Shape {
     index_t batch, heads, kv_heads, len_q, len_k, dim, dim_v;
 };
 
+// A work item of the backward passes: chunk `chunk` of key/value head bhk = b Hkv + hk.
+// Chunk-major order: in a causal pass the first chunks, the heaviest, go first.
+struct KvItem {
+    index_t chunk, bhk, b, hk;
+};
+
+inline KvItem kv_item(index_t item, index_t bhk_count, index_t kv_heads) {
+    const index_t bhk = item % bhk_count;
+    return {item / bhk_count, bhk, bhk / kv_heads, bhk % kv_heads};
+}
+
 template <typename T>
 void forward(const T* q, const T* k, const T* v, T* out, T* row_max, T* inv_sum, const Shape& s, bool causal, T scale,
              int threads, index_t block_rows, index_t block_keys, index_t value_slice) {
@@ -404,11 +415,10 @@ void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, c
     {
         SingleThreadedBlas blas_guard;
         std::vector<T> probs(block_rows * block_keys), dscores(block_rows * block_keys);
-        // chunk-major: in a causal pass the first key chunks, seen by the most rows, go first
 #pragma omp for schedule(dynamic, 1)
         for (index_t item = 0; item < chunks * bhk_count; ++item) {
-            const index_t chunk = item / bhk_count, bhk = item % bhk_count;
-            const index_t b = bhk / s.kv_heads, hk = bhk % s.kv_heads;
+            const KvItem it = kv_item(item, bhk_count, s.kv_heads);
+            const index_t chunk = it.chunk, bhk = it.bhk, b = it.b, hk = it.hk;
             const T* k_head = k + bhk * s.len_k * s.dim;
             const T* v_head = v + bhk * s.len_k * s.dim_v;
             T* dk_head = dk + bhk * s.len_k * s.dim;
@@ -480,8 +490,8 @@ void double_backward(const T* dout, const T* q, const T* k, const T* v, const T*
         std::vector<T> p_rows(tile), t_rows(tile), dp_rows(tile), x_rows(tile);
 #pragma omp for schedule(dynamic, 1)
         for (index_t item = 0; item < chunks * bhk_count; ++item) {
-            const index_t chunk = item / bhk_count, bhk = item % bhk_count;
-            const index_t b = bhk / s.kv_heads, hk = bhk % s.kv_heads;
+            const KvItem it = kv_item(item, bhk_count, s.kv_heads);
+            const index_t chunk = it.chunk, bhk = it.bhk, b = it.b, hk = it.hk;
             const T* k_head = k + bhk * s.len_k * s.dim;
             const T* v_head = v + bhk * s.len_k * s.dim_v;
             const T* gk_head = gk ? gk + bhk * s.len_k * s.dim : nullptr;

@@ -32,7 +32,10 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("native_tiles.cpp")
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
+# -fno-trapping-math lets the row loops' compares and selects vectorise; -ffp-contract=fast
+# turns their a * b + c into FMAs. No -ffast-math: the code relies on -inf and exact order.
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-fopenmp", "-fPIC",
+         "-shared", "-std=c++17")
 # Rows of a query block and keys of a key block. A (128, 512) float32 score tile is 256 KiB;
 # the backward's two of them and their K, V blocks stay in a core's L2 cache. Fwd+bwd at
 # B=1, H=8, L=4096, d=64, as a share of PyTorch's flash kernel's time, full / causal:
@@ -46,7 +49,8 @@ BLOCK_KEYS = 512
 VALUE_SLICE = 128
 # Numbers in each of the double backward's four whole-row tiles (R x Lk'), 4 MiB of float32
 # (16 MiB per thread). Its GEMMs want tall blocks more than the tiles want cache: at L=4096
-# the pass took 1033 ms with 16 rows, 817 with 32, 700 with 64 and 681 with 128.
+# the pass took 1033 ms with 16 rows, 817 with 32, 700 with 64 and 681 with 128 (scalar row
+# loops; 655 once they were vectorised).
 DOUBLE_TILE = 1 << 20
 
 _BLAS_SYMBOLS = ("SGEMM", "DGEMM")  # the Fortran interface, 32-bit integers

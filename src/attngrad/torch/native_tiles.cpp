@@ -315,8 +315,9 @@ struct Shape {
     index_t batch, heads, kv_heads, len_q, len_k, dim, dim_v;
 };
 
-// A work item of the backward passes: chunk `chunk` of key/value head bhk = b Hkv + hk.
-// Chunk-major order: in a causal pass the first chunks, the heaviest, go first.
+// A work item of the backward passes: chunk `chunk` of key/value head bhk = b Hkv + hk, in
+// chunk-major order (in the backward's causal pass the first key chunks, seen by the most
+// rows, are the heaviest and so go first).
 struct KvItem {
     index_t chunk, bhk, b, hk;
 };

@@ -6,7 +6,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from attngrad.torch import kernels, native, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch import dropout, kernels, native, scaled_dot_product_attention  # noqa: E402
 from attngrad.torch.op import attention  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
@@ -111,14 +111,10 @@ def test_gradcheck_float64(backend):
     assert torch.autograd.gradcheck(lambda *t: scaled_dot_product_attention(*t, is_causal=True), (q, k, v))
 
 
-def _keep_mask(batch, heads, len_q, len_k, seed, dropout_p, is_causal=False):
-    """The keep-mask the kernel draws, block by block, from the same seed."""
-    keep = torch.zeros(batch, heads, len_q, len_k, dtype=torch.float64)
-    plan = kernels.blocks(batch, heads, len_q, len_k, is_causal)
-    for block, (start, stop, keys) in enumerate(plan):
-        z = kernels._keep_scale_into(torch.empty(batch, heads, stop - start, keys, dtype=torch.float64), seed, block, dropout_p)
-        keep[:, :, start:stop, :keys] = z
-    return keep > 0
+def _keep_mask(batch, heads, len_q, len_k, seed, dropout_p):
+    """The keep-mask the kernels draw from the same seed: one entry per (b, h, i, j),
+    whatever their blocks."""
+    return dropout.keep_scale_into(torch.empty(batch, heads, len_q, len_k, dtype=torch.float64), seed, 0, dropout_p) > 0
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -128,10 +124,10 @@ def test_dropout_is_exact_with_the_regenerated_mask(many_blocks, is_causal):
     q, k, v = make()
     p, seed = 0.3, 12345
     seed_t = torch.tensor(seed)
-    out = attention(q, k, v, None, None, seed_t, is_causal, 8**-0.5, p)
+    out = attention(q, k, v, None, None, seed_t, 0 if is_causal else None, 8**-0.5, p)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, [q, k, v], dout)
-    keep = _keep_mask(2, 4, 13, 21, seed, p, is_causal)
+    keep = _keep_mask(2, 4, 13, 21, seed, p)
     ref, _ = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, None, p, is_causal, keep)
     ref_grads = torch.autograd.grad(ref, [q, k, v], dout)
     assert rel_err(out, ref) < EXACT
@@ -228,15 +224,18 @@ def test_torch_func_grad_and_vjp():
     [
         (dict(key=torch.randn(2, 4, 21, 5)), ValueError, "last dimension"),
         (dict(value=torch.randn(2, 4, 20, 6)), ValueError, "key and value"),
-        (dict(key=torch.randn(2, 3, 21, 8), value=torch.randn(2, 3, 21, 6)), ValueError, "enable_gqa"),
-        (dict(query=torch.randn(13, 8)), ValueError, "(B, H, L, E)"),
+        (dict(key=torch.randn(2, 2, 21, 8), value=torch.randn(2, 2, 21, 6)), ValueError, "enable_gqa"),
+        (dict(key=torch.randn(2, 3, 21, 8), value=torch.randn(2, 3, 21, 6)), ValueError, "4 heads but key/value 3"),
+        (dict(key=torch.randn(3, 4, 21, 8), value=torch.randn(3, 4, 21, 6)), ValueError, "batch dimensions"),
+        (dict(query=torch.randn(8)), ValueError, "at least 2 dimensions"),
         (dict(query=torch.randint(0, 3, (2, 4, 13, 8))), TypeError, "floating"),
         (dict(key=torch.randn(2, 4, 21, 8, dtype=torch.float64)), TypeError, "share a dtype"),
         (dict(key=torch.randn(2, 4, 21, 8, device="meta")), ValueError, "one device"),
         (dict(attn_mask=torch.zeros(3, 13, 21)), ValueError, "does not broadcast"),
         (dict(attn_mask=torch.zeros(13, 21, dtype=torch.int64)), TypeError, "boolean or floating"),
         (dict(attn_mask=torch.zeros(13, 21), is_causal=True), ValueError, "not both"),
-        (dict(dropout_p=1.0), ValueError, "dropout_p"),
+        (dict(dropout_p=1.5), ValueError, "dropout_p"),
+        (dict(attn_mask=torch.zeros(1, 2, 4, 13, 21)), ValueError, "does not broadcast"),
     ],
 )
 def test_bad_input(kwargs, exc, fragment):

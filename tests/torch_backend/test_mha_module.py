@@ -9,15 +9,15 @@ from attngrad.torch import MultiheadAttention  # noqa: E402
 from ..conftest import EXACT, assert_all_close, rel_err  # noqa: E402
 
 
-def pair(batch_first=True, kdim=None, bias=True, dropout=0.0):
+def pair(batch_first=True, kdim=None, bias=True, dropout=0.0, **extra):
     torch.manual_seed(0)
     ref = torch.nn.MultiheadAttention(12, 3, dropout=dropout, bias=bias, kdim=kdim, vdim=kdim,
-                                      batch_first=batch_first, dtype=torch.float64)
+                                      batch_first=batch_first, dtype=torch.float64, **extra)
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_()  # torch starts the biases at 0: make every parameter count
     ours = MultiheadAttention(12, 3, dropout=dropout, bias=bias, kdim=kdim, vdim=kdim,
-                              batch_first=batch_first, dtype=torch.float64)
+                              batch_first=batch_first, dtype=torch.float64, **extra)
     ours.load_state_dict(ref.state_dict())
     return ref, ours
 
@@ -87,8 +87,6 @@ def test_unbatched_input():
 def test_bad_configuration_and_input():
     with pytest.raises(ValueError, match="divisible"):
         MultiheadAttention(10, 3)
-    with pytest.raises(NotImplementedError, match="add_bias_kv"):
-        MultiheadAttention(12, 3, add_bias_kv=True)
     _, ours = pair()
     x = torch.randn(2, 5, 12, dtype=torch.float64)
     with pytest.raises(ValueError, match="key_padding_mask must be"):
@@ -113,3 +111,47 @@ def test_causal_with_a_learned_bias_and_padding():
     grads_ref = torch.autograd.grad(out_ref, [x, bias], dout)
     assert rel_err(out, out_ref) < EXACT
     assert all(rel_err(a, b) < EXACT for a, b in zip(grads, grads_ref))
+
+
+@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask:UserWarning")
+@pytest.mark.parametrize("extra", [dict(add_bias_kv=True), dict(add_zero_attn=True),
+                                   dict(add_bias_kv=True, add_zero_attn=True)])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_appended_keys_match(extra, batch_first):
+    """add_bias_kv (learned bias_k, bias_v appended to every sequence) and add_zero_attn (a
+    zero key and value): outputs, weights and every gradient, bias_k and bias_v included,
+    with a padding mask and a float mask widened over the appended keys."""
+    ref, ours = pair(batch_first, 5, **extra)
+    assert sorted(ours.state_dict()) == sorted(ref.state_dict())
+    shape = (lambda n, w: (2, n, w)) if batch_first else (lambda n, w: (n, 2, w))
+    x = torch.randn(*shape(4, 12), dtype=torch.float64, requires_grad=True)
+    memory = torch.randn(*shape(6, 5), dtype=torch.float64, requires_grad=True)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[1, 2:] = True
+    bias_mask = torch.randn(4, 6, dtype=torch.float64)
+    dout = torch.randn(*shape(4, 12), dtype=torch.float64)
+    a = run(ref, x, memory, dout, key_padding_mask=kpm, attn_mask=bias_mask)
+    b = run(ours, x, memory, dout, key_padding_mask=kpm, attn_mask=bias_mask)
+    assert b[1].shape == a[1].shape
+    assert rel_err(b[0], a[0]) < EXACT and rel_err(b[1], a[1]) < EXACT
+    names = ["x", "memory"] + [n for n, _ in sorted(ours.named_parameters())]
+    assert_all_close(dict(zip(names, b[2])), dict(zip(names, a[2])))
+
+
+def test_weights_are_after_dropout_with_the_outputs_mask():
+    """In training, torch's module returns the attention weights after dropout. Ours returns
+    them with the keep-mask its own attention drew: the output is exactly those weights
+    applied to the values, through the output projection."""
+    _, ours = pair(dropout=0.4)
+    ours.train()
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    torch.manual_seed(3)
+    out, weights = ours(x, x, x, average_attn_weights=False)
+    assert weights.shape == (2, 3, 5, 5)
+    dropped = (weights == 0).double().mean()
+    assert 0.2 < float(dropped) < 0.6  # about p = 0.4 of 150 entries
+    w_v = ours.in_proj_weight.chunk(3)[2]
+    b_v = ours.in_proj_bias.chunk(3)[2]
+    v = (x @ w_v.T + b_v).unflatten(-1, (3, 4)).transpose(1, 2)  # (N, H, S, dh)
+    mixed = (weights @ v).transpose(1, 2).reshape(2, 5, 12)
+    assert rel_err(ours.out_proj(mixed), out) < EXACT

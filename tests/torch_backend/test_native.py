@@ -49,16 +49,16 @@ def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k
     """float64, every block layout and key split: the same statistics, output and gradients
     as `kernels` to 1e-12."""
     q, k, v, dout = _inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
-    scale = dim**-0.5
+    scale, causal = dim**-0.5, (0 if is_causal else None)
     old = native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE
     native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE = blocks
     try:
-        ours = native.attention_forward(q, k, v, is_causal, scale)
-        grads = native.attention_backward(dout, q, k, v, *ours, is_causal, scale, chunks=chunks)
+        ours = native.attention_forward(q, k, v, causal, scale)
+        grads = native.attention_backward(dout, q, k, v, *ours, causal, scale, chunks=chunks)
     finally:
         native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE = old
-    theirs = kernels.attention_forward(q, k, v, None, None, 0, is_causal, scale, 0.0)
-    their_grads = kernels.attention_backward(dout, q, k, v, None, None, 0, *theirs, is_causal, scale, 0.0, False)[:3]
+    theirs = kernels.attention_forward(q, k, v, None, None, 0, causal, scale, 0.0)
+    their_grads = kernels.attention_backward(dout, q, k, v, None, None, 0, *theirs, causal, scale, 0.0, False)[:3]
     names = ("out", "row_max", "inv_sum", "dq", "dk", "dv")
     for a, b in zip((*ours, *grads), (*theirs, *their_grads)):
         assert a.shape == b.shape and a.dtype == b.dtype
@@ -87,16 +87,16 @@ def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, grou
     g = torch.Generator().manual_seed(seed + 1)
     gq, gk, gv = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep else None
                   for t, keep in zip((q, k, v), present))
-    scale = dim**-0.5
-    out, row_max, inv_sum = kernels.attention_forward(q, k, v, None, None, 0, is_causal, scale, 0.0)
+    scale, causal = dim**-0.5, (0 if is_causal else None)
+    out, row_max, inv_sum = kernels.attention_forward(q, k, v, None, None, 0, causal, scale, 0.0)
     old = native.BLOCK_ROWS
     native.BLOCK_ROWS = rows
     try:
-        ours = native.attention_double_backward(dout, q, k, v, out, row_max, inv_sum, is_causal, scale, dout_grad,
+        ours = native.attention_double_backward(dout, q, k, v, out, row_max, inv_sum, causal, scale, dout_grad,
                                                 gq, gk, gv, chunks=chunks)
     finally:
         native.BLOCK_ROWS = old
-    theirs = kernels_higher.attention_double_backward(dout, q, k, v, None, None, 0, out, row_max, inv_sum, is_causal,
+    theirs = kernels_higher.attention_double_backward(dout, q, k, v, None, None, 0, out, row_max, inv_sum, causal,
                                                       scale, 0.0, False, dout_grad, gq, gk, gv, None)[:4]
     assert (ours[0] is None) is (not dout_grad)
     names = ("g_dout", "g_q", "g_k", "g_v")
@@ -117,13 +117,14 @@ def test_float32_tiles_agree_with_float64(is_causal):
     within float32 rounding of the float64 tiles (a wrong polynomial or lane would be off by
     far more)."""
     q, k, v, dout = _inputs(2, 4, 2, 200, 300, 64, 64, torch.float64, 5)
+    causal = 0 if is_causal else None
     cotangents = [torch.randn_like(t) for t in (q, k, v)]
     results = []
     for dtype in (torch.float64, torch.float32):
         args, do = [t.to(dtype) for t in (q, k, v)], dout.to(dtype)
-        out, row_max, inv_sum = native.attention_forward(*args, is_causal, 0.125)
-        grads = native.attention_backward(do, *args, out, row_max, inv_sum, is_causal, 0.125)
-        second = native.attention_double_backward(do, *args, out, row_max, inv_sum, is_causal, 0.125, True,
+        out, row_max, inv_sum = native.attention_forward(*args, causal, 0.125)
+        grads = native.attention_backward(do, *args, out, row_max, inv_sum, causal, 0.125)
+        second = native.attention_double_backward(do, *args, out, row_max, inv_sum, causal, 0.125, True,
                                                   *(c.to(dtype) for c in cotangents))
         results.append((out, inv_sum, *grads, *second))
     names = ("out", "inv_sum", "dq", "dk", "dv", "g_dout", "g_q", "g_k", "g_v")
@@ -144,7 +145,7 @@ def test_tiles_run_behind_the_public_function_and_are_deterministic(monkeypatch)
             out = scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
             runs.append((out, *torch.autograd.grad(out, [q, k, v], dout)))
         assert all(torch.equal(a, b) for a, b in zip(*runs))
-        direct = native.attention_forward(q.detach(), k.detach(), v.detach(), is_causal, 0.25)[0]
+        direct = native.attention_forward(q.detach(), k.detach(), v.detach(), 0 if is_causal else None, 0.25)[0]
         assert torch.equal(runs[0][0], direct)
         ref = math_sdpa(q, k, v, is_causal=is_causal, enable_gqa=True)
         for ours, theirs in zip(runs[0], (ref, *torch.autograd.grad(ref, [q, k, v], dout))):
@@ -155,10 +156,10 @@ def test_tiles_run_behind_the_public_function_and_are_deterministic(monkeypatch)
 def test_key_chunks_give_the_same_gradients():
     """One head on several threads splits its keys into chunks, each with its own dQ sum."""
     q, k, v, dout = _inputs(1, 1, 1, 300, 1100, 16, 16, torch.float64, 3)
-    stats = native.attention_forward(q, k, v, True, 0.25)
-    one = native.attention_backward(dout, q, k, v, *stats, True, 0.25, chunks=1)
+    stats = native.attention_forward(q, k, v, 0, 0.25)
+    one = native.attention_backward(dout, q, k, v, *stats, 0, 0.25, chunks=1)
     for chunks in (2, 3, 8):
-        for a, b in zip(native.attention_backward(dout, q, k, v, *stats, True, 0.25, chunks=chunks), one):
+        for a, b in zip(native.attention_backward(dout, q, k, v, *stats, 0, 0.25, chunks=chunks), one):
             assert rel_err(a, b) < EXACT
 
 

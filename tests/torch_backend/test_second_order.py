@@ -46,7 +46,7 @@ class Case:
             self.allowed = allowed if mask is None else allowed & mask
         self.keep = None
         if dropout_p:
-            self.keep = _keep_mask(B, H, len_q, len_k, 77, dropout_p, is_causal)
+            self.keep = _keep_mask(B, H, len_q, len_k, 77, dropout_p)
 
     @property
     def primals(self):
@@ -54,7 +54,7 @@ class Case:
 
     def ours(self, q, k, v, bias=None):
         if self.dropout_p:
-            return attention_op.attention(q, k, v, self.mask, bias, torch.tensor(77), self.is_causal, q.shape[-1] ** -0.5, self.dropout_p)
+            return attention_op.attention(q, k, v, self.mask, bias, torch.tensor(77), 0 if self.is_causal else None, q.shape[-1] ** -0.5, self.dropout_p)
         return attention(q, k, v, attn_mask=self.mask, attn_bias=bias, is_causal=self.is_causal, enable_gqa=self.gqa)
 
     def theirs(self, q, k, v, bias=None):

@@ -26,13 +26,17 @@ Two row offsets ride inside GEMMs as an extra column of the operands (`with_colu
 S - m in the backward, and dP l - D / l without dropout; that saves two passes over each
 score tile (and in our runs gave the same bits as the separate subtraction). The
 forward's E V~ sums over VALUE_SLICE keys at a time, for float32 accuracy.
-Lk' is Lk, or for a causal block only the keys any of its rows may see (j <= last row),
-which halves the work; dK~ and dV~ then grow by key prefixes (`KeyGradient`). A row that
+The causal mask is a diagonal: key j is visible to query i when j <= i + c, where c (the
+argument `causal`, None for no causal mask) is 0 for PyTorch's top-left alignment and
+Lk - Lq for the bottom-right one. Lk' is Lk, or for a causal block only the keys any of its
+rows may see (j <= last row + c), which halves the work; dK~ and dV~ then grow by key prefixes (`KeyGradient`). A row that
 may see no key gets m = 0 and 1/l = 0, so its output is 0 and everything it sends back
-is 0: no NaN.
+is 0: no NaN. A row that may see exactly one key gets P = 1 there and dS = 0 exactly:
+recomputing S in the backward can round it apart from the forward's m, and P = 1 - 1e-7
+would leave dQ and dK at 1e-7 where they are 0.
 
-Dropout keep-masks are never stored: block i draws its (B, H, R, Lk') uniforms from a
-generator seeded with (seed, i), so the backward regenerates the very same mask.
+Dropout keep-masks are never stored: each block regenerates its entries from the seed and
+their coordinates (`dropout`), so the backward sees the forward's mask.
 Everything is computed in float32 (float64 for float64 inputs) whatever the input dtype.
 """
 
@@ -43,6 +47,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from .dropout import keep_scale_into
 
 # Elements of one (B, H, R, Lk') score tile: 2^22 float32 = 16 MiB. A handful of tiles are
 # alive at once in the backward, which bounds the extra memory whatever the length.
@@ -61,13 +67,17 @@ MAX_ROWS = 128
 VALUE_SLICE = 128
 
 
-def blocks(batch: int, heads: int, len_q: int, len_k: int, is_causal: bool, min_rows: int | None = None) -> list[tuple[int, int, int]]:
+def causal_keys(causal: int | None, stop: int, len_k: int) -> int:
+    """How many keys (a prefix) rows ..stop - 1 may see under the causal diagonal `causal`."""
+    return len_k if causal is None else min(len_k, max(0, stop + causal))
+
+
+def blocks(batch: int, heads: int, len_q: int, len_k: int, causal: int | None, min_rows: int | None = None) -> list[tuple[int, int, int]]:
     """The query blocks (start, stop, keys): rows start:stop see keys :keys.
 
     Each block's score tile holds about TILE_ELEMENTS numbers, but at least `min_rows`
     (default MIN_ROWS) rows. A causal block sees only the keys up to its last row, so early
-    blocks, which see few keys, take more rows. Forward and backward use the same blocks
-    (the dropout masks are drawn per block).
+    blocks, which see few keys, take more rows.
     """
     min_rows = MIN_ROWS if min_rows is None else min_rows
     out = []
@@ -75,14 +85,13 @@ def blocks(batch: int, heads: int, len_q: int, len_k: int, is_causal: bool, min_
     while start < len_q:
         keys = len_k
         rows = TILE_ELEMENTS // max(1, batch * heads * len_k)
-        if is_causal:  # solve rows * (start + rows) ~ budget / (B H) for this block's rows
+        if causal is not None:  # solve rows * (seen + rows) ~ budget / (B H) for this block's rows
             budget = TILE_ELEMENTS / max(1, batch * heads)
-            rows = int((math.sqrt(start * start + 4 * budget) - start) / 2)
+            seen = min(len_k, max(0, start + causal))
+            rows = int((math.sqrt(seen * seen + 4 * budget) - seen) / 2)
         rows = max(1, min(len_q - start, max(min_rows, min(MAX_ROWS, rows))))
         stop = start + rows
-        if is_causal:
-            keys = min(len_k, stop)
-        out.append((start, stop, keys))
+        out.append((start, stop, causal_keys(causal, stop, len_k)))
         start = stop
     return out
 
@@ -115,7 +124,7 @@ def _operands(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float
     """Both passes' inputs in the compute dtype: keys and values repeated over each GQA
     group (O(L) memory), and the scale folded into Q once."""
     work = compute_dtype(q.dtype)
-    groups = q.shape[1] // k.shape[1]
+    groups = q.shape[1] // k.shape[1] if k.shape[1] else 1  # H = Hkv = 0: no heads at all
     k_rep = (k.repeat_interleave(groups, dim=1) if groups > 1 else k).to(work)
     v_rep = (v.repeat_interleave(groups, dim=1) if groups > 1 else v).to(work)
     return _Operands(work, groups, q.to(work) * scale, k_rep, v_rep, None if bias is None else bias.to(work))
@@ -173,7 +182,7 @@ class _Tiles:
     a fresh 16 MiB tensor per operation would cost more in page faults than the math."""
 
     def __init__(self, count: int, plan: list[tuple[int, int, int]], batch: int, heads: int, dtype: torch.dtype, device) -> None:
-        numel = batch * heads * max((stop - start) * keys for start, stop, keys in plan)
+        numel = batch * heads * max(((stop - start) * keys for start, stop, keys in plan), default=0)
         self.flat = [torch.empty(numel, dtype=dtype, device=device) for _ in range(count)]
 
     def get(self, index: int, shape: tuple[int, int, int, int]) -> Tensor:
@@ -181,17 +190,9 @@ class _Tiles:
         return self.flat[index][: math.prod(shape)].view(shape)
 
 
-def _keep_scale_into(out: Tensor, seed: int, block: int, dropout_p: float) -> Tensor:
-    """Fill `out` with Z = keep / (1 - p) for one block, regenerated identically from (seed, block)."""
-    generator = torch.Generator(device=out.device)
-    generator.manual_seed((seed * 1_000_003 + block) % (2**63 - 1))
-    out.uniform_(generator=generator)  # U[0, 1)
-    return out.ge_(dropout_p).mul_(1.0 / (1.0 - dropout_p))  # keep where U >= p
-
-
 def _scores(
     out: Tensor, q_blk: Tensor, k: Tensor, mask: Tensor | None, bias: Tensor | None, start: int, stop: int,
-    is_causal: bool,
+    causal: int | None,
 ) -> Tensor:
     """S = Q_blk K^T + bias into `out` (B, H, R, keys), excluded entries at -inf.
     q_blk carries the scale already."""
@@ -203,11 +204,31 @@ def _scores(
     allowed = _rows(mask, start, stop, keys)
     if allowed is not None:
         out.masked_fill_(~allowed, float("-inf"))
-    if is_causal and keys > start:  # only keys start.. can lie in a row's future
+    first = 0 if causal is None else max(0, start + causal + 1)  # only keys first.. can lie in a row's future
+    if causal is not None and keys > first:
         rows = torch.arange(start, stop, device=out.device)[:, None]
-        future = torch.arange(start, keys, device=out.device)[None, :] > rows  # (R, keys - start)
-        out[..., start:].masked_fill_(future, float("-inf"))
+        future = torch.arange(first, keys, device=out.device)[None, :] > rows + causal  # (R, keys - first)
+        out[..., first:].masked_fill_(future, float("-inf"))
     return out
+
+
+def single_key_rows(e: Tensor, masked: bool) -> Tensor | None:
+    """The rows (B, H, R, 1) of a tile E = exp(S - m) in which one key alone has weight
+    (the others masked, or so far below that exp gives 0), or None if there is none; such a
+    row's E is set to exactly 1 there. The forward had exp(S - m) = exp(0) = 1 and P = 1
+    exactly, which a recomputed S can round apart from. `masked`: whether a mask, bias or
+    the causal diagonal can exclude keys (otherwise only a single-key call has such rows)."""
+    if not masked:
+        if e.shape[-1] != 1:
+            return None
+        e.fill_(1.0)
+        return e.new_ones(e.shape, dtype=torch.bool)
+    single = (e > 0).sum(dim=-1, keepdim=True) == 1
+    if not bool(single.any()):
+        return None
+    rows = single.squeeze(-1)
+    e[rows] = (e[rows] > 0).to(e.dtype)
+    return single
 
 
 def _probs_times_values(e: Tensor, v: Tensor) -> Tensor:
@@ -224,7 +245,7 @@ def _probs_times_values(e: Tensor, v: Tensor) -> Tensor:
 
 def attention_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, seed: int,
-    is_causal: bool, scale: float, dropout_p: float,
+    causal: int | None, scale: float, dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, H, Lq, dv) in q's dtype; row max m and inverse row sum 1/l, (B, H, Lq) each,
     in the compute dtype)."""
@@ -234,13 +255,13 @@ def attention_forward(
     out = torch.empty(batch, heads, len_q, v.shape[-1], dtype=q.dtype, device=q.device)
     row_max = torch.zeros(batch, heads, len_q, dtype=work, device=q.device)
     inv_sum = torch.zeros(batch, heads, len_q, dtype=work, device=q.device)
-    plan = blocks(batch, heads, len_q, len_k, is_causal)
+    plan = blocks(batch, heads, len_q, len_k, causal)
     tiles = _Tiles(2 if dropout_p > 0.0 else 1, plan, batch, heads, work, q.device)
-    for block, (start, stop, keys) in enumerate(plan):
+    for start, stop, keys in plan:
         if keys == 0:  # no key at all for these rows
             out[:, :, start:stop] = 0
             continue
-        s = _scores(tiles.get(0, (batch, heads, stop - start, keys)), q_scaled[:, :, start:stop], k_rep, mask, bias, start, stop, is_causal)
+        s = _scores(tiles.get(0, (batch, heads, stop - start, keys)), q_scaled[:, :, start:stop], k_rep, mask, bias, start, stop, causal)
         m = s.amax(dim=-1, keepdim=True)  # (B, H, R, 1)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # empty rows: any finite shift
         e = s.sub_(m).exp_()  # E = exp(S - m)
@@ -249,7 +270,7 @@ def attention_forward(
         row_max[:, :, start:stop] = m.squeeze(-1)
         inv_sum[:, :, start:stop] = inv.squeeze(-1)
         if dropout_p > 0.0:
-            e = e.mul_(_keep_scale_into(tiles.get(1, (batch, heads, stop - start, keys)), seed, block, dropout_p))
+            e = e.mul_(keep_scale_into(tiles.get(1, (batch, heads, stop - start, keys)), seed, start, dropout_p))
         o = _probs_times_values(e, v_rep[..., :keys, :])  # (B, H, R, dv), normalised here: cheaper than P
         out[:, :, start:stop] = o.mul_(inv).to(q.dtype)
     return out, row_max, inv_sum
@@ -282,7 +303,7 @@ def add_block_to_bias(grad: Tensor, block: Tensor, start: int, stop: int, keys: 
 
 def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, seed: int,
-    out: Tensor, row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float, bias_grad: bool,
+    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: int | None, scale: float, dropout_p: float, bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv, dbias or None), each in its input's dtype and shape."""
     batch, heads, len_q, width = q.shape
@@ -298,7 +319,7 @@ def attention_backward(
     v_ones = with_column(v_rep, 1.0) if dropout_p == 0.0 else None
     v_rep = v_rep if v_ones is None else v_ones[..., :-1]
     dq = torch.empty(batch, heads, len_q, width, dtype=work, device=q.device)
-    dk_sum, dv_sum = KeyGradient(k_rep, width, is_causal), KeyGradient(k_rep, width_v, is_causal)
+    dk_sum, dv_sum = KeyGradient(k_rep, width, causal is not None), KeyGradient(k_rep, width_v, causal is not None)
     # A bias with a row per query and a column per key gets each block's dS exactly once:
     # it is copied into an uninitialised buffer (zeroing 0.5 GiB first would cost more
     # than the copy). A bias broadcast along rows or keys sums several blocks: += into zeros.
@@ -306,9 +327,10 @@ def attention_backward(
     dbias = None
     if bias_grad:
         dbias = (torch.empty if written_once else torch.zeros)(bias.shape, dtype=work, device=q.device)
-    plan = blocks(batch, heads, len_q, len_k, is_causal)
+    plan = blocks(batch, heads, len_q, len_k, causal)
     tiles = _Tiles(3 if dropout_p > 0.0 else 2, plan, batch, heads, work, q.device)
-    for block, (start, stop, keys) in enumerate(plan):
+    masked = mask is not None or bias is not None or causal is not None
+    for start, stop, keys in plan:
         r = stop - start
         if keys == 0:
             dq[:, :, start:stop] = 0
@@ -319,13 +341,14 @@ def attention_backward(
         do_blk = do_rows[..., :width_v]  # dO' = dO / l
         # forward: E = exp(S - m), recomputed; 0 on excluded entries and on empty rows
         e = _scores(tiles.get(0, (batch, heads, r, keys)), q_shifted[:, :, start:stop], k_ones, mask, bias_work,
-                    start, stop, is_causal).exp_()
+                    start, stop, causal).exp_()
+        single = single_key_rows(e, masked)
         # forward: O = (E * Z) V~ / l  ->  dP l = (dO' V~^T) * Z,  dV~ += (E * Z)^T dO'
         # forward: P = softmax(S)  ->  dS = P * (dP - D) = E * (dP l - D / l)
         dp_out = tiles.get(1, (batch, heads, r, keys))
         if dropout_p > 0.0:
             dp = torch.matmul(do_blk, v_rep[..., :keys, :].transpose(-1, -2), out=dp_out)
-            z = _keep_scale_into(tiles.get(2, (batch, heads, r, keys)), seed, block, dropout_p)
+            z = keep_scale_into(tiles.get(2, (batch, heads, r, keys)), seed, start, dropout_p)
             dp.mul_(z).add_(do_rows[..., width_v:])  # dP l - D / l
             dv_sum.add(z.mul_(e), do_blk)
         else:
@@ -333,14 +356,15 @@ def attention_backward(
             dv_sum.add(e, do_blk)
         # forward: S = scale * Q K~^T + bias  ->  dbias = dS summed over the bias's broadcast axes
         target = dbias[..., start:stop, :keys] if written_once else None
-        if target is not None and target.numel() == e.numel() and target.is_contiguous():
-            ds = torch.mul(e, dp, out=target.view(e.shape))  # a full-size bias: dS lands in its gradient
-        else:
-            ds = e.mul_(dp)
-            if target is not None:
-                target.copy_(_reduce_to(ds, target.shape))
-            elif dbias is not None:  # several blocks add into each entry
-                add_block_to_bias(dbias, ds, start, stop, keys)
+        in_place = target is not None and target.numel() == e.numel() and target.is_contiguous()
+        # a full-size bias: dS lands in its gradient
+        ds = torch.mul(e, dp, out=target.view(e.shape)) if in_place else e.mul_(dp)
+        if single is not None:  # dP - D is rounding there: D = dP exactly
+            ds.masked_fill_(single, 0.0)
+        if target is not None and not in_place:
+            target.copy_(_reduce_to(ds, target.shape))
+        elif dbias is not None and target is None:  # several blocks add into each entry
+            add_block_to_bias(dbias, ds, start, stop, keys)
         if target is not None and keys < len_k:
             dbias[..., start:stop, keys:] = 0  # keys a causal block never sees
         dq[:, :, start:stop] = torch.matmul(ds, k_rep[..., :keys, :]).mul_(scale)

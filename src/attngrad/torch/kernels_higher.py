@@ -45,7 +45,9 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from .kernels import KeyGradient, _keep_scale_into, _operands, _rows, _scores, _Tiles, add_block_to_bias, blocks, with_column
+from .dropout import keep_scale_into
+from .kernels import (KeyGradient, _operands, _rows, _scores, _Tiles, add_block_to_bias, blocks, single_key_rows,
+                      with_column)
 
 HIGHER_MIN_ROWS = 128
 
@@ -102,7 +104,7 @@ class _Recompute:
     them, in reused score-sized buffers (fresh 16 MiB tiles would cost more in page faults
     than the arithmetic on them)."""
 
-    def __init__(self, q, k, v, mask, bias, seed, row_max, inv_sum, is_causal, scale, dropout_p, buffers: int):
+    def __init__(self, q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, buffers: int):
         self.batch, self.heads, self.len_q, _ = q.shape
         self.len_k = k.shape[-2]
         ops = _operands(q, k, v, bias, scale)
@@ -112,13 +114,13 @@ class _Recompute:
         # [scale Q | -m] [K~ | 1]^T = S - m in one GEMM (see kernels.with_column)
         self.q_shifted, self.k_ones = with_column(self.q_scaled, -row_max[..., None]), with_column(self.k_rep, 1.0)
         self.q_scaled, self.k_rep = self.q_shifted[..., :-1], self.k_ones[..., :-1]  # views: no second copy kept
-        self.is_causal, self.scale, self.dropout_p = is_causal, scale, dropout_p
-        # Dropout masks are drawn per block, so with dropout the blocks must be the forward's.
-        # Without, long sequences get taller blocks: these passes do 2.5-6 forwards' worth of
-        # GEMMs per tile, and 16-row GEMMs are thin (JVP at L=16384: 10.6 s with 32-row
-        # blocks, 7.7 s with 128), for some more memory (128 rows x L keys x B H per tile).
-        min_rows = None if dropout_p > 0.0 else HIGHER_MIN_ROWS
-        self.plan = blocks(self.batch, self.heads, self.len_q, self.len_k, is_causal, min_rows)
+        self.causal, self.scale, self.dropout_p = causal, scale, dropout_p
+        self.masked = mask is not None or bias is not None or causal is not None
+        # Long sequences get taller blocks than the first-order passes: these do 2.5-6
+        # forwards' worth of GEMMs per tile, and 16-row GEMMs are thin (JVP at L=16384:
+        # 10.6 s with 32-row blocks, 7.7 s with 128), for some more memory (128 rows x L
+        # keys x B H per tile).
+        self.plan = blocks(self.batch, self.heads, self.len_q, self.len_k, causal, HIGHER_MIN_ROWS)
         count = buffers + (1 if dropout_p > 0.0 else 0)
         self.tiles = _Tiles(count, self.plan, self.batch, self.heads, self.work, q.device)
 
@@ -126,22 +128,26 @@ class _Recompute:
         """Scratch buffer `index` shaped as this block's (B, H, R, keys) tile."""
         return self.tiles.get(index, (self.batch, self.heads, stop - start, keys))
 
-    def probs(self, block: int, start: int, stop: int, keys: int) -> tuple[Tensor, Optional[Tensor]]:
-        """(P, Z or None) for one block, each (B, H, R, keys), in buffers 0 and the last."""
+    def probs(self, start: int, stop: int, keys: int) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """(P, Z or None, the single-key rows or None) for one block, P and Z (B, H, R, keys)
+        in buffers 0 and the last; P is exactly 1 on a single-key row's key
+        (`kernels.single_key_rows`), and the caller sets such a row's dS to 0."""
         s = _scores(self.tile(0, start, stop, keys), self.q_shifted[:, :, start:stop], self.k_ones, self.mask, self.bias,
-                    start, stop, self.is_causal)  # S - m
-        p = s.exp_().mul_(self.inv_sum[:, :, start:stop, None])
+                    start, stop, self.causal)  # S - m
+        e = s.exp_()
+        single = single_key_rows(e, self.masked)
+        p = e.mul_(self.inv_sum[:, :, start:stop, None])
         z = None
         if self.dropout_p > 0.0:
-            z = _keep_scale_into(self.tile(len(self.tiles.flat) - 1, start, stop, keys), self.seed, block, self.dropout_p)
-        return p, z
+            z = keep_scale_into(self.tile(len(self.tiles.flat) - 1, start, stop, keys), self.seed, start, self.dropout_p)
+        return p, z, single
 
-    def each_block(self) -> Iterator[tuple[int, int, int, Tensor, Optional[Tensor]]]:
-        """(start, stop, keys, P, Z or None) for every block that sees a key; rows that see
-        none keep their zero tangents and gradients."""
-        for block, (start, stop, keys) in enumerate(self.plan):
+    def each_block(self) -> Iterator[tuple[int, int, int, Tensor, Optional[Tensor], Optional[Tensor]]]:
+        """(start, stop, keys, P, Z or None, single-key rows or None) for every block that
+        sees a key; rows that see none keep their zero tangents and gradients."""
+        for start, stop, keys in self.plan:
             if keys:
-                yield (start, stop, keys, *self.probs(block, start, stop, keys))
+                yield (start, stop, keys, *self.probs(start, stop, keys))
 
     def score_form(self, a_q: Optional[Tensor], b_k: Optional[Tensor], c: Optional[Tensor]) -> _ScoreForm:
         """The S'/T form for query-side `a_q` (B, H, Lq, d), key-side `b_k` (B, Hkv, Lk, d)
@@ -159,8 +165,8 @@ class _Recompute:
         """Zeros shaped like Q (contiguous, whatever the inputs' strides), sums for K~ and V~,
         and, when asked, zeros shaped like the bias, in the compute dtype."""
         dq = torch.zeros_like(self.q_scaled, memory_format=torch.contiguous_format)
-        dk = KeyGradient(self.k_rep, self.k_rep.shape[-1], self.is_causal)
-        dv = KeyGradient(self.v_rep, self.v_rep.shape[-1], self.is_causal)
+        dk = KeyGradient(self.k_rep, self.k_rep.shape[-1], self.causal is not None)
+        dv = KeyGradient(self.v_rep, self.v_rep.shape[-1], self.causal is not None)
         bias = torch.zeros(self.bias.shape, dtype=self.work, device=self.q_scaled.device) if bias_grad else None
         return dq, dk, dv, bias
 
@@ -219,15 +225,15 @@ def _softmax_jacobian_times(p: Tensor, x: Tensor, out: Tensor) -> Tensor:
 
 def attention_jvp(
     q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
-    row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float,
+    row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float,
     tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
 ) -> Tensor:
     """O' (B, H, Lq, dv) in q's dtype; an absent tangent is zero."""
-    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, is_causal, scale, dropout_p, buffers=3)
+    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, buffers=3)
     form = r.score_form(tq, tk, tbias)
     tv_rep = _repeat(tv, r.groups, r.work)
     out_t = torch.zeros(r.batch, r.heads, r.len_q, v.shape[-1], dtype=r.work, device=q.device)
-    for start, stop, keys, p, z in r.each_block():
+    for start, stop, keys, p, z, _single in r.each_block():  # a single-key row's P' is 0 exactly
         s_t = form.tile_into(r.tile(1, start, stop, keys), start, stop)  # S'
         p_t = _softmax_jacobian_times(p, s_t, out=r.tile(2, start, stop, keys))  # P'
         scratch = s_t  # S' is spent
@@ -246,18 +252,18 @@ def _delta(dout: Tensor, out: Tensor, work: torch.dtype) -> Tensor:
 
 def attention_backward_jvp(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
-    out: Tensor, row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float, bias_grad: bool,
+    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
     tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Tangents of (dq, dk, dv, dbias or None), each in its input's dtype and shape."""
-    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, is_causal, scale, dropout_p, buffers=5)
+    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, buffers=5)
     work = r.work
     form = r.score_form(tq, tk, tbias)
     tq_s, tk_rep, tv_rep = _to(tq, work, scale), _repeat(tk, r.groups, work), _repeat(tv, r.groups, work)
     do_w, tdo_w = dout.to(work), _to(tdout, work)
     delta = _delta(dout, out, work)
     dq_t, dk_t, dv_t, dbias_t = r.gradient_accumulators(bias_grad)
-    for start, stop, keys, p, z in r.each_block():
+    for start, stop, keys, p, z, single in r.each_block():
         rows = slice(start, stop)
         do_blk, v_blk = do_w[:, :, rows], r.v_rep[..., :keys, :]
         s_t = form.tile_into(r.tile(1, start, stop, keys), start, stop)  # S'
@@ -281,6 +287,8 @@ def attention_backward_jvp(
         if tdo_w is not None:
             dv_t.add(_times(p, z, scratch), tdo_w[:, :, rows])
         dp.sub_(delta[:, :, rows])  # dP - D
+        if single is not None:  # D = dP exactly there, and dS = 0 (as in `kernels`)
+            dp.masked_fill_(single, 0.0)
         ds_t = p_t.mul_(dp).add_(dp_t.sub_(delta_t).mul_(p))  # dS~, in P''s buffer
         ds = p.mul_(dp)  # dS, in P's buffer
         # backward: dQ = scale dS K~, dK~ = scale dS^T Q, dbias = dS  ->  product rule on each
@@ -295,14 +303,14 @@ def attention_backward_jvp(
 
 def attention_double_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
-    out: Tensor, row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float, bias_grad: bool,
+    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
     dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
 ) -> tuple[Optional[Tensor], Tensor, Tensor, Tensor, Optional[Tensor]]:
     """(g_dout or None, g_q, g_k, g_v, g_bias or None): the gradients, with respect to the
     backward's inputs, of <gq, dq> + <gk, dk> + <gv, dv> + <gbias, dbias>; an absent cotangent
     is zero. g_dout only with `dout_grad`: a gradient penalty's dO is a constant, and g_dout
     takes two of the twelve score-sized products per block."""
-    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, is_causal, scale, dropout_p, buffers=5)
+    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, buffers=5)
     work = r.work
     form = r.score_form(gq, gk, gbias if bias_grad else None)  # T
     gq_s, gk_rep, gv_rep = _to(gq, work, scale), _repeat(gk, r.groups, work), _repeat(gv, r.groups, work)
@@ -312,7 +320,7 @@ def attention_double_backward(
     v_ones = r.values_with_ones() if dropout_p == 0.0 else None
     g_do = torch.zeros(*dout.shape, dtype=work, device=dout.device) if dout_grad else None
     g_q, g_k, g_v, g_bias = r.gradient_accumulators(bias_grad)
-    for start, stop, keys, p, z in r.each_block():
+    for start, stop, keys, p, z, single in r.each_block():
         rows = slice(start, stop)
         do_rows, v_blk = with_column(do_w[:, :, rows], -delta[:, :, rows]), r.v_rep[..., :keys, :]  # [dO | -D]
         do_blk = do_rows[..., :width_v]
@@ -324,6 +332,8 @@ def attention_double_backward(
             dp = torch.matmul(do_rows, v_ones[..., :keys, :].transpose(-1, -2), out=dp_out)  # dP - D
         else:
             dp = torch.matmul(do_blk, v_blk.transpose(-1, -2), out=dp_out).mul_(z).add_(do_rows[..., width_v:])
+        if single is not None:  # D = dP exactly there, and dS = 0 (as in `kernels`)
+            dp.masked_fill_(single, 0.0)
         # through dS = P * (dP - D), D = rowsum(P * dP): to dP, then to P
         t_form.sub_(t_row)  # T - t
         g_dp = torch.mul(p, t_form, out=scratch)

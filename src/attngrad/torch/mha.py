@@ -7,8 +7,9 @@ differences, all on purpose:
     - a float attn_mask gets its gradient, and so can be a learned bias;
     - attention weights are computed only when need_weights=True (torch's default, kept for
       compatibility): that costs O(Lq Lk) memory, so pass need_weights=False to keep O(L).
-      The weights returned are before dropout.
-add_bias_kv and add_zero_attn are not supported.
+      As torch's, they are after dropout, with the very keep-mask the output used.
+add_bias_kv appends the learned keys bias_k and values bias_v, add_zero_attn a zero key and
+value, to every sequence, as torch's module does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .functional import attention
+from . import dropout as dropout_masks
+from .functional import _run
+from .kernels import compute_dtype
 
 
 class MultiheadAttention(nn.Module):
@@ -45,8 +48,6 @@ class MultiheadAttention(nn.Module):
             raise ValueError(f"embed_dim and num_heads must be positive; got {embed_dim} and {num_heads}")
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
-        if add_bias_kv or add_zero_attn:
-            raise NotImplementedError("add_bias_kv and add_zero_attn are not supported by attngrad")
         factory = {"device": device, "dtype": dtype}
         self.embed_dim, self.num_heads, self.dropout, self.batch_first = embed_dim, num_heads, dropout, batch_first
         self.head_dim = embed_dim // num_heads
@@ -68,8 +69,12 @@ class MultiheadAttention(nn.Module):
         else:
             self.register_parameter("in_proj_bias", None)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        self.bias_k = self.bias_v = None
-        self.add_zero_attn = False
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+        else:
+            self.bias_k = self.bias_v = None
+        self.add_zero_attn = add_zero_attn
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
@@ -82,6 +87,9 @@ class MultiheadAttention(nn.Module):
         if self.in_proj_bias is not None:
             nn.init.zeros_(self.in_proj_bias)
             nn.init.zeros_(self.out_proj.bias)
+        if self.bias_k is not None:
+            nn.init.xavier_normal_(self.bias_k)
+            nn.init.xavier_normal_(self.bias_v)
 
     def _projection_weights(self) -> tuple[Tensor, Tensor, Tensor]:
         if self._qkv_same_embed_dim:
@@ -126,12 +134,24 @@ class MultiheadAttention(nn.Module):
         def heads(x: Tensor) -> Tensor:  # (N, L, E) -> (N, H, L, dh)
             return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
 
-        q = heads(F.linear(query, w_q, b_q))
-        k = heads(F.linear(key, w_k, b_k))
-        v = heads(F.linear(value, w_v, b_v))
+        k_proj, v_proj = F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)  # (N, S, E)
+        extra = []  # keys appended to every sequence: bias_k / bias_v, then a zero key / value
+        if self.bias_k is not None:
+            extra.append((self.bias_k.expand(batch, 1, -1), self.bias_v.expand(batch, 1, -1)))
+        if self.add_zero_attn:
+            extra.append((k_proj.new_zeros(batch, 1, self.embed_dim), v_proj.new_zeros(batch, 1, self.embed_dim)))
+        if extra:
+            k_proj = torch.cat([k_proj, *(pair[0] for pair in extra)], dim=1)
+            v_proj = torch.cat([v_proj, *(pair[1] for pair in extra)], dim=1)
+            # the appended keys take part for every query: a False (boolean) or 0 (float) column each
+            attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, len(extra)))
+            key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, len(extra)))
+            len_k += len(extra)
+        q, k, v = heads(F.linear(query, w_q, b_q)), heads(k_proj), heads(v_proj)
         mask, bias = self._merge_masks(key_padding_mask, attn_mask, batch, len_q, len_k, query.dtype)
         dropout_p = self.dropout if self.training else 0.0
-        attn = attention(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=is_causal, dropout_p=dropout_p)
+        seed = torch.randint(0, 2**62, (), dtype=torch.int64) if dropout_p > 0.0 else torch.zeros((), dtype=torch.int64)
+        attn = _run(q, k, v, mask, bias, dropout_p, is_causal, None, False, seed=seed)
         out = self.out_proj(attn.transpose(1, 2).reshape(batch, len_q, self.embed_dim))  # (N, L, E)
 
         weights = None
@@ -144,6 +164,10 @@ class MultiheadAttention(nn.Module):
             if is_causal:
                 scores = scores.masked_fill(~torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril(), float("-inf"))
             weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key: 0
+            if dropout_p > 0.0:  # the keep-mask the attention above drew
+                buffer = torch.empty(weights.shape, dtype=compute_dtype(weights.dtype), device=weights.device)
+                keep = dropout_masks.keep_scale_into(buffer, int(seed), 0, dropout_p)
+                weights = weights * keep.to(weights.dtype)
             if average_attn_weights:
                 weights = weights.mean(dim=1)
         if seq_first:

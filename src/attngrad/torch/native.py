@@ -1,6 +1,6 @@
 """The compiled tiles (`native_tiles.cpp`): the forward, backward and double backward of
-attention without a mask, bias or dropout (the causal mask allowed), float32 or float64, on
-the CPU.
+attention without a mask, bias or dropout (the causal diagonal allowed), float32 or float64,
+on the CPU; and the dropout keep-masks of `dropout`, which the torch-ops kernels use.
 
 The torch-ops kernels (`kernels`) run any case on any device, but each of their passes is a
 separate sweep over a score tile too large for the cache. The compiled tiles fuse those
@@ -11,7 +11,12 @@ second) into a cache folder, and loaded with ctypes; the GEMMs are the BLAS insi
 runs instead: the same numbers to rounding, more slowly.
 
 ATTNGRAD_NATIVE=0 turns the tiles off; ATTNGRAD_CACHE names the cache folder (default
-~/.cache/attngrad); CXX names the compiler (default c++).
+~/.cache/attngrad); CXX names the compiler (default c++). ATTNGRAD_SANITIZE=1 builds them
+with AddressSanitizer and UndefinedBehaviorSanitizer instead (for `scripts/sanitize_tiles.sh`,
+which preloads the sanitizer runtime that a Python process needs for such a library).
+
+The results do not depend on the thread count: work items own their outputs, and how
+the work is split into items depends on the shapes alone.
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ SOURCE = Path(__file__).with_name("native_tiles.cpp")
 # turns their a * b + c into FMAs. No -ffast-math: the code relies on -inf and exact order.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-fopenmp", "-fPIC",
          "-shared", "-std=c++17")
+SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g")
+
+
+def _flags() -> tuple[str, ...]:
+    return FLAGS + (SANITIZE_FLAGS if os.environ.get("ATTNGRAD_SANITIZE") == "1" else ())
 # Rows of a query block and keys of a key block. A (128, 512) float32 score tile is 256 KiB;
 # the backward's two of them and their K, V blocks stay in a core's L2 cache. Fwd+bwd at
 # B=1, H=8, L=4096, d=64, as a share of PyTorch's flash kernel's time, full / causal:
@@ -90,7 +100,7 @@ def _machine_key() -> str:
             cpu += "".join(line for line in info if line.startswith(("model name", "flags")))
     except OSError:
         pass
-    text = SOURCE.read_bytes() + " ".join(FLAGS).encode() + os.environ.get("CXX", "c++").encode() + cpu.encode()
+    text = SOURCE.read_bytes() + " ".join(_flags()).encode() + os.environ.get("CXX", "c++").encode() + cpu.encode()
     return hashlib.sha256(text).hexdigest()[:16]
 
 
@@ -98,7 +108,7 @@ def _compile(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        command = [os.environ.get("CXX", "c++"), *FLAGS, str(SOURCE), "-o", str(built)]
+        command = [os.environ.get("CXX", "c++"), *_flags(), str(SOURCE), "-o", str(built)]
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
@@ -157,11 +167,21 @@ def library() -> ctypes.CDLL | None:
     build_info.path = target
     lib.attngrad_set_blas.argtypes = [ctypes.c_void_p] * 3
     lib.attngrad_set_blas(*blas)
-    p, i64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
-    lib.attngrad_forward.argtypes = [i32, p, p, p, p, p, p, p, i32, f64, i32, i64, i64, i64]
-    lib.attngrad_backward.argtypes = [i32, p, p, p, p, p, p, p, p, p, p, p, p, i32, f64, i32, i64, i64, i64]
-    lib.attngrad_double_backward.argtypes = [i32, *[p] * 15, p, i32, f64, i32, i64, i64]
+    p, i64, u64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_double
+    lib.attngrad_error.restype = ctypes.c_char_p
+    lib.attngrad_forward.argtypes = [i32, *[p] * 6, p, p, i32, i64, f64, i32, i64, i64, i64]
+    lib.attngrad_backward.argtypes = [i32, *[p] * 11, p, p, i32, i64, f64, i32, i64, i64, i64]
+    lib.attngrad_double_backward.argtypes = [i32, *[p] * 15, p, p, i32, i64, f64, i32, i64, i64]
+    lib.attngrad_dropout_keep_scale.argtypes = [i32, p, i64, i64, i64, i64, i64, i64, u64, u64, f64, i32]
     return lib
+
+
+def _call(name: str, *args) -> None:
+    """Call entry point `name` of the library; its size checks' refusal becomes a RuntimeError
+    (the ops check first, so this means a bug in attngrad, never bad user input)."""
+    lib = library()
+    if getattr(lib, name)(*args) != 0:
+        raise RuntimeError(f"attngrad's compiled tiles refused a call: {lib.attngrad_error().decode()}")
 
 
 def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, dropout_p: float) -> bool:
@@ -181,37 +201,59 @@ def _sizes(q: Tensor, k: Tensor, v: Tensor) -> ctypes.Array:
     return (ctypes.c_int64 * 7)(batch, heads, k.shape[1], len_q, k.shape[2], dim, v.shape[-1])
 
 
-def _ptr(t: Tensor) -> int:
-    return t.data_ptr()
+def _buffers(*tensors: Tensor | None) -> tuple[list[int], ctypes.Array]:
+    """The pointers of contiguous buffers (0 for None) and their element counts, which the
+    entry points check against the sizes."""
+    if any(t is not None and not t.is_contiguous() for t in tensors):
+        raise RuntimeError("attngrad's compiled tiles take contiguous buffers")
+    pointers = [0 if t is None else t.data_ptr() for t in tensors]
+    return pointers, (ctypes.c_int64 * len(tensors))(*(0 if t is None else t.numel() for t in tensors))
 
 
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def _causal(causal: int | None) -> tuple[bool, int]:
+    return causal is not None, 0 if causal is None else int(causal)
+
+
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, H, Lq, dv), row max m, inverse row sum 1/l (B, H, Lq)): `kernels.attention_forward`'s results."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     batch, heads, len_q, _ = q.shape
     out = q.new_empty(batch, heads, len_q, v.shape[-1])
     row_max, inv_sum = q.new_empty(batch, heads, len_q), q.new_empty(batch, heads, len_q)
-    library().attngrad_forward(
-        q.dtype == torch.float64, _ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(row_max), _ptr(inv_sum),
-        _sizes(q, k, v), is_causal, scale, torch.get_num_threads(), BLOCK_ROWS, BLOCK_KEYS, VALUE_SLICE,
-    )
+    pointers, numels = _buffers(q, k, v, out, row_max, inv_sum)
+    _call("attngrad_forward", q.dtype == torch.float64, *pointers, _sizes(q, k, v), numels, *_causal(causal), scale,
+          torch.get_num_threads(), BLOCK_ROWS, BLOCK_KEYS, VALUE_SLICE)
     return out, row_max, inv_sum
+
+
+# Work items a backward pass aims for: enough to keep 16 threads busy on a single head.
+# The count follows the shapes alone, never the thread count, so the bits do not either.
+TARGET_ITEMS = 16
 
 
 def _chunks(batch_kv_heads: int, blocks: int) -> int:
     """Work items of the backward passes are (batch, key/value head, chunk of blocks); each
-    chunk sums its own copy of the gradients its blocks share. One chunk while there are
-    heads enough for every thread; otherwise about four items per thread, no more than the
-    blocks."""
-    threads = torch.get_num_threads()
-    if batch_kv_heads % threads == 0 or batch_kv_heads >= 4 * threads:
+    chunk sums its own copy of the gradients its blocks share, and the copies are added in
+    chunk order. One chunk when there are TARGET_ITEMS heads or more; otherwise enough
+    chunks for about TARGET_ITEMS items, no more than the blocks."""
+    if batch_kv_heads >= TARGET_ITEMS:
         return 1
-    return max(1, min(blocks, -(-4 * threads // batch_kv_heads)))
+    return max(1, min(blocks, -(-TARGET_ITEMS // batch_kv_heads)))
+
+
+def _sum_parts(parts: Tensor) -> Tensor:
+    """parts[0] + parts[1] + ... in that order (a reduction kernel might pair them otherwise)."""
+    if len(parts) == 1:
+        return parts[0]
+    total = parts[0] + parts[1]
+    for part in parts[2:]:
+        total += part
+    return total
 
 
 def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
-    is_causal: bool, scale: float, chunks: int | None = None,
+    causal: int | None, scale: float, chunks: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv): `kernels.attention_backward`'s results for the cases `supports` accepts.
     `chunks` splits each head's keys into that many work items (default: `_chunks`)."""
@@ -222,13 +264,10 @@ def attention_backward(
     dq_parts = q.new_zeros(chunks, *q.shape)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     delta = q.new_empty(q.shape[:-1])
-    library().attngrad_backward(
-        q.dtype == torch.float64, _ptr(dout), _ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(row_max), _ptr(inv_sum),
-        _ptr(delta), _ptr(dq_parts), _ptr(dk), _ptr(dv), _sizes(q, k, v), is_causal, scale,
-        torch.get_num_threads(), BLOCK_ROWS, BLOCK_KEYS, chunks,
-    )
-    dq = dq_parts[0] if chunks == 1 else dq_parts.sum(dim=0)
-    return dq, dk, dv
+    pointers, numels = _buffers(dout, q, k, v, out, row_max, inv_sum, delta, dq_parts, dk, dv)
+    _call("attngrad_backward", q.dtype == torch.float64, *pointers, _sizes(q, k, v), numels, *_causal(causal), scale,
+          torch.get_num_threads(), BLOCK_ROWS, BLOCK_KEYS, chunks)
+    return _sum_parts(dq_parts), dk, dv
 
 
 def _rows_per_block(len_k: int) -> int:
@@ -239,7 +278,7 @@ def _rows_per_block(len_k: int) -> int:
 
 def attention_double_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
-    is_causal: bool, scale: float, dout_grad: bool, gq: Tensor | None, gk: Tensor | None, gv: Tensor | None,
+    causal: int | None, scale: float, dout_grad: bool, gq: Tensor | None, gk: Tensor | None, gv: Tensor | None,
     chunks: int | None = None,
 ) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:
     """(g_dout or None, g_q, g_k, g_v): `kernels_higher.attention_double_backward`'s results
@@ -255,12 +294,15 @@ def attention_double_backward(
     g_q = torch.empty_like(q)
     gk_parts, gv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
     delta = q.new_empty(q.shape[:-1])
-    optional = [0 if t is None else _ptr(t) for t in (gq, gk, gv)]
-    library().attngrad_double_backward(
-        q.dtype == torch.float64, _ptr(dout), _ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(row_max), _ptr(inv_sum),
-        *optional, _ptr(delta), 0 if g_dout is None else _ptr(g_dout), _ptr(g_q), _ptr(gk_parts), _ptr(gv_parts),
-        _sizes(q, k, v), is_causal, scale, torch.get_num_threads(), rows, chunks,
-    )
-    g_k = gk_parts[0] if chunks == 1 else gk_parts.sum(dim=0)
-    g_v = gv_parts[0] if chunks == 1 else gv_parts.sum(dim=0)
-    return g_dout, g_q, g_k, g_v
+    pointers, numels = _buffers(dout, q, k, v, out, row_max, inv_sum, gq, gk, gv, delta, g_dout, g_q, gk_parts, gv_parts)
+    _call("attngrad_double_backward", q.dtype == torch.float64, *pointers, _sizes(q, k, v), numels, *_causal(causal),
+          scale, torch.get_num_threads(), rows, chunks)
+    return g_dout, g_q, _sum_parts(gk_parts), _sum_parts(gv_parts)
+
+
+def dropout_keep_scale_into(out: Tensor, seed: int, row_start: int, threshold: int, value: float) -> Tensor:
+    """`dropout.keep_scale_into` for a contiguous float32 or float64 CPU tile (B, H, R, keys)."""
+    pointers, _ = _buffers(out)
+    _call("attngrad_dropout_keep_scale", out.dtype == torch.float64, pointers[0], out.numel(), *out.shape[:2], row_start,
+          *out.shape[2:], seed, threshold, value, torch.get_num_threads())
+    return out

@@ -1,6 +1,7 @@
 // attngrad's compiled tiles: the forward, backward and double backward of exact attention,
 // with no mask or the causal mask, no bias and no dropout, in the manner of
-// FlashAttention-2 (Dao, 2023) on per-thread tiles small enough to stay in a core's cache.
+// FlashAttention-2 (Dao, 2023) on per-thread tiles small enough to stay in a core's cache;
+// and the dropout keep-masks of the counter-based generator in `dropout.py`.
 //
 // Shape legend (row-major, contiguous)
 //   q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), out and dout (B, H, Lq, dv),
@@ -19,7 +20,13 @@
 // A work item owns its dK and dV rows, and its own copy of dQ when the keys are split into
 // chunks (the double backward: its g_Q rows, and its own g_K, g_V when the query blocks are
 // split): nothing is written by two threads, so the bits do not depend on the schedule.
-// The causal mask is top-left: row i sees keys j <= i.
+// The causal mask is a diagonal: row i sees keys j <= i + c (c = 0 top-left, Lk - Lq
+// bottom-right). A row that sees no key has output 0 and sends back 0; a row that sees one
+// key has P = 1 there exactly and dS = 0 (a recomputed score can round apart from the
+// forward's maximum).
+//
+// Every entry point checks its sizes and the element count of every buffer against them,
+// and returns nonzero (attngrad_error() says why) before touching memory otherwise.
 //
 // The GEMMs are the BLAS's Fortran sgemm/dgemm, handed over by pointer at load time (the
 // MKL inside PyTorch), called single-threaded inside the OpenMP work loop.
@@ -27,6 +34,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -306,13 +314,22 @@ class SingleThreadedBlas {
     int previous_;
 };
 
-// Keys of block [c0, c0 + cols) that row `row` may see: all, or up to the diagonal.
-inline index_t visible(bool causal, index_t row, index_t c0, index_t cols) {
-    return causal ? std::clamp<index_t>(row - c0 + 1, 0, cols) : cols;
-}
-
 struct Shape {
     index_t batch, heads, kv_heads, len_q, len_k, dim, dim_v;
+};
+
+// The causal diagonal: with `on`, row i sees keys j <= i + offset.
+struct Causal {
+    bool on;
+    index_t offset;
+    // Keys of block [c0, c0 + cols) that row `row` may see: all, or up to the diagonal.
+    index_t visible(index_t row, index_t c0, index_t cols) const {
+        return on ? std::clamp<index_t>(row + offset - c0 + 1, 0, cols) : cols;
+    }
+    // How many keys (a prefix of len_k) rows ..stop - 1 may see.
+    index_t keys_before(index_t stop, index_t len_k) const {
+        return on ? std::clamp<index_t>(stop + offset, 0, len_k) : len_k;
+    }
 };
 
 // A work item of the backward passes: chunk `chunk` of key/value head bhk = b Hkv + hk, in
@@ -328,7 +345,7 @@ inline KvItem kv_item(index_t item, index_t bhk_count, index_t kv_heads) {
 }
 
 template <typename T>
-void forward(const T* q, const T* k, const T* v, T* out, T* row_max, T* inv_sum, const Shape& s, bool causal, T scale,
+void forward(const T* q, const T* k, const T* v, T* out, T* row_max, T* inv_sum, const Shape& s, Causal causal, T scale,
              int threads, index_t block_rows, index_t block_keys, index_t value_slice) {
     const index_t group = s.heads / s.kv_heads;
     const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
@@ -347,7 +364,7 @@ void forward(const T* q, const T* k, const T* v, T* out, T* row_max, T* inv_sum,
             const T* q_blk = q + (bh * s.len_q + r0) * s.dim;
             const T* k_head = k + (b * s.kv_heads + h / group) * s.len_k * s.dim;
             const T* v_head = v + (b * s.kv_heads + h / group) * s.len_k * s.dim_v;
-            const index_t keys = causal ? std::min(s.len_k, r0 + rows) : s.len_k;
+            const index_t keys = causal.keys_before(r0 + rows, s.len_k);
             std::fill(m.begin(), m.end(), neg_inf);
             std::fill(l.begin(), l.end(), T(0));
             std::fill(acc.begin(), acc.end(), T(0));
@@ -358,7 +375,7 @@ void forward(const T* q, const T* k, const T* v, T* out, T* row_max, T* inv_sum,
                         scores.data(), cols);
                 for (index_t i = 0; i < rows; ++i) {
                     T* row = scores.data() + i * cols;
-                    const index_t seen = visible(causal, r0 + i, c0, cols);
+                    const index_t seen = causal.visible(r0 + i, c0, cols);
                     const T m_new = std::max(m[i], max_of(row, seen));
                     const T sum = seen > 0 ? exp_and_sum(row, seen, m_new) : T(0);  // E = exp(S - m')
                     std::fill(row + seen, row + cols, T(0));  // keys in the row's future
@@ -405,7 +422,7 @@ void row_dots(const T* a, const T* b, T* delta, index_t rows, index_t width, int
 
 template <typename T>
 void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, const T* row_max, const T* inv_sum,
-              T* delta, T* dq_parts, T* dk, T* dv, const Shape& s, bool causal, T scale, int threads,
+              T* delta, T* dq_parts, T* dk, T* dv, const Shape& s, Causal causal, T scale, int threads,
               index_t block_rows, index_t block_keys, index_t chunks) {
     const index_t group = s.heads / s.kv_heads;
     const index_t rows_total = s.batch * s.heads * s.len_q;
@@ -431,8 +448,9 @@ void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, c
                 const T* v_blk = v_head + c0 * s.dim_v;
                 for (index_t h = hk * group; h < (hk + 1) * group; ++h) {
                     const index_t bh = b * s.heads + h;
-                    // causal: rows before c0 see none of these keys
-                    for (index_t r0 = causal ? c0 / block_rows * block_rows : 0; r0 < s.len_q; r0 += block_rows) {
+                    // causal: rows before c0 - offset see none of these keys
+                    const index_t first_row = causal.on ? std::max<index_t>(0, c0 - causal.offset) : 0;
+                    for (index_t r0 = first_row / block_rows * block_rows; r0 < s.len_q; r0 += block_rows) {
                         const index_t rows = std::min(block_rows, s.len_q - r0), first = bh * s.len_q + r0;
                         // forward: S = scale Q K_blk^T;  backward: dP = dO V_blk^T
                         gemm<T>(false, true, rows, cols, s.dim, scale, q + first * s.dim, s.dim, k_blk, s.dim, T(0),
@@ -442,9 +460,13 @@ void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, c
                         for (index_t i = 0; i < rows; ++i) {
                             T* p = probs.data() + i * cols;
                             T* ds = dscores.data() + i * cols;
-                            const index_t seen = visible(causal, r0 + i, c0, cols);
+                            const index_t seen = causal.visible(r0 + i, c0, cols);
                             const T m = row_max[first + i], inv = inv_sum[first + i], d_row = delta[first + i];
                             probs_and_score_grad(p, ds, seen, m, inv, d_row);
+                            if (seen == 1 && causal.visible(r0 + i, 0, s.len_k) == 1) {  // the row's one key
+                                p[0] = T(1);
+                                ds[0] = T(0);
+                            }
                             std::fill(p + seen, p + cols, T(0));
                             std::fill(ds + seen, ds + cols, T(0));
                         }
@@ -475,7 +497,7 @@ void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, c
 template <typename T>
 void double_backward(const T* dout, const T* q, const T* k, const T* v, const T* out, const T* row_max,
                      const T* inv_sum, const T* gq, const T* gk, const T* gv, T* delta, T* g_dout, T* g_q,
-                     T* gk_parts, T* gv_parts, const Shape& s, bool causal, T scale, int threads,
+                     T* gk_parts, T* gv_parts, const Shape& s, Causal causal, T scale, int threads,
                      index_t block_rows, index_t chunks) {
     const index_t group = s.heads / s.kv_heads;
     const index_t rows_total = s.batch * s.heads * s.len_q;
@@ -504,10 +526,15 @@ void double_backward(const T* dout, const T* q, const T* k, const T* v, const T*
                 for (index_t qb = chunk * query_blocks / chunks; qb < (chunk + 1) * query_blocks / chunks; ++qb) {
                     const index_t r0 = qb * block_rows, rows = std::min(block_rows, s.len_q - r0);
                     const index_t first = bh * s.len_q + r0;
-                    const index_t keys = causal ? std::min(s.len_k, r0 + rows) : s.len_k;
+                    const index_t keys = causal.keys_before(r0 + rows, s.len_k);
                     const T* q_blk = q + first * s.dim;
                     const T* do_blk = dout + first * s.dim_v;
                     const T* gq_blk = gq ? gq + first * s.dim : nullptr;
+                    if (keys == 0) {  // rows that see no key: nothing flows back through them
+                        std::fill(g_q + first * s.dim, g_q + (first + rows) * s.dim, T(0));
+                        if (g_dout) std::fill(g_dout + first * s.dim_v, g_dout + (first + rows) * s.dim_v, T(0));
+                        continue;
+                    }
                     T *p = p_rows.data(), *t = t_rows.data(), *dp = dp_rows.data(), *x = x_rows.data();
                     // forward: S = scale Q K^T;  T = scale (gQ K^T + Q gK^T);  dP = dO V^T;  X = dO gV^T
                     gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
@@ -526,9 +553,15 @@ void double_backward(const T* dout, const T* q, const T* k, const T* v, const T*
                     }
                     for (index_t i = 0; i < rows; ++i) {
                         T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
-                        const index_t seen = visible(causal, r0 + i, 0, keys);
-                        const T m = row_max[first + i], inv = inv_sum[first + i], d_row = delta[first + i];
-                        const T t_sum = probs_and_dot(pi, ti, seen, m, inv);  // P, t = rowsum(P * T)
+                        const index_t seen = causal.visible(r0 + i, 0, keys);
+                        const T m = row_max[first + i], inv = inv_sum[first + i];
+                        T d_row = delta[first + i];
+                        T t_sum = probs_and_dot(pi, ti, seen, m, inv);  // P, t = rowsum(P * T)
+                        if (seen == 1) {  // the row's one key: P = 1, and so t = T, D = dP exactly
+                            pi[0] = T(1);
+                            t_sum = ti[0];
+                            d_row = dpi[0];
+                        }
                         const T u_sum = second_order_terms(pi, ti, dpi, xi, seen, t_sum, d_row);
                         centre_and_scale(pi, xi, seen, u_sum);  // g_S = P (g_P - u)
                         for (T* row : {pi, ti, dpi, xi}) std::fill(row + seen, row + keys, T(0));
@@ -557,9 +590,74 @@ void double_backward(const T* dout, const T* q, const T* k, const T* v, const T*
     }
 }
 
+// The dropout keep-mask generator of `dropout.py`, bit for bit: SplitMix64's output
+// function on a counter made of the seed and the score's coordinates (b, h, i, j).
+constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
+
+inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// out (B, H, R, keys) <- Z for rows row_start.. and keys 0..: `value` where kept, else 0
+template <typename T>
+void dropout_keep_scale(T* out, index_t batch, index_t heads, index_t row_start, index_t rows, index_t keys,
+                        uint64_t seed, uint64_t threshold, T value, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (index_t row = 0; row < batch * heads * rows; ++row) {
+        const uint64_t bh = static_cast<uint64_t>(row / rows), i = static_cast<uint64_t>(row_start + row % rows);
+        const uint64_t b = bh / static_cast<uint64_t>(heads), h = bh % static_cast<uint64_t>(heads);
+        const uint64_t key_bh = mix64(seed + kGamma * ((b << 32) + h + 1));
+        const uint64_t row_counter = key_bh + kGamma * (i << 32);
+        T* out_row = out + row * keys;
+        for (index_t j = 0; j < keys; ++j) {
+            const uint64_t z = mix64(row_counter + kGamma * (static_cast<uint64_t>(j) + 1));
+            out_row[j] = (z >> 32) >= threshold ? value : T(0);
+        }
+    }
+}
+
+// Entry-point checks: a message for attngrad_error() and a nonzero return on the first
+// size that does not fit.
+thread_local char error_message[512] = "";
+
+bool fail(const char* what, const char* name, int64_t got, int64_t want) {
+    std::snprintf(error_message, sizeof error_message, "%s: %s is %lld, expected %lld", what, name,
+                  static_cast<long long>(got), static_cast<long long>(want));
+    return false;
+}
+
+constexpr int64_t kIntMax = std::numeric_limits<int>::max();  // the BLAS takes 32-bit sizes
+
+bool check_shape(const char* what, const Shape& s, int threads, int64_t block_rows, int64_t chunks) {
+    const int64_t sizes[7] = {s.batch, s.heads, s.kv_heads, s.len_q, s.len_k, s.dim, s.dim_v};
+    const char* names[7] = {"batch", "heads", "kv_heads", "len_q", "len_k", "dim", "dim_v"};
+    for (int i = 0; i < 7; ++i) {
+        if (sizes[i] < 1 || sizes[i] > kIntMax) return fail(what, names[i], sizes[i], 1);
+    }
+    if (s.heads % s.kv_heads != 0) return fail(what, "heads mod kv_heads", s.heads % s.kv_heads, 0);
+    if (threads < 1) return fail(what, "threads", threads, 1);
+    if (block_rows < 1 || block_rows > kIntMax) return fail(what, "block_rows", block_rows, 1);
+    if (chunks < 1) return fail(what, "chunks", chunks, 1);
+    if (block_rows * s.len_k > (int64_t{1} << 40)) return fail(what, "block_rows * len_k", block_rows * s.len_k, 1 << 30);
+    return true;
+}
+
+// numels[i] must equal want[i] for every buffer named in `names` (a null buffer has 0)
+bool check_numels(const char* what, const int64_t* numels, const int64_t* want, const char* const* names, int count) {
+    for (int i = 0; i < count; ++i) {
+        if (numels[i] != want[i]) return fail(what, names[i], numels[i], want[i]);
+    }
+    return true;
+}
+
 }  // namespace
 
 extern "C" {
+
+// Why the last call on this thread returned nonzero.
+const char* attngrad_error() { return error_message; }
 
 // The BLAS entry points; `local_threads` may be null. Call once before anything else.
 void attngrad_set_blas(void* sgemm, void* dgemm, void* local_threads) {
@@ -568,72 +666,127 @@ void attngrad_set_blas(void* sgemm, void* dgemm, void* local_threads) {
     blas_local_threads = reinterpret_cast<local_threads_fn>(local_threads);
 }
 
-// `sizes`: batch, heads, kv_heads, len_q, len_k, dim, dim_v. `double_precision` picks the
-// element type of every pointer.
-void attngrad_forward(int double_precision, const void* q, const void* k, const void* v, void* out, void* row_max,
-                      void* inv_sum, const int64_t* sizes, int causal, double scale, int threads, int64_t block_rows,
-                      int64_t block_keys, int64_t value_slice) {
+// `sizes`: batch, heads, kv_heads, len_q, len_k, dim, dim_v. `numels`: the element count of
+// each buffer, in argument order. `double_precision` picks the element type of every
+// pointer; `causal` turns on the diagonal j <= i + causal_offset. Returns 0, or nonzero
+// without touching a buffer when a size does not fit.
+int attngrad_forward(int double_precision, const void* q, const void* k, const void* v, void* out, void* row_max,
+                     void* inv_sum, const int64_t* sizes, const int64_t* numels, int causal, int64_t causal_offset,
+                     double scale, int threads, int64_t block_rows, int64_t block_keys, int64_t value_slice) {
     const Shape s{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6]};
+    const char* what = "attngrad_forward";
+    if (!check_shape(what, s, threads, block_rows, 1)) return 1;
+    if (block_keys < 1 || block_keys > kIntMax) return fail(what, "block_keys", block_keys, 1), 1;
+    if (value_slice < 1 || value_slice > kIntMax) return fail(what, "value_slice", value_slice, 1), 1;
+    const int64_t rows = s.batch * s.heads * s.len_q, kv = s.batch * s.kv_heads * s.len_k;
+    const int64_t want[6] = {rows * s.dim, kv * s.dim, kv * s.dim_v, rows * s.dim_v, rows, rows};
+    const char* const names[6] = {"q", "k", "v", "out", "row_max", "inv_sum"};
+    if (!check_numels(what, numels, want, names, 6)) return 1;
+    const Causal c{causal != 0, causal_offset};
     if (double_precision) {
         forward<double>(static_cast<const double*>(q), static_cast<const double*>(k), static_cast<const double*>(v),
-                        static_cast<double*>(out), static_cast<double*>(row_max), static_cast<double*>(inv_sum), s,
-                        causal != 0, scale, threads, block_rows, block_keys, value_slice);
+                        static_cast<double*>(out), static_cast<double*>(row_max), static_cast<double*>(inv_sum), s, c,
+                        scale, threads, block_rows, block_keys, value_slice);
     } else {
         forward<float>(static_cast<const float*>(q), static_cast<const float*>(k), static_cast<const float*>(v),
-                       static_cast<float*>(out), static_cast<float*>(row_max), static_cast<float*>(inv_sum), s,
-                       causal != 0, static_cast<float>(scale), threads, block_rows, block_keys, value_slice);
+                       static_cast<float*>(out), static_cast<float*>(row_max), static_cast<float*>(inv_sum), s, c,
+                       static_cast<float>(scale), threads, block_rows, block_keys, value_slice);
     }
+    return 0;
 }
 
 // dq_parts holds `chunks` zeroed (B, H, Lq, d) partial sums of dQ, one per chunk of key
 // blocks; dk and dv are zeroed; delta is (B, H, Lq) scratch.
-void attngrad_backward(int double_precision, const void* dout, const void* q, const void* k, const void* v,
-                       const void* out, const void* row_max, const void* inv_sum, void* delta, void* dq_parts,
-                       void* dk, void* dv, const int64_t* sizes, int causal, double scale, int threads,
-                       int64_t block_rows, int64_t block_keys, int64_t chunks) {
+int attngrad_backward(int double_precision, const void* dout, const void* q, const void* k, const void* v,
+                      const void* out, const void* row_max, const void* inv_sum, void* delta, void* dq_parts, void* dk,
+                      void* dv, const int64_t* sizes, const int64_t* numels, int causal, int64_t causal_offset,
+                      double scale, int threads, int64_t block_rows, int64_t block_keys, int64_t chunks) {
     const Shape s{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6]};
+    const char* what = "attngrad_backward";
+    if (!check_shape(what, s, threads, block_rows, chunks)) return 1;
+    if (block_keys < 1 || block_keys > kIntMax) return fail(what, "block_keys", block_keys, 1), 1;
+    const int64_t rows = s.batch * s.heads * s.len_q, kv = s.batch * s.kv_heads * s.len_k;
+    const int64_t want[11] = {rows * s.dim_v, rows * s.dim, kv * s.dim, kv * s.dim_v, rows * s.dim_v, rows, rows,
+                              rows, chunks * rows * s.dim, kv * s.dim, kv * s.dim_v};
+    const char* const names[11] = {"dout", "q", "k", "v", "out", "row_max", "inv_sum", "delta", "dq_parts", "dk", "dv"};
+    if (!check_numels(what, numels, want, names, 11)) return 1;
+    const Causal c{causal != 0, causal_offset};
     if (double_precision) {
         using T = double;
         backward<T>(static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k),
                     static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(row_max),
                     static_cast<const T*>(inv_sum), static_cast<T*>(delta), static_cast<T*>(dq_parts),
-                    static_cast<T*>(dk), static_cast<T*>(dv), s, causal != 0, scale, threads, block_rows, block_keys,
-                    chunks);
+                    static_cast<T*>(dk), static_cast<T*>(dv), s, c, scale, threads, block_rows, block_keys, chunks);
     } else {
         using T = float;
         backward<T>(static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k),
                     static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(row_max),
                     static_cast<const T*>(inv_sum), static_cast<T*>(delta), static_cast<T*>(dq_parts),
-                    static_cast<T*>(dk), static_cast<T*>(dv), s, causal != 0, static_cast<T>(scale), threads,
-                    block_rows, block_keys, chunks);
+                    static_cast<T*>(dk), static_cast<T*>(dv), s, c, static_cast<T>(scale), threads, block_rows,
+                    block_keys, chunks);
     }
+    return 0;
 }
 
-// gq, gk, gv may be null (zero cotangents), and g_dout (not asked for). gk_parts and gv_parts
-// hold `chunks` zeroed (B, Hkv, Lk, .) partial sums, one per chunk of query blocks.
-void attngrad_double_backward(int double_precision, const void* dout, const void* q, const void* k, const void* v,
-                              const void* out, const void* row_max, const void* inv_sum, const void* gq,
-                              const void* gk, const void* gv, void* delta, void* g_dout, void* g_q, void* gk_parts,
-                              void* gv_parts, const int64_t* sizes, int causal, double scale, int threads,
-                              int64_t block_rows, int64_t chunks) {
+// gq, gk, gv may be null (zero cotangents; numel 0), and g_dout (not asked for). gk_parts
+// and gv_parts hold `chunks` zeroed (B, Hkv, Lk, .) partial sums, one per chunk of query blocks.
+int attngrad_double_backward(int double_precision, const void* dout, const void* q, const void* k, const void* v,
+                             const void* out, const void* row_max, const void* inv_sum, const void* gq, const void* gk,
+                             const void* gv, void* delta, void* g_dout, void* g_q, void* gk_parts, void* gv_parts,
+                             const int64_t* sizes, const int64_t* numels, int causal, int64_t causal_offset,
+                             double scale, int threads, int64_t block_rows, int64_t chunks) {
     const Shape s{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6]};
+    const char* what = "attngrad_double_backward";
+    if (!check_shape(what, s, threads, block_rows, chunks)) return 1;
+    const int64_t rows = s.batch * s.heads * s.len_q, kv = s.batch * s.kv_heads * s.len_k;
+    const int64_t want[15] = {rows * s.dim_v, rows * s.dim, kv * s.dim, kv * s.dim_v, rows * s.dim_v, rows, rows,
+                              gq ? rows * s.dim : 0, gk ? kv * s.dim : 0, gv ? kv * s.dim_v : 0, rows,
+                              g_dout ? rows * s.dim_v : 0, rows * s.dim, chunks * kv * s.dim, chunks * kv * s.dim_v};
+    const char* const names[15] = {"dout", "q", "k", "v", "out", "row_max", "inv_sum", "gq", "gk", "gv", "delta",
+                                   "g_dout", "g_q", "gk_parts", "gv_parts"};
+    if (!check_numels(what, numels, want, names, 15)) return 1;
+    const Causal c{causal != 0, causal_offset};
     if (double_precision) {
         using T = double;
         double_backward<T>(static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k),
                            static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(row_max),
                            static_cast<const T*>(inv_sum), static_cast<const T*>(gq), static_cast<const T*>(gk),
                            static_cast<const T*>(gv), static_cast<T*>(delta), static_cast<T*>(g_dout),
-                           static_cast<T*>(g_q), static_cast<T*>(gk_parts), static_cast<T*>(gv_parts), s, causal != 0,
-                           scale, threads, block_rows, chunks);
+                           static_cast<T*>(g_q), static_cast<T*>(gk_parts), static_cast<T*>(gv_parts), s, c, scale,
+                           threads, block_rows, chunks);
     } else {
         using T = float;
         double_backward<T>(static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k),
                            static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(row_max),
                            static_cast<const T*>(inv_sum), static_cast<const T*>(gq), static_cast<const T*>(gk),
                            static_cast<const T*>(gv), static_cast<T*>(delta), static_cast<T*>(g_dout),
-                           static_cast<T*>(g_q), static_cast<T*>(gk_parts), static_cast<T*>(gv_parts), s, causal != 0,
+                           static_cast<T*>(g_q), static_cast<T*>(gk_parts), static_cast<T*>(gv_parts), s, c,
                            static_cast<T>(scale), threads, block_rows, chunks);
     }
+    return 0;
+}
+
+// out (numel elements) <- the (B, H, R, keys) keep-scale tile of `dropout.keep_scale_into`
+// for rows row_start..row_start + R; `threshold` is ceil(p 2^32), `value` 1 / (1 - p).
+int attngrad_dropout_keep_scale(int double_precision, void* out, int64_t numel, int64_t batch, int64_t heads,
+                                int64_t row_start, int64_t rows, int64_t keys, uint64_t seed, uint64_t threshold,
+                                double value, int threads) {
+    const char* what = "attngrad_dropout_keep_scale";
+    const int64_t sizes[5] = {batch, heads, row_start, rows, keys};
+    const char* names[5] = {"batch", "heads", "row_start", "rows", "keys"};
+    for (int i = 0; i < 5; ++i) {
+        if (sizes[i] < 0 || sizes[i] > (int64_t{1} << 31)) return fail(what, names[i], sizes[i], 0), 1;
+    }
+    if (threads < 1) return fail(what, "threads", threads, 1), 1;
+    if (numel != batch * heads * rows * keys) return fail(what, "numel", numel, batch * heads * rows * keys), 1;
+    if (double_precision) {
+        dropout_keep_scale<double>(static_cast<double*>(out), batch, heads, row_start, rows, keys, seed, threshold,
+                                   value, threads);
+    } else {
+        dropout_keep_scale<float>(static_cast<float*>(out), batch, heads, row_start, rows, keys, seed, threshold,
+                                  static_cast<float>(value), threads);
+    }
+    return 0;
 }
 
 }  // extern "C"

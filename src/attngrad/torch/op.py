@@ -25,7 +25,11 @@ inverse softmax denominator: O(L). Everything else is recomputed block by block.
 `out`, the row statistics and `seed` reach AttentionBackward as caches: its derivatives
 are taken through q, k, v, bias and dout alone, which determine them.
 `seed` is a 0-d int64 tensor (drawn by the caller from PyTorch's generator) so that a
-compiled graph can draw it too.
+compiled graph can draw it too. `causal` is the causal diagonal: None, or c such that key
+j is visible to query i when j <= i + c (0: top-left, Lk - Lq: bottom-right).
+
+Every op checks its arguments (`op_checks`) before any kernel reads them, and returns
+contiguous tensors, as its fake implementation says it will.
 """
 
 from __future__ import annotations
@@ -36,20 +40,23 @@ import torch
 from torch import Tensor
 
 from . import kernels, kernels_higher, native, vmap_rules
+from .op_checks import check_call
 
 
 @torch.library.custom_op("attngrad::attention_forward", mutates_args=())
 def attention_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
-    is_causal: bool, scale: float, dropout_p: float,
+    causal: Optional[int], scale: float, dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    check_call(q, k, v, mask, bias, seed, causal, dropout_p)
     if native.supports(q, k, v, mask, bias, dropout_p):
-        return native.attention_forward(q, k, v, is_causal, scale)
-    return kernels.attention_forward(q, k, v, mask, bias, int(seed), is_causal, scale, dropout_p)
+        return native.attention_forward(q, k, v, causal, scale)
+    return kernels.attention_forward(q, k, v, mask, bias, int(seed), causal, scale, dropout_p)
 
 
 @attention_forward.register_fake
-def _attention_forward_fake(q, k, v, mask, bias, seed, is_causal, scale, dropout_p):
+def _attention_forward_fake(q, k, v, mask, bias, seed, causal, scale, dropout_p):
+    check_call(q, k, v, mask, bias, seed, causal, dropout_p)
     batch, heads, len_q, _ = q.shape
     stats = dict(dtype=kernels.compute_dtype(q.dtype))
     return q.new_empty(batch, heads, len_q, v.shape[-1]), q.new_empty(batch, heads, len_q, **stats), q.new_empty(batch, heads, len_q, **stats)
@@ -58,21 +65,34 @@ def _attention_forward_fake(q, k, v, mask, bias, seed, is_causal, scale, dropout
 @torch.library.custom_op("attngrad::attention_backward", mutates_args=())
 def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
-    out: Tensor, row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float, bias_grad: bool,
+    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad)
     if native.supports(q, k, v, mask, bias, dropout_p):  # no bias, so no bias gradient
-        dq, dk, dv = native.attention_backward(dout.to(q.dtype), q, k, v, out, row_max, inv_sum, is_causal, scale)
+        dq, dk, dv = native.attention_backward(dout.to(q.dtype), q, k, v, out, row_max, inv_sum, causal, scale)
         return dq, dk, dv, q.new_empty(0)
     dq, dk, dv, dbias = kernels.attention_backward(
-        dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, is_causal, scale, dropout_p, bias_grad
+        dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad
     )
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)  # ops return tensors, not None
 
 
+def _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad, **sides):
+    check_call(q, k, v, mask, bias, seed, causal, dropout_p, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum,
+               bias_grad=bias_grad, **sides)
+
+
+def _new(like: Tensor) -> Tensor:
+    """An uninitialised contiguous tensor of like's shape and dtype: what the kernels return
+    (empty_like would copy a transposed input's strides)."""
+    return like.new_empty(like.shape)
+
+
 @attention_backward.register_fake
-def _attention_backward_fake(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, is_causal, scale, dropout_p, bias_grad):
-    dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+def _attention_backward_fake(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad):
+    _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad)
+    dbias = _new(bias) if bias_grad else q.new_empty(0)
+    return _new(q), _new(k), _new(v), dbias
 
 
 def _maybe_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
@@ -82,69 +102,91 @@ def _maybe_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
 @torch.library.custom_op("attngrad::attention_jvp", mutates_args=())
 def attention_jvp(
     q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
-    row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float,
+    row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float,
     tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
 ) -> Tensor:
+    _check_jvp(q, k, v, mask, bias, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias)
     return kernels_higher.attention_jvp(
-        q, k, v, mask, bias, int(seed), row_max, inv_sum, is_causal, scale, dropout_p, tq, tk, tv, tbias
+        q, k, v, mask, bias, int(seed), row_max, inv_sum, causal, scale, dropout_p, tq, tk, tv, tbias
     )
 
 
+def _check_jvp(q, k, v, mask, bias, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias):
+    check_call(q, k, v, mask, bias, seed, causal, dropout_p, row_max=row_max, inv_sum=inv_sum,
+               query_side=(("tq", tq),), key_side=(("tk", tk),), value_side=(("tv", tv),), bias_like=(("tbias", tbias),))
+
+
 @attention_jvp.register_fake
-def _attention_jvp_fake(q, k, v, mask, bias, seed, row_max, inv_sum, is_causal, scale, dropout_p, tq, tk, tv, tbias):
+def _attention_jvp_fake(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, tq, tk, tv, tbias):
+    _check_jvp(q, k, v, mask, bias, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias)
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
 @torch.library.custom_op("attngrad::attention_backward_jvp", mutates_args=())
 def attention_backward_jvp(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
-    out: Tensor, row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float, bias_grad: bool,
+    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
     tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
+                    **_second_order_sides("t", tdout, tq, tk, tv, tbias))
     dq, dk, dv, dbias = kernels_higher.attention_backward_jvp(
-        dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, is_causal, scale, dropout_p, bias_grad,
+        dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad,
         tdout, tq, tk, tv, tbias,
     )
     return dq, dk, dv, _maybe_empty(dbias, q)
 
 
+def _second_order_sides(prefix: str, xdout, xq, xk, xv, xbias) -> dict:
+    """check_call's keywords for the tangents (prefix "t") or cotangents ("g") of a second-order op."""
+    return dict(out_side=((f"{prefix}dout", xdout),), query_side=((f"{prefix}q", xq),), key_side=((f"{prefix}k", xk),),
+                value_side=((f"{prefix}v", xv),), bias_like=((f"{prefix}bias", xbias),))
+
+
 @attention_backward_jvp.register_fake
-def _attention_backward_jvp_fake(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, is_causal, scale, dropout_p,
+def _attention_backward_jvp_fake(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, dropout_p,
                                  bias_grad, tdout, tq, tk, tv, tbias):
-    return _attention_backward_fake(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, is_causal, scale, dropout_p, bias_grad)
+    _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
+                    **_second_order_sides("t", tdout, tq, tk, tv, tbias))
+    dbias = _new(bias) if bias_grad else q.new_empty(0)
+    return _new(q), _new(k), _new(v), dbias
 
 
 @torch.library.custom_op("attngrad::attention_double_backward", mutates_args=())
 def attention_double_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
-    out: Tensor, row_max: Tensor, inv_sum: Tensor, is_causal: bool, scale: float, dropout_p: float, bias_grad: bool,
+    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
     dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
+                    **_second_order_sides("g", None, gq, gk, gv, gbias))
     if native.supports(q, k, v, mask, bias, dropout_p):  # no bias, so no bias gradient
         g_dout, g_q, g_k, g_v = native.attention_double_backward(
-            dout.to(q.dtype), q, k, v, out, row_max, inv_sum, is_causal, scale, dout_grad, gq, gk, gv
+            dout.to(q.dtype), q, k, v, out, row_max, inv_sum, causal, scale, dout_grad, gq, gk, gv
         )
         return _maybe_empty(g_dout, q), g_q, g_k, g_v, q.new_empty(0)
     g_dout, g_q, g_k, g_v, g_bias = kernels_higher.attention_double_backward(
-        dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, is_causal, scale, dropout_p, bias_grad,
+        dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad,
         dout_grad, gq, gk, gv, gbias,
     )
     return _maybe_empty(g_dout, q), g_q, g_k, g_v, _maybe_empty(g_bias, q)
 
 
 @attention_double_backward.register_fake
-def _attention_double_backward_fake(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, is_causal, scale,
+def _attention_double_backward_fake(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale,
                                     dropout_p, bias_grad, dout_grad, gq, gk, gv, gbias):
-    g_dout = torch.empty_like(dout) if dout_grad else q.new_empty(0)
-    g_bias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
-    return g_dout, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), g_bias
+    _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
+                    **_second_order_sides("g", None, gq, gk, gv, gbias))
+    g_dout = _new(dout) if dout_grad else q.new_empty(0)
+    g_bias = _new(bias) if bias_grad else q.new_empty(0)
+    return g_dout, _new(q), _new(k), _new(v), g_bias
 
 
 def _register_batching_rules() -> None:
-    forward_args = ["q", "k", "v", "mask", "bias", "seed", "is_causal", "scale", "dropout_p"]
+    forward_args = ["q", "k", "v", "mask", "bias", "seed", "causal", "scale", "dropout_p"]
     backward_args = ["dout", "q", "k", "v", "mask", "bias", "seed", "out", "row_max", "inv_sum",
-                     "is_causal", "scale", "dropout_p", "bias_grad"]
-    jvp_args = ["q", "k", "v", "mask", "bias", "seed", "row_max", "inv_sum", "is_causal", "scale", "dropout_p",
+                     "causal", "scale", "dropout_p", "bias_grad"]
+    jvp_args = ["q", "k", "v", "mask", "bias", "seed", "row_max", "inv_sum", "causal", "scale", "dropout_p",
                 "tq", "tk", "tv", "tbias"]
     for op, names, bias_output in (
         (attention_forward, forward_args, False),
@@ -199,16 +241,16 @@ class Attention(torch.autograd.Function):
     generate_vmap_rule = True  # vmap runs the custom ops once per batched slice
 
     @staticmethod
-    def forward(q, k, v, mask, bias, seed, is_causal: bool, scale: float, dropout_p: float):
-        return attention_forward(q, k, v, mask, bias, seed, is_causal, scale, dropout_p)
+    def forward(q, k, v, mask, bias, seed, causal: Optional[int], scale: float, dropout_p: float):
+        return attention_forward(q, k, v, mask, bias, seed, causal, scale, dropout_p)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        q, k, v, mask, bias, seed, is_causal, scale, dropout_p = inputs
+        q, k, v, mask, bias, seed, causal, scale, dropout_p = inputs
         out, row_max, inv_sum = output
         ctx.save_for_backward(q, k, v, mask, bias, seed, out, row_max, inv_sum)
         ctx.save_for_forward(q, k, v, mask, bias, seed, out, row_max, inv_sum)
-        ctx.options = (is_causal, scale, dropout_p)
+        ctx.options = (causal, scale, dropout_p)
         # row_max and inv_sum are not marked non-differentiable: under vmap, torch.func's
         # generated rule loses that mark and then refuses the None tangent (torch 2.13).
         # They get zero tangents, and their incoming gradients are ignored.
@@ -242,15 +284,15 @@ class AttentionBackward(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, is_causal, scale, dropout_p, bias_grad):
-        return attention_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, is_causal, scale, dropout_p, bias_grad)
+    def forward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad):
+        return attention_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, is_causal, scale, dropout_p, bias_grad = inputs
+        dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad = inputs
         ctx.save_for_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum)
         ctx.save_for_forward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum)
-        ctx.options = (is_causal, scale, dropout_p, bias_grad)
+        ctx.options = (causal, scale, dropout_p, bias_grad)
         ctx.set_materialize_grads(False)  # a gradient nobody used arrives as None: no work for it
 
     @staticmethod
@@ -283,8 +325,8 @@ class _AttentionTraced(Attention):
 
 def attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
-    is_causal: bool, scale: float, dropout_p: float,
+    causal: Optional[int], scale: float, dropout_p: float,
 ) -> Tensor:
-    """The differentiable op on (B, H, L, E) tensors; inputs already checked."""
+    """The differentiable op on (B, H, L, E) tensors."""
     function = _AttentionTraced if torch.compiler.is_compiling() else Attention
-    return function.apply(q, k, v, mask, bias, seed, is_causal, scale, dropout_p)[0]
+    return function.apply(q, k, v, mask, bias, seed, causal, scale, dropout_p)[0]

@@ -1,0 +1,99 @@
+"""Dropout keep-masks from a counter-based generator: the draw for score (b, h, i, j) is a
+hash of the seed and those four coordinates alone, so a mask is the same whatever the
+tiling, the thread count, the batch folding or the implementation (this module, or the
+compiled tiles' copy of it in `native_tiles.cpp`, which must give the same bits).
+
+The hash is SplitMix64's output function (Steele, Lea and Flood, 2014) applied to a
+counter, which is what makes SplitMix a counter-based generator:
+
+    key_bh = mix(seed + gamma (b 2^32 + h + 1))                 one per (b, h)
+    z      = mix(key_bh + gamma (i 2^32 + j + 1))                one per score
+    keep   = (z >> 32) >= ceil(p 2^32)                           P(keep) = 1 - p to 2^-32
+    Z      = keep / (1 - p)                                      (0 everywhere when p = 1)
+
+All arithmetic is modulo 2^64. PyTorch has no unsigned 64-bit shifts, so it runs on int64,
+whose products wrap, with logical shifts spelled as an arithmetic shift and a mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import native
+
+GAMMA = 0x9E3779B97F4A7C15
+MIX_1 = 0xBF58476D1CE4E5B9
+MIX_2 = 0x94D049BB133111EB
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(c: int) -> int:
+    """A 64-bit pattern as the int64 with the same bits."""
+    c &= _MASK64
+    return c - (1 << 64) if c >> 63 else c
+
+
+def _shr(z: Tensor, bits: int) -> Tensor:
+    """Logical right shift of an int64 tensor's bit pattern."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(z: Tensor) -> Tensor:
+    z = z ^ _shr(z, 30)
+    z = z * _signed(MIX_1)
+    z = z ^ _shr(z, 27)
+    z = z * _signed(MIX_2)
+    return z ^ _shr(z, 31)
+
+
+def mix_int(z: int) -> int:
+    """The same hash on a Python int (the tests' independent reference)."""
+    z &= _MASK64
+    z ^= z >> 30
+    z = (z * MIX_1) & _MASK64
+    z ^= z >> 27
+    z = (z * MIX_2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def threshold(dropout_p: float) -> int:
+    """The 32-bit draw below which a score is dropped: ceil(p 2^32), 2^32 for p = 1."""
+    return min(1 << 32, math.ceil(dropout_p * (1 << 32)))
+
+
+def keep_value(dropout_p: float) -> float:
+    """Z on a kept score: 1 / (1 - p); 0 when p = 1 (nothing is kept)."""
+    return 0.0 if dropout_p >= 1.0 else 1.0 / (1.0 - dropout_p)
+
+
+def keep_int(seed: int, b: int, h: int, i: int, j: int, dropout_p: float) -> bool:
+    """Whether score (b, h, i, j) is kept, on Python ints."""
+    key = mix_int(seed + GAMMA * ((b << 32) + h + 1))
+    return mix_int(key + GAMMA * ((i << 32) + j + 1)) >> 32 >= threshold(dropout_p)
+
+
+def keep_scale_into(out: Tensor, seed: int, row_start: int, dropout_p: float) -> Tensor:
+    """Fill `out` (B, H, R, keys) with Z for rows row_start.. and keys 0.. of every (b, h):
+    by the compiled tiles where they run (a contiguous float32 or float64 CPU tile), else
+    by `keep_scale_torch`. Both give the same bits."""
+    if out.device.type == "cpu" and out.dtype in (torch.float32, torch.float64) and out.is_contiguous():
+        if native.library() is not None:
+            return native.dropout_keep_scale_into(out, seed, row_start, threshold(dropout_p), keep_value(dropout_p))
+    return keep_scale_torch(out, seed, row_start, dropout_p)
+
+
+def keep_scale_torch(out: Tensor, seed: int, row_start: int, dropout_p: float) -> Tensor:
+    """`keep_scale_into` in PyTorch operators, for any device (int64 tiles: slower)."""
+    batch, heads, rows, keys = out.shape
+    device = out.device
+    b = torch.arange(batch, dtype=torch.int64, device=device)[:, None, None, None]
+    h = torch.arange(heads, dtype=torch.int64, device=device)[None, :, None, None]
+    key_bh = _mix(((b << 32) + h + 1) * _signed(GAMMA) + _signed(seed))  # (B, H, 1, 1)
+    i = torch.arange(row_start, row_start + rows, dtype=torch.int64, device=device)[:, None]
+    j = torch.arange(keys, dtype=torch.int64, device=device)
+    z = _mix(key_bh + ((i << 32) * _signed(GAMMA) + (j + 1) * _signed(GAMMA)))  # (B, H, R, keys)
+    # 1 * Z rounds to Z in out's dtype, as the compiled tiles' static_cast does
+    return out.copy_(_shr(z, 32) >= threshold(dropout_p)).mul_(keep_value(dropout_p))

@@ -1,0 +1,118 @@
+"""The attention ops' contract, checked where a call enters them.
+
+`torch.ops.attngrad.*` are public: anyone can call them directly, past the friendly
+checks of `functional`. The kernels behind them index by the sizes of q, k and v, and the
+compiled tiles read raw memory, so every op checks its arguments against one another
+first (in the real and in the fake implementation, so torch.compile reports the same
+error) and names the argument and the shapes when they disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _shape(t: Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def _fail(message: str) -> None:
+    raise ValueError(f"attngrad attention op: {message}")
+
+
+def _check_like(name: str, t: Optional[Tensor], shape: tuple, device: torch.device, what: str) -> None:
+    if t is None:
+        return
+    if not isinstance(t, Tensor):
+        raise TypeError(f"attngrad attention op: {name} must be a tensor; got {type(t).__name__}")
+    if _shape(t) != shape:
+        _fail(f"{name} must have shape {shape} ({what}); got {_shape(t)}")
+    if t.dtype not in FLOATS:
+        raise TypeError(f"attngrad attention op: {name} must be floating; got {t.dtype}")
+    if t.device != device:
+        _fail(f"{name} is on {t.device} but q on {device}")
+
+
+def _check_broadcast(name: str, t: Optional[Tensor], target: tuple, device: torch.device) -> None:
+    if t is None:
+        return
+    if t.device != device:
+        _fail(f"{name} is on {t.device} but q on {device}")
+    ok = 2 <= t.dim() <= 4
+    if ok:
+        try:
+            ok = torch.broadcast_shapes(t.shape, target) == torch.Size(target)
+        except RuntimeError:
+            ok = False
+    if not ok:
+        _fail(f"{name} of shape {_shape(t)} does not broadcast to (B, H, Lq, Lk) = {target} with 2 to 4 dimensions")
+
+
+def check_call(
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
+    causal: Optional[int], dropout_p: float, *, dout: Optional[Tensor] = None, out: Optional[Tensor] = None,
+    row_max: Optional[Tensor] = None, inv_sum: Optional[Tensor] = None, bias_grad: bool = False,
+    out_side: tuple[tuple[str, Optional[Tensor]], ...] = (),
+    query_side: tuple[tuple[str, Optional[Tensor]], ...] = (), key_side: tuple[tuple[str, Optional[Tensor]], ...] = (),
+    value_side: tuple[tuple[str, Optional[Tensor]], ...] = (), bias_like: tuple[tuple[str, Optional[Tensor]], ...] = (),
+) -> None:
+    """Raise a clear error unless the arguments of one attention op fit together.
+
+    q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), H a multiple of Hkv; mask
+    boolean and bias floating, each broadcastable to (B, H, Lq, Lk); dout and out
+    (B, H, Lq, dv); the row statistics (B, H, Lq). `out_side`, `query_side` etc. name
+    tangents or cotangents that must be shaped like dout, q, k, v or the bias."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"attngrad attention op: {name} must be a tensor; got {type(t).__name__}")
+        if t.dim() != 4:
+            _fail(f"q, k, v must be 4-D (B, H, L, E); got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+        if t.dtype not in FLOATS:
+            raise TypeError(f"attngrad attention op: {name} must be floating; got {t.dtype}")
+    shapes = f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"attngrad attention op: q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        _fail(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    batch, heads, len_q, dim = q.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        _fail(f"q, k, v must share the batch size B; got {shapes}")
+    if k.shape[:3] != v.shape[:3]:
+        _fail(f"k and v must share (B, Hkv, Lk); got {shapes}")
+    if k.shape[-1] != dim:
+        _fail(f"q and k must share their width d; got {shapes}")
+    kv_heads = k.shape[1]
+    if (kv_heads == 0 and heads != 0) or (kv_heads != 0 and heads % kv_heads):
+        _fail(f"the query heads H must be a multiple of the key/value heads Hkv; got {shapes}")
+    if mask is not None and mask.dtype != torch.bool:
+        raise TypeError(f"attngrad attention op: mask must be boolean; got {mask.dtype}")
+    if bias is not None and bias.dtype not in FLOATS:
+        raise TypeError(f"attngrad attention op: bias must be floating; got {bias.dtype}")
+    target = (batch, heads, len_q, k.shape[2])
+    _check_broadcast("mask", mask, target, q.device)
+    _check_broadcast("bias", bias, target, q.device)
+    if not isinstance(seed, Tensor) or seed.dim() != 0 or seed.dtype != torch.int64:
+        _fail(f"seed must be a 0-d int64 tensor; got {seed!r}")
+    if causal is not None and not isinstance(causal, int):
+        raise TypeError(f"attngrad attention op: causal must be None or an int diagonal offset; got {causal!r}")
+    if not 0.0 <= dropout_p <= 1.0:
+        _fail(f"dropout_p must be in [0, 1]; got {dropout_p}")
+    if bias_grad and bias is None:
+        _fail("bias_grad=True needs a bias")
+    out_shape = (batch, heads, len_q, v.shape[-1])
+    _check_like("dout", dout, out_shape, q.device, "(B, H, Lq, dv)")
+    _check_like("out", out, out_shape, q.device, "(B, H, Lq, dv)")
+    for name, t in (("row_max", row_max), ("inv_sum", inv_sum)):
+        _check_like(name, t, out_shape[:3], q.device, "(B, H, Lq)")
+    for side, shape in ((out_side, out_shape), (query_side, _shape(q)), (key_side, _shape(k)), (value_side, _shape(v))):
+        for name, t in side:
+            _check_like(name, t, shape, q.device, "the shape of its primal")
+    for name, t in bias_like:
+        if t is not None and bias is None:
+            _fail(f"{name} was given without a bias")
+        _check_like(name, t, _shape(bias) if bias is not None else (), q.device, "the shape of bias")

@@ -29,9 +29,9 @@ forward's E V~ sums over VALUE_SLICE keys at a time, for float32 accuracy.
 The causal mask is a diagonal: key j is visible to query i when j <= i + c, where c (the
 argument `causal`, None for no causal mask) is 0 for PyTorch's top-left alignment and
 Lk - Lq for the bottom-right one. Lk' is Lk, or for a causal block only the keys any of its
-rows may see (j <= last row + c), which halves the work; dK~ and dV~ then grow by key prefixes (`KeyGradient`). A row that
-may see no key gets m = 0 and 1/l = 0, so its output is 0 and everything it sends back
-is 0: no NaN. A row that may see exactly one key gets P = 1 there and dS = 0 exactly:
+rows may see (j <= last row + c), which halves the work; dK~ and dV~ then grow by key
+prefixes (`KeyGradient`). A row that may see no key gets m = 0 and 1/l = 0, so its output
+is 0 and everything it sends back is 0: no NaN. A row that may see exactly one key gets P = 1 there and dS = 0 exactly:
 recomputing S in the backward can round it apart from the forward's m, and P = 1 - 1e-7
 would leave dQ and dK at 1e-7 where they are 0.
 
@@ -145,33 +145,29 @@ class KeyGradient:
     """A key-side gradient, dK~ or dV~ (B, H, Lk, w), summed block by block: each block adds
     A^T X, for A (B, H, R, keys) and X (B, H, R, w), into its first `keys` rows.
 
-    A causal block's keys are a prefix, and the batched GEMM cannot write a (B, H, keys, w)
-    row slice of a (B, H, Lk, w) tensor in one call: PyTorch runs a GEMM per head, about
-    20% slower than one batched call. With `prefixes` the sum is kept transposed,
-    (B, H, w, Lk), whose [..., :keys] slice those per-head GEMMs fill faster (X^T A,
-    w x keys): at L = 4096 the causal backward took 0.95x the time, its double backward 0.96x,
-    for one more (B, H, Lk, w) copy at the end (fwd+bwd at L = 16384: 168 MiB, was 134)."""
+    A block that sees every key adds in place with one batched GEMM. A causal block's keys
+    are a prefix, whose (B, H, keys, w) row slice is no batch of contiguous matrices: the
+    GEMM that writes it in place runs per head and changes its bits with the thread count
+    (torch 2.13, MKL), so the block's product is formed in a contiguous buffer and added."""
 
-    def __init__(self, like: Tensor, width: int, prefixes: bool) -> None:
+    def __init__(self, like: Tensor, width: int) -> None:
         batch, heads, len_k = like.shape[0], like.shape[1], like.shape[-2]
-        self.prefixes = prefixes
-        shape = (batch, heads, width, len_k) if prefixes else (batch, heads, len_k, width)
-        self.sum = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self.sum = torch.zeros((batch, heads, len_k, width), dtype=like.dtype, device=like.device)
 
     def add(self, a: Tensor, x: Tensor) -> None:
         """sum[:keys] += a^T x, as one batched GEMM over the (B, H) axes."""
         bh, rows, keys, width = a.shape[0] * a.shape[1], a.shape[-2], a.shape[-1], x.shape[-1]
         a3, x3 = a.reshape(bh, rows, keys), x.reshape(bh, rows, width)
-        if self.prefixes:
-            self.sum[..., :keys].view(bh, width, keys).baddbmm_(x3.transpose(1, 2), a3)
+        if keys == self.sum.shape[-2]:
+            self.sum.view(bh, keys, width).baddbmm_(a3.transpose(1, 2), x3)
         else:
-            self.sum[..., :keys, :].view(bh, keys, width).baddbmm_(a3.transpose(1, 2), x3)
+            self.sum[..., :keys, :] += torch.bmm(a3.transpose(1, 2), x3).view(*a.shape[:2], keys, width)
 
     def total(self, groups: int) -> Tensor:
         """The gradient (B, H / groups, Lk, w), contiguous, summed over each GQA group
         (the adjoint of repeating K and V over it). Call it once: the sum is let go, so that
-        its buffer is freed as soon as the copy is made."""
-        out, self.sum = (self.sum.transpose(-1, -2) if self.prefixes else self.sum), None
+        its buffer is freed as soon as the result is made."""
+        out, self.sum = self.sum, None
         if groups > 1:
             out = out.unflatten(1, (-1, groups)).sum(dim=2)
         return out.contiguous()
@@ -319,7 +315,7 @@ def attention_backward(
     v_ones = with_column(v_rep, 1.0) if dropout_p == 0.0 else None
     v_rep = v_rep if v_ones is None else v_ones[..., :-1]
     dq = torch.empty(batch, heads, len_q, width, dtype=work, device=q.device)
-    dk_sum, dv_sum = KeyGradient(k_rep, width, causal is not None), KeyGradient(k_rep, width_v, causal is not None)
+    dk_sum, dv_sum = KeyGradient(k_rep, width), KeyGradient(k_rep, width_v)
     # A bias with a row per query and a column per key gets each block's dS exactly once:
     # it is copied into an uninitialised buffer (zeroing 0.5 GiB first would cost more
     # than the copy). A bias broadcast along rows or keys sums several blocks: += into zeros.

@@ -165,8 +165,8 @@ class _Recompute:
         """Zeros shaped like Q (contiguous, whatever the inputs' strides), sums for K~ and V~,
         and, when asked, zeros shaped like the bias, in the compute dtype."""
         dq = torch.zeros_like(self.q_scaled, memory_format=torch.contiguous_format)
-        dk = KeyGradient(self.k_rep, self.k_rep.shape[-1], self.causal is not None)
-        dv = KeyGradient(self.v_rep, self.v_rep.shape[-1], self.causal is not None)
+        dk = KeyGradient(self.k_rep, self.k_rep.shape[-1])
+        dv = KeyGradient(self.v_rep, self.v_rep.shape[-1])
         bias = torch.zeros(self.bias.shape, dtype=self.work, device=self.q_scaled.device) if bias_grad else None
         return dq, dk, dv, bias
 
@@ -218,9 +218,11 @@ def _times(t: Tensor, z: Optional[Tensor], out: Tensor) -> Tensor:
 
 def _softmax_jacobian_times(p: Tensor, x: Tensor, out: Tensor) -> Tensor:
     """P * (X - rowsum(P * X)) into `out` (not x's buffer): the softmax's Jacobian, which is
-    symmetric, times X row by row. It is S' -> P' in forward mode and g_P -> g_S in reverse;
-    PyTorch's fused softmax-backward kernel computes exactly this, in one pass instead of four."""
-    return torch.ops.aten._softmax_backward_data.out(x, p, -1, p.dtype, grad_input=out)
+    symmetric, times X row by row. It is S' -> P' in forward mode and g_P -> g_S in reverse.
+    (PyTorch's fused softmax-backward kernel computes this in one pass, but its bits change
+    with the thread count for rows of most lengths, torch 2.13: three passes instead.)"""
+    row = torch.mul(p, x, out=out).sum(dim=-1, keepdim=True)
+    return torch.sub(x, row, out=out).mul_(p)
 
 
 def attention_jvp(

@@ -1,0 +1,132 @@
+"""Same inputs, same bits: for any thread count, tiling or batch folding. And the dropout
+generator: the same keep-mask from the compiled tiles and from PyTorch operators, equal to
+an independent reference on Python integers, and of the right density."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from attngrad.torch import attention, dropout, kernels, native  # noqa: E402
+
+from ..conftest import EXACT, rel_err  # noqa: E402
+from .test_functional import many_blocks  # noqa: E402, F401
+
+CASES = {
+    "full": dict(),
+    "causal": dict(is_causal=True),
+    "bottom-right": dict(is_causal="bottom_right"),
+    "masked": dict(mask=True),
+    "bias": dict(bias=True),
+    "dropout": dict(dropout_p=0.2, is_causal=True),
+}
+
+
+def _everything(case: str, dtype=torch.float32, len_q=150, len_k=170):
+    """out, its gradients (dq, dk, dv and dbias), the JVP, the double backward of a gradient
+    penalty, and a forward-over-reverse HVP, for one configuration."""
+    spec = CASES[case]
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 3, len_q, 24, generator=g, dtype=dtype)
+    k = torch.randn(1, 3, len_k, 24, generator=g, dtype=dtype)
+    v = torch.randn(1, 3, len_k, 16, generator=g, dtype=dtype)
+    dout = torch.randn(1, 3, len_q, 16, generator=g, dtype=dtype)
+    bias = torch.randn(3, len_q, len_k, generator=g, dtype=dtype) if spec.get("bias") else None
+    mask = torch.rand(1, 1, len_q, len_k, generator=g) > 0.25 if spec.get("mask") else None
+    tangents = [torch.randn(t.shape, generator=g, dtype=dtype) for t in (q, k, v)]
+    options = dict(attn_mask=mask, is_causal=spec.get("is_causal", False), dropout_p=spec.get("dropout_p", 0.0))
+    primals = [q, k, v] + ([bias] if bias is not None else [])
+
+    def run(q, k, v, bias=None):
+        torch.manual_seed(7)  # the dropout seed
+        return attention(q, k, v, attn_bias=bias, **options)
+
+    leaves = [t.clone().requires_grad_() for t in primals]
+    out = run(*leaves)
+    grads = torch.autograd.grad(out, leaves, dout, create_graph=True)
+    penalty = sum((gr * gr).sum() for gr in grads)
+    second = torch.autograd.grad(penalty, leaves)
+
+    def run_fixed_bias(q, k, v):
+        return run(q, k, v, bias)
+
+    _, jvp = torch.func.jvp(run_fixed_bias, tuple(primals[:3]), tuple(tangents))
+
+    def grad_q(q, k, v):
+        return torch.func.grad(lambda q: (run_fixed_bias(q, k, v) * dout).sum())(q)
+
+    _, hvp = torch.func.jvp(grad_q, tuple(primals[:3]), tuple(tangents))
+    return [t.detach() for t in (out, *grads, *second, jvp, hvp)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bits_do_not_depend_on_the_thread_count(many_blocks, case):
+    """1, 2, 3 and 4 threads: every result bit-equal, on the path each call takes (the
+    compiled tiles for the first and second derivatives of full and causal calls, with
+    their work split into chunks here; the torch-ops kernels otherwise, and for forward mode)."""
+    threads = torch.get_num_threads()
+    results = {}
+    try:
+        for count in (1, 2, 3, 4):
+            torch.set_num_threads(count)
+            results[count] = _everything(case)
+    finally:
+        torch.set_num_threads(threads)
+    for count in (2, 3, 4):
+        for i, (a, b) in enumerate(zip(results[1], results[count])):
+            assert torch.equal(a, b), f"{case}: result {i} differs between 1 and {count} threads"
+
+
+def test_chunks_follow_the_shapes_alone(monkeypatch):
+    """The backward's work split, the one thing that once followed the thread count."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    one = [native._chunks(heads, blocks) for heads in (1, 3, 8, 16, 40) for blocks in (1, 2, 9)]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
+    assert one == [native._chunks(heads, blocks) for heads in (1, 3, 8, 16, 40) for blocks in (1, 2, 9)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dropout_generator_is_one_function_of_the_coordinates(dtype):
+    """The compiled generator and the PyTorch-operator one give the same bits; any tile of
+    rows gives the rows of the whole; a few entries match the Python-integer reference."""
+    seed, p = 987654321987, 0.3
+    whole = dropout.keep_scale_torch(torch.empty(2, 3, 40, 33, dtype=dtype), seed, 0, p)
+    assert torch.equal(whole, dropout.keep_scale_into(torch.empty(2, 3, 40, 33, dtype=dtype), seed, 0, p))
+    rows = dropout.keep_scale_into(torch.empty(2, 3, 7, 20, dtype=dtype), seed, 11, p)
+    assert torch.equal(rows, whole[:, :, 11:18, :20])
+    for b, h, i, j in ((0, 0, 0, 0), (1, 2, 39, 32), (1, 0, 17, 5), (0, 1, 3, 31)):
+        assert bool(whole[b, h, i, j] > 0) == dropout.keep_int(seed, b, h, i, j, p), (b, h, i, j)
+    assert set(whole.unique().tolist()) <= {0.0, float(torch.tensor(1 / (1 - p), dtype=dtype))}
+
+
+def test_dropout_keeps_one_minus_p():
+    """Over a million draws the kept share is 1 - p within 5 standard deviations, for rows,
+    for columns and for heads alike (a broken coordinate would show as a stripe)."""
+    keep = dropout.keep_scale_into(torch.empty(2, 4, 512, 512), 42, 0, 0.25) > 0
+    n = keep.numel()
+    share = keep.double().mean().item()
+    assert abs(share - 0.75) < 5 * (0.75 * 0.25 / n) ** 0.5
+    for axis in (0, 1, 2, 3):
+        per = keep.double().mean(dim=[d for d in range(4) if d != axis])
+        assert float((per - 0.75).abs().max()) < 6 * (0.75 * 0.25 / (n / keep.shape[axis])) ** 0.5
+
+
+def test_dropout_mask_does_not_depend_on_the_tiling(monkeypatch):
+    """The torch-ops kernels draw per block: with one tile of 2^22 scores or many of 2^9
+    the keep-mask is the same, so the output and gradients agree to rounding (a different
+    mask would change them by O(1))."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 3, 60, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    dout = torch.randn(2, 3, 60, 16, generator=g, dtype=torch.float64)
+
+    def run():
+        torch.manual_seed(11)
+        out = attention(q, k, v, is_causal=True, dropout_p=0.4)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    big, big_plan = run(), kernels.blocks(2, 3, 60, 60, 0)
+    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 1 << 9)
+    monkeypatch.setattr(kernels, "MIN_ROWS", 3)
+    small, small_plan = run(), kernels.blocks(2, 3, 60, 60, 0)
+    assert len(big_plan) == 1 and len(small_plan) > 10
+    for a, b in zip(big, small):
+        assert rel_err(a, b) < EXACT

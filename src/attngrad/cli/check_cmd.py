@@ -9,6 +9,7 @@ import sys
 
 from ..check import FLAVORS, VARIANTS, CheckConfig, CheckReport, run_check
 from ..check.compare import ErrorFigure
+from .arg_types import nonnegative_int, positive_int
 
 ALL_VARIANTS = tuple(dict.fromkeys(v for flavor in FLAVORS for v in VARIANTS[flavor]))
 
@@ -16,12 +17,12 @@ ALL_VARIANTS = tuple(dict.fromkeys(v for flavor in FLAVORS for v in VARIANTS[fla
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = CheckConfig()
     size = parser.add_argument_group("sizes")
-    size.add_argument("--batch", type=int, default=defaults.batch, metavar="B", help="batch size (default %(default)s)")
-    size.add_argument("--heads", type=int, default=defaults.heads, metavar="H", help="query heads (default %(default)s); the gqa variants use H/2 key/value heads")
-    size.add_argument("--len-q", type=int, default=defaults.len_q, metavar="LQ", help="decoder/query length (default %(default)s)")
-    size.add_argument("--len-k", type=int, default=defaults.len_k, metavar="LK", help="encoder/key length (default %(default)s)")
-    size.add_argument("--embed-dim", type=int, default=defaults.embed_dim, metavar="E", help="model width, a multiple of H (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the random inputs and upstream gradients (default %(default)s)")
+    size.add_argument("--batch", type=positive_int, default=defaults.batch, metavar="B", help="batch size (default %(default)s)")
+    size.add_argument("--heads", type=positive_int, default=defaults.heads, metavar="H", help="query heads (default %(default)s); the gqa variants use H/2 key/value heads")
+    size.add_argument("--len-q", type=positive_int, default=defaults.len_q, metavar="LQ", help="decoder/query length (default %(default)s)")
+    size.add_argument("--len-k", type=positive_int, default=defaults.len_k, metavar="LK", help="encoder/key length (default %(default)s)")
+    size.add_argument("--embed-dim", type=positive_int, default=defaults.embed_dim, metavar="E", help="model width, a multiple of H (default %(default)s)")
+    parser.add_argument("--seed", type=nonnegative_int, default=defaults.seed, help="seed of the random inputs and upstream gradients (default %(default)s)")
     parser.add_argument("--dtype", choices=("float64", "float32"), default=defaults.dtype, help="dtype of attngrad's computation; the truth is always float64 (default %(default)s)")
     parser.add_argument("--flavor", action="append", choices=FLAVORS, help=f"run only this flavor (repeatable; default all: {', '.join(FLAVORS)})")
     parser.add_argument("--variant", action="append", choices=ALL_VARIANTS, help="run only this variant (repeatable; default all)")
@@ -46,9 +47,11 @@ def render_table(report: CheckReport, console) -> None:  # console: rich.console
         title=f"attngrad check: {report.config.dtype}, relative error max|ours - ref| / max|ref|",
         caption=f"tolerances: autograd {tol['autograd']:.0e}, finite differences {tol['finite_diff']:.0e}",
     )
-    for name, justify in (("flavor", "left"), ("variant", "left"), ("tensor", "left"), ("shape", "left"),
-                          ("vs autograd", "right"), ("vs finite diff", "right"), ("verdict", "center")):
-        table.add_column(name, justify=justify, no_wrap=True)
+    # the errors never wrap; the names and shapes may, so that 80 columns keep every column
+    for name, justify, wrap in (("flavor", "left", True), ("variant", "left", True), ("tensor", "left", True),
+                                ("shape", "left", True), ("vs autograd", "right", False),
+                                ("vs finite diff", "right", False), ("verdict", "center", False)):
+        table.add_column(name, justify=justify, no_wrap=not wrap, overflow="fold")
     autograd_skip = "skipped" if report.torch_version is None else "-"
     previous = None
     for row in report.rows:
@@ -92,7 +95,22 @@ def summary_lines(report: CheckReport) -> list[str]:
     return lines
 
 
+def _no_case_message(flavors: tuple, variants: tuple | None) -> str:
+    offered = "; ".join(f"{flavor}: {', '.join(VARIANTS[flavor])}" for flavor in flavors)
+    return (f"no case matches --flavor {' '.join(flavors)} --variant {' '.join(variants or ())}; "
+            f"the variants of each flavor are {offered}")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.no_torch and args.no_finite_diff:
+        print("attngrad check: error: --no-torch and --no-finite-diff together leave nothing to check against",
+              file=sys.stderr)
+        return 2
+    flavors = tuple(args.flavor) if args.flavor else FLAVORS
+    variants = tuple(args.variant) if args.variant else None
+    if variants is not None and not any(v in VARIANTS[f] for f in flavors for v in variants):
+        print(f"attngrad check: error: {_no_case_message(flavors, variants)}", file=sys.stderr)
+        return 2
     try:
         config = CheckConfig(batch=args.batch, heads=args.heads, len_q=args.len_q, len_k=args.len_k,
                              embed_dim=args.embed_dim, seed=args.seed, dtype=args.dtype)
@@ -102,8 +120,6 @@ def run(args: argparse.Namespace) -> int:
     # PyTorch's math kernel logs "dropout mask should only be used for testing purposes"
     # when given the keep-mask; testing is what it is used for here (set before torch loads)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    flavors = tuple(args.flavor) if args.flavor else FLAVORS
-    variants = tuple(args.variant) if args.variant else None
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -119,14 +135,14 @@ def run(args: argparse.Namespace) -> int:
         report = run_check(config, flavors, variants, use_torch=not args.no_torch,
                            finite_differences=not args.no_finite_diff, progress=on_case)
     if not report.rows:
-        print("attngrad check: error: no case matches the flavors and variants given", file=sys.stderr)
+        print(f"attngrad check: error: {_no_case_message(flavors, variants)}", file=sys.stderr)
         return 2
     if args.json:
         json.dump(report.to_json(), sys.stdout, indent=2)
         print()
     else:
-        console = Console(width=None if sys.stdout.isatty() else 110)
+        console = Console(width=None if sys.stdout.isatty() else 100)
         render_table(report, console)
         for line in summary_lines(report):
-            console.print(line, highlight=False)
+            console.print(line, highlight=False, markup=False)  # "attngrad[torch]" is no markup
     return 0 if report.passed else 1

@@ -14,7 +14,8 @@
 //   acc = acc exp(m - m') + E V_blk                            (R, dv)
 //   out = acc / l;  row_max = m, inv_sum = 1 / l              (the statistics attngrad keeps)
 // backward, per (b, key/value head, chunk of key blocks), over query blocks:
-//   P  = exp(S - m) / l,  dP = dO V_blk^T,  dS = P (dP - D)    D = rowsum(dO * O)
+//   P  = exp(S - m) / l,  dP = dO V_blk^T,  dS = P (dP - D)    D = rowsum(dO * O), or
+//   rowsum(P * dP) where the block holds all of the row's keys (the same in exact arithmetic)
 //   dV_blk += P^T dO,  dK_blk += scale dS^T Q,  dQ += scale dS K_blk
 // double backward: see `double_backward` below.
 // A work item owns its dK and dV rows, and its own copy of dQ when the keys are split into
@@ -409,14 +410,16 @@ void forward(const T* q, const T* k, const T* v, T* out, T* row_max, T* inv_sum,
     }
 }
 
-// delta_r = rowsum(a_r * b_r) for `rows` rows of width `width`
+// delta_r = rowsum(a_r * b_r) for `rows` rows of width `width`, summed in double: D enters
+// every dS = P (dP - D) of its row, and a float32 sum of d products would carry d roundings
+// into all of them (O(L d) work, so the wider sum costs nothing measurable)
 template <typename T>
 void row_dots(const T* a, const T* b, T* delta, index_t rows, index_t width, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (index_t r = 0; r < rows; ++r) {
-        T sum = 0;
-        for (index_t c = 0; c < width; ++c) sum += a[r * width + c] * b[r * width + c];
-        delta[r] = sum;
+        double sum = 0;
+        for (index_t c = 0; c < width; ++c) sum += double(a[r * width + c]) * double(b[r * width + c]);
+        delta[r] = static_cast<T>(sum);
     }
 }
 
@@ -461,9 +464,18 @@ void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, c
                             T* p = probs.data() + i * cols;
                             T* ds = dscores.data() + i * cols;
                             const index_t seen = causal.visible(r0 + i, c0, cols);
-                            const T m = row_max[first + i], inv = inv_sum[first + i], d_row = delta[first + i];
-                            probs_and_score_grad(p, ds, seen, m, inv, d_row);
-                            if (seen == 1 && causal.visible(r0 + i, 0, s.len_k) == 1) {  // the row's one key
+                            const index_t row_keys = causal.visible(r0 + i, 0, s.len_k);
+                            const T m = row_max[first + i], inv = inv_sum[first + i];
+                            if (c0 == 0 && row_keys <= cols) {
+                                // every key of the row is in this block: D = rowsum(P dP) from
+                                // the very dP it is subtracted from, whose rounding then cancels
+                                // (rowsum(dO O) carries O's; few-key rows showed it in float32)
+                                const T d_row = probs_and_dot(p, ds, seen, m, inv);
+                                centre_and_scale(p, ds, seen, d_row);
+                            } else {
+                                probs_and_score_grad(p, ds, seen, m, inv, delta[first + i]);
+                            }
+                            if (seen == 1 && row_keys == 1) {  // the row's one key
                                 p[0] = T(1);
                                 ds[0] = T(0);
                             }

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The compiled tiles' tests against a build with AddressSanitizer and
+# UndefinedBehaviorSanitizer (ATTNGRAD_SANITIZE=1 in attngrad.torch.native), in a fresh
+# cache folder. Run it before any change to native_tiles.cpp lands:
+#     scripts/sanitize_tiles.sh [extra pytest arguments]
+# A Python process loads the sanitizer runtimes before anything else (LD_PRELOAD); leak
+# checking is off because CPython and PyTorch keep allocations until exit by design;
+# --capture=sys leaves standard error to the sanitizers, whose report would be lost with it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cxx="${CXX:-c++}"
+cache="$(mktemp -d)"
+trap 'rm -rf "$cache"' EXIT
+export ATTNGRAD_SANITIZE=1 ATTNGRAD_CACHE="$cache"
+export LD_PRELOAD="$("$cxx" -print-file-name=libasan.so) $("$cxx" -print-file-name=libubsan.so)"
+export ASAN_OPTIONS="detect_leaks=0:alloc_dealloc_mismatch=0:abort_on_error=1"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+python -m pytest -q -p no:cacheprovider --capture=sys \
+    tests/torch_backend/test_native.py tests/torch_backend/test_determinism.py \
+    tests/torch_backend/test_input_range.py tests/torch_backend/test_op_contract.py \
+    -k "not compiled" "$@"
+python - <<'PY'
+from attngrad.torch import native
+assert native.library() is not None, native.build_info.reason
+binary = native.build_info.path.read_bytes()
+assert b"__asan_init" in binary and b"__ubsan_handle" in binary, "the tiles were not built with the sanitizers"
+print(f"the tests above ran on {native.build_info.path.name}, built with ASan and UBSan")
+PY

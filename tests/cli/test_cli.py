@@ -82,3 +82,48 @@ def test_core_imports_with_numpy_alone():
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
     assert "check" in capsys.readouterr().out
+
+
+def test_nothing_to_check_is_an_error(capsys):
+    assert main(["check", "--no-torch", "--no-finite-diff"]) == 2
+    assert "leave nothing to check" in capsys.readouterr().err
+
+
+def test_no_matching_case_lists_the_variants(capsys):
+    assert main(["check", "--flavor", "encoder", "--variant", "causal"]) == 2
+    err = capsys.readouterr().err
+    assert "no case matches --flavor encoder --variant causal" in err
+    assert "encoder: plain, no-bias, padding, attn-bias, gqa, dropout, masked-row, all" in err
+
+
+def test_install_hint_is_printed_as_written():
+    result = run_cli("check", *SMALL, "--flavor", "sdpa", "--variant", "plain", block=("torch",))
+    assert "pip install 'attngrad[torch]'" in result.stdout
+
+
+def test_a_closed_pipe_is_no_traceback():
+    """`attngrad check --json | head -1`: the reader leaves early."""
+    code = "from attngrad.cli.main import main\nimport sys\nsys.exit(main(sys.argv[1:]))\n"
+    check = subprocess.Popen([sys.executable, "-c", code, "check", *SMALL, "--flavor", "sdpa", "--json", "--no-torch"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    check.stdout.readline()
+    check.stdout.close()  # as head does after its line
+    _, err = check.communicate(timeout=300)
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_check_table_keeps_every_column(width):
+    """Names and shapes wrap on a narrow terminal; no column is cut to an ellipsis."""
+    from rich.console import Console
+
+    from attngrad.check import CheckConfig, run_check
+    from attngrad.cli.check_cmd import render_table
+
+    report = run_check(CheckConfig(), ("decoder",), ("all",), use_torch=False)
+    console = Console(width=width, record=True)
+    render_table(report, console)
+    text = console.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= width
+    for header in ("flavor", "tensor", "shape", "vs autograd", "vs finite diff", "verdict", "W^Q", "pass"):
+        assert header in text

@@ -141,3 +141,90 @@ def test_language_model_command(tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(out / "model.npz"), "The ", "--length", "20"]) == 0
     sample = capsys.readouterr().out
     assert sample.startswith("The ") and len(sample.rstrip("\n")) == 24
+
+
+def _small_run(tmp_path, *extra):
+    out = tmp_path / "run"
+    code = main(["train", "--task", "reverse", "--steps", "12", "--batch-size", "8", "--d-model", "16", "--heads", "2",
+                 "--d-ff", "32", "--layers", "1", "--eval-every", "6", "--max-len", "4", "--out", str(out), *extra])
+    assert code == 0
+    return out
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["train", "--steps", "-1"], "argument --steps: expected a positive integer; got -1"),
+    (["train", "--dropout", "1.5"], "argument --dropout: expected a number in [0, 1)"),
+    (["train", "--threads", "0"], "argument --threads: expected a positive integer"),
+    (["generate", "--checkpoint", "x.npz", "--length", "-5", "1 2"], "argument --length: expected an integer >= 0"),
+    (["generate", "--checkpoint", "x.npz", "--temperature", "-1", "1 2"], "argument --temperature: expected a finite"),
+    (["check", "--seed", "-1"], "argument --seed: expected an integer >= 0"),
+])
+def test_out_of_range_numbers_name_their_flag(capsys, argv, fragment):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_train_errors_name_flags_and_files_before_any_bar(tmp_path, capsys):
+    assert main(["train", "--min-len", "5", "--max-len", "3", "--out", str(tmp_path / "x")]) == 2
+    assert "--min-len 5 exceeds --max-len 3" in capsys.readouterr().err
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\xe9 ".encode("latin-1") * 40)
+    assert main(["train", "--task", "lm", "--text", str(latin), "--out", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err
+    assert f"--text {latin}: {latin} is not UTF-8 text (byte 3 is 0xe9)" in err.replace("\n", "")
+    assert "train lm" not in err  # no progress bar was drawn
+    assert not (tmp_path / "y").exists()
+
+
+def test_progress_shows_no_accuracy_before_the_first_evaluation(tmp_path):
+    from attngrad.model.training import TrainConfig, train
+    from attngrad.model.transformer import TransformerConfig
+
+    states = []
+    train(TrainConfig(task="reverse", steps=6, batch_size=4, eval_every=3, max_len=4),
+          TransformerConfig(vocab_size=4, d_model=8, heads=2, d_ff=16, layers=1), report=states.append)
+    assert [s["accuracy"] is None for s in states] == [True, True, False, False, False, False]
+
+
+def test_train_says_when_it_cannot_draw_curves(tmp_path, capsys, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    out = _small_run(tmp_path)
+    assert not (out / "curves.png").exists()
+    assert "no curves.png: matplotlib is not installed (pip install 'attngrad[docs]')" in capsys.readouterr().out
+
+
+def test_generate_warns_outside_the_trained_lengths(tmp_path, capsys):
+    out = _small_run(tmp_path)  # trained on 3 to 4 digits
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(out / "model.npz"), "7"]) == 0
+    assert "the prompt has 1 digits, but this model was trained on 3 to 4" in capsys.readouterr().err
+    assert main(["generate", "--checkpoint", str(out / "model.npz"), "7 1 2"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_train_bounds_its_blas_threads(tmp_path, monkeypatch):
+    """--threads reaches the BLAS through threadpoolctl (default 1: the model's matrices are small)."""
+    import threadpoolctl
+
+    seen = []
+    real = threadpoolctl.threadpool_limits
+
+    def spy(limits=None, user_api=None):
+        seen.append((limits, user_api))
+        return real(limits=limits, user_api=user_api)
+
+    monkeypatch.setattr(threadpoolctl, "threadpool_limits", spy)
+    _small_run(tmp_path)
+    _small_run(tmp_path, "--threads", "2")
+    assert seen == [(1, "blas"), (2, "blas")]

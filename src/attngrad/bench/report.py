@@ -60,6 +60,8 @@ def markdown(report: BenchReport) -> str:
         "|" + "---|" * len(COLUMNS),
     ]
     lines += ["| " + " | ".join(row) + " |" for row in rows(report)]
+    if m.get("smoke_run"):
+        lines = [f"**{m['smoke_run']}.**", ""] + lines
     return "\n".join(lines) + "\n"
 
 

@@ -123,7 +123,10 @@ def read_text(path: str | Path | None) -> str:
     """The text at `path`, or the short text that ships with attngrad."""
     if path is None:
         return resources.files("attngrad.model").joinpath("texts", DEFAULT_TEXT).read_text(encoding="utf-8")
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text (byte {error.start} is {error.object[error.start]:#04x})") from None
     if len(text) < 64:
         raise ValueError(f"{path} holds {len(text)} characters; a language model needs a few thousand")
     return text

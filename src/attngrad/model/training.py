@@ -246,7 +246,7 @@ def train(
         optimizer.load_state(ckpt.optimizer_state)
         start_step = optimizer.step_count
     rng = np.random.default_rng(train_config.seed + 7 + start_step)
-    accuracy = history.accuracy[-1] if history.accuracy else 0.0
+    accuracy = history.accuracy[-1] if history.accuracy else None  # None until the first evaluation
     began = time.perf_counter()
     running, running_n, tokens_seen = 0.0, 0, 0
     step = start_step
@@ -288,7 +288,7 @@ def train(
             plot_history(history, out / "curves.png", train_config.task)
         except ImportError:
             pass  # matplotlib is optional
-    return TrainResult(params, model_config, history, accuracy, seconds, step, checkpoint)
+    return TrainResult(params, model_config, history, 0.0 if accuracy is None else accuracy, seconds, step, checkpoint)
 
 
 def plot_history(history: History, path: Path, task: str) -> Path:

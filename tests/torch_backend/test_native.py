@@ -26,6 +26,23 @@ def test_tiles_are_built_where_there_is_a_compiler():
     assert native.library() is not None, native.build_info.reason
 
 
+# The causal diagonal: none, top-left, bottom-right, or any offset from "no row sees a key"
+# to "every row sees every key" (a ring step of context parallelism meets all of these).
+CAUSAL = st.one_of(st.none(), st.just("top-left"), st.just("bottom-right"), st.integers(-80, 80))
+
+
+def _diagonal(causal, len_q, len_k):
+    """The op's causal offset for a drawn CAUSAL value."""
+    return {"top-left": 0, "bottom-right": len_k - len_q}.get(causal, causal)
+
+
+def _at_most_one_key(causal, len_q, len_k):
+    """Whether no row sees two keys: then P is 1 or 0 everywhere whatever the scores, dQ and
+    dK are 0, and both sides hold rounding noise there."""
+    keys = len_k if causal is None else min(len_k, max(0, len_q + causal))  # the last row's
+    return keys <= 1
+
+
 def _inputs(batch, heads, kv_heads, len_q, len_k, dim, dim_v, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads, len_q, dim, generator=g, dtype=dtype)
@@ -40,16 +57,16 @@ def _inputs(batch, heads, kv_heads, len_q, len_k, dim, dim_v, dtype, seed):
 @given(
     batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 3),
     len_q=st.integers(1, 70), len_k=st.integers(1, 70), dim=st.sampled_from([1, 5, 16]), dim_v=st.sampled_from([3, 16]),
-    is_causal=st.booleans(),
+    causal=CAUSAL,
     # (rows, keys, value slice): one block, many with row tails, 16-wide vectors with tails
     blocks=st.sampled_from([(128, 512, 128), (3, 5, 2), (7, 20, 4), (16, 33, 16)]),
     chunks=st.integers(1, 4), seed=st.integers(0, 2**16),
 )
-def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, is_causal, blocks, chunks, seed):
-    """float64, every block layout and key split: the same statistics, output and gradients
-    as `kernels` to 1e-12."""
+def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal, blocks, chunks, seed):
+    """float64, every block layout and key split, every causal diagonal: the same
+    statistics, output and gradients as `kernels` to 1e-12."""
     q, k, v, dout = _inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
-    scale, causal = dim**-0.5, (0 if is_causal else None)
+    scale, causal = dim**-0.5, _diagonal(causal, len_q, len_k)
     old = native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE
     native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE = blocks
     try:
@@ -62,10 +79,8 @@ def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k
     names = ("out", "row_max", "inv_sum", "dq", "dk", "dv")
     for a, b in zip((*ours, *grads), (*theirs, *their_grads)):
         assert a.shape == b.shape and a.dtype == b.dtype
-    # Where every row sees one key (one key, or causal with one query), P = 1 whatever the
-    # scores: dQ and dK are 0, and both sides hold rounding noise (conftest's `zeros`);
-    # floor_fraction as in the other property tests
-    zeros = {"dq", "dk"} if len_k == 1 or (is_causal and len_q == 1) else set()
+    # conftest's `zeros` where no row sees two keys; floor_fraction as in the other property tests
+    zeros = {"dq", "dk"} if _at_most_one_key(causal, len_q, len_k) else set()
     assert_all_close(dict(zip(names, (*ours, *grads))), dict(zip(names, (*theirs, *their_grads))), zeros=zeros,
                      floor_fraction=1e-3)
 
@@ -75,11 +90,11 @@ def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k
 @given(
     batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 3),
     len_q=st.integers(1, 50), len_k=st.integers(1, 50), dim=st.sampled_from([1, 5, 16]), dim_v=st.sampled_from([3, 16]),
-    is_causal=st.booleans(), rows=st.sampled_from([3, 128]), chunks=st.integers(1, 4),
+    causal=CAUSAL, rows=st.sampled_from([3, 128]), chunks=st.integers(1, 4),
     present=st.sampled_from([(1, 1, 1), (1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 0, 0)]), dout_grad=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, is_causal,
+def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal,
                                                            rows, chunks, present, dout_grad, seed):
     """float64, any subset of the cotangents (gQ, gK, gV), with and without g_dO, every
     block height and split of the query blocks: `kernels_higher`'s results to 1e-12."""
@@ -87,7 +102,7 @@ def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, grou
     g = torch.Generator().manual_seed(seed + 1)
     gq, gk, gv = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep else None
                   for t, keep in zip((q, k, v), present))
-    scale, causal = dim**-0.5, (0 if is_causal else None)
+    scale, causal = dim**-0.5, _diagonal(causal, len_q, len_k)
     out, row_max, inv_sum = kernels.attention_forward(q, k, v, None, None, 0, causal, scale, 0.0)
     old = native.BLOCK_ROWS
     native.BLOCK_ROWS = rows
@@ -101,9 +116,9 @@ def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, grou
     assert (ours[0] is None) is (not dout_grad)
     names = ("g_dout", "g_q", "g_k", "g_v")
     kept = [i for i in range(4) if theirs[i] is not None]
-    if len_k == 1 or (is_causal and len_q == 1):
-        # every row sees one key, so P = 1 whatever the scores: the backward's dQ, dK, dV
-        # do not depend on q, k, v, and g_q, g_k, g_v are 0 (both sides hold rounding noise)
+    if _at_most_one_key(causal, len_q, len_k):
+        # P is 1 or 0 whatever the scores: the backward's dQ, dK, dV do not depend on q, k, v,
+        # and g_q, g_k, g_v are 0 (both sides hold rounding noise)
         for i in (1, 2, 3):
             assert float(ours[i].abs().max()) < EXACT and float(theirs[i].abs().max()) < EXACT, names[i]
         kept = [0] if dout_grad else []

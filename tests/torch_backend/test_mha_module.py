@@ -32,8 +32,13 @@ def run(module, x, memory, dout, **kwargs):
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("kdim", [None, 5])
 @pytest.mark.parametrize("bias", [True, False])
-def test_outputs_weights_and_gradients_match(batch_first, kdim, bias):
-    ref, ours = pair(batch_first, kdim, bias)
+@pytest.mark.parametrize("extra", [dict(), dict(add_bias_kv=True), dict(add_zero_attn=True),
+                                   dict(add_bias_kv=True, add_zero_attn=True)])
+def test_outputs_weights_and_gradients_match(batch_first, kdim, bias, extra):
+    """Outputs, weights and every gradient, with a padding mask and a float mask; with
+    add_bias_kv (learned bias_k, bias_v appended to every sequence, and their gradients) and
+    add_zero_attn (a zero key and value) the masks widen over the appended keys."""
+    ref, ours = pair(batch_first, kdim, bias, **extra)
     assert sorted(ours.state_dict()) == sorted(ref.state_dict())
     shape = (lambda n, w: (2, n, w)) if batch_first else (lambda n, w: (n, 2, w))
     x = torch.randn(*shape(4, 12), dtype=torch.float64, requires_grad=True)
@@ -111,31 +116,6 @@ def test_causal_with_a_learned_bias_and_padding():
     grads_ref = torch.autograd.grad(out_ref, [x, bias], dout)
     assert rel_err(out, out_ref) < EXACT
     assert all(rel_err(a, b) < EXACT for a, b in zip(grads, grads_ref))
-
-
-@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask:UserWarning")
-@pytest.mark.parametrize("extra", [dict(add_bias_kv=True), dict(add_zero_attn=True),
-                                   dict(add_bias_kv=True, add_zero_attn=True)])
-@pytest.mark.parametrize("batch_first", [True, False])
-def test_appended_keys_match(extra, batch_first):
-    """add_bias_kv (learned bias_k, bias_v appended to every sequence) and add_zero_attn (a
-    zero key and value): outputs, weights and every gradient, bias_k and bias_v included,
-    with a padding mask and a float mask widened over the appended keys."""
-    ref, ours = pair(batch_first, 5, **extra)
-    assert sorted(ours.state_dict()) == sorted(ref.state_dict())
-    shape = (lambda n, w: (2, n, w)) if batch_first else (lambda n, w: (n, 2, w))
-    x = torch.randn(*shape(4, 12), dtype=torch.float64, requires_grad=True)
-    memory = torch.randn(*shape(6, 5), dtype=torch.float64, requires_grad=True)
-    kpm = torch.zeros(2, 6, dtype=torch.bool)
-    kpm[1, 2:] = True
-    bias_mask = torch.randn(4, 6, dtype=torch.float64)
-    dout = torch.randn(*shape(4, 12), dtype=torch.float64)
-    a = run(ref, x, memory, dout, key_padding_mask=kpm, attn_mask=bias_mask)
-    b = run(ours, x, memory, dout, key_padding_mask=kpm, attn_mask=bias_mask)
-    assert b[1].shape == a[1].shape
-    assert rel_err(b[0], a[0]) < EXACT and rel_err(b[1], a[1]) < EXACT
-    names = ["x", "memory"] + [n for n, _ in sorted(ours.named_parameters())]
-    assert_all_close(dict(zip(names, b[2])), dict(zip(names, a[2])))
 
 
 def test_weights_are_after_dropout_with_the_outputs_mask():

@@ -17,7 +17,6 @@ from torch import Tensor
 from .op import attention as attention_op
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
 
 def _causal_bias_type() -> Optional[type]:

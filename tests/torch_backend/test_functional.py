@@ -6,7 +6,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from attngrad.torch import dropout, kernels, native, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch import dropout, kernels, native, scaled_dot_product_attention, use_implementation  # noqa: E402
 from attngrad.torch.op import attention  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
@@ -26,12 +26,14 @@ def many_blocks(monkeypatch):
 
 
 @pytest.fixture(params=["tiles", "torch-ops"])
-def backend(request, monkeypatch):
-    """Both implementations of a mask-free call: the compiled tiles (where built) and the
-    torch-ops kernels."""
+def backend(request):
+    """Both implementations: the compiled tiles where they take the call (and are built),
+    and the torch-ops kernels alone."""
     if request.param == "torch-ops":
-        monkeypatch.setattr(native, "supports", lambda *args: False)
-    return request.param
+        with use_implementation("torch-ops"):
+            yield request.param
+    else:
+        yield request.param
 
 
 def math_sdpa(*args, **kwargs):

@@ -211,3 +211,32 @@ def test_what_the_tiles_take():
     assert not native.supports(q, k, v, None, None, 0.1)
     assert not native.supports(q.half(), k.half(), v.half(), None, None, 0.0)
     assert not native.supports(q, k[..., :0, :], v[..., :0, :], None, None, 0.0)
+
+
+def test_use_implementation_chooses_and_counts():
+    """The choice is the user's: torch-ops alone, tiles alone (a call they cannot run raises,
+    never silently runs elsewhere), and `ran` says what ran, backward passes included."""
+    from attngrad.torch import implementation, use_implementation
+
+    q, k, v, dout = _inputs(1, 2, 2, 5, 6, 4, 4, torch.float64, 0)
+    q.requires_grad_()
+    implementation.ran.clear()
+    with use_implementation("torch-ops"):
+        out = scaled_dot_product_attention(q, k, v)
+        out.backward(dout)
+    assert dict(implementation.ran) == {("forward", "torch-ops"): 1, ("backward", "torch-ops"): 1}
+    if native.library() is None:
+        return
+    implementation.ran.clear()
+    with use_implementation("tiles"):
+        scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
+        with pytest.raises(RuntimeError, match="no allowed implementation runs this call.*do not take this forward"):
+            scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        with pytest.raises(RuntimeError, match="do not take this jvp call"):
+            torch.func.jvp(lambda q: scaled_dot_product_attention(q, k, v), (q.detach(),), (torch.ones_like(q),))
+    # the JVP's primal forward ran on the tiles before its tangent was refused
+    assert dict(implementation.ran) == {("forward", "tiles"): 2, ("backward", "tiles"): 1}
+    assert implementation.allowed() == implementation.IMPLEMENTATIONS
+    with pytest.raises(ValueError, match="one or more of"):
+        with use_implementation("flash"):
+            pass

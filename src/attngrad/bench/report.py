@@ -10,7 +10,8 @@ from .runner import BenchReport, CaseResult
 
 # ours = attngrad; default / math = PyTorch's default and math SDPA backends
 COLUMNS = ("case", "L", "ours ms", "default ms", "math ms", "vs default", "vs math",
-           "ours GFLOP/s", "% peak", "ours MiB", "default MiB", "math MiB")
+           "ours GFLOP/s", "% peak", "ours MiB", "default MiB", "math MiB", "ours ran")
+RAN_SHORT = {"tiles": "tiles", "torch-ops": "ops"}
 
 
 def _absent(result: CaseResult, impl: str) -> str:
@@ -38,6 +39,7 @@ def rows(report: BenchReport) -> list[list[str]]:
             "-" if vs_default is None else f"{vs_default:.2f}x", "-" if vs_math is None else f"{vs_math:.2f}x",
             "-" if gflops is None else f"{gflops:.0f}", "-" if gflops is None else f"{100 * gflops / report.gemm_peak_gflops:.0f}%",
             _mib(r, "attngrad"), _mib(r, "torch-default"), _mib(r, "torch-math"),
+            "+".join(dict.fromkeys(RAN_SHORT[choice] for choice in r.ran.values())) or "-",
         ])
     return out
 
@@ -49,7 +51,7 @@ def markdown(report: BenchReport) -> str:
         f"float32 GEMM peak {report.gemm_peak_gflops:.0f} GFLOP/s (2048x2048, same run). Times are medians of "
         "interleaved runs; ours = attngrad, default / math = PyTorch's default and math SDPA backends; 'vs' is our "
         "time over theirs (below 1 is faster); % peak is our GFLOP/s (FlashAttention's convention) over the GEMM "
-        "peak; MiB is peak memory beyond inputs, outputs and gradients, each case in a fresh process. Cases are "
+        "peak; MiB is peak memory beyond inputs, outputs and gradients, each case in a fresh process; 'ours ran' is the implementation of attngrad's passes (compiled tiles, torch-ops kernels). Cases are "
         "fwd+bwd unless named jvp (forward and output tangent) or double-backward (forward, backward with "
         "create_graph, backward again); 'refused' means the backend raised (PyTorch's default CPU kernel has "
         "neither forward mode nor a second derivative).",

@@ -40,6 +40,7 @@ class CaseResult:
     seconds: dict[str, float] = field(default_factory=dict)  # median per implementation
     memory: dict[str, dict[str, Any]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)  # implementation -> why
+    ran: dict[str, str] = field(default_factory=dict)  # attngrad's pass -> implementation that ran it
 
     def ratio(self, other: str) -> float | None:
         if "attngrad" in self.seconds and other in self.seconds:
@@ -71,6 +72,7 @@ class BenchReport:
                     "ratio_to_torch_math": r.ratio("torch-math"),
                     "memory": r.memory,
                     "skipped": r.skipped,
+                    "attngrad_ran": r.ran,
                 }
                 for r in self.results
             ],
@@ -101,6 +103,8 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
 ) -> BenchReport:
     """Time (and measure the memory of) every implementation on every case."""
+    from ..torch.implementation import ran  # counts what attngrad's passes ran on
+
     peak = gemm_peak_gflops()
     results = []
     for case in cases:
@@ -113,6 +117,7 @@ def run_bench(
             progress(f"{case.name} L={case.length}: timing")
         inputs = make_inputs(case)
         runs = {impl: step(impl, case) for impl in implementations}
+        ran.clear()  # what attngrad's warm-up run takes, per pass
         for impl in list(implementations):  # warm-up: first-call costs are not the steady state
             try:
                 runs[impl](inputs)
@@ -121,6 +126,7 @@ def run_bench(
                     raise  # ours must never be recorded as refused
                 implementations.remove(impl)
                 result.skipped[impl] = "refused: " + (str(error).strip().splitlines() or [type(error).__name__])[0]
+        result.ran = {pass_name: choice for pass_name, choice in sorted(ran)}
         samples: dict[str, list[float]] = {impl: [] for impl in implementations}
         for _ in range(repeats):
             for impl in implementations:  # interleaved, so drift hits all alike

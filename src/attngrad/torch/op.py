@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from . import kernels, kernels_higher, native, vmap_rules
+from .implementation import choose
 from .op_checks import check_call
 
 
@@ -49,7 +50,7 @@ def attention_forward(
     causal: Optional[int], scale: float, dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     check_call(q, k, v, mask, bias, seed, causal, dropout_p)
-    if native.supports(q, k, v, mask, bias, dropout_p):
+    if choose("forward", q, k, v, mask, bias, dropout_p) == "tiles":
         return native.attention_forward(q, k, v, causal, scale)
     return kernels.attention_forward(q, k, v, mask, bias, int(seed), causal, scale, dropout_p)
 
@@ -68,7 +69,7 @@ def attention_backward(
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad)
-    if native.supports(q, k, v, mask, bias, dropout_p):  # no bias, so no bias gradient
+    if choose("backward", q, k, v, mask, bias, dropout_p) == "tiles":  # no bias, so no bias gradient
         dq, dk, dv = native.attention_backward(dout.to(q.dtype), q, k, v, out, row_max, inv_sum, causal, scale)
         return dq, dk, dv, q.new_empty(0)
     dq, dk, dv, dbias = kernels.attention_backward(
@@ -106,6 +107,7 @@ def attention_jvp(
     tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
 ) -> Tensor:
     _check_jvp(q, k, v, mask, bias, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias)
+    choose("jvp", q, k, v, mask, bias, dropout_p)
     return kernels_higher.attention_jvp(
         q, k, v, mask, bias, int(seed), row_max, inv_sum, causal, scale, dropout_p, tq, tk, tv, tbias
     )
@@ -130,6 +132,7 @@ def attention_backward_jvp(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
                     **_second_order_sides("t", tdout, tq, tk, tv, tbias))
+    choose("backward_jvp", q, k, v, mask, bias, dropout_p)
     dq, dk, dv, dbias = kernels_higher.attention_backward_jvp(
         dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad,
         tdout, tq, tk, tv, tbias,
@@ -160,7 +163,7 @@ def attention_double_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
                     **_second_order_sides("g", None, gq, gk, gv, gbias))
-    if native.supports(q, k, v, mask, bias, dropout_p):  # no bias, so no bias gradient
+    if choose("double_backward", q, k, v, mask, bias, dropout_p) == "tiles":  # no bias, so no bias gradient
         g_dout, g_q, g_k, g_v = native.attention_double_backward(
             dout.to(q.dtype), q, k, v, out, row_max, inv_sum, causal, scale, dout_grad, gq, gk, gv
         )

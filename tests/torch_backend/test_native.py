@@ -36,11 +36,36 @@ def _diagonal(causal, len_q, len_k):
     return {"top-left": 0, "bottom-right": len_k - len_q}.get(causal, causal)
 
 
-def _at_most_one_key(causal, len_q, len_k):
+def _at_most_one_key(causal, len_q, len_k, mask=None, bias=None):
     """Whether no row sees two keys: then P is 1 or 0 everywhere whatever the scores, dQ and
     dK are 0, and both sides hold rounding noise there."""
-    keys = len_k if causal is None else min(len_k, max(0, len_q + causal))  # the last row's
-    return keys <= 1
+    allowed = torch.ones(len_q, len_k, dtype=torch.bool)
+    if causal is not None:
+        allowed = allowed.tril(causal)
+    if mask is not None:
+        allowed = allowed & mask
+    if bias is not None:
+        allowed = allowed & (bias > float("-inf"))
+    return int(allowed.sum(dim=-1).max()) <= 1
+
+
+# Which of a boolean mask and a float bias a call has, and the axes each broadcasts along
+MASKING = st.tuples(st.sampled_from(["none", "mask", "bias", "both"]),
+                    st.sampled_from([(1, 1, 0, 0), (0, 1, 0, 0), (1, 0, 1, 0), (0, 0, 0, 0), (1, 1, 1, 0)]))
+
+
+def _masks(masking, batch, heads, len_q, len_k, dtype, seed):
+    """(mask or None, bias or None) for a drawn MASKING: a mask that drops about a third of
+    the keys (some rows all of them), a bias with some -inf entries; 1 along the axes marked."""
+    kind, broadcast = masking
+    shape = tuple(1 if one else n for one, n in zip(broadcast, (batch, heads, len_q, len_k)))
+    g = torch.Generator().manual_seed(seed + 2)
+    mask = bias = None
+    if kind in ("mask", "both"):
+        mask = torch.rand(shape, generator=g) > 0.35
+    if kind in ("bias", "both"):
+        bias = torch.randn(shape, generator=g, dtype=dtype).masked_fill(torch.rand(shape, generator=g) < 0.1, float("-inf"))
+    return mask, bias
 
 
 def _inputs(batch, heads, kv_heads, len_q, len_k, dim, dim_v, dtype, seed):
@@ -57,30 +82,32 @@ def _inputs(batch, heads, kv_heads, len_q, len_k, dim, dim_v, dtype, seed):
 @given(
     batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 3),
     len_q=st.integers(1, 70), len_k=st.integers(1, 70), dim=st.sampled_from([1, 5, 16]), dim_v=st.sampled_from([3, 16]),
-    causal=CAUSAL,
+    causal=CAUSAL, masking=MASKING,
     # (rows, keys, value slice): one block, many with row tails, 16-wide vectors with tails
     blocks=st.sampled_from([(128, 512, 128), (3, 5, 2), (7, 20, 4), (16, 33, 16)]),
     chunks=st.integers(1, 4), seed=st.integers(0, 2**16),
 )
-def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal, blocks, chunks, seed):
-    """float64, every block layout and key split, every causal diagonal: the same
-    statistics, output and gradients as `kernels` to 1e-12."""
+def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal, masking, blocks,
+                                           chunks, seed):
+    """float64, every block layout and key split, every causal diagonal, a boolean mask and a
+    bias of any broadcast shape: the same statistics, output and gradients as `kernels` to 1e-12."""
     q, k, v, dout = _inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
     scale, causal = dim**-0.5, _diagonal(causal, len_q, len_k)
+    mask, bias = _masks(masking, batch, kv_heads * groups, len_q, len_k, torch.float64, seed)
     old = native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE
     native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE = blocks
     try:
-        ours = native.attention_forward(q, k, v, causal, scale)
-        grads = native.attention_backward(dout, q, k, v, *ours, causal, scale, chunks=chunks)
+        ours = native.attention_forward(q, k, v, causal, scale, mask=mask, bias=bias)
+        grads = native.attention_backward(dout, q, k, v, *ours, causal, scale, chunks=chunks, mask=mask, bias=bias)
     finally:
         native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE = old
-    theirs = kernels.attention_forward(q, k, v, None, None, 0, causal, scale, 0.0)
-    their_grads = kernels.attention_backward(dout, q, k, v, None, None, 0, *theirs, causal, scale, 0.0, False)[:3]
+    theirs = kernels.attention_forward(q, k, v, mask, bias, 0, causal, scale, 0.0)
+    their_grads = kernels.attention_backward(dout, q, k, v, mask, bias, 0, *theirs, causal, scale, 0.0, False)[:3]
     names = ("out", "row_max", "inv_sum", "dq", "dk", "dv")
     for a, b in zip((*ours, *grads), (*theirs, *their_grads)):
         assert a.shape == b.shape and a.dtype == b.dtype
     # conftest's `zeros` where no row sees two keys; floor_fraction as in the other property tests
-    zeros = {"dq", "dk"} if _at_most_one_key(causal, len_q, len_k) else set()
+    zeros = {"dq", "dk"} if _at_most_one_key(causal, len_q, len_k, mask, bias) else set()
     assert_all_close(dict(zip(names, (*ours, *grads))), dict(zip(names, (*theirs, *their_grads))), zeros=zeros,
                      floor_fraction=1e-3)
 
@@ -90,12 +117,12 @@ def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k
 @given(
     batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 3),
     len_q=st.integers(1, 50), len_k=st.integers(1, 50), dim=st.sampled_from([1, 5, 16]), dim_v=st.sampled_from([3, 16]),
-    causal=CAUSAL, rows=st.sampled_from([3, 128]), chunks=st.integers(1, 4),
+    causal=CAUSAL, masking=MASKING, rows=st.sampled_from([3, 128]), chunks=st.integers(1, 4),
     present=st.sampled_from([(1, 1, 1), (1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 0, 0)]), dout_grad=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal,
-                                                           rows, chunks, present, dout_grad, seed):
+                                                           masking, rows, chunks, present, dout_grad, seed):
     """float64, any subset of the cotangents (gQ, gK, gV), with and without g_dO, every
     block height and split of the query blocks: `kernels_higher`'s results to 1e-12."""
     q, k, v, dout = _inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
@@ -103,20 +130,21 @@ def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, grou
     gq, gk, gv = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep else None
                   for t, keep in zip((q, k, v), present))
     scale, causal = dim**-0.5, _diagonal(causal, len_q, len_k)
-    out, row_max, inv_sum = kernels.attention_forward(q, k, v, None, None, 0, causal, scale, 0.0)
+    mask, bias = _masks(masking, batch, kv_heads * groups, len_q, len_k, torch.float64, seed)
+    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, 0, causal, scale, 0.0)
     old = native.BLOCK_ROWS
     native.BLOCK_ROWS = rows
     try:
         ours = native.attention_double_backward(dout, q, k, v, out, row_max, inv_sum, causal, scale, dout_grad,
-                                                gq, gk, gv, chunks=chunks)
+                                                gq, gk, gv, chunks=chunks, mask=mask, bias=bias)
     finally:
         native.BLOCK_ROWS = old
-    theirs = kernels_higher.attention_double_backward(dout, q, k, v, None, None, 0, out, row_max, inv_sum, causal,
+    theirs = kernels_higher.attention_double_backward(dout, q, k, v, mask, bias, 0, out, row_max, inv_sum, causal,
                                                       scale, 0.0, False, dout_grad, gq, gk, gv, None)[:4]
     assert (ours[0] is None) is (not dout_grad)
     names = ("g_dout", "g_q", "g_k", "g_v")
     kept = [i for i in range(4) if theirs[i] is not None]
-    if _at_most_one_key(causal, len_q, len_k):
+    if _at_most_one_key(causal, len_q, len_k, mask, bias):
         # P is 1 or 0 whatever the scores: the backward's dQ, dK, dV do not depend on q, k, v,
         # and g_q, g_k, g_v are 0 (both sides hold rounding noise)
         for i in (1, 2, 3):
@@ -206,8 +234,9 @@ def test_what_the_tiles_take():
     q, k, v, _ = _inputs(1, 2, 2, 5, 6, 4, 4, torch.float64, 0)
     available = native.library() is not None
     assert native.supports(q, k, v, None, None, 0.0) is available
-    assert not native.supports(q, k, v, torch.ones(5, 6, dtype=torch.bool), None, 0.0)
-    assert not native.supports(q, k, v, None, torch.zeros(5, 6, dtype=torch.float64), 0.0)
+    assert native.supports(q, k, v, torch.ones(5, 6, dtype=torch.bool), None, 0.0) is available
+    assert native.supports(q, k, v, None, torch.zeros(5, 6, dtype=torch.float64), 0.0) is available
+    assert not native.supports(q, k, v, None, torch.zeros(5, 6, dtype=torch.float64), 0.0, bias_grad=True)
     assert not native.supports(q, k, v, None, None, 0.1)
     assert not native.supports(q.half(), k.half(), v.half(), None, None, 0.0)
     assert not native.supports(q, k[..., :0, :], v[..., :0, :], None, None, 0.0)
@@ -240,3 +269,34 @@ def test_use_implementation_chooses_and_counts():
     with pytest.raises(ValueError, match="one or more of"):
         with use_implementation("flash"):
             pass
+
+
+@needs_tiles
+@pytest.mark.parametrize("causal", [None, 0, -4])
+def test_tiles_skip_what_a_padding_mask_excludes(causal):
+    """Padding of a different length per sequence, on 3 x 5 tiles: whole tiles are excluded
+    (and skipped), others partly; rows of the second sequence see no key past its padding.
+    Forward, backward and double backward equal the torch-ops kernels' to 1e-12."""
+    q, k, v, dout = _inputs(2, 4, 2, 17, 23, 8, 6, torch.float64, 3)
+    keep = torch.ones(2, 1, 1, 23, dtype=torch.bool)
+    keep[0, ..., 15:] = False
+    keep[1, ..., 6:] = False
+    bias = torch.zeros(2, 1, 17, 23, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+    cotangents = [torch.randn_like(t) for t in (q, k, v)]
+    for mask, float_mask in ((keep, None), (None, bias)):
+        old = native.BLOCK_ROWS, native.BLOCK_KEYS
+        native.BLOCK_ROWS, native.BLOCK_KEYS = 3, 5
+        try:
+            ours = native.attention_forward(q, k, v, causal, 0.3, mask=mask, bias=float_mask)
+            grads = native.attention_backward(dout, q, k, v, *ours, causal, 0.3, mask=mask, bias=float_mask)
+            second = native.attention_double_backward(dout, q, k, v, *ours, causal, 0.3, True, *cotangents,
+                                                      mask=mask, bias=float_mask)
+        finally:
+            native.BLOCK_ROWS, native.BLOCK_KEYS = old
+        theirs = kernels.attention_forward(q, k, v, mask, float_mask, 0, causal, 0.3, 0.0)
+        their_grads = kernels.attention_backward(dout, q, k, v, mask, float_mask, 0, *theirs, causal, 0.3, 0.0, False)
+        their_second = kernels_higher.attention_double_backward(dout, q, k, v, mask, float_mask, 0, *theirs, causal,
+                                                                0.3, 0.0, False, True, *cotangents, None)
+        names = ("out", "row_max", "inv_sum", "dq", "dk", "dv", "g_dout", "g_q", "g_k", "g_v")
+        assert_all_close(dict(zip(names, (*ours, *grads, *second))),
+                         dict(zip(names, (*theirs, *their_grads[:3], *their_second[:4]))))

@@ -187,14 +187,24 @@ def test_the_compiled_tiles_check_their_own_sizes():
         pytest.skip(f"no compiled tiles: {native.build_info.reason}")
     q, k, v = torch.randn(1, 3, 8, 16), torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8)
     out, row_max, inv_sum = torch.empty(1, 3, 8, 8), torch.empty(1, 3, 8), torch.empty(1, 3, 8)
-    pointers, numels = native._buffers(q, k, v, out, row_max, inv_sum)
-    sizes = native._sizes(q, k, v)  # heads 3 over kv_heads 2
-    with pytest.raises(RuntimeError, match="heads mod kv_heads"):
-        native._call("attngrad_forward", 0, *pointers, sizes, numels, 0, 0, 0.25, 1, 4, 4, 4)
+
+    def forward(q, k, v, out, row_max, inv_sum, mask=None, bias=None):
+        masks, mask_sizes = native._score_masks(mask, bias, torch.float32)
+        pointers, numels = native._buffers(q, k, v, out, row_max, inv_sum, *masks)
+        native._call("attngrad_forward", 0, *pointers, native._sizes(q, k, v), numels, mask_sizes, 0, 0, 0.25, 1, 4,
+                     4, 4)
+
+    with pytest.raises(RuntimeError, match="heads mod kv_heads"):  # heads 3 over kv_heads 2
+        forward(q, k, v, out, row_max, inv_sum)
     q = torch.randn(1, 2, 8, 16)  # width 16 against k's 8: k holds half of what the sizes say
-    pointers, numels = native._buffers(q, k, v, torch.empty(1, 2, 8, 8), torch.empty(1, 2, 8), torch.empty(1, 2, 8))
+    out, row_max, inv_sum = torch.empty(1, 2, 8, 8), torch.empty(1, 2, 8), torch.empty(1, 2, 8)
     with pytest.raises(RuntimeError, match="k is 128, expected 256"):
-        native._call("attngrad_forward", 0, *pointers, native._sizes(q, k, v), numels, 0, 0, 0.25, 1, 4, 4, 4)
+        forward(q, k, v, out, row_max, inv_sum)
+    q = torch.randn(1, 2, 8, 8)
+    with pytest.raises(RuntimeError, match="mask is 3, expected 8"):  # a mask over 3 keys of 8
+        forward(q, k, v, out, row_max, inv_sum, mask=torch.ones(8, 3, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="bias is 7, expected 8"):
+        forward(q, k, v, out, row_max, inv_sum, bias=torch.ones(7, 8))
     with pytest.raises(RuntimeError, match="numel"):
         native._call("attngrad_dropout_keep_scale", 0, out.data_ptr(), out.numel() + 1, 1, 3, 0, 8, 8, 7, 1 << 31, 2.0, 1)
 

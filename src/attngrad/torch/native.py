@@ -1,6 +1,7 @@
 """The compiled tiles (`native_tiles.cpp`): the forward, backward and double backward of
-attention without a mask, bias or dropout (the causal diagonal allowed), float32 or float64,
-on the CPU; and the dropout keep-masks of `dropout`, which the torch-ops kernels use.
+attention with the causal diagonal, a boolean mask and a float bias (not its gradient), no
+dropout, float32 or float64, on the CPU; and the dropout keep-masks of `dropout`, which the
+torch-ops kernels use.
 
 The torch-ops kernels (`kernels`) run any case on any device, but each of their passes is a
 separate sweep over a score tile too large for the cache. The compiled tiles fuse those
@@ -128,9 +129,9 @@ def status() -> str:
     """One line for reports: whether the tiles run, and what their first use costs."""
     if library() is None:
         return f"compiled tiles unavailable ({build_info.reason}); torch-ops kernels throughout"
-    return (f"compiled tiles for mask-free forward, backward and double backward (first use compiles them once: "
-            f"{fresh_build_seconds():.1f} s on this machine, then cached); torch-ops kernels for masks, bias, dropout "
-            "and forward mode")
+    return (f"compiled tiles for the forward, backward and double backward with masks and a bias (first use "
+            f"compiles them once: {fresh_build_seconds():.1f} s on this machine, then cached); torch-ops kernels for a "
+            "bias gradient, dropout and forward mode")
 
 
 def _blas_symbols() -> list[int]:
@@ -169,9 +170,9 @@ def library() -> ctypes.CDLL | None:
     lib.attngrad_set_blas(*blas)
     p, i64, u64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_double
     lib.attngrad_error.restype = ctypes.c_char_p
-    lib.attngrad_forward.argtypes = [i32, *[p] * 6, p, p, i32, i64, f64, i32, i64, i64, i64]
-    lib.attngrad_backward.argtypes = [i32, *[p] * 11, p, p, i32, i64, f64, i32, i64, i64, i64]
-    lib.attngrad_double_backward.argtypes = [i32, *[p] * 15, p, p, i32, i64, f64, i32, i64, i64]
+    lib.attngrad_forward.argtypes = [i32, *[p] * 8, p, p, p, i32, i64, f64, i32, i64, i64, i64]
+    lib.attngrad_backward.argtypes = [i32, *[p] * 13, p, p, p, i32, i64, f64, i32, i64, i64, i64]
+    lib.attngrad_double_backward.argtypes = [i32, *[p] * 17, p, p, p, i32, i64, f64, i32, i64, i64]
     lib.attngrad_dropout_keep_scale.argtypes = [i32, p, i64, i64, i64, i64, i64, i64, u64, u64, f64, i32]
     return lib
 
@@ -184,11 +185,13 @@ def _call(name: str, *args) -> None:
         raise RuntimeError(f"attngrad's compiled tiles refused a call: {lib.attngrad_error().decode()}")
 
 
-def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, dropout_p: float) -> bool:
-    """Whether the tiles run this call: no mask, bias or dropout; CPU; one float32 or float64
-    dtype; no empty axis."""
+def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, dropout_p: float,
+             bias_grad: bool = False) -> bool:
+    """Whether the tiles run this call: no dropout, no bias gradient; CPU; one float32 or
+    float64 dtype; no empty axis. A mask and a bias (broadcastable, any float dtype) may be given."""
     return (
-        mask is None and bias is None and dropout_p == 0.0
+        dropout_p == 0.0 and not bias_grad
+        and all(t is None or t.device.type == "cpu" for t in (mask, bias))
         and q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
         and q.dtype in (torch.float32, torch.float64) and k.dtype == q.dtype and v.dtype == q.dtype
         and min(q.shape) > 0 and min(k.shape) > 0 and min(v.shape) > 0
@@ -214,15 +217,32 @@ def _causal(causal: int | None) -> tuple[bool, int]:
     return causal is not None, 0 if causal is None else int(causal)
 
 
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def _score_masks(mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype) -> tuple[list, ctypes.Array]:
+    """[mask, bias] as the entry points take them, each 4-D and contiguous in its own
+    (broadcast) sizes, the bias in the compute dtype (None where absent), and their sizes."""
+    masks, sizes = [], []
+    for t, kind in ((mask, torch.bool), (bias, dtype)):
+        if t is None:
+            masks.append(None)
+            sizes += [1, 1, 1, 1]
+        else:
+            t = t[(None,) * (4 - t.dim())].to(kind).contiguous()
+            masks.append(t)
+            sizes += list(t.shape)
+    return masks, (ctypes.c_int64 * 8)(*sizes)
+
+
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float,
+                      mask: Tensor | None = None, bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, H, Lq, dv), row max m, inverse row sum 1/l (B, H, Lq)): `kernels.attention_forward`'s results."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     batch, heads, len_q, _ = q.shape
     out = q.new_empty(batch, heads, len_q, v.shape[-1])
     row_max, inv_sum = q.new_empty(batch, heads, len_q), q.new_empty(batch, heads, len_q)
-    pointers, numels = _buffers(q, k, v, out, row_max, inv_sum)
-    _call("attngrad_forward", q.dtype == torch.float64, *pointers, _sizes(q, k, v), numels, *_causal(causal), scale,
-          torch.get_num_threads(), BLOCK_ROWS, BLOCK_KEYS, VALUE_SLICE)
+    masks, mask_sizes = _score_masks(mask, bias, q.dtype)
+    pointers, numels = _buffers(q, k, v, out, row_max, inv_sum, *masks)
+    _call("attngrad_forward", q.dtype == torch.float64, *pointers, _sizes(q, k, v), numels, mask_sizes,
+          *_causal(causal), scale, torch.get_num_threads(), BLOCK_ROWS, BLOCK_KEYS, VALUE_SLICE)
     return out, row_max, inv_sum
 
 
@@ -253,7 +273,7 @@ def _sum_parts(parts: Tensor) -> Tensor:
 
 def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
-    causal: int | None, scale: float, chunks: int | None = None,
+    causal: int | None, scale: float, chunks: int | None = None, mask: Tensor | None = None, bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv): `kernels.attention_backward`'s results for the cases `supports` accepts.
     `chunks` splits each head's keys into that many work items (default: `_chunks`)."""
@@ -264,9 +284,10 @@ def attention_backward(
     dq_parts = q.new_zeros(chunks, *q.shape)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     delta = q.new_empty(q.shape[:-1])
-    pointers, numels = _buffers(dout, q, k, v, out, row_max, inv_sum, delta, dq_parts, dk, dv)
-    _call("attngrad_backward", q.dtype == torch.float64, *pointers, _sizes(q, k, v), numels, *_causal(causal), scale,
-          torch.get_num_threads(), BLOCK_ROWS, BLOCK_KEYS, chunks)
+    masks, mask_sizes = _score_masks(mask, bias, q.dtype)
+    pointers, numels = _buffers(dout, q, k, v, out, row_max, inv_sum, delta, dq_parts, dk, dv, *masks)
+    _call("attngrad_backward", q.dtype == torch.float64, *pointers, _sizes(q, k, v), numels, mask_sizes,
+          *_causal(causal), scale, torch.get_num_threads(), BLOCK_ROWS, BLOCK_KEYS, chunks)
     return _sum_parts(dq_parts), dk, dv
 
 
@@ -279,7 +300,7 @@ def _rows_per_block(len_k: int) -> int:
 def attention_double_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
     causal: int | None, scale: float, dout_grad: bool, gq: Tensor | None, gk: Tensor | None, gv: Tensor | None,
-    chunks: int | None = None,
+    chunks: int | None = None, mask: Tensor | None = None, bias: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:
     """(g_dout or None, g_q, g_k, g_v): `kernels_higher.attention_double_backward`'s results
     for the cases `supports` accepts; an absent cotangent is zero. `chunks` splits each
@@ -294,9 +315,11 @@ def attention_double_backward(
     g_q = torch.empty_like(q)
     gk_parts, gv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
     delta = q.new_empty(q.shape[:-1])
-    pointers, numels = _buffers(dout, q, k, v, out, row_max, inv_sum, gq, gk, gv, delta, g_dout, g_q, gk_parts, gv_parts)
-    _call("attngrad_double_backward", q.dtype == torch.float64, *pointers, _sizes(q, k, v), numels, *_causal(causal),
-          scale, torch.get_num_threads(), rows, chunks)
+    masks, mask_sizes = _score_masks(mask, bias, q.dtype)
+    pointers, numels = _buffers(dout, q, k, v, out, row_max, inv_sum, gq, gk, gv, delta, g_dout, g_q, gk_parts, gv_parts,
+                                *masks)
+    _call("attngrad_double_backward", q.dtype == torch.float64, *pointers, _sizes(q, k, v), numels, mask_sizes,
+          *_causal(causal), scale, torch.get_num_threads(), rows, chunks)
     return g_dout, g_q, _sum_parts(gk_parts), _sum_parts(gv_parts)
 
 

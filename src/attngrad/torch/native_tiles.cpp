@@ -1,5 +1,6 @@
 // attngrad's compiled tiles: the forward, backward and double backward of exact attention,
-// with no mask or the causal mask, no bias and no dropout, in the manner of
+// with the causal diagonal, a boolean mask and a float bias (without its gradient), no
+// dropout, in the manner of
 // FlashAttention-2 (Dao, 2023) on per-thread tiles small enough to stay in a core's cache;
 // and the dropout keep-masks of the counter-based generator in `dropout.py`.
 //
@@ -333,6 +334,138 @@ struct Causal {
     }
 };
 
+// A (b, h, i, j) tensor, contiguous in its own sizes, each of which is 1 or the scores' own
+// (B, H, Lq, Lk): element strides, 0 along the axes it broadcasts along.
+struct Broadcast4 {
+    index_t sb = 0, sh = 0, si = 0, sj = 0;
+    explicit Broadcast4(const int64_t* sizes = nullptr) {
+        if (!sizes) return;
+        const index_t sj1 = 1, si1 = sizes[3], sh1 = sizes[2] * si1, sb1 = sizes[1] * sh1;
+        sb = sizes[0] == 1 ? 0 : sb1;
+        sh = sizes[1] == 1 ? 0 : sh1;
+        si = sizes[2] == 1 ? 0 : si1;
+        sj = sizes[3] == 1 ? 0 : sj1;
+    }
+    index_t row(index_t b, index_t h, index_t i) const { return b * sb + h * sh + i * si; }
+};
+
+// A boolean mask (nonzero = take part) and an additive float bias, each optional, as the
+// torch-ops kernels' `_scores` applies them: S = scale Q K^T + bias, excluded entries -inf.
+template <typename T>
+struct ScoreMask {
+    const uint8_t* mask = nullptr;
+    Broadcast4 m;
+    const T* bias = nullptr;
+    Broadcast4 bb;
+
+    bool any() const { return mask || bias; }
+
+    // Scores s[0, n) of row i of head (b, h), keys c0..c0 + n
+    void apply(T* s, index_t b, index_t h, index_t i, index_t c0, index_t n) const {
+        constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+        if (bias) {
+            const T* row = bias + bb.row(b, h, i) + c0 * bb.sj;
+            if (bb.sj == 1) {  // a column per key: a loop the compiler vectorises
+                for (index_t j = 0; j < n; ++j) s[j] += row[j];
+            } else {
+                for (index_t j = 0; j < n; ++j) s[j] += row[0];
+            }
+        }
+        if (mask) {
+            const uint8_t* row = mask + m.row(b, h, i) + c0 * m.sj;
+            if (m.sj == 1) {
+                for (index_t j = 0; j < n; ++j) s[j] = row[j] ? s[j] : neg_inf;
+            } else if (!row[0]) {
+                std::fill(s, s + n, neg_inf);
+            }
+        }
+    }
+
+    // Whether key j of row i of head (b, h) takes part (a bias of -inf excludes it too)
+    bool takes_part(index_t b, index_t h, index_t i, index_t j) const {
+        return (!mask || mask[m.row(b, h, i) + j * m.sj]) &&
+               (!bias || bias[bb.row(b, h, i) + j * bb.sj] != -std::numeric_limits<T>::infinity());
+    }
+
+    // How many of keys 0..n of row i of head (b, h) take part
+    index_t count(index_t b, index_t h, index_t i, index_t n) const {
+        const uint8_t* mrow = mask ? mask + m.row(b, h, i) : nullptr;
+        const T* brow = bias ? bias + bb.row(b, h, i) : nullptr;
+        index_t total = 0;
+        for (index_t j = 0; j < n; ++j) {
+            total += (!mrow || mrow[j * m.sj]) && (!brow || brow[j * bb.sj] != -std::numeric_limits<T>::infinity());
+        }
+        return total;
+    }
+};
+
+// Keys each row (b, h, i) may see, for telling the rows that see exactly one: the causal
+// diagonal alone gives it directly; with a mask or bias, a pass over them counts (B H Lq
+// counts, O(B H Lq Lk) reads of the mask, once per backward pass).
+template <typename T>
+class RowKeys {
+   public:
+    RowKeys(const ScoreMask<T>& masks, Causal causal, const Shape& s, int threads) : causal_(causal), len_k_(s.len_k),
+                                                                                   len_q_(s.len_q) {
+        if (!masks.any()) return;
+        counts_.resize(s.batch * s.heads * s.len_q);
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (index_t r = 0; r < s.batch * s.heads * s.len_q; ++r) {
+            const index_t bh = r / s.len_q, i = r % s.len_q;
+            counts_[r] = masks.count(bh / s.heads, bh % s.heads, i, causal.visible(i, 0, s.len_k));
+        }
+    }
+    // Keys row i of flat head bh (b H + h) may see
+    index_t operator()(index_t bh, index_t i) const {
+        return counts_.empty() ? causal_.visible(i, 0, len_k_) : counts_[bh * len_q_ + i];
+    }
+
+   private:
+    Causal causal_;
+    index_t len_k_, len_q_;
+    std::vector<index_t> counts_;
+};
+
+// Which (query block, key block) tiles a mask or bias excludes entirely, so that the passes
+// skip them (padding: a quarter of the keys excluded is a quarter of the work saved). Kept
+// per (b, h) only along the axes the mask or bias varies on; a scan that stops at the first
+// key that takes part, so it reads a whole tile only where the tile is excluded.
+template <typename T>
+class BlockSkips {
+   public:
+    BlockSkips(const ScoreMask<T>& masks, const Shape& s, index_t block_rows, index_t block_keys, int threads)
+        : query_blocks_((s.len_q + block_rows - 1) / block_rows), key_blocks_((s.len_k + block_keys - 1) / block_keys) {
+        if (!masks.any()) return;
+        per_b_ = (masks.mask && masks.m.sb) || (masks.bias && masks.bb.sb);
+        heads_ = (masks.mask && masks.m.sh) || (masks.bias && masks.bb.sh) ? s.heads : 1;
+        const index_t tiles = (per_b_ ? s.batch : 1) * heads_ * query_blocks_ * key_blocks_;
+        skip_.assign(tiles, 0);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (index_t tile = 0; tile < tiles; ++tile) {
+            const index_t kb = tile % key_blocks_, qb = tile / key_blocks_ % query_blocks_;
+            const index_t bh = tile / key_blocks_ / query_blocks_, b = bh / heads_, h = bh % heads_;
+            const index_t r1 = std::min(s.len_q, (qb + 1) * block_rows), c1 = std::min(s.len_k, (kb + 1) * block_keys);
+            bool excluded = true;
+            for (index_t i = qb * block_rows; i < r1 && excluded; ++i) {
+                for (index_t j = kb * block_keys; j < c1 && excluded; ++j) excluded = !masks.takes_part(b, h, i, j);
+            }
+            skip_[tile] = excluded;
+        }
+    }
+
+    // Whether tile (qb, kb) of head (b, h) is excluded entirely
+    bool operator()(index_t b, index_t h, index_t qb, index_t kb) const {
+        if (skip_.empty()) return false;
+        const index_t bh = (per_b_ ? b : 0) * heads_ + (heads_ > 1 ? h : 0);
+        return skip_[(bh * query_blocks_ + qb) * key_blocks_ + kb];
+    }
+
+   private:
+    index_t query_blocks_, key_blocks_, heads_ = 1;
+    bool per_b_ = false;
+    std::vector<uint8_t> skip_;
+};
+
 // A work item of the backward passes: chunk `chunk` of key/value head bhk = b Hkv + hk, in
 // chunk-major order (in the backward's causal pass the first key chunks, seen by the most
 // rows, are the heaviest and so go first).
@@ -346,12 +479,14 @@ inline KvItem kv_item(index_t item, index_t bhk_count, index_t kv_heads) {
 }
 
 template <typename T>
-void forward(const T* q, const T* k, const T* v, T* out, T* row_max, T* inv_sum, const Shape& s, Causal causal, T scale,
-             int threads, index_t block_rows, index_t block_keys, index_t value_slice) {
+void forward(const T* q, const T* k, const T* v, T* out, T* row_max, T* inv_sum, const Shape& s, Causal causal,
+             const ScoreMask<T>& masks, T scale, int threads, index_t block_rows, index_t block_keys,
+             index_t value_slice) {
     const index_t group = s.heads / s.kv_heads;
     const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
     const index_t bh_count = s.batch * s.heads;
     const T neg_inf = -std::numeric_limits<T>::infinity();
+    const BlockSkips<T> skips(masks, s, block_rows, block_keys, threads);
 #pragma omp parallel num_threads(threads)
     {
         SingleThreadedBlas blas_guard;
@@ -370,6 +505,7 @@ void forward(const T* q, const T* k, const T* v, T* out, T* row_max, T* inv_sum,
             std::fill(l.begin(), l.end(), T(0));
             std::fill(acc.begin(), acc.end(), T(0));
             for (index_t c0 = 0; c0 < keys; c0 += block_keys) {
+                if (skips(b, h, qb, c0 / block_keys)) continue;  // every score of the tile excluded
                 const index_t cols = std::min(block_keys, keys - c0);
                 // forward: S = scale Q_blk K_blk^T
                 gemm<T>(false, true, rows, cols, s.dim, scale, q_blk, s.dim, k_head + c0 * s.dim, s.dim, T(0),
@@ -377,9 +513,11 @@ void forward(const T* q, const T* k, const T* v, T* out, T* row_max, T* inv_sum,
                 for (index_t i = 0; i < rows; ++i) {
                     T* row = scores.data() + i * cols;
                     const index_t seen = causal.visible(r0 + i, c0, cols);
+                    if (masks.any()) masks.apply(row, b, h, r0 + i, c0, seen);  // S += bias, excluded -inf
                     const T m_new = std::max(m[i], max_of(row, seen));
-                    const T sum = seen > 0 ? exp_and_sum(row, seen, m_new) : T(0);  // E = exp(S - m')
-                    std::fill(row + seen, row + cols, T(0));  // keys in the row's future
+                    // E = exp(S - m'); a row that has seen no key so far keeps E = 0
+                    const T sum = m_new != neg_inf ? exp_and_sum(row, seen, m_new) : T(0);
+                    std::fill(row + (m_new != neg_inf ? seen : 0), row + cols, T(0));  // the row's future
                     if (m_new != m[i]) {  // rescale what earlier key blocks summed
                         const T correction = m[i] == neg_inf ? T(0) : exp_score(m[i] - m_new);
                         l[i] *= correction;
@@ -425,11 +563,13 @@ void row_dots(const T* a, const T* b, T* delta, index_t rows, index_t width, int
 
 template <typename T>
 void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, const T* row_max, const T* inv_sum,
-              T* delta, T* dq_parts, T* dk, T* dv, const Shape& s, Causal causal, T scale, int threads,
-              index_t block_rows, index_t block_keys, index_t chunks) {
+              T* delta, T* dq_parts, T* dk, T* dv, const Shape& s, Causal causal, const ScoreMask<T>& masks,
+              T scale, int threads, index_t block_rows, index_t block_keys, index_t chunks) {
     const index_t group = s.heads / s.kv_heads;
     const index_t rows_total = s.batch * s.heads * s.len_q;
     row_dots(dout, out, delta, rows_total, s.dim_v, threads);  // D = rowsum(dO * O)
+    const RowKeys<T> row_keys_of(masks, causal, s, threads);
+    const BlockSkips<T> skips(masks, s, block_rows, block_keys, threads);
     const index_t key_blocks = (s.len_k + block_keys - 1) / block_keys;
     const index_t bhk_count = s.batch * s.kv_heads;
 #pragma omp parallel num_threads(threads)
@@ -454,6 +594,7 @@ void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, c
                     // causal: rows before c0 - offset see none of these keys
                     const index_t first_row = causal.on ? std::max<index_t>(0, c0 - causal.offset) : 0;
                     for (index_t r0 = first_row / block_rows * block_rows; r0 < s.len_q; r0 += block_rows) {
+                        if (skips(b, h, r0 / block_rows, kb)) continue;  // every score of the tile excluded
                         const index_t rows = std::min(block_rows, s.len_q - r0), first = bh * s.len_q + r0;
                         // forward: S = scale Q K_blk^T;  backward: dP = dO V_blk^T
                         gemm<T>(false, true, rows, cols, s.dim, scale, q + first * s.dim, s.dim, k_blk, s.dim, T(0),
@@ -464,9 +605,10 @@ void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, c
                             T* p = probs.data() + i * cols;
                             T* ds = dscores.data() + i * cols;
                             const index_t seen = causal.visible(r0 + i, c0, cols);
-                            const index_t row_keys = causal.visible(r0 + i, 0, s.len_k);
+                            const index_t row_keys = row_keys_of(bh, r0 + i);
                             const T m = row_max[first + i], inv = inv_sum[first + i];
-                            if (c0 == 0 && row_keys <= cols) {
+                            if (masks.any()) masks.apply(p, b, h, r0 + i, c0, seen);
+                            if (c0 == 0 && causal.visible(r0 + i, 0, s.len_k) <= cols) {
                                 // every key of the row is in this block: D = rowsum(P dP) from
                                 // the very dP it is subtracted from, whose rounding then cancels
                                 // (rowsum(dO O) carries O's; few-key rows showed it in float32)
@@ -475,9 +617,11 @@ void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, c
                             } else {
                                 probs_and_score_grad(p, ds, seen, m, inv, delta[first + i]);
                             }
-                            if (seen == 1 && row_keys == 1) {  // the row's one key
-                                p[0] = T(1);
-                                ds[0] = T(0);
+                            if (row_keys == 1) {  // the row's one key, if in this block: P = 1, dS = 0
+                                for (index_t j = 0; j < seen; ++j) {
+                                    p[j] = p[j] > T(0) ? T(1) : T(0);
+                                    ds[j] = T(0);
+                                }
                             }
                             std::fill(p + seen, p + cols, T(0));
                             std::fill(ds + seen, ds + cols, T(0));
@@ -509,11 +653,12 @@ void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, c
 template <typename T>
 void double_backward(const T* dout, const T* q, const T* k, const T* v, const T* out, const T* row_max,
                      const T* inv_sum, const T* gq, const T* gk, const T* gv, T* delta, T* g_dout, T* g_q,
-                     T* gk_parts, T* gv_parts, const Shape& s, Causal causal, T scale, int threads,
-                     index_t block_rows, index_t chunks) {
+                     T* gk_parts, T* gv_parts, const Shape& s, Causal causal, const ScoreMask<T>& masks,
+                     T scale, int threads, index_t block_rows, index_t chunks) {
     const index_t group = s.heads / s.kv_heads;
     const index_t rows_total = s.batch * s.heads * s.len_q;
     row_dots(dout, out, delta, rows_total, s.dim_v, threads);  // D = rowsum(dO * O)
+    const RowKeys<T> row_keys_of(masks, causal, s, threads);
     const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
     const index_t bhk_count = s.batch * s.kv_heads;
     const index_t kv_size = bhk_count * s.len_k;
@@ -567,12 +712,16 @@ void double_backward(const T* dout, const T* q, const T* k, const T* v, const T*
                         T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
                         const index_t seen = causal.visible(r0 + i, 0, keys);
                         const T m = row_max[first + i], inv = inv_sum[first + i];
+                        if (masks.any()) masks.apply(pi, b, h, r0 + i, 0, seen);
                         T d_row = delta[first + i];
                         T t_sum = probs_and_dot(pi, ti, seen, m, inv);  // P, t = rowsum(P * T)
-                        if (seen == 1) {  // the row's one key: P = 1, and so t = T, D = dP exactly
-                            pi[0] = T(1);
-                            t_sum = ti[0];
-                            d_row = dpi[0];
+                        if (row_keys_of(bh, r0 + i) == 1) {  // the row's one key: P = 1, so t = T, D = dP exactly
+                            t_sum = d_row = T(0);
+                            for (index_t j = 0; j < seen; ++j) {
+                                pi[j] = pi[j] > T(0) ? T(1) : T(0);
+                                t_sum += pi[j] * ti[j];
+                                d_row += pi[j] * dpi[j];
+                            }
                         }
                         const T u_sum = second_order_terms(pi, ti, dpi, xi, seen, t_sum, d_row);
                         centre_and_scale(pi, xi, seen, u_sum);  // g_S = P (g_P - u)
@@ -664,6 +813,31 @@ bool check_numels(const char* what, const int64_t* numels, const int64_t* want, 
     return true;
 }
 
+// A mask or bias: null, or sizes (b, h, i, j), each 1 or the scores' (B, H, Lq, Lk), with
+// their product as its element count
+bool check_broadcast(const char* what, const char* name, const Shape& s, const void* data, const int64_t* sizes,
+                     int64_t numel) {
+    if (!data) return numel == 0 || fail(what, name, numel, 0);
+    const int64_t full[4] = {s.batch, s.heads, s.len_q, s.len_k};
+    int64_t product = 1;
+    for (int d = 0; d < 4; ++d) {
+        if (sizes[d] != 1 && sizes[d] != full[d]) return fail(what, name, sizes[d], full[d]);
+        product *= sizes[d];
+    }
+    return numel == product || fail(what, name, numel, product);
+}
+
+template <typename T>
+ScoreMask<T> score_mask(const void* mask, const void* bias, const int64_t* mask_sizes) {
+    ScoreMask<T> masks;
+    if (mask) masks = {static_cast<const uint8_t*>(mask), Broadcast4(mask_sizes), nullptr, Broadcast4()};
+    if (bias) {
+        masks.bias = static_cast<const T*>(bias);
+        masks.bb = Broadcast4(mask_sizes + 4);
+    }
+    return masks;
+}
+
 }  // namespace
 
 extern "C" {
@@ -679,12 +853,15 @@ void attngrad_set_blas(void* sgemm, void* dgemm, void* local_threads) {
 }
 
 // `sizes`: batch, heads, kv_heads, len_q, len_k, dim, dim_v. `numels`: the element count of
-// each buffer, in argument order. `double_precision` picks the element type of every
+// each buffer, in argument order (0 for a null one). `mask` (bytes, nonzero = take part) and
+// `bias` (the element type) may be null; `mask_sizes` holds the mask's (b, h, i, j) sizes,
+// then the bias's, each 1 or the scores' own, each tensor contiguous in its own sizes. `double_precision` picks the element type of every
 // pointer; `causal` turns on the diagonal j <= i + causal_offset. Returns 0, or nonzero
 // without touching a buffer when a size does not fit.
 int attngrad_forward(int double_precision, const void* q, const void* k, const void* v, void* out, void* row_max,
-                     void* inv_sum, const int64_t* sizes, const int64_t* numels, int causal, int64_t causal_offset,
-                     double scale, int threads, int64_t block_rows, int64_t block_keys, int64_t value_slice) {
+                     void* inv_sum, const void* mask, const void* bias, const int64_t* sizes, const int64_t* numels,
+                     const int64_t* mask_sizes, int causal, int64_t causal_offset, double scale, int threads,
+                     int64_t block_rows, int64_t block_keys, int64_t value_slice) {
     const Shape s{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6]};
     const char* what = "attngrad_forward";
     if (!check_shape(what, s, threads, block_rows, 1)) return 1;
@@ -694,15 +871,19 @@ int attngrad_forward(int double_precision, const void* q, const void* k, const v
     const int64_t want[6] = {rows * s.dim, kv * s.dim, kv * s.dim_v, rows * s.dim_v, rows, rows};
     const char* const names[6] = {"q", "k", "v", "out", "row_max", "inv_sum"};
     if (!check_numels(what, numels, want, names, 6)) return 1;
+    if (!check_broadcast(what, "mask", s, mask, mask_sizes, numels[6])) return 1;
+    if (!check_broadcast(what, "bias", s, bias, mask_sizes + 4, numels[7])) return 1;
     const Causal c{causal != 0, causal_offset};
     if (double_precision) {
         forward<double>(static_cast<const double*>(q), static_cast<const double*>(k), static_cast<const double*>(v),
                         static_cast<double*>(out), static_cast<double*>(row_max), static_cast<double*>(inv_sum), s, c,
-                        scale, threads, block_rows, block_keys, value_slice);
+                        score_mask<double>(mask, bias, mask_sizes), scale, threads, block_rows, block_keys,
+                        value_slice);
     } else {
         forward<float>(static_cast<const float*>(q), static_cast<const float*>(k), static_cast<const float*>(v),
                        static_cast<float*>(out), static_cast<float*>(row_max), static_cast<float*>(inv_sum), s, c,
-                       static_cast<float>(scale), threads, block_rows, block_keys, value_slice);
+                       score_mask<float>(mask, bias, mask_sizes), static_cast<float>(scale), threads, block_rows,
+                       block_keys, value_slice);
     }
     return 0;
 }
@@ -711,8 +892,9 @@ int attngrad_forward(int double_precision, const void* q, const void* k, const v
 // blocks; dk and dv are zeroed; delta is (B, H, Lq) scratch.
 int attngrad_backward(int double_precision, const void* dout, const void* q, const void* k, const void* v,
                       const void* out, const void* row_max, const void* inv_sum, void* delta, void* dq_parts, void* dk,
-                      void* dv, const int64_t* sizes, const int64_t* numels, int causal, int64_t causal_offset,
-                      double scale, int threads, int64_t block_rows, int64_t block_keys, int64_t chunks) {
+                      void* dv, const void* mask, const void* bias, const int64_t* sizes, const int64_t* numels,
+                      const int64_t* mask_sizes, int causal, int64_t causal_offset, double scale, int threads,
+                      int64_t block_rows, int64_t block_keys, int64_t chunks) {
     const Shape s{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6]};
     const char* what = "attngrad_backward";
     if (!check_shape(what, s, threads, block_rows, chunks)) return 1;
@@ -722,20 +904,23 @@ int attngrad_backward(int double_precision, const void* dout, const void* q, con
                               rows, chunks * rows * s.dim, kv * s.dim, kv * s.dim_v};
     const char* const names[11] = {"dout", "q", "k", "v", "out", "row_max", "inv_sum", "delta", "dq_parts", "dk", "dv"};
     if (!check_numels(what, numels, want, names, 11)) return 1;
+    if (!check_broadcast(what, "mask", s, mask, mask_sizes, numels[11])) return 1;
+    if (!check_broadcast(what, "bias", s, bias, mask_sizes + 4, numels[12])) return 1;
     const Causal c{causal != 0, causal_offset};
     if (double_precision) {
         using T = double;
         backward<T>(static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k),
                     static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(row_max),
                     static_cast<const T*>(inv_sum), static_cast<T*>(delta), static_cast<T*>(dq_parts),
-                    static_cast<T*>(dk), static_cast<T*>(dv), s, c, scale, threads, block_rows, block_keys, chunks);
+                    static_cast<T*>(dk), static_cast<T*>(dv), s, c, score_mask<T>(mask, bias, mask_sizes), scale,
+                    threads, block_rows, block_keys, chunks);
     } else {
         using T = float;
         backward<T>(static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k),
                     static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(row_max),
                     static_cast<const T*>(inv_sum), static_cast<T*>(delta), static_cast<T*>(dq_parts),
-                    static_cast<T*>(dk), static_cast<T*>(dv), s, c, static_cast<T>(scale), threads, block_rows,
-                    block_keys, chunks);
+                    static_cast<T*>(dk), static_cast<T*>(dv), s, c, score_mask<T>(mask, bias, mask_sizes),
+                    static_cast<T>(scale), threads, block_rows, block_keys, chunks);
     }
     return 0;
 }
@@ -745,8 +930,9 @@ int attngrad_backward(int double_precision, const void* dout, const void* q, con
 int attngrad_double_backward(int double_precision, const void* dout, const void* q, const void* k, const void* v,
                              const void* out, const void* row_max, const void* inv_sum, const void* gq, const void* gk,
                              const void* gv, void* delta, void* g_dout, void* g_q, void* gk_parts, void* gv_parts,
-                             const int64_t* sizes, const int64_t* numels, int causal, int64_t causal_offset,
-                             double scale, int threads, int64_t block_rows, int64_t chunks) {
+                             const void* mask, const void* bias, const int64_t* sizes, const int64_t* numels,
+                             const int64_t* mask_sizes, int causal, int64_t causal_offset, double scale, int threads,
+                             int64_t block_rows, int64_t chunks) {
     const Shape s{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6]};
     const char* what = "attngrad_double_backward";
     if (!check_shape(what, s, threads, block_rows, chunks)) return 1;
@@ -757,6 +943,8 @@ int attngrad_double_backward(int double_precision, const void* dout, const void*
     const char* const names[15] = {"dout", "q", "k", "v", "out", "row_max", "inv_sum", "gq", "gk", "gv", "delta",
                                    "g_dout", "g_q", "gk_parts", "gv_parts"};
     if (!check_numels(what, numels, want, names, 15)) return 1;
+    if (!check_broadcast(what, "mask", s, mask, mask_sizes, numels[15])) return 1;
+    if (!check_broadcast(what, "bias", s, bias, mask_sizes + 4, numels[16])) return 1;
     const Causal c{causal != 0, causal_offset};
     if (double_precision) {
         using T = double;
@@ -764,8 +952,8 @@ int attngrad_double_backward(int double_precision, const void* dout, const void*
                            static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(row_max),
                            static_cast<const T*>(inv_sum), static_cast<const T*>(gq), static_cast<const T*>(gk),
                            static_cast<const T*>(gv), static_cast<T*>(delta), static_cast<T*>(g_dout),
-                           static_cast<T*>(g_q), static_cast<T*>(gk_parts), static_cast<T*>(gv_parts), s, c, scale,
-                           threads, block_rows, chunks);
+                           static_cast<T*>(g_q), static_cast<T*>(gk_parts), static_cast<T*>(gv_parts), s, c,
+                           score_mask<T>(mask, bias, mask_sizes), scale, threads, block_rows, chunks);
     } else {
         using T = float;
         double_backward<T>(static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k),
@@ -773,7 +961,7 @@ int attngrad_double_backward(int double_precision, const void* dout, const void*
                            static_cast<const T*>(inv_sum), static_cast<const T*>(gq), static_cast<const T*>(gk),
                            static_cast<const T*>(gv), static_cast<T*>(delta), static_cast<T*>(g_dout),
                            static_cast<T*>(g_q), static_cast<T*>(gk_parts), static_cast<T*>(gv_parts), s, c,
-                           static_cast<T>(scale), threads, block_rows, chunks);
+                           score_mask<T>(mask, bias, mask_sizes), static_cast<T>(scale), threads, block_rows, chunks);
     }
     return 0;
 }

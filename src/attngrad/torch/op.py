@@ -51,7 +51,7 @@ def attention_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     check_call(q, k, v, mask, bias, seed, causal, dropout_p)
     if choose("forward", q, k, v, mask, bias, dropout_p) == "tiles":
-        return native.attention_forward(q, k, v, causal, scale)
+        return native.attention_forward(q, k, v, causal, scale, mask=mask, bias=bias)
     return kernels.attention_forward(q, k, v, mask, bias, int(seed), causal, scale, dropout_p)
 
 
@@ -69,8 +69,9 @@ def attention_backward(
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad)
-    if choose("backward", q, k, v, mask, bias, dropout_p) == "tiles":  # no bias, so no bias gradient
-        dq, dk, dv = native.attention_backward(dout.to(q.dtype), q, k, v, out, row_max, inv_sum, causal, scale)
+    if choose("backward", q, k, v, mask, bias, dropout_p, bias_grad) == "tiles":  # no bias gradient
+        dq, dk, dv = native.attention_backward(dout.to(q.dtype), q, k, v, out, row_max, inv_sum, causal, scale,
+                                               mask=mask, bias=bias)
         return dq, dk, dv, q.new_empty(0)
     dq, dk, dv, dbias = kernels.attention_backward(
         dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad
@@ -163,9 +164,9 @@ def attention_double_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
                     **_second_order_sides("g", None, gq, gk, gv, gbias))
-    if choose("double_backward", q, k, v, mask, bias, dropout_p) == "tiles":  # no bias, so no bias gradient
+    if choose("double_backward", q, k, v, mask, bias, dropout_p, bias_grad) == "tiles":  # no bias gradient
         g_dout, g_q, g_k, g_v = native.attention_double_backward(
-            dout.to(q.dtype), q, k, v, out, row_max, inv_sum, causal, scale, dout_grad, gq, gk, gv
+            dout.to(q.dtype), q, k, v, out, row_max, inv_sum, causal, scale, dout_grad, gq, gk, gv, mask=mask, bias=bias
         )
         return _maybe_empty(g_dout, q), g_q, g_k, g_v, q.new_empty(0)
     g_dout, g_q, g_k, g_v, g_bias = kernels_higher.attention_double_backward(

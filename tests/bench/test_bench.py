@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attngrad.bench.cases import IMPLEMENTATIONS, MODES, BenchCase, default_cases, make_inputs, step  # noqa: E402
+from attngrad.bench.cases import IMPLEMENTATIONS, MODES, BenchCase, _attention, default_cases, make_inputs, step  # noqa: E402
 from attngrad.bench.memory import measure  # noqa: E402
 from attngrad.bench.report import COLUMNS, markdown, rows, write  # noqa: E402
 from attngrad.bench.runner import BenchReport, CaseResult, machine_facts  # noqa: E402
@@ -18,12 +18,15 @@ def test_flop_convention():
     case = BenchCase(1024)
     assert case.flops == 3.5 * 4 * 1 * 8 * 1024 * 1024 * 64
     assert BenchCase(1024, causal=True).flops == case.flops / 2
-    assert [c.name for c in default_cases((64,))] == ["full", "causal", "full+bias-grad", "causal+bias-grad", "full+dropout0.1"]
+    assert [c.name for c in default_cases((64,))] == ["full", "causal", "full+bias-grad", "causal+bias-grad",
+                                                      "full+padding", "full+float-mask", "full+dropout0.1"]
     assert [c.name for c in default_cases((64,), ("jvp", "double-backward"))] == [
         "jvp+full", "jvp+causal", "double-backward+full", "double-backward+causal"]
     assert BenchCase(1024, mode="double-backward").flops == 8.5 * 4 * 8 * 1024 * 1024 * 64
     with pytest.raises(ValueError, match="unknown mode"):
         BenchCase(64, mode="hessian")
+    with pytest.raises(ValueError, match="unknown mask"):
+        BenchCase(64, mask="window")
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -75,3 +78,21 @@ def test_quick_command_writes_its_files(tmp_path, capsys):
     assert "refused" in text and "a smoke run" in text
     assert max(len(line) for line in text.splitlines()) <= 100  # every column, within 100 columns
     assert (tmp_path / "results.json").exists() and "smoke run" in (tmp_path / "results.md").read_text()
+
+
+def test_masked_cases_mask_the_same_keys_everywhere():
+    """The padding and float-mask cases exclude the last quarter of the keys, for every
+    implementation: the outputs agree."""
+    import torch
+
+    outs = {}
+    for mask in ("padding", "float-mask"):
+        case = BenchCase(32, mask=mask)
+        inputs = make_inputs(case)
+        assert inputs["mask"].shape[-1] == 32
+        for implementation in IMPLEMENTATIONS:
+            outs[mask, implementation] = _attention(implementation, case)(inputs["q"], inputs["k"], inputs["v"],
+                                                                          inputs["mask"])
+    reference = outs["padding", "torch-math"]
+    for out in outs.values():
+        assert torch.allclose(out, reference, atol=1e-5)

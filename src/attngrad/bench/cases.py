@@ -30,6 +30,8 @@ class BenchCase:
     length: int
     causal: bool = False
     bias_grad: bool = False  # a float (H, L, L) attention bias that requires grad
+    mask: str = ""  # "padding": boolean (B, 1, 1, L), the last quarter of the keys excluded;
+    # "float-mask": the same as a (B, 1, L, L) float mask, -inf there, without gradient
     dropout: float = 0.0
     batch: int = 1
     heads: int = 8
@@ -39,6 +41,8 @@ class BenchCase:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose from {MODES}")
+        if self.mask not in ("", "padding", "float-mask"):
+            raise ValueError(f"unknown mask {self.mask!r}; choose from '', 'padding', 'float-mask'")
 
     @property
     def name(self) -> str:
@@ -46,6 +50,8 @@ class BenchCase:
         parts.append("causal" if self.causal else "full")
         if self.bias_grad:
             parts.append("bias-grad")
+        if self.mask:
+            parts.append(self.mask)
         if self.dropout:
             parts.append(f"dropout{self.dropout:g}")
         return "+".join(parts)
@@ -76,6 +82,8 @@ def default_cases(lengths: tuple[int, ...], modes: tuple[str, ...] = ("train",))
                     BenchCase(length, causal=True),
                     BenchCase(length, bias_grad=True),
                     BenchCase(length, causal=True, bias_grad=True),
+                    BenchCase(length, mask="padding"),
+                    BenchCase(length, mask="float-mask"),
                     BenchCase(length, dropout=0.1),
                 ]
             else:
@@ -94,6 +102,11 @@ def make_inputs(case: BenchCase, seed: int = 0) -> dict[str, Any]:
     tensors = {name: torch.randn(shape, generator=g) for name in names}
     if case.bias_grad:
         tensors["bias"] = torch.randn(case.heads, case.length, case.length, generator=g)
+    if case.mask:
+        keep = torch.ones(case.batch, 1, 1, case.length, dtype=torch.bool)
+        keep[..., case.length - case.length // 4:] = False
+        tensors["mask"] = keep if case.mask == "padding" else torch.zeros(
+            case.batch, 1, case.length, case.length).masked_fill(~keep, float("-inf"))
     return tensors
 
 
@@ -110,6 +123,7 @@ def _attention(implementation: str, case: BenchCase) -> Callable[..., Any]:
         raise ValueError(f"unknown implementation {implementation!r}; choose from {IMPLEMENTATIONS}")
 
     def forward(q: Any, k: Any, v: Any, bias: Any = None) -> Any:
+        # a bias with gradient, or a mask without (no case has both)
         kwargs = dict(attn_mask=bias, is_causal=case.causal, dropout_p=case.dropout)
         if case.causal and bias is not None:
             if implementation == "attngrad":  # its own entry point takes both, and skips the causal half
@@ -139,7 +153,7 @@ def step(implementation: str, case: BenchCase) -> Callable[[dict[str, Any]], Non
             torch.func.jvp(forward, primals, tuple(inputs[n] for n in ("tq", "tk", "tv")))
             return
         leaves = [inputs[n].detach().requires_grad_() for n in ("q", "k", "v")]
-        bias = inputs["bias"].detach().requires_grad_() if case.bias_grad else None
+        bias = inputs["bias"].detach().requires_grad_() if case.bias_grad else inputs.get("mask")
         out = forward(*leaves, bias)
         if case.mode == "train":
             out.backward(inputs["dout"])

@@ -188,8 +188,8 @@ def test_float32_single_key_rows_are_exact(backend, shape, is_causal):
         assert float(g_q.abs().max()) == 0.0 and float(g_k.abs().max()) == 0.0
 
 
-def test_float32_single_key_rows_under_a_mask():
-    """The same through a boolean mask that leaves one key to some rows (torch-ops kernels)."""
+def test_float32_single_key_rows_under_a_mask(backend):
+    """The same through a boolean mask that leaves one key to some rows."""
     g = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(2, 3, 10, 16, generator=g).requires_grad_() for _ in range(3))
     keep = torch.rand(10, 10, generator=g) > 0.5

@@ -208,23 +208,30 @@ def _scores(
     return out
 
 
-def single_key_rows(e: Tensor, masked: bool) -> Tensor | None:
+def single_key_rows(e: Tensor, masked: bool, inv: Tensor) -> Tensor | None:
     """The rows (B, H, R, 1) of a tile E = exp(S - m) in which one key alone has weight
     (the others masked, or so far below that exp gives 0), or None if there is none; such a
     row's E is set to exactly 1 there. The forward had exp(S - m) = exp(0) = 1 and P = 1
     exactly, which a recomputed S can round apart from. `masked`: whether a mask, bias or
-    the causal diagonal can exclude keys (otherwise only a single-key call has such rows)."""
+    the causal diagonal can exclude keys (otherwise only a single-key call has such rows);
+    `inv` (B, H, R, 1) the rows' 1/l: such a row had l = 1 exactly, so only rows with
+    1/l = 1 are counted (a pass over the whole tile would cost a quarter of the backward)."""
     if not masked:
         if e.shape[-1] != 1:
             return None
         e.fill_(1.0)
         return e.new_ones(e.shape, dtype=torch.bool)
-    single = (e > 0).sum(dim=-1, keepdim=True) == 1
-    if not bool(single.any()):
+    candidates = (inv == 1).squeeze(-1)  # (B, H, R)
+    if not bool(candidates.any()):
         return None
-    rows = single.squeeze(-1)
-    e[rows] = (e[rows] > 0).to(e.dtype)
-    return single
+    rows = e[candidates]  # (n, keys): a copy of the candidate rows
+    one = (rows > 0).sum(dim=-1) == 1
+    if not bool(one.any()):
+        return None
+    single = torch.zeros_like(candidates)
+    single[candidates] = one
+    e[single] = (e[single] > 0).to(e.dtype)
+    return single[..., None]
 
 
 def _probs_times_values(e: Tensor, v: Tensor) -> Tensor:
@@ -338,7 +345,7 @@ def attention_backward(
         # forward: E = exp(S - m), recomputed; 0 on excluded entries and on empty rows
         e = _scores(tiles.get(0, (batch, heads, r, keys)), q_shifted[:, :, start:stop], k_ones, mask, bias_work,
                     start, stop, causal).exp_()
-        single = single_key_rows(e, masked)
+        single = single_key_rows(e, masked, inv)
         # forward: O = (E * Z) V~ / l  ->  dP l = (dO' V~^T) * Z,  dV~ += (E * Z)^T dO'
         # forward: P = softmax(S)  ->  dS = P * (dP - D) = E * (dP l - D / l)
         dp_out = tiles.get(1, (batch, heads, r, keys))

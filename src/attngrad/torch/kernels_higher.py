@@ -135,8 +135,9 @@ class _Recompute:
         s = _scores(self.tile(0, start, stop, keys), self.q_shifted[:, :, start:stop], self.k_ones, self.mask, self.bias,
                     start, stop, self.causal)  # S - m
         e = s.exp_()
-        single = single_key_rows(e, self.masked)
-        p = e.mul_(self.inv_sum[:, :, start:stop, None])
+        inv = self.inv_sum[:, :, start:stop, None]
+        single = single_key_rows(e, self.masked, inv)
+        p = e.mul_(inv)
         z = None
         if self.dropout_p > 0.0:
             z = keep_scale_into(self.tile(len(self.tiles.flat) - 1, start, stop, keys), self.seed, start, self.dropout_p)

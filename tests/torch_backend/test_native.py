@@ -283,7 +283,8 @@ def test_tiles_skip_what_a_padding_mask_excludes(causal):
     keep[1, ..., 6:] = False
     bias = torch.zeros(2, 1, 17, 23, dtype=torch.float64).masked_fill(~keep, float("-inf"))
     cotangents = [torch.randn_like(t) for t in (q, k, v)]
-    for mask, float_mask in ((keep, None), (None, bias)):
+    # the mask as given, as a float bias, and expanded (stride 0) to every head and row
+    for mask, float_mask in ((keep, None), (None, bias), (keep.expand(2, 4, 17, 23), None)):
         old = native.BLOCK_ROWS, native.BLOCK_KEYS
         native.BLOCK_ROWS, native.BLOCK_KEYS = 3, 5
         try:

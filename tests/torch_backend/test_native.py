@@ -82,27 +82,30 @@ def _inputs(batch, heads, kv_heads, len_q, len_k, dim, dim_v, dtype, seed):
 @given(
     batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 3),
     len_q=st.integers(1, 70), len_k=st.integers(1, 70), dim=st.sampled_from([1, 5, 16]), dim_v=st.sampled_from([3, 16]),
-    causal=CAUSAL, masking=MASKING,
+    causal=CAUSAL, masking=MASKING, dropout_p=st.sampled_from([0.0, 0.0, 0.3, 1.0]),
     # (rows, keys, value slice): one block, many with row tails, 16-wide vectors with tails
     blocks=st.sampled_from([(128, 512, 128), (3, 5, 2), (7, 20, 4), (16, 33, 16)]),
     chunks=st.integers(1, 4), seed=st.integers(0, 2**16),
 )
-def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal, masking, blocks,
-                                           chunks, seed):
+def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal, masking,
+                                           dropout_p, blocks, chunks, seed):
     """float64, every block layout and key split, every causal diagonal, a boolean mask and a
-    bias of any broadcast shape: the same statistics, output and gradients as `kernels` to 1e-12."""
+    bias of any broadcast shape, dropout (the same coordinate-keyed mask): the same
+    statistics, output and gradients as `kernels` to 1e-12."""
     q, k, v, dout = _inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
     scale, causal = dim**-0.5, _diagonal(causal, len_q, len_k)
     mask, bias = _masks(masking, batch, kv_heads * groups, len_q, len_k, torch.float64, seed)
     old = native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE
     native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE = blocks
     try:
-        ours = native.attention_forward(q, k, v, causal, scale, mask=mask, bias=bias)
-        grads = native.attention_backward(dout, q, k, v, *ours, causal, scale, chunks=chunks, mask=mask, bias=bias)
+        ours = native.attention_forward(q, k, v, causal, scale, mask=mask, bias=bias, seed=seed, dropout_p=dropout_p)
+        grads = native.attention_backward(dout, q, k, v, *ours, causal, scale, chunks=chunks, mask=mask, bias=bias,
+                                          seed=seed, dropout_p=dropout_p)
     finally:
         native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE = old
-    theirs = kernels.attention_forward(q, k, v, mask, bias, 0, causal, scale, 0.0)
-    their_grads = kernels.attention_backward(dout, q, k, v, mask, bias, 0, *theirs, causal, scale, 0.0, False)[:3]
+    theirs = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, dropout_p)
+    their_grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, *theirs, causal, scale, dropout_p,
+                                             False)[:3]
     names = ("out", "row_max", "inv_sum", "dq", "dk", "dv")
     for a, b in zip((*ours, *grads), (*theirs, *their_grads)):
         assert a.shape == b.shape and a.dtype == b.dtype
@@ -237,7 +240,8 @@ def test_what_the_tiles_take():
     assert native.supports(q, k, v, torch.ones(5, 6, dtype=torch.bool), None, 0.0) is available
     assert native.supports(q, k, v, None, torch.zeros(5, 6, dtype=torch.float64), 0.0) is available
     assert not native.supports(q, k, v, None, torch.zeros(5, 6, dtype=torch.float64), 0.0, bias_grad=True)
-    assert not native.supports(q, k, v, None, None, 0.1)
+    assert native.supports(q, k, v, None, None, 0.1, pass_name="backward") is available
+    assert not native.supports(q, k, v, None, None, 0.1, pass_name="double_backward")
     assert not native.supports(q.half(), k.half(), v.half(), None, None, 0.0)
     assert not native.supports(q, k[..., :0, :], v[..., :0, :], None, None, 0.0)
 
@@ -260,7 +264,7 @@ def test_use_implementation_chooses_and_counts():
     with use_implementation("tiles"):
         scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
         with pytest.raises(RuntimeError, match="no allowed implementation runs this call.*do not take this forward"):
-            scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+            scaled_dot_product_attention(q.half(), k.half(), v.half())
         with pytest.raises(RuntimeError, match="do not take this jvp call"):
             torch.func.jvp(lambda q: scaled_dot_product_attention(q, k, v), (q.detach(),), (torch.ones_like(q),))
     # the JVP's primal forward ran on the tiles before its tangent was refused

@@ -191,8 +191,8 @@ def test_the_compiled_tiles_check_their_own_sizes():
     def forward(q, k, v, out, row_max, inv_sum, mask=None, bias=None):
         masks, mask_sizes = native._score_masks(mask, bias, torch.float32)
         pointers, numels = native._buffers(q, k, v, out, row_max, inv_sum, *masks)
-        native._call("attngrad_forward", 0, *pointers, native._sizes(q, k, v), numels, mask_sizes, 0, 0, 0.25, 1, 4,
-                     4, 4)
+        native._call("attngrad_forward", 0, *pointers, native._sizes(q, k, v), numels, mask_sizes, 0, 0,
+                     *native._dropout(0, 0.0), 0.25, 1, 4, 4, 4)
 
     with pytest.raises(RuntimeError, match="heads mod kv_heads"):  # heads 3 over kv_heads 2
         forward(q, k, v, out, row_max, inv_sum)

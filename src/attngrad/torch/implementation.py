@@ -1,8 +1,9 @@
 """Which implementation runs a call, decided in one place, seen and chosen by the user.
 
 Two implementations compute every pass, and agree to rounding:
-    "tiles"      the compiled C++ tiles (`native`): CPU, float32 and float64, masks and a
-                 bias without its gradient, the calls `native.supports` accepts; fast
+    "tiles"      the compiled C++ tiles (`native`): CPU, float32 and float64, masks, a bias
+                 without its gradient, dropout in the first-order passes: the calls
+                 `native.supports` accepts; fast
     "torch-ops"  PyTorch operators over score tiles (`kernels`, `kernels_higher`): every
                  call, on any device; the portable one
 
@@ -60,15 +61,15 @@ def allowed() -> tuple[str, ...]:
 def choose(pass_name: str, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
            dropout_p: float, bias_grad: bool = False) -> str:
     """The implementation that runs this pass of this call, counted in `ran`."""
-    tiles = pass_name in TILED_PASSES and native.supports(q, k, v, mask, bias, dropout_p, bias_grad)
+    tiles = pass_name in TILED_PASSES and native.supports(q, k, v, mask, bias, dropout_p, bias_grad, pass_name)
     if tiles and "tiles" in _allowed:
         choice = "tiles"
     elif "torch-ops" in _allowed:
         choice = "torch-ops"
     else:
         why = (f"the compiled tiles are unavailable ({native.build_info.reason})" if native.library() is None
-               else f"the compiled tiles do not take this {pass_name} call (dropout, a bias gradient, forward mode, "
-               f"{q.dtype} on {q.device}, or an empty dimension)")
+               else f"the compiled tiles do not take this {pass_name} call (a bias gradient, dropout in a double "
+               f"backward, forward mode, {q.dtype} on {q.device}, or an empty dimension)")
         raise RuntimeError(f"attngrad: no allowed implementation runs this call: only {_allowed} are allowed, and {why}")
     ran[(pass_name, choice)] += 1
     return choice

@@ -1,7 +1,7 @@
 """The compiled tiles (`native_tiles.cpp`): the forward, backward and double backward of
-attention with the causal diagonal, a boolean mask and a float bias (not its gradient), no
-dropout, float32 or float64, on the CPU; and the dropout keep-masks of `dropout`, which the
-torch-ops kernels use.
+attention with the causal diagonal, a boolean mask and a float bias (not its gradient), and
+dropout in the forward and backward, float32 or float64, on the CPU; and the dropout
+keep-masks of `dropout` for the torch-ops kernels.
 
 The torch-ops kernels (`kernels`) run any case on any device, but each of their passes is a
 separate sweep over a score tile too large for the cache. The compiled tiles fuse those
@@ -129,9 +129,9 @@ def status() -> str:
     """One line for reports: whether the tiles run, and what their first use costs."""
     if library() is None:
         return f"compiled tiles unavailable ({build_info.reason}); torch-ops kernels throughout"
-    return (f"compiled tiles for the forward, backward and double backward with masks and a bias (first use "
-            f"compiles them once: {fresh_build_seconds():.1f} s on this machine, then cached); torch-ops kernels for a "
-            "bias gradient, dropout and forward mode")
+    return (f"compiled tiles for the forward, backward and double backward with masks and a bias, and dropout in "
+            f"the first two (first use compiles them once: {fresh_build_seconds():.1f} s on this machine, then "
+            "cached); torch-ops kernels for a bias gradient, dropout's double backward and forward mode")
 
 
 def _blas_symbols() -> list[int]:
@@ -170,8 +170,9 @@ def library() -> ctypes.CDLL | None:
     lib.attngrad_set_blas(*blas)
     p, i64, u64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_double
     lib.attngrad_error.restype = ctypes.c_char_p
-    lib.attngrad_forward.argtypes = [i32, *[p] * 8, p, p, p, i32, i64, f64, i32, i64, i64, i64]
-    lib.attngrad_backward.argtypes = [i32, *[p] * 13, p, p, p, i32, i64, f64, i32, i64, i64, i64]
+    dropout = [i32, u64, u64, f64]  # on, seed, threshold, keep value
+    lib.attngrad_forward.argtypes = [i32, *[p] * 8, p, p, p, i32, i64, *dropout, f64, i32, i64, i64, i64]
+    lib.attngrad_backward.argtypes = [i32, *[p] * 13, p, p, p, i32, i64, *dropout, f64, i32, i64, i64, i64]
     lib.attngrad_double_backward.argtypes = [i32, *[p] * 17, p, p, p, i32, i64, f64, i32, i64, i64]
     lib.attngrad_dropout_keep_scale.argtypes = [i32, p, i64, i64, i64, i64, i64, i64, u64, u64, f64, i32]
     return lib
@@ -186,11 +187,12 @@ def _call(name: str, *args) -> None:
 
 
 def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, dropout_p: float,
-             bias_grad: bool = False) -> bool:
-    """Whether the tiles run this call: no dropout, no bias gradient; CPU; one float32 or
-    float64 dtype; no empty axis. A mask and a bias (broadcastable, any float dtype) may be given."""
+             bias_grad: bool = False, pass_name: str = "forward") -> bool:
+    """Whether the tiles run this pass of this call: no bias gradient, dropout only in the
+    forward and backward; CPU; one float32 or float64 dtype; no empty axis. A mask and a bias
+    (broadcastable, any float dtype) may be given."""
     return (
-        dropout_p == 0.0 and not bias_grad
+        (dropout_p == 0.0 or pass_name in ("forward", "backward")) and not bias_grad
         and all(t is None or t.device.type == "cpu" for t in (mask, bias))
         and q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
         and q.dtype in (torch.float32, torch.float64) and k.dtype == q.dtype and v.dtype == q.dtype
@@ -217,6 +219,13 @@ def _causal(causal: int | None) -> tuple[bool, int]:
     return causal is not None, 0 if causal is None else int(causal)
 
 
+def _dropout(seed: int, dropout_p: float) -> tuple[bool, int, int, float]:
+    """(on, seed, threshold, keep value) of the coordinate-keyed draw (`dropout`)."""
+    from .dropout import keep_value, threshold  # that module imports this one
+
+    return dropout_p > 0.0, seed, threshold(dropout_p), keep_value(dropout_p)
+
+
 def _score_masks(mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype) -> tuple[list, ctypes.Array]:
     """[mask, bias] as the entry points take them, each 4-D and contiguous in its own
     (broadcast) sizes, the bias in the compute dtype (None where absent), and their sizes."""
@@ -237,7 +246,8 @@ def _score_masks(mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype) -
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float,
-                      mask: Tensor | None = None, bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                      mask: Tensor | None = None, bias: Tensor | None = None, seed: int = 0,
+                      dropout_p: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, H, Lq, dv), row max m, inverse row sum 1/l (B, H, Lq)): `kernels.attention_forward`'s results."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     batch, heads, len_q, _ = q.shape
@@ -246,7 +256,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale
     masks, mask_sizes = _score_masks(mask, bias, q.dtype)
     pointers, numels = _buffers(q, k, v, out, row_max, inv_sum, *masks)
     _call("attngrad_forward", q.dtype == torch.float64, *pointers, _sizes(q, k, v), numels, mask_sizes,
-          *_causal(causal), scale, torch.get_num_threads(), BLOCK_ROWS, BLOCK_KEYS, VALUE_SLICE)
+          *_causal(causal), *_dropout(seed, dropout_p), scale, torch.get_num_threads(), BLOCK_ROWS, BLOCK_KEYS,
+          VALUE_SLICE)
     return out, row_max, inv_sum
 
 
@@ -281,6 +292,7 @@ def _sum_parts(parts: Tensor) -> Tensor:
 def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
     causal: int | None, scale: float, chunks: int | None = None, mask: Tensor | None = None, bias: Tensor | None = None,
+    seed: int = 0, dropout_p: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv): `kernels.attention_backward`'s results for the cases `supports` accepts.
     `chunks` splits each head's keys into that many work items (default: `_chunks`)."""
@@ -294,7 +306,7 @@ def attention_backward(
     masks, mask_sizes = _score_masks(mask, bias, q.dtype)
     pointers, numels = _buffers(dout, q, k, v, out, row_max, inv_sum, delta, dq_parts, dk, dv, *masks)
     _call("attngrad_backward", q.dtype == torch.float64, *pointers, _sizes(q, k, v), numels, mask_sizes,
-          *_causal(causal), scale, torch.get_num_threads(), BLOCK_ROWS, BLOCK_KEYS, chunks)
+          *_causal(causal), *_dropout(seed, dropout_p), scale, torch.get_num_threads(), BLOCK_ROWS, BLOCK_KEYS, chunks)
     return _sum_parts(dq_parts), dk, dv
 
 

@@ -1,6 +1,6 @@
 // attngrad's compiled tiles: the forward, backward and double backward of exact attention,
-// with the causal diagonal, a boolean mask and a float bias (without its gradient), no
-// dropout, in the manner of
+// with the causal diagonal, a boolean mask and a float bias (without its gradient), and in
+// the forward and backward dropout, in the manner of
 // FlashAttention-2 (Dao, 2023) on per-thread tiles small enough to stay in a core's cache;
 // and the dropout keep-masks of the counter-based generator in `dropout.py`.
 //
@@ -320,6 +320,35 @@ struct Shape {
     index_t batch, heads, kv_heads, len_q, len_k, dim, dim_v;
 };
 
+// The dropout keep-mask generator of `dropout.py`, bit for bit: SplitMix64's output
+// function on a counter made of the seed and the score's coordinates (b, h, i, j), so the
+// backward regenerates the forward's mask, whatever the tiling.
+constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
+
+inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+struct DropoutDraw {
+    bool on = false;
+    uint64_t seed = 0, threshold = 0;  // keep where the draw's high 32 bits >= ceil(p 2^32)
+    double value = 0;                  // 1 / (1 - p), 0 for p = 1
+
+    // x[0, n) *= Z for keys c0..c0 + n of row i of head (b, h): x value where kept, else 0
+    template <typename T>
+    void scale_row(T* x, index_t b, index_t h, index_t i, index_t c0, index_t n) const {
+        const uint64_t key_bh = mix64(seed + kGamma * ((static_cast<uint64_t>(b) << 32) + static_cast<uint64_t>(h) + 1));
+        const uint64_t row_counter = key_bh + kGamma * (static_cast<uint64_t>(i) << 32);
+        const T keep_value = static_cast<T>(value);
+        for (index_t j = 0; j < n; ++j) {
+            const uint64_t z = mix64(row_counter + kGamma * (static_cast<uint64_t>(c0 + j) + 1));
+            x[j] = (z >> 32) >= threshold ? x[j] * keep_value : T(0);
+        }
+    }
+};
+
 // The causal diagonal: with `on`, row i sees keys j <= i + offset.
 struct Causal {
     bool on;
@@ -480,8 +509,8 @@ inline KvItem kv_item(index_t item, index_t bhk_count, index_t kv_heads) {
 
 template <typename T>
 void forward(const T* q, const T* k, const T* v, T* out, T* row_max, T* inv_sum, const Shape& s, Causal causal,
-             const ScoreMask<T>& masks, T scale, int threads, index_t block_rows, index_t block_keys,
-             index_t value_slice) {
+             const ScoreMask<T>& masks, const DropoutDraw& drop, T scale, int threads, index_t block_rows,
+             index_t block_keys, index_t value_slice) {
     const index_t group = s.heads / s.kv_heads;
     const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
     const index_t bh_count = s.batch * s.heads;
@@ -526,6 +555,7 @@ void forward(const T* q, const T* k, const T* v, T* out, T* row_max, T* inv_sum,
                         m[i] = m_new;
                     }
                     l[i] += sum;
+                    if (drop.on) drop.scale_row(row, b, h, r0 + i, c0, seen);  // E Z: l keeps E alone
                 }
                 // forward: acc += E V_blk, over slices of `value_slice` keys: a float32 sum's
                 // rounding grows with its length, and blocked sums keep each part short
@@ -564,7 +594,7 @@ void row_dots(const T* a, const T* b, T* delta, index_t rows, index_t width, int
 template <typename T>
 void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, const T* row_max, const T* inv_sum,
               T* delta, T* dq_parts, T* dk, T* dv, const Shape& s, Causal causal, const ScoreMask<T>& masks,
-              T scale, int threads, index_t block_rows, index_t block_keys, index_t chunks) {
+              const DropoutDraw& drop, T scale, int threads, index_t block_rows, index_t block_keys, index_t chunks) {
     const index_t group = s.heads / s.kv_heads;
     const index_t rows_total = s.batch * s.heads * s.len_q;
     row_dots(dout, out, delta, rows_total, s.dim_v, threads);  // D = rowsum(dO * O)
@@ -608,6 +638,7 @@ void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, c
                             const index_t row_keys = row_keys_of(bh, r0 + i);
                             const T m = row_max[first + i], inv = inv_sum[first + i];
                             if (masks.any()) masks.apply(p, b, h, r0 + i, c0, seen);
+                            if (drop.on) drop.scale_row(ds, b, h, r0 + i, c0, seen);  // dP = (dO V^T) Z
                             if (c0 == 0 && causal.visible(r0 + i, 0, s.len_k) <= cols) {
                                 // every key of the row is in this block: D = rowsum(P dP) from
                                 // the very dP it is subtracted from, whose rounding then cancels
@@ -623,10 +654,11 @@ void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, c
                                     ds[j] = T(0);
                                 }
                             }
+                            if (drop.on) drop.scale_row(p, b, h, r0 + i, c0, seen);  // P Z, for dV
                             std::fill(p + seen, p + cols, T(0));
                             std::fill(ds + seen, ds + cols, T(0));
                         }
-                        // forward: O = P V  ->  dV_blk += P^T dO
+                        // forward: O = (P Z) V  ->  dV_blk += (P Z)^T dO
                         gemm<T>(true, false, cols, s.dim_v, rows, T(1), probs.data(), cols, dout + first * s.dim_v,
                                 s.dim_v, T(1), dv_head + c0 * s.dim_v, s.dim_v);
                         // forward: S = scale Q K^T  ->  dK_blk += scale dS^T Q,  dQ += scale dS K_blk
@@ -751,31 +783,16 @@ void double_backward(const T* dout, const T* q, const T* k, const T* v, const T*
     }
 }
 
-// The dropout keep-mask generator of `dropout.py`, bit for bit: SplitMix64's output
-// function on a counter made of the seed and the score's coordinates (b, h, i, j).
-constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
-
-inline uint64_t mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-// out (B, H, R, keys) <- Z for rows row_start.. and keys 0..: `value` where kept, else 0
+// out (B, H, R, keys) <- Z for rows row_start.. and keys 0..: 1 / (1 - p) where kept, else 0
 template <typename T>
 void dropout_keep_scale(T* out, index_t batch, index_t heads, index_t row_start, index_t rows, index_t keys,
-                        uint64_t seed, uint64_t threshold, T value, int threads) {
+                        const DropoutDraw& draw, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (index_t row = 0; row < batch * heads * rows; ++row) {
-        const uint64_t bh = static_cast<uint64_t>(row / rows), i = static_cast<uint64_t>(row_start + row % rows);
-        const uint64_t b = bh / static_cast<uint64_t>(heads), h = bh % static_cast<uint64_t>(heads);
-        const uint64_t key_bh = mix64(seed + kGamma * ((b << 32) + h + 1));
-        const uint64_t row_counter = key_bh + kGamma * (i << 32);
+        const index_t bh = row / rows;
         T* out_row = out + row * keys;
-        for (index_t j = 0; j < keys; ++j) {
-            const uint64_t z = mix64(row_counter + kGamma * (static_cast<uint64_t>(j) + 1));
-            out_row[j] = (z >> 32) >= threshold ? value : T(0);
-        }
+        std::fill(out_row, out_row + keys, T(1));
+        draw.scale_row(out_row, bh / heads, bh % heads, row_start + row % rows, 0, keys);
     }
 }
 
@@ -860,8 +877,9 @@ void attngrad_set_blas(void* sgemm, void* dgemm, void* local_threads) {
 // without touching a buffer when a size does not fit.
 int attngrad_forward(int double_precision, const void* q, const void* k, const void* v, void* out, void* row_max,
                      void* inv_sum, const void* mask, const void* bias, const int64_t* sizes, const int64_t* numels,
-                     const int64_t* mask_sizes, int causal, int64_t causal_offset, double scale, int threads,
-                     int64_t block_rows, int64_t block_keys, int64_t value_slice) {
+                     const int64_t* mask_sizes, int causal, int64_t causal_offset, int dropout, uint64_t seed,
+                     uint64_t threshold, double keep_value, double scale, int threads, int64_t block_rows,
+                     int64_t block_keys, int64_t value_slice) {
     const Shape s{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6]};
     const char* what = "attngrad_forward";
     if (!check_shape(what, s, threads, block_rows, 1)) return 1;
@@ -873,16 +891,18 @@ int attngrad_forward(int double_precision, const void* q, const void* k, const v
     if (!check_numels(what, numels, want, names, 6)) return 1;
     if (!check_broadcast(what, "mask", s, mask, mask_sizes, numels[6])) return 1;
     if (!check_broadcast(what, "bias", s, bias, mask_sizes + 4, numels[7])) return 1;
+    if (threshold > (uint64_t{1} << 32)) return fail(what, "threshold", static_cast<int64_t>(threshold), 1ll << 32), 1;
     const Causal c{causal != 0, causal_offset};
+    const DropoutDraw drop{dropout != 0, seed, threshold, keep_value};
     if (double_precision) {
         forward<double>(static_cast<const double*>(q), static_cast<const double*>(k), static_cast<const double*>(v),
                         static_cast<double*>(out), static_cast<double*>(row_max), static_cast<double*>(inv_sum), s, c,
-                        score_mask<double>(mask, bias, mask_sizes), scale, threads, block_rows, block_keys,
+                        score_mask<double>(mask, bias, mask_sizes), drop, scale, threads, block_rows, block_keys,
                         value_slice);
     } else {
         forward<float>(static_cast<const float*>(q), static_cast<const float*>(k), static_cast<const float*>(v),
                        static_cast<float*>(out), static_cast<float*>(row_max), static_cast<float*>(inv_sum), s, c,
-                       score_mask<float>(mask, bias, mask_sizes), static_cast<float>(scale), threads, block_rows,
+                       score_mask<float>(mask, bias, mask_sizes), drop, static_cast<float>(scale), threads, block_rows,
                        block_keys, value_slice);
     }
     return 0;
@@ -893,8 +913,9 @@ int attngrad_forward(int double_precision, const void* q, const void* k, const v
 int attngrad_backward(int double_precision, const void* dout, const void* q, const void* k, const void* v,
                       const void* out, const void* row_max, const void* inv_sum, void* delta, void* dq_parts, void* dk,
                       void* dv, const void* mask, const void* bias, const int64_t* sizes, const int64_t* numels,
-                      const int64_t* mask_sizes, int causal, int64_t causal_offset, double scale, int threads,
-                      int64_t block_rows, int64_t block_keys, int64_t chunks) {
+                      const int64_t* mask_sizes, int causal, int64_t causal_offset, int dropout, uint64_t seed,
+                      uint64_t threshold, double keep_value, double scale, int threads, int64_t block_rows,
+                      int64_t block_keys, int64_t chunks) {
     const Shape s{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6]};
     const char* what = "attngrad_backward";
     if (!check_shape(what, s, threads, block_rows, chunks)) return 1;
@@ -906,20 +927,22 @@ int attngrad_backward(int double_precision, const void* dout, const void* q, con
     if (!check_numels(what, numels, want, names, 11)) return 1;
     if (!check_broadcast(what, "mask", s, mask, mask_sizes, numels[11])) return 1;
     if (!check_broadcast(what, "bias", s, bias, mask_sizes + 4, numels[12])) return 1;
+    if (threshold > (uint64_t{1} << 32)) return fail(what, "threshold", static_cast<int64_t>(threshold), 1ll << 32), 1;
     const Causal c{causal != 0, causal_offset};
+    const DropoutDraw drop{dropout != 0, seed, threshold, keep_value};
     if (double_precision) {
         using T = double;
         backward<T>(static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k),
                     static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(row_max),
                     static_cast<const T*>(inv_sum), static_cast<T*>(delta), static_cast<T*>(dq_parts),
-                    static_cast<T*>(dk), static_cast<T*>(dv), s, c, score_mask<T>(mask, bias, mask_sizes), scale,
-                    threads, block_rows, block_keys, chunks);
+                    static_cast<T*>(dk), static_cast<T*>(dv), s, c, score_mask<T>(mask, bias, mask_sizes), drop,
+                    scale, threads, block_rows, block_keys, chunks);
     } else {
         using T = float;
         backward<T>(static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k),
                     static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(row_max),
                     static_cast<const T*>(inv_sum), static_cast<T*>(delta), static_cast<T*>(dq_parts),
-                    static_cast<T*>(dk), static_cast<T*>(dv), s, c, score_mask<T>(mask, bias, mask_sizes),
+                    static_cast<T*>(dk), static_cast<T*>(dv), s, c, score_mask<T>(mask, bias, mask_sizes), drop,
                     static_cast<T>(scale), threads, block_rows, block_keys, chunks);
     }
     return 0;
@@ -979,12 +1002,11 @@ int attngrad_dropout_keep_scale(int double_precision, void* out, int64_t numel, 
     }
     if (threads < 1) return fail(what, "threads", threads, 1), 1;
     if (numel != batch * heads * rows * keys) return fail(what, "numel", numel, batch * heads * rows * keys), 1;
+    const DropoutDraw draw{true, seed, threshold, value};
     if (double_precision) {
-        dropout_keep_scale<double>(static_cast<double*>(out), batch, heads, row_start, rows, keys, seed, threshold,
-                                   value, threads);
+        dropout_keep_scale<double>(static_cast<double*>(out), batch, heads, row_start, rows, keys, draw, threads);
     } else {
-        dropout_keep_scale<float>(static_cast<float*>(out), batch, heads, row_start, rows, keys, seed, threshold,
-                                  static_cast<float>(value), threads);
+        dropout_keep_scale<float>(static_cast<float*>(out), batch, heads, row_start, rows, keys, draw, threads);
     }
     return 0;
 }

@@ -51,7 +51,8 @@ def attention_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     check_call(q, k, v, mask, bias, seed, causal, dropout_p)
     if choose("forward", q, k, v, mask, bias, dropout_p) == "tiles":
-        return native.attention_forward(q, k, v, causal, scale, mask=mask, bias=bias)
+        return native.attention_forward(q, k, v, causal, scale, mask=mask, bias=bias, seed=int(seed),
+                                        dropout_p=dropout_p)
     return kernels.attention_forward(q, k, v, mask, bias, int(seed), causal, scale, dropout_p)
 
 
@@ -71,7 +72,7 @@ def attention_backward(
     _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad)
     if choose("backward", q, k, v, mask, bias, dropout_p, bias_grad) == "tiles":  # no bias gradient
         dq, dk, dv = native.attention_backward(dout.to(q.dtype), q, k, v, out, row_max, inv_sum, causal, scale,
-                                               mask=mask, bias=bias)
+                                               mask=mask, bias=bias, seed=int(seed), dropout_p=dropout_p)
         return dq, dk, dv, q.new_empty(0)
     dq, dk, dv, dbias = kernels.attention_backward(
         dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad

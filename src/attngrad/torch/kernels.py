@@ -83,7 +83,6 @@ def blocks(batch: int, heads: int, len_q: int, len_k: int, causal: int | None, m
     out = []
     start = 0
     while start < len_q:
-        keys = len_k
         rows = TILE_ELEMENTS // max(1, batch * heads * len_k)
         if causal is not None:  # solve rows * (seen + rows) ~ budget / (B H) for this block's rows
             budget = TILE_ELEMENTS / max(1, batch * heads)

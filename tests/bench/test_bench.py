@@ -94,5 +94,5 @@ def test_masked_cases_mask_the_same_keys_everywhere():
             outs[mask, implementation] = _attention(implementation, case)(inputs["q"], inputs["k"], inputs["v"],
                                                                           inputs["mask"])
     reference = outs["padding", "torch-math"]
-    for out in outs.values():
+    for out in outs.values():  # float32 (the bench's dtype): rounding is ~1e-7; a different mask would be O(1)
         assert torch.allclose(out, reference, atol=1e-5)

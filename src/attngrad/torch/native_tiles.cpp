@@ -844,6 +844,18 @@ bool check_broadcast(const char* what, const char* name, const Shape& s, const v
     return numel == product || fail(what, name, numel, product);
 }
 
+// The mask and the bias (`mask_numels`: their element counts)
+bool check_masks(const char* what, const Shape& s, const void* mask, const void* bias, const int64_t* mask_sizes,
+                 const int64_t* mask_numels) {
+    return check_broadcast(what, "mask", s, mask, mask_sizes, mask_numels[0]) &&
+           check_broadcast(what, "bias", s, bias, mask_sizes + 4, mask_numels[1]);
+}
+
+// The dropout draw's threshold is ceil(p 2^32) <= 2^32
+bool check_dropout(const char* what, uint64_t threshold) {
+    return threshold <= (uint64_t{1} << 32) || fail(what, "threshold", static_cast<int64_t>(threshold), 1ll << 32);
+}
+
 template <typename T>
 ScoreMask<T> score_mask(const void* mask, const void* bias, const int64_t* mask_sizes) {
     ScoreMask<T> masks;
@@ -889,9 +901,7 @@ int attngrad_forward(int double_precision, const void* q, const void* k, const v
     const int64_t want[6] = {rows * s.dim, kv * s.dim, kv * s.dim_v, rows * s.dim_v, rows, rows};
     const char* const names[6] = {"q", "k", "v", "out", "row_max", "inv_sum"};
     if (!check_numels(what, numels, want, names, 6)) return 1;
-    if (!check_broadcast(what, "mask", s, mask, mask_sizes, numels[6])) return 1;
-    if (!check_broadcast(what, "bias", s, bias, mask_sizes + 4, numels[7])) return 1;
-    if (threshold > (uint64_t{1} << 32)) return fail(what, "threshold", static_cast<int64_t>(threshold), 1ll << 32), 1;
+    if (!check_masks(what, s, mask, bias, mask_sizes, numels + 6) || !check_dropout(what, threshold)) return 1;
     const Causal c{causal != 0, causal_offset};
     const DropoutDraw drop{dropout != 0, seed, threshold, keep_value};
     if (double_precision) {
@@ -925,9 +935,7 @@ int attngrad_backward(int double_precision, const void* dout, const void* q, con
                               rows, chunks * rows * s.dim, kv * s.dim, kv * s.dim_v};
     const char* const names[11] = {"dout", "q", "k", "v", "out", "row_max", "inv_sum", "delta", "dq_parts", "dk", "dv"};
     if (!check_numels(what, numels, want, names, 11)) return 1;
-    if (!check_broadcast(what, "mask", s, mask, mask_sizes, numels[11])) return 1;
-    if (!check_broadcast(what, "bias", s, bias, mask_sizes + 4, numels[12])) return 1;
-    if (threshold > (uint64_t{1} << 32)) return fail(what, "threshold", static_cast<int64_t>(threshold), 1ll << 32), 1;
+    if (!check_masks(what, s, mask, bias, mask_sizes, numels + 11) || !check_dropout(what, threshold)) return 1;
     const Causal c{causal != 0, causal_offset};
     const DropoutDraw drop{dropout != 0, seed, threshold, keep_value};
     if (double_precision) {
@@ -966,8 +974,7 @@ int attngrad_double_backward(int double_precision, const void* dout, const void*
     const char* const names[15] = {"dout", "q", "k", "v", "out", "row_max", "inv_sum", "gq", "gk", "gv", "delta",
                                    "g_dout", "g_q", "gk_parts", "gv_parts"};
     if (!check_numels(what, numels, want, names, 15)) return 1;
-    if (!check_broadcast(what, "mask", s, mask, mask_sizes, numels[15])) return 1;
-    if (!check_broadcast(what, "bias", s, bias, mask_sizes + 4, numels[16])) return 1;
+    if (!check_masks(what, s, mask, bias, mask_sizes, numels + 15)) return 1;
     const Causal c{causal != 0, causal_offset};
     if (double_precision) {
         using T = double;

@@ -13,26 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
+from attngrad.bench.runner import cpu_name
 from attngrad.torch import attention, scaled_dot_product_attention
-
-
-def cpu_name() -> str:
-    """The processor's model name and widest vector extension, from /proc/cpuinfo where there is one."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            lines = info.read().splitlines()
-    except OSError:
-        return platform.machine()
-    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
-    flags = next((line for line in lines if line.startswith("flags")), "")
-    return f"{name} ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'no AVX2'})"
 
 
 def step(fn, q, k, v, dout):

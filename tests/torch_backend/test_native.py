@@ -85,28 +85,31 @@ def _inputs(batch, heads, kv_heads, len_q, len_k, dim, dim_v, dtype, seed):
     causal=CAUSAL, masking=MASKING, dropout_p=st.sampled_from([0.0, 0.0, 0.3, 1.0]),
     # (rows, keys, value slice): one block, many with row tails, 16-wide vectors with tails
     blocks=st.sampled_from([(128, 512, 128), (3, 5, 2), (7, 20, 4), (16, 33, 16)]),
-    chunks=st.integers(1, 4), seed=st.integers(0, 2**16),
+    chunks=st.integers(1, 4), bias_grad=st.booleans(), seed=st.integers(0, 2**16),
 )
 def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal, masking,
-                                           dropout_p, blocks, chunks, seed):
+                                           dropout_p, blocks, chunks, bias_grad, seed):
     """float64, every block layout and key split, every causal diagonal, a boolean mask and a
-    bias of any broadcast shape, dropout (the same coordinate-keyed mask): the same
-    statistics, output and gradients as `kernels` to 1e-12."""
+    bias of any broadcast shape and its gradient, dropout (the same coordinate-keyed mask):
+    the same statistics, output and gradients as `kernels` to 1e-12."""
     q, k, v, dout = _inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
     scale, causal = dim**-0.5, _diagonal(causal, len_q, len_k)
     mask, bias = _masks(masking, batch, kv_heads * groups, len_q, len_k, torch.float64, seed)
+    bias_grad = bias_grad and bias is not None
     old = native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE
     native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE = blocks
     try:
         ours = native.attention_forward(q, k, v, causal, scale, mask=mask, bias=bias, seed=seed, dropout_p=dropout_p)
         grads = native.attention_backward(dout, q, k, v, *ours, causal, scale, chunks=chunks, mask=mask, bias=bias,
-                                          seed=seed, dropout_p=dropout_p)
+                                          seed=seed, dropout_p=dropout_p, bias_grad=bias_grad)
     finally:
         native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE = old
     theirs = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, dropout_p)
     their_grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, *theirs, causal, scale, dropout_p,
-                                             False)[:3]
-    names = ("out", "row_max", "inv_sum", "dq", "dk", "dv")
+                                             bias_grad)
+    assert (grads[3] is None) is (not bias_grad)
+    grads, their_grads = grads[: 3 + bias_grad], their_grads[: 3 + bias_grad]
+    names = ("out", "row_max", "inv_sum", "dq", "dk", "dv", "dbias")
     for a, b in zip((*ours, *grads), (*theirs, *their_grads)):
         assert a.shape == b.shape and a.dtype == b.dtype
     # conftest's `zeros` where no row sees two keys; floor_fraction as in the other property tests
@@ -169,7 +172,7 @@ def test_float32_tiles_agree_with_float64(is_causal):
     for dtype in (torch.float64, torch.float32):
         args, do = [t.to(dtype) for t in (q, k, v)], dout.to(dtype)
         out, row_max, inv_sum = native.attention_forward(*args, causal, 0.125)
-        grads = native.attention_backward(do, *args, out, row_max, inv_sum, causal, 0.125)
+        grads = native.attention_backward(do, *args, out, row_max, inv_sum, causal, 0.125)[:3]
         second = native.attention_double_backward(do, *args, out, row_max, inv_sum, causal, 0.125, True,
                                                   *(c.to(dtype) for c in cotangents))
         results.append((out, inv_sum, *grads, *second))
@@ -203,10 +206,40 @@ def test_key_chunks_give_the_same_gradients():
     """One head on several threads splits its keys into chunks, each with its own dQ sum."""
     q, k, v, dout = _inputs(1, 1, 1, 300, 1100, 16, 16, torch.float64, 3)
     stats = native.attention_forward(q, k, v, 0, 0.25)
-    one = native.attention_backward(dout, q, k, v, *stats, 0, 0.25, chunks=1)
+    one = native.attention_backward(dout, q, k, v, *stats, 0, 0.25, chunks=1)[:3]
     for chunks in (2, 3, 8):
-        for a, b in zip(native.attention_backward(dout, q, k, v, *stats, 0, 0.25, chunks=chunks), one):
+        for a, b in zip(native.attention_backward(dout, q, k, v, *stats, 0, 0.25, chunks=chunks)[:3], one):
             assert rel_err(a, b) < EXACT
+
+
+@needs_tiles
+@pytest.mark.parametrize("shape", [(2, 4, 37, 300), (4, 37, 300), (2, 1, 1, 300), (1, 4, 1, 300), (37, 300), (1, 4, 37, 1)])
+@pytest.mark.parametrize("expanded", [False, True])
+def test_bias_gradient_parts_add_up(shape, expanded):
+    """The bias gradient of each broadcast shape, as given or expanded (stride 0) to the
+    scores' shape (then its gradient is per entry): work items that add into the same
+    entries (other batch entries, key/value heads, key chunks) own separate parts, added in
+    order. Against the torch-ops kernels, for 1 and 3 key chunks, GQA, causal. A bias
+    constant along the keys has gradient sum_j dS_ij = 0: there both sides hold rounding."""
+    q, k, v, dout = _inputs(2, 4, 2, 37, 300, 8, 8, torch.float64, 5)
+    bias = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    if expanded:
+        bias = bias.expand(2, 4, 37, 300)
+    stats = kernels.attention_forward(q, k, v, None, bias, 0, 0, 0.3, 0.0)
+    theirs = kernels.attention_backward(dout, q, k, v, None, bias, 0, *stats, 0, 0.3, 0.0, True)
+    old = native.BLOCK_KEYS
+    native.BLOCK_KEYS = 64
+    try:
+        for chunks in (1, 3):
+            ours = native.attention_backward(dout, q, k, v, *stats, 0, 0.3, chunks=chunks, bias=bias, bias_grad=True)
+            assert ours[3].shape == bias.shape
+            names = ("dq", "dk", "dv", "dbias")
+            if bias.shape[-1] == 1:
+                assert float(ours[3].abs().max()) < EXACT and float(theirs[3].abs().max()) < EXACT
+                names = names[:3]
+            assert_all_close(dict(zip(names, ours)), dict(zip(names, theirs)))
+    finally:
+        native.BLOCK_KEYS = old
 
 
 def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
@@ -239,7 +272,9 @@ def test_what_the_tiles_take():
     assert native.supports(q, k, v, None, None, 0.0) is available
     assert native.supports(q, k, v, torch.ones(5, 6, dtype=torch.bool), None, 0.0) is available
     assert native.supports(q, k, v, None, torch.zeros(5, 6, dtype=torch.float64), 0.0) is available
-    assert not native.supports(q, k, v, None, torch.zeros(5, 6, dtype=torch.float64), 0.0, bias_grad=True)
+    bias = torch.zeros(5, 6, dtype=torch.float64)
+    assert native.supports(q, k, v, None, bias, 0.0, bias_grad=True, pass_name="backward") is available
+    assert not native.supports(q, k, v, None, bias, 0.0, bias_grad=True, pass_name="double_backward")
     assert native.supports(q, k, v, None, None, 0.1, pass_name="backward") is available
     assert not native.supports(q, k, v, None, None, 0.1, pass_name="double_backward")
     assert not native.supports(q.half(), k.half(), v.half(), None, None, 0.0)
@@ -293,7 +328,7 @@ def test_tiles_skip_what_a_padding_mask_excludes(causal):
         native.BLOCK_ROWS, native.BLOCK_KEYS = 3, 5
         try:
             ours = native.attention_forward(q, k, v, causal, 0.3, mask=mask, bias=float_mask)
-            grads = native.attention_backward(dout, q, k, v, *ours, causal, 0.3, mask=mask, bias=float_mask)
+            grads = native.attention_backward(dout, q, k, v, *ours, causal, 0.3, mask=mask, bias=float_mask)[:3]
             second = native.attention_double_backward(dout, q, k, v, *ours, causal, 0.3, True, *cotangents,
                                                       mask=mask, bias=float_mask)
         finally:

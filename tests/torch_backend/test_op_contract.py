@@ -188,11 +188,11 @@ def test_the_compiled_tiles_check_their_own_sizes():
     q, k, v = torch.randn(1, 3, 8, 16), torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8)
     out, row_max, inv_sum = torch.empty(1, 3, 8, 8), torch.empty(1, 3, 8), torch.empty(1, 3, 8)
 
-    def forward(q, k, v, out, row_max, inv_sum, mask=None, bias=None):
-        masks, mask_sizes = native._score_masks(mask, bias, torch.float32)
-        pointers, numels = native._buffers(q, k, v, out, row_max, inv_sum, *masks)
-        native._call("attngrad_forward", 0, *pointers, native._sizes(q, k, v), numels, mask_sizes, 0, 0,
-                     *native._dropout(0, 0.0), 0.25, 1, 4, 4, 4)
+    def forward(q, k, v, out, row_max, inv_sum, mask=None, bias=None, **more):
+        call = native.describe(q, k, v, None, 0.25, out=out, row_max=row_max, inv_sum=inv_sum,
+                               **native._score_masks(mask, bias, torch.float32), **more)
+        native._call("attngrad_forward", call)
+        return call
 
     with pytest.raises(RuntimeError, match="heads mod kv_heads"):  # heads 3 over kv_heads 2
         forward(q, k, v, out, row_max, inv_sum)
@@ -201,10 +201,24 @@ def test_the_compiled_tiles_check_their_own_sizes():
     with pytest.raises(RuntimeError, match="k is 128, expected 256"):
         forward(q, k, v, out, row_max, inv_sum)
     q = torch.randn(1, 2, 8, 8)
-    with pytest.raises(RuntimeError, match="mask is 3, expected 8"):  # a mask over 3 keys of 8
+    with pytest.raises(RuntimeError, match="mask_sizes is 3, expected 8"):  # a mask over 3 keys of 8
         forward(q, k, v, out, row_max, inv_sum, mask=torch.ones(8, 3, dtype=torch.bool))
-    with pytest.raises(RuntimeError, match="bias is 7, expected 8"):
+    with pytest.raises(RuntimeError, match="bias_sizes is 7, expected 8"):
         forward(q, k, v, out, row_max, inv_sum, bias=torch.ones(7, 8))
+    with pytest.raises(RuntimeError, match="out is 0, expected 1"):  # a buffer the pass needs, missing
+        forward(q, k, v, None, row_max, inv_sum)
+    with pytest.raises(RuntimeError, match="gq is 128, expected 0"):  # a buffer this pass does not take
+        forward(q, k, v, out, row_max, inv_sum, gq=q)
+    call = forward(q, k, v, out, row_max, inv_sum)  # a good call; then one whose count lies
+    call.numel[native.BUFFERS.index("out")] -= 1
+    with pytest.raises(RuntimeError, match="out is 127, expected 128"):
+        native._call("attngrad_forward", call)
+    call.numel[native.BUFFERS.index("out")] += 1
+    call.chunks = 0
+    with pytest.raises(RuntimeError, match="chunks is 0"):
+        native._call("attngrad_forward", call)
+    with pytest.raises(RuntimeError, match="call is 0"):
+        native._call("attngrad_forward", None)
     with pytest.raises(RuntimeError, match="numel"):
         native._call("attngrad_dropout_keep_scale", 0, out.data_ptr(), out.numel() + 1, 1, 3, 0, 8, 8, 7, 1 << 31, 2.0, 1)
 

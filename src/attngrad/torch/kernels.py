@@ -99,7 +99,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _rows(t: Tensor | None, start: int, stop: int, keys: int) -> Tensor | None:
+def row_slice(t: Tensor | None, start: int, stop: int, keys: int) -> Tensor | None:
     """The rows start:stop and keys :keys of a (..., Lq or 1, Lk or 1) broadcastable tensor."""
     if t is None:
         return None
@@ -110,7 +110,7 @@ def _rows(t: Tensor | None, start: int, stop: int, keys: int) -> Tensor | None:
     return t
 
 
-class _Operands(NamedTuple):
+class Operands(NamedTuple):
     work: torch.dtype  # the compute dtype
     groups: int  # G = H / Hkv
     q_scaled: Tensor  # scale * Q, (B, H, Lq, d)
@@ -119,14 +119,14 @@ class _Operands(NamedTuple):
     bias: Tensor | None
 
 
-def _operands(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> _Operands:
+def operands(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> Operands:
     """Both passes' inputs in the compute dtype: keys and values repeated over each GQA
     group (O(L) memory), and the scale folded into Q once."""
     work = compute_dtype(q.dtype)
     groups = q.shape[1] // k.shape[1] if k.shape[1] else 1  # H = Hkv = 0: no heads at all
     k_rep = (k.repeat_interleave(groups, dim=1) if groups > 1 else k).to(work)
     v_rep = (v.repeat_interleave(groups, dim=1) if groups > 1 else v).to(work)
-    return _Operands(work, groups, q.to(work) * scale, k_rep, v_rep, None if bias is None else bias.to(work))
+    return Operands(work, groups, q.to(work) * scale, k_rep, v_rep, None if bias is None else bias.to(work))
 
 
 def with_column(t: Tensor, column: Tensor | float) -> Tensor:
@@ -172,7 +172,7 @@ class KeyGradient:
         return out.contiguous()
 
 
-class _Tiles:
+class ScoreTiles:
     """Score-sized scratch buffers, allocated once per call and reused by every block:
     a fresh 16 MiB tensor per operation would cost more in page faults than the math."""
 
@@ -185,7 +185,7 @@ class _Tiles:
         return self.flat[index][: math.prod(shape)].view(shape)
 
 
-def _scores(
+def scores_into(
     out: Tensor, q_blk: Tensor, k: Tensor, mask: Tensor | None, bias: Tensor | None, start: int, stop: int,
     causal: int | None,
 ) -> Tensor:
@@ -193,10 +193,10 @@ def _scores(
     q_blk carries the scale already."""
     keys = out.shape[-1]
     torch.matmul(q_blk, k[..., :keys, :].transpose(-1, -2), out=out)
-    b = _rows(bias, start, stop, keys)
+    b = row_slice(bias, start, stop, keys)
     if b is not None:
         out.add_(b)
-    allowed = _rows(mask, start, stop, keys)
+    allowed = row_slice(mask, start, stop, keys)
     if allowed is not None:
         out.masked_fill_(~allowed, float("-inf"))
     first = 0 if causal is None else max(0, start + causal + 1)  # only keys first.. can lie in a row's future
@@ -253,17 +253,17 @@ def attention_forward(
     in the compute dtype)."""
     batch, heads, len_q, _ = q.shape
     len_k = k.shape[-2]
-    work, _, q_scaled, k_rep, v_rep, bias = _operands(q, k, v, bias, scale)
+    work, _, q_scaled, k_rep, v_rep, bias = operands(q, k, v, bias, scale)
     out = torch.empty(batch, heads, len_q, v.shape[-1], dtype=q.dtype, device=q.device)
     row_max = torch.zeros(batch, heads, len_q, dtype=work, device=q.device)
     inv_sum = torch.zeros(batch, heads, len_q, dtype=work, device=q.device)
     plan = blocks(batch, heads, len_q, len_k, causal)
-    tiles = _Tiles(2 if dropout_p > 0.0 else 1, plan, batch, heads, work, q.device)
+    tiles = ScoreTiles(2 if dropout_p > 0.0 else 1, plan, batch, heads, work, q.device)
     for start, stop, keys in plan:
         if keys == 0:  # no key at all for these rows
             out[:, :, start:stop] = 0
             continue
-        s = _scores(tiles.get(0, (batch, heads, stop - start, keys)), q_scaled[:, :, start:stop], k_rep, mask, bias, start, stop, causal)
+        s = scores_into(tiles.get(0, (batch, heads, stop - start, keys)), q_scaled[:, :, start:stop], k_rep, mask, bias, start, stop, causal)
         m = s.amax(dim=-1, keepdim=True)  # (B, H, R, 1)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # empty rows: any finite shift
         e = s.sub_(m).exp_()  # E = exp(S - m)
@@ -310,7 +310,7 @@ def attention_backward(
     """(dq, dk, dv, dbias or None), each in its input's dtype and shape."""
     batch, heads, len_q, width = q.shape
     len_k, width_v = k.shape[-2], v.shape[-1]
-    work, groups, q_scaled, k_rep, v_rep, bias_work = _operands(q, k, v, bias, scale)
+    work, groups, q_scaled, k_rep, v_rep, bias_work = operands(q, k, v, bias, scale)
     dout_w = dout.to(work)
     delta = (dout_w * out.to(work)).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O), (B, H, Lq, 1)
     # The row offsets -m and -D/l ride in the GEMMs as an extra column (`with_column`):
@@ -330,7 +330,7 @@ def attention_backward(
     if bias_grad:
         dbias = (torch.empty if written_once else torch.zeros)(bias.shape, dtype=work, device=q.device)
     plan = blocks(batch, heads, len_q, len_k, causal)
-    tiles = _Tiles(3 if dropout_p > 0.0 else 2, plan, batch, heads, work, q.device)
+    tiles = ScoreTiles(3 if dropout_p > 0.0 else 2, plan, batch, heads, work, q.device)
     masked = mask is not None or bias is not None or causal is not None
     for start, stop, keys in plan:
         r = stop - start
@@ -342,7 +342,7 @@ def attention_backward(
         do_rows = with_column(dout_w[:, :, start:stop] * inv, -(delta[:, :, start:stop] * inv))  # [dO' | -D/l]
         do_blk = do_rows[..., :width_v]  # dO' = dO / l
         # forward: E = exp(S - m), recomputed; 0 on excluded entries and on empty rows
-        e = _scores(tiles.get(0, (batch, heads, r, keys)), q_shifted[:, :, start:stop], k_ones, mask, bias_work,
+        e = scores_into(tiles.get(0, (batch, heads, r, keys)), q_shifted[:, :, start:stop], k_ones, mask, bias_work,
                     start, stop, causal).exp_()
         single = single_key_rows(e, masked, inv)
         # forward: O = (E * Z) V~ / l  ->  dP l = (dO' V~^T) * Z,  dV~ += (E * Z)^T dO'

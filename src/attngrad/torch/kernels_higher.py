@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from .dropout import keep_scale_into
-from .kernels import (KeyGradient, _operands, _rows, _scores, _Tiles, add_block_to_bias, blocks, single_key_rows,
+from .kernels import (KeyGradient, operands, row_slice, scores_into, ScoreTiles, add_block_to_bias, blocks, single_key_rows,
                       with_column)
 
 HIGHER_MIN_ROWS = 128
@@ -93,7 +93,7 @@ class _ScoreForm:
             out.zero_()
         else:
             torch.matmul(self.left[:, :, start:stop], self.right[..., :keys, :].transpose(-1, -2), out=out)
-        c = _rows(self.c, start, stop, keys)
+        c = row_slice(self.c, start, stop, keys)
         if c is not None:
             out.add_(c)
         return out
@@ -107,7 +107,7 @@ class _Recompute:
     def __init__(self, q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, buffers: int):
         self.batch, self.heads, self.len_q, _ = q.shape
         self.len_k = k.shape[-2]
-        ops = _operands(q, k, v, bias, scale)
+        ops = operands(q, k, v, bias, scale)
         self.work, self.groups, self.q_scaled, self.k_rep, self.v_rep = ops.work, ops.groups, ops.q_scaled, ops.k_rep, ops.v_rep
         self.bias, self.mask, self.seed = ops.bias, mask, seed
         self.row_max, self.inv_sum = row_max, inv_sum
@@ -122,7 +122,7 @@ class _Recompute:
         # keys x B H per tile).
         self.plan = blocks(self.batch, self.heads, self.len_q, self.len_k, causal, HIGHER_MIN_ROWS)
         count = buffers + (1 if dropout_p > 0.0 else 0)
-        self.tiles = _Tiles(count, self.plan, self.batch, self.heads, self.work, q.device)
+        self.tiles = ScoreTiles(count, self.plan, self.batch, self.heads, self.work, q.device)
 
     def tile(self, index: int, start: int, stop: int, keys: int) -> Tensor:
         """Scratch buffer `index` shaped as this block's (B, H, R, keys) tile."""
@@ -132,7 +132,7 @@ class _Recompute:
         """(P, Z or None, the single-key rows or None) for one block, P and Z (B, H, R, keys)
         in buffers 0 and the last; P is exactly 1 on a single-key row's key
         (`kernels.single_key_rows`), and the caller sets such a row's dS to 0."""
-        s = _scores(self.tile(0, start, stop, keys), self.q_shifted[:, :, start:stop], self.k_ones, self.mask, self.bias,
+        s = scores_into(self.tile(0, start, stop, keys), self.q_shifted[:, :, start:stop], self.k_ones, self.mask, self.bias,
                     start, stop, self.causal)  # S - m
         e = s.exp_()
         inv = self.inv_sum[:, :, start:stop, None]

@@ -165,34 +165,100 @@ def library() -> ctypes.CDLL | None:
             stacklevel=2,
         )
         return None
+    lib.attngrad_call_layout.restype = ctypes.c_char_p
+    theirs = lib.attngrad_call_layout().decode()
+    if theirs != AttentionCall.layout():
+        build_info.reason = f"the library's call layout differs from native.py's: {theirs!r}"
+        warnings.warn(f"attngrad: {build_info.reason}; the torch-ops kernels run instead", stacklevel=2)
+        return None
     build_info.path = target
     lib.attngrad_set_blas.argtypes = [ctypes.c_void_p] * 3
     lib.attngrad_set_blas(*blas)
-    p, i64, u64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_double
     lib.attngrad_error.restype = ctypes.c_char_p
-    dropout = [i32, u64, u64, f64]  # on, seed, threshold, keep value
-    lib.attngrad_forward.argtypes = [i32, *[p] * 8, p, p, p, i32, i64, *dropout, f64, i32, i64, i64, i64]
-    lib.attngrad_backward.argtypes = [i32, *[p] * 13, p, p, p, i32, i64, *dropout, f64, i32, i64, i64, i64]
-    lib.attngrad_double_backward.argtypes = [i32, *[p] * 17, p, p, p, i32, i64, f64, i32, i64, i64]
+    call = ctypes.POINTER(AttentionCall)
+    for name in ("attngrad_forward", "attngrad_backward", "attngrad_double_backward"):
+        getattr(lib, name).argtypes = [call]
+    lib.attngrad_bias_grad_parts.argtypes, lib.attngrad_bias_grad_parts.restype = [call], ctypes.c_int64
+    p, i64, u64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_double
     lib.attngrad_dropout_keep_scale.argtypes = [i32, p, i64, i64, i64, i64, i64, i64, u64, u64, f64, i32]
     return lib
+
+
+# The buffers of a call, in the order of the library's ATTNGRAD_BUFFERS.
+BUFFERS = ("q", "k", "v", "mask", "bias", "out", "row_max", "inv_sum", "dout", "delta", "dq_parts", "dk", "dv",
+           "dbias_parts", "gq", "gk", "gv", "g_dout", "g_q", "gk_parts", "gv_parts")
+
+
+class AttentionCall(ctypes.Structure):
+    """One call of a pass, as every entry point of the library takes it (its AttngradCall):
+    the sizes, the options and the buffers. `library()` compares the two layouts before it
+    hands out the library. Fill one with `describe`."""
+
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in ("batch", "heads", "kv_heads", "len_q", "len_k", "dim", "dim_v")),
+        ("mask_sizes", ctypes.c_int64 * 4), ("bias_sizes", ctypes.c_int64 * 4),  # (b, h, i, j), each 1 or the scores' own
+        ("double_precision", ctypes.c_int64), ("causal", ctypes.c_int64), ("causal_offset", ctypes.c_int64), ("scale", ctypes.c_double),
+        ("dropout", ctypes.c_int64), ("seed", ctypes.c_uint64), ("threshold", ctypes.c_uint64), ("keep_value", ctypes.c_double),
+        *((name, ctypes.c_int64) for name in ("threads", "block_rows", "block_keys", "value_slice", "chunks")),
+        ("data", ctypes.c_void_p * len(BUFFERS)), ("numel", ctypes.c_int64 * len(BUFFERS)),
+    ]
+
+    def attach(self, name: str, t: Tensor | None) -> None:
+        """Buffer `name` is contiguous `t` (None: null)."""
+        if t is not None and not t.is_contiguous():
+            raise RuntimeError(f"attngrad's compiled tiles take contiguous buffers; {name} is not")
+        index = BUFFERS.index(name)
+        if not hasattr(self, "tensors"):
+            self.tensors = {}
+        self.tensors[name] = t  # the call keeps its buffers alive: a converted copy has no other owner
+        self.data[index] = None if t is None else t.data_ptr()
+        self.numel[index] = 0 if t is None else t.numel()
+
+    @classmethod
+    def layout(cls) -> str:
+        """The layout in the words of the library's attngrad_call_layout()."""
+        fields = " ".join(f"{name}@{getattr(cls, name).offset}" for name, _ in cls._fields_)
+        return f"{fields} size@{ctypes.sizeof(cls)} buffers:{','.join(BUFFERS)}"
+
+
+def describe(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, *, block_rows: int = 0,
+             chunks: int = 1, seed: int = 0, dropout_p: float = 0.0, mask_sizes: tuple = (1, 1, 1, 1),
+             bias_sizes: tuple = (1, 1, 1, 1), **buffers: Tensor | None) -> AttentionCall:
+    """The call of a pass on (B, H, Lq, d) q, (B, Hkv, Lk, d) k, (B, Hkv, Lk, dv) v, with the
+    named `buffers` (contiguous; None or absent is null) and the options."""
+    from .dropout import keep_value, threshold  # that module imports this one
+
+    call = AttentionCall(*q.shape[:2], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3])
+    call.mask_sizes[:], call.bias_sizes[:] = mask_sizes, bias_sizes
+    call.double_precision = q.dtype == torch.float64
+    call.causal, call.causal_offset = causal is not None, 0 if causal is None else int(causal)
+    call.scale = scale
+    call.dropout, call.seed = dropout_p > 0.0, seed
+    call.threshold, call.keep_value = threshold(dropout_p), keep_value(dropout_p)
+    call.threads = torch.get_num_threads()
+    call.block_rows, call.block_keys, call.value_slice = block_rows or BLOCK_ROWS, BLOCK_KEYS, VALUE_SLICE
+    call.chunks = chunks
+    for name, t in dict(q=q, k=k, v=v, **buffers).items():
+        call.attach(name, t)
+    return call
 
 
 def _call(name: str, *args) -> None:
     """Call entry point `name` of the library; its size checks' refusal becomes a RuntimeError
     (the ops check first, so this means a bug in attngrad, never bad user input)."""
     lib = library()
-    if getattr(lib, name)(*args) != 0:
+    if getattr(lib, name)(*(ctypes.byref(a) if isinstance(a, AttentionCall) else a for a in args)) != 0:
         raise RuntimeError(f"attngrad's compiled tiles refused a call: {lib.attngrad_error().decode()}")
 
 
 def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, dropout_p: float,
              bias_grad: bool = False, pass_name: str = "forward") -> bool:
-    """Whether the tiles run this pass of this call: no bias gradient, dropout only in the
+    """Whether the tiles run this pass of this call: dropout and a bias gradient only in the
     forward and backward; CPU; one float32 or float64 dtype; no empty axis. A mask and a bias
     (broadcastable, any float dtype) may be given."""
+    first_order = pass_name in ("forward", "backward")
     return (
-        (dropout_p == 0.0 or pass_name in ("forward", "backward")) and not bias_grad
+        (dropout_p == 0.0 or first_order) and (not bias_grad or first_order)
         and all(t is None or t.device.type == "cpu" for t in (mask, bias))
         and q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
         and q.dtype in (torch.float32, torch.float64) and k.dtype == q.dtype and v.dtype == q.dtype
@@ -201,48 +267,29 @@ def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor 
     )
 
 
-def _sizes(q: Tensor, k: Tensor, v: Tensor) -> ctypes.Array:
-    batch, heads, len_q, dim = q.shape
-    return (ctypes.c_int64 * 7)(batch, heads, k.shape[1], len_q, k.shape[2], dim, v.shape[-1])
-
-
 def _buffers(*tensors: Tensor | None) -> tuple[list[int], ctypes.Array]:
-    """The pointers of contiguous buffers (0 for None) and their element counts, which the
-    entry points check against the sizes."""
+    """The pointers of contiguous buffers (0 for None) and their element counts."""
     if any(t is not None and not t.is_contiguous() for t in tensors):
         raise RuntimeError("attngrad's compiled tiles take contiguous buffers")
     pointers = [0 if t is None else t.data_ptr() for t in tensors]
     return pointers, (ctypes.c_int64 * len(tensors))(*(0 if t is None else t.numel() for t in tensors))
 
 
-def _causal(causal: int | None) -> tuple[bool, int]:
-    return causal is not None, 0 if causal is None else int(causal)
-
-
-def _dropout(seed: int, dropout_p: float) -> tuple[bool, int, int, float]:
-    """(on, seed, threshold, keep value) of the coordinate-keyed draw (`dropout`)."""
-    from .dropout import keep_value, threshold  # that module imports this one
-
-    return dropout_p > 0.0, seed, threshold(dropout_p), keep_value(dropout_p)
-
-
-def _score_masks(mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype) -> tuple[list, ctypes.Array]:
-    """[mask, bias] as the entry points take them, each 4-D and contiguous in its own
-    (broadcast) sizes, the bias in the compute dtype (None where absent), and their sizes."""
-    masks, sizes = [], []
-    for t, kind in ((mask, torch.bool), (bias, dtype)):
+def _score_masks(mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype, bias_grad: bool = False) -> dict:
+    """describe()'s mask and bias, each 4-D and contiguous in its own (broadcast) sizes, the
+    bias in the compute dtype, and their sizes. An expanded axis (stride 0) is read as a
+    broadcast one, except in a bias whose gradient is wanted: that gradient has its shape."""
+    described = {}
+    for name, t, kind in (("mask", mask, torch.bool), ("bias", bias, dtype)):
         if t is None:
-            masks.append(None)
-            sizes += [1, 1, 1, 1]
-        else:
-            t = t[(None,) * (4 - t.dim())]
-            for axis in range(4):  # an expanded axis (stride 0) is a broadcast one: keep one copy
-                if t.stride(axis) == 0 and t.shape[axis] > 1:
-                    t = t.narrow(axis, 0, 1)
-            t = t.to(kind).contiguous()
-            masks.append(t)
-            sizes += list(t.shape)
-    return masks, (ctypes.c_int64 * 8)(*sizes)
+            continue
+        t = t[(None,) * (4 - t.dim())]
+        for axis in range(4):
+            if t.stride(axis) == 0 and t.shape[axis] > 1 and not (name == "bias" and bias_grad):
+                t = t.narrow(axis, 0, 1)
+        described[name] = t = t.to(kind).contiguous()
+        described[f"{name}_sizes"] = tuple(t.shape)
+    return described
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float,
@@ -253,11 +300,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale
     batch, heads, len_q, _ = q.shape
     out = q.new_empty(batch, heads, len_q, v.shape[-1])
     row_max, inv_sum = q.new_empty(batch, heads, len_q), q.new_empty(batch, heads, len_q)
-    masks, mask_sizes = _score_masks(mask, bias, q.dtype)
-    pointers, numels = _buffers(q, k, v, out, row_max, inv_sum, *masks)
-    _call("attngrad_forward", q.dtype == torch.float64, *pointers, _sizes(q, k, v), numels, mask_sizes,
-          *_causal(causal), *_dropout(seed, dropout_p), scale, torch.get_num_threads(), BLOCK_ROWS, BLOCK_KEYS,
-          VALUE_SLICE)
+    _call("attngrad_forward", describe(q, k, v, causal, scale, seed=seed, dropout_p=dropout_p, out=out,
+                                       row_max=row_max, inv_sum=inv_sum, **_score_masks(mask, bias, q.dtype)))
     return out, row_max, inv_sum
 
 
@@ -292,10 +336,11 @@ def _sum_parts(parts: Tensor) -> Tensor:
 def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
     causal: int | None, scale: float, chunks: int | None = None, mask: Tensor | None = None, bias: Tensor | None = None,
-    seed: int = 0, dropout_p: float = 0.0,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv): `kernels.attention_backward`'s results for the cases `supports` accepts.
-    `chunks` splits each head's keys into that many work items (default: `_chunks`)."""
+    seed: int = 0, dropout_p: float = 0.0, bias_grad: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """(dq, dk, dv, dbias or None): `kernels.attention_backward`'s results for the cases
+    `supports` accepts; dbias in the bias's shape and the compute dtype. `chunks` splits
+    each head's keys into that many work items (default: `_chunks`)."""
     dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
     row_max, inv_sum = row_max.contiguous(), inv_sum.contiguous()
     if chunks is None:
@@ -303,11 +348,17 @@ def attention_backward(
     dq_parts = q.new_zeros(chunks, *q.shape)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     delta = q.new_empty(q.shape[:-1])
-    masks, mask_sizes = _score_masks(mask, bias, q.dtype)
-    pointers, numels = _buffers(dout, q, k, v, out, row_max, inv_sum, delta, dq_parts, dk, dv, *masks)
-    _call("attngrad_backward", q.dtype == torch.float64, *pointers, _sizes(q, k, v), numels, mask_sizes,
-          *_causal(causal), *_dropout(seed, dropout_p), scale, torch.get_num_threads(), BLOCK_ROWS, BLOCK_KEYS, chunks)
-    return _sum_parts(dq_parts), dk, dv
+    masks = _score_masks(mask, bias, q.dtype, bias_grad)
+    call = describe(q, k, v, causal, scale, chunks=chunks, seed=seed, dropout_p=dropout_p, dout=dout, out=out,
+                    row_max=row_max, inv_sum=inv_sum, delta=delta, dq_parts=dq_parts, dk=dk, dv=dv, **masks)
+    dbias_parts = None
+    if bias_grad:  # one zeroed part per group of work items that add into the same entries
+        parts = library().attngrad_bias_grad_parts(ctypes.byref(call))
+        dbias_parts = q.new_zeros(parts, *masks["bias_sizes"])
+        call.attach("dbias_parts", dbias_parts)
+    _call("attngrad_backward", call)
+    dbias = None if dbias_parts is None else _sum_parts(dbias_parts).view(bias.shape)
+    return _sum_parts(dq_parts), dk, dv, dbias
 
 
 def _rows_per_block(len_k: int) -> int:
@@ -334,11 +385,10 @@ def attention_double_backward(
     g_q = torch.empty_like(q)
     gk_parts, gv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
     delta = q.new_empty(q.shape[:-1])
-    masks, mask_sizes = _score_masks(mask, bias, q.dtype)
-    pointers, numels = _buffers(dout, q, k, v, out, row_max, inv_sum, gq, gk, gv, delta, g_dout, g_q, gk_parts, gv_parts,
-                                *masks)
-    _call("attngrad_double_backward", q.dtype == torch.float64, *pointers, _sizes(q, k, v), numels, mask_sizes,
-          *_causal(causal), scale, torch.get_num_threads(), rows, chunks)
+    _call("attngrad_double_backward",
+          describe(q, k, v, causal, scale, block_rows=rows, chunks=chunks, dout=dout, out=out, row_max=row_max,
+                   inv_sum=inv_sum, delta=delta, gq=gq, gk=gk, gv=gv, g_dout=g_dout, g_q=g_q, gk_parts=gk_parts,
+                   gv_parts=gv_parts, **_score_masks(mask, bias, q.dtype)))
     return g_dout, g_q, _sum_parts(gk_parts), _sum_parts(gv_parts)
 
 

@@ -39,9 +39,48 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <utility>
 #include <vector>
+#include <cstddef>
+#include <initializer_list>
 
 #include <omp.h>
+
+// One call of a pass, as `native.AttentionCall` describes it on the Python side (which
+// checks its own layout against attngrad_call_layout() when it loads the library). Every
+// entry point takes one; a buffer the pass does not use is null.
+#define ATTNGRAD_BUFFERS(X) \
+    X(q) X(k) X(v) X(mask) X(bias) X(out) X(row_max) X(inv_sum) X(dout) X(delta) X(dq_parts) X(dk) X(dv) \
+    X(dbias_parts) X(gq) X(gk) X(gv) X(g_dout) X(g_q) X(gk_parts) X(gv_parts)
+
+enum AttngradBuffer : int {
+#define ATTNGRAD_ENUM(name) buf_##name,
+    ATTNGRAD_BUFFERS(ATTNGRAD_ENUM)
+#undef ATTNGRAD_ENUM
+    kBufferCount
+};
+
+struct AttngradCall {
+    int64_t batch, heads, kv_heads, len_q, len_k, dim, dim_v;
+    int64_t mask_sizes[4], bias_sizes[4];  // (b, h, i, j), each 1 or the scores' own (B, H, Lq, Lk)
+    int64_t double_precision;              // the element type of every float buffer
+    int64_t causal, causal_offset;         // with causal, row i sees keys j <= i + causal_offset
+    double scale;
+    int64_t dropout;
+    uint64_t seed, threshold;  // keep where the draw's high 32 bits >= threshold = ceil(p 2^32)
+    double keep_value;         // 1 / (1 - p)
+    int64_t threads;
+    int64_t block_rows, block_keys, value_slice;  // query rows and keys of a tile; keys per E V product
+    int64_t chunks;                               // work items per (b, key/value head)
+    void* data[kBufferCount];
+    int64_t numel[kBufferCount];  // element counts, 0 for a null buffer
+};
+
+#define ATTNGRAD_FIELDS(X)                                                                                          \
+    X(batch) X(heads) X(kv_heads) X(len_q) X(len_k) X(dim) X(dim_v) X(mask_sizes) X(bias_sizes) X(double_precision) \
+    X(causal) X(causal_offset) X(scale) X(dropout) X(seed) X(threshold) X(keep_value) X(threads) X(block_rows)     \
+    X(block_keys) X(value_slice) X(chunks) X(data) X(numel)
 
 namespace {
 
@@ -495,6 +534,85 @@ class BlockSkips {
     std::vector<uint8_t> skip_;
 };
 
+template <typename T>
+ScoreMask<T> score_mask(const AttngradCall& c) {
+    ScoreMask<T> masks;
+    if (c.data[buf_mask]) masks = {static_cast<const uint8_t*>(c.data[buf_mask]), Broadcast4(c.mask_sizes), nullptr, Broadcast4()};
+    if (c.data[buf_bias]) {
+        masks.bias = static_cast<const T*>(c.data[buf_bias]);
+        masks.bb = Broadcast4(c.bias_sizes);
+    }
+    return masks;
+}
+
+// A call with its buffers typed: what every pass below takes.
+template <typename T>
+struct Pass {
+    const AttngradCall& call;
+    Shape s;
+    Causal causal;
+    ScoreMask<T> masks;
+    DropoutDraw drop;
+    T scale;
+    int threads;
+
+    explicit Pass(const AttngradCall& c)
+        : call(c),
+          s{c.batch, c.heads, c.kv_heads, c.len_q, c.len_k, c.dim, c.dim_v},
+          causal{c.causal != 0, c.causal_offset},
+          masks(score_mask<T>(c)),
+          drop{c.dropout != 0, c.seed, c.threshold, c.keep_value},
+          scale(static_cast<T>(c.scale)),
+          threads(static_cast<int>(c.threads)) {}
+
+    T* operator[](AttngradBuffer b) const { return static_cast<T*>(call.data[b]); }
+};
+
+// The bias gradient: dS summed over the axes the bias broadcasts along. Work items that
+// would add into the same entries (those of other batch entries, key/value heads or key
+// chunks, along axes the bias broadcasts) each own a part, and the caller adds the parts
+// in order: no entry is written by two threads, and no atomics.
+inline int64_t bias_grad_parts(const AttngradCall& c) {
+    return (c.bias_sizes[0] == 1 ? c.batch : 1) * (c.bias_sizes[1] == 1 ? c.kv_heads : 1) *
+           (c.bias_sizes[3] == 1 ? c.chunks : 1);
+}
+
+template <typename T>
+class BiasGradient {
+   public:
+    explicit BiasGradient(const Pass<T>& p)
+        : parts_(p[buf_dbias_parts]), bb_(p.call.bias_sizes),
+          part_numel_(p.call.bias_sizes[0] * p.call.bias_sizes[1] * p.call.bias_sizes[2] * p.call.bias_sizes[3]),
+          batch_(p.call.bias_sizes[0] == 1 ? p.s.batch : 1), kv_heads_(p.call.bias_sizes[1] == 1 ? p.s.kv_heads : 1),
+          chunks_(p.call.bias_sizes[3] == 1 ? p.call.chunks : 1) {}
+
+    // The part that work item (chunk, b, hk) adds into, or null without a bias gradient
+    T* part(index_t chunk, index_t b, index_t hk) const {
+        if (!parts_) return nullptr;
+        const index_t index = ((batch_ > 1 ? b : 0) * kv_heads_ + (kv_heads_ > 1 ? hk : 0)) * chunks_ +
+                              (chunks_ > 1 ? chunk : 0);
+        return parts_ + index * part_numel_;
+    }
+
+    // part += dS for keys c0..c0 + n of row i of head (b, h)
+    void add_row(T* part, const T* ds, index_t b, index_t h, index_t i, index_t c0, index_t n) const {
+        T* row = part + bb_.row(b, h, i);
+        if (bb_.sj) {
+            row += c0;
+            for (index_t j = 0; j < n; ++j) row[j] += ds[j];
+        } else {
+            T sum = 0;
+            for (index_t j = 0; j < n; ++j) sum += ds[j];
+            row[0] += sum;
+        }
+    }
+
+   private:
+    T* parts_;
+    Broadcast4 bb_;
+    index_t part_numel_, batch_, kv_heads_, chunks_;
+};
+
 // A work item of the backward passes: chunk `chunk` of key/value head bhk = b Hkv + hk, in
 // chunk-major order (in the backward's causal pass the first key chunks, seen by the most
 // rows, are the heaviest and so go first).
@@ -508,9 +626,16 @@ inline KvItem kv_item(index_t item, index_t bhk_count, index_t kv_heads) {
 }
 
 template <typename T>
-void forward(const T* q, const T* k, const T* v, T* out, T* row_max, T* inv_sum, const Shape& s, Causal causal,
-             const ScoreMask<T>& masks, const DropoutDraw& drop, T scale, int threads, index_t block_rows,
-             index_t block_keys, index_t value_slice) {
+void forward(const Pass<T>& pass) {
+    const T *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v];
+    T *out = pass[buf_out], *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];
+    const Shape& s = pass.s;
+    const Causal causal = pass.causal;
+    const ScoreMask<T>& masks = pass.masks;
+    const DropoutDraw& drop = pass.drop;
+    const T scale = pass.scale;
+    const int threads = pass.threads;
+    const index_t block_rows = pass.call.block_rows, block_keys = pass.call.block_keys, value_slice = pass.call.value_slice;
     const index_t group = s.heads / s.kv_heads;
     const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
     const index_t bh_count = s.batch * s.heads;
@@ -592,9 +717,18 @@ void row_dots(const T* a, const T* b, T* delta, index_t rows, index_t width, int
 }
 
 template <typename T>
-void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, const T* row_max, const T* inv_sum,
-              T* delta, T* dq_parts, T* dk, T* dv, const Shape& s, Causal causal, const ScoreMask<T>& masks,
-              const DropoutDraw& drop, T scale, int threads, index_t block_rows, index_t block_keys, index_t chunks) {
+void backward(const Pass<T>& pass) {
+    const T *dout = pass[buf_dout], *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v], *out = pass[buf_out];
+    const T *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];
+    T *delta = pass[buf_delta], *dq_parts = pass[buf_dq_parts], *dk = pass[buf_dk], *dv = pass[buf_dv];
+    const BiasGradient<T> dbias(pass);
+    const Shape& s = pass.s;
+    const Causal causal = pass.causal;
+    const ScoreMask<T>& masks = pass.masks;
+    const DropoutDraw& drop = pass.drop;
+    const T scale = pass.scale;
+    const int threads = pass.threads;
+    const index_t block_rows = pass.call.block_rows, block_keys = pass.call.block_keys, chunks = pass.call.chunks;
     const index_t group = s.heads / s.kv_heads;
     const index_t rows_total = s.batch * s.heads * s.len_q;
     row_dots(dout, out, delta, rows_total, s.dim_v, threads);  // D = rowsum(dO * O)
@@ -615,6 +749,7 @@ void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, c
             T* dk_head = dk + bhk * s.len_k * s.dim;
             T* dv_head = dv + bhk * s.len_k * s.dim_v;
             T* dq = dq_parts + chunk * rows_total * s.dim;
+            T* dbias_part = dbias.part(chunk, b, hk);
             for (index_t kb = chunk * key_blocks / chunks; kb < (chunk + 1) * key_blocks / chunks; ++kb) {
                 const index_t c0 = kb * block_keys, cols = std::min(block_keys, s.len_k - c0);
                 const T* k_blk = k_head + c0 * s.dim;
@@ -657,6 +792,8 @@ void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, c
                             if (drop.on) drop.scale_row(p, b, h, r0 + i, c0, seen);  // P Z, for dV
                             std::fill(p + seen, p + cols, T(0));
                             std::fill(ds + seen, ds + cols, T(0));
+                            // forward: S = scale Q K^T + bias  ->  dbias = dS, summed over its broadcast axes
+                            if (dbias_part) dbias.add_row(dbias_part, ds, b, h, r0 + i, c0, seen);
                         }
                         // forward: O = (P Z) V  ->  dV_blk += (P Z)^T dO
                         gemm<T>(true, false, cols, s.dim_v, rows, T(1), probs.data(), cols, dout + first * s.dim_v,
@@ -683,10 +820,18 @@ void backward(const T* dout, const T* q, const T* k, const T* v, const T* out, c
 //   g_S = P * (g_P - u),  dS = P * (dP - D)
 //   g_Q = scale (g_S K + dS gK),  g_K += scale (g_S^T Q + dS^T gQ)
 template <typename T>
-void double_backward(const T* dout, const T* q, const T* k, const T* v, const T* out, const T* row_max,
-                     const T* inv_sum, const T* gq, const T* gk, const T* gv, T* delta, T* g_dout, T* g_q,
-                     T* gk_parts, T* gv_parts, const Shape& s, Causal causal, const ScoreMask<T>& masks,
-                     T scale, int threads, index_t block_rows, index_t chunks) {
+void double_backward(const Pass<T>& pass) {
+    const T *dout = pass[buf_dout], *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v], *out = pass[buf_out];
+    const T *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];
+    const T *gq = pass[buf_gq], *gk = pass[buf_gk], *gv = pass[buf_gv];
+    T *delta = pass[buf_delta], *g_dout = pass[buf_g_dout], *g_q = pass[buf_g_q];
+    T *gk_parts = pass[buf_gk_parts], *gv_parts = pass[buf_gv_parts];
+    const Shape& s = pass.s;
+    const Causal causal = pass.causal;
+    const ScoreMask<T>& masks = pass.masks;
+    const T scale = pass.scale;
+    const int threads = pass.threads;
+    const index_t block_rows = pass.call.block_rows, chunks = pass.call.chunks;
     const index_t group = s.heads / s.kv_heads;
     const index_t rows_total = s.batch * s.heads * s.len_q;
     row_dots(dout, out, delta, rows_total, s.dim_v, threads);  // D = rowsum(dO * O)
@@ -808,63 +953,99 @@ bool fail(const char* what, const char* name, int64_t got, int64_t want) {
 
 constexpr int64_t kIntMax = std::numeric_limits<int>::max();  // the BLAS takes 32-bit sizes
 
-bool check_shape(const char* what, const Shape& s, int threads, int64_t block_rows, int64_t chunks) {
-    const int64_t sizes[7] = {s.batch, s.heads, s.kv_heads, s.len_q, s.len_k, s.dim, s.dim_v};
-    const char* names[7] = {"batch", "heads", "kv_heads", "len_q", "len_k", "dim", "dim_v"};
-    for (int i = 0; i < 7; ++i) {
-        if (sizes[i] < 1 || sizes[i] > kIntMax) return fail(what, names[i], sizes[i], 1);
-    }
-    if (s.heads % s.kv_heads != 0) return fail(what, "heads mod kv_heads", s.heads % s.kv_heads, 0);
-    if (threads < 1) return fail(what, "threads", threads, 1);
-    if (block_rows < 1 || block_rows > kIntMax) return fail(what, "block_rows", block_rows, 1);
-    if (chunks < 1) return fail(what, "chunks", chunks, 1);
-    if (block_rows * s.len_k > (int64_t{1} << 40)) return fail(what, "block_rows * len_k", block_rows * s.len_k, 1 << 30);
-    return true;
+// a * b, or false where it would pass 2^62 (sizes that no buffer could have)
+bool product(int64_t a, int64_t b, int64_t* out) {
+    return !__builtin_mul_overflow(a, b, out) && *out <= (int64_t{1} << 62);
 }
 
-// numels[i] must equal want[i] for every buffer named in `names` (a null buffer has 0)
-bool check_numels(const char* what, const int64_t* numels, const int64_t* want, const char* const* names, int count) {
-    for (int i = 0; i < count; ++i) {
-        if (numels[i] != want[i]) return fail(what, names[i], numels[i], want[i]);
+const char* const kBufferNames[kBufferCount] = {
+#define ATTNGRAD_NAME(name) #name,
+    ATTNGRAD_BUFFERS(ATTNGRAD_NAME)
+#undef ATTNGRAD_NAME
+};
+
+// How a pass takes a buffer: not at all (it must be null), always, or where given.
+enum class Use { none, required, optional };
+
+// The element count buffer `b` must have in call `c`, or -1 where it overflows.
+int64_t expected_numel(const AttngradCall& c, int b) {
+    int64_t rows = 0, kv = 0, mask = 0, bias = 0, n = -1;
+    if (!product(c.batch * c.heads, c.len_q, &rows) || !product(c.batch * c.kv_heads, c.len_k, &kv) ||
+        !product(c.mask_sizes[0] * c.mask_sizes[1], c.mask_sizes[2] * c.mask_sizes[3], &mask) ||
+        !product(c.bias_sizes[0] * c.bias_sizes[1], c.bias_sizes[2] * c.bias_sizes[3], &bias)) {
+        return -1;
     }
-    return true;
+    switch (b) {
+        case buf_q: case buf_gq: case buf_g_q: return product(rows, c.dim, &n) ? n : -1;
+        case buf_k: case buf_dk: case buf_gk: return product(kv, c.dim, &n) ? n : -1;
+        case buf_v: case buf_dv: case buf_gv: return product(kv, c.dim_v, &n) ? n : -1;
+        case buf_out: case buf_dout: case buf_g_dout: return product(rows, c.dim_v, &n) ? n : -1;
+        case buf_row_max: case buf_inv_sum: case buf_delta: return rows;
+        case buf_mask: return mask;
+        case buf_bias: return bias;
+        case buf_dq_parts: return product(rows * c.dim, c.chunks, &n) ? n : -1;
+        case buf_gk_parts: return product(kv * c.dim, c.chunks, &n) ? n : -1;
+        case buf_gv_parts: return product(kv * c.dim_v, c.chunks, &n) ? n : -1;
+        case buf_dbias_parts: return product(bias, bias_grad_parts(c), &n) ? n : -1;
+        default: return -1;
+    }
 }
 
-// A mask or bias: null, or sizes (b, h, i, j), each 1 or the scores' (B, H, Lq, Lk), with
-// their product as its element count
-bool check_broadcast(const char* what, const char* name, const Shape& s, const void* data, const int64_t* sizes,
-                     int64_t numel) {
-    if (!data) return numel == 0 || fail(what, name, numel, 0);
-    const int64_t full[4] = {s.batch, s.heads, s.len_q, s.len_k};
-    int64_t product = 1;
+// A mask's or bias's (b, h, i, j) sizes: each 1 or the scores' own
+bool check_broadcast(const char* what, const char* name, const AttngradCall& c, const int64_t* sizes) {
+    const int64_t full[4] = {c.batch, c.heads, c.len_q, c.len_k};
     for (int d = 0; d < 4; ++d) {
         if (sizes[d] != 1 && sizes[d] != full[d]) return fail(what, name, sizes[d], full[d]);
-        product *= sizes[d];
     }
-    return numel == product || fail(what, name, numel, product);
+    return true;
 }
 
-// The mask and the bias (`mask_numels`: their element counts)
-bool check_masks(const char* what, const Shape& s, const void* mask, const void* bias, const int64_t* mask_sizes,
-                 const int64_t* mask_numels) {
-    return check_broadcast(what, "mask", s, mask, mask_sizes, mask_numels[0]) &&
-           check_broadcast(what, "bias", s, bias, mask_sizes + 4, mask_numels[1]);
-}
-
-// The dropout draw's threshold is ceil(p 2^32) <= 2^32
-bool check_dropout(const char* what, uint64_t threshold) {
-    return threshold <= (uint64_t{1} << 32) || fail(what, "threshold", static_cast<int64_t>(threshold), 1ll << 32);
-}
-
-template <typename T>
-ScoreMask<T> score_mask(const void* mask, const void* bias, const int64_t* mask_sizes) {
-    ScoreMask<T> masks;
-    if (mask) masks = {static_cast<const uint8_t*>(mask), Broadcast4(mask_sizes), nullptr, Broadcast4()};
-    if (bias) {
-        masks.bias = static_cast<const T*>(bias);
-        masks.bb = Broadcast4(mask_sizes + 4);
+// Every size, option and buffer of call `c` for a pass that takes the buffers `uses`
+// (the others must be null): sizes in range, and each buffer's element count what the
+// sizes say, before anything is read.
+bool check_call(const char* what, const AttngradCall* call, std::initializer_list<std::pair<int, Use>> uses) {
+    if (!call) return fail(what, "call", 0, 1);
+    const AttngradCall& c = *call;
+    const int64_t sizes[7] = {c.batch, c.heads, c.kv_heads, c.len_q, c.len_k, c.dim, c.dim_v};
+    const char* const size_names[7] = {"batch", "heads", "kv_heads", "len_q", "len_k", "dim", "dim_v"};
+    for (int i = 0; i < 7; ++i) {
+        if (sizes[i] < 1 || sizes[i] > kIntMax) return fail(what, size_names[i], sizes[i], 1);
     }
-    return masks;
+    if (c.heads % c.kv_heads != 0) return fail(what, "heads mod kv_heads", c.heads % c.kv_heads, 0);
+    const int64_t options[5] = {c.threads, c.block_rows, c.block_keys, c.value_slice, c.chunks};
+    const char* const option_names[5] = {"threads", "block_rows", "block_keys", "value_slice", "chunks"};
+    for (int i = 0; i < 5; ++i) {
+        if (options[i] < 1 || options[i] > kIntMax) return fail(what, option_names[i], options[i], 1);
+    }
+    if (c.block_rows * c.len_k > (int64_t{1} << 40)) return fail(what, "block_rows * len_k", c.block_rows * c.len_k, 1 << 30);
+    if (c.threshold > (uint64_t{1} << 32)) return fail(what, "threshold", static_cast<int64_t>(c.threshold), 1ll << 32);
+    if (!check_broadcast(what, "mask_sizes", c, c.mask_sizes) || !check_broadcast(what, "bias_sizes", c, c.bias_sizes)) {
+        return false;
+    }
+    Use use[kBufferCount] = {};
+    for (const auto& [b, how] : uses) use[b] = how;
+    for (int b = 0; b < kBufferCount; ++b) {
+        if (!c.data[b]) {
+            if (use[b] == Use::required) return fail(what, kBufferNames[b], 0, 1);
+            if (c.numel[b] != 0) return fail(what, kBufferNames[b], c.numel[b], 0);
+            continue;
+        }
+        if (use[b] == Use::none) return fail(what, kBufferNames[b], c.numel[b], 0);  // not this pass's
+        const int64_t want = expected_numel(c, b);
+        if (c.numel[b] != want) return fail(what, kBufferNames[b], c.numel[b], want);
+    }
+    return true;
+}
+
+// The call's layout, "name@offset ..." for every field, then its size and the buffers' names
+std::string call_layout() {
+    std::string text;
+#define ATTNGRAD_OFFSET(name) text += #name "@" + std::to_string(offsetof(AttngradCall, name)) + " ";
+    ATTNGRAD_FIELDS(ATTNGRAD_OFFSET)
+#undef ATTNGRAD_OFFSET
+    text += "size@" + std::to_string(sizeof(AttngradCall)) + " buffers:";
+    for (int b = 0; b < kBufferCount; ++b) text += std::string(b ? "," : "") + kBufferNames[b];
+    return text;
 }
 
 }  // namespace
@@ -881,117 +1062,74 @@ void attngrad_set_blas(void* sgemm, void* dgemm, void* local_threads) {
     blas_local_threads = reinterpret_cast<local_threads_fn>(local_threads);
 }
 
-// `sizes`: batch, heads, kv_heads, len_q, len_k, dim, dim_v. `numels`: the element count of
-// each buffer, in argument order (0 for a null one). `mask` (bytes, nonzero = take part) and
-// `bias` (the element type) may be null; `mask_sizes` holds the mask's (b, h, i, j) sizes,
-// then the bias's, each 1 or the scores' own, each tensor contiguous in its own sizes. `double_precision` picks the element type of every
-// pointer; `causal` turns on the diagonal j <= i + causal_offset. Returns 0, or nonzero
-// without touching a buffer when a size does not fit.
-int attngrad_forward(int double_precision, const void* q, const void* k, const void* v, void* out, void* row_max,
-                     void* inv_sum, const void* mask, const void* bias, const int64_t* sizes, const int64_t* numels,
-                     const int64_t* mask_sizes, int causal, int64_t causal_offset, int dropout, uint64_t seed,
-                     uint64_t threshold, double keep_value, double scale, int threads, int64_t block_rows,
-                     int64_t block_keys, int64_t value_slice) {
-    const Shape s{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6]};
-    const char* what = "attngrad_forward";
-    if (!check_shape(what, s, threads, block_rows, 1)) return 1;
-    if (block_keys < 1 || block_keys > kIntMax) return fail(what, "block_keys", block_keys, 1), 1;
-    if (value_slice < 1 || value_slice > kIntMax) return fail(what, "value_slice", value_slice, 1), 1;
-    const int64_t rows = s.batch * s.heads * s.len_q, kv = s.batch * s.kv_heads * s.len_k;
-    const int64_t want[6] = {rows * s.dim, kv * s.dim, kv * s.dim_v, rows * s.dim_v, rows, rows};
-    const char* const names[6] = {"q", "k", "v", "out", "row_max", "inv_sum"};
-    if (!check_numels(what, numels, want, names, 6)) return 1;
-    if (!check_masks(what, s, mask, bias, mask_sizes, numels + 6) || !check_dropout(what, threshold)) return 1;
-    const Causal c{causal != 0, causal_offset};
-    const DropoutDraw drop{dropout != 0, seed, threshold, keep_value};
-    if (double_precision) {
-        forward<double>(static_cast<const double*>(q), static_cast<const double*>(k), static_cast<const double*>(v),
-                        static_cast<double*>(out), static_cast<double*>(row_max), static_cast<double*>(inv_sum), s, c,
-                        score_mask<double>(mask, bias, mask_sizes), drop, scale, threads, block_rows, block_keys,
-                        value_slice);
+// The layout of AttngradCall, which the Python side compares with its own before any call.
+const char* attngrad_call_layout() {
+    static const std::string layout = call_layout();
+    return layout.c_str();
+}
+
+// How many parts the backward's dbias_parts holds: each (b, h, i, j)-shaped (bias_sizes),
+// zeroed by the caller, who adds them in order.
+int64_t attngrad_bias_grad_parts(const AttngradCall* call) { return call ? bias_grad_parts(*call) : 0; }
+
+// Each entry point checks the call (check_call) and returns 0, or nonzero without touching a
+// buffer (attngrad_error() says why).
+
+// out (B, H, Lq, dv), row_max and inv_sum (B, H, Lq) from q, k, v; mask (bytes, nonzero =
+// take part) and bias optional; dropout in the output's E V.
+int attngrad_forward(const AttngradCall* call) {
+    if (!check_call("attngrad_forward", call,
+                    {{buf_q, Use::required}, {buf_k, Use::required}, {buf_v, Use::required},
+                     {buf_mask, Use::optional}, {buf_bias, Use::optional}, {buf_out, Use::required},
+                     {buf_row_max, Use::required}, {buf_inv_sum, Use::required}})) {
+        return 1;
+    }
+    if (call->double_precision) {
+        forward(Pass<double>(*call));
     } else {
-        forward<float>(static_cast<const float*>(q), static_cast<const float*>(k), static_cast<const float*>(v),
-                       static_cast<float*>(out), static_cast<float*>(row_max), static_cast<float*>(inv_sum), s, c,
-                       score_mask<float>(mask, bias, mask_sizes), drop, static_cast<float>(scale), threads, block_rows,
-                       block_keys, value_slice);
+        forward(Pass<float>(*call));
     }
     return 0;
 }
 
 // dq_parts holds `chunks` zeroed (B, H, Lq, d) partial sums of dQ, one per chunk of key
-// blocks; dk and dv are zeroed; delta is (B, H, Lq) scratch.
-int attngrad_backward(int double_precision, const void* dout, const void* q, const void* k, const void* v,
-                      const void* out, const void* row_max, const void* inv_sum, void* delta, void* dq_parts, void* dk,
-                      void* dv, const void* mask, const void* bias, const int64_t* sizes, const int64_t* numels,
-                      const int64_t* mask_sizes, int causal, int64_t causal_offset, int dropout, uint64_t seed,
-                      uint64_t threshold, double keep_value, double scale, int threads, int64_t block_rows,
-                      int64_t block_keys, int64_t chunks) {
-    const Shape s{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6]};
-    const char* what = "attngrad_backward";
-    if (!check_shape(what, s, threads, block_rows, chunks)) return 1;
-    if (block_keys < 1 || block_keys > kIntMax) return fail(what, "block_keys", block_keys, 1), 1;
-    const int64_t rows = s.batch * s.heads * s.len_q, kv = s.batch * s.kv_heads * s.len_k;
-    const int64_t want[11] = {rows * s.dim_v, rows * s.dim, kv * s.dim, kv * s.dim_v, rows * s.dim_v, rows, rows,
-                              rows, chunks * rows * s.dim, kv * s.dim, kv * s.dim_v};
-    const char* const names[11] = {"dout", "q", "k", "v", "out", "row_max", "inv_sum", "delta", "dq_parts", "dk", "dv"};
-    if (!check_numels(what, numels, want, names, 11)) return 1;
-    if (!check_masks(what, s, mask, bias, mask_sizes, numels + 11) || !check_dropout(what, threshold)) return 1;
-    const Causal c{causal != 0, causal_offset};
-    const DropoutDraw drop{dropout != 0, seed, threshold, keep_value};
-    if (double_precision) {
-        using T = double;
-        backward<T>(static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k),
-                    static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(row_max),
-                    static_cast<const T*>(inv_sum), static_cast<T*>(delta), static_cast<T*>(dq_parts),
-                    static_cast<T*>(dk), static_cast<T*>(dv), s, c, score_mask<T>(mask, bias, mask_sizes), drop,
-                    scale, threads, block_rows, block_keys, chunks);
+// blocks; dk and dv are zeroed; delta is (B, H, Lq) scratch; dbias_parts, where given,
+// holds attngrad_bias_grad_parts zeroed parts of the bias's gradient.
+int attngrad_backward(const AttngradCall* call) {
+    if (!check_call("attngrad_backward", call,
+                    {{buf_q, Use::required}, {buf_k, Use::required}, {buf_v, Use::required},
+                     {buf_mask, Use::optional}, {buf_bias, Use::optional}, {buf_out, Use::required},
+                     {buf_row_max, Use::required}, {buf_inv_sum, Use::required}, {buf_dout, Use::required},
+                     {buf_delta, Use::required}, {buf_dq_parts, Use::required}, {buf_dk, Use::required},
+                     {buf_dv, Use::required}, {buf_dbias_parts, call && call->data[buf_bias] ? Use::optional : Use::none}})) {
+        return 1;
+    }
+    if (call->double_precision) {
+        backward(Pass<double>(*call));
     } else {
-        using T = float;
-        backward<T>(static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k),
-                    static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(row_max),
-                    static_cast<const T*>(inv_sum), static_cast<T*>(delta), static_cast<T*>(dq_parts),
-                    static_cast<T*>(dk), static_cast<T*>(dv), s, c, score_mask<T>(mask, bias, mask_sizes), drop,
-                    static_cast<T>(scale), threads, block_rows, block_keys, chunks);
+        backward(Pass<float>(*call));
     }
     return 0;
 }
 
-// gq, gk, gv may be null (zero cotangents; numel 0), and g_dout (not asked for). gk_parts
-// and gv_parts hold `chunks` zeroed (B, Hkv, Lk, .) partial sums, one per chunk of query blocks.
-int attngrad_double_backward(int double_precision, const void* dout, const void* q, const void* k, const void* v,
-                             const void* out, const void* row_max, const void* inv_sum, const void* gq, const void* gk,
-                             const void* gv, void* delta, void* g_dout, void* g_q, void* gk_parts, void* gv_parts,
-                             const void* mask, const void* bias, const int64_t* sizes, const int64_t* numels,
-                             const int64_t* mask_sizes, int causal, int64_t causal_offset, double scale, int threads,
-                             int64_t block_rows, int64_t chunks) {
-    const Shape s{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6]};
-    const char* what = "attngrad_double_backward";
-    if (!check_shape(what, s, threads, block_rows, chunks)) return 1;
-    const int64_t rows = s.batch * s.heads * s.len_q, kv = s.batch * s.kv_heads * s.len_k;
-    const int64_t want[15] = {rows * s.dim_v, rows * s.dim, kv * s.dim, kv * s.dim_v, rows * s.dim_v, rows, rows,
-                              gq ? rows * s.dim : 0, gk ? kv * s.dim : 0, gv ? kv * s.dim_v : 0, rows,
-                              g_dout ? rows * s.dim_v : 0, rows * s.dim, chunks * kv * s.dim, chunks * kv * s.dim_v};
-    const char* const names[15] = {"dout", "q", "k", "v", "out", "row_max", "inv_sum", "gq", "gk", "gv", "delta",
-                                   "g_dout", "g_q", "gk_parts", "gv_parts"};
-    if (!check_numels(what, numels, want, names, 15)) return 1;
-    if (!check_masks(what, s, mask, bias, mask_sizes, numels + 15)) return 1;
-    const Causal c{causal != 0, causal_offset};
-    if (double_precision) {
-        using T = double;
-        double_backward<T>(static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k),
-                           static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(row_max),
-                           static_cast<const T*>(inv_sum), static_cast<const T*>(gq), static_cast<const T*>(gk),
-                           static_cast<const T*>(gv), static_cast<T*>(delta), static_cast<T*>(g_dout),
-                           static_cast<T*>(g_q), static_cast<T*>(gk_parts), static_cast<T*>(gv_parts), s, c,
-                           score_mask<T>(mask, bias, mask_sizes), scale, threads, block_rows, chunks);
+// gq, gk, gv may be null (zero cotangents), and g_dout (not asked for). gk_parts and
+// gv_parts hold `chunks` zeroed (B, Hkv, Lk, .) partial sums, one per chunk of query
+// blocks; block_rows rows per query block, each holding whole rows of keys. No dropout.
+int attngrad_double_backward(const AttngradCall* call) {
+    if (!check_call("attngrad_double_backward", call,
+                    {{buf_q, Use::required}, {buf_k, Use::required}, {buf_v, Use::required},
+                     {buf_mask, Use::optional}, {buf_bias, Use::optional}, {buf_out, Use::required},
+                     {buf_row_max, Use::required}, {buf_inv_sum, Use::required}, {buf_dout, Use::required},
+                     {buf_delta, Use::required}, {buf_gq, Use::optional}, {buf_gk, Use::optional},
+                     {buf_gv, Use::optional}, {buf_g_dout, Use::optional}, {buf_g_q, Use::required},
+                     {buf_gk_parts, Use::required}, {buf_gv_parts, Use::required}})) {
+        return 1;
+    }
+    if (call->dropout) return fail("attngrad_double_backward", "dropout", call->dropout, 0), 1;
+    if (call->double_precision) {
+        double_backward(Pass<double>(*call));
     } else {
-        using T = float;
-        double_backward<T>(static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k),
-                           static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(row_max),
-                           static_cast<const T*>(inv_sum), static_cast<const T*>(gq), static_cast<const T*>(gk),
-                           static_cast<const T*>(gv), static_cast<T*>(delta), static_cast<T*>(g_dout),
-                           static_cast<T*>(g_q), static_cast<T*>(gk_parts), static_cast<T*>(gv_parts), s, c,
-                           score_mask<T>(mask, bias, mask_sizes), static_cast<T>(scale), threads, block_rows, chunks);
+        double_backward(Pass<float>(*call));
     }
     return 0;
 }

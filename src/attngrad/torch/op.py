@@ -70,13 +70,16 @@ def attention_backward(
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad)
-    if choose("backward", q, k, v, mask, bias, dropout_p, bias_grad) == "tiles":  # no bias gradient
-        dq, dk, dv = native.attention_backward(dout.to(q.dtype), q, k, v, out, row_max, inv_sum, causal, scale,
-                                               mask=mask, bias=bias, seed=int(seed), dropout_p=dropout_p)
-        return dq, dk, dv, q.new_empty(0)
-    dq, dk, dv, dbias = kernels.attention_backward(
-        dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad
-    )
+    if choose("backward", q, k, v, mask, bias, dropout_p, bias_grad) == "tiles":
+        dq, dk, dv, dbias = native.attention_backward(
+            dout.to(q.dtype), q, k, v, out, row_max, inv_sum, causal, scale, mask=mask, bias=bias, seed=int(seed),
+            dropout_p=dropout_p, bias_grad=bias_grad,
+        )
+        dbias = None if dbias is None else dbias.to(bias.dtype)
+    else:
+        dq, dk, dv, dbias = kernels.attention_backward(
+            dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad
+        )
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)  # ops return tensors, not None
 
 

@@ -182,6 +182,12 @@ def test_float32_single_key_rows_are_exact(backend, shape, is_causal):
     single = seen.clamp(0, len_k) == 1
     assert single.any()
     assert float(dq[:, :, single].detach().abs().max()) == 0.0
+    # forward mode: P' = 0 there, so the output's tangent is the one key's tV alone
+    tangents = tuple(torch.randn(t.shape, generator=g) for t in (q, k, v))
+    out_t = torch.func.jvp(lambda *a: attention(*a, is_causal=is_causal), (q.detach(), k.detach(), v.detach()),
+                           tangents)[1]
+    first = int(seen[single][0]) - 1  # the key those rows see
+    assert torch.equal(out_t[:, :, single], tangents[2][:, :, first, None].expand_as(out_t[:, :, single]))
     if bool(single.all()):
         assert float(dk.detach().abs().max()) == 0.0
         g_q, g_k = torch.autograd.grad((dv * dv).sum(), (q, k))

@@ -160,6 +160,39 @@ def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, grou
 
 
 @needs_tiles
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 3),
+    len_q=st.integers(1, 50), len_k=st.integers(1, 50), dim=st.sampled_from([1, 5, 16]), dim_v=st.sampled_from([3, 16]),
+    causal=CAUSAL, masking=MASKING, rows=st.sampled_from([3, 128]), dropout_p=st.sampled_from([0.0, 0.0, 0.3, 1.0]),
+    present=st.sampled_from([(1, 1, 1, 1), (1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (0, 0, 0, 0)]),
+    seed=st.integers(0, 2**16),
+)
+def test_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal, masking,
+                                               rows, dropout_p, present, seed):
+    """float64, any subset of the tangents (tQ, tK, tV, tbias), masks and a bias of any
+    broadcast shape, dropout, every block height: `kernels_higher`'s output tangent to 1e-12."""
+    q, k, v, _ = _inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
+    scale, causal = dim**-0.5, _diagonal(causal, len_q, len_k)
+    mask, bias = _masks(masking, batch, kv_heads * groups, len_q, len_k, torch.float64, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    tq, tk, tv, tbias = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
+                         for t, keep in zip((q, k, v, bias), present))
+    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, dropout_p)
+    old = native.BLOCK_ROWS
+    native.BLOCK_ROWS = rows
+    try:
+        ours = native.attention_jvp(q, k, v, row_max, inv_sum, causal, scale, tq, tk, tv, mask=mask, bias=bias,
+                                    tbias=tbias, seed=seed, dropout_p=dropout_p)
+    finally:
+        native.BLOCK_ROWS = old
+    theirs = kernels_higher.attention_jvp(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p,
+                                          tq, tk, tv, tbias)
+    assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+    assert_all_close({"out_t": ours}, {"out_t": theirs}, floor_fraction=1e-3)
+
+
+@needs_tiles
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_float32_tiles_agree_with_float64(is_causal):
     """float32 through the vectorised exp and the explicit SIMD loops, in all three passes:
@@ -300,10 +333,11 @@ def test_use_implementation_chooses_and_counts():
         scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
         with pytest.raises(RuntimeError, match="no allowed implementation runs this call.*do not take this forward"):
             scaled_dot_product_attention(q.half(), k.half(), v.half())
-        with pytest.raises(RuntimeError, match="do not take this jvp call"):
-            torch.func.jvp(lambda q: scaled_dot_product_attention(q, k, v), (q.detach(),), (torch.ones_like(q),))
-    # the JVP's primal forward ran on the tiles before its tangent was refused
-    assert dict(implementation.ran) == {("forward", "tiles"): 2, ("backward", "tiles"): 1}
+        torch.func.jvp(lambda q: scaled_dot_product_attention(q, k, v), (q.detach(),), (torch.ones_like(q),))
+        assert dict(implementation.ran) == {("forward", "tiles"): 2, ("backward", "tiles"): 1, ("jvp", "tiles"): 1}
+        with pytest.raises(RuntimeError, match="do not take this backward_jvp call"):  # forward over reverse
+            torch.func.jvp(torch.func.grad(lambda q: scaled_dot_product_attention(q, k, v).sum()), (q.detach(),),
+                           (torch.ones_like(q),))
     assert implementation.allowed() == implementation.IMPLEMENTATIONS
     with pytest.raises(ValueError, match="one or more of"):
         with use_implementation("flash"):

@@ -176,7 +176,7 @@ def library() -> ctypes.CDLL | None:
     lib.attngrad_set_blas(*blas)
     lib.attngrad_error.restype = ctypes.c_char_p
     call = ctypes.POINTER(AttentionCall)
-    for name in ("attngrad_forward", "attngrad_backward", "attngrad_double_backward"):
+    for name in ("attngrad_forward", "attngrad_backward", "attngrad_double_backward", "attngrad_jvp"):
         getattr(lib, name).argtypes = [call]
     lib.attngrad_bias_grad_parts.argtypes, lib.attngrad_bias_grad_parts.restype = [call], ctypes.c_int64
     p, i64, u64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_double
@@ -186,7 +186,7 @@ def library() -> ctypes.CDLL | None:
 
 # The buffers of a call, in the order of the library's ATTNGRAD_BUFFERS.
 BUFFERS = ("q", "k", "v", "mask", "bias", "out", "row_max", "inv_sum", "dout", "delta", "dq_parts", "dk", "dv",
-           "dbias_parts", "gq", "gk", "gv", "g_dout", "g_q", "gk_parts", "gv_parts")
+           "dbias_parts", "gq", "gk", "gv", "g_dout", "g_q", "gk_parts", "gv_parts", "tq", "tk", "tv", "tbias", "tout")
 
 
 class AttentionCall(ctypes.Structure):
@@ -254,9 +254,9 @@ def _call(name: str, *args) -> None:
 def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, dropout_p: float,
              bias_grad: bool = False, pass_name: str = "forward") -> bool:
     """Whether the tiles run this pass of this call: dropout and a bias gradient only in the
-    forward and backward; CPU; one float32 or float64 dtype; no empty axis. A mask and a bias
+    forward, backward and JVP; CPU; one float32 or float64 dtype; no empty axis. A mask and a bias
     (broadcastable, any float dtype) may be given."""
-    first_order = pass_name in ("forward", "backward")
+    first_order = pass_name in ("forward", "backward", "jvp")
     return (
         (dropout_p == 0.0 or first_order) and (not bias_grad or first_order)
         and all(t is None or t.device.type == "cpu" for t in (mask, bias))
@@ -275,17 +275,18 @@ def _buffers(*tensors: Tensor | None) -> tuple[list[int], ctypes.Array]:
     return pointers, (ctypes.c_int64 * len(tensors))(*(0 if t is None else t.numel() for t in tensors))
 
 
-def _score_masks(mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype, bias_grad: bool = False) -> dict:
+def _score_masks(mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype, full_bias: bool = False) -> dict:
     """describe()'s mask and bias, each 4-D and contiguous in its own (broadcast) sizes, the
     bias in the compute dtype, and their sizes. An expanded axis (stride 0) is read as a
-    broadcast one, except in a bias whose gradient is wanted: that gradient has its shape."""
+    broadcast one, except in the bias with `full_bias` (its gradient or tangent is wanted,
+    which has its shape)."""
     described = {}
     for name, t, kind in (("mask", mask, torch.bool), ("bias", bias, dtype)):
         if t is None:
             continue
         t = t[(None,) * (4 - t.dim())]
         for axis in range(4):
-            if t.stride(axis) == 0 and t.shape[axis] > 1 and not (name == "bias" and bias_grad):
+            if t.stride(axis) == 0 and t.shape[axis] > 1 and not (name == "bias" and full_bias):
                 t = t.narrow(axis, 0, 1)
         described[name] = t = t.to(kind).contiguous()
         described[f"{name}_sizes"] = tuple(t.shape)
@@ -348,7 +349,7 @@ def attention_backward(
     dq_parts = q.new_zeros(chunks, *q.shape)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     delta = q.new_empty(q.shape[:-1])
-    masks = _score_masks(mask, bias, q.dtype, bias_grad)
+    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad)
     call = describe(q, k, v, causal, scale, chunks=chunks, seed=seed, dropout_p=dropout_p, dout=dout, out=out,
                     row_max=row_max, inv_sum=inv_sum, delta=delta, dq_parts=dq_parts, dk=dk, dv=dv, **masks)
     dbias_parts = None
@@ -398,3 +399,21 @@ def dropout_keep_scale_into(out: Tensor, seed: int, row_start: int, threshold: i
     _call("attngrad_dropout_keep_scale", out.dtype == torch.float64, pointers[0], out.numel(), *out.shape[:2], row_start,
           *out.shape[2:], seed, threshold, value, torch.get_num_threads())
     return out
+
+
+def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Tensor, causal: int | None, scale: float,
+                  tq: Tensor | None, tk: Tensor | None, tv: Tensor | None, mask: Tensor | None = None,
+                  bias: Tensor | None = None, tbias: Tensor | None = None, seed: int = 0,
+                  dropout_p: float = 0.0) -> Tensor:
+    """The output's tangent (B, H, Lq, dv): `kernels_higher.attention_jvp`'s result for the
+    cases `supports` accepts; an absent tangent is zero."""
+    q, k, v, row_max, inv_sum = (t.contiguous() for t in (q, k, v, row_max, inv_sum))
+    tq, tk, tv = (None if t is None else t.to(q.dtype).contiguous() for t in (tq, tk, tv))
+    masks = _score_masks(mask, bias, q.dtype, full_bias=tbias is not None)
+    if tbias is not None:
+        masks["tbias"] = tbias.to(q.dtype).reshape(masks["bias_sizes"]).contiguous()
+    out_t = q.new_empty(*q.shape[:3], v.shape[-1])
+    _call("attngrad_jvp", describe(q, k, v, causal, scale, block_rows=_rows_per_block(k.shape[2]), seed=seed,
+                                   dropout_p=dropout_p, row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv,
+                                   tout=out_t, **masks))
+    return out_t

@@ -52,7 +52,7 @@
 // entry point takes one; a buffer the pass does not use is null.
 #define ATTNGRAD_BUFFERS(X) \
     X(q) X(k) X(v) X(mask) X(bias) X(out) X(row_max) X(inv_sum) X(dout) X(delta) X(dq_parts) X(dk) X(dv) \
-    X(dbias_parts) X(gq) X(gk) X(gv) X(g_dout) X(g_q) X(gk_parts) X(gv_parts)
+    X(dbias_parts) X(gq) X(gk) X(gv) X(g_dout) X(g_q) X(gk_parts) X(gv_parts) X(tq) X(tk) X(tv) X(tbias) X(tout)
 
 enum AttngradBuffer : int {
 #define ATTNGRAD_ENUM(name) buf_##name,
@@ -928,6 +928,93 @@ void double_backward(const Pass<T>& pass) {
     }
 }
 
+// The JVP: the output's tangent O' for tangents tQ, tK, tV, tbias (each may be null:
+// zero), from the forward's statistics, per (b, h, query block of whole rows: t below
+// sums over all of a row's keys). Each work item owns its rows of O'.
+//   P = exp(S - m) / l,  T = S' = scale (tQ K^T + Q tK^T) + tbias,  t = rowsum(P * T)
+//   P' = P (T - t),  O' = (P' Z) V + (P Z) tV
+template <typename T>
+void jvp(const Pass<T>& pass) {
+    const T *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v];
+    const T *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];
+    const T *tq = pass[buf_tq], *tk = pass[buf_tk], *tv = pass[buf_tv], *tbias = pass[buf_tbias];
+    T* out_t = pass[buf_tout];
+    const Shape& s = pass.s;
+    const Causal causal = pass.causal;
+    const ScoreMask<T>& masks = pass.masks;
+    const DropoutDraw& drop = pass.drop;
+    const T scale = pass.scale;
+    const int threads = pass.threads;
+    const index_t block_rows = pass.call.block_rows;
+    const Broadcast4 tb(pass.call.bias_sizes);
+    const index_t group = s.heads / s.kv_heads;
+    const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
+    const index_t bh_count = s.batch * s.heads;
+    const RowKeys<T> row_keys_of(masks, causal, s, threads);
+#pragma omp parallel num_threads(threads)
+    {
+        SingleThreadedBlas blas_guard;
+        std::vector<T> p_rows(block_rows * s.len_k), t_rows(block_rows * s.len_k);  // P; T, then P'
+        // the last query blocks first: a causal pass's heaviest work is scheduled first
+#pragma omp for schedule(dynamic, 1)
+        for (index_t item = 0; item < query_blocks * bh_count; ++item) {
+            const index_t qb = query_blocks - 1 - item / bh_count, bh = item % bh_count;
+            const index_t b = bh / s.heads, h = bh % s.heads, bhk = b * s.kv_heads + h / group;
+            const index_t r0 = qb * block_rows, rows = std::min(block_rows, s.len_q - r0), first = bh * s.len_q + r0;
+            const index_t keys = causal.keys_before(r0 + rows, s.len_k);
+            T* o_t = out_t + first * s.dim_v;
+            if (keys == 0) {  // rows that see no key: output 0, tangent 0
+                std::fill(o_t, o_t + rows * s.dim_v, T(0));
+                continue;
+            }
+            const T* q_blk = q + first * s.dim;
+            const T* tq_blk = tq ? tq + first * s.dim : nullptr;
+            const T* k_head = k + bhk * s.len_k * s.dim;
+            const T* tk_head = tk ? tk + bhk * s.len_k * s.dim : nullptr;
+            const T* v_head = v + bhk * s.len_k * s.dim_v;
+            const T* tv_head = tv ? tv + bhk * s.len_k * s.dim_v : nullptr;
+            T *p = p_rows.data(), *t = t_rows.data();
+            // forward: S = scale Q K^T + bias  ->  S' = scale (tQ K^T + Q tK^T) + tbias
+            gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
+            if (tq_blk) gemm<T>(false, true, rows, keys, s.dim, scale, tq_blk, s.dim, k_head, s.dim, T(0), t, keys);
+            if (tk_head) {
+                gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, tk_head, s.dim, T(tq_blk ? 1 : 0), t,
+                        keys);
+            }
+            if (!tq_blk && !tk_head) std::fill(t, t + rows * keys, T(0));
+            for (index_t i = 0; i < rows; ++i) {
+                T *pi = p + i * keys, *ti = t + i * keys;
+                const index_t seen = causal.visible(r0 + i, 0, keys);
+                const T m = row_max[first + i], inv = inv_sum[first + i];
+                if (masks.any()) masks.apply(pi, b, h, r0 + i, 0, seen);
+                if (tbias) {
+                    const T* row = tbias + tb.row(b, h, r0 + i);
+                    for (index_t j = 0; j < seen; ++j) ti[j] += row[j * tb.sj];
+                }
+                // forward: P = softmax(S)  ->  P' = P (S' - rowsum(P S'))
+                T t_sum = probs_and_dot(pi, ti, seen, m, inv);
+                if (row_keys_of(bh, r0 + i) == 1) {  // the row's one key: P = 1 exactly, so P' = 0
+                    t_sum = T(0);
+                    for (index_t j = 0; j < seen; ++j) {
+                        pi[j] = pi[j] > T(0) ? T(1) : T(0);
+                        t_sum += pi[j] * ti[j];
+                    }
+                }
+                centre_and_scale(pi, ti, seen, t_sum);
+                if (drop.on) {  // P Z and P' Z
+                    drop.scale_row(pi, b, h, r0 + i, 0, seen);
+                    drop.scale_row(ti, b, h, r0 + i, 0, seen);
+                }
+                std::fill(pi + seen, pi + keys, T(0));
+                std::fill(ti + seen, ti + keys, T(0));
+            }
+            // forward: O = (P Z) V  ->  O' = (P' Z) V + (P Z) tV
+            gemm<T>(false, false, rows, s.dim_v, keys, T(1), t, keys, v_head, s.dim_v, T(0), o_t, s.dim_v);
+            if (tv_head) gemm<T>(false, false, rows, s.dim_v, keys, T(1), p, keys, tv_head, s.dim_v, T(1), o_t, s.dim_v);
+        }
+    }
+}
+
 // out (B, H, R, keys) <- Z for rows row_start.. and keys 0..: 1 / (1 - p) where kept, else 0
 template <typename T>
 void dropout_keep_scale(T* out, index_t batch, index_t heads, index_t row_start, index_t rows, index_t keys,
@@ -976,13 +1063,13 @@ int64_t expected_numel(const AttngradCall& c, int b) {
         return -1;
     }
     switch (b) {
-        case buf_q: case buf_gq: case buf_g_q: return product(rows, c.dim, &n) ? n : -1;
-        case buf_k: case buf_dk: case buf_gk: return product(kv, c.dim, &n) ? n : -1;
-        case buf_v: case buf_dv: case buf_gv: return product(kv, c.dim_v, &n) ? n : -1;
-        case buf_out: case buf_dout: case buf_g_dout: return product(rows, c.dim_v, &n) ? n : -1;
+        case buf_q: case buf_gq: case buf_g_q: case buf_tq: return product(rows, c.dim, &n) ? n : -1;
+        case buf_k: case buf_dk: case buf_gk: case buf_tk: return product(kv, c.dim, &n) ? n : -1;
+        case buf_v: case buf_dv: case buf_gv: case buf_tv: return product(kv, c.dim_v, &n) ? n : -1;
+        case buf_out: case buf_dout: case buf_g_dout: case buf_tout: return product(rows, c.dim_v, &n) ? n : -1;
         case buf_row_max: case buf_inv_sum: case buf_delta: return rows;
         case buf_mask: return mask;
-        case buf_bias: return bias;
+        case buf_bias: case buf_tbias: return bias;  // a bias's tangent has the bias's sizes
         case buf_dq_parts: return product(rows * c.dim, c.chunks, &n) ? n : -1;
         case buf_gk_parts: return product(kv * c.dim, c.chunks, &n) ? n : -1;
         case buf_gv_parts: return product(kv * c.dim_v, c.chunks, &n) ? n : -1;
@@ -1130,6 +1217,27 @@ int attngrad_double_backward(const AttngradCall* call) {
         double_backward(Pass<double>(*call));
     } else {
         double_backward(Pass<float>(*call));
+    }
+    return 0;
+}
+
+// tout (B, H, Lq, dv) <- the output's tangent for tangents tq, tk, tv, tbias (each may be
+// null: zero; tbias has the bias's sizes), from the forward's row_max and inv_sum;
+// block_rows rows per query block, each holding whole rows of keys.
+int attngrad_jvp(const AttngradCall* call) {
+    const bool bias = call && call->data[buf_bias];
+    if (!check_call("attngrad_jvp", call,
+                    {{buf_q, Use::required}, {buf_k, Use::required}, {buf_v, Use::required},
+                     {buf_mask, Use::optional}, {buf_bias, Use::optional}, {buf_row_max, Use::required},
+                     {buf_inv_sum, Use::required}, {buf_tq, Use::optional}, {buf_tk, Use::optional},
+                     {buf_tv, Use::optional}, {buf_tbias, bias ? Use::optional : Use::none},
+                     {buf_tout, Use::required}})) {
+        return 1;
+    }
+    if (call->double_precision) {
+        jvp(Pass<double>(*call));
+    } else {
+        jvp(Pass<float>(*call));
     }
     return 0;
 }

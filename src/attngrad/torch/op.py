@@ -112,7 +112,10 @@ def attention_jvp(
     tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
 ) -> Tensor:
     _check_jvp(q, k, v, mask, bias, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias)
-    choose("jvp", q, k, v, mask, bias, dropout_p)
+    if choose("jvp", q, k, v, mask, bias, dropout_p) == "tiles":
+        out_t = native.attention_jvp(q, k, v, row_max, inv_sum, causal, scale, tq, tk, tv, mask=mask, bias=bias,
+                                     tbias=tbias, seed=int(seed), dropout_p=dropout_p)
+        return out_t.to(q.dtype)
     return kernels_higher.attention_jvp(
         q, k, v, mask, bias, int(seed), row_max, inv_sum, causal, scale, dropout_p, tq, tk, tv, tbias
     )

@@ -23,6 +23,7 @@ def test_flop_convention():
     assert [c.name for c in default_cases((64,), ("jvp", "double-backward"))] == [
         "jvp+full", "jvp+causal", "double-backward+full", "double-backward+causal"]
     assert BenchCase(1024, mode="double-backward").flops == 8.5 * 4 * 8 * 1024 * 1024 * 64
+    assert BenchCase(1024, mode="hvp", causal=True).flops == 10.5 * 4 * 8 * 1024 * 1024 * 64 / 2
     with pytest.raises(ValueError, match="unknown mode"):
         BenchCase(64, mode="hessian")
     with pytest.raises(ValueError, match="unknown mask"):
@@ -47,6 +48,7 @@ def test_memory_probe_in_a_fresh_process():
     assert result["process_peak_bytes"] > result["peak_growth_bytes"]
     assert result["required_bytes"] == 4 * 8 * 128 * 64 * 4
     assert measure("attngrad", BenchCase(128, mode="double-backward"))["required_bytes"] == 4 * 8 * 128 * 64 * 7
+    assert measure("attngrad", BenchCase(128, mode="hvp"))["required_bytes"] == 4 * 8 * 128 * 64 * 6
 
 
 def test_report_files(tmp_path):

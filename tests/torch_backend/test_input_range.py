@@ -73,11 +73,14 @@ def test_causal_bias_of_other_sizes_is_refused():
 
 
 @pytest.mark.parametrize("len_q,len_k", [(7, 19), (19, 7), (12, 12)])
-def test_bottom_right_with_mask_bias_and_gqa(many_blocks, backend, len_q, len_k):
-    """attention(is_causal="bottom_right") with a boolean mask, a learned bias and GQA:
-    the dense mask's result, and the bias's gradient."""
+@pytest.mark.parametrize("full_bias", [False, True])
+def test_bottom_right_with_mask_bias_and_gqa(many_blocks, backend, len_q, len_k, full_bias):
+    """attention(is_causal="bottom_right") with a boolean mask, a learned bias (one per head
+    and key, or one per score) and GQA: the dense mask's result, and the bias's gradient,
+    0 on the rows that see no key (Lq > Lk)."""
     keep = torch.rand(2, 1, len_q, len_k, generator=torch.Generator().manual_seed(3)) > 0.2
-    leaves = [rand(2, 6, len_q, 8), rand(2, 2, len_k, 8), rand(2, 2, len_k, 5), rand(6, 1, len_k)]
+    bias = rand(2, 6, len_q, len_k) if full_bias else rand(6, 1, len_k)
+    leaves = [rand(2, 6, len_q, 8), rand(2, 2, len_k, 8), rand(2, 2, len_k, 5), bias]
 
     def ours(q, k, v, bias):
         return attention(q, k, v, attn_mask=keep, attn_bias=bias, is_causal="bottom_right", enable_gqa=True)

@@ -193,6 +193,54 @@ def test_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, l
 
 
 @needs_tiles
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 3),
+    len_q=st.integers(1, 50), len_k=st.integers(1, 50), dim=st.sampled_from([1, 5, 16]), dim_v=st.sampled_from([3, 16]),
+    causal=CAUSAL, masking=MASKING, rows=st.sampled_from([3, 128]), chunks=st.integers(1, 4),
+    dropout_p=st.sampled_from([0.0, 0.3]), bias_grad=st.booleans(),
+    present=st.sampled_from([(1, 1, 1, 1, 1), (1, 0, 0, 0, 0), (0, 1, 0, 0, 0), (0, 0, 1, 0, 0), (0, 0, 0, 1, 0),
+                             (0, 0, 0, 0, 1), (0, 0, 0, 0, 0)]),
+    seed=st.integers(0, 2**16),
+)
+def test_backward_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal,
+                                                        masking, rows, chunks, dropout_p, bias_grad, present, seed):
+    """float64, any subset of the tangents (tdO, tQ, tK, tV, tbias), masks and a bias of any
+    broadcast shape with and without its gradient, dropout, every block height and split of
+    the query blocks: `kernels_higher`'s tangents of dq, dk, dv, dbias to 1e-12."""
+    q, k, v, dout = _inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
+    scale, causal = dim**-0.5, _diagonal(causal, len_q, len_k)
+    mask, bias = _masks(masking, batch, kv_heads * groups, len_q, len_k, torch.float64, seed)
+    bias_grad = bias_grad and bias is not None
+    g = torch.Generator().manual_seed(seed + 1)
+    tangents = [torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
+                for t, keep in zip((dout, q, k, v, bias), present)]
+    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, dropout_p)
+    old = native.BLOCK_ROWS
+    native.BLOCK_ROWS = rows
+    try:
+        ours = native.attention_backward_jvp(dout, q, k, v, out, row_max, inv_sum, causal, scale, *tangents[:4],
+                                             mask=mask, bias=bias, tbias=tangents[4], seed=seed, dropout_p=dropout_p,
+                                             bias_grad=bias_grad, chunks=chunks)
+    finally:
+        native.BLOCK_ROWS = old
+    theirs = kernels_higher.attention_backward_jvp(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal,
+                                                   scale, dropout_p, bias_grad, *tangents)
+    assert (ours[3] is None) is (not bias_grad)
+    names = ("dq_t", "dk_t", "dv_t", "dbias_t")[: 3 + bias_grad]
+    for a, b in zip(ours, theirs):
+        assert a is None or (a.shape == b.shape and a.dtype == b.dtype)
+    if _at_most_one_key(causal, len_q, len_k, mask, bias):
+        # P is 1 or 0 whatever the scores: dq, dk (and dbias) do not move, and both sides
+        # hold rounding noise there
+        for i in (0, 1, 3)[: 2 + bias_grad]:
+            assert float(ours[i].abs().max()) < EXACT and float(theirs[i].abs().max()) < EXACT, names[i]
+        names = ("dv_t",)
+        ours, theirs = ours[2:3], theirs[2:3]
+    assert_all_close(dict(zip(names, ours)), dict(zip(names, theirs)), floor_fraction=1e-3)
+
+
+@needs_tiles
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_float32_tiles_agree_with_float64(is_causal):
     """float32 through the vectorised exp and the explicit SIMD loops, in all three passes:
@@ -335,9 +383,9 @@ def test_use_implementation_chooses_and_counts():
             scaled_dot_product_attention(q.half(), k.half(), v.half())
         torch.func.jvp(lambda q: scaled_dot_product_attention(q, k, v), (q.detach(),), (torch.ones_like(q),))
         assert dict(implementation.ran) == {("forward", "tiles"): 2, ("backward", "tiles"): 1, ("jvp", "tiles"): 1}
-        with pytest.raises(RuntimeError, match="do not take this backward_jvp call"):  # forward over reverse
-            torch.func.jvp(torch.func.grad(lambda q: scaled_dot_product_attention(q, k, v).sum()), (q.detach(),),
-                           (torch.ones_like(q),))
+        with pytest.raises(RuntimeError, match="do not take this double_backward call"):  # dropout's
+            dq, = torch.autograd.grad(scaled_dot_product_attention(q, k, v, dropout_p=0.5).sum(), q, create_graph=True)
+            dq.sum().backward()
     assert implementation.allowed() == implementation.IMPLEMENTATIONS
     with pytest.raises(ValueError, match="one or more of"):
         with use_implementation("flash"):

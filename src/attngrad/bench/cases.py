@@ -1,12 +1,14 @@
 """What `attngrad bench` measures: the cases, the implementations, the FLOP convention.
 
-Three modes, each one step of an attention call on (B, H, L, d) float32 q, k, v:
+Four modes, each one step of an attention call on (B, H, L, d) float32 q, k, v:
     train            forward + backward
     jvp              forward + the tangent of the output (torch.func.jvp), tangents of q, k, v
     double-backward  forward, backward with create_graph=True, then the backward of
                      <c, (dq, dk, dv)> for random c: what a gradient penalty or MAML runs
-PyTorch's default CPU backend refuses jvp and double backward; the runner records its
-error in the table instead of a time.
+    hvp              forward over reverse: torch.func.jvp of torch.func.grad of <dO, out>,
+                     the Hessian-vector product for tangents of q, k, v
+PyTorch's default CPU backend refuses jvp, double backward and hvp; the runner records
+its error in the table instead of a time.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 IMPLEMENTATIONS = ("attngrad", "torch-default", "torch-math")
-MODES = ("train", "jvp", "double-backward")
+MODES = ("train", "jvp", "double-backward", "hvp")
 # GEMM work of each mode in units of one forward's 4 B H L^2 d (FlashAttention's convention
 # counts the backward as 2.5 forwards). jvp: the forward, then S' (2 products), P' V~ and
 # P V~': 1 + 2. double backward: 1 + 2.5, then S, T (2 products), dP, dO gV^T, g_V, two
 # each for g_Q and g_K: 5 more (dO is a constant here, so g_dO's two products are not run).
-WORK = {"train": 3.5, "jvp": 3.0, "double-backward": 8.5}
+# hvp: the jvp's 3 and the backward's 2.5, then the tangents' own products: S' and dP' (two
+# each), dV', dQ', dK' (two each): 5 more.
+WORK = {"train": 3.5, "jvp": 3.0, "double-backward": 8.5, "hvp": 10.5}
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,8 @@ class BenchCase:
     @property
     def outputs(self) -> int:
         """How many (B, H, L, d) tensors the step must return: its memory floor."""
-        return {"train": 4, "jvp": 2, "double-backward": 7}[self.mode]  # out+dq,dk,dv / out, out' / +3 more
+        # out + dq, dk, dv / out, out' / + the 3 second-order results / dq, dk, dv and their tangents
+        return {"train": 4, "jvp": 2, "double-backward": 7, "hvp": 6}[self.mode]
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "name": self.name}
@@ -98,7 +103,8 @@ def make_inputs(case: BenchCase, seed: int = 0) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     shape = (case.batch, case.heads, case.length, case.dim)
     names = {"train": ("q", "k", "v", "dout"), "jvp": ("q", "k", "v", "tq", "tk", "tv"),
-             "double-backward": ("q", "k", "v", "dout", "cq", "ck", "cv")}[case.mode]
+             "double-backward": ("q", "k", "v", "dout", "cq", "ck", "cv"),
+             "hvp": ("q", "k", "v", "dout", "tq", "tk", "tv")}[case.mode]
     tensors = {name: torch.randn(shape, generator=g) for name in names}
     if case.bias_grad:
         tensors["bias"] = torch.randn(case.heads, case.length, case.length, generator=g)
@@ -148,9 +154,15 @@ def step(implementation: str, case: BenchCase) -> Callable[[dict[str, Any]], Non
     forward = _attention(implementation, case)
 
     def run(inputs: dict[str, Any]) -> None:
+        primals, tangents = tuple(inputs[n] for n in ("q", "k", "v")), tuple(inputs.get(n) for n in ("tq", "tk", "tv"))
         if case.mode == "jvp":
-            primals = tuple(inputs[n] for n in ("q", "k", "v"))
-            torch.func.jvp(forward, primals, tuple(inputs[n] for n in ("tq", "tk", "tv")))
+            torch.func.jvp(forward, primals, tangents)
+            return
+        if case.mode == "hvp":
+            def loss(q: Any, k: Any, v: Any) -> Any:
+                return (forward(q, k, v) * inputs["dout"]).sum()
+
+            torch.func.jvp(torch.func.grad(loss, argnums=(0, 1, 2)), primals, tangents)
             return
         leaves = [inputs[n].detach().requires_grad_() for n in ("q", "k", "v")]
         bias = inputs["bias"].detach().requires_grad_() if case.bias_grad else inputs.get("mask")

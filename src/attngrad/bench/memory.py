@@ -5,7 +5,8 @@ peak resident memory before and after one step. The inputs are made, and a small
 step run (loading every library and kernel), before the baseline is read; the figure
 reported is the growth of the peak minus what the step must allocate anyway: its output
 and the gradients of q, k, v (and of the bias); in the jvp mode the output and its tangent;
-in the double-backward mode also the first gradients. So it is the memory the algorithm
+in the double-backward mode also the first gradients; in the hvp mode the gradients and
+their tangents. So it is the memory the algorithm
 itself uses.
 """
 

@@ -52,9 +52,9 @@ def markdown(report: BenchReport) -> str:
         "interleaved runs; ours = attngrad, default / math = PyTorch's default and math SDPA backends; 'vs' is our "
         "time over theirs (below 1 is faster); % peak is our GFLOP/s (FlashAttention's convention) over the GEMM "
         "peak; MiB is peak memory beyond inputs, outputs and gradients, each case in a fresh process; 'ours ran' is the implementation of attngrad's passes (compiled tiles, torch-ops kernels). Cases are "
-        "fwd+bwd unless named jvp (forward and output tangent) or double-backward (forward, backward with "
-        "create_graph, backward again); 'refused' means the backend raised (PyTorch's default CPU kernel has "
-        "neither forward mode nor a second derivative).",
+        "fwd+bwd unless named jvp (forward and output tangent), double-backward (forward, backward with "
+        "create_graph, backward again) or hvp (forward over reverse: the JVP of the gradient); 'refused' means "
+        "the backend raised (PyTorch's default CPU kernel has neither forward mode nor a second derivative).",
         "",
         f"attngrad: {m.get('attngrad_tiles', 'torch-ops kernels')}.",
         "",

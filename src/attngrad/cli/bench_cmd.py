@@ -1,4 +1,4 @@
-"""`attngrad bench`: attngrad's attention beside PyTorch's: fwd+bwd, jvp and double backward,
+"""`attngrad bench`: attngrad's attention beside PyTorch's: fwd+bwd, jvp, double backward and hvp,
 time and memory."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096], metavar="L",
                         help="sequence lengths (default: %(default)s)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=["train"], metavar="MODE",
-                        help=f"what to time: {', '.join(MODES)} (fwd+bwd; forward-mode; backward of a backward) "
+                        help=f"what to time: {', '.join(MODES)} (fwd+bwd; forward mode; backward of a backward; "
+                        "forward over reverse) "
                         "(default: train)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per implementation, median taken (default %(default)s)")
     parser.add_argument("--max-math-length", type=int, default=4096,

@@ -30,7 +30,7 @@ from . import native
 
 IMPLEMENTATIONS = ("tiles", "torch-ops")
 # The passes whose tiles exist; the others (forward mode) always run on the torch-ops kernels.
-TILED_PASSES = ("forward", "backward", "double_backward", "jvp")
+TILED_PASSES = ("forward", "backward", "double_backward", "jvp", "backward_jvp")
 
 _allowed: tuple[str, ...] = IMPLEMENTATIONS
 ran: collections.Counter = collections.Counter()  # (pass, implementation) -> calls

@@ -334,8 +334,10 @@ def attention_backward(
     masked = mask is not None or bias is not None or causal is not None
     for start, stop, keys in plan:
         r = stop - start
-        if keys == 0:
+        if keys == 0:  # rows that see no key send nothing back
             dq[:, :, start:stop] = 0
+            if written_once:  # its uninitialised rows are written by no other block
+                dbias[..., start:stop, :] = 0
             continue
         q_blk = q_scaled[:, :, start:stop]
         inv = inv_sum[:, :, start:stop, None]  # 1/l, (B, H, R, 1)

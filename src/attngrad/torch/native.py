@@ -176,9 +176,10 @@ def library() -> ctypes.CDLL | None:
     lib.attngrad_set_blas(*blas)
     lib.attngrad_error.restype = ctypes.c_char_p
     call = ctypes.POINTER(AttentionCall)
-    for name in ("attngrad_forward", "attngrad_backward", "attngrad_double_backward", "attngrad_jvp"):
+    for name in ("attngrad_forward", "attngrad_backward", "attngrad_double_backward", "attngrad_jvp",
+                 "attngrad_backward_jvp"):
         getattr(lib, name).argtypes = [call]
-    lib.attngrad_bias_grad_parts.argtypes, lib.attngrad_bias_grad_parts.restype = [call], ctypes.c_int64
+    lib.attngrad_bias_grad_parts.argtypes, lib.attngrad_bias_grad_parts.restype = [call, ctypes.c_int], ctypes.c_int64
     p, i64, u64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_double
     lib.attngrad_dropout_keep_scale.argtypes = [i32, p, i64, i64, i64, i64, i64, i64, u64, u64, f64, i32]
     return lib
@@ -186,7 +187,8 @@ def library() -> ctypes.CDLL | None:
 
 # The buffers of a call, in the order of the library's ATTNGRAD_BUFFERS.
 BUFFERS = ("q", "k", "v", "mask", "bias", "out", "row_max", "inv_sum", "dout", "delta", "dq_parts", "dk", "dv",
-           "dbias_parts", "gq", "gk", "gv", "g_dout", "g_q", "gk_parts", "gv_parts", "tq", "tk", "tv", "tbias", "tout")
+           "dbias_parts", "gq", "gk", "gv", "g_dout", "g_q", "gk_parts", "gv_parts", "tq", "tk", "tv", "tbias", "tout",
+           "tdout", "tdq", "tdk_parts", "tdv_parts", "tdbias_parts")
 
 
 class AttentionCall(ctypes.Structure):
@@ -253,12 +255,12 @@ def _call(name: str, *args) -> None:
 
 def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, dropout_p: float,
              bias_grad: bool = False, pass_name: str = "forward") -> bool:
-    """Whether the tiles run this pass of this call: dropout and a bias gradient only in the
-    forward, backward and JVP; CPU; one float32 or float64 dtype; no empty axis. A mask and a bias
+    """Whether the tiles run this pass of this call: dropout and a bias gradient in every pass
+    but the double backward; CPU; one float32 or float64 dtype; no empty axis. A mask and a bias
     (broadcastable, any float dtype) may be given."""
-    first_order = pass_name in ("forward", "backward", "jvp")
+    # the double backward's tiles have neither dropout nor a bias gradient
     return (
-        (dropout_p == 0.0 or first_order) and (not bias_grad or first_order)
+        (dropout_p == 0.0 or pass_name != "double_backward") and (not bias_grad or pass_name != "double_backward")
         and all(t is None or t.device.type == "cpu" for t in (mask, bias))
         and q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
         and q.dtype in (torch.float32, torch.float64) and k.dtype == q.dtype and v.dtype == q.dtype
@@ -354,7 +356,7 @@ def attention_backward(
                     row_max=row_max, inv_sum=inv_sum, delta=delta, dq_parts=dq_parts, dk=dk, dv=dv, **masks)
     dbias_parts = None
     if bias_grad:  # one zeroed part per group of work items that add into the same entries
-        parts = library().attngrad_bias_grad_parts(ctypes.byref(call))
+        parts = library().attngrad_bias_grad_parts(ctypes.byref(call), 0)
         dbias_parts = q.new_zeros(parts, *masks["bias_sizes"])
         call.attach("dbias_parts", dbias_parts)
     _call("attngrad_backward", call)
@@ -417,3 +419,35 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Ten
                                    dropout_p=dropout_p, row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv,
                                    tout=out_t, **masks))
     return out_t
+
+
+def attention_backward_jvp(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
+    causal: int | None, scale: float, tdout: Tensor | None, tq: Tensor | None, tk: Tensor | None, tv: Tensor | None,
+    mask: Tensor | None = None, bias: Tensor | None = None, tbias: Tensor | None = None, seed: int = 0,
+    dropout_p: float = 0.0, bias_grad: bool = False, chunks: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The tangents of (dq, dk, dv, dbias or None): `kernels_higher.attention_backward_jvp`'s
+    results for the cases `supports` accepts, in the compute dtype; an absent tangent is
+    zero. `chunks` splits each head's query blocks into that many work items (default:
+    `_chunks`)."""
+    dout, q, k, v, out, row_max, inv_sum = (t.contiguous() for t in (dout, q, k, v, out, row_max, inv_sum))
+    tdout, tq, tk, tv = (None if t is None else t.to(q.dtype).contiguous() for t in (tdout, tq, tk, tv))
+    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad or tbias is not None)
+    if tbias is not None:
+        masks["tbias"] = tbias.to(q.dtype).reshape(masks["bias_sizes"]).contiguous()
+    rows = _rows_per_block(k.shape[2])
+    if chunks is None:
+        chunks = _chunks(k.shape[0] * k.shape[1], -(-q.shape[2] // rows))
+    tdq = q.new_empty(q.shape)
+    tdk_parts, tdv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
+    call = describe(q, k, v, causal, scale, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p, dout=dout,
+                    out=out, row_max=row_max, inv_sum=inv_sum, delta=q.new_empty(q.shape[:-1]), tdout=tdout, tq=tq,
+                    tk=tk, tv=tv, tdq=tdq, tdk_parts=tdk_parts, tdv_parts=tdv_parts, **masks)
+    tdbias_parts = None
+    if bias_grad:
+        tdbias_parts = q.new_zeros(library().attngrad_bias_grad_parts(ctypes.byref(call), 1), *masks["bias_sizes"])
+        call.attach("tdbias_parts", tdbias_parts)
+    _call("attngrad_backward_jvp", call)
+    tdbias = None if tdbias_parts is None else _sum_parts(tdbias_parts).view(bias.shape)
+    return tdq, _sum_parts(tdk_parts), _sum_parts(tdv_parts), tdbias

@@ -52,7 +52,8 @@
 // entry point takes one; a buffer the pass does not use is null.
 #define ATTNGRAD_BUFFERS(X) \
     X(q) X(k) X(v) X(mask) X(bias) X(out) X(row_max) X(inv_sum) X(dout) X(delta) X(dq_parts) X(dk) X(dv) \
-    X(dbias_parts) X(gq) X(gk) X(gv) X(g_dout) X(g_q) X(gk_parts) X(gv_parts) X(tq) X(tk) X(tv) X(tbias) X(tout)
+    X(dbias_parts) X(gq) X(gk) X(gv) X(g_dout) X(g_q) X(gk_parts) X(gv_parts) X(tq) X(tk) X(tv) X(tbias) X(tout) \
+    X(tdout) X(tdq) X(tdk_parts) X(tdv_parts) X(tdbias_parts)
 
 enum AttngradBuffer : int {
 #define ATTNGRAD_ENUM(name) buf_##name,
@@ -343,6 +344,56 @@ void centre_and_scale(const float* p, float* x, index_t n, float u) {
     centre_and_scale_each(p + j, x + j, n - j, u);
 }
 
+// The backward's JVP row work (after P, P' = P (T - t), dP~ = dP Z, dP~' = dP' Z are in
+// place): returns D' = rowsum(P' * dP~ + P * dP~'), in one sweep over a row
+template <typename T>
+T tangent_delta_each(const T* p, const T* p_t, const T* dp, const T* dp_t, index_t n) {
+    T sum = 0;
+    for (index_t j = 0; j < n; ++j) sum += p_t[j] * dp[j] + p[j] * dp_t[j];
+    return sum;
+}
+
+template <typename T>
+T tangent_delta(const T* p, const T* p_t, const T* dp, const T* dp_t, index_t n) {
+    return tangent_delta_each(p, p_t, dp, dp_t, n);
+}
+
+template <>
+float tangent_delta(const float* p, const float* p_t, const float* dp, const float* dp_t, index_t n) {
+    floatv lanes{};
+    index_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) lanes += load(p_t + j) * load(dp + j) + load(p + j) * load(dp_t + j);
+    float sum = tangent_delta_each(p + j, p_t + j, dp + j, dp_t + j, n - j);
+    for (int i = 0; i < kLanes; ++i) sum += lanes[i];
+    return sum;
+}
+
+// dp_t <- dS' = P' (dP~ - D) + P (dP~' - D'),  dp <- dS = P (dP~ - D)
+template <typename T>
+void score_grad_tangents_each(const T* p, const T* p_t, T* dp, T* dp_t, index_t n, T d, T d_t) {
+    for (index_t j = 0; j < n; ++j) {
+        const T centred = dp[j] - d;
+        dp_t[j] = p_t[j] * centred + p[j] * (dp_t[j] - d_t);
+        dp[j] = p[j] * centred;
+    }
+}
+
+template <typename T>
+void score_grad_tangents(const T* p, const T* p_t, T* dp, T* dp_t, index_t n, T d, T d_t) {
+    score_grad_tangents_each(p, p_t, dp, dp_t, n, d, d_t);
+}
+
+template <>
+void score_grad_tangents(const float* p, const float* p_t, float* dp, float* dp_t, index_t n, float d, float d_t) {
+    index_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+        const floatv pj = load(p + j), centred = load(dp + j) - d;
+        store(dp_t + j, load(p_t + j) * centred + pj * (load(dp_t + j) - d_t));
+        store(dp + j, pj * centred);
+    }
+    score_grad_tangents_each(p + j, p_t + j, dp + j, dp_t + j, n - j, d, d_t);
+}
+
 // While it lives, the BLAS runs on the calling thread alone: the tiles are the parallel axis.
 class SingleThreadedBlas {
    public:
@@ -572,19 +623,21 @@ struct Pass {
 // would add into the same entries (those of other batch entries, key/value heads or key
 // chunks, along axes the bias broadcasts) each own a part, and the caller adds the parts
 // in order: no entry is written by two threads, and no atomics.
-inline int64_t bias_grad_parts(const AttngradCall& c) {
+// `chunked_axis`: the axis along which a (b, key/value head)'s chunks split the work, 3
+// (keys) in the backward, 2 (query rows) in the backward's JVP.
+inline int64_t bias_grad_parts(const AttngradCall& c, int chunked_axis) {
     return (c.bias_sizes[0] == 1 ? c.batch : 1) * (c.bias_sizes[1] == 1 ? c.kv_heads : 1) *
-           (c.bias_sizes[3] == 1 ? c.chunks : 1);
+           (c.bias_sizes[chunked_axis] == 1 ? c.chunks : 1);
 }
 
 template <typename T>
 class BiasGradient {
    public:
-    explicit BiasGradient(const Pass<T>& p)
-        : parts_(p[buf_dbias_parts]), bb_(p.call.bias_sizes),
+    BiasGradient(const Pass<T>& p, AttngradBuffer parts, int chunked_axis)
+        : parts_(p[parts]), bb_(p.call.bias_sizes),
           part_numel_(p.call.bias_sizes[0] * p.call.bias_sizes[1] * p.call.bias_sizes[2] * p.call.bias_sizes[3]),
           batch_(p.call.bias_sizes[0] == 1 ? p.s.batch : 1), kv_heads_(p.call.bias_sizes[1] == 1 ? p.s.kv_heads : 1),
-          chunks_(p.call.bias_sizes[3] == 1 ? p.call.chunks : 1) {}
+          chunks_(p.call.bias_sizes[chunked_axis] == 1 ? p.call.chunks : 1) {}
 
     // The part that work item (chunk, b, hk) adds into, or null without a bias gradient
     T* part(index_t chunk, index_t b, index_t hk) const {
@@ -721,7 +774,7 @@ void backward(const Pass<T>& pass) {
     const T *dout = pass[buf_dout], *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v], *out = pass[buf_out];
     const T *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];
     T *delta = pass[buf_delta], *dq_parts = pass[buf_dq_parts], *dk = pass[buf_dk], *dv = pass[buf_dv];
-    const BiasGradient<T> dbias(pass);
+    const BiasGradient<T> dbias(pass, buf_dbias_parts, 3);
     const Shape& s = pass.s;
     const Causal causal = pass.causal;
     const ScoreMask<T>& masks = pass.masks;
@@ -1015,6 +1068,141 @@ void jvp(const Pass<T>& pass) {
     }
 }
 
+// The backward's JVP (forward over reverse: Hessian-vector products), the tangents of dQ,
+// dK, dV and dbias for tangents tdO, tQ, tK, tV, tbias (each may be null: zero); per (b,
+// key/value head, chunk of query blocks) like the double backward, each query block
+// holding whole rows of keys (t and D' sum over all of them):
+//   P = exp(S - m) / l,  T = S' = scale (tQ K^T + Q tK^T) + tbias,  t = rowsum(P * T)
+//   P' = P (T - t),  dP~ = (dO V^T) Z,  dP~' = (tdO V^T + dO tV^T) Z
+//   D = rowsum(dO * O),  D' = rowsum(P' * dP~ + P * dP~')
+//   dS = P (dP~ - D),  dS' = P' (dP~ - D) + P (dP~' - D')
+//   dV' += (P' Z)^T dO + (P Z)^T tdO,  dQ' = scale (dS' K + dS tK),
+//   dK' += scale (dS'^T Q + dS^T tQ),  dbias' = dS' summed over the bias's broadcast axes
+template <typename T>
+void backward_jvp(const Pass<T>& pass) {
+    const T *dout = pass[buf_dout], *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v], *out = pass[buf_out];
+    const T *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];
+    const T *tdout = pass[buf_tdout], *tq = pass[buf_tq], *tk = pass[buf_tk], *tv = pass[buf_tv];
+    const T* tbias = pass[buf_tbias];
+    T *delta = pass[buf_delta], *tdq = pass[buf_tdq], *tdk_parts = pass[buf_tdk_parts], *tdv_parts = pass[buf_tdv_parts];
+    const BiasGradient<T> tdbias(pass, buf_tdbias_parts, 2);
+    const Shape& s = pass.s;
+    const Causal causal = pass.causal;
+    const ScoreMask<T>& masks = pass.masks;
+    const DropoutDraw& drop = pass.drop;
+    const T scale = pass.scale;
+    const int threads = pass.threads;
+    const index_t block_rows = pass.call.block_rows, chunks = pass.call.chunks;
+    const Broadcast4 tb(pass.call.bias_sizes);
+    const index_t group = s.heads / s.kv_heads;
+    row_dots(dout, out, delta, s.batch * s.heads * s.len_q, s.dim_v, threads);  // D = rowsum(dO * O)
+    const RowKeys<T> row_keys_of(masks, causal, s, threads);
+    const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
+    const index_t bhk_count = s.batch * s.kv_heads;
+    const index_t kv_size = bhk_count * s.len_k;
+#pragma omp parallel num_threads(threads)
+    {
+        SingleThreadedBlas blas_guard;
+        const index_t tile = block_rows * s.len_k;
+        // P; T, then P'; dP~, then dS; dP~', then dS'
+        std::vector<T> p_rows(tile), t_rows(tile), dp_rows(tile), x_rows(tile);
+#pragma omp for schedule(dynamic, 1)
+        for (index_t item = 0; item < chunks * bhk_count; ++item) {
+            const KvItem it = kv_item(item, bhk_count, s.kv_heads);
+            const index_t chunk = it.chunk, bhk = it.bhk, b = it.b, hk = it.hk;
+            const T* k_head = k + bhk * s.len_k * s.dim;
+            const T* v_head = v + bhk * s.len_k * s.dim_v;
+            const T* tk_head = tk ? tk + bhk * s.len_k * s.dim : nullptr;
+            const T* tv_head = tv ? tv + bhk * s.len_k * s.dim_v : nullptr;
+            T* dk_t = tdk_parts + (chunk * kv_size + bhk * s.len_k) * s.dim;
+            T* dv_t = tdv_parts + (chunk * kv_size + bhk * s.len_k) * s.dim_v;
+            T* dbias_t = tdbias.part(chunk, b, hk);
+            for (index_t h = hk * group; h < (hk + 1) * group; ++h) {
+                const index_t bh = b * s.heads + h;
+                for (index_t qb = chunk * query_blocks / chunks; qb < (chunk + 1) * query_blocks / chunks; ++qb) {
+                    const index_t r0 = qb * block_rows, rows = std::min(block_rows, s.len_q - r0);
+                    const index_t first = bh * s.len_q + r0;
+                    const index_t keys = causal.keys_before(r0 + rows, s.len_k);
+                    T* dq_t = tdq + first * s.dim;
+                    if (keys == 0) {  // rows that see no key: nothing flows back through them
+                        std::fill(dq_t, dq_t + rows * s.dim, T(0));
+                        continue;
+                    }
+                    const T* q_blk = q + first * s.dim;
+                    const T* tq_blk = tq ? tq + first * s.dim : nullptr;
+                    const T* do_blk = dout + first * s.dim_v;
+                    const T* tdo_blk = tdout ? tdout + first * s.dim_v : nullptr;
+                    T *p = p_rows.data(), *t = t_rows.data(), *dp = dp_rows.data(), *x = x_rows.data();
+                    // forward: S = scale Q K^T + bias  ->  S' = scale (tQ K^T + Q tK^T) + tbias
+                    gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
+                    if (tq_blk) gemm<T>(false, true, rows, keys, s.dim, scale, tq_blk, s.dim, k_head, s.dim, T(0), t, keys);
+                    if (tk_head) {
+                        gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, tk_head, s.dim, T(tq_blk ? 1 : 0),
+                                t, keys);
+                    }
+                    if (!tq_blk && !tk_head) std::fill(t, t + rows * keys, T(0));
+                    // backward: dP = dO V^T  ->  dP' = tdO V^T + dO tV^T
+                    gemm<T>(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, v_head, s.dim_v, T(0), dp, keys);
+                    if (tdo_blk) {
+                        gemm<T>(false, true, rows, keys, s.dim_v, T(1), tdo_blk, s.dim_v, v_head, s.dim_v, T(0), x, keys);
+                    }
+                    if (tv_head) {
+                        gemm<T>(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, tv_head, s.dim_v,
+                                T(tdo_blk ? 1 : 0), x, keys);
+                    }
+                    if (!tdo_blk && !tv_head) std::fill(x, x + rows * keys, T(0));
+                    for (index_t i = 0; i < rows; ++i) {
+                        T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
+                        const index_t seen = causal.visible(r0 + i, 0, keys);
+                        const T m = row_max[first + i], inv = inv_sum[first + i];
+                        if (masks.any()) masks.apply(pi, b, h, r0 + i, 0, seen);
+                        if (tbias) {
+                            const T* row = tbias + tb.row(b, h, r0 + i);
+                            for (index_t j = 0; j < seen; ++j) ti[j] += row[j * tb.sj];
+                        }
+                        T t_sum = probs_and_dot(pi, ti, seen, m, inv);  // P, t = rowsum(P * T)
+                        const bool single = row_keys_of(bh, r0 + i) == 1;
+                        if (single) {  // the row's one key: P = 1 exactly, so P' = 0 and dS = dS' = 0
+                            t_sum = T(0);
+                            for (index_t j = 0; j < seen; ++j) {
+                                pi[j] = pi[j] > T(0) ? T(1) : T(0);
+                                t_sum += pi[j] * ti[j];
+                            }
+                        }
+                        centre_and_scale(pi, ti, seen, t_sum);  // P' = P (T - t)
+                        if (drop.on) {  // dP~ = dP Z, dP~' = dP' Z
+                            drop.scale_row(dpi, b, h, r0 + i, 0, seen);
+                            drop.scale_row(xi, b, h, r0 + i, 0, seen);
+                        }
+                        if (single) {
+                            std::fill(dpi, dpi + seen, T(0));
+                            std::fill(xi, xi + seen, T(0));
+                        } else {
+                            const T d_t = tangent_delta(pi, ti, dpi, xi, seen);  // D'
+                            score_grad_tangents(pi, ti, dpi, xi, seen, delta[first + i], d_t);  // dS, dS'
+                        }
+                        if (drop.on) {  // P Z and P' Z, for dV'
+                            drop.scale_row(pi, b, h, r0 + i, 0, seen);
+                            drop.scale_row(ti, b, h, r0 + i, 0, seen);
+                        }
+                        for (T* row : {pi, ti, dpi, xi}) std::fill(row + seen, row + keys, T(0));
+                        if (dbias_t) tdbias.add_row(dbias_t, xi, b, h, r0 + i, 0, seen);  // dbias' = dS'
+                    }
+                    // backward: dV = (P Z)^T dO  ->  dV' += (P' Z)^T dO + (P Z)^T tdO
+                    gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), dv_t, s.dim_v);
+                    if (tdo_blk) gemm<T>(true, false, keys, s.dim_v, rows, T(1), p, keys, tdo_blk, s.dim_v, T(1), dv_t, s.dim_v);
+                    // backward: dQ = scale dS K, dK = scale dS^T Q  ->  dQ' = scale (dS' K + dS tK),
+                    // dK' += scale (dS'^T Q + dS^T tQ)
+                    gemm<T>(false, false, rows, s.dim, keys, scale, x, keys, k_head, s.dim, T(0), dq_t, s.dim);
+                    if (tk_head) gemm<T>(false, false, rows, s.dim, keys, scale, dp, keys, tk_head, s.dim, T(1), dq_t, s.dim);
+                    gemm<T>(true, false, keys, s.dim, rows, scale, x, keys, q_blk, s.dim, T(1), dk_t, s.dim);
+                    if (tq_blk) gemm<T>(true, false, keys, s.dim, rows, scale, dp, keys, tq_blk, s.dim, T(1), dk_t, s.dim);
+                }
+            }
+        }
+    }
+}
+
 // out (B, H, R, keys) <- Z for rows row_start.. and keys 0..: 1 / (1 - p) where kept, else 0
 template <typename T>
 void dropout_keep_scale(T* out, index_t batch, index_t heads, index_t row_start, index_t rows, index_t keys,
@@ -1073,7 +1261,12 @@ int64_t expected_numel(const AttngradCall& c, int b) {
         case buf_dq_parts: return product(rows * c.dim, c.chunks, &n) ? n : -1;
         case buf_gk_parts: return product(kv * c.dim, c.chunks, &n) ? n : -1;
         case buf_gv_parts: return product(kv * c.dim_v, c.chunks, &n) ? n : -1;
-        case buf_dbias_parts: return product(bias, bias_grad_parts(c), &n) ? n : -1;
+        case buf_dbias_parts: return product(bias, bias_grad_parts(c, 3), &n) ? n : -1;
+        case buf_tdbias_parts: return product(bias, bias_grad_parts(c, 2), &n) ? n : -1;
+        case buf_tdout: return product(rows, c.dim_v, &n) ? n : -1;
+        case buf_tdq: return product(rows, c.dim, &n) ? n : -1;
+        case buf_tdk_parts: return product(kv * c.dim, c.chunks, &n) ? n : -1;
+        case buf_tdv_parts: return product(kv * c.dim_v, c.chunks, &n) ? n : -1;
         default: return -1;
     }
 }
@@ -1155,9 +1348,12 @@ const char* attngrad_call_layout() {
     return layout.c_str();
 }
 
-// How many parts the backward's dbias_parts holds: each (b, h, i, j)-shaped (bias_sizes),
-// zeroed by the caller, who adds them in order.
-int64_t attngrad_bias_grad_parts(const AttngradCall* call) { return call ? bias_grad_parts(*call) : 0; }
+// How many parts the backward's dbias_parts (backward_jvp 0) or the backward's JVP's
+// tdbias_parts (1) holds: each (b, h, i, j)-shaped (bias_sizes), zeroed by the caller, who
+// adds them in order.
+int64_t attngrad_bias_grad_parts(const AttngradCall* call, int backward_jvp) {
+    return call ? bias_grad_parts(*call, backward_jvp ? 2 : 3) : 0;
+}
 
 // Each entry point checks the call (check_call) and returns 0, or nonzero without touching a
 // buffer (attngrad_error() says why).
@@ -1238,6 +1434,31 @@ int attngrad_jvp(const AttngradCall* call) {
         jvp(Pass<double>(*call));
     } else {
         jvp(Pass<float>(*call));
+    }
+    return 0;
+}
+
+// tdq (B, H, Lq, d) and the zeroed `chunks` partial sums tdk_parts, tdv_parts (B, Hkv, Lk, .)
+// <- the tangents of the backward's dQ, dK, dV for tangents tdout, tq, tk, tv, tbias (each
+// may be null: zero; tbias has the bias's sizes), and where given the zeroed parts
+// tdbias_parts of dbias's; delta is (B, H, Lq) scratch; block_rows rows per query block,
+// each holding whole rows of keys.
+int attngrad_backward_jvp(const AttngradCall* call) {
+    const Use with_bias = call && call->data[buf_bias] ? Use::optional : Use::none;
+    if (!check_call("attngrad_backward_jvp", call,
+                    {{buf_q, Use::required}, {buf_k, Use::required}, {buf_v, Use::required},
+                     {buf_mask, Use::optional}, {buf_bias, Use::optional}, {buf_out, Use::required},
+                     {buf_row_max, Use::required}, {buf_inv_sum, Use::required}, {buf_dout, Use::required},
+                     {buf_delta, Use::required}, {buf_tdout, Use::optional}, {buf_tq, Use::optional},
+                     {buf_tk, Use::optional}, {buf_tv, Use::optional}, {buf_tbias, with_bias},
+                     {buf_tdq, Use::required}, {buf_tdk_parts, Use::required}, {buf_tdv_parts, Use::required},
+                     {buf_tdbias_parts, with_bias}})) {
+        return 1;
+    }
+    if (call->double_precision) {
+        backward_jvp(Pass<double>(*call));
+    } else {
+        backward_jvp(Pass<float>(*call));
     }
     return 0;
 }

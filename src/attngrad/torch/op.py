@@ -140,11 +140,17 @@ def attention_backward_jvp(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
                     **_second_order_sides("t", tdout, tq, tk, tv, tbias))
-    choose("backward_jvp", q, k, v, mask, bias, dropout_p)
-    dq, dk, dv, dbias = kernels_higher.attention_backward_jvp(
-        dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad,
-        tdout, tq, tk, tv, tbias,
-    )
+    if choose("backward_jvp", q, k, v, mask, bias, dropout_p, bias_grad) == "tiles":
+        dq, dk, dv, dbias = native.attention_backward_jvp(
+            dout.to(q.dtype), q, k, v, out, row_max, inv_sum, causal, scale, tdout, tq, tk, tv, mask=mask, bias=bias,
+            tbias=tbias, seed=int(seed), dropout_p=dropout_p, bias_grad=bias_grad,
+        )
+        dbias = None if dbias is None else dbias.to(bias.dtype)
+    else:
+        dq, dk, dv, dbias = kernels_higher.attention_backward_jvp(
+            dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad,
+            tdout, tq, tk, tv, tbias,
+        )
     return dq, dk, dv, _maybe_empty(dbias, q)
 
 

@@ -1,9 +1,10 @@
 """Which implementation runs a call, decided in one place, seen and chosen by the user.
 
 Two implementations compute every pass, and agree to rounding:
-    "tiles"      the compiled C++ tiles (`native`): CPU, float32 and float64, masks, a bias
-                 without its gradient, dropout in the first-order passes: the calls
-                 `native.supports` accepts; fast
+    "tiles"      the compiled C++ tiles (`native`): CPU, float32 and float64; every pass
+                 (forward, backward, JVP, the backward's JVP, double backward) with masks,
+                 a bias and GQA; the bias gradient and dropout in every pass but the double
+                 backward: the calls `native.supports` accepts; fast
     "torch-ops"  PyTorch operators over score tiles (`kernels`, `kernels_higher`): every
                  call, on any device; the portable one
 
@@ -29,7 +30,7 @@ from torch import Tensor
 from . import native
 
 IMPLEMENTATIONS = ("tiles", "torch-ops")
-# The passes whose tiles exist; the others (forward mode) always run on the torch-ops kernels.
+# The passes with compiled tiles: all of them.
 TILED_PASSES = ("forward", "backward", "double_backward", "jvp", "backward_jvp")
 
 _allowed: tuple[str, ...] = IMPLEMENTATIONS
@@ -68,8 +69,8 @@ def choose(pass_name: str, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tenso
         choice = "torch-ops"
     else:
         why = (f"the compiled tiles are unavailable ({native.build_info.reason})" if native.library() is None
-               else f"the compiled tiles do not take this {pass_name} call (a bias gradient, dropout in a double "
-               f"backward, forward mode, {q.dtype} on {q.device}, or an empty dimension)")
+               else f"the compiled tiles do not take this {pass_name} call (a bias gradient or dropout in a double "
+               f"backward, {q.dtype} on {q.device}, or an empty dimension)")
         raise RuntimeError(f"attngrad: no allowed implementation runs this call: only {_allowed} are allowed, and {why}")
     ran[(pass_name, choice)] += 1
     return choice

@@ -1,7 +1,9 @@
-"""The compiled tiles (`native_tiles.cpp`): the forward, backward and double backward of
-attention with the causal diagonal, a boolean mask and a float bias (not its gradient), and
-dropout in the forward and backward, float32 or float64, on the CPU; and the dropout
-keep-masks of `dropout` for the torch-ops kernels.
+"""The compiled tiles (`native_tiles.cpp`): every pass of attention (forward, backward,
+JVP, the backward's JVP, double backward) with the causal diagonal, a boolean mask, a float
+bias and GQA; the bias's gradient and dropout in every pass but the double backward;
+float32 or float64, on the CPU; and the dropout keep-masks of `dropout` for the torch-ops
+kernels. Every entry point takes one `AttentionCall`: the sizes, options and named
+buffers of a call, whose layout the library states and `library()` checks.
 
 The torch-ops kernels (`kernels`) run any case on any device, but each of their passes is a
 separate sweep over a score tile too large for the cache. The compiled tiles fuse those
@@ -129,9 +131,9 @@ def status() -> str:
     """One line for reports: whether the tiles run, and what their first use costs."""
     if library() is None:
         return f"compiled tiles unavailable ({build_info.reason}); torch-ops kernels throughout"
-    return (f"compiled tiles for the forward, backward and double backward with masks and a bias, and dropout in "
-            f"the first two (first use compiles them once: {fresh_build_seconds():.1f} s on this machine, then "
-            "cached); torch-ops kernels for a bias gradient, dropout's double backward and forward mode")
+    return (f"compiled tiles for every pass with masks and a bias; the bias gradient and dropout in all but the "
+            f"double backward (first use compiles them once: {fresh_build_seconds():.1f} s on this machine, then "
+            "cached); torch-ops kernels for the double backward of a bias gradient or dropout")
 
 
 def _blas_symbols() -> list[int]:

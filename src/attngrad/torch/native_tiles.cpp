@@ -1,8 +1,8 @@
-// attngrad's compiled tiles: the forward, backward and double backward of exact attention,
-// with the causal diagonal, a boolean mask and a float bias (without its gradient), and in
-// the forward and backward dropout, in the manner of
-// FlashAttention-2 (Dao, 2023) on per-thread tiles small enough to stay in a core's cache;
-// and the dropout keep-masks of the counter-based generator in `dropout.py`.
+// attngrad's compiled tiles: every pass of exact attention (forward, backward, JVP, the
+// backward's JVP, double backward) with the causal diagonal, a boolean mask, a float bias
+// and GQA, and in all but the double backward the bias's gradient and dropout, in the
+// manner of FlashAttention-2 (Dao, 2023) on per-thread tiles small enough to stay in a
+// core's cache; and the dropout keep-masks of the counter-based generator in `dropout.py`.
 //
 // Shape legend (row-major, contiguous)
 //   q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), out and dout (B, H, Lq, dv),
@@ -17,18 +17,21 @@
 // backward, per (b, key/value head, chunk of key blocks), over query blocks:
 //   P  = exp(S - m) / l,  dP = dO V_blk^T,  dS = P (dP - D)    D = rowsum(dO * O), or
 //   rowsum(P * dP) where the block holds all of the row's keys (the same in exact arithmetic)
-//   dV_blk += P^T dO,  dK_blk += scale dS^T Q,  dQ += scale dS K_blk
-// double backward: see `double_backward` below.
+//   dV_blk += P^T dO,  dK_blk += scale dS^T Q,  dQ += scale dS K_blk,  dbias += dS
+// jvp, backward_jvp, double_backward: see each below; they take query blocks of whole rows.
 // A work item owns its dK and dV rows, and its own copy of dQ when the keys are split into
-// chunks (the double backward: its g_Q rows, and its own g_K, g_V when the query blocks are
-// split): nothing is written by two threads, so the bits do not depend on the schedule.
+// chunks (the double backward and the backward's JVP: their dQ-shaped rows, and their own
+// dK, dV-shaped sums when the query blocks are split; a bias gradient: its own part where
+// other items would add into the same entries): nothing is written by two threads, and
+// the parts are added in a fixed order, so the bits do not depend on the schedule.
 // The causal mask is a diagonal: row i sees keys j <= i + c (c = 0 top-left, Lk - Lq
 // bottom-right). A row that sees no key has output 0 and sends back 0; a row that sees one
 // key has P = 1 there exactly and dS = 0 (a recomputed score can round apart from the
 // forward's maximum).
 //
-// Every entry point checks its sizes and the element count of every buffer against them,
-// and returns nonzero (attngrad_error() says why) before touching memory otherwise.
+// Every entry point takes one AttngradCall (sizes, options, named buffers), checks its
+// sizes and the element count of every buffer against them, and returns nonzero
+// (attngrad_error() says why) before touching memory otherwise.
 //
 // The GEMMs are the BLAS's Fortran sgemm/dgemm, handed over by pointer at load time (the
 // MKL inside PyTorch), called single-threaded inside the OpenMP work loop.

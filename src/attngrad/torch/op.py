@@ -1,6 +1,5 @@
 """The tiled kernels as PyTorch operators, with autograd: a thin wrapper over `native`
-(the compiled forward, backward and double backward, where they apply), `kernels` and
-`kernels_higher`.
+(the compiled tiles of every pass, where they apply), `kernels` and `kernels_higher`.
 
 Each pass is a custom op (`attngrad::attention_forward`, `..._backward`, `..._jvp`,
 `..._backward_jvp`, `..._double_backward`), so that torch.compile treats it as one opaque
@@ -177,7 +176,7 @@ def attention_double_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
                     **_second_order_sides("g", None, gq, gk, gv, gbias))
-    if choose("double_backward", q, k, v, mask, bias, dropout_p, bias_grad) == "tiles":  # no bias gradient
+    if choose("double_backward", q, k, v, mask, bias, dropout_p, bias_grad) == "tiles":  # neither dbias nor dropout
         g_dout, g_q, g_k, g_v = native.attention_double_backward(
             dout.to(q.dtype), q, k, v, out, row_max, inv_sum, causal, scale, dout_grad, gq, gk, gv, mask=mask, bias=bias
         )

@@ -17,6 +17,7 @@ CASES = {
     "bottom-right": dict(is_causal="bottom_right"),
     "masked": dict(mask=True),
     "bias": dict(bias=True),
+    "bias-per-key": dict(bias="per-key"),  # its gradient sums over heads and rows: parts, added in order
     "dropout": dict(dropout_p=0.2, is_causal=True),
 }
 
@@ -30,7 +31,8 @@ def _everything(case: str, dtype=torch.float32, len_q=150, len_k=170):
     k = torch.randn(1, 3, len_k, 24, generator=g, dtype=dtype)
     v = torch.randn(1, 3, len_k, 16, generator=g, dtype=dtype)
     dout = torch.randn(1, 3, len_q, 16, generator=g, dtype=dtype)
-    bias = torch.randn(3, len_q, len_k, generator=g, dtype=dtype) if spec.get("bias") else None
+    bias_shape = (1, len_k) if spec.get("bias") == "per-key" else (3, len_q, len_k)
+    bias = torch.randn(bias_shape, generator=g, dtype=dtype) if spec.get("bias") else None
     mask = torch.rand(1, 1, len_q, len_k, generator=g) > 0.25 if spec.get("mask") else None
     tangents = [torch.randn(t.shape, generator=g, dtype=dtype) for t in (q, k, v)]
     options = dict(attn_mask=mask, is_causal=spec.get("is_causal", False), dropout_p=spec.get("dropout_p", 0.0))
@@ -61,8 +63,8 @@ def _everything(case: str, dtype=torch.float32, len_q=150, len_k=170):
 @pytest.mark.parametrize("case", list(CASES))
 def test_bits_do_not_depend_on_the_thread_count(many_blocks, case):
     """1, 2, 3 and 4 threads: every result bit-equal, on the path each call takes (the
-    compiled tiles for the first and second derivatives of full and causal calls, with
-    their work split into chunks here; the torch-ops kernels otherwise, and for forward mode)."""
+    compiled tiles, with their work split into chunks here; the torch-ops kernels for the
+    double backward of dropout and of a bias gradient)."""
     threads = torch.get_num_threads()
     results = {}
     try:

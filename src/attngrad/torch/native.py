@@ -417,7 +417,9 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Ten
     if tbias is not None:
         masks["tbias"] = tbias.to(q.dtype).reshape(masks["bias_sizes"]).contiguous()
     out_t = q.new_empty(*q.shape[:3], v.shape[-1])
-    _call("attngrad_jvp", describe(q, k, v, causal, scale, block_rows=_rows_per_block(k.shape[2]), seed=seed,
+    rows = _rows_per_block(k.shape[2])
+    chunks = _chunks(k.shape[0] * k.shape[1], -(-q.shape[2] // rows))  # work items: each owns its rows
+    _call("attngrad_jvp", describe(q, k, v, causal, scale, block_rows=rows, chunks=chunks, seed=seed,
                                    dropout_p=dropout_p, row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv,
                                    tout=out_t, **masks))
     return out_t

@@ -591,7 +591,10 @@ class BlockSkips {
 template <typename T>
 ScoreMask<T> score_mask(const AttngradCall& c) {
     ScoreMask<T> masks;
-    if (c.data[buf_mask]) masks = {static_cast<const uint8_t*>(c.data[buf_mask]), Broadcast4(c.mask_sizes), nullptr, Broadcast4()};
+    if (c.data[buf_mask]) {
+        masks.mask = static_cast<const uint8_t*>(c.data[buf_mask]);
+        masks.m = Broadcast4(c.mask_sizes);
+    }
     if (c.data[buf_bias]) {
         masks.bias = static_cast<const T*>(c.data[buf_bias]);
         masks.bb = Broadcast4(c.bias_sizes);
@@ -681,6 +684,85 @@ inline KvItem kv_item(index_t item, index_t bhk_count, index_t kv_heads) {
     return {item / bhk_count, bhk, bhk / kv_heads, bhk % kv_heads};
 }
 
+// out (rows x keys) = alpha (a1 b1^T + a2 b2^T), each factor `width` wide and row-major; a
+// pair with a null factor is left out, and with neither out is 0. The tangents' and
+// cotangents' score-sized products: scale (tQ K^T + Q tK^T), dO tV^T + tdO V^T, ...
+template <typename T>
+void products_nt(index_t rows, index_t keys, index_t width, T alpha, const T* a1, const T* b1, const T* a2,
+                 const T* b2, T* out) {
+    const bool first = a1 && b1, second = a2 && b2;
+    if (first) gemm<T>(false, true, rows, keys, width, alpha, a1, width, b1, width, T(0), out, keys);
+    if (second) gemm<T>(false, true, rows, keys, width, alpha, a2, width, b2, width, T(first ? 1 : 0), out, keys);
+    if (!first && !second) std::fill(out, out + rows * keys, T(0));
+}
+
+// A row whose one key takes part: P = 1 there and 0 elsewhere, exactly (a recomputed score
+// can round apart from the forward's maximum); returns rowsum(P * t) = t at that key.
+template <typename T>
+T single_key_probs(T* p, const T* t, index_t n) {
+    T sum = 0;
+    for (index_t j = 0; j < n; ++j) {
+        p[j] = p[j] > T(0) ? T(1) : T(0);
+        sum += p[j] * t[j];
+    }
+    return sum;
+}
+
+// A query block of whole rows, in the passes that hold them (JVP, the backward's JVP,
+// double backward), within work item (chunk of query blocks, b, key/value head hk).
+struct RowBlock {
+    index_t chunk, b, hk, bhk;  // the work item; bhk = b Hkv + hk
+    index_t h, bh;              // the query head, and bh = b H + h
+    index_t r0, rows, first;    // rows r0..r0 + rows of the head; first = bh Lq + r0
+    index_t keys;               // how many keys (a prefix) any of the rows sees
+    index_t len_k;
+
+    // The item's head in a key-side (B, Hkv, Lk, width) tensor, the block's rows in a
+    // query-side (B, H, Lq, width) one; null (an absent tangent) stays null.
+    template <typename P>
+    P* head(P* base, index_t width) const { return base ? base + head_offset(width) : nullptr; }
+    template <typename P>
+    P* block(P* base, index_t width) const { return base ? base + first * width : nullptr; }
+    // The item's head in its own chunk's part of `parts` (chunks x (B, Hkv, Lk, width))
+    template <typename P>
+    P* part_head(P* parts, index_t kv_size, index_t width) const {
+        return parts + chunk * kv_size * width + head_offset(width);
+    }
+    index_t head_offset(index_t width) const { return bhk * len_k * width; }
+};
+
+// body(block, scratch) for every query block of whole rows: work items (chunk of query
+// blocks, b, key/value head) in parallel, each visiting its chunk of blocks for every query
+// head of its group in order (so its sums into its own parts have a fixed order);
+// `scratch` holds `tiles` tiles of block_rows x Lk per thread.
+template <typename T, typename Body>
+void for_each_row_block(const Pass<T>& pass, int tiles, Body&& body) {
+    const Shape& s = pass.s;
+    const index_t block_rows = pass.call.block_rows, chunks = pass.call.chunks;
+    const index_t group = s.heads / s.kv_heads;
+    const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
+    const index_t bhk_count = s.batch * s.kv_heads;
+#pragma omp parallel num_threads(pass.threads)
+    {
+        SingleThreadedBlas blas_guard;
+        std::vector<T> scratch(tiles * block_rows * s.len_k);
+#pragma omp for schedule(dynamic, 1)
+        for (index_t item = 0; item < chunks * bhk_count; ++item) {
+            const KvItem it = kv_item(item, bhk_count, s.kv_heads);
+            for (index_t h = it.hk * group; h < (it.hk + 1) * group; ++h) {
+                for (index_t qb = it.chunk * query_blocks / chunks; qb < (it.chunk + 1) * query_blocks / chunks; ++qb) {
+                    RowBlock blk{it.chunk, it.b, it.hk, it.bhk, h, it.b * s.heads + h, qb * block_rows, 0, 0, 0,
+                                 s.len_k};
+                    blk.rows = std::min(block_rows, s.len_q - blk.r0);
+                    blk.first = blk.bh * s.len_q + blk.r0;
+                    blk.keys = pass.causal.keys_before(blk.r0 + blk.rows, s.len_k);
+                    body(blk, scratch.data());
+                }
+            }
+        }
+    }
+}
+
 template <typename T>
 void forward(const Pass<T>& pass) {
     const T *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v];
@@ -691,7 +773,8 @@ void forward(const Pass<T>& pass) {
     const DropoutDraw& drop = pass.drop;
     const T scale = pass.scale;
     const int threads = pass.threads;
-    const index_t block_rows = pass.call.block_rows, block_keys = pass.call.block_keys, value_slice = pass.call.value_slice;
+    const index_t block_rows = pass.call.block_rows, block_keys = pass.call.block_keys;
+    const index_t value_slice = pass.call.value_slice;
     const index_t group = s.heads / s.kv_heads;
     const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
     const index_t bh_count = s.batch * s.heads;
@@ -868,13 +951,14 @@ void backward(const Pass<T>& pass) {
 
 
 // The double backward, for cotangents gQ, gK, gV (each may be null: zero) of the backward's
-// dQ, dK, dV; per (b, key/value head, chunk of query blocks), each query block holding
-// whole rows of keys, since two row sums run over all of them (R rows x Lk' keys each):
+// dQ, dK, dV; per query block of whole rows (for_each_row_block), since two row sums run
+// over all of a row's keys:
 //   T = scale (gQ K^T + Q gK^T),  t = rowsum(P * T),  X = dO gV^T
 //   g_P = (dP - D) * (T - t) + X,  u = rowsum(P * g_P)
 //   g_dP = P * (T - t)    -> g_V += g_dP^T dO,  g_dO = g_dP V + P gV (when asked)
 //   g_S = P * (g_P - u),  dS = P * (dP - D)
 //   g_Q = scale (g_S K + dS gK),  g_K += scale (g_S^T Q + dS^T gQ)
+// A work item adds into its own parts of g_K and g_V (gk_parts, gv_parts: one per chunk).
 template <typename T>
 void double_backward(const Pass<T>& pass) {
     const T *dout = pass[buf_dout], *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v], *out = pass[buf_out];
@@ -883,327 +967,211 @@ void double_backward(const Pass<T>& pass) {
     T *delta = pass[buf_delta], *g_dout = pass[buf_g_dout], *g_q = pass[buf_g_q];
     T *gk_parts = pass[buf_gk_parts], *gv_parts = pass[buf_gv_parts];
     const Shape& s = pass.s;
-    const Causal causal = pass.causal;
-    const ScoreMask<T>& masks = pass.masks;
     const T scale = pass.scale;
-    const int threads = pass.threads;
-    const index_t block_rows = pass.call.block_rows, chunks = pass.call.chunks;
-    const index_t group = s.heads / s.kv_heads;
-    const index_t rows_total = s.batch * s.heads * s.len_q;
-    row_dots(dout, out, delta, rows_total, s.dim_v, threads);  // D = rowsum(dO * O)
-    const RowKeys<T> row_keys_of(masks, causal, s, threads);
-    const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
-    const index_t bhk_count = s.batch * s.kv_heads;
-    const index_t kv_size = bhk_count * s.len_k;
-#pragma omp parallel num_threads(threads)
-    {
-        SingleThreadedBlas blas_guard;
-        const index_t tile = block_rows * s.len_k;
-        // P; T, then g_dP; dP - D, then dS; X, then g_P, then g_S
-        std::vector<T> p_rows(tile), t_rows(tile), dp_rows(tile), x_rows(tile);
-#pragma omp for schedule(dynamic, 1)
-        for (index_t item = 0; item < chunks * bhk_count; ++item) {
-            const KvItem it = kv_item(item, bhk_count, s.kv_heads);
-            const index_t chunk = it.chunk, bhk = it.bhk, b = it.b, hk = it.hk;
-            const T* k_head = k + bhk * s.len_k * s.dim;
-            const T* v_head = v + bhk * s.len_k * s.dim_v;
-            const T* gk_head = gk ? gk + bhk * s.len_k * s.dim : nullptr;
-            const T* gv_head = gv ? gv + bhk * s.len_k * s.dim_v : nullptr;
-            T* g_k = gk_parts + (chunk * kv_size + bhk * s.len_k) * s.dim;
-            T* g_v = gv_parts + (chunk * kv_size + bhk * s.len_k) * s.dim_v;
-            for (index_t h = hk * group; h < (hk + 1) * group; ++h) {
-                const index_t bh = b * s.heads + h;
-                for (index_t qb = chunk * query_blocks / chunks; qb < (chunk + 1) * query_blocks / chunks; ++qb) {
-                    const index_t r0 = qb * block_rows, rows = std::min(block_rows, s.len_q - r0);
-                    const index_t first = bh * s.len_q + r0;
-                    const index_t keys = causal.keys_before(r0 + rows, s.len_k);
-                    const T* q_blk = q + first * s.dim;
-                    const T* do_blk = dout + first * s.dim_v;
-                    const T* gq_blk = gq ? gq + first * s.dim : nullptr;
-                    if (keys == 0) {  // rows that see no key: nothing flows back through them
-                        std::fill(g_q + first * s.dim, g_q + (first + rows) * s.dim, T(0));
-                        if (g_dout) std::fill(g_dout + first * s.dim_v, g_dout + (first + rows) * s.dim_v, T(0));
-                        continue;
-                    }
-                    T *p = p_rows.data(), *t = t_rows.data(), *dp = dp_rows.data(), *x = x_rows.data();
-                    // forward: S = scale Q K^T;  T = scale (gQ K^T + Q gK^T);  dP = dO V^T;  X = dO gV^T
-                    gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
-                    if (gq_blk) gemm<T>(false, true, rows, keys, s.dim, scale, gq_blk, s.dim, k_head, s.dim, T(0), t, keys);
-                    if (gk_head) {
-                        gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, gk_head, s.dim, T(gq_blk ? 1 : 0),
-                                t, keys);
-                    }
-                    if (!gq_blk && !gk_head) std::fill(t, t + rows * keys, T(0));
-                    gemm<T>(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, v_head, s.dim_v, T(0), dp, keys);
-                    if (gv_head) {
-                        gemm<T>(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, gv_head, s.dim_v, T(0), x,
-                                keys);
-                    } else {
-                        std::fill(x, x + rows * keys, T(0));
-                    }
-                    for (index_t i = 0; i < rows; ++i) {
-                        T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
-                        const index_t seen = causal.visible(r0 + i, 0, keys);
-                        const T m = row_max[first + i], inv = inv_sum[first + i];
-                        if (masks.any()) masks.apply(pi, b, h, r0 + i, 0, seen);
-                        T d_row = delta[first + i];
-                        T t_sum = probs_and_dot(pi, ti, seen, m, inv);  // P, t = rowsum(P * T)
-                        if (row_keys_of(bh, r0 + i) == 1) {  // the row's one key: P = 1, so t = T, D = dP exactly
-                            t_sum = d_row = T(0);
-                            for (index_t j = 0; j < seen; ++j) {
-                                pi[j] = pi[j] > T(0) ? T(1) : T(0);
-                                t_sum += pi[j] * ti[j];
-                                d_row += pi[j] * dpi[j];
-                            }
-                        }
-                        const T u_sum = second_order_terms(pi, ti, dpi, xi, seen, t_sum, d_row);
-                        centre_and_scale(pi, xi, seen, u_sum);  // g_S = P (g_P - u)
-                        for (T* row : {pi, ti, dpi, xi}) std::fill(row + seen, row + keys, T(0));
-                    }
-                    // backward: dV = P^T dO  ->  g_V += g_dP^T dO
-                    gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), g_v, s.dim_v);
-                    // backward: dP = dO V^T, dV = P^T dO  ->  g_dO = g_dP V + P gV
-                    if (g_dout) {
-                        T* g_do = g_dout + first * s.dim_v;
-                        gemm<T>(false, false, rows, s.dim_v, keys, T(1), t, keys, v_head, s.dim_v, T(0), g_do, s.dim_v);
-                        if (gv_head) {
-                            gemm<T>(false, false, rows, s.dim_v, keys, T(1), p, keys, gv_head, s.dim_v, T(1), g_do,
-                                    s.dim_v);
-                        }
-                    }
-                    // backward: dQ = scale dS K, dK = scale dS^T Q  ->  g_Q = scale (g_S K + dS gK),
-                    // g_K += scale (g_S^T Q + dS^T gQ)
-                    T* g_q_blk = g_q + first * s.dim;
-                    gemm<T>(false, false, rows, s.dim, keys, scale, x, keys, k_head, s.dim, T(0), g_q_blk, s.dim);
-                    if (gk_head) gemm<T>(false, false, rows, s.dim, keys, scale, dp, keys, gk_head, s.dim, T(1), g_q_blk, s.dim);
-                    gemm<T>(true, false, keys, s.dim, rows, scale, x, keys, q_blk, s.dim, T(1), g_k, s.dim);
-                    if (gq_blk) gemm<T>(true, false, keys, s.dim, rows, scale, dp, keys, gq_blk, s.dim, T(1), g_k, s.dim);
-                }
-            }
+    const index_t kv_size = s.batch * s.kv_heads * s.len_k;
+    row_dots(dout, out, delta, s.batch * s.heads * s.len_q, s.dim_v, pass.threads);  // D = rowsum(dO * O)
+    const RowKeys<T> row_keys_of(pass.masks, pass.causal, s, pass.threads);
+    // scratch: P; T, then g_dP; dP - D, then dS; X, then g_P, then g_S
+    for_each_row_block(pass, 4, [&](const RowBlock& blk, T* scratch) {
+        const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
+        if (keys == 0) {  // rows that see no key: nothing flows back through them
+            std::fill(g_q + first * s.dim, g_q + (first + rows) * s.dim, T(0));
+            if (g_dout) std::fill(g_dout + first * s.dim_v, g_dout + (first + rows) * s.dim_v, T(0));
+            return;
         }
-    }
+        const T* k_head = blk.head(k, s.dim);
+        const T* v_head = blk.head(v, s.dim_v);
+        const T* gk_head = blk.head(gk, s.dim);
+        const T* gv_head = blk.head(gv, s.dim_v);
+        T* g_k = blk.part_head(gk_parts, kv_size, s.dim);
+        T* g_v = blk.part_head(gv_parts, kv_size, s.dim_v);
+        const T* q_blk = blk.block(q, s.dim);
+        const T* do_blk = blk.block(dout, s.dim_v);
+        const T* gq_blk = blk.block(gq, s.dim);
+        T *p = scratch, *t = scratch + tile, *dp = scratch + 2 * tile, *x = scratch + 3 * tile;
+        // forward: S = scale Q K^T;  T = scale (gQ K^T + Q gK^T);  dP = dO V^T;  X = dO gV^T
+        gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
+        products_nt(rows, keys, s.dim, scale, gq_blk, k_head, q_blk, gk_head, t);
+        gemm<T>(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, v_head, s.dim_v, T(0), dp, keys);
+        products_nt<T>(rows, keys, s.dim_v, T(1), do_blk, gv_head, nullptr, nullptr, x);
+        for (index_t i = 0; i < rows; ++i) {
+            T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
+            const index_t seen = pass.causal.visible(blk.r0 + i, 0, keys);
+            const T m = row_max[first + i], inv = inv_sum[first + i];
+            if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, blk.r0 + i, 0, seen);
+            T d_row = delta[first + i];
+            T t_sum = probs_and_dot(pi, ti, seen, m, inv);  // P, t = rowsum(P * T)
+            if (row_keys_of(blk.bh, blk.r0 + i) == 1) {  // the row's one key: P = 1, so t = T, D = dP exactly
+                t_sum = single_key_probs(pi, ti, seen);
+                d_row = T(0);
+                for (index_t j = 0; j < seen; ++j) d_row += pi[j] * dpi[j];
+            }
+            const T u_sum = second_order_terms(pi, ti, dpi, xi, seen, t_sum, d_row);
+            centre_and_scale(pi, xi, seen, u_sum);  // g_S = P (g_P - u)
+            for (T* row : {pi, ti, dpi, xi}) std::fill(row + seen, row + keys, T(0));
+        }
+        // backward: dV = P^T dO  ->  g_V += g_dP^T dO
+        gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), g_v, s.dim_v);
+        // backward: dP = dO V^T, dV = P^T dO  ->  g_dO = g_dP V + P gV
+        if (g_dout) {
+            T* g_do = g_dout + first * s.dim_v;
+            gemm<T>(false, false, rows, s.dim_v, keys, T(1), t, keys, v_head, s.dim_v, T(0), g_do, s.dim_v);
+            if (gv_head) gemm<T>(false, false, rows, s.dim_v, keys, T(1), p, keys, gv_head, s.dim_v, T(1), g_do, s.dim_v);
+        }
+        // backward: dQ = scale dS K, dK = scale dS^T Q  ->  g_Q = scale (g_S K + dS gK),
+        // g_K += scale (g_S^T Q + dS^T gQ)
+        T* g_q_blk = g_q + first * s.dim;
+        gemm<T>(false, false, rows, s.dim, keys, scale, x, keys, k_head, s.dim, T(0), g_q_blk, s.dim);
+        if (gk_head) gemm<T>(false, false, rows, s.dim, keys, scale, dp, keys, gk_head, s.dim, T(1), g_q_blk, s.dim);
+        gemm<T>(true, false, keys, s.dim, rows, scale, x, keys, q_blk, s.dim, T(1), g_k, s.dim);
+        if (gq_blk) gemm<T>(true, false, keys, s.dim, rows, scale, dp, keys, gq_blk, s.dim, T(1), g_k, s.dim);
+    });
 }
 
 // The JVP: the output's tangent O' for tangents tQ, tK, tV, tbias (each may be null:
-// zero), from the forward's statistics, per (b, h, query block of whole rows: t below
-// sums over all of a row's keys). Each work item owns its rows of O'.
+// zero), from the forward's statistics, per query block of whole rows (t below sums over
+// all of a row's keys). Each block owns its rows of O'.
 //   P = exp(S - m) / l,  T = S' = scale (tQ K^T + Q tK^T) + tbias,  t = rowsum(P * T)
 //   P' = P (T - t),  O' = (P' Z) V + (P Z) tV
 template <typename T>
 void jvp(const Pass<T>& pass) {
     const T *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v];
     const T *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];
-    const T *tq = pass[buf_tq], *tk = pass[buf_tk], *tv = pass[buf_tv], *tbias = pass[buf_tbias];
+    const T *tq = pass[buf_tq], *tk = pass[buf_tk], *tv = pass[buf_tv];
     T* out_t = pass[buf_tout];
     const Shape& s = pass.s;
-    const Causal causal = pass.causal;
-    const ScoreMask<T>& masks = pass.masks;
     const DropoutDraw& drop = pass.drop;
     const T scale = pass.scale;
-    const int threads = pass.threads;
-    const index_t block_rows = pass.call.block_rows;
-    const Broadcast4 tb(pass.call.bias_sizes);
-    const index_t group = s.heads / s.kv_heads;
-    const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
-    const index_t bh_count = s.batch * s.heads;
-    const RowKeys<T> row_keys_of(masks, causal, s, threads);
-#pragma omp parallel num_threads(threads)
-    {
-        SingleThreadedBlas blas_guard;
-        std::vector<T> p_rows(block_rows * s.len_k), t_rows(block_rows * s.len_k);  // P; T, then P'
-        // the last query blocks first: a causal pass's heaviest work is scheduled first
-#pragma omp for schedule(dynamic, 1)
-        for (index_t item = 0; item < query_blocks * bh_count; ++item) {
-            const index_t qb = query_blocks - 1 - item / bh_count, bh = item % bh_count;
-            const index_t b = bh / s.heads, h = bh % s.heads, bhk = b * s.kv_heads + h / group;
-            const index_t r0 = qb * block_rows, rows = std::min(block_rows, s.len_q - r0), first = bh * s.len_q + r0;
-            const index_t keys = causal.keys_before(r0 + rows, s.len_k);
-            T* o_t = out_t + first * s.dim_v;
-            if (keys == 0) {  // rows that see no key: output 0, tangent 0
-                std::fill(o_t, o_t + rows * s.dim_v, T(0));
-                continue;
-            }
-            const T* q_blk = q + first * s.dim;
-            const T* tq_blk = tq ? tq + first * s.dim : nullptr;
-            const T* k_head = k + bhk * s.len_k * s.dim;
-            const T* tk_head = tk ? tk + bhk * s.len_k * s.dim : nullptr;
-            const T* v_head = v + bhk * s.len_k * s.dim_v;
-            const T* tv_head = tv ? tv + bhk * s.len_k * s.dim_v : nullptr;
-            T *p = p_rows.data(), *t = t_rows.data();
-            // forward: S = scale Q K^T + bias  ->  S' = scale (tQ K^T + Q tK^T) + tbias
-            gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
-            if (tq_blk) gemm<T>(false, true, rows, keys, s.dim, scale, tq_blk, s.dim, k_head, s.dim, T(0), t, keys);
-            if (tk_head) {
-                gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, tk_head, s.dim, T(tq_blk ? 1 : 0), t,
-                        keys);
-            }
-            if (!tq_blk && !tk_head) std::fill(t, t + rows * keys, T(0));
-            for (index_t i = 0; i < rows; ++i) {
-                T *pi = p + i * keys, *ti = t + i * keys;
-                const index_t seen = causal.visible(r0 + i, 0, keys);
-                const T m = row_max[first + i], inv = inv_sum[first + i];
-                if (masks.any()) masks.apply(pi, b, h, r0 + i, 0, seen);
-                if (tbias) {
-                    const T* row = tbias + tb.row(b, h, r0 + i);
-                    for (index_t j = 0; j < seen; ++j) ti[j] += row[j * tb.sj];
-                }
-                // forward: P = softmax(S)  ->  P' = P (S' - rowsum(P S'))
-                T t_sum = probs_and_dot(pi, ti, seen, m, inv);
-                if (row_keys_of(bh, r0 + i) == 1) {  // the row's one key: P = 1 exactly, so P' = 0
-                    t_sum = T(0);
-                    for (index_t j = 0; j < seen; ++j) {
-                        pi[j] = pi[j] > T(0) ? T(1) : T(0);
-                        t_sum += pi[j] * ti[j];
-                    }
-                }
-                centre_and_scale(pi, ti, seen, t_sum);
-                if (drop.on) {  // P Z and P' Z
-                    drop.scale_row(pi, b, h, r0 + i, 0, seen);
-                    drop.scale_row(ti, b, h, r0 + i, 0, seen);
-                }
-                std::fill(pi + seen, pi + keys, T(0));
-                std::fill(ti + seen, ti + keys, T(0));
-            }
-            // forward: O = (P Z) V  ->  O' = (P' Z) V + (P Z) tV
-            gemm<T>(false, false, rows, s.dim_v, keys, T(1), t, keys, v_head, s.dim_v, T(0), o_t, s.dim_v);
-            if (tv_head) gemm<T>(false, false, rows, s.dim_v, keys, T(1), p, keys, tv_head, s.dim_v, T(1), o_t, s.dim_v);
+    const ScoreMask<T> tbias{nullptr, Broadcast4(), pass[buf_tbias], Broadcast4(pass.call.bias_sizes)};
+    const RowKeys<T> row_keys_of(pass.masks, pass.causal, s, pass.threads);
+    // scratch: P; T, then P'
+    for_each_row_block(pass, 2, [&](const RowBlock& blk, T* scratch) {
+        const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
+        T* o_t = out_t + first * s.dim_v;
+        if (keys == 0) {  // rows that see no key: output 0, tangent 0
+            std::fill(o_t, o_t + rows * s.dim_v, T(0));
+            return;
         }
-    }
+        const T* q_blk = blk.block(q, s.dim);
+        const T* tq_blk = blk.block(tq, s.dim);
+        const T* k_head = blk.head(k, s.dim);
+        const T* tk_head = blk.head(tk, s.dim);
+        const T* v_head = blk.head(v, s.dim_v);
+        const T* tv_head = blk.head(tv, s.dim_v);
+        T *p = scratch, *t = scratch + tile;
+        // forward: S = scale Q K^T + bias  ->  S' = scale (tQ K^T + Q tK^T) + tbias
+        gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
+        products_nt(rows, keys, s.dim, scale, tq_blk, k_head, q_blk, tk_head, t);
+        for (index_t i = 0; i < rows; ++i) {
+            T *pi = p + i * keys, *ti = t + i * keys;
+            const index_t row = blk.r0 + i, seen = pass.causal.visible(row, 0, keys);
+            if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, 0, seen);
+            if (tbias.any()) tbias.apply(ti, blk.b, blk.h, row, 0, seen);
+            // forward: P = softmax(S)  ->  P' = P (S' - rowsum(P S'))
+            T t_sum = probs_and_dot(pi, ti, seen, row_max[first + i], inv_sum[first + i]);
+            if (row_keys_of(blk.bh, row) == 1) t_sum = single_key_probs(pi, ti, seen);  // so P' = 0
+            centre_and_scale(pi, ti, seen, t_sum);
+            if (drop.on) {  // P Z and P' Z
+                drop.scale_row(pi, blk.b, blk.h, row, 0, seen);
+                drop.scale_row(ti, blk.b, blk.h, row, 0, seen);
+            }
+            std::fill(pi + seen, pi + keys, T(0));
+            std::fill(ti + seen, ti + keys, T(0));
+        }
+        // forward: O = (P Z) V  ->  O' = (P' Z) V + (P Z) tV
+        gemm<T>(false, false, rows, s.dim_v, keys, T(1), t, keys, v_head, s.dim_v, T(0), o_t, s.dim_v);
+        if (tv_head) gemm<T>(false, false, rows, s.dim_v, keys, T(1), p, keys, tv_head, s.dim_v, T(1), o_t, s.dim_v);
+    });
 }
 
 // The backward's JVP (forward over reverse: Hessian-vector products), the tangents of dQ,
-// dK, dV and dbias for tangents tdO, tQ, tK, tV, tbias (each may be null: zero); per (b,
-// key/value head, chunk of query blocks) like the double backward, each query block
-// holding whole rows of keys (t and D' sum over all of them):
+// dK, dV and dbias for tangents tdO, tQ, tK, tV, tbias (each may be null: zero); per query
+// block of whole rows like the double backward (t and D' sum over all of a row's keys):
 //   P = exp(S - m) / l,  T = S' = scale (tQ K^T + Q tK^T) + tbias,  t = rowsum(P * T)
 //   P' = P (T - t),  dP~ = (dO V^T) Z,  dP~' = (tdO V^T + dO tV^T) Z
 //   D = rowsum(dO * O),  D' = rowsum(P' * dP~ + P * dP~')
 //   dS = P (dP~ - D),  dS' = P' (dP~ - D) + P (dP~' - D')
 //   dV' += (P' Z)^T dO + (P Z)^T tdO,  dQ' = scale (dS' K + dS tK),
 //   dK' += scale (dS'^T Q + dS^T tQ),  dbias' = dS' summed over the bias's broadcast axes
+// A work item adds into its own parts of dK', dV' (one per chunk) and dbias' (BiasGradient).
 template <typename T>
 void backward_jvp(const Pass<T>& pass) {
     const T *dout = pass[buf_dout], *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v], *out = pass[buf_out];
     const T *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];
     const T *tdout = pass[buf_tdout], *tq = pass[buf_tq], *tk = pass[buf_tk], *tv = pass[buf_tv];
-    const T* tbias = pass[buf_tbias];
-    T *delta = pass[buf_delta], *tdq = pass[buf_tdq], *tdk_parts = pass[buf_tdk_parts], *tdv_parts = pass[buf_tdv_parts];
+    T *delta = pass[buf_delta], *tdq = pass[buf_tdq];
+    T *tdk_parts = pass[buf_tdk_parts], *tdv_parts = pass[buf_tdv_parts];
     const BiasGradient<T> tdbias(pass, buf_tdbias_parts, 2);
     const Shape& s = pass.s;
-    const Causal causal = pass.causal;
-    const ScoreMask<T>& masks = pass.masks;
     const DropoutDraw& drop = pass.drop;
     const T scale = pass.scale;
-    const int threads = pass.threads;
-    const index_t block_rows = pass.call.block_rows, chunks = pass.call.chunks;
-    const Broadcast4 tb(pass.call.bias_sizes);
-    const index_t group = s.heads / s.kv_heads;
-    row_dots(dout, out, delta, s.batch * s.heads * s.len_q, s.dim_v, threads);  // D = rowsum(dO * O)
-    const RowKeys<T> row_keys_of(masks, causal, s, threads);
-    const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
-    const index_t bhk_count = s.batch * s.kv_heads;
-    const index_t kv_size = bhk_count * s.len_k;
-#pragma omp parallel num_threads(threads)
-    {
-        SingleThreadedBlas blas_guard;
-        const index_t tile = block_rows * s.len_k;
-        // P; T, then P'; dP~, then dS; dP~', then dS'
-        std::vector<T> p_rows(tile), t_rows(tile), dp_rows(tile), x_rows(tile);
-#pragma omp for schedule(dynamic, 1)
-        for (index_t item = 0; item < chunks * bhk_count; ++item) {
-            const KvItem it = kv_item(item, bhk_count, s.kv_heads);
-            const index_t chunk = it.chunk, bhk = it.bhk, b = it.b, hk = it.hk;
-            const T* k_head = k + bhk * s.len_k * s.dim;
-            const T* v_head = v + bhk * s.len_k * s.dim_v;
-            const T* tk_head = tk ? tk + bhk * s.len_k * s.dim : nullptr;
-            const T* tv_head = tv ? tv + bhk * s.len_k * s.dim_v : nullptr;
-            T* dk_t = tdk_parts + (chunk * kv_size + bhk * s.len_k) * s.dim;
-            T* dv_t = tdv_parts + (chunk * kv_size + bhk * s.len_k) * s.dim_v;
-            T* dbias_t = tdbias.part(chunk, b, hk);
-            for (index_t h = hk * group; h < (hk + 1) * group; ++h) {
-                const index_t bh = b * s.heads + h;
-                for (index_t qb = chunk * query_blocks / chunks; qb < (chunk + 1) * query_blocks / chunks; ++qb) {
-                    const index_t r0 = qb * block_rows, rows = std::min(block_rows, s.len_q - r0);
-                    const index_t first = bh * s.len_q + r0;
-                    const index_t keys = causal.keys_before(r0 + rows, s.len_k);
-                    T* dq_t = tdq + first * s.dim;
-                    if (keys == 0) {  // rows that see no key: nothing flows back through them
-                        std::fill(dq_t, dq_t + rows * s.dim, T(0));
-                        continue;
-                    }
-                    const T* q_blk = q + first * s.dim;
-                    const T* tq_blk = tq ? tq + first * s.dim : nullptr;
-                    const T* do_blk = dout + first * s.dim_v;
-                    const T* tdo_blk = tdout ? tdout + first * s.dim_v : nullptr;
-                    T *p = p_rows.data(), *t = t_rows.data(), *dp = dp_rows.data(), *x = x_rows.data();
-                    // forward: S = scale Q K^T + bias  ->  S' = scale (tQ K^T + Q tK^T) + tbias
-                    gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
-                    if (tq_blk) gemm<T>(false, true, rows, keys, s.dim, scale, tq_blk, s.dim, k_head, s.dim, T(0), t, keys);
-                    if (tk_head) {
-                        gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, tk_head, s.dim, T(tq_blk ? 1 : 0),
-                                t, keys);
-                    }
-                    if (!tq_blk && !tk_head) std::fill(t, t + rows * keys, T(0));
-                    // backward: dP = dO V^T  ->  dP' = tdO V^T + dO tV^T
-                    gemm<T>(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, v_head, s.dim_v, T(0), dp, keys);
-                    if (tdo_blk) {
-                        gemm<T>(false, true, rows, keys, s.dim_v, T(1), tdo_blk, s.dim_v, v_head, s.dim_v, T(0), x, keys);
-                    }
-                    if (tv_head) {
-                        gemm<T>(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, tv_head, s.dim_v,
-                                T(tdo_blk ? 1 : 0), x, keys);
-                    }
-                    if (!tdo_blk && !tv_head) std::fill(x, x + rows * keys, T(0));
-                    for (index_t i = 0; i < rows; ++i) {
-                        T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
-                        const index_t seen = causal.visible(r0 + i, 0, keys);
-                        const T m = row_max[first + i], inv = inv_sum[first + i];
-                        if (masks.any()) masks.apply(pi, b, h, r0 + i, 0, seen);
-                        if (tbias) {
-                            const T* row = tbias + tb.row(b, h, r0 + i);
-                            for (index_t j = 0; j < seen; ++j) ti[j] += row[j * tb.sj];
-                        }
-                        T t_sum = probs_and_dot(pi, ti, seen, m, inv);  // P, t = rowsum(P * T)
-                        const bool single = row_keys_of(bh, r0 + i) == 1;
-                        if (single) {  // the row's one key: P = 1 exactly, so P' = 0 and dS = dS' = 0
-                            t_sum = T(0);
-                            for (index_t j = 0; j < seen; ++j) {
-                                pi[j] = pi[j] > T(0) ? T(1) : T(0);
-                                t_sum += pi[j] * ti[j];
-                            }
-                        }
-                        centre_and_scale(pi, ti, seen, t_sum);  // P' = P (T - t)
-                        if (drop.on) {  // dP~ = dP Z, dP~' = dP' Z
-                            drop.scale_row(dpi, b, h, r0 + i, 0, seen);
-                            drop.scale_row(xi, b, h, r0 + i, 0, seen);
-                        }
-                        if (single) {
-                            std::fill(dpi, dpi + seen, T(0));
-                            std::fill(xi, xi + seen, T(0));
-                        } else {
-                            const T d_t = tangent_delta(pi, ti, dpi, xi, seen);  // D'
-                            score_grad_tangents(pi, ti, dpi, xi, seen, delta[first + i], d_t);  // dS, dS'
-                        }
-                        if (drop.on) {  // P Z and P' Z, for dV'
-                            drop.scale_row(pi, b, h, r0 + i, 0, seen);
-                            drop.scale_row(ti, b, h, r0 + i, 0, seen);
-                        }
-                        for (T* row : {pi, ti, dpi, xi}) std::fill(row + seen, row + keys, T(0));
-                        if (dbias_t) tdbias.add_row(dbias_t, xi, b, h, r0 + i, 0, seen);  // dbias' = dS'
-                    }
-                    // backward: dV = (P Z)^T dO  ->  dV' += (P' Z)^T dO + (P Z)^T tdO
-                    gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), dv_t, s.dim_v);
-                    if (tdo_blk) gemm<T>(true, false, keys, s.dim_v, rows, T(1), p, keys, tdo_blk, s.dim_v, T(1), dv_t, s.dim_v);
-                    // backward: dQ = scale dS K, dK = scale dS^T Q  ->  dQ' = scale (dS' K + dS tK),
-                    // dK' += scale (dS'^T Q + dS^T tQ)
-                    gemm<T>(false, false, rows, s.dim, keys, scale, x, keys, k_head, s.dim, T(0), dq_t, s.dim);
-                    if (tk_head) gemm<T>(false, false, rows, s.dim, keys, scale, dp, keys, tk_head, s.dim, T(1), dq_t, s.dim);
-                    gemm<T>(true, false, keys, s.dim, rows, scale, x, keys, q_blk, s.dim, T(1), dk_t, s.dim);
-                    if (tq_blk) gemm<T>(true, false, keys, s.dim, rows, scale, dp, keys, tq_blk, s.dim, T(1), dk_t, s.dim);
-                }
-            }
+    const ScoreMask<T> tbias{nullptr, Broadcast4(), pass[buf_tbias], Broadcast4(pass.call.bias_sizes)};
+    const index_t kv_size = s.batch * s.kv_heads * s.len_k;
+    row_dots(dout, out, delta, s.batch * s.heads * s.len_q, s.dim_v, pass.threads);  // D = rowsum(dO * O)
+    const RowKeys<T> row_keys_of(pass.masks, pass.causal, s, pass.threads);
+    // scratch: P; T, then P'; dP~, then dS; dP~', then dS'
+    for_each_row_block(pass, 4, [&](const RowBlock& blk, T* scratch) {
+        const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
+        T* dq_t = tdq + first * s.dim;
+        if (keys == 0) {  // rows that see no key: nothing flows back through them
+            std::fill(dq_t, dq_t + rows * s.dim, T(0));
+            return;
         }
-    }
+        const T* k_head = blk.head(k, s.dim);
+        const T* v_head = blk.head(v, s.dim_v);
+        const T* tk_head = blk.head(tk, s.dim);
+        const T* tv_head = blk.head(tv, s.dim_v);
+        T* dk_t = blk.part_head(tdk_parts, kv_size, s.dim);
+        T* dv_t = blk.part_head(tdv_parts, kv_size, s.dim_v);
+        T* dbias_t = tdbias.part(blk.chunk, blk.b, blk.hk);
+        const T* q_blk = blk.block(q, s.dim);
+        const T* tq_blk = blk.block(tq, s.dim);
+        const T* do_blk = blk.block(dout, s.dim_v);
+        const T* tdo_blk = blk.block(tdout, s.dim_v);
+        T *p = scratch, *t = scratch + tile, *dp = scratch + 2 * tile, *x = scratch + 3 * tile;
+        // forward: S = scale Q K^T + bias  ->  S' = scale (tQ K^T + Q tK^T) + tbias
+        gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
+        products_nt(rows, keys, s.dim, scale, tq_blk, k_head, q_blk, tk_head, t);
+        // backward: dP = dO V^T  ->  dP' = tdO V^T + dO tV^T
+        gemm<T>(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, v_head, s.dim_v, T(0), dp, keys);
+        products_nt(rows, keys, s.dim_v, T(1), tdo_blk, v_head, do_blk, tv_head, x);
+        for (index_t i = 0; i < rows; ++i) {
+            T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
+            const index_t row = blk.r0 + i, seen = pass.causal.visible(row, 0, keys);
+            if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, 0, seen);
+            if (tbias.any()) tbias.apply(ti, blk.b, blk.h, row, 0, seen);
+            T t_sum = probs_and_dot(pi, ti, seen, row_max[first + i], inv_sum[first + i]);  // P, t = rowsum(P * T)
+            const bool single = row_keys_of(blk.bh, row) == 1;  // then P' = 0 and dS = dS' = 0
+            if (single) t_sum = single_key_probs(pi, ti, seen);
+            centre_and_scale(pi, ti, seen, t_sum);  // P' = P (T - t)
+            if (drop.on) {  // dP~ = dP Z, dP~' = dP' Z
+                drop.scale_row(dpi, blk.b, blk.h, row, 0, seen);
+                drop.scale_row(xi, blk.b, blk.h, row, 0, seen);
+            }
+            if (single) {
+                std::fill(dpi, dpi + seen, T(0));
+                std::fill(xi, xi + seen, T(0));
+            } else {
+                const T d_t = tangent_delta(pi, ti, dpi, xi, seen);  // D'
+                score_grad_tangents(pi, ti, dpi, xi, seen, delta[first + i], d_t);  // dS, dS'
+            }
+            if (drop.on) {  // P Z and P' Z, for dV'
+                drop.scale_row(pi, blk.b, blk.h, row, 0, seen);
+                drop.scale_row(ti, blk.b, blk.h, row, 0, seen);
+            }
+            for (T* r : {pi, ti, dpi, xi}) std::fill(r + seen, r + keys, T(0));
+            if (dbias_t) tdbias.add_row(dbias_t, xi, blk.b, blk.h, row, 0, seen);  // dbias' = dS'
+        }
+        // backward: dV = (P Z)^T dO  ->  dV' += (P' Z)^T dO + (P Z)^T tdO
+        gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), dv_t, s.dim_v);
+        if (tdo_blk) gemm<T>(true, false, keys, s.dim_v, rows, T(1), p, keys, tdo_blk, s.dim_v, T(1), dv_t, s.dim_v);
+        // backward: dQ = scale dS K, dK = scale dS^T Q  ->  dQ' = scale (dS' K + dS tK),
+        // dK' += scale (dS'^T Q + dS^T tQ)
+        gemm<T>(false, false, rows, s.dim, keys, scale, x, keys, k_head, s.dim, T(0), dq_t, s.dim);
+        if (tk_head) gemm<T>(false, false, rows, s.dim, keys, scale, dp, keys, tk_head, s.dim, T(1), dq_t, s.dim);
+        gemm<T>(true, false, keys, s.dim, rows, scale, x, keys, q_blk, s.dim, T(1), dk_t, s.dim);
+        if (tq_blk) gemm<T>(true, false, keys, s.dim, rows, scale, dp, keys, tq_blk, s.dim, T(1), dk_t, s.dim);
+    });
 }
 
 // out (B, H, R, keys) <- Z for rows row_start.. and keys 0..: 1 / (1 - p) where kept, else 0
@@ -1283,9 +1251,9 @@ bool check_broadcast(const char* what, const char* name, const AttngradCall& c, 
     return true;
 }
 
-// Every size, option and buffer of call `c` for a pass that takes the buffers `uses`
-// (the others must be null): sizes in range, and each buffer's element count what the
-// sizes say, before anything is read.
+// Every size, option and buffer of call `c` for a pass that takes q, k, v, optionally a
+// mask and a bias, and the buffers `uses` (the others must be null): sizes in range, and
+// each buffer's element count what the sizes say, before anything is read.
 bool check_call(const char* what, const AttngradCall* call, std::initializer_list<std::pair<int, Use>> uses) {
     if (!call) return fail(what, "call", 0, 1);
     const AttngradCall& c = *call;
@@ -1300,12 +1268,15 @@ bool check_call(const char* what, const AttngradCall* call, std::initializer_lis
     for (int i = 0; i < 5; ++i) {
         if (options[i] < 1 || options[i] > kIntMax) return fail(what, option_names[i], options[i], 1);
     }
-    if (c.block_rows * c.len_k > (int64_t{1} << 40)) return fail(what, "block_rows * len_k", c.block_rows * c.len_k, 1 << 30);
-    if (c.threshold > (uint64_t{1} << 32)) return fail(what, "threshold", static_cast<int64_t>(c.threshold), 1ll << 32);
-    if (!check_broadcast(what, "mask_sizes", c, c.mask_sizes) || !check_broadcast(what, "bias_sizes", c, c.bias_sizes)) {
-        return false;
+    if (c.block_rows * c.len_k > (int64_t{1} << 40)) {
+        return fail(what, "block_rows * len_k", c.block_rows * c.len_k, 1 << 30);
     }
+    if (c.threshold > (uint64_t{1} << 32)) return fail(what, "threshold", static_cast<int64_t>(c.threshold), 1ll << 32);
+    if (!check_broadcast(what, "mask_sizes", c, c.mask_sizes)) return false;
+    if (!check_broadcast(what, "bias_sizes", c, c.bias_sizes)) return false;
     Use use[kBufferCount] = {};
+    use[buf_q] = use[buf_k] = use[buf_v] = Use::required;
+    use[buf_mask] = use[buf_bias] = Use::optional;
     for (const auto& [b, how] : uses) use[b] = how;
     for (int b = 0; b < kBufferCount; ++b) {
         if (!c.data[b]) {
@@ -1318,6 +1289,20 @@ bool check_call(const char* what, const AttngradCall* call, std::initializer_lis
         if (c.numel[b] != want) return fail(what, kBufferNames[b], c.numel[b], want);
     }
     return true;
+}
+
+// An entry point: check the call against the buffers its pass takes, then run the pass
+// in the call's element type; 0, or 1 without touching a buffer.
+template <typename Run>
+int run_checked(const char* what, const AttngradCall* call, std::initializer_list<std::pair<int, Use>> uses,
+                Run&& run) {
+    if (!check_call(what, call, uses)) return 1;
+    if (call->double_precision) {
+        run(Pass<double>(*call));
+    } else {
+        run(Pass<float>(*call));
+    }
+    return 0;
 }
 
 // The call's layout, "name@offset ..." for every field, then its size and the buffers' names
@@ -1358,87 +1343,57 @@ int64_t attngrad_bias_grad_parts(const AttngradCall* call, int backward_jvp) {
     return call ? bias_grad_parts(*call, backward_jvp ? 2 : 3) : 0;
 }
 
-// Each entry point checks the call (check_call) and returns 0, or nonzero without touching a
-// buffer (attngrad_error() says why).
+// Each entry point checks the call (check_call: q, k, v, and optionally a mask and a bias,
+// with the buffers listed) and returns 0, or nonzero without touching a buffer
+// (attngrad_error() says why).
 
 // out (B, H, Lq, dv), row_max and inv_sum (B, H, Lq) from q, k, v; mask (bytes, nonzero =
 // take part) and bias optional; dropout in the output's E V.
 int attngrad_forward(const AttngradCall* call) {
-    if (!check_call("attngrad_forward", call,
-                    {{buf_q, Use::required}, {buf_k, Use::required}, {buf_v, Use::required},
-                     {buf_mask, Use::optional}, {buf_bias, Use::optional}, {buf_out, Use::required},
-                     {buf_row_max, Use::required}, {buf_inv_sum, Use::required}})) {
-        return 1;
-    }
-    if (call->double_precision) {
-        forward(Pass<double>(*call));
-    } else {
-        forward(Pass<float>(*call));
-    }
-    return 0;
+    return run_checked("attngrad_forward", call,
+                       {{buf_out, Use::required}, {buf_row_max, Use::required}, {buf_inv_sum, Use::required}},
+                       [](const auto& pass) { forward(pass); });
 }
+
+// The buffers every pass after the forward reads: the forward's output and statistics,
+// the upstream gradient, and the scratch row sums.
+#define ATTNGRAD_AFTER_FORWARD                                                                     \
+    {buf_out, Use::required}, {buf_row_max, Use::required}, {buf_inv_sum, Use::required},          \
+        {buf_dout, Use::required}, {buf_delta, Use::required}
 
 // dq_parts holds `chunks` zeroed (B, H, Lq, d) partial sums of dQ, one per chunk of key
 // blocks; dk and dv are zeroed; delta is (B, H, Lq) scratch; dbias_parts, where given,
 // holds attngrad_bias_grad_parts zeroed parts of the bias's gradient.
 int attngrad_backward(const AttngradCall* call) {
-    if (!check_call("attngrad_backward", call,
-                    {{buf_q, Use::required}, {buf_k, Use::required}, {buf_v, Use::required},
-                     {buf_mask, Use::optional}, {buf_bias, Use::optional}, {buf_out, Use::required},
-                     {buf_row_max, Use::required}, {buf_inv_sum, Use::required}, {buf_dout, Use::required},
-                     {buf_delta, Use::required}, {buf_dq_parts, Use::required}, {buf_dk, Use::required},
-                     {buf_dv, Use::required}, {buf_dbias_parts, call && call->data[buf_bias] ? Use::optional : Use::none}})) {
-        return 1;
-    }
-    if (call->double_precision) {
-        backward(Pass<double>(*call));
-    } else {
-        backward(Pass<float>(*call));
-    }
-    return 0;
+    const Use with_bias = call && call->data[buf_bias] ? Use::optional : Use::none;
+    return run_checked("attngrad_backward", call,
+                       {ATTNGRAD_AFTER_FORWARD, {buf_dq_parts, Use::required}, {buf_dk, Use::required},
+                        {buf_dv, Use::required}, {buf_dbias_parts, with_bias}},
+                       [](const auto& pass) { backward(pass); });
 }
 
 // gq, gk, gv may be null (zero cotangents), and g_dout (not asked for). gk_parts and
 // gv_parts hold `chunks` zeroed (B, Hkv, Lk, .) partial sums, one per chunk of query
 // blocks; block_rows rows per query block, each holding whole rows of keys. No dropout.
 int attngrad_double_backward(const AttngradCall* call) {
-    if (!check_call("attngrad_double_backward", call,
-                    {{buf_q, Use::required}, {buf_k, Use::required}, {buf_v, Use::required},
-                     {buf_mask, Use::optional}, {buf_bias, Use::optional}, {buf_out, Use::required},
-                     {buf_row_max, Use::required}, {buf_inv_sum, Use::required}, {buf_dout, Use::required},
-                     {buf_delta, Use::required}, {buf_gq, Use::optional}, {buf_gk, Use::optional},
-                     {buf_gv, Use::optional}, {buf_g_dout, Use::optional}, {buf_g_q, Use::required},
-                     {buf_gk_parts, Use::required}, {buf_gv_parts, Use::required}})) {
-        return 1;
-    }
-    if (call->dropout) return fail("attngrad_double_backward", "dropout", call->dropout, 0), 1;
-    if (call->double_precision) {
-        double_backward(Pass<double>(*call));
-    } else {
-        double_backward(Pass<float>(*call));
-    }
-    return 0;
+    if (call && call->dropout) return fail("attngrad_double_backward", "dropout", call->dropout, 0), 1;
+    return run_checked("attngrad_double_backward", call,
+                       {ATTNGRAD_AFTER_FORWARD, {buf_gq, Use::optional}, {buf_gk, Use::optional},
+                        {buf_gv, Use::optional}, {buf_g_dout, Use::optional}, {buf_g_q, Use::required},
+                        {buf_gk_parts, Use::required}, {buf_gv_parts, Use::required}},
+                       [](const auto& pass) { double_backward(pass); });
 }
 
 // tout (B, H, Lq, dv) <- the output's tangent for tangents tq, tk, tv, tbias (each may be
 // null: zero; tbias has the bias's sizes), from the forward's row_max and inv_sum;
 // block_rows rows per query block, each holding whole rows of keys.
 int attngrad_jvp(const AttngradCall* call) {
-    const bool bias = call && call->data[buf_bias];
-    if (!check_call("attngrad_jvp", call,
-                    {{buf_q, Use::required}, {buf_k, Use::required}, {buf_v, Use::required},
-                     {buf_mask, Use::optional}, {buf_bias, Use::optional}, {buf_row_max, Use::required},
-                     {buf_inv_sum, Use::required}, {buf_tq, Use::optional}, {buf_tk, Use::optional},
-                     {buf_tv, Use::optional}, {buf_tbias, bias ? Use::optional : Use::none},
-                     {buf_tout, Use::required}})) {
-        return 1;
-    }
-    if (call->double_precision) {
-        jvp(Pass<double>(*call));
-    } else {
-        jvp(Pass<float>(*call));
-    }
-    return 0;
+    const Use with_bias = call && call->data[buf_bias] ? Use::optional : Use::none;
+    return run_checked("attngrad_jvp", call,
+                       {{buf_row_max, Use::required}, {buf_inv_sum, Use::required}, {buf_tq, Use::optional},
+                        {buf_tk, Use::optional}, {buf_tv, Use::optional}, {buf_tbias, with_bias},
+                        {buf_tout, Use::required}},
+                       [](const auto& pass) { jvp(pass); });
 }
 
 // tdq (B, H, Lq, d) and the zeroed `chunks` partial sums tdk_parts, tdv_parts (B, Hkv, Lk, .)
@@ -1448,23 +1403,15 @@ int attngrad_jvp(const AttngradCall* call) {
 // each holding whole rows of keys.
 int attngrad_backward_jvp(const AttngradCall* call) {
     const Use with_bias = call && call->data[buf_bias] ? Use::optional : Use::none;
-    if (!check_call("attngrad_backward_jvp", call,
-                    {{buf_q, Use::required}, {buf_k, Use::required}, {buf_v, Use::required},
-                     {buf_mask, Use::optional}, {buf_bias, Use::optional}, {buf_out, Use::required},
-                     {buf_row_max, Use::required}, {buf_inv_sum, Use::required}, {buf_dout, Use::required},
-                     {buf_delta, Use::required}, {buf_tdout, Use::optional}, {buf_tq, Use::optional},
-                     {buf_tk, Use::optional}, {buf_tv, Use::optional}, {buf_tbias, with_bias},
-                     {buf_tdq, Use::required}, {buf_tdk_parts, Use::required}, {buf_tdv_parts, Use::required},
-                     {buf_tdbias_parts, with_bias}})) {
-        return 1;
-    }
-    if (call->double_precision) {
-        backward_jvp(Pass<double>(*call));
-    } else {
-        backward_jvp(Pass<float>(*call));
-    }
-    return 0;
+    return run_checked("attngrad_backward_jvp", call,
+                       {ATTNGRAD_AFTER_FORWARD, {buf_tdout, Use::optional}, {buf_tq, Use::optional},
+                        {buf_tk, Use::optional}, {buf_tv, Use::optional}, {buf_tbias, with_bias},
+                        {buf_tdq, Use::required}, {buf_tdk_parts, Use::required}, {buf_tdv_parts, Use::required},
+                        {buf_tdbias_parts, with_bias}},
+                       [](const auto& pass) { backward_jvp(pass); });
 }
+
+#undef ATTNGRAD_AFTER_FORWARD
 
 // out (numel elements) <- the (B, H, R, keys) keep-scale tile of `dropout.keep_scale_into`
 // for rows row_start..row_start + R; `threshold` is ceil(p 2^32), `value` 1 / (1 - p).

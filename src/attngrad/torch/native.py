@@ -200,17 +200,23 @@ class AttentionCall(ctypes.Structure):
 
     _fields_ = [
         *((name, ctypes.c_int64) for name in ("batch", "heads", "kv_heads", "len_q", "len_k", "dim", "dim_v")),
-        ("mask_sizes", ctypes.c_int64 * 4), ("bias_sizes", ctypes.c_int64 * 4),  # (b, h, i, j), each 1 or the scores' own
-        ("double_precision", ctypes.c_int64), ("causal", ctypes.c_int64), ("causal_offset", ctypes.c_int64), ("scale", ctypes.c_double),
-        ("dropout", ctypes.c_int64), ("seed", ctypes.c_uint64), ("threshold", ctypes.c_uint64), ("keep_value", ctypes.c_double),
+        # (b, h, i, j), each 1 or the scores' own
+        ("mask_sizes", ctypes.c_int64 * 4), ("bias_sizes", ctypes.c_int64 * 4),
+        ("double_precision", ctypes.c_int64), ("causal", ctypes.c_int64), ("causal_offset", ctypes.c_int64),
+        ("scale", ctypes.c_double), ("dropout", ctypes.c_int64), ("seed", ctypes.c_uint64),
+        ("threshold", ctypes.c_uint64), ("keep_value", ctypes.c_double),
         *((name, ctypes.c_int64) for name in ("threads", "block_rows", "block_keys", "value_slice", "chunks")),
         ("data", ctypes.c_void_p * len(BUFFERS)), ("numel", ctypes.c_int64 * len(BUFFERS)),
     ]
 
     def attach(self, name: str, t: Tensor | None) -> None:
-        """Buffer `name` is contiguous `t` (None: null)."""
+        """Buffer `name` is contiguous `t` (None: null): bool for the mask, the call's
+        element type for every other (the library checks element counts, not types)."""
         if t is not None and not t.is_contiguous():
             raise RuntimeError(f"attngrad's compiled tiles take contiguous buffers; {name} is not")
+        element = torch.bool if name == "mask" else (torch.float64 if self.double_precision else torch.float32)
+        if t is not None and t.dtype != element:
+            raise RuntimeError(f"attngrad's compiled tiles take {name} as {element}; got {t.dtype}")
         index = BUFFERS.index(name)
         if not hasattr(self, "tensors"):
             self.tensors = {}

@@ -347,6 +347,41 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
         native.library()
 
 
+@needs_tiles
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_half_precision_runs_on_the_tiles_in_float32(dtype, is_causal):
+    """float16 and bfloat16 inputs: every pass on the tiles, computed in float32 and returned
+    in the inputs' dtype; the torch-ops kernels (which compute in float32 too) give the same
+    numbers up to a rounding of the half-precision results."""
+    from attngrad.torch import attention, implementation, use_implementation
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v, dout, tq, tk, tv = (torch.randn(2, 4, 37, 16, generator=g).to(dtype) for _ in range(7))
+    bias = torch.randn(4, 37, 37, generator=g).to(dtype)
+    keep = torch.rand(2, 1, 37, 37, generator=g) > 0.2
+
+    def everything():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        out = attention(*leaves[:3], attn_mask=keep, attn_bias=leaves[3], is_causal=is_causal)
+        grads = torch.autograd.grad(out, leaves, dout, create_graph=True)
+        second = torch.autograd.grad(sum((gr.float() ** 2).sum() for gr in grads[:3]), leaves[:3])
+        fixed = bias.clone()
+        out_t = torch.func.jvp(lambda q, k, v: attention(q, k, v, attn_mask=keep, attn_bias=fixed, is_causal=is_causal),
+                               (q, k, v), (tq, tk, tv))[1]
+        return [t.detach() for t in (out, *grads, *second, out_t)]
+
+    implementation.ran.clear()
+    ours = everything()
+    assert {("forward", "tiles"), ("backward", "tiles"), ("jvp", "tiles")} <= set(implementation.ran)
+    with use_implementation("torch-ops"):
+        theirs = everything()
+    eps = torch.finfo(dtype).eps
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert a.dtype == b.dtype == dtype, i
+        assert rel_err(a.float(), b.float()) < 4 * eps, i
+
+
 def test_what_the_tiles_take():
     q, k, v, _ = _inputs(1, 2, 2, 5, 6, 4, 4, torch.float64, 0)
     available = native.library() is not None
@@ -358,7 +393,8 @@ def test_what_the_tiles_take():
     assert not native.supports(q, k, v, None, bias, 0.0, bias_grad=True, pass_name="double_backward")
     assert native.supports(q, k, v, None, None, 0.1, pass_name="backward") is available
     assert not native.supports(q, k, v, None, None, 0.1, pass_name="double_backward")
-    assert not native.supports(q.half(), k.half(), v.half(), None, None, 0.0)
+    assert native.supports(q.half(), k.half(), v.half(), None, None, 0.0) is available  # computed in float32
+    assert not native.supports(q.half(), k, v, None, None, 0.0)  # mixed dtypes
     assert not native.supports(q, k[..., :0, :], v[..., :0, :], None, None, 0.0)
 
 
@@ -380,7 +416,7 @@ def test_use_implementation_chooses_and_counts():
     with use_implementation("tiles"):
         scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
         with pytest.raises(RuntimeError, match="no allowed implementation runs this call.*do not take this forward"):
-            scaled_dot_product_attention(q.half(), k.half(), v.half())
+            scaled_dot_product_attention(q, k[..., :0, :], v[..., :0, :])  # an empty axis
         torch.func.jvp(lambda q: scaled_dot_product_attention(q, k, v), (q.detach(),), (torch.ones_like(q),))
         assert dict(implementation.ran) == {("forward", "tiles"): 2, ("backward", "tiles"): 1, ("jvp", "tiles"): 1}
         with pytest.raises(RuntimeError, match="do not take this double_backward call"):  # dropout's

@@ -264,14 +264,16 @@ def _call(name: str, *args) -> None:
 def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, dropout_p: float,
              bias_grad: bool = False, pass_name: str = "forward") -> bool:
     """Whether the tiles run this pass of this call: dropout and a bias gradient in every pass
-    but the double backward; CPU; one float32 or float64 dtype; no empty axis. A mask and a bias
+    but the double backward; CPU; one dtype for q, k, v (float16 and bfloat16 are computed
+    in float32, the tiles' element type beside float64); no empty axis. A mask and a bias
     (broadcastable, any float dtype) may be given."""
     # the double backward's tiles have neither dropout nor a bias gradient
     return (
         (dropout_p == 0.0 or pass_name != "double_backward") and (not bias_grad or pass_name != "double_backward")
         and all(t is None or t.device.type == "cpu" for t in (mask, bias))
         and q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.float64) and k.dtype == q.dtype and v.dtype == q.dtype
+        and q.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        and k.dtype == q.dtype and v.dtype == q.dtype
         and min(q.shape) > 0 and min(k.shape) > 0 and min(v.shape) > 0
         and library() is not None
     )
@@ -283,6 +285,14 @@ def _buffers(*tensors: Tensor | None) -> tuple[list[int], ctypes.Array]:
         raise RuntimeError("attngrad's compiled tiles take contiguous buffers")
     pointers = [0 if t is None else t.data_ptr() for t in tensors]
     return pointers, (ctypes.c_int64 * len(tensors))(*(0 if t is None else t.numel() for t in tensors))
+
+
+def _work(*tensors: Tensor | None) -> list:
+    """Each tensor contiguous in the tiles' element type: float64 stays, everything else is
+    computed in float32 (float16 and bfloat16 inputs too; the ops return results in the
+    inputs' own dtypes). None stays None."""
+    work = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+    return [None if t is None else t.to(work).contiguous() for t in tensors]
 
 
 def _score_masks(mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype, full_bias: bool = False) -> dict:
@@ -307,7 +317,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale
                       mask: Tensor | None = None, bias: Tensor | None = None, seed: int = 0,
                       dropout_p: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, H, Lq, dv), row max m, inverse row sum 1/l (B, H, Lq)): `kernels.attention_forward`'s results."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = _work(q, k, v)
     batch, heads, len_q, _ = q.shape
     out = q.new_empty(batch, heads, len_q, v.shape[-1])
     row_max, inv_sum = q.new_empty(batch, heads, len_q), q.new_empty(batch, heads, len_q)
@@ -352,8 +362,7 @@ def attention_backward(
     """(dq, dk, dv, dbias or None): `kernels.attention_backward`'s results for the cases
     `supports` accepts; dbias in the bias's shape and the compute dtype. `chunks` splits
     each head's keys into that many work items (default: `_chunks`)."""
-    dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
-    row_max, inv_sum = row_max.contiguous(), inv_sum.contiguous()
+    dout, q, k, v, out, row_max, inv_sum = _work(dout, q, k, v, out, row_max, inv_sum)
     if chunks is None:
         chunks = _chunks(k.shape[0] * k.shape[1], -(-k.shape[2] // BLOCK_KEYS))
     dq_parts = q.new_zeros(chunks, *q.shape)
@@ -386,9 +395,7 @@ def attention_double_backward(
     """(g_dout or None, g_q, g_k, g_v): `kernels_higher.attention_double_backward`'s results
     for the cases `supports` accepts; an absent cotangent is zero. `chunks` splits each
     head's query blocks into that many work items (default: `_chunks`)."""
-    dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
-    gq, gk, gv = (None if t is None else t.to(q.dtype).contiguous() for t in (gq, gk, gv))
-    row_max, inv_sum = row_max.contiguous(), inv_sum.contiguous()
+    dout, q, k, v, out, row_max, inv_sum, gq, gk, gv = _work(dout, q, k, v, out, row_max, inv_sum, gq, gk, gv)
     rows = _rows_per_block(k.shape[2])
     if chunks is None:
         chunks = _chunks(k.shape[0] * k.shape[1], -(-q.shape[2] // rows))
@@ -417,8 +424,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Ten
                   dropout_p: float = 0.0) -> Tensor:
     """The output's tangent (B, H, Lq, dv): `kernels_higher.attention_jvp`'s result for the
     cases `supports` accepts; an absent tangent is zero."""
-    q, k, v, row_max, inv_sum = (t.contiguous() for t in (q, k, v, row_max, inv_sum))
-    tq, tk, tv = (None if t is None else t.to(q.dtype).contiguous() for t in (tq, tk, tv))
+    q, k, v, row_max, inv_sum, tq, tk, tv = _work(q, k, v, row_max, inv_sum, tq, tk, tv)
     masks = _score_masks(mask, bias, q.dtype, full_bias=tbias is not None)
     if tbias is not None:
         masks["tbias"] = tbias.to(q.dtype).reshape(masks["bias_sizes"]).contiguous()
@@ -441,8 +447,8 @@ def attention_backward_jvp(
     results for the cases `supports` accepts, in the compute dtype; an absent tangent is
     zero. `chunks` splits each head's query blocks into that many work items (default:
     `_chunks`)."""
-    dout, q, k, v, out, row_max, inv_sum = (t.contiguous() for t in (dout, q, k, v, out, row_max, inv_sum))
-    tdout, tq, tk, tv = (None if t is None else t.to(q.dtype).contiguous() for t in (tdout, tq, tk, tv))
+    dout, q, k, v, out, row_max, inv_sum, tdout, tq, tk, tv = _work(dout, q, k, v, out, row_max, inv_sum, tdout, tq,
+                                                                    tk, tv)
     masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad or tbias is not None)
     if tbias is not None:
         masks["tbias"] = tbias.to(q.dtype).reshape(masks["bias_sizes"]).contiguous()

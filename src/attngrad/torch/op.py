@@ -50,8 +50,9 @@ def attention_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     check_call(q, k, v, mask, bias, seed, causal, dropout_p)
     if choose("forward", q, k, v, mask, bias, dropout_p) == "tiles":
-        return native.attention_forward(q, k, v, causal, scale, mask=mask, bias=bias, seed=int(seed),
-                                        dropout_p=dropout_p)
+        out, row_max, inv_sum = native.attention_forward(q, k, v, causal, scale, mask=mask, bias=bias, seed=int(seed),
+                                                         dropout_p=dropout_p)
+        return out.to(q.dtype), row_max, inv_sum  # the statistics stay in the compute dtype
     return kernels.attention_forward(q, k, v, mask, bias, int(seed), causal, scale, dropout_p)
 
 
@@ -71,10 +72,10 @@ def attention_backward(
     _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad)
     if choose("backward", q, k, v, mask, bias, dropout_p, bias_grad) == "tiles":
         dq, dk, dv, dbias = native.attention_backward(
-            dout.to(q.dtype), q, k, v, out, row_max, inv_sum, causal, scale, mask=mask, bias=bias, seed=int(seed),
+            dout, q, k, v, out, row_max, inv_sum, causal, scale, mask=mask, bias=bias, seed=int(seed),
             dropout_p=dropout_p, bias_grad=bias_grad,
         )
-        dbias = None if dbias is None else dbias.to(bias.dtype)
+        dq, dk, dv, dbias = _in_dtypes_of((dq, dk, dv, dbias), (q, k, v, bias))
     else:
         dq, dk, dv, dbias = kernels.attention_backward(
             dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad
@@ -98,6 +99,12 @@ def _attention_backward_fake(dout, q, k, v, mask, bias, seed, out, row_max, inv_
     _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad)
     dbias = _new(bias) if bias_grad else q.new_empty(0)
     return _new(q), _new(k), _new(v), dbias
+
+
+def _in_dtypes_of(results: tuple, inputs: tuple) -> tuple:
+    """The tiles' results (float32 for float16 and bfloat16 inputs) each in the dtype of the
+    input it is the derivative of; None stays None."""
+    return tuple(None if r is None else r.to(x.dtype) for r, x in zip(results, inputs))
 
 
 def _maybe_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
@@ -141,10 +148,10 @@ def attention_backward_jvp(
                     **_second_order_sides("t", tdout, tq, tk, tv, tbias))
     if choose("backward_jvp", q, k, v, mask, bias, dropout_p, bias_grad) == "tiles":
         dq, dk, dv, dbias = native.attention_backward_jvp(
-            dout.to(q.dtype), q, k, v, out, row_max, inv_sum, causal, scale, tdout, tq, tk, tv, mask=mask, bias=bias,
+            dout, q, k, v, out, row_max, inv_sum, causal, scale, tdout, tq, tk, tv, mask=mask, bias=bias,
             tbias=tbias, seed=int(seed), dropout_p=dropout_p, bias_grad=bias_grad,
         )
-        dbias = None if dbias is None else dbias.to(bias.dtype)
+        dq, dk, dv, dbias = _in_dtypes_of((dq, dk, dv, dbias), (q, k, v, bias))
     else:
         dq, dk, dv, dbias = kernels_higher.attention_backward_jvp(
             dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad,
@@ -177,9 +184,9 @@ def attention_double_backward(
     _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
                     **_second_order_sides("g", None, gq, gk, gv, gbias))
     if choose("double_backward", q, k, v, mask, bias, dropout_p, bias_grad) == "tiles":  # neither dbias nor dropout
-        g_dout, g_q, g_k, g_v = native.attention_double_backward(
-            dout.to(q.dtype), q, k, v, out, row_max, inv_sum, causal, scale, dout_grad, gq, gk, gv, mask=mask, bias=bias
-        )
+        g_dout, g_q, g_k, g_v = _in_dtypes_of(native.attention_double_backward(
+            dout, q, k, v, out, row_max, inv_sum, causal, scale, dout_grad, gq, gk, gv, mask=mask, bias=bias
+        ), (dout, q, k, v))
         return _maybe_empty(g_dout, q), g_q, g_k, g_v, q.new_empty(0)
     g_dout, g_q, g_k, g_v, g_bias = kernels_higher.attention_double_backward(
         dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad,

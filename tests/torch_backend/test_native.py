@@ -294,6 +294,23 @@ def test_key_chunks_give_the_same_gradients():
 
 
 @needs_tiles
+def test_a_broadcast_bias_gradient_takes_no_copy_per_batch_entry_or_head():
+    """The batch entries and heads that share a broadcast bias are one work item, so its
+    gradient needs a part per key chunk only where the bias broadcasts along the keys (then
+    it is small), never a bias-sized copy per batch entry or head."""
+    q, k, v, _ = _inputs(3, 4, 2, 37, 300, 8, 8, torch.float32, 0)
+
+    def parts(bias_sizes, backward_jvp=0):
+        call = native.describe(q, k, v, None, 0.3, chunks=5, bias=torch.zeros(bias_sizes), bias_sizes=bias_sizes)
+        return native.library().attngrad_bias_grad_parts(native.ctypes.byref(call), backward_jvp)
+
+    assert parts((1, 4, 37, 300)) == parts((1, 1, 37, 300)) == parts((3, 4, 37, 300)) == 1
+    assert parts((1, 1, 37, 1)) == 5  # per key, summed over key chunks: 5 parts of 37 numbers
+    assert parts((1, 1, 1, 300), backward_jvp=1) == 5  # the backward's JVP chunks the query rows
+    assert native._independent(k, (1, 4, 37, 300)) == 2 and native._independent(k, None) == 6
+
+
+@needs_tiles
 @pytest.mark.parametrize("shape", [(2, 4, 37, 300), (4, 37, 300), (2, 1, 1, 300), (1, 4, 1, 300), (37, 300), (1, 4, 37, 1)])
 @pytest.mark.parametrize("expanded", [False, True])
 def test_bias_gradient_parts_add_up(shape, expanded):

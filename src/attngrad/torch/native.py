@@ -344,6 +344,16 @@ def _chunks(batch_kv_heads: int, blocks: int) -> int:
     return max(1, min(blocks, -(-TARGET_ITEMS // batch_kv_heads)))
 
 
+def _independent(k: Tensor, bias_sizes: tuple | None) -> int:
+    """How many (b, key/value head) work items a backward pass can run apart: all of them,
+    except that the tiles give one item the batch entries or heads whose gradient of a
+    broadcast bias (of 4-D `bias_sizes`, None without a gradient) adds into the same entries."""
+    batch, kv_heads = k.shape[:2]
+    if bias_sizes is None:
+        return batch * kv_heads
+    return (1 if bias_sizes[0] == 1 else batch) * (1 if bias_sizes[1] == 1 else kv_heads)
+
+
 def _sum_parts(parts: Tensor) -> Tensor:
     """parts[0] + parts[1] + ... in that order (a reduction kernel might pair them otherwise)."""
     if len(parts) == 1:
@@ -363,16 +373,16 @@ def attention_backward(
     `supports` accepts; dbias in the bias's shape and the compute dtype. `chunks` splits
     each head's keys into that many work items (default: `_chunks`)."""
     dout, q, k, v, out, row_max, inv_sum = _work(dout, q, k, v, out, row_max, inv_sum)
+    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad)
     if chunks is None:
-        chunks = _chunks(k.shape[0] * k.shape[1], -(-k.shape[2] // BLOCK_KEYS))
+        chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-k.shape[2] // BLOCK_KEYS))
     dq_parts = q.new_zeros(chunks, *q.shape)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     delta = q.new_empty(q.shape[:-1])
-    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad)
     call = describe(q, k, v, causal, scale, chunks=chunks, seed=seed, dropout_p=dropout_p, dout=dout, out=out,
                     row_max=row_max, inv_sum=inv_sum, delta=delta, dq_parts=dq_parts, dk=dk, dv=dv, **masks)
     dbias_parts = None
-    if bias_grad:  # one zeroed part per group of work items that add into the same entries
+    if bias_grad:  # one zeroed part per chunk where chunks add into the same entries
         parts = library().attngrad_bias_grad_parts(ctypes.byref(call), 0)
         dbias_parts = q.new_zeros(parts, *masks["bias_sizes"])
         call.attach("dbias_parts", dbias_parts)
@@ -454,7 +464,7 @@ def attention_backward_jvp(
         masks["tbias"] = tbias.to(q.dtype).reshape(masks["bias_sizes"]).contiguous()
     rows = _rows_per_block(k.shape[2])
     if chunks is None:
-        chunks = _chunks(k.shape[0] * k.shape[1], -(-q.shape[2] // rows))
+        chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-q.shape[2] // rows))
     tdq = q.new_empty(q.shape)
     tdk_parts, tdv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
     call = describe(q, k, v, causal, scale, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p, dout=dout,

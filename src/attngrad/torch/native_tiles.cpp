@@ -21,9 +21,10 @@
 // jvp, backward_jvp, double_backward: see each below; they take query blocks of whole rows.
 // A work item owns its dK and dV rows, and its own copy of dQ when the keys are split into
 // chunks (the double backward and the backward's JVP: their dQ-shaped rows, and their own
-// dK, dV-shaped sums when the query blocks are split; a bias gradient: its own part where
-// other items would add into the same entries): nothing is written by two threads, and
-// the parts are added in a fixed order, so the bits do not depend on the schedule.
+// dK, dV-shaped sums when the query blocks are split; a bias gradient: the batch entries
+// and heads sharing a broadcast bias form one item (KvItems), and chunks adding into the
+// same entries own parts): nothing is written by two threads, and the parts are added in a
+// fixed order, so the bits do not depend on the schedule.
 // The causal mask is a diagonal: row i sees keys j <= i + c (c = 0 top-left, Lk - Lq
 // bottom-right). A row that sees no key has output 0 and sends back 0; a row that sees one
 // key has P = 1 there exactly and dS = 0 (a recomputed score can round apart from the
@@ -625,15 +626,14 @@ struct Pass {
     T* operator[](AttngradBuffer b) const { return static_cast<T*>(call.data[b]); }
 };
 
-// The bias gradient: dS summed over the axes the bias broadcasts along. Work items that
-// would add into the same entries (those of other batch entries, key/value heads or key
-// chunks, along axes the bias broadcasts) each own a part, and the caller adds the parts
-// in order: no entry is written by two threads, and no atomics.
-// `chunked_axis`: the axis along which a (b, key/value head)'s chunks split the work, 3
-// (keys) in the backward, 2 (query rows) in the backward's JVP.
+// The bias gradient: dS summed over the axes the bias broadcasts along. The batch entries
+// and key/value heads a broadcast bias shares are visited by one work item (KvItems), in
+// order; chunks of one (b, key/value head) would still add into the same entries where the
+// bias broadcasts along the chunked axis (`chunked_axis`: 3, keys, in the backward; 2,
+// query rows, in the backward's JVP), so there each chunk owns a part, and the caller adds
+// the parts in order. No entry is written by two threads, and no atomics.
 inline int64_t bias_grad_parts(const AttngradCall& c, int chunked_axis) {
-    return (c.bias_sizes[0] == 1 ? c.batch : 1) * (c.bias_sizes[1] == 1 ? c.kv_heads : 1) *
-           (c.bias_sizes[chunked_axis] == 1 ? c.chunks : 1);
+    return c.bias_sizes[chunked_axis] == 1 ? c.chunks : 1;
 }
 
 template <typename T>
@@ -642,16 +642,15 @@ class BiasGradient {
     BiasGradient(const Pass<T>& p, AttngradBuffer parts, int chunked_axis)
         : parts_(p[parts]), bb_(p.call.bias_sizes),
           part_numel_(p.call.bias_sizes[0] * p.call.bias_sizes[1] * p.call.bias_sizes[2] * p.call.bias_sizes[3]),
-          batch_(p.call.bias_sizes[0] == 1 ? p.s.batch : 1), kv_heads_(p.call.bias_sizes[1] == 1 ? p.s.kv_heads : 1),
-          chunks_(p.call.bias_sizes[chunked_axis] == 1 ? p.call.chunks : 1) {}
+          chunks_(bias_grad_parts(p.call, chunked_axis)) {}
 
-    // The part that work item (chunk, b, hk) adds into, or null without a bias gradient
-    T* part(index_t chunk, index_t b, index_t hk) const {
-        if (!parts_) return nullptr;
-        const index_t index = ((batch_ > 1 ? b : 0) * kv_heads_ + (kv_heads_ > 1 ? hk : 0)) * chunks_ +
-                              (chunks_ > 1 ? chunk : 0);
-        return parts_ + index * part_numel_;
-    }
+    // The part that chunk `chunk` adds into, or null without a bias gradient
+    T* part(index_t chunk) const { return parts_ ? parts_ + (chunks_ > 1 ? chunk : 0) * part_numel_ : nullptr; }
+
+    // Which of the batch and key/value head axes work items must share (KvItems): those the
+    // bias broadcasts along, when there is a gradient
+    bool shares_batch(const Shape& s) const { return parts_ && bb_.sb == 0 && s.batch > 1; }
+    bool shares_kv_heads(const Shape& s) const { return parts_ && bb_.sh == 0 && s.kv_heads > 1; }
 
     // part += dS for keys c0..c0 + n of row i of head (b, h)
     void add_row(T* part, const T* ds, index_t b, index_t h, index_t i, index_t c0, index_t n) const {
@@ -669,20 +668,41 @@ class BiasGradient {
    private:
     T* parts_;
     Broadcast4 bb_;
-    index_t part_numel_, batch_, kv_heads_, chunks_;
+    index_t part_numel_, chunks_;
 };
 
-// A work item of the backward passes: chunk `chunk` of key/value head bhk = b Hkv + hk, in
-// chunk-major order (in the backward's causal pass the first key chunks, seen by the most
-// rows, are the heaviest and so go first).
+// The work of the backward passes: chunk `chunk` of key/value head bhk = b Hkv + hk.
 struct KvItem {
     index_t chunk, bhk, b, hk;
 };
 
-inline KvItem kv_item(index_t item, index_t bhk_count, index_t kv_heads) {
-    const index_t bhk = item % bhk_count;
-    return {item / bhk_count, bhk, bhk / kv_heads, bhk % kv_heads};
-}
+// The work items of the backward passes, in chunk-major order (in the backward's causal
+// pass the first key chunks, seen by the most rows, are the heaviest and so go first): one
+// per (chunk, b, hk), except that the batch entries or key/value heads a bias gradient sums
+// over are one item, visited in order, so that no two items add into the same entries.
+class KvItems {
+   public:
+    KvItems(const Shape& s, index_t chunks, bool share_batch, bool share_kv_heads)
+        : batch_(s.batch), kv_heads_(s.kv_heads), chunks_(chunks), b_items_(share_batch ? 1 : s.batch),
+          hk_items_(share_kv_heads ? 1 : s.kv_heads) {}
+
+    index_t count() const { return chunks_ * b_items_ * hk_items_; }
+
+    // fn(KvItem) for each (chunk, b, hk) of item `item`, in order
+    template <typename F>
+    void visit(index_t item, F&& fn) const {
+        const index_t groups = b_items_ * hk_items_, chunk = item / groups;
+        const index_t b0 = item % groups / hk_items_, hk0 = item % hk_items_;
+        for (index_t b = b0; b < (b_items_ == 1 ? batch_ : b0 + 1); ++b) {
+            for (index_t hk = hk0; hk < (hk_items_ == 1 ? kv_heads_ : hk0 + 1); ++hk) {
+                fn(KvItem{chunk, b * kv_heads_ + hk, b, hk});
+            }
+        }
+    }
+
+   private:
+    index_t batch_, kv_heads_, chunks_, b_items_, hk_items_;
+};
 
 // out (rows x keys) = alpha (a1 b1^T + a2 b2^T), each factor `width` wide and row-major; a
 // pair with a null factor is left out, and with neither out is 0. The tangents' and
@@ -731,34 +751,35 @@ struct RowBlock {
     index_t head_offset(index_t width) const { return bhk * len_k * width; }
 };
 
-// body(block, scratch) for every query block of whole rows: work items (chunk of query
-// blocks, b, key/value head) in parallel, each visiting its chunk of blocks for every query
-// head of its group in order (so its sums into its own parts have a fixed order);
-// `scratch` holds `tiles` tiles of block_rows x Lk per thread.
+// body(block, scratch) for every query block of whole rows: the work `items` in parallel,
+// each visiting, for its (chunk of query blocks, b, key/value head)s in order, its chunk of
+// blocks for every query head of the group in order (so its sums into its own parts have a
+// fixed order); `scratch` holds `tiles` tiles of block_rows x Lk per thread.
 template <typename T, typename Body>
-void for_each_row_block(const Pass<T>& pass, int tiles, Body&& body) {
+void for_each_row_block(const Pass<T>& pass, const KvItems& items, int tiles, Body&& body) {
     const Shape& s = pass.s;
     const index_t block_rows = pass.call.block_rows, chunks = pass.call.chunks;
     const index_t group = s.heads / s.kv_heads;
     const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
-    const index_t bhk_count = s.batch * s.kv_heads;
 #pragma omp parallel num_threads(pass.threads)
     {
         SingleThreadedBlas blas_guard;
         std::vector<T> scratch(tiles * block_rows * s.len_k);
 #pragma omp for schedule(dynamic, 1)
-        for (index_t item = 0; item < chunks * bhk_count; ++item) {
-            const KvItem it = kv_item(item, bhk_count, s.kv_heads);
-            for (index_t h = it.hk * group; h < (it.hk + 1) * group; ++h) {
-                for (index_t qb = it.chunk * query_blocks / chunks; qb < (it.chunk + 1) * query_blocks / chunks; ++qb) {
-                    RowBlock blk{it.chunk, it.b, it.hk, it.bhk, h, it.b * s.heads + h, qb * block_rows, 0, 0, 0,
-                                 s.len_k};
-                    blk.rows = std::min(block_rows, s.len_q - blk.r0);
-                    blk.first = blk.bh * s.len_q + blk.r0;
-                    blk.keys = pass.causal.keys_before(blk.r0 + blk.rows, s.len_k);
-                    body(blk, scratch.data());
+        for (index_t item = 0; item < items.count(); ++item) {
+            items.visit(item, [&](const KvItem& it) {
+                for (index_t h = it.hk * group; h < (it.hk + 1) * group; ++h) {
+                    for (index_t qb = it.chunk * query_blocks / chunks; qb < (it.chunk + 1) * query_blocks / chunks;
+                         ++qb) {
+                        RowBlock blk{it.chunk, it.b, it.hk, it.bhk, h, it.b * s.heads + h, qb * block_rows, 0, 0, 0,
+                                     s.len_k};
+                        blk.rows = std::min(block_rows, s.len_q - blk.r0);
+                        blk.first = blk.bh * s.len_q + blk.r0;
+                        blk.keys = pass.causal.keys_before(blk.r0 + blk.rows, s.len_k);
+                        body(blk, scratch.data());
+                    }
                 }
-            }
+            });
         }
     }
 }
@@ -874,21 +895,21 @@ void backward(const Pass<T>& pass) {
     const RowKeys<T> row_keys_of(masks, causal, s, threads);
     const BlockSkips<T> skips(masks, s, block_rows, block_keys, threads);
     const index_t key_blocks = (s.len_k + block_keys - 1) / block_keys;
-    const index_t bhk_count = s.batch * s.kv_heads;
+    const KvItems items(s, chunks, dbias.shares_batch(s), dbias.shares_kv_heads(s));
 #pragma omp parallel num_threads(threads)
     {
         SingleThreadedBlas blas_guard;
         std::vector<T> probs(block_rows * block_keys), dscores(block_rows * block_keys);
 #pragma omp for schedule(dynamic, 1)
-        for (index_t item = 0; item < chunks * bhk_count; ++item) {
-            const KvItem it = kv_item(item, bhk_count, s.kv_heads);
+        for (index_t item = 0; item < items.count(); ++item) {
+          items.visit(item, [&](const KvItem& it) {
             const index_t chunk = it.chunk, bhk = it.bhk, b = it.b, hk = it.hk;
             const T* k_head = k + bhk * s.len_k * s.dim;
             const T* v_head = v + bhk * s.len_k * s.dim_v;
             T* dk_head = dk + bhk * s.len_k * s.dim;
             T* dv_head = dv + bhk * s.len_k * s.dim_v;
             T* dq = dq_parts + chunk * rows_total * s.dim;
-            T* dbias_part = dbias.part(chunk, b, hk);
+            T* dbias_part = dbias.part(chunk);
             for (index_t kb = chunk * key_blocks / chunks; kb < (chunk + 1) * key_blocks / chunks; ++kb) {
                 const index_t c0 = kb * block_keys, cols = std::min(block_keys, s.len_k - c0);
                 const T* k_blk = k_head + c0 * s.dim;
@@ -945,6 +966,7 @@ void backward(const Pass<T>& pass) {
                     }
                 }
             }
+          });
         }
     }
 }
@@ -972,7 +994,7 @@ void double_backward(const Pass<T>& pass) {
     row_dots(dout, out, delta, s.batch * s.heads * s.len_q, s.dim_v, pass.threads);  // D = rowsum(dO * O)
     const RowKeys<T> row_keys_of(pass.masks, pass.causal, s, pass.threads);
     // scratch: P; T, then g_dP; dP - D, then dS; X, then g_P, then g_S
-    for_each_row_block(pass, 4, [&](const RowBlock& blk, T* scratch) {
+    for_each_row_block(pass, KvItems(s, pass.call.chunks, false, false), 4, [&](const RowBlock& blk, T* scratch) {
         const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
         if (keys == 0) {  // rows that see no key: nothing flows back through them
             std::fill(g_q + first * s.dim, g_q + (first + rows) * s.dim, T(0));
@@ -1045,7 +1067,7 @@ void jvp(const Pass<T>& pass) {
     const ScoreMask<T> tbias{nullptr, Broadcast4(), pass[buf_tbias], Broadcast4(pass.call.bias_sizes)};
     const RowKeys<T> row_keys_of(pass.masks, pass.causal, s, pass.threads);
     // scratch: P; T, then P'
-    for_each_row_block(pass, 2, [&](const RowBlock& blk, T* scratch) {
+    for_each_row_block(pass, KvItems(s, pass.call.chunks, false, false), 2, [&](const RowBlock& blk, T* scratch) {
         const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
         T* o_t = out_t + first * s.dim_v;
         if (keys == 0) {  // rows that see no key: output 0, tangent 0
@@ -1109,8 +1131,9 @@ void backward_jvp(const Pass<T>& pass) {
     const index_t kv_size = s.batch * s.kv_heads * s.len_k;
     row_dots(dout, out, delta, s.batch * s.heads * s.len_q, s.dim_v, pass.threads);  // D = rowsum(dO * O)
     const RowKeys<T> row_keys_of(pass.masks, pass.causal, s, pass.threads);
+    const KvItems items(s, pass.call.chunks, tdbias.shares_batch(s), tdbias.shares_kv_heads(s));
     // scratch: P; T, then P'; dP~, then dS; dP~', then dS'
-    for_each_row_block(pass, 4, [&](const RowBlock& blk, T* scratch) {
+    for_each_row_block(pass, items, 4, [&](const RowBlock& blk, T* scratch) {
         const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
         T* dq_t = tdq + first * s.dim;
         if (keys == 0) {  // rows that see no key: nothing flows back through them
@@ -1123,7 +1146,7 @@ void backward_jvp(const Pass<T>& pass) {
         const T* tv_head = blk.head(tv, s.dim_v);
         T* dk_t = blk.part_head(tdk_parts, kv_size, s.dim);
         T* dv_t = blk.part_head(tdv_parts, kv_size, s.dim_v);
-        T* dbias_t = tdbias.part(blk.chunk, blk.b, blk.hk);
+        T* dbias_t = tdbias.part(blk.chunk);
         const T* q_blk = blk.block(q, s.dim);
         const T* tq_blk = blk.block(tq, s.dim);
         const T* do_blk = blk.block(dout, s.dim_v);
@@ -1337,8 +1360,8 @@ const char* attngrad_call_layout() {
 }
 
 // How many parts the backward's dbias_parts (backward_jvp 0) or the backward's JVP's
-// tdbias_parts (1) holds: each (b, h, i, j)-shaped (bias_sizes), zeroed by the caller, who
-// adds them in order.
+// tdbias_parts (1) holds: 1, or `chunks` where the bias is constant along the chunked
+// axis; each (b, h, i, j)-shaped (bias_sizes), zeroed by the caller, who adds them in order.
 int64_t attngrad_bias_grad_parts(const AttngradCall* call, int backward_jvp) {
     return call ? bias_grad_parts(*call, backward_jvp ? 2 : 3) : 0;
 }

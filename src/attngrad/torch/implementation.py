@@ -1,7 +1,8 @@
 """Which implementation runs a call, decided in one place, seen and chosen by the user.
 
 Two implementations compute every pass, and agree to rounding:
-    "tiles"      the compiled C++ tiles (`native`): CPU, float32 and float64; every pass
+    "tiles"      the compiled C++ tiles (`native`): CPU, float32 and float64 (float16 and
+                 bfloat16 computed in float32); every pass
                  (forward, backward, JVP, the backward's JVP, double backward) with masks,
                  a bias and GQA; the bias gradient and dropout in every pass but the double
                  backward: the calls `native.supports` accepts; fast

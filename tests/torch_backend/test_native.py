@@ -119,41 +119,46 @@ def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k
 
 
 @needs_tiles
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 3),
     len_q=st.integers(1, 50), len_k=st.integers(1, 50), dim=st.sampled_from([1, 5, 16]), dim_v=st.sampled_from([3, 16]),
     causal=CAUSAL, masking=MASKING, rows=st.sampled_from([3, 128]), chunks=st.integers(1, 4),
-    present=st.sampled_from([(1, 1, 1), (1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 0, 0)]), dout_grad=st.booleans(),
+    present=st.sampled_from([(1, 1, 1, 1), (1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (0, 0, 0, 0)]),
+    dout_grad=st.booleans(), dropout_p=st.sampled_from([0.0, 0.3]), bias_grad=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal,
-                                                           masking, rows, chunks, present, dout_grad, seed):
-    """float64, any subset of the cotangents (gQ, gK, gV), with and without g_dO, every
-    block height and split of the query blocks: `kernels_higher`'s results to 1e-12."""
+                                                           masking, rows, chunks, present, dout_grad, dropout_p,
+                                                           bias_grad, seed):
+    """float64, any subset of the cotangents (gQ, gK, gV, and gbias with the bias's
+    gradient), with and without g_dO, dropout, every block height and split of the query
+    blocks: `kernels_higher`'s results to 1e-12."""
     q, k, v, dout = _inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    gq, gk, gv = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep else None
-                  for t, keep in zip((q, k, v), present))
     scale, causal = dim**-0.5, _diagonal(causal, len_q, len_k)
     mask, bias = _masks(masking, batch, kv_heads * groups, len_q, len_k, torch.float64, seed)
-    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, 0, causal, scale, 0.0)
+    bias_grad = bias_grad and bias is not None
+    g = torch.Generator().manual_seed(seed + 1)
+    gq, gk, gv, gbias = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
+                         for t, keep in zip((q, k, v, bias if bias_grad else None), present))
+    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, dropout_p)
     old = native.BLOCK_ROWS
     native.BLOCK_ROWS = rows
     try:
         ours = native.attention_double_backward(dout, q, k, v, out, row_max, inv_sum, causal, scale, dout_grad,
-                                                gq, gk, gv, chunks=chunks, mask=mask, bias=bias)
+                                                gq, gk, gv, chunks=chunks, mask=mask, bias=bias, gbias=gbias,
+                                                seed=seed, dropout_p=dropout_p, bias_grad=bias_grad)
     finally:
         native.BLOCK_ROWS = old
-    theirs = kernels_higher.attention_double_backward(dout, q, k, v, mask, bias, 0, out, row_max, inv_sum, causal,
-                                                      scale, 0.0, False, dout_grad, gq, gk, gv, None)[:4]
-    assert (ours[0] is None) is (not dout_grad)
-    names = ("g_dout", "g_q", "g_k", "g_v")
-    kept = [i for i in range(4) if theirs[i] is not None]
+    theirs = kernels_higher.attention_double_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal,
+                                                      scale, dropout_p, bias_grad, dout_grad, gq, gk, gv, gbias)
+    assert (ours[0] is None) is (not dout_grad) and (ours[4] is None) is (not bias_grad)
+    names = ("g_dout", "g_q", "g_k", "g_v", "g_bias")
+    kept = [i for i in range(5) if theirs[i] is not None]
     if _at_most_one_key(causal, len_q, len_k, mask, bias):
-        # P is 1 or 0 whatever the scores: the backward's dQ, dK, dV do not depend on q, k, v,
-        # and g_q, g_k, g_v are 0 (both sides hold rounding noise)
-        for i in (1, 2, 3):
+        # P is 1 or 0 whatever the scores: the backward's dQ, dK, dV, dbias do not depend on
+        # q, k, v or the bias, and g_q, g_k, g_v, g_bias are 0 (both sides hold rounding noise)
+        for i in [1, 2, 3] + ([4] if bias_grad else []):
             assert float(ours[i].abs().max()) < EXACT and float(theirs[i].abs().max()) < EXACT, names[i]
         kept = [0] if dout_grad else []
     assert_all_close({names[i]: ours[i] for i in kept}, {names[i]: theirs[i] for i in kept}, floor_fraction=1e-3)
@@ -255,7 +260,7 @@ def test_float32_tiles_agree_with_float64(is_causal):
         out, row_max, inv_sum = native.attention_forward(*args, causal, 0.125)
         grads = native.attention_backward(do, *args, out, row_max, inv_sum, causal, 0.125)[:3]
         second = native.attention_double_backward(do, *args, out, row_max, inv_sum, causal, 0.125, True,
-                                                  *(c.to(dtype) for c in cotangents))
+                                                  *(c.to(dtype) for c in cotangents))[:4]
         results.append((out, inv_sum, *grads, *second))
     names = ("out", "inv_sum", "dq", "dk", "dv", "g_dout", "g_q", "g_k", "g_v")
     for name, exact, single in zip(names, *results):
@@ -349,7 +354,7 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
             assert native.library() is None
         assert "failed" in native.build_info.reason
         q, k, v, _ = _inputs(1, 2, 2, 5, 6, 4, 4, torch.float64, 0)
-        assert not native.supports(q, k, v, None, None, 0.0)
+        assert not native.supports(q, k, v, None, None)
         out = scaled_dot_product_attention(q, k, v)  # the torch-ops kernels run instead
         assert rel_err(out, math_sdpa(q, k, v)) < EXACT
         monkeypatch.setenv("ATTNGRAD_NATIVE", "0")
@@ -402,17 +407,12 @@ def test_half_precision_runs_on_the_tiles_in_float32(dtype, is_causal):
 def test_what_the_tiles_take():
     q, k, v, _ = _inputs(1, 2, 2, 5, 6, 4, 4, torch.float64, 0)
     available = native.library() is not None
-    assert native.supports(q, k, v, None, None, 0.0) is available
-    assert native.supports(q, k, v, torch.ones(5, 6, dtype=torch.bool), None, 0.0) is available
-    assert native.supports(q, k, v, None, torch.zeros(5, 6, dtype=torch.float64), 0.0) is available
-    bias = torch.zeros(5, 6, dtype=torch.float64)
-    assert native.supports(q, k, v, None, bias, 0.0, bias_grad=True, pass_name="backward") is available
-    assert not native.supports(q, k, v, None, bias, 0.0, bias_grad=True, pass_name="double_backward")
-    assert native.supports(q, k, v, None, None, 0.1, pass_name="backward") is available
-    assert not native.supports(q, k, v, None, None, 0.1, pass_name="double_backward")
-    assert native.supports(q.half(), k.half(), v.half(), None, None, 0.0) is available  # computed in float32
-    assert not native.supports(q.half(), k, v, None, None, 0.0)  # mixed dtypes
-    assert not native.supports(q, k[..., :0, :], v[..., :0, :], None, None, 0.0)
+    assert native.supports(q, k, v, None, None) is available
+    assert native.supports(q, k, v, torch.ones(5, 6, dtype=torch.bool), None) is available
+    assert native.supports(q, k, v, None, torch.zeros(5, 6, dtype=torch.float64)) is available
+    assert native.supports(q.half(), k.half(), v.half(), None, None) is available  # computed in float32
+    assert not native.supports(q.half(), k, v, None, None)  # mixed dtypes
+    assert not native.supports(q, k[..., :0, :], v[..., :0, :], None, None)  # an empty axis
 
 
 def test_use_implementation_chooses_and_counts():
@@ -436,9 +436,9 @@ def test_use_implementation_chooses_and_counts():
             scaled_dot_product_attention(q, k[..., :0, :], v[..., :0, :])  # an empty axis
         torch.func.jvp(lambda q: scaled_dot_product_attention(q, k, v), (q.detach(),), (torch.ones_like(q),))
         assert dict(implementation.ran) == {("forward", "tiles"): 2, ("backward", "tiles"): 1, ("jvp", "tiles"): 1}
-        with pytest.raises(RuntimeError, match="do not take this double_backward call"):  # dropout's
-            dq, = torch.autograd.grad(scaled_dot_product_attention(q, k, v, dropout_p=0.5).sum(), q, create_graph=True)
-            dq.sum().backward()
+        dq, = torch.autograd.grad(scaled_dot_product_attention(q, k, v, dropout_p=0.5).sum(), q, create_graph=True)
+        dq.sum().backward()  # dropout's double backward, on the tiles too
+        assert implementation.ran[("double_backward", "tiles")] == 1
     assert implementation.allowed() == implementation.IMPLEMENTATIONS
     with pytest.raises(ValueError, match="one or more of"):
         with use_implementation("flash"):
@@ -465,7 +465,7 @@ def test_tiles_skip_what_a_padding_mask_excludes(causal):
             ours = native.attention_forward(q, k, v, causal, 0.3, mask=mask, bias=float_mask)
             grads = native.attention_backward(dout, q, k, v, *ours, causal, 0.3, mask=mask, bias=float_mask)[:3]
             second = native.attention_double_backward(dout, q, k, v, *ours, causal, 0.3, True, *cotangents,
-                                                      mask=mask, bias=float_mask)
+                                                      mask=mask, bias=float_mask)[:4]
         finally:
             native.BLOCK_ROWS, native.BLOCK_KEYS = old
         theirs = kernels.attention_forward(q, k, v, mask, float_mask, 0, causal, 0.3, 0.0)

@@ -2,10 +2,9 @@
 
 Two implementations compute every pass, and agree to rounding:
     "tiles"      the compiled C++ tiles (`native`): CPU, float32 and float64 (float16 and
-                 bfloat16 computed in float32); every pass
-                 (forward, backward, JVP, the backward's JVP, double backward) with masks,
-                 a bias and GQA; the bias gradient and dropout in every pass but the double
-                 backward: the calls `native.supports` accepts; fast
+                 bfloat16 computed in float32); every pass (forward, backward, JVP, the
+                 backward's JVP, double backward) with masks, a bias and its gradient,
+                 dropout and GQA: the calls `native.supports` accepts; fast
     "torch-ops"  PyTorch operators over score tiles (`kernels`, `kernels_higher`): every
                  call, on any device; the portable one
 
@@ -31,8 +30,8 @@ from torch import Tensor
 from . import native
 
 IMPLEMENTATIONS = ("tiles", "torch-ops")
-# The passes with compiled tiles: all of them.
-TILED_PASSES = ("forward", "backward", "double_backward", "jvp", "backward_jvp")
+# The passes; each has compiled tiles and torch-ops kernels.
+PASSES = ("forward", "backward", "double_backward", "jvp", "backward_jvp")
 
 _allowed: tuple[str, ...] = IMPLEMENTATIONS
 ran: collections.Counter = collections.Counter()  # (pass, implementation) -> calls
@@ -60,18 +59,19 @@ def allowed() -> tuple[str, ...]:
     return _allowed
 
 
-def choose(pass_name: str, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
-           dropout_p: float, bias_grad: bool = False) -> str:
+def choose(pass_name: str, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor]) -> str:
     """The implementation that runs this pass of this call, counted in `ran`."""
-    tiles = pass_name in TILED_PASSES and native.supports(q, k, v, mask, bias, dropout_p, bias_grad, pass_name)
+    if pass_name not in PASSES:
+        raise ValueError(f"unknown pass {pass_name!r}; the passes are {PASSES}")
+    tiles = native.supports(q, k, v, mask, bias)
     if tiles and "tiles" in _allowed:
         choice = "tiles"
     elif "torch-ops" in _allowed:
         choice = "torch-ops"
     else:
         why = (f"the compiled tiles are unavailable ({native.build_info.reason})" if native.library() is None
-               else f"the compiled tiles do not take this {pass_name} call (a bias gradient or dropout in a double "
-               f"backward, {q.dtype} on {q.device}, or an empty dimension)")
+               else f"the compiled tiles do not take this {pass_name} call ({q.dtype} on {q.device}, or an "
+               "empty dimension)")
         raise RuntimeError(f"attngrad: no allowed implementation runs this call: only {_allowed} are allowed, and {why}")
     ran[(pass_name, choice)] += 1
     return choice

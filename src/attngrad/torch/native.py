@@ -190,7 +190,7 @@ def library() -> ctypes.CDLL | None:
 # The buffers of a call, in the order of the library's ATTNGRAD_BUFFERS.
 BUFFERS = ("q", "k", "v", "mask", "bias", "out", "row_max", "inv_sum", "dout", "delta", "dq_parts", "dk", "dv",
            "dbias_parts", "gq", "gk", "gv", "g_dout", "g_q", "gk_parts", "gv_parts", "tq", "tk", "tv", "tbias", "tout",
-           "tdout", "tdq", "tdk_parts", "tdv_parts", "tdbias_parts")
+           "tdout", "tdq", "tdk_parts", "tdv_parts", "tdbias_parts", "gbias", "g_bias_parts")
 
 
 class AttentionCall(ctypes.Structure):
@@ -261,16 +261,13 @@ def _call(name: str, *args) -> None:
         raise RuntimeError(f"attngrad's compiled tiles refused a call: {lib.attngrad_error().decode()}")
 
 
-def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, dropout_p: float,
-             bias_grad: bool = False, pass_name: str = "forward") -> bool:
-    """Whether the tiles run this pass of this call: dropout and a bias gradient in every pass
-    but the double backward; CPU; one dtype for q, k, v (float16 and bfloat16 are computed
-    in float32, the tiles' element type beside float64); no empty axis. A mask and a bias
-    (broadcastable, any float dtype) may be given."""
-    # the double backward's tiles have neither dropout nor a bias gradient
+def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None) -> bool:
+    """Whether the tiles run a call, in any pass, with any dropout and with or without the
+    bias's gradient: q, k, v on the CPU in one dtype (float16 and bfloat16 are computed in
+    float32, the tiles' element type beside float64), no empty axis; a mask and a bias
+    (broadcastable, any float dtype) on the CPU."""
     return (
-        (dropout_p == 0.0 or pass_name != "double_backward") and (not bias_grad or pass_name != "double_backward")
-        and all(t is None or t.device.type == "cpu" for t in (mask, bias))
+        all(t is None or t.device.type == "cpu" for t in (mask, bias))
         and q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
         and q.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
         and k.dtype == q.dtype and v.dtype == q.dtype
@@ -400,24 +397,33 @@ def _rows_per_block(len_k: int) -> int:
 def attention_double_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
     causal: int | None, scale: float, dout_grad: bool, gq: Tensor | None, gk: Tensor | None, gv: Tensor | None,
-    chunks: int | None = None, mask: Tensor | None = None, bias: Tensor | None = None,
-) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:
-    """(g_dout or None, g_q, g_k, g_v): `kernels_higher.attention_double_backward`'s results
-    for the cases `supports` accepts; an absent cotangent is zero. `chunks` splits each
-    head's query blocks into that many work items (default: `_chunks`)."""
+    chunks: int | None = None, mask: Tensor | None = None, bias: Tensor | None = None, gbias: Tensor | None = None,
+    seed: int = 0, dropout_p: float = 0.0, bias_grad: bool = False,
+) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor | None]:
+    """(g_dout or None, g_q, g_k, g_v, g_bias or None): `kernels_higher.attention_double_backward`'s
+    results for the cases `supports` accepts, in the compute dtype; an absent cotangent is
+    zero (`gbias`, dbias's, only with `bias_grad`). `chunks` splits each head's query blocks
+    into that many work items (default: `_chunks`)."""
     dout, q, k, v, out, row_max, inv_sum, gq, gk, gv = _work(dout, q, k, v, out, row_max, inv_sum, gq, gk, gv)
+    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad)
+    if bias_grad and gbias is not None:
+        masks["gbias"] = gbias.to(q.dtype).reshape(masks["bias_sizes"]).contiguous()
     rows = _rows_per_block(k.shape[2])
     if chunks is None:
-        chunks = _chunks(k.shape[0] * k.shape[1], -(-q.shape[2] // rows))
+        chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-q.shape[2] // rows))
     g_dout = torch.empty_like(dout) if dout_grad else None
     g_q = torch.empty_like(q)
     gk_parts, gv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
-    delta = q.new_empty(q.shape[:-1])
-    _call("attngrad_double_backward",
-          describe(q, k, v, causal, scale, block_rows=rows, chunks=chunks, dout=dout, out=out, row_max=row_max,
-                   inv_sum=inv_sum, delta=delta, gq=gq, gk=gk, gv=gv, g_dout=g_dout, g_q=g_q, gk_parts=gk_parts,
-                   gv_parts=gv_parts, **_score_masks(mask, bias, q.dtype)))
-    return g_dout, g_q, _sum_parts(gk_parts), _sum_parts(gv_parts)
+    call = describe(q, k, v, causal, scale, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p, dout=dout,
+                    out=out, row_max=row_max, inv_sum=inv_sum, delta=q.new_empty(q.shape[:-1]), gq=gq, gk=gk, gv=gv,
+                    g_dout=g_dout, g_q=g_q, gk_parts=gk_parts, gv_parts=gv_parts, **masks)
+    g_bias_parts = None
+    if bias_grad:
+        g_bias_parts = q.new_zeros(library().attngrad_bias_grad_parts(ctypes.byref(call), 1), *masks["bias_sizes"])
+        call.attach("g_bias_parts", g_bias_parts)
+    _call("attngrad_double_backward", call)
+    g_bias = None if g_bias_parts is None else _sum_parts(g_bias_parts).view(bias.shape)
+    return g_dout, g_q, _sum_parts(gk_parts), _sum_parts(gv_parts), g_bias
 
 
 def dropout_keep_scale_into(out: Tensor, seed: int, row_start: int, threshold: int, value: float) -> Tensor:

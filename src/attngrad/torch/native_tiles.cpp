@@ -57,7 +57,7 @@
 #define ATTNGRAD_BUFFERS(X) \
     X(q) X(k) X(v) X(mask) X(bias) X(out) X(row_max) X(inv_sum) X(dout) X(delta) X(dq_parts) X(dk) X(dv) \
     X(dbias_parts) X(gq) X(gk) X(gv) X(g_dout) X(g_q) X(gk_parts) X(gv_parts) X(tq) X(tk) X(tv) X(tbias) X(tout) \
-    X(tdout) X(tdq) X(tdk_parts) X(tdv_parts) X(tdbias_parts)
+    X(tdout) X(tdq) X(tdk_parts) X(tdv_parts) X(tdbias_parts) X(gbias) X(g_bias_parts)
 
 enum AttngradBuffer : int {
 #define ATTNGRAD_ENUM(name) buf_##name,
@@ -972,15 +972,16 @@ void backward(const Pass<T>& pass) {
 }
 
 
-// The double backward, for cotangents gQ, gK, gV (each may be null: zero) of the backward's
-// dQ, dK, dV; per query block of whole rows (for_each_row_block), since two row sums run
-// over all of a row's keys:
-//   T = scale (gQ K^T + Q gK^T),  t = rowsum(P * T),  X = dO gV^T
-//   g_P = (dP - D) * (T - t) + X,  u = rowsum(P * g_P)
-//   g_dP = P * (T - t)    -> g_V += g_dP^T dO,  g_dO = g_dP V + P gV (when asked)
-//   g_S = P * (g_P - u),  dS = P * (dP - D)
-//   g_Q = scale (g_S K + dS gK),  g_K += scale (g_S^T Q + dS^T gQ)
-// A work item adds into its own parts of g_K and g_V (gk_parts, gv_parts: one per chunk).
+// The double backward, for cotangents gQ, gK, gV, gbias (each may be null: zero) of the
+// backward's dQ, dK, dV, dbias; per query block of whole rows (for_each_row_block), since
+// two row sums run over all of a row's keys; Z the dropout keep-scale (1 without):
+//   T = scale (gQ K^T + Q gK^T) + gbias,  t = rowsum(P * T),  X = (dO gV^T) Z
+//   dP~ = (dO V^T) Z,  g_P = (dP~ - D) * (T - t) + X,  u = rowsum(P * g_P)
+//   g_dP = P * (T - t)    -> g_V += (g_dP Z)^T dO,  g_dO = (g_dP Z) V + (P Z) gV (when asked)
+//   g_S = P * (g_P - u),  dS = P * (dP~ - D)
+//   g_Q = scale (g_S K + dS gK),  g_K += scale (g_S^T Q + dS^T gQ),  g_bias += g_S
+// A work item adds into its own parts of g_K and g_V (gk_parts, gv_parts: one per chunk)
+// and of g_bias (BiasGradient).
 template <typename T>
 void double_backward(const Pass<T>& pass) {
     const T *dout = pass[buf_dout], *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v], *out = pass[buf_out];
@@ -988,13 +989,17 @@ void double_backward(const Pass<T>& pass) {
     const T *gq = pass[buf_gq], *gk = pass[buf_gk], *gv = pass[buf_gv];
     T *delta = pass[buf_delta], *g_dout = pass[buf_g_dout], *g_q = pass[buf_g_q];
     T *gk_parts = pass[buf_gk_parts], *gv_parts = pass[buf_gv_parts];
+    const BiasGradient<T> g_bias(pass, buf_g_bias_parts, 2);
     const Shape& s = pass.s;
+    const DropoutDraw& drop = pass.drop;
     const T scale = pass.scale;
+    const ScoreMask<T> gbias{nullptr, Broadcast4(), pass[buf_gbias], Broadcast4(pass.call.bias_sizes)};
     const index_t kv_size = s.batch * s.kv_heads * s.len_k;
     row_dots(dout, out, delta, s.batch * s.heads * s.len_q, s.dim_v, pass.threads);  // D = rowsum(dO * O)
     const RowKeys<T> row_keys_of(pass.masks, pass.causal, s, pass.threads);
-    // scratch: P; T, then g_dP; dP - D, then dS; X, then g_P, then g_S
-    for_each_row_block(pass, KvItems(s, pass.call.chunks, false, false), 4, [&](const RowBlock& blk, T* scratch) {
+    const KvItems items(s, pass.call.chunks, g_bias.shares_batch(s), g_bias.shares_kv_heads(s));
+    // scratch: P, then P Z; T, then g_dP Z; dP~ - D, then dS; X, then g_P, then g_S
+    for_each_row_block(pass, items, 4, [&](const RowBlock& blk, T* scratch) {
         const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
         if (keys == 0) {  // rows that see no key: nothing flows back through them
             std::fill(g_q + first * s.dim, g_q + (first + rows) * s.dim, T(0));
@@ -1007,6 +1012,7 @@ void double_backward(const Pass<T>& pass) {
         const T* gv_head = blk.head(gv, s.dim_v);
         T* g_k = blk.part_head(gk_parts, kv_size, s.dim);
         T* g_v = blk.part_head(gv_parts, kv_size, s.dim_v);
+        T* g_bias_part = g_bias.part(blk.chunk);
         const T* q_blk = blk.block(q, s.dim);
         const T* do_blk = blk.block(dout, s.dim_v);
         const T* gq_blk = blk.block(gq, s.dim);
@@ -1018,23 +1024,33 @@ void double_backward(const Pass<T>& pass) {
         products_nt<T>(rows, keys, s.dim_v, T(1), do_blk, gv_head, nullptr, nullptr, x);
         for (index_t i = 0; i < rows; ++i) {
             T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
-            const index_t seen = pass.causal.visible(blk.r0 + i, 0, keys);
+            const index_t row = blk.r0 + i, seen = pass.causal.visible(row, 0, keys);
             const T m = row_max[first + i], inv = inv_sum[first + i];
-            if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, blk.r0 + i, 0, seen);
+            if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, 0, seen);
+            if (gbias.any()) gbias.apply(ti, blk.b, blk.h, row, 0, seen);
+            if (drop.on) {  // dP~ = (dO V^T) Z,  X = (dO gV^T) Z
+                drop.scale_row(dpi, blk.b, blk.h, row, 0, seen);
+                drop.scale_row(xi, blk.b, blk.h, row, 0, seen);
+            }
             T d_row = delta[first + i];
             T t_sum = probs_and_dot(pi, ti, seen, m, inv);  // P, t = rowsum(P * T)
-            if (row_keys_of(blk.bh, blk.r0 + i) == 1) {  // the row's one key: P = 1, so t = T, D = dP exactly
+            if (row_keys_of(blk.bh, row) == 1) {  // the row's one key: P = 1, so t = T, D = dP~ exactly
                 t_sum = single_key_probs(pi, ti, seen);
                 d_row = T(0);
                 for (index_t j = 0; j < seen; ++j) d_row += pi[j] * dpi[j];
             }
             const T u_sum = second_order_terms(pi, ti, dpi, xi, seen, t_sum, d_row);
             centre_and_scale(pi, xi, seen, u_sum);  // g_S = P (g_P - u)
-            for (T* row : {pi, ti, dpi, xi}) std::fill(row + seen, row + keys, T(0));
+            if (drop.on) {  // g_dP Z and P Z, for g_V and g_dO
+                drop.scale_row(ti, blk.b, blk.h, row, 0, seen);
+                drop.scale_row(pi, blk.b, blk.h, row, 0, seen);
+            }
+            for (T* r : {pi, ti, dpi, xi}) std::fill(r + seen, r + keys, T(0));
+            if (g_bias_part) g_bias.add_row(g_bias_part, xi, blk.b, blk.h, row, 0, seen);  // g_bias += g_S
         }
-        // backward: dV = P^T dO  ->  g_V += g_dP^T dO
+        // backward: dV = (P Z)^T dO  ->  g_V += (g_dP Z)^T dO
         gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), g_v, s.dim_v);
-        // backward: dP = dO V^T, dV = P^T dO  ->  g_dO = g_dP V + P gV
+        // backward: dP~ = (dO V^T) Z, dV = (P Z)^T dO  ->  g_dO = (g_dP Z) V + (P Z) gV
         if (g_dout) {
             T* g_do = g_dout + first * s.dim_v;
             gemm<T>(false, false, rows, s.dim_v, keys, T(1), t, keys, v_head, s.dim_v, T(0), g_do, s.dim_v);
@@ -1251,12 +1267,12 @@ int64_t expected_numel(const AttngradCall& c, int b) {
         case buf_out: case buf_dout: case buf_g_dout: case buf_tout: return product(rows, c.dim_v, &n) ? n : -1;
         case buf_row_max: case buf_inv_sum: case buf_delta: return rows;
         case buf_mask: return mask;
-        case buf_bias: case buf_tbias: return bias;  // a bias's tangent has the bias's sizes
+        case buf_bias: case buf_tbias: case buf_gbias: return bias;  // a bias's tangent has the bias's sizes
         case buf_dq_parts: return product(rows * c.dim, c.chunks, &n) ? n : -1;
         case buf_gk_parts: return product(kv * c.dim, c.chunks, &n) ? n : -1;
         case buf_gv_parts: return product(kv * c.dim_v, c.chunks, &n) ? n : -1;
         case buf_dbias_parts: return product(bias, bias_grad_parts(c, 3), &n) ? n : -1;
-        case buf_tdbias_parts: return product(bias, bias_grad_parts(c, 2), &n) ? n : -1;
+        case buf_tdbias_parts: case buf_g_bias_parts: return product(bias, bias_grad_parts(c, 2), &n) ? n : -1;
         case buf_tdout: return product(rows, c.dim_v, &n) ? n : -1;
         case buf_tdq: return product(rows, c.dim, &n) ? n : -1;
         case buf_tdk_parts: return product(kv * c.dim, c.chunks, &n) ? n : -1;
@@ -1359,11 +1375,11 @@ const char* attngrad_call_layout() {
     return layout.c_str();
 }
 
-// How many parts the backward's dbias_parts (backward_jvp 0) or the backward's JVP's
-// tdbias_parts (1) holds: 1, or `chunks` where the bias is constant along the chunked
+// How many parts the backward's dbias_parts (whole_rows 0) or the whole-row passes'
+// tdbias_parts and g_bias_parts (1) hold: 1, or `chunks` where the bias is constant along the chunked
 // axis; each (b, h, i, j)-shaped (bias_sizes), zeroed by the caller, who adds them in order.
-int64_t attngrad_bias_grad_parts(const AttngradCall* call, int backward_jvp) {
-    return call ? bias_grad_parts(*call, backward_jvp ? 2 : 3) : 0;
+int64_t attngrad_bias_grad_parts(const AttngradCall* call, int whole_rows) {
+    return call ? bias_grad_parts(*call, whole_rows ? 2 : 3) : 0;
 }
 
 // Each entry point checks the call (check_call: q, k, v, and optionally a mask and a bias,
@@ -1395,15 +1411,17 @@ int attngrad_backward(const AttngradCall* call) {
                        [](const auto& pass) { backward(pass); });
 }
 
-// gq, gk, gv may be null (zero cotangents), and g_dout (not asked for). gk_parts and
-// gv_parts hold `chunks` zeroed (B, Hkv, Lk, .) partial sums, one per chunk of query
-// blocks; block_rows rows per query block, each holding whole rows of keys. No dropout.
+// gq, gk, gv, gbias may be null (zero cotangents; gbias has the bias's sizes), and g_dout
+// (not asked for). gk_parts and gv_parts hold `chunks` zeroed (B, Hkv, Lk, .) partial sums,
+// one per chunk of query blocks, and g_bias_parts, where given, attngrad_bias_grad_parts
+// zeroed parts of the bias's; block_rows rows per query block, each holding whole rows.
 int attngrad_double_backward(const AttngradCall* call) {
-    if (call && call->dropout) return fail("attngrad_double_backward", "dropout", call->dropout, 0), 1;
+    const Use with_bias = call && call->data[buf_bias] ? Use::optional : Use::none;
     return run_checked("attngrad_double_backward", call,
                        {ATTNGRAD_AFTER_FORWARD, {buf_gq, Use::optional}, {buf_gk, Use::optional},
-                        {buf_gv, Use::optional}, {buf_g_dout, Use::optional}, {buf_g_q, Use::required},
-                        {buf_gk_parts, Use::required}, {buf_gv_parts, Use::required}},
+                        {buf_gv, Use::optional}, {buf_gbias, with_bias}, {buf_g_dout, Use::optional},
+                        {buf_g_q, Use::required}, {buf_gk_parts, Use::required}, {buf_gv_parts, Use::required},
+                        {buf_g_bias_parts, with_bias}},
                        [](const auto& pass) { double_backward(pass); });
 }
 

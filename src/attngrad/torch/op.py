@@ -49,7 +49,7 @@ def attention_forward(
     causal: Optional[int], scale: float, dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     check_call(q, k, v, mask, bias, seed, causal, dropout_p)
-    if choose("forward", q, k, v, mask, bias, dropout_p) == "tiles":
+    if choose("forward", q, k, v, mask, bias) == "tiles":
         out, row_max, inv_sum = native.attention_forward(q, k, v, causal, scale, mask=mask, bias=bias, seed=int(seed),
                                                          dropout_p=dropout_p)
         return out.to(q.dtype), row_max, inv_sum  # the statistics stay in the compute dtype
@@ -70,7 +70,7 @@ def attention_backward(
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad)
-    if choose("backward", q, k, v, mask, bias, dropout_p, bias_grad) == "tiles":
+    if choose("backward", q, k, v, mask, bias) == "tiles":
         dq, dk, dv, dbias = native.attention_backward(
             dout, q, k, v, out, row_max, inv_sum, causal, scale, mask=mask, bias=bias, seed=int(seed),
             dropout_p=dropout_p, bias_grad=bias_grad,
@@ -118,7 +118,7 @@ def attention_jvp(
     tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
 ) -> Tensor:
     _check_jvp(q, k, v, mask, bias, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias)
-    if choose("jvp", q, k, v, mask, bias, dropout_p) == "tiles":
+    if choose("jvp", q, k, v, mask, bias) == "tiles":
         out_t = native.attention_jvp(q, k, v, row_max, inv_sum, causal, scale, tq, tk, tv, mask=mask, bias=bias,
                                      tbias=tbias, seed=int(seed), dropout_p=dropout_p)
         return out_t.to(q.dtype)
@@ -146,7 +146,7 @@ def attention_backward_jvp(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
                     **_second_order_sides("t", tdout, tq, tk, tv, tbias))
-    if choose("backward_jvp", q, k, v, mask, bias, dropout_p, bias_grad) == "tiles":
+    if choose("backward_jvp", q, k, v, mask, bias) == "tiles":
         dq, dk, dv, dbias = native.attention_backward_jvp(
             dout, q, k, v, out, row_max, inv_sum, causal, scale, tdout, tq, tk, tv, mask=mask, bias=bias,
             tbias=tbias, seed=int(seed), dropout_p=dropout_p, bias_grad=bias_grad,
@@ -183,11 +183,12 @@ def attention_double_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
                     **_second_order_sides("g", None, gq, gk, gv, gbias))
-    if choose("double_backward", q, k, v, mask, bias, dropout_p, bias_grad) == "tiles":  # neither dbias nor dropout
-        g_dout, g_q, g_k, g_v = _in_dtypes_of(native.attention_double_backward(
-            dout, q, k, v, out, row_max, inv_sum, causal, scale, dout_grad, gq, gk, gv, mask=mask, bias=bias
-        ), (dout, q, k, v))
-        return _maybe_empty(g_dout, q), g_q, g_k, g_v, q.new_empty(0)
+    if choose("double_backward", q, k, v, mask, bias) == "tiles":
+        g_dout, g_q, g_k, g_v, g_bias = _in_dtypes_of(native.attention_double_backward(
+            dout, q, k, v, out, row_max, inv_sum, causal, scale, dout_grad, gq, gk, gv, mask=mask, bias=bias,
+            gbias=gbias, seed=int(seed), dropout_p=dropout_p, bias_grad=bias_grad,
+        ), (dout, q, k, v, bias))
+        return _maybe_empty(g_dout, q), g_q, g_k, g_v, _maybe_empty(g_bias, q)
     g_dout, g_q, g_k, g_v, g_bias = kernels_higher.attention_double_backward(
         dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad,
         dout_grad, gq, gk, gv, gbias,

@@ -1,7 +1,7 @@
 """The compiled tiles (`native_tiles.cpp`): every pass of attention (forward, backward,
 JVP, the backward's JVP, double backward) with the causal diagonal, a boolean mask, a float
-bias and GQA; the bias's gradient and dropout in every pass but the double backward;
-float32 or float64, on the CPU; and the dropout keep-masks of `dropout` for the torch-ops
+bias and its gradient, dropout and GQA; float32 or float64 (float16 and bfloat16 computed
+in float32), on the CPU; and the dropout keep-masks of `dropout` for the torch-ops
 kernels. Every entry point takes one `AttentionCall`: the sizes, options and named
 buffers of a call, whose layout the library states and `library()` checks.
 
@@ -131,9 +131,8 @@ def status() -> str:
     """One line for reports: whether the tiles run, and what their first use costs."""
     if library() is None:
         return f"compiled tiles unavailable ({build_info.reason}); torch-ops kernels throughout"
-    return (f"compiled tiles for every pass with masks and a bias; the bias gradient and dropout in all but the "
-            f"double backward (first use compiles them once: {fresh_build_seconds():.1f} s on this machine, then "
-            "cached); torch-ops kernels for the double backward of a bias gradient or dropout")
+    return (f"compiled tiles for every pass with masks, a bias and its gradient, and dropout (first use compiles "
+            f"them once: {fresh_build_seconds():.1f} s on this machine, then cached)")
 
 
 def _blas_symbols() -> list[int]:

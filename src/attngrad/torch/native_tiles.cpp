@@ -1,8 +1,8 @@
 // attngrad's compiled tiles: every pass of exact attention (forward, backward, JVP, the
 // backward's JVP, double backward) with the causal diagonal, a boolean mask, a float bias
-// and GQA, and in all but the double backward the bias's gradient and dropout, in the
-// manner of FlashAttention-2 (Dao, 2023) on per-thread tiles small enough to stay in a
-// core's cache; and the dropout keep-masks of the counter-based generator in `dropout.py`.
+// and its gradient, dropout and GQA, in the manner of FlashAttention-2 (Dao, 2023) on
+// per-thread tiles small enough to stay in a core's cache; and the dropout keep-masks of
+// the counter-based generator in `dropout.py`.
 //
 // Shape legend (row-major, contiguous)
 //   q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), out and dout (B, H, Lq, dv),
@@ -1017,7 +1017,7 @@ void double_backward(const Pass<T>& pass) {
         const T* do_blk = blk.block(dout, s.dim_v);
         const T* gq_blk = blk.block(gq, s.dim);
         T *p = scratch, *t = scratch + tile, *dp = scratch + 2 * tile, *x = scratch + 3 * tile;
-        // forward: S = scale Q K^T;  T = scale (gQ K^T + Q gK^T);  dP = dO V^T;  X = dO gV^T
+        // S = scale Q K^T;  T = scale (gQ K^T + Q gK^T) (+ gbias by row);  dP = dO V^T;  X = dO gV^T (Z by row)
         gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
         products_nt(rows, keys, s.dim, scale, gq_blk, k_head, q_blk, gk_head, t);
         gemm<T>(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, v_head, s.dim_v, T(0), dp, keys);
@@ -1054,7 +1054,9 @@ void double_backward(const Pass<T>& pass) {
         if (g_dout) {
             T* g_do = g_dout + first * s.dim_v;
             gemm<T>(false, false, rows, s.dim_v, keys, T(1), t, keys, v_head, s.dim_v, T(0), g_do, s.dim_v);
-            if (gv_head) gemm<T>(false, false, rows, s.dim_v, keys, T(1), p, keys, gv_head, s.dim_v, T(1), g_do, s.dim_v);
+            if (gv_head) {
+                gemm<T>(false, false, rows, s.dim_v, keys, T(1), p, keys, gv_head, s.dim_v, T(1), g_do, s.dim_v);
+            }
         }
         // backward: dQ = scale dS K, dK = scale dS^T Q  ->  g_Q = scale (g_S K + dS gK),
         // g_K += scale (g_S^T Q + dS^T gQ)

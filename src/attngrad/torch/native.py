@@ -252,6 +252,21 @@ def describe(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, 
     return call
 
 
+def _run(name: str, call: AttentionCall, bias_grad_into: str | None = None,
+         bias: Tensor | None = None) -> Tensor | None:
+    """Run pass `name` on `call`; with `bias_grad_into` (the buffer of a bias gradient's parts),
+    first give it the zeroed parts the library asks for, and return their sum in the shape
+    of `bias`."""
+    parts = None
+    if bias_grad_into is not None:
+        count = library().attngrad_bias_grad_parts(ctypes.byref(call), bias_grad_into != "dbias_parts")
+        dtype = torch.float64 if call.double_precision else torch.float32
+        parts = torch.zeros(count, *call.bias_sizes, dtype=dtype)
+        call.attach(bias_grad_into, parts)
+    _call(name, call)
+    return None if parts is None else _sum_parts(parts).view(bias.shape)
+
+
 def _call(name: str, *args) -> None:
     """Call entry point `name` of the library; its size checks' refusal becomes a RuntimeError
     (the ops check first, so this means a bug in attngrad, never bad user input)."""
@@ -377,13 +392,7 @@ def attention_backward(
     delta = q.new_empty(q.shape[:-1])
     call = describe(q, k, v, causal, scale, chunks=chunks, seed=seed, dropout_p=dropout_p, dout=dout, out=out,
                     row_max=row_max, inv_sum=inv_sum, delta=delta, dq_parts=dq_parts, dk=dk, dv=dv, **masks)
-    dbias_parts = None
-    if bias_grad:  # one zeroed part per chunk where chunks add into the same entries
-        parts = library().attngrad_bias_grad_parts(ctypes.byref(call), 0)
-        dbias_parts = q.new_zeros(parts, *masks["bias_sizes"])
-        call.attach("dbias_parts", dbias_parts)
-    _call("attngrad_backward", call)
-    dbias = None if dbias_parts is None else _sum_parts(dbias_parts).view(bias.shape)
+    dbias = _run("attngrad_backward", call, "dbias_parts" if bias_grad else None, bias)
     return _sum_parts(dq_parts), dk, dv, dbias
 
 
@@ -416,12 +425,7 @@ def attention_double_backward(
     call = describe(q, k, v, causal, scale, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p, dout=dout,
                     out=out, row_max=row_max, inv_sum=inv_sum, delta=q.new_empty(q.shape[:-1]), gq=gq, gk=gk, gv=gv,
                     g_dout=g_dout, g_q=g_q, gk_parts=gk_parts, gv_parts=gv_parts, **masks)
-    g_bias_parts = None
-    if bias_grad:
-        g_bias_parts = q.new_zeros(library().attngrad_bias_grad_parts(ctypes.byref(call), 1), *masks["bias_sizes"])
-        call.attach("g_bias_parts", g_bias_parts)
-    _call("attngrad_double_backward", call)
-    g_bias = None if g_bias_parts is None else _sum_parts(g_bias_parts).view(bias.shape)
+    g_bias = _run("attngrad_double_backward", call, "g_bias_parts" if bias_grad else None, bias)
     return g_dout, g_q, _sum_parts(gk_parts), _sum_parts(gv_parts), g_bias
 
 
@@ -475,10 +479,5 @@ def attention_backward_jvp(
     call = describe(q, k, v, causal, scale, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p, dout=dout,
                     out=out, row_max=row_max, inv_sum=inv_sum, delta=q.new_empty(q.shape[:-1]), tdout=tdout, tq=tq,
                     tk=tk, tv=tv, tdq=tdq, tdk_parts=tdk_parts, tdv_parts=tdv_parts, **masks)
-    tdbias_parts = None
-    if bias_grad:
-        tdbias_parts = q.new_zeros(library().attngrad_bias_grad_parts(ctypes.byref(call), 1), *masks["bias_sizes"])
-        call.attach("tdbias_parts", tdbias_parts)
-    _call("attngrad_backward_jvp", call)
-    tdbias = None if tdbias_parts is None else _sum_parts(tdbias_parts).view(bias.shape)
+    tdbias = _run("attngrad_backward_jvp", call, "tdbias_parts" if bias_grad else None, bias)
     return tdq, _sum_parts(tdk_parts), _sum_parts(tdv_parts), tdbias

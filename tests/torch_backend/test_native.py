@@ -68,6 +68,16 @@ def _masks(masking, batch, heads, len_q, len_k, dtype, seed):
     return mask, bias
 
 
+# The calls of the whole-row passes' property tests (JVP, the backward's JVP, double
+# backward): shapes with GQA and Lq != Lk, causal diagonals, masks, and block heights of
+# 3 rows (many blocks, row tails) or 128 (one block).
+WHOLE_ROW_CALLS = dict(
+    batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 3), len_q=st.integers(1, 50),
+    len_k=st.integers(1, 50), dim=st.sampled_from([1, 5, 16]), dim_v=st.sampled_from([3, 16]), causal=CAUSAL,
+    masking=MASKING, rows=st.sampled_from([3, 128]),
+)
+
+
 def _inputs(batch, heads, kv_heads, len_q, len_k, dim, dim_v, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads, len_q, dim, generator=g, dtype=dtype)
@@ -121,9 +131,7 @@ def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k
 @needs_tiles
 @settings(max_examples=60, deadline=None)
 @given(
-    batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 3),
-    len_q=st.integers(1, 50), len_k=st.integers(1, 50), dim=st.sampled_from([1, 5, 16]), dim_v=st.sampled_from([3, 16]),
-    causal=CAUSAL, masking=MASKING, rows=st.sampled_from([3, 128]), chunks=st.integers(1, 4),
+    **WHOLE_ROW_CALLS, chunks=st.integers(1, 4),
     present=st.sampled_from([(1, 1, 1, 1), (1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (0, 0, 0, 0)]),
     dout_grad=st.booleans(), dropout_p=st.sampled_from([0.0, 0.3]), bias_grad=st.booleans(),
     seed=st.integers(0, 2**16),
@@ -167,9 +175,7 @@ def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, grou
 @needs_tiles
 @settings(max_examples=40, deadline=None)
 @given(
-    batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 3),
-    len_q=st.integers(1, 50), len_k=st.integers(1, 50), dim=st.sampled_from([1, 5, 16]), dim_v=st.sampled_from([3, 16]),
-    causal=CAUSAL, masking=MASKING, rows=st.sampled_from([3, 128]), dropout_p=st.sampled_from([0.0, 0.0, 0.3, 1.0]),
+    **WHOLE_ROW_CALLS, dropout_p=st.sampled_from([0.0, 0.0, 0.3, 1.0]),
     present=st.sampled_from([(1, 1, 1, 1), (1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (0, 0, 0, 0)]),
     seed=st.integers(0, 2**16),
 )
@@ -200,9 +206,7 @@ def test_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, l
 @needs_tiles
 @settings(max_examples=60, deadline=None)
 @given(
-    batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 3),
-    len_q=st.integers(1, 50), len_k=st.integers(1, 50), dim=st.sampled_from([1, 5, 16]), dim_v=st.sampled_from([3, 16]),
-    causal=CAUSAL, masking=MASKING, rows=st.sampled_from([3, 128]), chunks=st.integers(1, 4),
+    **WHOLE_ROW_CALLS, chunks=st.integers(1, 4),
     dropout_p=st.sampled_from([0.0, 0.3]), bias_grad=st.booleans(),
     present=st.sampled_from([(1, 1, 1, 1, 1), (1, 0, 0, 0, 0), (0, 1, 0, 0, 0), (0, 0, 1, 0, 0), (0, 0, 0, 1, 0),
                              (0, 0, 0, 0, 1), (0, 0, 0, 0, 0)]),
@@ -401,7 +405,8 @@ def test_half_precision_runs_on_the_tiles_in_float32(dtype, is_causal):
     eps = torch.finfo(dtype).eps
     for i, (a, b) in enumerate(zip(ours, theirs)):
         assert a.dtype == b.dtype == dtype, i
-        assert rel_err(a.float(), b.float()) < 4 * eps, i
+        # each side rounds its float32 result to the half dtype (eps / 2 at most); measured 0.54-0.64 eps
+        assert rel_err(a.float(), b.float()) < eps, i
 
 
 def test_what_the_tiles_take():

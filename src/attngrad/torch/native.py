@@ -365,6 +365,23 @@ def _independent(k: Tensor, bias_sizes: tuple | None) -> int:
     return (1 if bias_sizes[0] == 1 else batch) * (1 if bias_sizes[1] == 1 else kv_heads)
 
 
+def _whole_row_split(q: Tensor, k: Tensor, masks: dict, bias_grad: bool, chunks: int | None) -> tuple[int, int]:
+    """(rows per query block, chunks) of a pass on whole rows (JVP, the backward's JVP,
+    double backward): `chunks` as given, or enough for its independent work items."""
+    rows = _rows_per_block(k.shape[2])
+    if chunks is None:
+        chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-q.shape[2] // rows))
+    return rows, chunks
+
+
+def _with_bias_like(masks: dict, name: str, t: Tensor | None, dtype: torch.dtype) -> dict:
+    """`masks` with `t`, a tangent or cotangent of the bias, as buffer `name` in the bias's
+    4-D sizes (absent where `t` is None)."""
+    if t is not None:
+        masks[name] = t.to(dtype).reshape(masks["bias_sizes"]).contiguous()
+    return masks
+
+
 def _sum_parts(parts: Tensor) -> Tensor:
     """parts[0] + parts[1] + ... in that order (a reduction kernel might pair them otherwise)."""
     if len(parts) == 1:
@@ -414,11 +431,8 @@ def attention_double_backward(
     into that many work items (default: `_chunks`)."""
     dout, q, k, v, out, row_max, inv_sum, gq, gk, gv = _work(dout, q, k, v, out, row_max, inv_sum, gq, gk, gv)
     masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad)
-    if bias_grad and gbias is not None:
-        masks["gbias"] = gbias.to(q.dtype).reshape(masks["bias_sizes"]).contiguous()
-    rows = _rows_per_block(k.shape[2])
-    if chunks is None:
-        chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-q.shape[2] // rows))
+    _with_bias_like(masks, "gbias", gbias if bias_grad else None, q.dtype)
+    rows, chunks = _whole_row_split(q, k, masks, bias_grad, chunks)
     g_dout = torch.empty_like(dout) if dout_grad else None
     g_q = torch.empty_like(q)
     gk_parts, gv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
@@ -444,12 +458,9 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Ten
     """The output's tangent (B, H, Lq, dv): `kernels_higher.attention_jvp`'s result for the
     cases `supports` accepts; an absent tangent is zero."""
     q, k, v, row_max, inv_sum, tq, tk, tv = _work(q, k, v, row_max, inv_sum, tq, tk, tv)
-    masks = _score_masks(mask, bias, q.dtype, full_bias=tbias is not None)
-    if tbias is not None:
-        masks["tbias"] = tbias.to(q.dtype).reshape(masks["bias_sizes"]).contiguous()
+    masks = _with_bias_like(_score_masks(mask, bias, q.dtype, full_bias=tbias is not None), "tbias", tbias, q.dtype)
     out_t = q.new_empty(*q.shape[:3], v.shape[-1])
-    rows = _rows_per_block(k.shape[2])
-    chunks = _chunks(k.shape[0] * k.shape[1], -(-q.shape[2] // rows))  # work items: each owns its rows
+    rows, chunks = _whole_row_split(q, k, masks, False, None)  # each work item owns its rows
     _call("attngrad_jvp", describe(q, k, v, causal, scale, block_rows=rows, chunks=chunks, seed=seed,
                                    dropout_p=dropout_p, row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv,
                                    tout=out_t, **masks))
@@ -469,11 +480,8 @@ def attention_backward_jvp(
     dout, q, k, v, out, row_max, inv_sum, tdout, tq, tk, tv = _work(dout, q, k, v, out, row_max, inv_sum, tdout, tq,
                                                                     tk, tv)
     masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad or tbias is not None)
-    if tbias is not None:
-        masks["tbias"] = tbias.to(q.dtype).reshape(masks["bias_sizes"]).contiguous()
-    rows = _rows_per_block(k.shape[2])
-    if chunks is None:
-        chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-q.shape[2] // rows))
+    _with_bias_like(masks, "tbias", tbias, q.dtype)
+    rows, chunks = _whole_row_split(q, k, masks, bias_grad, chunks)
     tdq = q.new_empty(q.shape)
     tdk_parts, tdv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
     call = describe(q, k, v, causal, scale, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p, dout=dout,

@@ -29,8 +29,15 @@ VARIANTS = {
     "bias-grad": dict(bias=(H, 1, LK), bias_grad=True),
     "dropout": dict(dropout_p=0.3),
     "gqa": dict(kv_heads=HKV),
-    "all": dict(causal=0, mask=True, bias=(B, 1, LQ, LK), bias_grad=True, dropout_p=0.2, kv_heads=HKV),
+    "bounds": dict(bounds=B),
+    "all": dict(causal=0, mask=True, bias=(B, 1, LQ, LK), bias_grad=True, dropout_p=0.2, kv_heads=HKV, bounds=1),
 }
+
+
+def _bounds(batch: int, g: torch.Generator) -> torch.Tensor:
+    """Key bounds (batch, LQ, 2): a random [lo, hi) per row, some of them empty."""
+    ends = torch.randint(0, LK + 1, (batch, LQ, 2), generator=g)
+    return ends.sort(dim=-1).values
 
 
 def _call_args(variant: str, layout: str, dtype=torch.float64):
@@ -42,16 +49,17 @@ def _call_args(variant: str, layout: str, dtype=torch.float64):
     q, k, v = make(B, H, LQ, D, g=g, dtype=dtype), make(B, kv, LK, D, g=g, dtype=dtype), make(B, kv, LK, DV, g=g, dtype=dtype)
     mask = (torch.rand(B, 1, LQ, LK, generator=g) > 0.3) if spec.get("mask") else None
     bias = torch.randn(spec["bias"], generator=g, dtype=dtype) if "bias" in spec else None
+    bounds = _bounds(spec["bounds"], g) if "bounds" in spec else None
     seed = torch.tensor(1234 if spec.get("dropout_p") else 0)
     causal, dropout_p, bias_grad = spec.get("causal"), spec.get("dropout_p", 0.0), spec.get("bias_grad", False)
     scale = D**-0.5
-    forward = (q, k, v, mask, bias, seed, causal, scale, dropout_p)
+    forward = (q, k, v, mask, bias, bounds, seed, causal, scale, dropout_p)
     out, row_max, inv_sum = op.attention_forward(*forward)
     dout = make(B, H, LQ, DV, g=g, dtype=dtype)
-    backward = (dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad)
+    backward = (dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad)
     tq, tk, tv = (torch.randn(t.shape, generator=g, dtype=dtype) for t in (q, k, v))
     tbias = None if bias is None else torch.randn(bias.shape, generator=g, dtype=dtype)
-    jvp = (q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, tq, tk, tv, tbias)
+    jvp = (q, k, v, mask, bias, bounds, seed, row_max, inv_sum, causal, scale, dropout_p, tq, tk, tv, tbias)
     backward_jvp = (*backward, torch.randn(dout.shape, generator=g, dtype=dtype), tq, tk, tv, tbias)
     double_backward = (*backward, True, tq, tk, tv, tbias if bias_grad else None)
     return forward, backward, jvp, backward_jvp, double_backward
@@ -136,10 +144,10 @@ def _bad_calls():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((B, H, LQ, D), (B, HKV, LK, D), (B, HKV, LK, DV)))
     seed, scale = torch.tensor(0), D**-0.5
-    forward = dict(q=q, k=k, v=v, mask=None, bias=None, seed=seed, causal=None, scale=scale, dropout_p=0.0)
+    forward = dict(q=q, k=k, v=v, mask=None, bias=None, bounds=None, seed=seed, causal=None, scale=scale, dropout_p=0.0)
     out, row_max, inv_sum = op.attention_forward(**forward)
     dout = torch.randn_like(out)
-    backward = dict(dout=dout, q=q, k=k, v=v, mask=None, bias=None, seed=seed, out=out, row_max=row_max,
+    backward = dict(dout=dout, q=q, k=k, v=v, mask=None, bias=None, bounds=None, seed=seed, out=out, row_max=row_max,
                     inv_sum=inv_sum, causal=None, scale=scale, dropout_p=0.0, bias_grad=False)
     return [
         ("3 query heads over 2 key heads", op.attention_forward, forward, dict(q=q[:, :3]), "multiple"),
@@ -153,6 +161,12 @@ def _bad_calls():
         ("a 5-D bias", op.attention_forward, forward, dict(bias=torch.zeros(1, 1, 1, LQ, LK, dtype=torch.float64)), "bias of shape"),
         ("a bias over too many keys", op.attention_forward, forward, dict(bias=torch.zeros(LQ, LK + 1, dtype=torch.float64)), "bias of shape"),
         ("dropout_p 1.5", op.attention_forward, forward, dict(dropout_p=1.5), "dropout_p"),
+        ("bounds for 3 batch entries", op.attention_forward, forward, dict(bounds=torch.zeros(3, LQ, 2, dtype=torch.int64)),
+         "bounds must have shape"),
+        ("bounds per key", op.attention_forward, forward, dict(bounds=torch.zeros(B, LQ, LK, dtype=torch.int64)),
+         "bounds must have shape"),
+        ("int32 bounds", op.attention_forward, forward, dict(bounds=torch.zeros(B, LQ, 2, dtype=torch.int32)),
+         "bounds must be an int64"),
         ("a float seed", op.attention_forward, forward, dict(seed=torch.tensor(1.0)), "seed"),
         ("dout over too few rows", op.attention_backward, backward, dict(dout=dout[:, :, 1:]), "dout must have shape"),
         ("out of the wrong width", op.attention_backward, backward, dict(out=out[..., 1:]), "out must have shape"),
@@ -160,10 +174,10 @@ def _bad_calls():
         ("inv_sum of the wrong shape", op.attention_backward, backward, dict(inv_sum=inv_sum[:1]), "inv_sum"),
         ("bias_grad without a bias", op.attention_backward, backward, dict(bias_grad=True), "needs a bias"),
         ("a tangent of q's transpose", op.attention_jvp,
-         dict(q=q, k=k, v=v, mask=None, bias=None, seed=seed, row_max=row_max, inv_sum=inv_sum, causal=None, scale=scale,
+         dict(q=q, k=k, v=v, mask=None, bias=None, bounds=None, seed=seed, row_max=row_max, inv_sum=inv_sum, causal=None, scale=scale,
               dropout_p=0.0, tq=None, tk=None, tv=None, tbias=None), dict(tq=q.transpose(-1, -2)), "tq must have shape"),
         ("a tangent of the bias without a bias", op.attention_jvp,
-         dict(q=q, k=k, v=v, mask=None, bias=None, seed=seed, row_max=row_max, inv_sum=inv_sum, causal=None, scale=scale,
+         dict(q=q, k=k, v=v, mask=None, bias=None, bounds=None, seed=seed, row_max=row_max, inv_sum=inv_sum, causal=None, scale=scale,
               dropout_p=0.0, tq=None, tk=None, tv=None, tbias=None), dict(tbias=torch.zeros(LQ, LK, dtype=torch.float64)), "without a bias"),
         ("a tangent of dout over too few rows", op.attention_backward_jvp,
          dict(**backward, tdout=None, tq=None, tk=None, tv=None, tbias=None), dict(tdout=dout[:, :, 1:]), "tdout must have shape"),
@@ -205,6 +219,14 @@ def test_the_compiled_tiles_check_their_own_sizes():
         forward(q, k, v, out, row_max, inv_sum, mask=torch.ones(8, 3, dtype=torch.bool))
     with pytest.raises(RuntimeError, match="bias_sizes is 7, expected 8"):
         forward(q, k, v, out, row_max, inv_sum, bias=torch.ones(7, 8))
+    bounds = torch.tensor([[0, 8]] * 8).reshape(1, 8, 2)
+    forward(q, k, v, out, row_max, inv_sum, key_bounds=bounds)  # every key: a good call
+    with pytest.raises(RuntimeError, match="a key bound is 9, expected 8"):  # a bound past the last key
+        forward(q, k, v, out, row_max, inv_sum, key_bounds=bounds.clone().index_put_((torch.tensor(0), torch.tensor(3), torch.tensor(1)), torch.tensor(9)))
+    with pytest.raises(RuntimeError, match="a key bound is -1"):
+        forward(q, k, v, out, row_max, inv_sum, key_bounds=bounds - 1)
+    with pytest.raises(RuntimeError, match="bounds_batch is 2, expected 1"):  # bounds for 2 batch entries of 1
+        forward(q, k, v, out, row_max, inv_sum, key_bounds=bounds.expand(2, 8, 2).contiguous())
     with pytest.raises(RuntimeError, match="out is 0, expected 1"):  # a buffer the pass needs, missing
         forward(q, k, v, None, row_max, inv_sum)
     with pytest.raises(RuntimeError, match="gq is 128, expected 0"):  # a buffer this pass does not take

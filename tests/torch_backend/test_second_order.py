@@ -54,7 +54,7 @@ class Case:
 
     def ours(self, q, k, v, bias=None):
         if self.dropout_p:
-            return attention_op.attention(q, k, v, self.mask, bias, torch.tensor(77), 0 if self.is_causal else None, q.shape[-1] ** -0.5, self.dropout_p)
+            return attention_op.attention(q, k, v, self.mask, bias, None, torch.tensor(77), 0 if self.is_causal else None, q.shape[-1] ** -0.5, self.dropout_p)
         return attention(q, k, v, attn_mask=self.mask, attn_bias=bias, is_causal=self.is_causal, enable_gqa=self.gqa)
 
     def theirs(self, q, k, v, bias=None):
@@ -126,8 +126,8 @@ def test_vmapped_double_backward_op_without_dout_gradient(many_blocks):
     seed, options = torch.tensor(0), (False, 0.3, 0.0)
 
     def second(q, dout_grad):
-        out, row_max, inv_sum = attention_op.attention_forward(q, k, v, None, None, seed, *options)
-        return attention_op.attention_double_backward(dout, q, k, v, None, None, seed, out, row_max, inv_sum,
+        out, row_max, inv_sum = attention_op.attention_forward(q, k, v, None, None, None, seed, *options)
+        return attention_op.attention_double_backward(dout, q, k, v, None, None, None, seed, out, row_max, inv_sum,
                                                       *options, False, dout_grad, gq, gk, gv, None)
 
     without = torch.func.vmap(lambda q: second(q, False))(qs)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .op import attention as attention_op
+from .structured import structure
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -183,30 +184,47 @@ def attention(
     attn_mask: Optional[Tensor] = None,
     attn_bias: Optional[Tensor] = None,
     is_causal: bool | str = False,
+    key_padding: Optional[Tensor] = None,
+    window: Optional[tuple[Optional[int], Optional[int]]] = None,
+    document_ids: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
 ) -> Tensor:
     """attngrad's own entry point: a boolean `attn_mask` (True = take part), a float
-    `attn_bias` (learned or not) and the causal mask, in any combination. Shapes as in
-    `scaled_dot_product_attention`.
+    `attn_bias` (learned or not), the causal mask and the structured masks below, in any
+    combination. Shapes as in `scaled_dot_product_attention`.
 
     is_causal: False; True or "top_left" (query i sees keys j <= i, PyTorch's `is_causal`);
     or "bottom_right" (j <= i + Lk - Lq: the last query sees every key, flash-attn's
     convention and PyTorch's `causal_lower_right`). Rows that see no key give 0.
 
+    Structured masks, none of which builds an Lq x Lk tensor (`structured`):
+    key_padding: (..., Lk) boolean, True = padding (as in PyTorch's modules), or (...,)
+    integer lengths (keys 0..length - 1 take part). window=(left, right): query i sees keys
+    i + c - left .. i + c + right, c the causal alignment (0, or Lk - Lq with "bottom_right");
+    None leaves a side open, so window=(255, None) with is_causal=True is a causal sliding
+    window of 256 keys. document_ids: (..., L) integers, each document contiguous, or
+    cu_seqlens: (D + 1,) cumulative lengths (flash-attn's varlen convention): packed
+    sequences, each query sees its own document's keys (needs Lq = Lk).
+
     PyTorch's signature takes one mask and refuses is_causal beside it, so a causal model
     with a learned bias must spell the causal mask into the bias with -inf, and then no
-    kernel can skip the masked half. Here the causal blocks are skipped whatever else is given.
+    kernel can skip the masked half. Here the tiles that the causal or a structured mask
+    excludes are skipped whatever else is given: a window of w keys costs O(L w).
     """
-    return _run(query, key, value, attn_mask, attn_bias, dropout_p, is_causal, scale, enable_gqa)
+    return _run(query, key, value, attn_mask, attn_bias, dropout_p, is_causal, scale, enable_gqa,
+                structured=dict(key_padding=key_padding, window=window, document_ids=document_ids,
+                                cu_seqlens=cu_seqlens))
 
 
 def _run(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
          dropout_p: float, is_causal: bool | str, scale: Optional[float], enable_gqa: bool,
-         seed: Optional[Tensor] = None) -> Tensor:
+         seed: Optional[Tensor] = None, structured: Optional[dict] = None) -> Tensor:
     """Check, fold to (B, H, L, E), run the op, unfold. `seed` (a 0-d int64 tensor) fixes
-    the dropout draw; by default it comes from PyTorch's generator."""
+    the dropout draw; by default it comes from PyTorch's generator. `structured`: the
+    structured masks' keywords of `structured.structure`."""
     _check_tensors(query, key, value, dropout_p)
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"attn_mask must be boolean here; pass a float mask as attn_bias (got {mask.dtype})")
@@ -219,6 +237,12 @@ def _run(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], bias
     mask = None if mask is None else layout.fold_mask(mask, "attn_mask")
     bias = None if bias is None else layout.fold_mask(bias, "attn_bias")
     causal = _causal_offset(is_causal, layout.len_q, layout.len_k)
+    bounds = None
+    if structured and any(value is not None for value in structured.values()):
+        batch = () if layout.flat else tuple(layout.batch)
+        bounds, keep = structure(batch, layout.len_q, layout.len_k, causal, query.device, **structured)
+        if keep is not None:  # padding with holes: a (B, 1, 1, Lk) mask beside any other
+            mask = keep if mask is None else mask & keep
     if scale is None:  # with E = 0 every score is 0 whatever the scale
         scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
     if seed is None:
@@ -226,5 +250,5 @@ def _run(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], bias
             seed = torch.randint(0, 2**62, (), dtype=torch.int64)  # from PyTorch's default generator
         else:
             seed = torch.zeros((), dtype=torch.int64)
-    out = attention_op(layout.q, layout.k, layout.v, mask, bias, seed, causal, float(scale), float(dropout_p))
+    out = attention_op(layout.q, layout.k, layout.v, mask, bias, bounds, seed, causal, float(scale), float(dropout_p))
     return layout.unfold(out)

@@ -72,13 +72,16 @@ def causal_keys(causal: int | None, stop: int, len_k: int) -> int:
     return len_k if causal is None else min(len_k, max(0, stop + causal))
 
 
-def blocks(batch: int, heads: int, len_q: int, len_k: int, causal: int | None, min_rows: int | None = None) -> list[tuple[int, int, int]]:
+def blocks(batch: int, heads: int, len_q: int, len_k: int, causal: int | None, min_rows: int | None = None,
+           bounds: Tensor | None = None) -> list[tuple[int, int, int]]:
     """The query blocks (start, stop, keys): rows start:stop see keys :keys.
 
     Each block's score tile holds about TILE_ELEMENTS numbers, but at least `min_rows`
     (default MIN_ROWS) rows. A causal block sees only the keys up to its last row, so early
-    blocks, which see few keys, take more rows.
+    blocks, which see few keys, take more rows. With key `bounds` (1 or B, Lq, 2), a block
+    sees no key past the largest upper bound of its rows.
     """
+    last = None if bounds is None else bounds[..., 1].amax(dim=0).tolist()  # per row, over the batch
     min_rows = MIN_ROWS if min_rows is None else min_rows
     out = []
     start = 0
@@ -90,7 +93,8 @@ def blocks(batch: int, heads: int, len_q: int, len_k: int, causal: int | None, m
             rows = int((math.sqrt(seen * seen + 4 * budget) - seen) / 2)
         rows = max(1, min(len_q - start, max(min_rows, min(MAX_ROWS, rows))))
         stop = start + rows
-        out.append((start, stop, causal_keys(causal, stop, len_k)))
+        keys = causal_keys(causal, stop, len_k)
+        out.append((start, stop, keys if last is None else min(keys, max(last[start:stop]))))
         start = stop
     return out
 
@@ -187,9 +191,10 @@ class ScoreTiles:
 
 def scores_into(
     out: Tensor, q_blk: Tensor, k: Tensor, mask: Tensor | None, bias: Tensor | None, start: int, stop: int,
-    causal: int | None,
+    causal: int | None, bounds: Tensor | None = None,
 ) -> Tensor:
-    """S = Q_blk K^T + bias into `out` (B, H, R, keys), excluded entries at -inf.
+    """S = Q_blk K^T + bias into `out` (B, H, R, keys), excluded entries at -inf: by the
+    mask, the causal diagonal, and the key `bounds` (1 or B, Lq, 2) [lo, hi) of each row.
     q_blk carries the scale already."""
     keys = out.shape[-1]
     torch.matmul(q_blk, k[..., :keys, :].transpose(-1, -2), out=out)
@@ -204,6 +209,11 @@ def scores_into(
         rows = torch.arange(start, stop, device=out.device)[:, None]
         future = torch.arange(first, keys, device=out.device)[None, :] > rows + causal  # (R, keys - first)
         out[..., first:].masked_fill_(future, float("-inf"))
+    if bounds is not None:
+        row_bounds = bounds[:, start:stop, None, :]  # (b, R, 1, 2)
+        key = torch.arange(keys, device=out.device)
+        outside = (key < row_bounds[..., 0]) | (key >= row_bounds[..., 1])  # (b, R, keys)
+        out.masked_fill_(outside[:, None], float("-inf"))
     return out
 
 
@@ -247,23 +257,24 @@ def _probs_times_values(e: Tensor, v: Tensor) -> Tensor:
 
 def attention_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, seed: int,
-    causal: int | None, scale: float, dropout_p: float,
+    causal: int | None, scale: float, dropout_p: float, bounds: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, H, Lq, dv) in q's dtype; row max m and inverse row sum 1/l, (B, H, Lq) each,
-    in the compute dtype)."""
+    in the compute dtype). `bounds`: the key bounds of `scores_into`."""
     batch, heads, len_q, _ = q.shape
     len_k = k.shape[-2]
     work, _, q_scaled, k_rep, v_rep, bias = operands(q, k, v, bias, scale)
     out = torch.empty(batch, heads, len_q, v.shape[-1], dtype=q.dtype, device=q.device)
     row_max = torch.zeros(batch, heads, len_q, dtype=work, device=q.device)
     inv_sum = torch.zeros(batch, heads, len_q, dtype=work, device=q.device)
-    plan = blocks(batch, heads, len_q, len_k, causal)
+    plan = blocks(batch, heads, len_q, len_k, causal, bounds=bounds)
     tiles = ScoreTiles(2 if dropout_p > 0.0 else 1, plan, batch, heads, work, q.device)
     for start, stop, keys in plan:
         if keys == 0:  # no key at all for these rows
             out[:, :, start:stop] = 0
             continue
-        s = scores_into(tiles.get(0, (batch, heads, stop - start, keys)), q_scaled[:, :, start:stop], k_rep, mask, bias, start, stop, causal)
+        s = scores_into(tiles.get(0, (batch, heads, stop - start, keys)), q_scaled[:, :, start:stop], k_rep, mask, bias,
+                        start, stop, causal, bounds)
         m = s.amax(dim=-1, keepdim=True)  # (B, H, R, 1)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # empty rows: any finite shift
         e = s.sub_(m).exp_()  # E = exp(S - m)
@@ -306,6 +317,7 @@ def add_block_to_bias(grad: Tensor, block: Tensor, start: int, stop: int, keys: 
 def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, seed: int,
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: int | None, scale: float, dropout_p: float, bias_grad: bool,
+    bounds: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv, dbias or None), each in its input's dtype and shape."""
     batch, heads, len_q, width = q.shape
@@ -329,9 +341,9 @@ def attention_backward(
     dbias = None
     if bias_grad:
         dbias = (torch.empty if written_once else torch.zeros)(bias.shape, dtype=work, device=q.device)
-    plan = blocks(batch, heads, len_q, len_k, causal)
+    plan = blocks(batch, heads, len_q, len_k, causal, bounds=bounds)
     tiles = ScoreTiles(3 if dropout_p > 0.0 else 2, plan, batch, heads, work, q.device)
-    masked = mask is not None or bias is not None or causal is not None
+    masked = mask is not None or bias is not None or causal is not None or bounds is not None
     for start, stop, keys in plan:
         r = stop - start
         if keys == 0:  # rows that see no key send nothing back
@@ -345,7 +357,7 @@ def attention_backward(
         do_blk = do_rows[..., :width_v]  # dO' = dO / l
         # forward: E = exp(S - m), recomputed; 0 on excluded entries and on empty rows
         e = scores_into(tiles.get(0, (batch, heads, r, keys)), q_shifted[:, :, start:stop], k_ones, mask, bias_work,
-                    start, stop, causal).exp_()
+                        start, stop, causal, bounds).exp_()
         single = single_key_rows(e, masked, inv)
         # forward: O = (E * Z) V~ / l  ->  dP l = (dO' V~^T) * Z,  dV~ += (E * Z)^T dO'
         # forward: P = softmax(S)  ->  dS = P * (dP - D) = E * (dP l - D / l)

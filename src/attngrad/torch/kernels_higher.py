@@ -104,7 +104,8 @@ class _Recompute:
     them, in reused score-sized buffers (fresh 16 MiB tiles would cost more in page faults
     than the arithmetic on them)."""
 
-    def __init__(self, q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, buffers: int):
+    def __init__(self, q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, buffers: int,
+                 bounds: Optional[Tensor] = None):
         self.batch, self.heads, self.len_q, _ = q.shape
         self.len_k = k.shape[-2]
         ops = operands(q, k, v, bias, scale)
@@ -115,12 +116,13 @@ class _Recompute:
         self.q_shifted, self.k_ones = with_column(self.q_scaled, -row_max[..., None]), with_column(self.k_rep, 1.0)
         self.q_scaled, self.k_rep = self.q_shifted[..., :-1], self.k_ones[..., :-1]  # views: no second copy kept
         self.causal, self.scale, self.dropout_p = causal, scale, dropout_p
-        self.masked = mask is not None or bias is not None or causal is not None
+        self.bounds = bounds
+        self.masked = mask is not None or bias is not None or causal is not None or bounds is not None
         # Long sequences get taller blocks than the first-order passes: these do 2.5-6
         # forwards' worth of GEMMs per tile, and 16-row GEMMs are thin (JVP at L=16384:
         # 10.6 s with 32-row blocks, 7.7 s with 128), for some more memory (128 rows x L
         # keys x B H per tile).
-        self.plan = blocks(self.batch, self.heads, self.len_q, self.len_k, causal, HIGHER_MIN_ROWS)
+        self.plan = blocks(self.batch, self.heads, self.len_q, self.len_k, causal, HIGHER_MIN_ROWS, bounds)
         count = buffers + (1 if dropout_p > 0.0 else 0)
         self.tiles = ScoreTiles(count, self.plan, self.batch, self.heads, self.work, q.device)
 
@@ -133,7 +135,7 @@ class _Recompute:
         in buffers 0 and the last; P is exactly 1 on a single-key row's key
         (`kernels.single_key_rows`), and the caller sets such a row's dS to 0."""
         s = scores_into(self.tile(0, start, stop, keys), self.q_shifted[:, :, start:stop], self.k_ones, self.mask, self.bias,
-                    start, stop, self.causal)  # S - m
+                        start, stop, self.causal, self.bounds)  # S - m
         e = s.exp_()
         inv = self.inv_sum[:, :, start:stop, None]
         single = single_key_rows(e, self.masked, inv)
@@ -230,9 +232,10 @@ def attention_jvp(
     q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
     row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float,
     tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
+    bounds: Optional[Tensor] = None,
 ) -> Tensor:
     """O' (B, H, Lq, dv) in q's dtype; an absent tangent is zero."""
-    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, buffers=3)
+    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, buffers=3, bounds=bounds)
     form = r.score_form(tq, tk, tbias)
     tv_rep = _repeat(tv, r.groups, r.work)
     out_t = torch.zeros(r.batch, r.heads, r.len_q, v.shape[-1], dtype=r.work, device=q.device)
@@ -257,9 +260,10 @@ def attention_backward_jvp(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
     tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
+    bounds: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Tangents of (dq, dk, dv, dbias or None), each in its input's dtype and shape."""
-    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, buffers=5)
+    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, buffers=5, bounds=bounds)
     work = r.work
     form = r.score_form(tq, tk, tbias)
     tq_s, tk_rep, tv_rep = _to(tq, work, scale), _repeat(tk, r.groups, work), _repeat(tv, r.groups, work)
@@ -308,12 +312,13 @@ def attention_double_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
     dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
+    bounds: Optional[Tensor] = None,
 ) -> tuple[Optional[Tensor], Tensor, Tensor, Tensor, Optional[Tensor]]:
     """(g_dout or None, g_q, g_k, g_v, g_bias or None): the gradients, with respect to the
     backward's inputs, of <gq, dq> + <gk, dk> + <gv, dv> + <gbias, dbias>; an absent cotangent
     is zero. g_dout only with `dout_grad`: a gradient penalty's dO is a constant, and g_dout
     takes two of the twelve score-sized products per block."""
-    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, buffers=5)
+    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, buffers=5, bounds=bounds)
     work = r.work
     form = r.score_form(gq, gk, gbias if bias_grad else None)  # T
     gq_s, gk_rep, gv_rep = _to(gq, work, scale), _repeat(gk, r.groups, work), _repeat(gv, r.groups, work)

@@ -56,6 +56,9 @@ def _flags() -> tuple[str, ...]:
 # 0.88, (256, 256) 0.93 / 0.85, (128, 1024) 0.97 / 1.01.
 BLOCK_ROWS = 128
 BLOCK_KEYS = 512
+# Keys per block where every row's bounds span at most NARROW_BAND keys.
+NARROW_BAND = 1024
+NARROW_BLOCK_KEYS = 128
 # The forward's E V product sums this many keys per GEMM, for float32 accuracy: at B=2,
 # H=4, L=1024 the output's normwise error against PyTorch's flash kernel's went from
 # 1.02x (one 512-key product) to below it (figures in the tests).
@@ -189,7 +192,7 @@ def library() -> ctypes.CDLL | None:
 # The buffers of a call, in the order of the library's ATTNGRAD_BUFFERS.
 BUFFERS = ("q", "k", "v", "mask", "bias", "out", "row_max", "inv_sum", "dout", "delta", "dq_parts", "dk", "dv",
            "dbias_parts", "gq", "gk", "gv", "g_dout", "g_q", "gk_parts", "gv_parts", "tq", "tk", "tv", "tbias", "tout",
-           "tdout", "tdq", "tdk_parts", "tdv_parts", "tdbias_parts", "gbias", "g_bias_parts")
+           "tdout", "tdq", "tdk_parts", "tdv_parts", "tdbias_parts", "gbias", "g_bias_parts", "key_bounds")
 
 
 class AttentionCall(ctypes.Structure):
@@ -202,6 +205,7 @@ class AttentionCall(ctypes.Structure):
         # (b, h, i, j), each 1 or the scores' own
         ("mask_sizes", ctypes.c_int64 * 4), ("bias_sizes", ctypes.c_int64 * 4),
         ("double_precision", ctypes.c_int64), ("causal", ctypes.c_int64), ("causal_offset", ctypes.c_int64),
+        ("bounds_batch", ctypes.c_int64),  # key_bounds (1 or B, Lq, 2)
         ("scale", ctypes.c_double), ("dropout", ctypes.c_int64), ("seed", ctypes.c_uint64),
         ("threshold", ctypes.c_uint64), ("keep_value", ctypes.c_double),
         *((name, ctypes.c_int64) for name in ("threads", "block_rows", "block_keys", "value_slice", "chunks")),
@@ -209,11 +213,13 @@ class AttentionCall(ctypes.Structure):
     ]
 
     def attach(self, name: str, t: Tensor | None) -> None:
-        """Buffer `name` is contiguous `t` (None: null): bool for the mask, the call's
-        element type for every other (the library checks element counts, not types)."""
+        """Buffer `name` is contiguous `t` (None: null): bool for the mask, int64 for the key
+        bounds, the call's element type for every other (the library checks element counts,
+        not types)."""
         if t is not None and not t.is_contiguous():
             raise RuntimeError(f"attngrad's compiled tiles take contiguous buffers; {name} is not")
-        element = torch.bool if name == "mask" else (torch.float64 if self.double_precision else torch.float32)
+        element = {"mask": torch.bool, "key_bounds": torch.int64}.get(
+            name, torch.float64 if self.double_precision else torch.float32)
         if t is not None and t.dtype != element:
             raise RuntimeError(f"attngrad's compiled tiles take {name} as {element}; got {t.dtype}")
         index = BUFFERS.index(name)
@@ -232,7 +238,7 @@ class AttentionCall(ctypes.Structure):
 
 def describe(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, *, block_rows: int = 0,
              chunks: int = 1, seed: int = 0, dropout_p: float = 0.0, mask_sizes: tuple = (1, 1, 1, 1),
-             bias_sizes: tuple = (1, 1, 1, 1), **buffers: Tensor | None) -> AttentionCall:
+             bias_sizes: tuple = (1, 1, 1, 1), block_keys: int = 0, **buffers: Tensor | None) -> AttentionCall:
     """The call of a pass on (B, H, Lq, d) q, (B, Hkv, Lk, d) k, (B, Hkv, Lk, dv) v, with the
     named `buffers` (contiguous; None or absent is null) and the options."""
     from .dropout import keep_value, threshold  # that module imports this one
@@ -241,11 +247,13 @@ def describe(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, 
     call.mask_sizes[:], call.bias_sizes[:] = mask_sizes, bias_sizes
     call.double_precision = q.dtype == torch.float64
     call.causal, call.causal_offset = causal is not None, 0 if causal is None else int(causal)
+    bounds = buffers.get("key_bounds")
+    call.bounds_batch = 1 if bounds is None else bounds.shape[0]
     call.scale = scale
     call.dropout, call.seed = dropout_p > 0.0, seed
     call.threshold, call.keep_value = threshold(dropout_p), keep_value(dropout_p)
     call.threads = torch.get_num_threads()
-    call.block_rows, call.block_keys, call.value_slice = block_rows or BLOCK_ROWS, BLOCK_KEYS, VALUE_SLICE
+    call.block_rows, call.block_keys, call.value_slice = block_rows or BLOCK_ROWS, block_keys or BLOCK_KEYS, VALUE_SLICE
     call.chunks = chunks
     for name, t in dict(q=q, k=k, v=v, **buffers).items():
         call.attach(name, t)
@@ -306,12 +314,15 @@ def _work(*tensors: Tensor | None) -> list:
     return [None if t is None else t.to(work).contiguous() for t in tensors]
 
 
-def _score_masks(mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype, full_bias: bool = False) -> dict:
+def _score_masks(mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype, full_bias: bool = False,
+                 bounds: Tensor | None = None) -> dict:
     """describe()'s mask and bias, each 4-D and contiguous in its own (broadcast) sizes, the
-    bias in the compute dtype, and their sizes. An expanded axis (stride 0) is read as a
-    broadcast one, except in the bias with `full_bias` (its gradient or tangent is wanted,
-    which has its shape)."""
+    bias in the compute dtype, and their sizes; and the key bounds, contiguous. An expanded
+    axis (stride 0) is read as a broadcast one, except in the bias with `full_bias` (its
+    gradient or tangent is wanted, which has its shape)."""
     described = {}
+    if bounds is not None:
+        described["key_bounds"] = bounds.contiguous()
     for name, t, kind in (("mask", mask, torch.bool), ("bias", bias, dtype)):
         if t is None:
             continue
@@ -324,16 +335,27 @@ def _score_masks(mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype, f
     return described
 
 
+def _block_keys(bounds: Tensor | None) -> int:
+    """Keys per block of the forward and backward: BLOCK_KEYS, or fewer where the key bounds
+    leave every row a narrow band (a sliding window), whose tiles would otherwise be mostly
+    excluded entries computed for nothing."""
+    if bounds is None or bounds.numel() == 0:
+        return BLOCK_KEYS
+    widest = int((bounds[..., 1] - bounds[..., 0]).max())
+    return BLOCK_KEYS if widest > NARROW_BAND else NARROW_BLOCK_KEYS
+
+
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float,
                       mask: Tensor | None = None, bias: Tensor | None = None, seed: int = 0,
-                      dropout_p: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                      dropout_p: float = 0.0, bounds: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, H, Lq, dv), row max m, inverse row sum 1/l (B, H, Lq)): `kernels.attention_forward`'s results."""
     q, k, v = _work(q, k, v)
     batch, heads, len_q, _ = q.shape
     out = q.new_empty(batch, heads, len_q, v.shape[-1])
     row_max, inv_sum = q.new_empty(batch, heads, len_q), q.new_empty(batch, heads, len_q)
     _call("attngrad_forward", describe(q, k, v, causal, scale, seed=seed, dropout_p=dropout_p, out=out,
-                                       row_max=row_max, inv_sum=inv_sum, **_score_masks(mask, bias, q.dtype)))
+                                       row_max=row_max, inv_sum=inv_sum, block_keys=_block_keys(bounds),
+                                       **_score_masks(mask, bias, q.dtype, bounds=bounds)))
     return out, row_max, inv_sum
 
 
@@ -395,20 +417,22 @@ def _sum_parts(parts: Tensor) -> Tensor:
 def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
     causal: int | None, scale: float, chunks: int | None = None, mask: Tensor | None = None, bias: Tensor | None = None,
-    seed: int = 0, dropout_p: float = 0.0, bias_grad: bool = False,
+    seed: int = 0, dropout_p: float = 0.0, bias_grad: bool = False, bounds: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv, dbias or None): `kernels.attention_backward`'s results for the cases
     `supports` accepts; dbias in the bias's shape and the compute dtype. `chunks` splits
     each head's keys into that many work items (default: `_chunks`)."""
     dout, q, k, v, out, row_max, inv_sum = _work(dout, q, k, v, out, row_max, inv_sum)
-    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad)
+    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad, bounds=bounds)
+    block_keys = _block_keys(bounds)
     if chunks is None:
-        chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-k.shape[2] // BLOCK_KEYS))
+        chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-k.shape[2] // block_keys))
     dq_parts = q.new_zeros(chunks, *q.shape)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     delta = q.new_empty(q.shape[:-1])
     call = describe(q, k, v, causal, scale, chunks=chunks, seed=seed, dropout_p=dropout_p, dout=dout, out=out,
-                    row_max=row_max, inv_sum=inv_sum, delta=delta, dq_parts=dq_parts, dk=dk, dv=dv, **masks)
+                    row_max=row_max, inv_sum=inv_sum, delta=delta, dq_parts=dq_parts, dk=dk, dv=dv,
+                    block_keys=block_keys, **masks)
     dbias = _run("attngrad_backward", call, "dbias_parts" if bias_grad else None, bias)
     return _sum_parts(dq_parts), dk, dv, dbias
 
@@ -423,14 +447,14 @@ def attention_double_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
     causal: int | None, scale: float, dout_grad: bool, gq: Tensor | None, gk: Tensor | None, gv: Tensor | None,
     chunks: int | None = None, mask: Tensor | None = None, bias: Tensor | None = None, gbias: Tensor | None = None,
-    seed: int = 0, dropout_p: float = 0.0, bias_grad: bool = False,
+    seed: int = 0, dropout_p: float = 0.0, bias_grad: bool = False, bounds: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor | None]:
     """(g_dout or None, g_q, g_k, g_v, g_bias or None): `kernels_higher.attention_double_backward`'s
     results for the cases `supports` accepts, in the compute dtype; an absent cotangent is
     zero (`gbias`, dbias's, only with `bias_grad`). `chunks` splits each head's query blocks
     into that many work items (default: `_chunks`)."""
     dout, q, k, v, out, row_max, inv_sum, gq, gk, gv = _work(dout, q, k, v, out, row_max, inv_sum, gq, gk, gv)
-    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad)
+    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad, bounds=bounds)
     _with_bias_like(masks, "gbias", gbias if bias_grad else None, q.dtype)
     rows, chunks = _whole_row_split(q, k, masks, bias_grad, chunks)
     g_dout = torch.empty_like(dout) if dout_grad else None
@@ -454,11 +478,12 @@ def dropout_keep_scale_into(out: Tensor, seed: int, row_start: int, threshold: i
 def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Tensor, causal: int | None, scale: float,
                   tq: Tensor | None, tk: Tensor | None, tv: Tensor | None, mask: Tensor | None = None,
                   bias: Tensor | None = None, tbias: Tensor | None = None, seed: int = 0,
-                  dropout_p: float = 0.0) -> Tensor:
+                  dropout_p: float = 0.0, bounds: Tensor | None = None) -> Tensor:
     """The output's tangent (B, H, Lq, dv): `kernels_higher.attention_jvp`'s result for the
     cases `supports` accepts; an absent tangent is zero."""
     q, k, v, row_max, inv_sum, tq, tk, tv = _work(q, k, v, row_max, inv_sum, tq, tk, tv)
-    masks = _with_bias_like(_score_masks(mask, bias, q.dtype, full_bias=tbias is not None), "tbias", tbias, q.dtype)
+    masks = _with_bias_like(_score_masks(mask, bias, q.dtype, full_bias=tbias is not None, bounds=bounds), "tbias",
+                            tbias, q.dtype)
     out_t = q.new_empty(*q.shape[:3], v.shape[-1])
     rows, chunks = _whole_row_split(q, k, masks, False, None)  # each work item owns its rows
     _call("attngrad_jvp", describe(q, k, v, causal, scale, block_rows=rows, chunks=chunks, seed=seed,
@@ -471,7 +496,7 @@ def attention_backward_jvp(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
     causal: int | None, scale: float, tdout: Tensor | None, tq: Tensor | None, tk: Tensor | None, tv: Tensor | None,
     mask: Tensor | None = None, bias: Tensor | None = None, tbias: Tensor | None = None, seed: int = 0,
-    dropout_p: float = 0.0, bias_grad: bool = False, chunks: int | None = None,
+    dropout_p: float = 0.0, bias_grad: bool = False, chunks: int | None = None, bounds: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """The tangents of (dq, dk, dv, dbias or None): `kernels_higher.attention_backward_jvp`'s
     results for the cases `supports` accepts, in the compute dtype; an absent tangent is
@@ -479,7 +504,7 @@ def attention_backward_jvp(
     `_chunks`)."""
     dout, q, k, v, out, row_max, inv_sum, tdout, tq, tk, tv = _work(dout, q, k, v, out, row_max, inv_sum, tdout, tq,
                                                                     tk, tv)
-    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad or tbias is not None)
+    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad or tbias is not None, bounds=bounds)
     _with_bias_like(masks, "tbias", tbias, q.dtype)
     rows, chunks = _whole_row_split(q, k, masks, bias_grad, chunks)
     tdq = q.new_empty(q.shape)

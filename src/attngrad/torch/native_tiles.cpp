@@ -57,7 +57,7 @@
 #define ATTNGRAD_BUFFERS(X) \
     X(q) X(k) X(v) X(mask) X(bias) X(out) X(row_max) X(inv_sum) X(dout) X(delta) X(dq_parts) X(dk) X(dv) \
     X(dbias_parts) X(gq) X(gk) X(gv) X(g_dout) X(g_q) X(gk_parts) X(gv_parts) X(tq) X(tk) X(tv) X(tbias) X(tout) \
-    X(tdout) X(tdq) X(tdk_parts) X(tdv_parts) X(tdbias_parts) X(gbias) X(g_bias_parts)
+    X(tdout) X(tdq) X(tdk_parts) X(tdv_parts) X(tdbias_parts) X(gbias) X(g_bias_parts) X(key_bounds)
 
 enum AttngradBuffer : int {
 #define ATTNGRAD_ENUM(name) buf_##name,
@@ -71,6 +71,8 @@ struct AttngradCall {
     int64_t mask_sizes[4], bias_sizes[4];  // (b, h, i, j), each 1 or the scores' own (B, H, Lq, Lk)
     int64_t double_precision;              // the element type of every float buffer
     int64_t causal, causal_offset;         // with causal, row i sees keys j <= i + causal_offset
+    int64_t bounds_batch;                  // key_bounds (bounds_batch, Lq, 2): row i of batch b sees keys
+                                           // [lo, hi) only; bounds_batch 1 (shared) or B
     double scale;
     int64_t dropout;
     uint64_t seed, threshold;  // keep where the draw's high 32 bits >= threshold = ceil(p 2^32)
@@ -84,7 +86,7 @@ struct AttngradCall {
 
 #define ATTNGRAD_FIELDS(X)                                                                                          \
     X(batch) X(heads) X(kv_heads) X(len_q) X(len_k) X(dim) X(dim_v) X(mask_sizes) X(bias_sizes) X(double_precision) \
-    X(causal) X(causal_offset) X(scale) X(dropout) X(seed) X(threshold) X(keep_value) X(threads) X(block_rows)     \
+    X(causal) X(causal_offset) X(bounds_batch) X(scale) X(dropout) X(seed) X(threshold) X(keep_value) X(threads) X(block_rows)     \
     X(block_keys) X(value_slice) X(chunks) X(data) X(numel)
 
 namespace {
@@ -472,16 +474,27 @@ struct Broadcast4 {
     index_t row(index_t b, index_t h, index_t i) const { return b * sb + h * sh + i * si; }
 };
 
-// A boolean mask (nonzero = take part) and an additive float bias, each optional, as the
-// torch-ops kernels' `_scores` applies them: S = scale Q K^T + bias, excluded entries -inf.
+// A boolean mask (nonzero = take part), an additive float bias and per-row key bounds, each
+// optional, as the torch-ops kernels' `scores_into` applies them: S = scale Q K^T + bias,
+// excluded entries -inf. The bounds are what a structured mask (padding lengths, a sliding
+// window, packed documents) leaves of a row: keys [lo, hi), per batch entry or shared.
 template <typename T>
 struct ScoreMask {
     const uint8_t* mask = nullptr;
     Broadcast4 m;
     const T* bias = nullptr;
     Broadcast4 bb;
+    const int64_t* bounds = nullptr;  // (1 or B, Lq, 2)
+    index_t bounds_sb = 0;            // 0 (shared) or 2 Lq
 
-    bool any() const { return mask || bias; }
+    bool any() const { return mask || bias || bounds; }
+
+    // The keys [lo, hi) row i of batch entry b may see by its bounds (all n without them)
+    std::pair<index_t, index_t> range(index_t b, index_t i, index_t n) const {
+        if (!bounds) return {0, n};
+        const int64_t* row = bounds + b * bounds_sb + 2 * i;
+        return {row[0], row[1]};
+    }
 
     // Scores s[0, n) of row i of head (b, h), keys c0..c0 + n
     void apply(T* s, index_t b, index_t h, index_t i, index_t c0, index_t n) const {
@@ -502,20 +515,30 @@ struct ScoreMask {
                 std::fill(s, s + n, neg_inf);
             }
         }
+        if (bounds) {
+            const auto [lo, hi] = range(b, i, 0);
+            const index_t first = std::clamp<index_t>(lo - c0, 0, n), stop = std::clamp<index_t>(hi - c0, first, n);
+            std::fill(s, s + first, neg_inf);
+            std::fill(s + stop, s + n, neg_inf);
+        }
     }
 
     // Whether key j of row i of head (b, h) takes part (a bias of -inf excludes it too)
     bool takes_part(index_t b, index_t h, index_t i, index_t j) const {
-        return (!mask || mask[m.row(b, h, i) + j * m.sj]) &&
+        const auto [lo, hi] = range(b, i, j + 1);
+        return j >= lo && j < hi && (!mask || mask[m.row(b, h, i) + j * m.sj]) &&
                (!bias || bias[bb.row(b, h, i) + j * bb.sj] != -std::numeric_limits<T>::infinity());
     }
 
-    // How many of keys 0..n of row i of head (b, h) take part
+    // How many of keys 0..n of row i of head (b, h) take part: read within the row's bounds only
     index_t count(index_t b, index_t h, index_t i, index_t n) const {
+        auto [lo, hi] = range(b, i, n);
+        hi = std::min(hi, n);
+        if (!mask && !bias) return std::max<index_t>(0, hi - lo);
         const uint8_t* mrow = mask ? mask + m.row(b, h, i) : nullptr;
         const T* brow = bias ? bias + bb.row(b, h, i) : nullptr;
         index_t total = 0;
-        for (index_t j = 0; j < n; ++j) {
+        for (index_t j = lo; j < hi; ++j) {
             total += (!mrow || mrow[j * m.sj]) && (!brow || brow[j * bb.sj] != -std::numeric_limits<T>::infinity());
         }
         return total;
@@ -559,8 +582,9 @@ class BlockSkips {
     BlockSkips(const ScoreMask<T>& masks, const Shape& s, index_t block_rows, index_t block_keys, int threads)
         : query_blocks_((s.len_q + block_rows - 1) / block_rows), key_blocks_((s.len_k + block_keys - 1) / block_keys) {
         if (!masks.any()) return;
-        per_b_ = (masks.mask && masks.m.sb) || (masks.bias && masks.bb.sb);
+        per_b_ = (masks.mask && masks.m.sb) || (masks.bias && masks.bb.sb) || masks.bounds_sb;
         heads_ = (masks.mask && masks.m.sh) || (masks.bias && masks.bb.sh) ? s.heads : 1;
+        const bool dense = masks.mask || masks.bias;
         const index_t tiles = (per_b_ ? s.batch : 1) * heads_ * query_blocks_ * key_blocks_;
         skip_.assign(tiles, 0);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
@@ -570,7 +594,11 @@ class BlockSkips {
             const index_t r1 = std::min(s.len_q, (qb + 1) * block_rows), c1 = std::min(s.len_k, (kb + 1) * block_keys);
             bool excluded = true;
             for (index_t i = qb * block_rows; i < r1 && excluded; ++i) {
-                for (index_t j = kb * block_keys; j < c1 && excluded; ++j) excluded = !masks.takes_part(b, h, i, j);
+                // only the keys within the row's bounds can take part: a band's tile costs its rows
+                const auto [lo, hi] = masks.range(b, i, s.len_k);
+                const index_t j0 = std::max(kb * block_keys, lo), j1 = std::min(c1, hi);
+                if (!dense) excluded = j0 >= j1;
+                for (index_t j = j0; dense && j < j1 && excluded; ++j) excluded = !masks.takes_part(b, h, i, j);
             }
             skip_[tile] = excluded;
         }
@@ -599,6 +627,10 @@ ScoreMask<T> score_mask(const AttngradCall& c) {
     if (c.data[buf_bias]) {
         masks.bias = static_cast<const T*>(c.data[buf_bias]);
         masks.bb = Broadcast4(c.bias_sizes);
+    }
+    if (c.data[buf_key_bounds]) {
+        masks.bounds = static_cast<const int64_t*>(c.data[buf_key_bounds]);
+        masks.bounds_sb = c.bounds_batch == 1 ? 0 : 2 * c.len_q;
     }
     return masks;
 }
@@ -1279,6 +1311,7 @@ int64_t expected_numel(const AttngradCall& c, int b) {
         case buf_tdq: return product(rows, c.dim, &n) ? n : -1;
         case buf_tdk_parts: return product(kv * c.dim, c.chunks, &n) ? n : -1;
         case buf_tdv_parts: return product(kv * c.dim_v, c.chunks, &n) ? n : -1;
+        case buf_key_bounds: return product(c.bounds_batch * c.len_q, 2, &n) ? n : -1;
         default: return -1;
     }
 }
@@ -1288,6 +1321,17 @@ bool check_broadcast(const char* what, const char* name, const AttngradCall& c, 
     const int64_t full[4] = {c.batch, c.heads, c.len_q, c.len_k};
     for (int d = 0; d < 4; ++d) {
         if (sizes[d] != 1 && sizes[d] != full[d]) return fail(what, name, sizes[d], full[d]);
+    }
+    return true;
+}
+
+// Key bounds, where given: bounds_batch 1 or B, and every [lo, hi) within 0..Lk (lo >= hi: no key)
+bool check_bounds(const char* what, const AttngradCall& c) {
+    if (!c.data[buf_key_bounds]) return true;
+    if (c.bounds_batch != 1 && c.bounds_batch != c.batch) return fail(what, "bounds_batch", c.bounds_batch, c.batch);
+    const int64_t* bounds = static_cast<const int64_t*>(c.data[buf_key_bounds]);
+    for (int64_t r = 0; r < 2 * c.bounds_batch * c.len_q; ++r) {
+        if (bounds[r] < 0 || bounds[r] > c.len_k) return fail(what, "a key bound", bounds[r], c.len_k);
     }
     return true;
 }
@@ -1317,7 +1361,7 @@ bool check_call(const char* what, const AttngradCall* call, std::initializer_lis
     if (!check_broadcast(what, "bias_sizes", c, c.bias_sizes)) return false;
     Use use[kBufferCount] = {};
     use[buf_q] = use[buf_k] = use[buf_v] = Use::required;
-    use[buf_mask] = use[buf_bias] = Use::optional;
+    use[buf_mask] = use[buf_bias] = use[buf_key_bounds] = Use::optional;
     for (const auto& [b, how] : uses) use[b] = how;
     for (int b = 0; b < kBufferCount; ++b) {
         if (!c.data[b]) {
@@ -1329,7 +1373,7 @@ bool check_call(const char* what, const AttngradCall* call, std::initializer_lis
         const int64_t want = expected_numel(c, b);
         if (c.numel[b] != want) return fail(what, kBufferNames[b], c.numel[b], want);
     }
-    return true;
+    return check_bounds(what, c);
 }
 
 // An entry point: check the call against the buffers its pass takes, then run the pass

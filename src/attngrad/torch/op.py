@@ -45,20 +45,20 @@ from .op_checks import check_call
 
 @torch.library.custom_op("attngrad::attention_forward", mutates_args=())
 def attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], bounds: Optional[Tensor], seed: Tensor,
     causal: Optional[int], scale: float, dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    check_call(q, k, v, mask, bias, seed, causal, dropout_p)
+    check_call(q, k, v, mask, bias, bounds, seed, causal, dropout_p)
     if choose("forward", q, k, v, mask, bias) == "tiles":
         out, row_max, inv_sum = native.attention_forward(q, k, v, causal, scale, mask=mask, bias=bias, seed=int(seed),
-                                                         dropout_p=dropout_p)
+                                                         dropout_p=dropout_p, bounds=bounds)
         return out.to(q.dtype), row_max, inv_sum  # the statistics stay in the compute dtype
-    return kernels.attention_forward(q, k, v, mask, bias, int(seed), causal, scale, dropout_p)
+    return kernels.attention_forward(q, k, v, mask, bias, int(seed), causal, scale, dropout_p, bounds)
 
 
 @attention_forward.register_fake
-def _attention_forward_fake(q, k, v, mask, bias, seed, causal, scale, dropout_p):
-    check_call(q, k, v, mask, bias, seed, causal, dropout_p)
+def _attention_forward_fake(q, k, v, mask, bias, bounds, seed, causal, scale, dropout_p):
+    check_call(q, k, v, mask, bias, bounds, seed, causal, dropout_p)
     batch, heads, len_q, _ = q.shape
     stats = dict(dtype=kernels.compute_dtype(q.dtype))
     return q.new_empty(batch, heads, len_q, v.shape[-1]), q.new_empty(batch, heads, len_q, **stats), q.new_empty(batch, heads, len_q, **stats)
@@ -66,25 +66,25 @@ def _attention_forward_fake(q, k, v, mask, bias, seed, causal, scale, dropout_p)
 
 @torch.library.custom_op("attngrad::attention_backward", mutates_args=())
 def attention_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], bounds: Optional[Tensor], seed: Tensor,
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad)
+    _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad)
     if choose("backward", q, k, v, mask, bias) == "tiles":
         dq, dk, dv, dbias = native.attention_backward(
             dout, q, k, v, out, row_max, inv_sum, causal, scale, mask=mask, bias=bias, seed=int(seed),
-            dropout_p=dropout_p, bias_grad=bias_grad,
+            dropout_p=dropout_p, bias_grad=bias_grad, bounds=bounds,
         )
         dq, dk, dv, dbias = _in_dtypes_of((dq, dk, dv, dbias), (q, k, v, bias))
     else:
         dq, dk, dv, dbias = kernels.attention_backward(
-            dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad
+            dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad, bounds
         )
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)  # ops return tensors, not None
 
 
-def _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad, **sides):
-    check_call(q, k, v, mask, bias, seed, causal, dropout_p, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum,
+def _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad, **sides):
+    check_call(q, k, v, mask, bias, bounds, seed, causal, dropout_p, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum,
                bias_grad=bias_grad, **sides)
 
 
@@ -95,8 +95,8 @@ def _new(like: Tensor) -> Tensor:
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad):
-    _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad)
+def _attention_backward_fake(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad):
+    _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad)
     dbias = _new(bias) if bias_grad else q.new_empty(0)
     return _new(q), _new(k), _new(v), dbias
 
@@ -113,49 +113,49 @@ def _maybe_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
 
 @torch.library.custom_op("attngrad::attention_jvp", mutates_args=())
 def attention_jvp(
-    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], bounds: Optional[Tensor], seed: Tensor,
     row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float,
     tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
 ) -> Tensor:
-    _check_jvp(q, k, v, mask, bias, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias)
+    _check_jvp(q, k, v, mask, bias, bounds, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias)
     if choose("jvp", q, k, v, mask, bias) == "tiles":
         out_t = native.attention_jvp(q, k, v, row_max, inv_sum, causal, scale, tq, tk, tv, mask=mask, bias=bias,
-                                     tbias=tbias, seed=int(seed), dropout_p=dropout_p)
+                                     tbias=tbias, seed=int(seed), dropout_p=dropout_p, bounds=bounds)
         return out_t.to(q.dtype)
     return kernels_higher.attention_jvp(
-        q, k, v, mask, bias, int(seed), row_max, inv_sum, causal, scale, dropout_p, tq, tk, tv, tbias
+        q, k, v, mask, bias, int(seed), row_max, inv_sum, causal, scale, dropout_p, tq, tk, tv, tbias, bounds
     )
 
 
-def _check_jvp(q, k, v, mask, bias, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias):
-    check_call(q, k, v, mask, bias, seed, causal, dropout_p, row_max=row_max, inv_sum=inv_sum,
+def _check_jvp(q, k, v, mask, bias, bounds, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias):
+    check_call(q, k, v, mask, bias, bounds, seed, causal, dropout_p, row_max=row_max, inv_sum=inv_sum,
                query_side=(("tq", tq),), key_side=(("tk", tk),), value_side=(("tv", tv),), bias_like=(("tbias", tbias),))
 
 
 @attention_jvp.register_fake
-def _attention_jvp_fake(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, tq, tk, tv, tbias):
-    _check_jvp(q, k, v, mask, bias, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias)
+def _attention_jvp_fake(q, k, v, mask, bias, bounds, seed, row_max, inv_sum, causal, scale, dropout_p, tq, tk, tv, tbias):
+    _check_jvp(q, k, v, mask, bias, bounds, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias)
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
 @torch.library.custom_op("attngrad::attention_backward_jvp", mutates_args=())
 def attention_backward_jvp(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], bounds: Optional[Tensor], seed: Tensor,
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
     tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
+    _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
                     **_second_order_sides("t", tdout, tq, tk, tv, tbias))
     if choose("backward_jvp", q, k, v, mask, bias) == "tiles":
         dq, dk, dv, dbias = native.attention_backward_jvp(
             dout, q, k, v, out, row_max, inv_sum, causal, scale, tdout, tq, tk, tv, mask=mask, bias=bias,
-            tbias=tbias, seed=int(seed), dropout_p=dropout_p, bias_grad=bias_grad,
+            tbias=tbias, seed=int(seed), dropout_p=dropout_p, bias_grad=bias_grad, bounds=bounds,
         )
         dq, dk, dv, dbias = _in_dtypes_of((dq, dk, dv, dbias), (q, k, v, bias))
     else:
         dq, dk, dv, dbias = kernels_higher.attention_backward_jvp(
             dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad,
-            tdout, tq, tk, tv, tbias,
+            tdout, tq, tk, tv, tbias, bounds,
         )
     return dq, dk, dv, _maybe_empty(dbias, q)
 
@@ -167,9 +167,9 @@ def _second_order_sides(prefix: str, xdout, xq, xk, xv, xbias) -> dict:
 
 
 @attention_backward_jvp.register_fake
-def _attention_backward_jvp_fake(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, dropout_p,
+def _attention_backward_jvp_fake(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, dropout_p,
                                  bias_grad, tdout, tq, tk, tv, tbias):
-    _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
+    _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
                     **_second_order_sides("t", tdout, tq, tk, tv, tbias))
     dbias = _new(bias) if bias_grad else q.new_empty(0)
     return _new(q), _new(k), _new(v), dbias
@@ -177,29 +177,29 @@ def _attention_backward_jvp_fake(dout, q, k, v, mask, bias, seed, out, row_max, 
 
 @torch.library.custom_op("attngrad::attention_double_backward", mutates_args=())
 def attention_double_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], bounds: Optional[Tensor], seed: Tensor,
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
     dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
+    _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
                     **_second_order_sides("g", None, gq, gk, gv, gbias))
     if choose("double_backward", q, k, v, mask, bias) == "tiles":
         g_dout, g_q, g_k, g_v, g_bias = _in_dtypes_of(native.attention_double_backward(
             dout, q, k, v, out, row_max, inv_sum, causal, scale, dout_grad, gq, gk, gv, mask=mask, bias=bias,
-            gbias=gbias, seed=int(seed), dropout_p=dropout_p, bias_grad=bias_grad,
+            gbias=gbias, seed=int(seed), dropout_p=dropout_p, bias_grad=bias_grad, bounds=bounds,
         ), (dout, q, k, v, bias))
         return _maybe_empty(g_dout, q), g_q, g_k, g_v, _maybe_empty(g_bias, q)
     g_dout, g_q, g_k, g_v, g_bias = kernels_higher.attention_double_backward(
         dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad,
-        dout_grad, gq, gk, gv, gbias,
+        dout_grad, gq, gk, gv, gbias, bounds,
     )
     return _maybe_empty(g_dout, q), g_q, g_k, g_v, _maybe_empty(g_bias, q)
 
 
 @attention_double_backward.register_fake
-def _attention_double_backward_fake(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale,
+def _attention_double_backward_fake(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale,
                                     dropout_p, bias_grad, dout_grad, gq, gk, gv, gbias):
-    _check_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
+    _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
                     **_second_order_sides("g", None, gq, gk, gv, gbias))
     g_dout = _new(dout) if dout_grad else q.new_empty(0)
     g_bias = _new(bias) if bias_grad else q.new_empty(0)
@@ -207,10 +207,10 @@ def _attention_double_backward_fake(dout, q, k, v, mask, bias, seed, out, row_ma
 
 
 def _register_batching_rules() -> None:
-    forward_args = ["q", "k", "v", "mask", "bias", "seed", "causal", "scale", "dropout_p"]
-    backward_args = ["dout", "q", "k", "v", "mask", "bias", "seed", "out", "row_max", "inv_sum",
+    forward_args = ["q", "k", "v", "mask", "bias", "bounds", "seed", "causal", "scale", "dropout_p"]
+    backward_args = ["dout", "q", "k", "v", "mask", "bias", "bounds", "seed", "out", "row_max", "inv_sum",
                      "causal", "scale", "dropout_p", "bias_grad"]
-    jvp_args = ["q", "k", "v", "mask", "bias", "seed", "row_max", "inv_sum", "causal", "scale", "dropout_p",
+    jvp_args = ["q", "k", "v", "mask", "bias", "bounds", "seed", "row_max", "inv_sum", "causal", "scale", "dropout_p",
                 "tq", "tk", "tv", "tbias"]
     for op, names, bias_output in (
         (attention_forward, forward_args, False),
@@ -265,15 +265,15 @@ class Attention(torch.autograd.Function):
     generate_vmap_rule = True  # vmap runs the custom ops once per batched slice
 
     @staticmethod
-    def forward(q, k, v, mask, bias, seed, causal: Optional[int], scale: float, dropout_p: float):
-        return attention_forward(q, k, v, mask, bias, seed, causal, scale, dropout_p)
+    def forward(q, k, v, mask, bias, bounds, seed, causal: Optional[int], scale: float, dropout_p: float):
+        return attention_forward(q, k, v, mask, bias, bounds, seed, causal, scale, dropout_p)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        q, k, v, mask, bias, seed, causal, scale, dropout_p = inputs
+        q, k, v, mask, bias, bounds, seed, causal, scale, dropout_p = inputs
         out, row_max, inv_sum = output
-        ctx.save_for_backward(q, k, v, mask, bias, seed, out, row_max, inv_sum)
-        ctx.save_for_forward(q, k, v, mask, bias, seed, out, row_max, inv_sum)
+        ctx.save_for_backward(q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum)
+        ctx.save_for_forward(q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum)
         ctx.options = (causal, scale, dropout_p)
         # row_max and inv_sum are not marked non-differentiable: under vmap, torch.func's
         # generated rule loses that mark and then refuses the None tangent (torch 2.13).
@@ -281,23 +281,23 @@ class Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, _dmax: Tensor, _dinv: Tensor):
-        q, k, v, mask, bias, seed, out, row_max, inv_sum = ctx.saved_tensors
+        q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum = ctx.saved_tensors
         bias_grad = bias is not None and ctx.needs_input_grad[4]
         # out and the statistics enter as caches, detached: the second derivatives are taken
         # through q, k, v and bias, and a graph edge back into this node would only make
         # autograd rerun this backward on zeros
         dq, dk, dv, dbias = AttentionBackward.apply(
-            dout.contiguous(), q, k, v, mask, bias, seed, out.detach(), row_max.detach(), inv_sum.detach(),
+            dout.contiguous(), q, k, v, mask, bias, bounds, seed, out.detach(), row_max.detach(), inv_sum.detach(),
             *ctx.options, bias_grad,
         )
-        return dq, dk, dv, None, dbias if bias_grad else None, None, None, None, None
+        return dq, dk, dv, None, dbias if bias_grad else None, None, None, None, None, None
 
     @staticmethod
-    def jvp(ctx: Any, tq, tk, tv, _tmask, tbias, _tseed, *_options):
-        q, k, v, mask, bias, seed, out, row_max, inv_sum = ctx.saved_tensors
+    def jvp(ctx: Any, tq, tk, tv, _tmask, tbias, _tbounds, _tseed, *_options):
+        q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum = ctx.saved_tensors
         tbias = tbias if bias is not None else None
         out_t = _Final.apply(
-            attention_jvp, REVERSE_OVER_FORWARD, q, k, v, mask, bias, seed, row_max, inv_sum, *ctx.options, tq, tk, tv, tbias
+            attention_jvp, REVERSE_OVER_FORWARD, q, k, v, mask, bias, bounds, seed, row_max, inv_sum, *ctx.options, tq, tk, tv, tbias
         )
         return out_t, torch.zeros_like(row_max), torch.zeros_like(inv_sum)
 
@@ -308,14 +308,14 @@ class AttentionBackward(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad):
-        return attention_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad)
+    def forward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad):
+        return attention_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad = inputs
-        ctx.save_for_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum)
-        ctx.save_for_forward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum)
+        dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad = inputs
+        ctx.save_for_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum)
+        ctx.save_for_forward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum)
         ctx.options = (causal, scale, dropout_p, bias_grad)
         ctx.set_materialize_grads(False)  # a gradient nobody used arrives as None: no work for it
 
@@ -328,10 +328,10 @@ class AttentionBackward(torch.autograd.Function):
             gbias if bias_grad else None,
         )
         return (g_dout if dout_grad else None, g_q, g_k, g_v, None, g_bias if bias_grad else None,
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
     @staticmethod
-    def jvp(ctx: Any, tdout, tq, tk, tv, _tmask, tbias, _tseed, _tout, _tmax, _tinv, *_options):
+    def jvp(ctx: Any, tdout, tq, tk, tv, _tmask, tbias, _tbounds, _tseed, _tout, _tmax, _tinv, *_options):
         saved = ctx.saved_tensors
         tbias = tbias if saved[5] is not None else None
         dq_t, dk_t, dv_t, dbias_t = _Final.apply(
@@ -348,9 +348,9 @@ class _AttentionTraced(Attention):
 
 
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], bounds: Optional[Tensor], seed: Tensor,
     causal: Optional[int], scale: float, dropout_p: float,
 ) -> Tensor:
     """The differentiable op on (B, H, L, E) tensors."""
     function = _AttentionTraced if torch.compiler.is_compiling() else Attention
-    return function.apply(q, k, v, mask, bias, seed, causal, scale, dropout_p)[0]
+    return function.apply(q, k, v, mask, bias, bounds, seed, causal, scale, dropout_p)[0]

@@ -53,8 +53,19 @@ def _check_broadcast(name: str, t: Optional[Tensor], target: tuple, device: torc
         _fail(f"{name} of shape {_shape(t)} does not broadcast to (B, H, Lq, Lk) = {target} with 2 to 4 dimensions")
 
 
+def _check_bounds(bounds: Optional[Tensor], batch: int, len_q: int, device: torch.device) -> None:
+    if bounds is None:
+        return
+    if not isinstance(bounds, Tensor) or bounds.dtype != torch.int64:
+        raise TypeError(f"attngrad attention op: bounds must be an int64 tensor; got {getattr(bounds, 'dtype', bounds)!r}")
+    if bounds.dim() != 3 or bounds.shape[0] not in (1, batch) or bounds.shape[1:] != (len_q, 2):
+        _fail(f"bounds must have shape (1 or B, Lq, 2) = (1 or {batch}, {len_q}, 2); got {_shape(bounds)}")
+    if bounds.device != device:
+        _fail(f"bounds is on {bounds.device} but q on {device}")
+
+
 def check_call(
-    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: Tensor,
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], bounds: Optional[Tensor], seed: Tensor,
     causal: Optional[int], dropout_p: float, *, dout: Optional[Tensor] = None, out: Optional[Tensor] = None,
     row_max: Optional[Tensor] = None, inv_sum: Optional[Tensor] = None, bias_grad: bool = False,
     out_side: tuple[tuple[str, Optional[Tensor]], ...] = (),
@@ -64,7 +75,9 @@ def check_call(
     """Raise a clear error unless the arguments of one attention op fit together.
 
     q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), H a multiple of Hkv; mask
-    boolean and bias floating, each broadcastable to (B, H, Lq, Lk); dout and out
+    boolean and bias floating, each broadcastable to (B, H, Lq, Lk); bounds int64
+    (1 or B, Lq, 2), each row's keys [lo, hi) (its values are checked where they are read:
+    `structured` builds them in range, the tiles refuse any out of it); dout and out
     (B, H, Lq, dv); the row statistics (B, H, Lq). `out_side`, `query_side` etc. name
     tangents or cotangents that must be shaped like dout, q, k, v or the bias."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -96,6 +109,7 @@ def check_call(
     target = (batch, heads, len_q, k.shape[2])
     _check_broadcast("mask", mask, target, q.device)
     _check_broadcast("bias", bias, target, q.device)
+    _check_bounds(bounds, batch, len_q, q.device)
     if not isinstance(seed, Tensor) or seed.dim() != 0 or seed.dtype != torch.int64:
         _fail(f"seed must be a 0-d int64 tensor; got {seed!r}")
     if causal is not None and not isinstance(causal, int):

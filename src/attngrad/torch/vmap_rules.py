@@ -2,9 +2,9 @@
 which vmap) runs each op once instead of once per batched slice.
 
 Attention is already batched over B, so a vmapped axis of size N folds into it: every
-(B, ...) operand becomes (N B, ...), a bias-like operand (a mask, a bias, or its tangent or
-cotangent, broadcastable to (B, H, Lq, Lk)) is expanded to (N B, h, lq, lk), the op runs once,
-and the outputs unfold to (N, B, ...). A bias gradient comes back per vmapped slice, summed to
+(B, ...) operand becomes (N B, ...), key bounds (1 or B, Lq, 2) become (N B, Lq, 2), a
+bias-like operand (a mask, a bias, or its tangent or cotangent, broadcastable to
+(B, H, Lq, Lk)) is expanded to (N B, h, lq, lk), the op runs once, and the outputs unfold to (N, B, ...). A bias gradient comes back per vmapped slice, summed to
 the bias's own shape. With dropout the fold would change the blocks' shapes and so the masks
 drawn for them, so then, as with a batched seed, the op runs once per slice.
 """
@@ -33,6 +33,12 @@ def _fold_bias(t: Tensor, dim: int | None, n: int, batch: int) -> Tensor:
     """A tensor broadcastable to (B, H, Lq, Lk), with an optional vmapped axis -> (N B, h, lq, lk)."""
     t = _moved(t, dim) if dim is not None else t.expand(n, *t.shape)
     t = t.reshape(n, *([1] * (5 - t.dim())), *t.shape[1:])  # (N, b0, h, lq, lk)
+    return t.expand(n, batch, *t.shape[2:]).reshape(n * batch, *t.shape[2:])
+
+
+def _fold_bounds(t: Tensor, dim: int | None, n: int, batch: int) -> Tensor:
+    """Key bounds (1 or B, Lq, 2), with an optional vmapped axis -> (N B, Lq, 2)."""
+    t = _moved(t, dim) if dim is not None else t.expand(n, *t.shape)
     return t.expand(n, batch, *t.shape[2:]).reshape(n * batch, *t.shape[2:])
 
 
@@ -70,6 +76,8 @@ def make_rule(op: Callable, names: Sequence[str], bias_output: bool) -> Callable
         for name, arg, dim in zip(names, args, in_dims):
             if not isinstance(arg, Tensor) or name == "seed":
                 folded.append(arg)
+            elif name == "bounds":
+                folded.append(_fold_bounds(arg, dim, n, batch))
             elif name in BIAS_LIKE:
                 if name == "bias":
                     bias_shape = arg.shape if dim is None else _moved(arg, dim).shape[1:]

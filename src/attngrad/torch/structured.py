@@ -1,0 +1,152 @@
+"""Structured masks as per-row key bounds: padding lengths, sliding windows, packed documents.
+
+Each of these leaves every query row one interval of keys, [lo, hi), so the ops take them
+as a (1 or B, Lq, 2) int64 tensor of bounds instead of an Lq x Lk mask: O(L) memory, and the
+kernels skip every tile that lies outside all of its rows' intervals (a window of w costs
+O(L w), not O(L^2)).
+
+    key_padding  (..., Lk) boolean, True = padding (PyTorch's modules), or (...,) lengths:
+                 row i of batch entry b sees keys [first kept, last kept + 1) of its entry.
+                 A boolean pattern with holes inside a row is no interval: it becomes a
+                 (B, 1, 1, Lk) boolean mask instead (`Structure.keep`), still no Lq x Lk.
+    window       (left, right): row i sees keys i + c - left .. i + c + right, c the causal
+                 alignment (0 top-left, Lk - Lq bottom-right; top-left without is_causal);
+                 None on a side leaves it open.
+    document_ids (..., L) integers, each document's tokens contiguous, or cu_seqlens
+                 (D + 1,) cumulative lengths from 0 to L (flash-attn's varlen convention,
+                 shared by every batch entry): row i sees the keys of its own document.
+With the causal diagonal beside any of these, its bound joins them, so that the bounds say
+how wide each row's band really is. Bounds intersect: lo is the largest, hi the smallest.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+
+class Structure(NamedTuple):
+    bounds: Optional[Tensor]  # (1 or B, Lq, 2) int64
+    keep: Optional[Tensor]  # (1 or B, 1, 1, Lk) boolean, for padding that is no interval
+
+
+def _fold_batch(t: Tensor, batch: tuple, tail: tuple, name: str) -> Tensor:
+    """`t`, broadcastable to (*batch, *tail), as (1 or prod(batch), *tail)."""
+    full = (*batch, *tail)
+    try:
+        ok = t.dim() <= len(full) and t.shape[t.dim() - len(tail):] == torch.Size(tail) and \
+            torch.broadcast_shapes(t.shape, full) == torch.Size(full)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} of shape {tuple(t.shape)} does not fit the batch: expected a shape "
+                         f"broadcastable to {full}")
+    if all(size == 1 for size in t.shape[:t.dim() - len(tail)]):
+        return t.reshape(1, *tail)
+    return t.expand(full).reshape(math.prod(batch), *tail)
+
+
+def _padding(key_padding: Tensor, batch: tuple, len_k: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """((b, 1, 2) bounds, None) for lengths or for padding that leaves an interval per row;
+    (None, (b, 1, 1, Lk) keep-mask) for any other boolean pattern."""
+    if key_padding.dtype == torch.bool:
+        kept = ~_fold_batch(key_padding, batch, (len_k,), "key_padding")  # (b, Lk)
+        count = kept.sum(dim=-1)
+        position = torch.arange(len_k, device=kept.device)
+        first = torch.where(kept, position, len_k).amin(dim=-1)
+        last = torch.where(kept, position + 1, 0).amax(dim=-1)
+        if bool(((last - first == count) | (count == 0)).all()):  # every row's kept keys are one run
+            lo = torch.where(count > 0, first, 0)
+            return torch.stack([lo, torch.where(count > 0, last, 0)], dim=-1)[:, None, :], None
+        return None, kept[:, None, None, :]
+    if key_padding.is_floating_point() or key_padding.is_complex():
+        raise TypeError(f"key_padding must be boolean (True = padding) or integer lengths; got {key_padding.dtype}")
+    lengths = _fold_batch(key_padding, batch, (), "key_padding lengths")  # (b,)
+    if bool(((lengths < 0) | (lengths > len_k)).any()):
+        raise ValueError(f"key_padding lengths must lie in [0, Lk = {len_k}]; got {lengths.tolist()}")
+    lengths = lengths.to(torch.int64)
+    return torch.stack([torch.zeros_like(lengths), lengths], dim=-1)[:, None, :], None
+
+
+def _window(window: tuple, len_q: int, len_k: int, offset: int, device: torch.device) -> Tensor:
+    """(1, Lq, 2) bounds of a band around the diagonal j = i + offset."""
+    if not (isinstance(window, (tuple, list)) and len(window) == 2) or any(
+        side is not None and (isinstance(side, bool) or not isinstance(side, int) or side < 0) for side in window
+    ):
+        raise ValueError(f"window must be (left, right), each a number of keys >= 0 or None; got {window!r}")
+    left, right = window
+    row = torch.arange(len_q, device=device, dtype=torch.int64) + offset
+    lo = row - left if left is not None else torch.zeros_like(row)
+    hi = row + right + 1 if right is not None else torch.full_like(row, len_k)
+    return torch.stack([lo, hi], dim=-1)[None]
+
+
+def _documents(document_ids: Tensor, batch: tuple, length: int) -> Tensor:
+    """(b, L, 2) bounds: the run of equal ids around each position."""
+    if document_ids.is_floating_point() or document_ids.dtype == torch.bool:
+        raise TypeError(f"document_ids must be integers; got {document_ids.dtype}")
+    ids = _fold_batch(document_ids, batch, (length,), "document_ids")  # (b, L)
+    position = torch.arange(length, device=ids.device).expand_as(ids)
+    new_run = torch.ones_like(ids, dtype=torch.bool)
+    new_run[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    distinct = torch.ones_like(new_run)
+    ordered = ids.sort(dim=-1).values
+    distinct[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    if not bool((new_run.sum(dim=-1) == distinct.sum(dim=-1)).all()):
+        raise ValueError("document_ids: each document's tokens must be contiguous (packed sequences)")
+    lo = torch.where(new_run, position, 0).cummax(dim=-1).values
+    ends_run = torch.ones_like(new_run)
+    ends_run[:, :-1] = new_run[:, 1:]
+    hi = torch.where(ends_run, position + 1, length).flip(-1).cummin(dim=-1).values.flip(-1)
+    return torch.stack([lo, hi], dim=-1)
+
+
+def _cu_seqlens(cu_seqlens: Tensor, length: int) -> Tensor:
+    """(1, L, 2) bounds from cumulative document lengths."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must be a 1-D integer tensor; got {cu_seqlens.dtype} of shape "
+                        f"{tuple(cu_seqlens.shape)}")
+    cu = cu_seqlens.to(torch.int64)
+    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != length or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must rise from 0 to the sequence length {length}; got {cu_seqlens.tolist()}")
+    position = torch.arange(length, device=cu.device)
+    document = torch.searchsorted(cu, position, right=True) - 1
+    return torch.stack([cu[document], cu[document + 1]], dim=-1)[None]
+
+
+def structure(
+    batch: tuple, len_q: int, len_k: int, causal: Optional[int], device: torch.device, *,
+    key_padding: Optional[Tensor] = None, window: Optional[tuple] = None, document_ids: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+) -> Structure:
+    """The key bounds (and, for padding with holes, a keep-mask) of the structured masks
+    given, for a call with batch dimensions `batch` and causal diagonal `causal`."""
+    parts: list[Tensor] = []
+    keep = None
+    if key_padding is not None:
+        bounds, keep = _padding(key_padding.to(device), batch, len_k)
+        if bounds is not None:
+            parts.append(bounds)
+    if window is not None:
+        parts.append(_window(window, len_q, len_k, causal or 0, device))
+    if document_ids is not None or cu_seqlens is not None:
+        if document_ids is not None and cu_seqlens is not None:
+            raise ValueError("pass either document_ids or cu_seqlens, not both")
+        if len_q != len_k:
+            raise ValueError(f"packed documents need as many queries as keys; got Lq = {len_q}, Lk = {len_k}")
+        if document_ids is not None:
+            parts.append(_documents(document_ids.to(device), batch, len_q))
+        else:
+            parts.append(_cu_seqlens(cu_seqlens.to(device), len_q))
+    if not parts:
+        return Structure(None, keep)
+    if causal is not None:  # the diagonal's own bound, so the bounds tell each row's real width
+        parts.append(_window((None, 0), len_q, len_k, causal, device))
+    lo = torch.stack(torch.broadcast_tensors(*(p[..., 0] for p in parts))).amax(dim=0)
+    hi = torch.stack(torch.broadcast_tensors(*(p[..., 1] for p in parts))).amin(dim=0)
+    lo, hi = lo.clamp(0, len_k), hi.clamp(0, len_k)
+    bounds = torch.stack([lo, torch.maximum(lo, hi)], dim=-1).expand(-1, len_q, 2).contiguous()
+    return Structure(bounds, keep)

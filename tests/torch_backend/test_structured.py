@@ -1,0 +1,293 @@
+"""Structured masks (key padding, sliding windows, packed documents) against PyTorch's math
+kernel given the same mask written out densely, on both implementations, in every
+derivative: the output, the gradients of q, k, v and the bias, the JVP, the double backward
+and forward-over-reverse Hessian-vector products.
+
+The dense masks here are built from the definitions, coordinate by coordinate, not by
+`structured`; the math kernel takes them as a float mask with -inf, and gives 0 (and zero
+derivatives) on a row with no key left, as attngrad does.
+"""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from attngrad.torch import attention, implementation, kernels, kernels_higher, native, use_implementation  # noqa: E402
+from attngrad.torch.structured import structure  # noqa: E402
+
+from ..conftest import EXACT, assert_all_close  # noqa: E402
+
+B, H, HKV, L, D, DV = 2, 4, 2, 23, 8, 6
+DOUBLE = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def many_blocks(monkeypatch):
+    """Small tiles in both implementations, so that bands and documents cross many tile
+    boundaries and whole tiles are skipped."""
+    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 1 << 9)
+    monkeypatch.setattr(kernels, "MIN_ROWS", 3)
+    monkeypatch.setattr(kernels_higher, "HIGHER_MIN_ROWS", 3)
+    monkeypatch.setattr(kernels, "VALUE_SLICE", 4)
+    monkeypatch.setattr(native, "BLOCK_ROWS", 3)
+    monkeypatch.setattr(native, "BLOCK_KEYS", 8)
+    monkeypatch.setattr(native, "NARROW_BLOCK_KEYS", 4)
+    monkeypatch.setattr(native, "NARROW_BAND", 6)
+    monkeypatch.setattr(native, "DOUBLE_TILE", 24)
+
+
+@pytest.fixture(params=["tiles", "torch-ops"])
+def backend(request):
+    if request.param == "tiles" and native.library() is None:
+        pytest.skip(f"no compiled tiles: {native.build_info.reason}")
+    implementation.ran.clear()
+    with use_implementation(request.param):
+        yield request.param
+    assert {impl for (_, impl) in implementation.ran} == {request.param}
+
+
+def randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DOUBLE)
+
+
+def transposed(b, h, length, e, seed):
+    """(B, H, L, E) as models lay it out: (B, L, H, E) storage, transposed."""
+    return randn(b, length, h, e, seed=seed).transpose(1, 2)
+
+
+def dense_keep(batch, len_q, len_k, *, causal=None, key_padding=None, window=None, document_ids=None, cu_seqlens=None):
+    """(B, 1, Lq, Lk) boolean: which keys each query sees, entry by entry from the definitions."""
+    keep = torch.ones(batch, 1, len_q, len_k, dtype=torch.bool)
+    offset = 0 if causal in (None, False, True, "top_left") else len_k - len_q
+    for b in range(batch):
+        for i in range(len_q):
+            for j in range(len_k):
+                ok = True
+                if causal:
+                    ok &= j <= i + offset
+                if key_padding is not None:
+                    if key_padding.dtype == torch.bool:
+                        ok &= not bool(key_padding[b if key_padding.dim() > 1 else 0, j])
+                    else:
+                        ok &= j < int(key_padding.reshape(-1)[b if key_padding.numel() > 1 else 0])
+                if window is not None:
+                    left, right = window
+                    ok &= (left is None or j >= i + offset - left) and (right is None or j <= i + offset + right)
+                if document_ids is not None:
+                    ids = document_ids[b if document_ids.dim() > 1 and document_ids.shape[0] > 1 else 0].reshape(-1)
+                    ok &= bool(ids[i] == ids[j])
+                if cu_seqlens is not None:
+                    doc = [int((cu_seqlens <= x).sum()) for x in (i, j)]
+                    ok &= doc[0] == doc[1]
+                keep[b, 0, i, j] = ok
+    return keep
+
+
+class Case:
+    """One call as two functions of (q, k, v[, bias]): attngrad with the structured masks,
+    and the math kernel with the same mask written out."""
+
+    def __init__(self, len_q=L, len_k=L, gqa=False, bias_shape=None, mask=False, is_causal=False, **structured):
+        kv = HKV if gqa else H
+        self.q, self.k, self.v = (transposed(B, h, n, e, seed=s) for s, (h, n, e) in
+                                  enumerate(((H, len_q, D), (kv, len_k, D), (kv, len_k, DV))))
+        self.bias = None if bias_shape is None else randn(*bias_shape, seed=9)
+        self.mask = (torch.rand(B, 1, len_q, len_k, generator=torch.Generator().manual_seed(3)) > 0.2) if mask else None
+        self.is_causal, self.gqa, self.structured = is_causal, gqa, structured
+        keep = dense_keep(B, len_q, len_k, causal=is_causal, **structured)
+        self.keep = keep if self.mask is None else keep & self.mask
+
+    @property
+    def primals(self):
+        return (self.q, self.k, self.v) + (() if self.bias is None else (self.bias,))
+
+    def ours(self, q, k, v, bias=None):
+        return attention(q, k, v, attn_mask=self.mask, attn_bias=bias, is_causal=self.is_causal, enable_gqa=self.gqa,
+                         **self.structured)
+
+    def theirs(self, q, k, v, bias=None):
+        additive = (bias if bias is not None else q.new_zeros(())).masked_fill(~self.keep, -math.inf)
+        with sdpa_kernel(SDPBackend.MATH):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=additive, enable_gqa=self.gqa)
+
+
+def _ids(*runs):
+    """(len(runs), L) document ids from run lengths per batch entry."""
+    return torch.stack([torch.repeat_interleave(torch.arange(len(r)) * 7 % 5, torch.tensor(r)) for r in runs])
+
+
+CASES = {
+    "lengths": dict(len_q=17, key_padding=torch.tensor([L, 9])),
+    "right-padding": dict(len_q=17, key_padding=torch.arange(L)[None, :] >= torch.tensor([[20], [5]])),
+    "left-padding": dict(key_padding=torch.arange(L)[None, :] < torch.tensor([[3], [11]]), bias_shape=(H, L, L)),
+    "padding-with-holes": dict(key_padding=torch.rand(B, L, generator=torch.Generator().manual_seed(4)) > 0.6,
+                               mask=True),
+    "no-key-left": dict(len_q=17, key_padding=torch.tensor([0, 4]), is_causal=True, bias_shape=(B, 1, 17, L)),
+    "causal-window": dict(window=(4, None), is_causal=True, bias_shape=(H, L, L)),
+    "bottom-right-window": dict(len_q=9, window=(3, None), is_causal="bottom_right", gqa=True),
+    "symmetric-window": dict(len_q=17, window=(3, 2), bias_shape=(1, H, 1, L)),
+    "documents": dict(document_ids=_ids([5, 9, 1, 8], [12, 11]), bias_shape=(H, L, L)),
+    "cu-seqlens": dict(cu_seqlens=torch.tensor([0, 6, 7, 15, L]), is_causal=True, gqa=True),
+    "everything": dict(key_padding=torch.tensor([19, L]), window=(6, None), document_ids=_ids([10, 13], [4, 19]),
+                       mask=True, is_causal=True, gqa=True, bias_shape=(B, 1, L, L)),
+}
+
+
+def gradients(fn, primals, dout):
+    leaves = [p.detach().clone().requires_grad_() for p in primals]
+    out = fn(*leaves)
+    return (out, *torch.autograd.grad(out, leaves, dout))
+
+
+NAMES = ("out", "q", "k", "v", "bias")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_output_and_gradients_match_the_math_kernel(backend, name):
+    case = Case(**CASES[name])
+    dout = randn(*case.q.shape[:-1], DV, seed=5)
+    ours, theirs = gradients(case.ours, case.primals, dout), gradients(case.theirs, case.primals, dout)
+    assert not any(t.isnan().any() for t in ours)
+    assert_all_close(dict(zip(NAMES, ours)), dict(zip(NAMES, theirs)))
+
+
+@pytest.mark.parametrize("name", ["no-key-left", "causal-window", "documents", "everything"])
+def test_jvp_matches_the_math_kernel(backend, name):
+    case = Case(**CASES[name])
+    tangents = tuple(randn(*p.shape, seed=20 + i) for i, p in enumerate(case.primals))
+    out, out_t = torch.func.jvp(case.ours, case.primals, tangents)
+    ref, ref_t = torch.func.jvp(case.theirs, case.primals, tangents)
+    assert_all_close(dict(out=out, tangent=out_t), dict(out=ref, tangent=ref_t))
+
+
+def double_backward(fn, primals, dout, cotangents):
+    leaves = [p.detach().clone().requires_grad_() for p in primals]
+    dout = dout.clone().requires_grad_()
+    grads = torch.autograd.grad(fn(*leaves), leaves, dout, create_graph=True)
+    inner = sum((g * c).sum() for g, c in zip(grads, cotangents))
+    return torch.autograd.grad(inner, leaves + [dout])
+
+
+@pytest.mark.parametrize("name", ["no-key-left", "symmetric-window", "documents", "everything"])
+def test_double_backward_matches_the_math_kernel(backend, name):
+    case = Case(**CASES[name])
+    dout = randn(*case.q.shape[:-1], DV, seed=30)
+    cotangents = tuple(randn(*p.shape, seed=40 + i) for i, p in enumerate(case.primals))
+    ours, theirs = (double_backward(fn, case.primals, dout, cotangents) for fn in (case.ours, case.theirs))
+    names = [*NAMES[1:1 + len(case.primals)], "dout"]
+    assert_all_close(dict(zip(names, ours)), dict(zip(names, theirs)))
+
+
+@pytest.mark.parametrize("name", ["lengths", "bottom-right-window", "cu-seqlens", "everything"])
+def test_hessian_vector_products_match_the_math_kernel(backend, name):
+    """Forward over reverse: the JVP of the gradient, through the backward's JVP."""
+    case = Case(**CASES[name])
+    dout = randn(*case.q.shape[:-1], DV, seed=50)
+
+    def grads(fn):
+        return lambda *p: torch.func.vjp(fn, *p)[1](dout)
+
+    tangents = tuple(randn(*p.shape, seed=60 + i) for i, p in enumerate(case.primals))
+    _, ours = torch.func.jvp(grads(case.ours), case.primals, tangents)
+    _, theirs = torch.func.jvp(grads(case.theirs), case.primals, tangents)
+    names = NAMES[1:1 + len(case.primals)]
+    assert_all_close(dict(zip(names, ours)), dict(zip(names, theirs)))
+
+
+@st.composite
+def structured_calls(draw):
+    """A random call: lengths, a structured mask or two, causal or not, GQA or not."""
+    len_q = draw(st.integers(1, 19))
+    documents = draw(st.booleans())
+    len_k = len_q if documents else draw(st.integers(1, 19))
+    options = dict(len_q=len_q, len_k=len_k, gqa=draw(st.booleans()),
+                   is_causal=draw(st.sampled_from([False, True, "bottom_right"])))
+    if draw(st.booleans()):
+        lengths = draw(st.lists(st.integers(0, len_k), min_size=B, max_size=B))
+        options["key_padding"] = torch.tensor(lengths)
+    if draw(st.booleans()):
+        side = st.one_of(st.none(), st.integers(0, 6))
+        options["window"] = (draw(side), draw(side))
+    if documents:
+        cuts = sorted(draw(st.lists(st.integers(1, len_q - 1), max_size=4, unique=True))) if len_q > 1 else []
+        options["cu_seqlens"] = torch.tensor([0, *cuts, len_q])
+    if draw(st.booleans()):
+        options["bias_shape"] = draw(st.sampled_from([(H, len_q, len_k), (B, 1, 1, len_k), (len_q, 1)]))
+    return options
+
+
+@settings(max_examples=40, deadline=None)
+@given(structured_calls(), st.sampled_from(["tiles", "torch-ops"]))
+def test_random_structures_match_the_math_kernel(options, implementation_name):
+    case = Case(**options)
+    dout = randn(*case.q.shape[:-1], DV, seed=7)
+    with use_implementation(implementation_name):
+        ours = gradients(case.ours, case.primals, dout)
+        tangents = tuple(randn(*p.shape, seed=8 + i) for i, p in enumerate(case.primals))
+        ours_t = torch.func.jvp(case.ours, case.primals, tangents)[1]
+    theirs = gradients(case.theirs, case.primals, dout)
+    theirs_t = torch.func.jvp(case.theirs, case.primals, tangents)[1]
+    assert_all_close(dict(zip(NAMES, ours), tangent=ours_t), dict(zip(NAMES, theirs), tangent=theirs_t),
+                     floor_fraction=1e-3)
+
+
+def test_bounds_are_the_intervals_of_the_dense_mask():
+    """structure() against the dense definitions, where every row's keys are one interval."""
+    for name in ("lengths", "right-padding", "left-padding", "causal-window", "symmetric-window", "documents",
+                 "cu-seqlens", "everything"):
+        spec = {k: v for k, v in CASES[name].items() if k not in ("gqa", "bias_shape", "mask")}
+        len_q, is_causal = spec.pop("len_q", L), spec.pop("is_causal", False)
+        causal = None if not is_causal else (0 if is_causal is True else L - len_q)
+        bounds, keep = structure((B,), len_q, L, causal, torch.device("cpu"), **spec)
+        assert keep is None and bounds.shape[1:] == (len_q, 2) and bounds.dtype == torch.int64
+        dense = dense_keep(B, len_q, L, causal=is_causal, **spec)[:, 0]
+        key = torch.arange(L)
+        from_bounds = (key >= bounds[..., :1]) & (key < bounds[..., 1:])
+        assert torch.equal(from_bounds.expand_as(dense), dense), name
+
+
+def test_no_dense_mask_is_built(monkeypatch):
+    """Padding given as lengths, a window and documents reach the op as bounds alone."""
+    from attngrad.torch import functional
+
+    seen = {}
+    real = functional.attention_op
+
+    def spy(q, k, v, mask, bias, bounds, *rest):
+        seen.update(mask=mask, bounds=bounds)
+        return real(q, k, v, mask, bias, bounds, *rest)
+
+    monkeypatch.setattr(functional, "attention_op", spy)
+    q = randn(B, H, L, D, seed=1)
+    attention(q, q, q, key_padding=torch.tensor([5, L]), window=(3, None), cu_seqlens=torch.tensor([0, 10, L]),
+              is_causal=True)
+    assert seen["mask"] is None and seen["bounds"].shape == (B, L, 2)
+
+
+@pytest.mark.parametrize("kwargs,exc,fragment", [
+    (dict(window=(3,)), ValueError, "window must be"),
+    (dict(window=(-1, 2)), ValueError, "window must be"),
+    (dict(key_padding=torch.tensor([3, 40])), ValueError, "lengths must lie in"),
+    (dict(key_padding=torch.ones(3, L, dtype=torch.bool)), ValueError, "key_padding of shape"),
+    (dict(key_padding=torch.ones(B, L)), TypeError, "key_padding must be boolean"),
+    (dict(document_ids=torch.tensor([[0] * 5 + [1] * 5 + [0] * 13] * B)), ValueError, "contiguous"),
+    (dict(document_ids=torch.zeros(B, L - 1, dtype=torch.int64)), ValueError, "document_ids of shape"),
+    (dict(cu_seqlens=torch.tensor([0, 5, 4, L])), ValueError, "cu_seqlens must rise"),
+    (dict(cu_seqlens=torch.tensor([0, 5])), ValueError, "cu_seqlens must rise"),
+    (dict(cu_seqlens=torch.tensor([0, L]), document_ids=torch.zeros(B, L, dtype=torch.int64)), ValueError, "either"),
+])
+def test_bad_structures_raise_clearly(kwargs, exc, fragment):
+    q = randn(B, H, L, D, seed=1)
+    with pytest.raises(exc, match=fragment):
+        attention(q, q, q, **kwargs)
+
+
+def test_documents_need_as_many_queries_as_keys():
+    q, k = randn(B, H, 5, D, seed=1), randn(B, H, 7, D, seed=2)
+    with pytest.raises(ValueError, match="as many queries as keys"):
+        attention(q, k, k, cu_seqlens=torch.tensor([0, 3, 7]))

@@ -89,12 +89,14 @@ def test_chunks_follow_the_shapes_alone(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_dropout_generator_is_one_function_of_the_coordinates(dtype):
     """The compiled generator and the PyTorch-operator one give the same bits; any tile of
-    rows gives the rows of the whole; a few entries match the Python-integer reference."""
+    rows and keys gives those of the whole; a few entries match the Python-integer reference."""
     seed, p = 987654321987, 0.3
     whole = dropout.keep_scale_torch(torch.empty(2, 3, 40, 33, dtype=dtype), seed, 0, p)
     assert torch.equal(whole, dropout.keep_scale_into(torch.empty(2, 3, 40, 33, dtype=dtype), seed, 0, p))
     rows = dropout.keep_scale_into(torch.empty(2, 3, 7, 20, dtype=dtype), seed, 11, p)
     assert torch.equal(rows, whole[:, :, 11:18, :20])
+    for tile in (dropout.keep_scale_into, dropout.keep_scale_torch):  # a tile of keys too
+        assert torch.equal(tile(torch.empty(2, 3, 7, 13, dtype=dtype), seed, 11, p, 9), whole[:, :, 11:18, 9:22])
     for b, h, i, j in ((0, 0, 0, 0), (1, 2, 39, 32), (1, 0, 17, 5), (0, 1, 3, 31)):
         assert bool(whole[b, h, i, j] > 0) == dropout.keep_int(seed, b, h, i, j, p), (b, h, i, j)
     assert set(whole.unique().tolist()) <= {0.0, float(torch.tensor(1 / (1 - p), dtype=dtype))}

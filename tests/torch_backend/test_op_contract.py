@@ -244,5 +244,5 @@ def test_the_compiled_tiles_check_their_own_sizes():
     with pytest.raises(RuntimeError, match="row_max as torch.float32; got torch.float64"):  # counts alone agree
         forward(q, k, v, out, row_max.double(), inv_sum)
     with pytest.raises(RuntimeError, match="numel"):
-        native._call("attngrad_dropout_keep_scale", 0, out.data_ptr(), out.numel() + 1, 1, 3, 0, 8, 8, 7, 1 << 31, 2.0, 1)
+        native._call("attngrad_dropout_keep_scale", 0, out.data_ptr(), out.numel() + 1, 1, 3, 0, 8, 0, 8, 7, 1 << 31, 2.0, 1)
 

@@ -75,17 +75,18 @@ def keep_int(seed: int, b: int, h: int, i: int, j: int, dropout_p: float) -> boo
     return mix_int(key + GAMMA * ((i << 32) + j + 1)) >> 32 >= threshold(dropout_p)
 
 
-def keep_scale_into(out: Tensor, seed: int, row_start: int, dropout_p: float) -> Tensor:
-    """Fill `out` (B, H, R, keys) with Z for rows row_start.. and keys 0.. of every (b, h):
-    by the compiled tiles where they run (a contiguous float32 or float64 CPU tile), else
-    by `keep_scale_torch`. Both give the same bits."""
+def keep_scale_into(out: Tensor, seed: int, row_start: int, dropout_p: float, key_start: int = 0) -> Tensor:
+    """Fill `out` (B, H, R, keys) with Z for rows row_start.. and keys key_start.. of every
+    (b, h): by the compiled tiles where they run (a contiguous float32 or float64 CPU tile),
+    else by `keep_scale_torch`. Both give the same bits."""
     if out.device.type == "cpu" and out.dtype in (torch.float32, torch.float64) and out.is_contiguous():
         if native.library() is not None:
-            return native.dropout_keep_scale_into(out, seed, row_start, threshold(dropout_p), keep_value(dropout_p))
-    return keep_scale_torch(out, seed, row_start, dropout_p)
+            return native.dropout_keep_scale_into(out, seed, row_start, threshold(dropout_p), keep_value(dropout_p),
+                                                  key_start)
+    return keep_scale_torch(out, seed, row_start, dropout_p, key_start)
 
 
-def keep_scale_torch(out: Tensor, seed: int, row_start: int, dropout_p: float) -> Tensor:
+def keep_scale_torch(out: Tensor, seed: int, row_start: int, dropout_p: float, key_start: int = 0) -> Tensor:
     """`keep_scale_into` in PyTorch operators, for any device (int64 tiles: slower)."""
     batch, heads, rows, keys = out.shape
     device = out.device
@@ -93,7 +94,7 @@ def keep_scale_torch(out: Tensor, seed: int, row_start: int, dropout_p: float) -
     h = torch.arange(heads, dtype=torch.int64, device=device)[None, :, None, None]
     key_bh = _mix(((b << 32) + h + 1) * _signed(GAMMA) + _signed(seed))  # (B, H, 1, 1)
     i = torch.arange(row_start, row_start + rows, dtype=torch.int64, device=device)[:, None]
-    j = torch.arange(keys, dtype=torch.int64, device=device)
+    j = torch.arange(key_start, key_start + keys, dtype=torch.int64, device=device)
     z = _mix(key_bh + ((i << 32) * _signed(GAMMA) + (j + 1) * _signed(GAMMA)))  # (B, H, R, keys)
     # 1 * Z rounds to Z in out's dtype, as the compiled tiles' static_cast does
     return out.copy_(_shr(z, 32) >= threshold(dropout_p)).mul_(keep_value(dropout_p))

@@ -73,15 +73,18 @@ def causal_keys(causal: int | None, stop: int, len_k: int) -> int:
 
 
 def blocks(batch: int, heads: int, len_q: int, len_k: int, causal: int | None, min_rows: int | None = None,
-           bounds: Tensor | None = None) -> list[tuple[int, int, int]]:
-    """The query blocks (start, stop, keys): rows start:stop see keys :keys.
+           bounds: Tensor | None = None) -> list[tuple[int, int, int, int]]:
+    """The query blocks (start, stop, first, keys): rows start:stop see keys first:keys.
 
     Each block's score tile holds about TILE_ELEMENTS numbers, but at least `min_rows`
     (default MIN_ROWS) rows. A causal block sees only the keys up to its last row, so early
     blocks, which see few keys, take more rows. With key `bounds` (1 or B, Lq, 2), a block
-    sees no key past the largest upper bound of its rows.
+    sees only the keys between its rows' smallest lower and largest upper bound: a sliding
+    window's block computes its band, not the whole prefix. first = keys: no key at all.
     """
-    last = None if bounds is None else bounds[..., 1].amax(dim=0).tolist()  # per row, over the batch
+    lows = highs = None
+    if bounds is not None:  # per row, over the batch
+        lows, highs = bounds[..., 0].amin(dim=0).tolist(), bounds[..., 1].amax(dim=0).tolist()
     min_rows = MIN_ROWS if min_rows is None else min_rows
     out = []
     start = 0
@@ -93,8 +96,10 @@ def blocks(batch: int, heads: int, len_q: int, len_k: int, causal: int | None, m
             rows = int((math.sqrt(seen * seen + 4 * budget) - seen) / 2)
         rows = max(1, min(len_q - start, max(min_rows, min(MAX_ROWS, rows))))
         stop = start + rows
-        keys = causal_keys(causal, stop, len_k)
-        out.append((start, stop, keys if last is None else min(keys, max(last[start:stop]))))
+        keys, first = causal_keys(causal, stop, len_k), 0
+        if bounds is not None:
+            keys, first = min(keys, max(highs[start:stop])), min(lows[start:stop])
+        out.append((start, stop, min(first, keys), keys))
         start = stop
     return out
 
@@ -103,14 +108,14 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def row_slice(t: Tensor | None, start: int, stop: int, keys: int) -> Tensor | None:
-    """The rows start:stop and keys :keys of a (..., Lq or 1, Lk or 1) broadcastable tensor."""
+def row_slice(t: Tensor | None, start: int, stop: int, keys: int, first: int = 0) -> Tensor | None:
+    """The rows start:stop and keys first:keys of a (..., Lq or 1, Lk or 1) broadcastable tensor."""
     if t is None:
         return None
     if t.shape[-2] != 1:
         t = t[..., start:stop, :]
     if t.shape[-1] != 1:
-        t = t[..., :keys]
+        t = t[..., first:keys]
     return t
 
 
@@ -157,14 +162,14 @@ class KeyGradient:
         batch, heads, len_k = like.shape[0], like.shape[1], like.shape[-2]
         self.sum = torch.zeros((batch, heads, len_k, width), dtype=like.dtype, device=like.device)
 
-    def add(self, a: Tensor, x: Tensor) -> None:
-        """sum[:keys] += a^T x, as one batched GEMM over the (B, H) axes."""
+    def add(self, a: Tensor, x: Tensor, first: int = 0) -> None:
+        """sum[first:first + keys] += a^T x, as one batched GEMM over the (B, H) axes."""
         bh, rows, keys, width = a.shape[0] * a.shape[1], a.shape[-2], a.shape[-1], x.shape[-1]
         a3, x3 = a.reshape(bh, rows, keys), x.reshape(bh, rows, width)
-        if keys == self.sum.shape[-2]:
+        if first == 0 and keys == self.sum.shape[-2]:
             self.sum.view(bh, keys, width).baddbmm_(a3.transpose(1, 2), x3)
         else:
-            self.sum[..., :keys, :] += torch.bmm(a3.transpose(1, 2), x3).view(*a.shape[:2], keys, width)
+            self.sum[..., first:first + keys, :] += torch.bmm(a3.transpose(1, 2), x3).view(*a.shape[:2], keys, width)
 
     def total(self, groups: int) -> Tensor:
         """The gradient (B, H / groups, Lk, w), contiguous, summed over each GQA group
@@ -180,8 +185,9 @@ class ScoreTiles:
     """Score-sized scratch buffers, allocated once per call and reused by every block:
     a fresh 16 MiB tensor per operation would cost more in page faults than the math."""
 
-    def __init__(self, count: int, plan: list[tuple[int, int, int]], batch: int, heads: int, dtype: torch.dtype, device) -> None:
-        numel = batch * heads * max(((stop - start) * keys for start, stop, keys in plan), default=0)
+    def __init__(self, count: int, plan: list[tuple[int, int, int, int]], batch: int, heads: int, dtype: torch.dtype,
+                 device) -> None:
+        numel = batch * heads * max(((stop - start) * (keys - first) for start, stop, first, keys in plan), default=0)
         self.flat = [torch.empty(numel, dtype=dtype, device=device) for _ in range(count)]
 
     def get(self, index: int, shape: tuple[int, int, int, int]) -> Tensor:
@@ -191,27 +197,27 @@ class ScoreTiles:
 
 def scores_into(
     out: Tensor, q_blk: Tensor, k: Tensor, mask: Tensor | None, bias: Tensor | None, start: int, stop: int,
-    causal: int | None, bounds: Tensor | None = None,
+    causal: int | None, bounds: Tensor | None = None, first: int = 0,
 ) -> Tensor:
-    """S = Q_blk K^T + bias into `out` (B, H, R, keys), excluded entries at -inf: by the
-    mask, the causal diagonal, and the key `bounds` (1 or B, Lq, 2) [lo, hi) of each row.
-    q_blk carries the scale already."""
-    keys = out.shape[-1]
-    torch.matmul(q_blk, k[..., :keys, :].transpose(-1, -2), out=out)
-    b = row_slice(bias, start, stop, keys)
+    """S = Q_blk K^T + bias into `out` (B, H, R, keys - first) for keys first:keys, excluded
+    entries at -inf: by the mask, the causal diagonal, and the key `bounds` (1 or B, Lq, 2)
+    [lo, hi) of each row. q_blk carries the scale already."""
+    keys = first + out.shape[-1]
+    torch.matmul(q_blk, k[..., first:keys, :].transpose(-1, -2), out=out)
+    b = row_slice(bias, start, stop, keys, first)
     if b is not None:
         out.add_(b)
-    allowed = row_slice(mask, start, stop, keys)
+    allowed = row_slice(mask, start, stop, keys, first)
     if allowed is not None:
         out.masked_fill_(~allowed, float("-inf"))
-    first = 0 if causal is None else max(0, start + causal + 1)  # only keys first.. can lie in a row's future
-    if causal is not None and keys > first:
+    future_from = first if causal is None else max(first, start + causal + 1)  # only these can lie in a row's future
+    if causal is not None and keys > future_from:
         rows = torch.arange(start, stop, device=out.device)[:, None]
-        future = torch.arange(first, keys, device=out.device)[None, :] > rows + causal  # (R, keys - first)
-        out[..., first:].masked_fill_(future, float("-inf"))
+        future = torch.arange(future_from, keys, device=out.device)[None, :] > rows + causal  # (R, keys - future_from)
+        out[..., future_from - first:].masked_fill_(future, float("-inf"))
     if bounds is not None:
         row_bounds = bounds[:, start:stop, None, :]  # (b, R, 1, 2)
-        key = torch.arange(keys, device=out.device)
+        key = torch.arange(first, keys, device=out.device)
         outside = (key < row_bounds[..., 0]) | (key >= row_bounds[..., 1])  # (b, R, keys)
         out.masked_fill_(outside[:, None], float("-inf"))
     return out
@@ -269,12 +275,13 @@ def attention_forward(
     inv_sum = torch.zeros(batch, heads, len_q, dtype=work, device=q.device)
     plan = blocks(batch, heads, len_q, len_k, causal, bounds=bounds)
     tiles = ScoreTiles(2 if dropout_p > 0.0 else 1, plan, batch, heads, work, q.device)
-    for start, stop, keys in plan:
-        if keys == 0:  # no key at all for these rows
+    for start, stop, first, keys in plan:
+        if keys == first:  # no key at all for these rows
             out[:, :, start:stop] = 0
             continue
-        s = scores_into(tiles.get(0, (batch, heads, stop - start, keys)), q_scaled[:, :, start:stop], k_rep, mask, bias,
-                        start, stop, causal, bounds)
+        shape = (batch, heads, stop - start, keys - first)
+        s = scores_into(tiles.get(0, shape), q_scaled[:, :, start:stop], k_rep, mask, bias, start, stop, causal, bounds,
+                        first)
         m = s.amax(dim=-1, keepdim=True)  # (B, H, R, 1)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # empty rows: any finite shift
         e = s.sub_(m).exp_()  # E = exp(S - m)
@@ -283,8 +290,8 @@ def attention_forward(
         row_max[:, :, start:stop] = m.squeeze(-1)
         inv_sum[:, :, start:stop] = inv.squeeze(-1)
         if dropout_p > 0.0:
-            e = e.mul_(keep_scale_into(tiles.get(1, (batch, heads, stop - start, keys)), seed, start, dropout_p))
-        o = _probs_times_values(e, v_rep[..., :keys, :])  # (B, H, R, dv), normalised here: cheaper than P
+            e = e.mul_(keep_scale_into(tiles.get(1, shape), seed, start, dropout_p, first))
+        o = _probs_times_values(e, v_rep[..., first:keys, :])  # (B, H, R, dv), normalised here: cheaper than P
         out[:, :, start:stop] = o.mul_(inv).to(q.dtype)
     return out, row_max, inv_sum
 
@@ -306,11 +313,11 @@ def _reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:
     return grad
 
 
-def add_block_to_bias(grad: Tensor, block: Tensor, start: int, stop: int, keys: int) -> None:
-    """grad += a (B, H, R, keys) block of a bias-shaped gradient (rows start:stop, keys :keys),
-    summed over the axes along which the bias broadcasts."""
+def add_block_to_bias(grad: Tensor, block: Tensor, start: int, stop: int, keys: int, first: int = 0) -> None:
+    """grad += a (B, H, R, keys - first) block of a bias-shaped gradient (rows start:stop,
+    keys first:keys), summed over the axes along which the bias broadcasts."""
     target = grad[..., start:stop, :] if grad.shape[-2] != 1 else grad
-    target = target[..., :keys] if grad.shape[-1] != 1 else target
+    target = target[..., first:keys] if grad.shape[-1] != 1 else target
     target += _reduce_to(block, target.shape)
 
 
@@ -344,9 +351,9 @@ def attention_backward(
     plan = blocks(batch, heads, len_q, len_k, causal, bounds=bounds)
     tiles = ScoreTiles(3 if dropout_p > 0.0 else 2, plan, batch, heads, work, q.device)
     masked = mask is not None or bias is not None or causal is not None or bounds is not None
-    for start, stop, keys in plan:
-        r = stop - start
-        if keys == 0:  # rows that see no key send nothing back
+    for start, stop, first, keys in plan:
+        r, width = stop - start, keys - first
+        if keys == first:  # rows that see no key send nothing back
             dq[:, :, start:stop] = 0
             if written_once:  # its uninitialised rows are written by no other block
                 dbias[..., start:stop, :] = 0
@@ -356,22 +363,22 @@ def attention_backward(
         do_rows = with_column(dout_w[:, :, start:stop] * inv, -(delta[:, :, start:stop] * inv))  # [dO' | -D/l]
         do_blk = do_rows[..., :width_v]  # dO' = dO / l
         # forward: E = exp(S - m), recomputed; 0 on excluded entries and on empty rows
-        e = scores_into(tiles.get(0, (batch, heads, r, keys)), q_shifted[:, :, start:stop], k_ones, mask, bias_work,
-                        start, stop, causal, bounds).exp_()
+        e = scores_into(tiles.get(0, (batch, heads, r, width)), q_shifted[:, :, start:stop], k_ones, mask, bias_work,
+                        start, stop, causal, bounds, first).exp_()
         single = single_key_rows(e, masked, inv)
         # forward: O = (E * Z) V~ / l  ->  dP l = (dO' V~^T) * Z,  dV~ += (E * Z)^T dO'
         # forward: P = softmax(S)  ->  dS = P * (dP - D) = E * (dP l - D / l)
-        dp_out = tiles.get(1, (batch, heads, r, keys))
+        dp_out = tiles.get(1, (batch, heads, r, width))
         if dropout_p > 0.0:
-            dp = torch.matmul(do_blk, v_rep[..., :keys, :].transpose(-1, -2), out=dp_out)
-            z = keep_scale_into(tiles.get(2, (batch, heads, r, keys)), seed, start, dropout_p)
+            dp = torch.matmul(do_blk, v_rep[..., first:keys, :].transpose(-1, -2), out=dp_out)
+            z = keep_scale_into(tiles.get(2, (batch, heads, r, width)), seed, start, dropout_p, first)
             dp.mul_(z).add_(do_rows[..., width_v:])  # dP l - D / l
-            dv_sum.add(z.mul_(e), do_blk)
+            dv_sum.add(z.mul_(e), do_blk, first)
         else:
-            dp = torch.matmul(do_rows, v_ones[..., :keys, :].transpose(-1, -2), out=dp_out)  # dP l - D / l
-            dv_sum.add(e, do_blk)
+            dp = torch.matmul(do_rows, v_ones[..., first:keys, :].transpose(-1, -2), out=dp_out)  # dP l - D / l
+            dv_sum.add(e, do_blk, first)
         # forward: S = scale * Q K~^T + bias  ->  dbias = dS summed over the bias's broadcast axes
-        target = dbias[..., start:stop, :keys] if written_once else None
+        target = dbias[..., start:stop, first:keys] if written_once else None
         in_place = target is not None and target.numel() == e.numel() and target.is_contiguous()
         # a full-size bias: dS lands in its gradient
         ds = torch.mul(e, dp, out=target.view(e.shape)) if in_place else e.mul_(dp)
@@ -380,11 +387,12 @@ def attention_backward(
         if target is not None and not in_place:
             target.copy_(_reduce_to(ds, target.shape))
         elif dbias is not None and target is None:  # several blocks add into each entry
-            add_block_to_bias(dbias, ds, start, stop, keys)
-        if target is not None and keys < len_k:
-            dbias[..., start:stop, keys:] = 0  # keys a causal block never sees
-        dq[:, :, start:stop] = torch.matmul(ds, k_rep[..., :keys, :]).mul_(scale)
-        dk_sum.add(ds, q_blk)
+            add_block_to_bias(dbias, ds, start, stop, keys, first)
+        if target is not None:  # keys the block never sees: past the causal diagonal or its bounds
+            dbias[..., start:stop, :first] = 0
+            dbias[..., start:stop, keys:] = 0
+        dq[:, :, start:stop] = torch.matmul(ds, k_rep[..., first:keys, :]).mul_(scale)
+        dk_sum.add(ds, q_blk, first)
     # forward: K~, V~ = repeat(K, G), repeat(V, G)
     return (
         dq.to(q.dtype),

@@ -32,7 +32,8 @@ The lines, derived in docs/derivation.md ("Forward mode and second order"):
                                                     t D, a per-row constant the softmax ignores)
     g_S  = P * (g_P - rowsum(P * g_P))
     g_Q  = scale (g_S K~ + dS gK~),  g_K~ = scale (g_S^T Q + dS^T gQ),  g_bias = g_S
-Each row sum runs over a whole row of keys, which every block holds. Masked entries and
+Each row sum runs over a whole row of keys, which every block holds (a block's keys are
+those any of its rows may see: a prefix, or with key bounds the band between them). Masked entries and
 empty rows have P = 0, so every term above is 0 there: no NaN.
 The double backward is the transpose of the backward's tangent map: the tests check both
 against PyTorch and against each other (<g, J t> = <J^T g, t>).
@@ -86,14 +87,13 @@ class _ScoreForm:
         self.right = torch.cat(rights, dim=-1) if rights else None  # (B, H, Lk, d or 2d)
         self.c = c
 
-    def tile_into(self, out: Tensor, start: int, stop: int) -> Tensor:
-        """The rows start:stop and keys :out.shape[-1] of the form, written into `out`."""
-        keys = out.shape[-1]
+    def tile_into(self, out: Tensor, start: int, stop: int, cols: slice) -> Tensor:
+        """The rows start:stop and keys `cols` of the form, written into `out`."""
         if self.left is None:
             out.zero_()
         else:
-            torch.matmul(self.left[:, :, start:stop], self.right[..., :keys, :].transpose(-1, -2), out=out)
-        c = row_slice(self.c, start, stop, keys)
+            torch.matmul(self.left[:, :, start:stop], self.right[..., cols, :].transpose(-1, -2), out=out)
+        c = row_slice(self.c, start, stop, cols.stop, cols.start)
         if c is not None:
             out.add_(c)
         return out
@@ -126,31 +126,34 @@ class _Recompute:
         count = buffers + (1 if dropout_p > 0.0 else 0)
         self.tiles = ScoreTiles(count, self.plan, self.batch, self.heads, self.work, q.device)
 
-    def tile(self, index: int, start: int, stop: int, keys: int) -> Tensor:
-        """Scratch buffer `index` shaped as this block's (B, H, R, keys) tile."""
-        return self.tiles.get(index, (self.batch, self.heads, stop - start, keys))
+    def tile(self, index: int, start: int, stop: int, cols: slice) -> Tensor:
+        """Scratch buffer `index` shaped as this block's (B, H, R, keys) tile, for keys `cols`."""
+        return self.tiles.get(index, (self.batch, self.heads, stop - start, cols.stop - cols.start))
 
-    def probs(self, start: int, stop: int, keys: int) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-        """(P, Z or None, the single-key rows or None) for one block, P and Z (B, H, R, keys)
-        in buffers 0 and the last; P is exactly 1 on a single-key row's key
+    def probs(self, start: int, stop: int, cols: slice) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """(P, Z or None, the single-key rows or None) for one block and keys `cols`, P and Z
+        (B, H, R, keys) in buffers 0 and the last; P is exactly 1 on a single-key row's key
         (`kernels.single_key_rows`), and the caller sets such a row's dS to 0."""
-        s = scores_into(self.tile(0, start, stop, keys), self.q_shifted[:, :, start:stop], self.k_ones, self.mask, self.bias,
-                        start, stop, self.causal, self.bounds)  # S - m
+        s = scores_into(self.tile(0, start, stop, cols), self.q_shifted[:, :, start:stop], self.k_ones, self.mask, self.bias,
+                        start, stop, self.causal, self.bounds, cols.start)  # S - m
         e = s.exp_()
         inv = self.inv_sum[:, :, start:stop, None]
         single = single_key_rows(e, self.masked, inv)
         p = e.mul_(inv)
         z = None
         if self.dropout_p > 0.0:
-            z = keep_scale_into(self.tile(len(self.tiles.flat) - 1, start, stop, keys), self.seed, start, self.dropout_p)
+            z = keep_scale_into(self.tile(len(self.tiles.flat) - 1, start, stop, cols), self.seed, start, self.dropout_p,
+                                cols.start)
         return p, z, single
 
-    def each_block(self) -> Iterator[tuple[int, int, int, Tensor, Optional[Tensor], Optional[Tensor]]]:
-        """(start, stop, keys, P, Z or None, single-key rows or None) for every block that
-        sees a key; rows that see none keep their zero tangents and gradients."""
-        for start, stop, keys in self.plan:
-            if keys:
-                yield (start, stop, keys, *self.probs(start, stop, keys))
+    def each_block(self) -> Iterator[tuple[int, int, slice, Tensor, Optional[Tensor], Optional[Tensor]]]:
+        """(start, stop, cols, P, Z or None, single-key rows or None) for every block that
+        sees a key, `cols` the slice of keys it sees; rows that see none keep their zero
+        tangents and gradients."""
+        for start, stop, first, keys in self.plan:
+            if keys > first:
+                cols = slice(first, keys)
+                yield (start, stop, cols, *self.probs(start, stop, cols))
 
     def score_form(self, a_q: Optional[Tensor], b_k: Optional[Tensor], c: Optional[Tensor]) -> _ScoreForm:
         """The S'/T form for query-side `a_q` (B, H, Lq, d), key-side `b_k` (B, Hkv, Lk, d)
@@ -196,7 +199,7 @@ def _sum_of_products(*terms: Optional[tuple[Tensor, Tensor, float]]) -> Tensor:
 
 def _back_through_scores(
     r: "_Recompute", x: Tensor, ds: Tensor, key_side: Optional[Tensor], query_side: Optional[Tensor],
-    dq: Tensor, dk: KeyGradient, dbias: Optional[Tensor], start: int, stop: int, keys: int,
+    dq: Tensor, dk: KeyGradient, dbias: Optional[Tensor], start: int, stop: int, cols: slice,
 ) -> None:
     """How both second-order passes end, for one block. A score-shaped tile X (dS~ or g_S)
     goes back through S = scale Q K~^T + bias, and dS = P * (dP - D) meets the key-side and
@@ -205,13 +208,13 @@ def _back_through_scores(
     (query_side carries the scale already)."""
     rows = slice(start, stop)
     dq[:, :, rows] = _sum_of_products(
-        (x, r.k_rep[..., :keys, :], r.scale), None if key_side is None else (ds, key_side[..., :keys, :], r.scale)
+        (x, r.k_rep[..., cols, :], r.scale), None if key_side is None else (ds, key_side[..., cols, :], r.scale)
     )
-    dk.add(x, r.q_scaled[:, :, rows])
+    dk.add(x, r.q_scaled[:, :, rows], cols.start)
     if query_side is not None:
-        dk.add(ds, query_side[:, :, rows])
+        dk.add(ds, query_side[:, :, rows], cols.start)
     if dbias is not None:
-        add_block_to_bias(dbias, x, start, stop, keys)
+        add_block_to_bias(dbias, x, start, stop, cols.stop, cols.start)
 
 
 def _times(t: Tensor, z: Optional[Tensor], out: Tensor) -> Tensor:
@@ -239,14 +242,14 @@ def attention_jvp(
     form = r.score_form(tq, tk, tbias)
     tv_rep = _repeat(tv, r.groups, r.work)
     out_t = torch.zeros(r.batch, r.heads, r.len_q, v.shape[-1], dtype=r.work, device=q.device)
-    for start, stop, keys, p, z, _single in r.each_block():  # a single-key row's P' is 0 exactly
-        s_t = form.tile_into(r.tile(1, start, stop, keys), start, stop)  # S'
-        p_t = _softmax_jacobian_times(p, s_t, out=r.tile(2, start, stop, keys))  # P'
+    for start, stop, cols, p, z, _single in r.each_block():  # a single-key row's P' is 0 exactly
+        s_t = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols)  # S'
+        p_t = _softmax_jacobian_times(p, s_t, out=r.tile(2, start, stop, cols))  # P'
         scratch = s_t  # S' is spent
         # forward: O = (P * Z) V~  ->  O' = (P' * Z) V~ + (P * Z) V~'
         out_t[:, :, start:stop] = _sum_of_products(
-            (p_t.mul_(z) if z is not None else p_t, r.v_rep[..., :keys, :], 1.0),
-            None if tv_rep is None else (_times(p, z, scratch), tv_rep[..., :keys, :], 1.0),
+            (p_t.mul_(z) if z is not None else p_t, r.v_rep[..., cols, :], 1.0),
+            None if tv_rep is None else (_times(p, z, scratch), tv_rep[..., cols, :], 1.0),
         )
     return out_t.to(q.dtype)
 
@@ -270,19 +273,19 @@ def attention_backward_jvp(
     do_w, tdo_w = dout.to(work), _to(tdout, work)
     delta = _delta(dout, out, work)
     dq_t, dk_t, dv_t, dbias_t = r.gradient_accumulators(bias_grad)
-    for start, stop, keys, p, z, single in r.each_block():
+    for start, stop, cols, p, z, single in r.each_block():
         rows = slice(start, stop)
-        do_blk, v_blk = do_w[:, :, rows], r.v_rep[..., :keys, :]
-        s_t = form.tile_into(r.tile(1, start, stop, keys), start, stop)  # S'
-        p_t = _softmax_jacobian_times(p, s_t, out=r.tile(4, start, stop, keys))  # P'
+        do_blk, v_blk = do_w[:, :, rows], r.v_rep[..., cols, :]
+        s_t = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols)  # S'
+        p_t = _softmax_jacobian_times(p, s_t, out=r.tile(4, start, stop, cols))  # P'
         scratch = s_t  # S' is spent
         # backward: dP = (dO V~^T) * Z, and its tangent dP~ = (dO' V~^T + dO V~'^T) * Z
-        dp = torch.matmul(do_blk, v_blk.transpose(-1, -2), out=r.tile(2, start, stop, keys))
-        dp_t = r.tile(3, start, stop, keys).zero_()
+        dp = torch.matmul(do_blk, v_blk.transpose(-1, -2), out=r.tile(2, start, stop, cols))
+        dp_t = r.tile(3, start, stop, cols).zero_()
         if tdo_w is not None:
             _add_matmul(dp_t, tdo_w[:, :, rows], v_blk.transpose(-1, -2))
         if tv_rep is not None:
-            _add_matmul(dp_t, do_blk, tv_rep[..., :keys, :].transpose(-1, -2))
+            _add_matmul(dp_t, do_blk, tv_rep[..., cols, :].transpose(-1, -2))
         if z is not None:
             dp.mul_(z)
             dp_t.mul_(z)
@@ -290,16 +293,16 @@ def attention_backward_jvp(
         delta_t = torch.mul(p_t, dp, out=scratch).sum(dim=-1, keepdim=True)
         delta_t += torch.mul(p, dp_t, out=scratch).sum(dim=-1, keepdim=True)
         # backward: dV~ = (P * Z)^T dO  ->  dV~~ = (P' * Z)^T dO + (P * Z)^T dO'
-        dv_t.add(_times(p_t, z, scratch), do_blk)
+        dv_t.add(_times(p_t, z, scratch), do_blk, cols.start)
         if tdo_w is not None:
-            dv_t.add(_times(p, z, scratch), tdo_w[:, :, rows])
+            dv_t.add(_times(p, z, scratch), tdo_w[:, :, rows], cols.start)
         dp.sub_(delta[:, :, rows])  # dP - D
         if single is not None:  # D = dP exactly there, and dS = 0 (as in `kernels`)
             dp.masked_fill_(single, 0.0)
         ds_t = p_t.mul_(dp).add_(dp_t.sub_(delta_t).mul_(p))  # dS~, in P''s buffer
         ds = p.mul_(dp)  # dS, in P's buffer
         # backward: dQ = scale dS K~, dK~ = scale dS^T Q, dbias = dS  ->  product rule on each
-        _back_through_scores(r, ds_t, ds, tk_rep, tq_s, dq_t, dk_t, dbias_t, start, stop, keys)
+        _back_through_scores(r, ds_t, ds, tk_rep, tq_s, dq_t, dk_t, dbias_t, start, stop, cols)
     return (
         dq_t.to(q.dtype),
         dk_t.total(r.groups).to(k.dtype),
@@ -328,16 +331,16 @@ def attention_double_backward(
     v_ones = r.values_with_ones() if dropout_p == 0.0 else None
     g_do = torch.zeros(*dout.shape, dtype=work, device=dout.device) if dout_grad else None
     g_q, g_k, g_v, g_bias = r.gradient_accumulators(bias_grad)
-    for start, stop, keys, p, z, single in r.each_block():
+    for start, stop, cols, p, z, single in r.each_block():
         rows = slice(start, stop)
-        do_rows, v_blk = with_column(do_w[:, :, rows], -delta[:, :, rows]), r.v_rep[..., :keys, :]  # [dO | -D]
+        do_rows, v_blk = with_column(do_w[:, :, rows], -delta[:, :, rows]), r.v_rep[..., cols, :]  # [dO | -D]
         do_blk = do_rows[..., :width_v]
-        scratch = r.tile(3, start, stop, keys)
-        t_form = form.tile_into(r.tile(1, start, stop, keys), start, stop)  # T
+        scratch = r.tile(3, start, stop, cols)
+        t_form = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols)  # T
         t_row = torch.mul(p, t_form, out=scratch).sum(dim=-1, keepdim=True)  # t = rowsum(P * T)
-        dp_out = r.tile(2, start, stop, keys)
+        dp_out = r.tile(2, start, stop, cols)
         if z is None:
-            dp = torch.matmul(do_rows, v_ones[..., :keys, :].transpose(-1, -2), out=dp_out)  # dP - D
+            dp = torch.matmul(do_rows, v_ones[..., cols, :].transpose(-1, -2), out=dp_out)  # dP - D
         else:
             dp = torch.matmul(do_blk, v_blk.transpose(-1, -2), out=dp_out).mul_(z).add_(do_rows[..., width_v:])
         if single is not None:  # D = dP exactly there, and dS = 0 (as in `kernels`)
@@ -347,23 +350,23 @@ def attention_double_backward(
         g_dp = torch.mul(p, t_form, out=scratch)
         # through dP = (dO V~^T) * Z
         g_dp_z = g_dp.mul_(z) if z is not None else g_dp
-        g_v.add(g_dp_z, do_blk)
+        g_v.add(g_dp_z, do_blk, cols.start)
         g_p = t_form.mul_(dp)  # (dP - D) * (T - t), in T's buffer
         # through dV~ = (P * Z)^T dO, with dP's path to dO beside it
         if g_do is not None:
             g_do[:, :, rows] = _sum_of_products(
                 (g_dp_z, v_blk, 1.0),
-                None if gv_rep is None else (_times(p, z, r.tile(4, start, stop, keys)), gv_rep[..., :keys, :], 1.0),
+                None if gv_rep is None else (_times(p, z, r.tile(4, start, stop, cols)), gv_rep[..., cols, :], 1.0),
             )
         if gv_rep is not None:
             if z is None:
-                _add_matmul(g_p, do_blk, gv_rep[..., :keys, :].transpose(-1, -2))
+                _add_matmul(g_p, do_blk, gv_rep[..., cols, :].transpose(-1, -2))
             else:
-                g_p.addcmul_(torch.matmul(do_blk, gv_rep[..., :keys, :].transpose(-1, -2), out=scratch), z)
+                g_p.addcmul_(torch.matmul(do_blk, gv_rep[..., cols, :].transpose(-1, -2), out=scratch), z)
         # through P = softmax(S), then S = scale Q K~^T + bias; dQ, dK~ also hold K~, Q directly
         g_s = _softmax_jacobian_times(p, g_p, out=scratch)  # g_S = P * (g_P - rowsum(P * g_P))
         ds = p.mul_(dp)  # dS = P * (dP - D), in P's buffer
-        _back_through_scores(r, g_s, ds, gk_rep, gq_s, g_q, g_k, g_bias, start, stop, keys)
+        _back_through_scores(r, g_s, ds, gk_rep, gq_s, g_q, g_k, g_bias, start, stop, cols)
     return (
         None if g_do is None else g_do.to(dout.dtype),
         g_q.to(q.dtype),

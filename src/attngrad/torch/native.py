@@ -185,7 +185,7 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = [call]
     lib.attngrad_bias_grad_parts.argtypes, lib.attngrad_bias_grad_parts.restype = [call, ctypes.c_int], ctypes.c_int64
     p, i64, u64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_double
-    lib.attngrad_dropout_keep_scale.argtypes = [i32, p, i64, i64, i64, i64, i64, i64, u64, u64, f64, i32]
+    lib.attngrad_dropout_keep_scale.argtypes = [i32, p, i64, i64, i64, i64, i64, i64, i64, u64, u64, f64, i32]
     return lib
 
 
@@ -467,11 +467,12 @@ def attention_double_backward(
     return g_dout, g_q, _sum_parts(gk_parts), _sum_parts(gv_parts), g_bias
 
 
-def dropout_keep_scale_into(out: Tensor, seed: int, row_start: int, threshold: int, value: float) -> Tensor:
+def dropout_keep_scale_into(out: Tensor, seed: int, row_start: int, threshold: int, value: float,
+                            key_start: int = 0) -> Tensor:
     """`dropout.keep_scale_into` for a contiguous float32 or float64 CPU tile (B, H, R, keys)."""
     pointers, _ = _buffers(out)
     _call("attngrad_dropout_keep_scale", out.dtype == torch.float64, pointers[0], out.numel(), *out.shape[:2], row_start,
-          *out.shape[2:], seed, threshold, value, torch.get_num_threads())
+          out.shape[2], key_start, out.shape[3], seed, threshold, value, torch.get_num_threads())
     return out
 
 

@@ -1249,14 +1249,14 @@ void backward_jvp(const Pass<T>& pass) {
 
 // out (B, H, R, keys) <- Z for rows row_start.. and keys 0..: 1 / (1 - p) where kept, else 0
 template <typename T>
-void dropout_keep_scale(T* out, index_t batch, index_t heads, index_t row_start, index_t rows, index_t keys,
-                        const DropoutDraw& draw, int threads) {
+void dropout_keep_scale(T* out, index_t batch, index_t heads, index_t row_start, index_t rows, index_t key_start,
+                        index_t keys, const DropoutDraw& draw, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (index_t row = 0; row < batch * heads * rows; ++row) {
         const index_t bh = row / rows;
         T* out_row = out + row * keys;
         std::fill(out_row, out_row + keys, T(1));
-        draw.scale_row(out_row, bh / heads, bh % heads, row_start + row % rows, 0, keys);
+        draw.scale_row(out_row, bh / heads, bh % heads, row_start + row % rows, key_start, keys);
     }
 }
 
@@ -1501,23 +1501,24 @@ int attngrad_backward_jvp(const AttngradCall* call) {
 #undef ATTNGRAD_AFTER_FORWARD
 
 // out (numel elements) <- the (B, H, R, keys) keep-scale tile of `dropout.keep_scale_into`
-// for rows row_start..row_start + R; `threshold` is ceil(p 2^32), `value` 1 / (1 - p).
+// for rows row_start..row_start + R and keys key_start..key_start + keys; `threshold` is
+// ceil(p 2^32), `value` 1 / (1 - p).
 int attngrad_dropout_keep_scale(int double_precision, void* out, int64_t numel, int64_t batch, int64_t heads,
-                                int64_t row_start, int64_t rows, int64_t keys, uint64_t seed, uint64_t threshold,
-                                double value, int threads) {
+                                int64_t row_start, int64_t rows, int64_t key_start, int64_t keys, uint64_t seed,
+                                uint64_t threshold, double value, int threads) {
     const char* what = "attngrad_dropout_keep_scale";
-    const int64_t sizes[5] = {batch, heads, row_start, rows, keys};
-    const char* names[5] = {"batch", "heads", "row_start", "rows", "keys"};
-    for (int i = 0; i < 5; ++i) {
+    const int64_t sizes[6] = {batch, heads, row_start, rows, key_start, keys};
+    const char* names[6] = {"batch", "heads", "row_start", "rows", "key_start", "keys"};
+    for (int i = 0; i < 6; ++i) {
         if (sizes[i] < 0 || sizes[i] > (int64_t{1} << 31)) return fail(what, names[i], sizes[i], 0), 1;
     }
     if (threads < 1) return fail(what, "threads", threads, 1), 1;
     if (numel != batch * heads * rows * keys) return fail(what, "numel", numel, batch * heads * rows * keys), 1;
     const DropoutDraw draw{true, seed, threshold, value};
     if (double_precision) {
-        dropout_keep_scale<double>(static_cast<double*>(out), batch, heads, row_start, rows, keys, draw, threads);
+        dropout_keep_scale<double>(static_cast<double*>(out), batch, heads, row_start, rows, key_start, keys, draw, threads);
     } else {
-        dropout_keep_scale<float>(static_cast<float*>(out), batch, heads, row_start, rows, keys, draw, threads);
+        dropout_keep_scale<float>(static_cast<float*>(out), batch, heads, row_start, rows, key_start, keys, draw, threads);
     }
     return 0;
 }

@@ -19,7 +19,8 @@ def test_flop_convention():
     assert case.flops == 3.5 * 4 * 1 * 8 * 1024 * 1024 * 64
     assert BenchCase(1024, causal=True).flops == case.flops / 2
     assert [c.name for c in default_cases((64,))] == ["full", "causal", "full+bias-grad", "causal+bias-grad",
-                                                      "full+padding", "full+float-mask", "full+dropout0.1"]
+                                                      "full+padding", "full+float-mask", "full+dropout0.1",
+                                                      "full+padding-lengths", "causal+window", "full+documents"]
     assert [c.name for c in default_cases((64,), ("jvp", "double-backward"))] == [
         "jvp+full", "jvp+causal", "double-backward+full", "double-backward+causal"]
     assert BenchCase(1024, mode="double-backward").flops == 8.5 * 4 * 8 * 1024 * 1024 * 64
@@ -27,7 +28,12 @@ def test_flop_convention():
     with pytest.raises(ValueError, match="unknown mode"):
         BenchCase(64, mode="hessian")
     with pytest.raises(ValueError, match="unknown mask"):
+        BenchCase(64, mask="band")
+    with pytest.raises(ValueError, match="causal sliding window"):
         BenchCase(64, mask="window")
+    # a window or packed documents count the scores they admit
+    assert BenchCase(1024, causal=True, mask="window").flops == 3.5 * 4 * 8 * (1024 * 256 - 256 * 255 / 2) * 64
+    assert BenchCase(1024, mask="documents").flops == case.flops / 8
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -98,3 +104,20 @@ def test_masked_cases_mask_the_same_keys_everywhere():
     reference = outs["padding", "torch-math"]
     for out in outs.values():  # float32 (the bench's dtype): rounding is ~1e-7; a different mask would be O(1)
         assert torch.allclose(out, reference, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask", ["padding-lengths", "window", "documents"])
+def test_structured_cases_mask_what_pytorchs_dense_mask_does(mask):
+    """attngrad gets the structure (lengths, a window, cu_seqlens), PyTorch the dense mask:
+    the outputs agree, and differ from the unmasked call's."""
+    import torch
+
+    length = 300 if mask == "window" else 70  # a window of 256 shorter than the sequence; documents of 9 and 7 keys
+    case = BenchCase(length, causal=mask == "window", mask=mask)
+    inputs = make_inputs(case)
+    outs = {implementation: _attention(implementation, case)(inputs["q"], inputs["k"], inputs["v"], inputs["mask"])
+            for implementation in IMPLEMENTATIONS}
+    for out in outs.values():
+        assert torch.allclose(out, outs["torch-math"], atol=1e-5)
+    plain = _attention("attngrad", BenchCase(length, causal=case.causal))(inputs["q"], inputs["k"], inputs["v"])
+    assert not torch.allclose(plain, outs["torch-math"], atol=1e-2)

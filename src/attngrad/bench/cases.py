@@ -17,6 +17,14 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 IMPLEMENTATIONS = ("attngrad", "torch-default", "torch-math")
+# Masks: "padding", boolean (B, 1, 1, L), the last quarter of the keys excluded; "float-mask",
+# the same as a (B, 1, L, L) float mask, -inf there, without gradient; "padding-lengths", the
+# same padding given to attngrad as lengths; "window", a causal sliding window of WINDOW keys;
+# "documents", DOCUMENTS packed documents of L / DOCUMENTS each. PyTorch gets the last three
+# as the dense boolean mask it needs: (B, 1, 1, L) for the padding, (L, L) for the others.
+MASKS = ("", "padding", "float-mask", "padding-lengths", "window", "documents")
+WINDOW = 256
+DOCUMENTS = 8
 MODES = ("train", "jvp", "double-backward", "hvp")
 # GEMM work of each mode in units of one forward's 4 B H L^2 d (FlashAttention's convention
 # counts the backward as 2.5 forwards). jvp: the forward, then S' (2 products), P' V~ and
@@ -34,8 +42,7 @@ class BenchCase:
     length: int
     causal: bool = False
     bias_grad: bool = False  # a float (H, L, L) attention bias that requires grad
-    mask: str = ""  # "padding": boolean (B, 1, 1, L), the last quarter of the keys excluded;
-    # "float-mask": the same as a (B, 1, L, L) float mask, -inf there, without gradient
+    mask: str = ""  # one of MASKS
     dropout: float = 0.0
     batch: int = 1
     heads: int = 8
@@ -45,8 +52,10 @@ class BenchCase:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose from {MODES}")
-        if self.mask not in ("", "padding", "float-mask"):
-            raise ValueError(f"unknown mask {self.mask!r}; choose from '', 'padding', 'float-mask'")
+        if self.mask not in MASKS:
+            raise ValueError(f"unknown mask {self.mask!r}; choose from {MASKS}")
+        if self.mask == "window" and not self.causal:
+            raise ValueError("the window case is a causal sliding window: pass causal=True")
 
     @property
     def name(self) -> str:
@@ -63,9 +72,17 @@ class BenchCase:
     @property
     def flops(self) -> float:
         """FlashAttention's convention: forward 4 B H L^2 d, backward 2.5x that; causal halves it.
-        The other modes count their GEMMs in the same units (WORK)."""
-        forward = 4.0 * self.batch * self.heads * self.length * self.length * self.dim
-        return WORK[self.mode] * forward / (2.0 if self.causal else 1.0)
+        The other modes count their GEMMs in the same units (WORK). A window or packed
+        documents count the scores they admit, in place of L^2 (or L^2 / 2)."""
+        length = self.length
+        if self.mask == "window":
+            window = min(WINDOW, length)
+            scores = length * window - window * (window - 1) / 2
+        elif self.mask == "documents":
+            scores = length * length / DOCUMENTS
+        else:
+            scores = length * length / (2.0 if self.causal else 1.0)
+        return WORK[self.mode] * 4.0 * self.batch * self.heads * scores * self.dim
 
     @property
     def outputs(self) -> int:
@@ -90,6 +107,9 @@ def default_cases(lengths: tuple[int, ...], modes: tuple[str, ...] = ("train",))
                     BenchCase(length, mask="padding"),
                     BenchCase(length, mask="float-mask"),
                     BenchCase(length, dropout=0.1),
+                    BenchCase(length, mask="padding-lengths"),
+                    BenchCase(length, causal=True, mask="window"),
+                    BenchCase(length, mask="documents"),
                 ]
             else:
                 cases += [BenchCase(length, mode=mode), BenchCase(length, causal=True, mode=mode)]
@@ -111,16 +131,36 @@ def make_inputs(case: BenchCase, seed: int = 0) -> dict[str, Any]:
     if case.mask:
         keep = torch.ones(case.batch, 1, 1, case.length, dtype=torch.bool)
         keep[..., case.length - case.length // 4:] = False
-        tensors["mask"] = keep if case.mask == "padding" else torch.zeros(
-            case.batch, 1, case.length, case.length).masked_fill(~keep, float("-inf"))
+        position = torch.arange(case.length)
+        if case.mask == "float-mask":
+            keep = torch.zeros(case.batch, 1, case.length, case.length).masked_fill(~keep, float("-inf"))
+        elif case.mask == "window":
+            offset = position[None, :] - position[:, None]  # j - i
+            keep = (offset <= 0) & (offset > -WINDOW)
+        elif case.mask == "documents":
+            document = position // -(-case.length // DOCUMENTS)
+            keep = document[:, None] == document[None, :]
+        tensors["mask"] = keep
     return tensors
+
+
+def structured(case: BenchCase) -> dict[str, Any]:
+    """The case's mask as attngrad's structured-mask keywords (none for the others)."""
+    import torch
+
+    if case.mask == "padding-lengths":
+        return dict(key_padding=torch.full((case.batch,), case.length - case.length // 4))
+    if case.mask == "window":
+        return dict(window=(WINDOW - 1, None))
+    if case.mask == "documents":
+        step = -(-case.length // DOCUMENTS)  # as make_inputs cuts them
+        return dict(cu_seqlens=torch.cat([torch.arange(0, case.length, step), torch.tensor([case.length])]))
+    return {}
 
 
 def _attention(implementation: str, case: BenchCase) -> Callable[..., Any]:
     """(q, k, v, bias) -> out for `implementation`, with the case's mask and dropout."""
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ..torch import attention
     from ..torch import scaled_dot_product_attention as ours
@@ -129,6 +169,10 @@ def _attention(implementation: str, case: BenchCase) -> Callable[..., Any]:
         raise ValueError(f"unknown implementation {implementation!r}; choose from {IMPLEMENTATIONS}")
 
     def forward(q: Any, k: Any, v: Any, bias: Any = None) -> Any:
+        if implementation == "attngrad" and structured(case):  # no dense mask: the structure alone
+            return attention(q, k, v, is_causal=case.causal, dropout_p=case.dropout, **structured(case))
+        if case.mask in ("window", "documents"):  # the causal band is spelled into PyTorch's mask
+            return _pytorch(implementation, q, k, v, dict(attn_mask=bias, dropout_p=case.dropout))
         # a bias with gradient, or a mask without (no case has both)
         kwargs = dict(attn_mask=bias, is_causal=case.causal, dropout_p=case.dropout)
         if case.causal and bias is not None:
@@ -139,12 +183,20 @@ def _attention(implementation: str, case: BenchCase) -> Callable[..., Any]:
             kwargs.update(attn_mask=bias.masked_fill(~tri, float("-inf")), is_causal=False)
         if implementation == "attngrad":
             return ours(q, k, v, **kwargs)
-        if implementation == "torch-default":
-            return F.scaled_dot_product_attention(q, k, v, **kwargs)
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return _pytorch(implementation, q, k, v, kwargs)
 
     return forward
+
+
+def _pytorch(implementation: str, q: Any, k: Any, v: Any, kwargs: dict[str, Any]) -> Any:
+    """PyTorch's function on its default backends, or on its math backend alone."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if implementation == "torch-default":
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def step(implementation: str, case: BenchCase) -> Callable[[dict[str, Any]], None]:

@@ -766,11 +766,12 @@ struct RowBlock {
     index_t chunk, b, hk, bhk;  // the work item; bhk = b Hkv + hk
     index_t h, bh;              // the query head, and bh = b H + h
     index_t r0, rows, first;    // rows r0..r0 + rows of the head; first = bh Lq + r0
-    index_t keys;               // how many keys (a prefix) any of the rows sees
+    index_t keys;               // how many keys, from key0 on, any of the rows sees
     index_t len_k;
+    index_t key0 = 0;           // the first of them: 0, or the smallest lower key bound of the rows
 
-    // The item's head in a key-side (B, Hkv, Lk, width) tensor, the block's rows in a
-    // query-side (B, H, Lq, width) one; null (an absent tangent) stays null.
+    // The item's head in a key-side (B, Hkv, Lk, width) tensor from key key0 on, the block's
+    // rows in a query-side (B, H, Lq, width) one; null (an absent tangent) stays null.
     template <typename P>
     P* head(P* base, index_t width) const { return base ? base + head_offset(width) : nullptr; }
     template <typename P>
@@ -780,8 +781,23 @@ struct RowBlock {
     P* part_head(P* parts, index_t kv_size, index_t width) const {
         return parts + chunk * kv_size * width + head_offset(width);
     }
-    index_t head_offset(index_t width) const { return bhk * len_k * width; }
+    index_t head_offset(index_t width) const { return (bhk * len_k + key0) * width; }
 };
+
+// A block's keys narrowed to those between its rows' bounds: a band of a sliding window,
+// not the whole prefix, so its row sums run over the keys that can take part alone.
+template <typename T>
+void narrow_to_bounds(RowBlock& blk, const ScoreMask<T>& masks) {
+    index_t lo = blk.keys, hi = 0;
+    for (index_t i = blk.r0; i < blk.r0 + blk.rows; ++i) {
+        const auto [row_lo, row_hi] = masks.range(blk.b, i, blk.len_k);
+        lo = std::min(lo, row_lo);
+        hi = std::max(hi, row_hi);
+    }
+    const index_t stop = std::min(blk.keys, hi);
+    blk.key0 = std::min(lo, stop);
+    blk.keys = stop - blk.key0;
+}
 
 // body(block, scratch) for every query block of whole rows: the work `items` in parallel,
 // each visiting, for its (chunk of query blocks, b, key/value head)s in order, its chunk of
@@ -808,6 +824,7 @@ void for_each_row_block(const Pass<T>& pass, const KvItems& items, int tiles, Bo
                         blk.rows = std::min(block_rows, s.len_q - blk.r0);
                         blk.first = blk.bh * s.len_q + blk.r0;
                         blk.keys = pass.causal.keys_before(blk.r0 + blk.rows, s.len_k);
+                        if (pass.masks.bounds) narrow_to_bounds(blk, pass.masks);
                         body(blk, scratch.data());
                     }
                 }
@@ -1056,13 +1073,13 @@ void double_backward(const Pass<T>& pass) {
         products_nt<T>(rows, keys, s.dim_v, T(1), do_blk, gv_head, nullptr, nullptr, x);
         for (index_t i = 0; i < rows; ++i) {
             T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
-            const index_t row = blk.r0 + i, seen = pass.causal.visible(row, 0, keys);
+            const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
             const T m = row_max[first + i], inv = inv_sum[first + i];
-            if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, 0, seen);
-            if (gbias.any()) gbias.apply(ti, blk.b, blk.h, row, 0, seen);
+            if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, blk.key0, seen);
+            if (gbias.any()) gbias.apply(ti, blk.b, blk.h, row, blk.key0, seen);
             if (drop.on) {  // dP~ = (dO V^T) Z,  X = (dO gV^T) Z
-                drop.scale_row(dpi, blk.b, blk.h, row, 0, seen);
-                drop.scale_row(xi, blk.b, blk.h, row, 0, seen);
+                drop.scale_row(dpi, blk.b, blk.h, row, blk.key0, seen);
+                drop.scale_row(xi, blk.b, blk.h, row, blk.key0, seen);
             }
             T d_row = delta[first + i];
             T t_sum = probs_and_dot(pi, ti, seen, m, inv);  // P, t = rowsum(P * T)
@@ -1074,11 +1091,11 @@ void double_backward(const Pass<T>& pass) {
             const T u_sum = second_order_terms(pi, ti, dpi, xi, seen, t_sum, d_row);
             centre_and_scale(pi, xi, seen, u_sum);  // g_S = P (g_P - u)
             if (drop.on) {  // g_dP Z and P Z, for g_V and g_dO
-                drop.scale_row(ti, blk.b, blk.h, row, 0, seen);
-                drop.scale_row(pi, blk.b, blk.h, row, 0, seen);
+                drop.scale_row(ti, blk.b, blk.h, row, blk.key0, seen);
+                drop.scale_row(pi, blk.b, blk.h, row, blk.key0, seen);
             }
             for (T* r : {pi, ti, dpi, xi}) std::fill(r + seen, r + keys, T(0));
-            if (g_bias_part) g_bias.add_row(g_bias_part, xi, blk.b, blk.h, row, 0, seen);  // g_bias += g_S
+            if (g_bias_part) g_bias.add_row(g_bias_part, xi, blk.b, blk.h, row, blk.key0, seen);  // g_bias += g_S
         }
         // backward: dV = (P Z)^T dO  ->  g_V += (g_dP Z)^T dO
         gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), g_v, s.dim_v);
@@ -1136,16 +1153,16 @@ void jvp(const Pass<T>& pass) {
         products_nt(rows, keys, s.dim, scale, tq_blk, k_head, q_blk, tk_head, t);
         for (index_t i = 0; i < rows; ++i) {
             T *pi = p + i * keys, *ti = t + i * keys;
-            const index_t row = blk.r0 + i, seen = pass.causal.visible(row, 0, keys);
-            if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, 0, seen);
-            if (tbias.any()) tbias.apply(ti, blk.b, blk.h, row, 0, seen);
+            const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
+            if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, blk.key0, seen);
+            if (tbias.any()) tbias.apply(ti, blk.b, blk.h, row, blk.key0, seen);
             // forward: P = softmax(S)  ->  P' = P (S' - rowsum(P S'))
             T t_sum = probs_and_dot(pi, ti, seen, row_max[first + i], inv_sum[first + i]);
             if (row_keys_of(blk.bh, row) == 1) t_sum = single_key_probs(pi, ti, seen);  // so P' = 0
             centre_and_scale(pi, ti, seen, t_sum);
             if (drop.on) {  // P Z and P' Z
-                drop.scale_row(pi, blk.b, blk.h, row, 0, seen);
-                drop.scale_row(ti, blk.b, blk.h, row, 0, seen);
+                drop.scale_row(pi, blk.b, blk.h, row, blk.key0, seen);
+                drop.scale_row(ti, blk.b, blk.h, row, blk.key0, seen);
             }
             std::fill(pi + seen, pi + keys, T(0));
             std::fill(ti + seen, ti + keys, T(0));
@@ -1210,16 +1227,16 @@ void backward_jvp(const Pass<T>& pass) {
         products_nt(rows, keys, s.dim_v, T(1), tdo_blk, v_head, do_blk, tv_head, x);
         for (index_t i = 0; i < rows; ++i) {
             T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
-            const index_t row = blk.r0 + i, seen = pass.causal.visible(row, 0, keys);
-            if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, 0, seen);
-            if (tbias.any()) tbias.apply(ti, blk.b, blk.h, row, 0, seen);
+            const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
+            if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, blk.key0, seen);
+            if (tbias.any()) tbias.apply(ti, blk.b, blk.h, row, blk.key0, seen);
             T t_sum = probs_and_dot(pi, ti, seen, row_max[first + i], inv_sum[first + i]);  // P, t = rowsum(P * T)
             const bool single = row_keys_of(blk.bh, row) == 1;  // then P' = 0 and dS = dS' = 0
             if (single) t_sum = single_key_probs(pi, ti, seen);
             centre_and_scale(pi, ti, seen, t_sum);  // P' = P (T - t)
             if (drop.on) {  // dP~ = dP Z, dP~' = dP' Z
-                drop.scale_row(dpi, blk.b, blk.h, row, 0, seen);
-                drop.scale_row(xi, blk.b, blk.h, row, 0, seen);
+                drop.scale_row(dpi, blk.b, blk.h, row, blk.key0, seen);
+                drop.scale_row(xi, blk.b, blk.h, row, blk.key0, seen);
             }
             if (single) {
                 std::fill(dpi, dpi + seen, T(0));
@@ -1229,11 +1246,11 @@ void backward_jvp(const Pass<T>& pass) {
                 score_grad_tangents(pi, ti, dpi, xi, seen, delta[first + i], d_t);  // dS, dS'
             }
             if (drop.on) {  // P Z and P' Z, for dV'
-                drop.scale_row(pi, blk.b, blk.h, row, 0, seen);
-                drop.scale_row(ti, blk.b, blk.h, row, 0, seen);
+                drop.scale_row(pi, blk.b, blk.h, row, blk.key0, seen);
+                drop.scale_row(ti, blk.b, blk.h, row, blk.key0, seen);
             }
             for (T* r : {pi, ti, dpi, xi}) std::fill(r + seen, r + keys, T(0));
-            if (dbias_t) tdbias.add_row(dbias_t, xi, blk.b, blk.h, row, 0, seen);  // dbias' = dS'
+            if (dbias_t) tdbias.add_row(dbias_t, xi, blk.b, blk.h, row, blk.key0, seen);  // dbias' = dS'
         }
         // backward: dV = (P Z)^T dO  ->  dV' += (P' Z)^T dO + (P Z)^T tdO
         gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), dv_t, s.dim_v);

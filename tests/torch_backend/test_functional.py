@@ -126,7 +126,7 @@ def test_dropout_is_exact_with_the_regenerated_mask(many_blocks, is_causal):
     q, k, v = make()
     p, seed = 0.3, 12345
     seed_t = torch.tensor(seed)
-    out = attention(q, k, v, None, None, None, seed_t, 0 if is_causal else None, 8**-0.5, p)
+    out = attention(q, k, v, None, None, None, seed_t, 0 if is_causal else None, 8**-0.5, 0.0, p)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, [q, k, v], dout)
     keep = _keep_mask(2, 4, 13, 21, seed, p)
@@ -142,7 +142,7 @@ def test_dropout_is_exact_with_the_regenerated_mask(many_blocks, is_causal):
 def test_dropout_gradcheck_and_reproducibility():
     q, k, v = make(batch=1, heads=2, len_q=4, len_k=5, dim=3, dim_v=2)
     seed = torch.tensor(7)
-    assert torch.autograd.gradcheck(lambda *t: attention(*t, None, None, None, seed, None, 0.5, 0.4), (q, k, v))
+    assert torch.autograd.gradcheck(lambda *t: attention(*t, None, None, None, seed, None, 0.5, 0.0, 0.4), (q, k, v))
     torch.manual_seed(0)
     a = scaled_dot_product_attention(q, k, v, dropout_p=0.4)
     b = scaled_dot_product_attention(q, k, v, dropout_p=0.4)

@@ -74,7 +74,7 @@ def _masks(masking, batch, heads, len_q, len_k, dtype, seed):
 WHOLE_ROW_CALLS = dict(
     batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 3), len_q=st.integers(1, 50),
     len_k=st.integers(1, 50), dim=st.sampled_from([1, 5, 16]), dim_v=st.sampled_from([3, 16]), causal=CAUSAL,
-    masking=MASKING, rows=st.sampled_from([3, 128]),
+    masking=MASKING, rows=st.sampled_from([3, 128]), softcap=st.sampled_from([0.0, 0.0, 0.7]),
 )
 
 
@@ -96,12 +96,13 @@ def _inputs(batch, heads, kv_heads, len_q, len_k, dim, dim_v, dtype, seed):
     # (rows, keys, value slice): one block, many with row tails, 16-wide vectors with tails
     blocks=st.sampled_from([(128, 512, 128), (3, 5, 2), (7, 20, 4), (16, 33, 16)]),
     chunks=st.integers(1, 4), bias_grad=st.booleans(), seed=st.integers(0, 2**16),
+    softcap=st.sampled_from([0.0, 0.0, 0.7]),
 )
 def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal, masking,
-                                           dropout_p, blocks, chunks, bias_grad, seed):
+                                           dropout_p, blocks, chunks, bias_grad, seed, softcap):
     """float64, every block layout and key split, every causal diagonal, a boolean mask and a
-    bias of any broadcast shape and its gradient, dropout (the same coordinate-keyed mask):
-    the same statistics, output and gradients as `kernels` to 1e-12."""
+    bias of any broadcast shape and its gradient, dropout (the same coordinate-keyed mask),
+    a softcap: the same statistics, output and gradients as `kernels` to 1e-12."""
     q, k, v, dout = _inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
     scale, causal = dim**-0.5, _diagonal(causal, len_q, len_k)
     mask, bias = _masks(masking, batch, kv_heads * groups, len_q, len_k, torch.float64, seed)
@@ -109,14 +110,15 @@ def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k
     old = native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE
     native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE = blocks
     try:
-        ours = native.attention_forward(q, k, v, causal, scale, mask=mask, bias=bias, seed=seed, dropout_p=dropout_p)
+        ours = native.attention_forward(q, k, v, causal, scale, mask=mask, bias=bias, seed=seed, dropout_p=dropout_p,
+                                        softcap=softcap)
         grads = native.attention_backward(dout, q, k, v, *ours, causal, scale, chunks=chunks, mask=mask, bias=bias,
-                                          seed=seed, dropout_p=dropout_p, bias_grad=bias_grad)
+                                          seed=seed, dropout_p=dropout_p, bias_grad=bias_grad, softcap=softcap)
     finally:
         native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE = old
-    theirs = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, dropout_p)
-    their_grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, *theirs, causal, scale, dropout_p,
-                                             bias_grad)
+    theirs = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
+    their_grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, *theirs, causal, scale, softcap,
+                                             dropout_p, bias_grad)
     assert (grads[3] is None) is (not bias_grad)
     grads, their_grads = grads[: 3 + bias_grad], their_grads[: 3 + bias_grad]
     names = ("out", "row_max", "inv_sum", "dq", "dk", "dv", "dbias")
@@ -137,7 +139,7 @@ def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k
     seed=st.integers(0, 2**16),
 )
 def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal,
-                                                           masking, rows, chunks, present, dout_grad, dropout_p,
+                                                           masking, rows, softcap, chunks, present, dout_grad, dropout_p,
                                                            bias_grad, seed):
     """float64, any subset of the cotangents (gQ, gK, gV, and gbias with the bias's
     gradient), with and without g_dO, dropout, every block height and split of the query
@@ -149,17 +151,18 @@ def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, grou
     g = torch.Generator().manual_seed(seed + 1)
     gq, gk, gv, gbias = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
                          for t, keep in zip((q, k, v, bias if bias_grad else None), present))
-    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, dropout_p)
+    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
     old = native.BLOCK_ROWS
     native.BLOCK_ROWS = rows
     try:
         ours = native.attention_double_backward(dout, q, k, v, out, row_max, inv_sum, causal, scale, dout_grad,
                                                 gq, gk, gv, chunks=chunks, mask=mask, bias=bias, gbias=gbias,
-                                                seed=seed, dropout_p=dropout_p, bias_grad=bias_grad)
+                                                seed=seed, dropout_p=dropout_p, bias_grad=bias_grad, softcap=softcap)
     finally:
         native.BLOCK_ROWS = old
     theirs = kernels_higher.attention_double_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal,
-                                                      scale, dropout_p, bias_grad, dout_grad, gq, gk, gv, gbias)
+                                                      scale, softcap, dropout_p, bias_grad, dout_grad, gq, gk, gv,
+                                                      gbias)
     assert (ours[0] is None) is (not dout_grad) and (ours[4] is None) is (not bias_grad)
     names = ("g_dout", "g_q", "g_k", "g_v", "g_bias")
     kept = [i for i in range(5) if theirs[i] is not None]
@@ -180,7 +183,7 @@ def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, grou
     seed=st.integers(0, 2**16),
 )
 def test_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal, masking,
-                                               rows, dropout_p, present, seed):
+                                               rows, softcap, dropout_p, present, seed):
     """float64, any subset of the tangents (tQ, tK, tV, tbias), masks and a bias of any
     broadcast shape, dropout, every block height: `kernels_higher`'s output tangent to 1e-12."""
     q, k, v, _ = _inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
@@ -189,16 +192,16 @@ def test_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, l
     g = torch.Generator().manual_seed(seed + 1)
     tq, tk, tv, tbias = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
                          for t, keep in zip((q, k, v, bias), present))
-    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, dropout_p)
+    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
     old = native.BLOCK_ROWS
     native.BLOCK_ROWS = rows
     try:
         ours = native.attention_jvp(q, k, v, row_max, inv_sum, causal, scale, tq, tk, tv, mask=mask, bias=bias,
-                                    tbias=tbias, seed=seed, dropout_p=dropout_p)
+                                    tbias=tbias, seed=seed, dropout_p=dropout_p, softcap=softcap)
     finally:
         native.BLOCK_ROWS = old
-    theirs = kernels_higher.attention_jvp(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p,
-                                          tq, tk, tv, tbias)
+    theirs = kernels_higher.attention_jvp(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap,
+                                          dropout_p, tq, tk, tv, tbias)
     assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
     assert_all_close({"out_t": ours}, {"out_t": theirs}, floor_fraction=1e-3)
 
@@ -213,7 +216,8 @@ def test_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, l
     seed=st.integers(0, 2**16),
 )
 def test_backward_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal,
-                                                        masking, rows, chunks, dropout_p, bias_grad, present, seed):
+                                                        masking, rows, softcap, chunks, dropout_p, bias_grad, present,
+                                                        seed):
     """float64, any subset of the tangents (tdO, tQ, tK, tV, tbias), masks and a bias of any
     broadcast shape with and without its gradient, dropout, every block height and split of
     the query blocks: `kernels_higher`'s tangents of dq, dk, dv, dbias to 1e-12."""
@@ -224,17 +228,17 @@ def test_backward_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups,
     g = torch.Generator().manual_seed(seed + 1)
     tangents = [torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
                 for t, keep in zip((dout, q, k, v, bias), present)]
-    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, dropout_p)
+    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
     old = native.BLOCK_ROWS
     native.BLOCK_ROWS = rows
     try:
         ours = native.attention_backward_jvp(dout, q, k, v, out, row_max, inv_sum, causal, scale, *tangents[:4],
                                              mask=mask, bias=bias, tbias=tangents[4], seed=seed, dropout_p=dropout_p,
-                                             bias_grad=bias_grad, chunks=chunks)
+                                             bias_grad=bias_grad, chunks=chunks, softcap=softcap)
     finally:
         native.BLOCK_ROWS = old
     theirs = kernels_higher.attention_backward_jvp(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal,
-                                                   scale, dropout_p, bias_grad, *tangents)
+                                                   scale, softcap, dropout_p, bias_grad, *tangents)
     assert (ours[3] is None) is (not bias_grad)
     names = ("dq_t", "dk_t", "dv_t", "dbias_t")[: 3 + bias_grad]
     for a, b in zip(ours, theirs):
@@ -332,8 +336,8 @@ def test_bias_gradient_parts_add_up(shape, expanded):
     bias = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     if expanded:
         bias = bias.expand(2, 4, 37, 300)
-    stats = kernels.attention_forward(q, k, v, None, bias, 0, 0, 0.3, 0.0)
-    theirs = kernels.attention_backward(dout, q, k, v, None, bias, 0, *stats, 0, 0.3, 0.0, True)
+    stats = kernels.attention_forward(q, k, v, None, bias, 0, 0, 0.3, 0.0, 0.0)
+    theirs = kernels.attention_backward(dout, q, k, v, None, bias, 0, *stats, 0, 0.3, 0.0, 0.0, True)
     old = native.BLOCK_KEYS
     native.BLOCK_KEYS = 64
     try:
@@ -473,10 +477,11 @@ def test_tiles_skip_what_a_padding_mask_excludes(causal):
                                                       mask=mask, bias=float_mask)[:4]
         finally:
             native.BLOCK_ROWS, native.BLOCK_KEYS = old
-        theirs = kernels.attention_forward(q, k, v, mask, float_mask, 0, causal, 0.3, 0.0)
-        their_grads = kernels.attention_backward(dout, q, k, v, mask, float_mask, 0, *theirs, causal, 0.3, 0.0, False)
+        theirs = kernels.attention_forward(q, k, v, mask, float_mask, 0, causal, 0.3, 0.0, 0.0)
+        their_grads = kernels.attention_backward(dout, q, k, v, mask, float_mask, 0, *theirs, causal, 0.3, 0.0, 0.0,
+                                                 False)
         their_second = kernels_higher.attention_double_backward(dout, q, k, v, mask, float_mask, 0, *theirs, causal,
-                                                                0.3, 0.0, False, True, *cotangents, None)
+                                                                0.3, 0.0, 0.0, False, True, *cotangents, None)
         names = ("out", "row_max", "inv_sum", "dq", "dk", "dv", "g_dout", "g_q", "g_k", "g_v")
         assert_all_close(dict(zip(names, (*ours, *grads, *second))),
                          dict(zip(names, (*theirs, *their_grads[:3], *their_second[:4]))))

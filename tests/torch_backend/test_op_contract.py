@@ -30,7 +30,9 @@ VARIANTS = {
     "dropout": dict(dropout_p=0.3),
     "gqa": dict(kv_heads=HKV),
     "bounds": dict(bounds=B),
-    "all": dict(causal=0, mask=True, bias=(B, 1, LQ, LK), bias_grad=True, dropout_p=0.2, kv_heads=HKV, bounds=1),
+    "softcap": dict(softcap=0.9, bias=(H, LQ, LK), bias_grad=True),
+    "all": dict(causal=0, mask=True, bias=(B, 1, LQ, LK), bias_grad=True, dropout_p=0.2, kv_heads=HKV, bounds=1,
+                softcap=2.0),
 }
 
 
@@ -52,14 +54,14 @@ def _call_args(variant: str, layout: str, dtype=torch.float64):
     bounds = _bounds(spec["bounds"], g) if "bounds" in spec else None
     seed = torch.tensor(1234 if spec.get("dropout_p") else 0)
     causal, dropout_p, bias_grad = spec.get("causal"), spec.get("dropout_p", 0.0), spec.get("bias_grad", False)
-    scale = D**-0.5
-    forward = (q, k, v, mask, bias, bounds, seed, causal, scale, dropout_p)
+    scale, softcap = D**-0.5, spec.get("softcap", 0.0)
+    forward = (q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p)
     out, row_max, inv_sum = op.attention_forward(*forward)
     dout = make(B, H, LQ, DV, g=g, dtype=dtype)
-    backward = (dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad)
+    backward = (dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad)
     tq, tk, tv = (torch.randn(t.shape, generator=g, dtype=dtype) for t in (q, k, v))
     tbias = None if bias is None else torch.randn(bias.shape, generator=g, dtype=dtype)
-    jvp = (q, k, v, mask, bias, bounds, seed, row_max, inv_sum, causal, scale, dropout_p, tq, tk, tv, tbias)
+    jvp = (q, k, v, mask, bias, bounds, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, tq, tk, tv, tbias)
     backward_jvp = (*backward, torch.randn(dout.shape, generator=g, dtype=dtype), tq, tk, tv, tbias)
     double_backward = (*backward, True, tq, tk, tv, tbias if bias_grad else None)
     return forward, backward, jvp, backward_jvp, double_backward
@@ -144,11 +146,11 @@ def _bad_calls():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((B, H, LQ, D), (B, HKV, LK, D), (B, HKV, LK, DV)))
     seed, scale = torch.tensor(0), D**-0.5
-    forward = dict(q=q, k=k, v=v, mask=None, bias=None, bounds=None, seed=seed, causal=None, scale=scale, dropout_p=0.0)
+    forward = dict(q=q, k=k, v=v, mask=None, bias=None, bounds=None, seed=seed, causal=None, scale=scale, softcap=0.0, dropout_p=0.0)
     out, row_max, inv_sum = op.attention_forward(**forward)
     dout = torch.randn_like(out)
     backward = dict(dout=dout, q=q, k=k, v=v, mask=None, bias=None, bounds=None, seed=seed, out=out, row_max=row_max,
-                    inv_sum=inv_sum, causal=None, scale=scale, dropout_p=0.0, bias_grad=False)
+                    inv_sum=inv_sum, causal=None, scale=scale, softcap=0.0, dropout_p=0.0, bias_grad=False)
     return [
         ("3 query heads over 2 key heads", op.attention_forward, forward, dict(q=q[:, :3]), "multiple"),
         ("query width 16, key width 8", op.attention_forward, forward, dict(q=torch.randn(B, H, LQ, 16, dtype=torch.float64)), "width d"),
@@ -161,6 +163,7 @@ def _bad_calls():
         ("a 5-D bias", op.attention_forward, forward, dict(bias=torch.zeros(1, 1, 1, LQ, LK, dtype=torch.float64)), "bias of shape"),
         ("a bias over too many keys", op.attention_forward, forward, dict(bias=torch.zeros(LQ, LK + 1, dtype=torch.float64)), "bias of shape"),
         ("dropout_p 1.5", op.attention_forward, forward, dict(dropout_p=1.5), "dropout_p"),
+        ("a negative softcap", op.attention_forward, forward, dict(softcap=-1.0), "softcap"),
         ("bounds for 3 batch entries", op.attention_forward, forward, dict(bounds=torch.zeros(3, LQ, 2, dtype=torch.int64)),
          "bounds must have shape"),
         ("bounds per key", op.attention_forward, forward, dict(bounds=torch.zeros(B, LQ, LK, dtype=torch.int64)),
@@ -175,10 +178,10 @@ def _bad_calls():
         ("bias_grad without a bias", op.attention_backward, backward, dict(bias_grad=True), "needs a bias"),
         ("a tangent of q's transpose", op.attention_jvp,
          dict(q=q, k=k, v=v, mask=None, bias=None, bounds=None, seed=seed, row_max=row_max, inv_sum=inv_sum, causal=None, scale=scale,
-              dropout_p=0.0, tq=None, tk=None, tv=None, tbias=None), dict(tq=q.transpose(-1, -2)), "tq must have shape"),
+              softcap=0.0, dropout_p=0.0, tq=None, tk=None, tv=None, tbias=None), dict(tq=q.transpose(-1, -2)), "tq must have shape"),
         ("a tangent of the bias without a bias", op.attention_jvp,
          dict(q=q, k=k, v=v, mask=None, bias=None, bounds=None, seed=seed, row_max=row_max, inv_sum=inv_sum, causal=None, scale=scale,
-              dropout_p=0.0, tq=None, tk=None, tv=None, tbias=None), dict(tbias=torch.zeros(LQ, LK, dtype=torch.float64)), "without a bias"),
+              softcap=0.0, dropout_p=0.0, tq=None, tk=None, tv=None, tbias=None), dict(tbias=torch.zeros(LQ, LK, dtype=torch.float64)), "without a bias"),
         ("a tangent of dout over too few rows", op.attention_backward_jvp,
          dict(**backward, tdout=None, tq=None, tk=None, tv=None, tbias=None), dict(tdout=dout[:, :, 1:]), "tdout must have shape"),
         ("a cotangent of k over too many keys", op.attention_double_backward,

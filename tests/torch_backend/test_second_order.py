@@ -54,7 +54,7 @@ class Case:
 
     def ours(self, q, k, v, bias=None):
         if self.dropout_p:
-            return attention_op.attention(q, k, v, self.mask, bias, None, torch.tensor(77), 0 if self.is_causal else None, q.shape[-1] ** -0.5, self.dropout_p)
+            return attention_op.attention(q, k, v, self.mask, bias, None, torch.tensor(77), 0 if self.is_causal else None, q.shape[-1] ** -0.5, 0.0, self.dropout_p)
         return attention(q, k, v, attn_mask=self.mask, attn_bias=bias, is_causal=self.is_causal, enable_gqa=self.gqa)
 
     def theirs(self, q, k, v, bias=None):
@@ -123,7 +123,7 @@ def test_vmapped_double_backward_op_without_dout_gradient(many_blocks):
     qs = torch.stack([q, 2 * q, q.flip(2)])
     dout = randn(*q.shape[:-1], v.shape[-1], seed=60)
     gq, gk, gv = (randn(*t.shape, seed=61 + i) for i, t in enumerate((q, k, v)))
-    seed, options = torch.tensor(0), (False, 0.3, 0.0)
+    seed, options = torch.tensor(0), (None, 0.3, 0.0, 0.0)
 
     def second(q, dout_grad):
         out, row_max, inv_sum = attention_op.attention_forward(q, k, v, None, None, None, seed, *options)

@@ -188,6 +188,7 @@ def attention(
     window: Optional[tuple[Optional[int], Optional[int]]] = None,
     document_ids: Optional[Tensor] = None,
     cu_seqlens: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
@@ -209,6 +210,10 @@ def attention(
     cu_seqlens: (D + 1,) cumulative lengths (flash-attn's varlen convention): packed
     sequences, each query sees its own document's keys (needs Lq = Lk).
 
+    softcap: c > 0 caps the scores as Gemma 2 does, S = c tanh(scale Q K^T / c) + bias,
+    with the bias and masks added after the cap; every derivative takes the cap's slope
+    and, to second order, its curvature.
+
     PyTorch's signature takes one mask and refuses is_causal beside it, so a causal model
     with a learned bias must spell the causal mask into the bias with -inf, and then no
     kernel can skip the masked half. Here the tiles that the causal or a structured mask
@@ -216,16 +221,18 @@ def attention(
     """
     return _run(query, key, value, attn_mask, attn_bias, dropout_p, is_causal, scale, enable_gqa,
                 structured=dict(key_padding=key_padding, window=window, document_ids=document_ids,
-                                cu_seqlens=cu_seqlens))
+                                cu_seqlens=cu_seqlens), softcap=softcap)
 
 
 def _run(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
          dropout_p: float, is_causal: bool | str, scale: Optional[float], enable_gqa: bool,
-         seed: Optional[Tensor] = None, structured: Optional[dict] = None) -> Tensor:
+         seed: Optional[Tensor] = None, structured: Optional[dict] = None, softcap: Optional[float] = None) -> Tensor:
     """Check, fold to (B, H, L, E), run the op, unfold. `seed` (a 0-d int64 tensor) fixes
     the dropout draw; by default it comes from PyTorch's generator. `structured`: the
     structured masks' keywords of `structured.structure`."""
     _check_tensors(query, key, value, dropout_p)
+    if softcap is not None and not (isinstance(softcap, (int, float)) and 0.0 < softcap < math.inf):
+        raise ValueError(f"softcap must be a positive finite number (or None); got {softcap!r}")
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"attn_mask must be boolean here; pass a float mask as attn_bias (got {mask.dtype})")
     if bias is not None and bias.dtype not in FLOATS:
@@ -250,5 +257,6 @@ def _run(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], bias
             seed = torch.randint(0, 2**62, (), dtype=torch.int64)  # from PyTorch's default generator
         else:
             seed = torch.zeros((), dtype=torch.int64)
-    out = attention_op(layout.q, layout.k, layout.v, mask, bias, bounds, seed, causal, float(scale), float(dropout_p))
+    out = attention_op(layout.q, layout.k, layout.v, mask, bias, bounds, seed, causal, float(scale), float(softcap or 0.0),
+                       float(dropout_p))
     return layout.unfold(out)

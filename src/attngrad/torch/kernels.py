@@ -197,13 +197,19 @@ class ScoreTiles:
 
 def scores_into(
     out: Tensor, q_blk: Tensor, k: Tensor, mask: Tensor | None, bias: Tensor | None, start: int, stop: int,
-    causal: int | None, bounds: Tensor | None = None, first: int = 0,
+    causal: int | None, bounds: Tensor | None = None, first: int = 0, softcap: float = 0.0,
+    tanh_out: Tensor | None = None,
 ) -> Tensor:
     """S = Q_blk K^T + bias into `out` (B, H, R, keys - first) for keys first:keys, excluded
     entries at -inf: by the mask, the causal diagonal, and the key `bounds` (1 or B, Lq, 2)
-    [lo, hi) of each row. q_blk carries the scale already."""
+    [lo, hi) of each row. q_blk carries the scale already. With `softcap` c, S = c tanh(A / c)
+    + bias for A = Q_blk K^T, and tanh(A / c) is left in `tanh_out` where given (the
+    derivatives need it)."""
     keys = first + out.shape[-1]
     torch.matmul(q_blk, k[..., first:keys, :].transpose(-1, -2), out=out)
+    if softcap:
+        capped = torch.div(out, softcap, out=tanh_out if tanh_out is not None else out).tanh_()
+        torch.mul(capped, softcap, out=out)
     b = row_slice(bias, start, stop, keys, first)
     if b is not None:
         out.add_(b)
@@ -263,7 +269,7 @@ def _probs_times_values(e: Tensor, v: Tensor) -> Tensor:
 
 def attention_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, seed: int,
-    causal: int | None, scale: float, dropout_p: float, bounds: Tensor | None = None,
+    causal: int | None, scale: float, softcap: float, dropout_p: float, bounds: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, H, Lq, dv) in q's dtype; row max m and inverse row sum 1/l, (B, H, Lq) each,
     in the compute dtype). `bounds`: the key bounds of `scores_into`."""
@@ -281,7 +287,7 @@ def attention_forward(
             continue
         shape = (batch, heads, stop - start, keys - first)
         s = scores_into(tiles.get(0, shape), q_scaled[:, :, start:stop], k_rep, mask, bias, start, stop, causal, bounds,
-                        first)
+                        first, softcap)
         m = s.amax(dim=-1, keepdim=True)  # (B, H, R, 1)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # empty rows: any finite shift
         e = s.sub_(m).exp_()  # E = exp(S - m)
@@ -323,7 +329,7 @@ def add_block_to_bias(grad: Tensor, block: Tensor, start: int, stop: int, keys: 
 
 def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, seed: int,
-    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: int | None, scale: float, dropout_p: float, bias_grad: bool,
+    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: int | None, scale: float, softcap: float, dropout_p: float, bias_grad: bool,
     bounds: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv, dbias or None), each in its input's dtype and shape."""
@@ -349,7 +355,7 @@ def attention_backward(
     if bias_grad:
         dbias = (torch.empty if written_once else torch.zeros)(bias.shape, dtype=work, device=q.device)
     plan = blocks(batch, heads, len_q, len_k, causal, bounds=bounds)
-    tiles = ScoreTiles(3 if dropout_p > 0.0 else 2, plan, batch, heads, work, q.device)
+    tiles = ScoreTiles(2 + (dropout_p > 0.0) + bool(softcap), plan, batch, heads, work, q.device)
     masked = mask is not None or bias is not None or causal is not None or bounds is not None
     for start, stop, first, keys in plan:
         r, width = stop - start, keys - first
@@ -363,8 +369,14 @@ def attention_backward(
         do_rows = with_column(dout_w[:, :, start:stop] * inv, -(delta[:, :, start:stop] * inv))  # [dO' | -D/l]
         do_blk = do_rows[..., :width_v]  # dO' = dO / l
         # forward: E = exp(S - m), recomputed; 0 on excluded entries and on empty rows
-        e = scores_into(tiles.get(0, (batch, heads, r, width)), q_shifted[:, :, start:stop], k_ones, mask, bias_work,
-                        start, stop, causal, bounds, first).exp_()
+        shape = (batch, heads, r, width)
+        if softcap:  # the cap comes before the shift: S - m = c tanh(A / c) + bias - m
+            capped = tiles.get(len(tiles.flat) - 1, shape)  # tanh(A / c)
+            e = scores_into(tiles.get(0, shape), q_scaled[:, :, start:stop], k_rep, mask, bias_work, start, stop, causal,
+                            bounds, first, softcap, capped).sub_(row_max[:, :, start:stop, None]).exp_()
+        else:
+            e = scores_into(tiles.get(0, shape), q_shifted[:, :, start:stop], k_ones, mask, bias_work, start, stop,
+                            causal, bounds, first).exp_()
         single = single_key_rows(e, masked, inv)
         # forward: O = (E * Z) V~ / l  ->  dP l = (dO' V~^T) * Z,  dV~ += (E * Z)^T dO'
         # forward: P = softmax(S)  ->  dS = P * (dP - D) = E * (dP l - D / l)
@@ -391,6 +403,8 @@ def attention_backward(
         if target is not None:  # keys the block never sees: past the causal diagonal or its bounds
             dbias[..., start:stop, :first] = 0
             dbias[..., start:stop, keys:] = 0
+        if softcap:  # forward: S = c tanh(A / c) + bias  ->  dA = dS (1 - tanh^2)
+            ds = capped.square_().neg_().add_(1.0).mul_(ds)
         dq[:, :, start:stop] = torch.matmul(ds, k_rep[..., first:keys, :]).mul_(scale)
         dk_sum.add(ds, q_blk, first)
     # forward: K~, V~ = repeat(K, G), repeat(V, G)

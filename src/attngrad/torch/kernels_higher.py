@@ -87,16 +87,36 @@ class _ScoreForm:
         self.right = torch.cat(rights, dim=-1) if rights else None  # (B, H, Lk, d or 2d)
         self.c = c
 
-    def tile_into(self, out: Tensor, start: int, stop: int, cols: slice) -> Tensor:
-        """The rows start:stop and keys `cols` of the form, written into `out`."""
+    def tile_into(self, out: Tensor, start: int, stop: int, cols: slice, softcap: Optional["_Softcap"] = None) -> Tensor:
+        """The rows start:stop and keys `cols` of the form, written into `out`. With `softcap`,
+        whose scores are c tanh(A / c) + bias, the products' part goes through the cap's
+        slope first: (1 - tanh^2) (A_q K~^T + Q B_k^T) + C, after `softcap.met` saw them."""
         if self.left is None:
             out.zero_()
+            if softcap is not None:  # no products: the curve meets zeros
+                softcap.curve.zero_()
         else:
             torch.matmul(self.left[:, :, start:stop], self.right[..., cols, :].transpose(-1, -2), out=out)
+            if softcap is not None:
+                softcap.met(out)
+                out.mul_(softcap.slope)
         c = row_slice(self.c, start, stop, cols.stop, cols.start)
         if c is not None:
             out.add_(c)
         return out
+
+
+class _Softcap:
+    """A block's derivatives of S = c tanh(A / c) in A: slope = 1 - tanh^2 (the first) and
+    curve = -2 tanh (1 - tanh^2) / c (the second); `met(X)` multiplies the curve by X, the
+    raw score-form tile (A' or the cotangents' T) that the second derivative meets."""
+
+    def __init__(self, capped: Tensor, slope: Tensor, softcap: float) -> None:
+        self.slope = torch.mul(capped, capped, out=slope).neg_().add_(1.0)
+        self.curve = capped.mul_(self.slope).mul_(-2.0 / softcap)  # in tanh's buffer
+
+    def met(self, raw: Tensor) -> None:
+        self.curve.mul_(raw)
 
 
 class _Recompute:
@@ -104,7 +124,7 @@ class _Recompute:
     them, in reused score-sized buffers (fresh 16 MiB tiles would cost more in page faults
     than the arithmetic on them)."""
 
-    def __init__(self, q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, buffers: int,
+    def __init__(self, q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers: int,
                  bounds: Optional[Tensor] = None):
         self.batch, self.heads, self.len_q, _ = q.shape
         self.len_k = k.shape[-2]
@@ -115,7 +135,7 @@ class _Recompute:
         # [scale Q | -m] [K~ | 1]^T = S - m in one GEMM (see kernels.with_column)
         self.q_shifted, self.k_ones = with_column(self.q_scaled, -row_max[..., None]), with_column(self.k_rep, 1.0)
         self.q_scaled, self.k_rep = self.q_shifted[..., :-1], self.k_ones[..., :-1]  # views: no second copy kept
-        self.causal, self.scale, self.dropout_p = causal, scale, dropout_p
+        self.causal, self.scale, self.softcap, self.dropout_p = causal, scale, softcap, dropout_p
         self.bounds = bounds
         self.masked = mask is not None or bias is not None or causal is not None or bounds is not None
         # Long sequences get taller blocks than the first-order passes: these do 2.5-6
@@ -123,8 +143,11 @@ class _Recompute:
         # 10.6 s with 32-row blocks, 7.7 s with 128), for some more memory (128 rows x L
         # keys x B H per tile).
         self.plan = blocks(self.batch, self.heads, self.len_q, self.len_k, causal, HIGHER_MIN_ROWS, bounds)
-        count = buffers + (1 if dropout_p > 0.0 else 0)
+        # after the pass's own: Z with dropout, then tanh(A / c) and the slope with softcap
+        self.z_index, self.softcap_index = buffers, buffers + (dropout_p > 0.0)
+        count = self.softcap_index + (2 if softcap else 0)
         self.tiles = ScoreTiles(count, self.plan, self.batch, self.heads, self.work, q.device)
+        self.capped: Optional[_Softcap] = None  # the current block's
 
     def tile(self, index: int, start: int, stop: int, cols: slice) -> Tensor:
         """Scratch buffer `index` shaped as this block's (B, H, R, keys) tile, for keys `cols`."""
@@ -132,18 +155,25 @@ class _Recompute:
 
     def probs(self, start: int, stop: int, cols: slice) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
         """(P, Z or None, the single-key rows or None) for one block and keys `cols`, P and Z
-        (B, H, R, keys) in buffers 0 and the last; P is exactly 1 on a single-key row's key
-        (`kernels.single_key_rows`), and the caller sets such a row's dS to 0."""
-        s = scores_into(self.tile(0, start, stop, cols), self.q_shifted[:, :, start:stop], self.k_ones, self.mask, self.bias,
-                        start, stop, self.causal, self.bounds, cols.start)  # S - m
+        (B, H, R, keys) in buffers 0 and z_index; P is exactly 1 on a single-key row's key
+        (`kernels.single_key_rows`), and the caller sets such a row's dS to 0. With a
+        softcap, `capped` holds the block's derivatives of the cap."""
+        if self.softcap:  # the cap comes before the shift: S - m = c tanh(A / c) + bias - m
+            capped = self.tile(self.softcap_index, start, stop, cols)
+            s = scores_into(self.tile(0, start, stop, cols), self.q_scaled[:, :, start:stop], self.k_rep, self.mask,
+                            self.bias, start, stop, self.causal, self.bounds, cols.start, self.softcap, capped)
+            s.sub_(self.row_max[:, :, start:stop, None])
+            self.capped = _Softcap(capped, self.tile(self.softcap_index + 1, start, stop, cols), self.softcap)
+        else:
+            s = scores_into(self.tile(0, start, stop, cols), self.q_shifted[:, :, start:stop], self.k_ones, self.mask,
+                            self.bias, start, stop, self.causal, self.bounds, cols.start)  # S - m
         e = s.exp_()
         inv = self.inv_sum[:, :, start:stop, None]
         single = single_key_rows(e, self.masked, inv)
         p = e.mul_(inv)
         z = None
         if self.dropout_p > 0.0:
-            z = keep_scale_into(self.tile(len(self.tiles.flat) - 1, start, stop, cols), self.seed, start, self.dropout_p,
-                                cols.start)
+            z = keep_scale_into(self.tile(self.z_index, start, stop, cols), self.seed, start, self.dropout_p, cols.start)
         return p, z, single
 
     def each_block(self) -> Iterator[tuple[int, int, slice, Tensor, Optional[Tensor], Optional[Tensor]]]:
@@ -200,12 +230,14 @@ def _sum_of_products(*terms: Optional[tuple[Tensor, Tensor, float]]) -> Tensor:
 def _back_through_scores(
     r: "_Recompute", x: Tensor, ds: Tensor, key_side: Optional[Tensor], query_side: Optional[Tensor],
     dq: Tensor, dk: KeyGradient, dbias: Optional[Tensor], start: int, stop: int, cols: slice,
+    x_bias: Optional[Tensor] = None,
 ) -> None:
     """How both second-order passes end, for one block. A score-shaped tile X (dS~ or g_S)
     goes back through S = scale Q K~^T + bias, and dS = P * (dP - D) meets the key-side and
     query-side tangents or cotangents (K~', Q' or gK~, gQ) of dQ = scale dS K~, dK~ = scale dS^T Q:
         dq[rows] = scale (X K~ + dS key_side),  dk += X^T (scale Q) + dS^T query_side,  dbias += X
-    (query_side carries the scale already)."""
+    (query_side carries the scale already). With a softcap, X and dS are taken in A (dA~ or
+    g_A, and dA), and the bias, added after the cap, gets `x_bias` (dS~ or g_S) instead."""
     rows = slice(start, stop)
     dq[:, :, rows] = _sum_of_products(
         (x, r.k_rep[..., cols, :], r.scale), None if key_side is None else (ds, key_side[..., cols, :], r.scale)
@@ -214,7 +246,7 @@ def _back_through_scores(
     if query_side is not None:
         dk.add(ds, query_side[:, :, rows], cols.start)
     if dbias is not None:
-        add_block_to_bias(dbias, x, start, stop, cols.stop, cols.start)
+        add_block_to_bias(dbias, x if x_bias is None else x_bias, start, stop, cols.stop, cols.start)
 
 
 def _times(t: Tensor, z: Optional[Tensor], out: Tensor) -> Tensor:
@@ -233,17 +265,17 @@ def _softmax_jacobian_times(p: Tensor, x: Tensor, out: Tensor) -> Tensor:
 
 def attention_jvp(
     q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
-    row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float,
+    row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float,
     tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
     bounds: Optional[Tensor] = None,
 ) -> Tensor:
     """O' (B, H, Lq, dv) in q's dtype; an absent tangent is zero."""
-    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, buffers=3, bounds=bounds)
+    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=3, bounds=bounds)
     form = r.score_form(tq, tk, tbias)
     tv_rep = _repeat(tv, r.groups, r.work)
     out_t = torch.zeros(r.batch, r.heads, r.len_q, v.shape[-1], dtype=r.work, device=q.device)
     for start, stop, cols, p, z, _single in r.each_block():  # a single-key row's P' is 0 exactly
-        s_t = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols)  # S'
+        s_t = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols, r.capped)  # S'
         p_t = _softmax_jacobian_times(p, s_t, out=r.tile(2, start, stop, cols))  # P'
         scratch = s_t  # S' is spent
         # forward: O = (P * Z) V~  ->  O' = (P' * Z) V~ + (P * Z) V~'
@@ -261,12 +293,12 @@ def _delta(dout: Tensor, out: Tensor, work: torch.dtype) -> Tensor:
 
 def attention_backward_jvp(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
-    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
+    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float, bias_grad: bool,
     tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
     bounds: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Tangents of (dq, dk, dv, dbias or None), each in its input's dtype and shape."""
-    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, buffers=5, bounds=bounds)
+    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=5, bounds=bounds)
     work = r.work
     form = r.score_form(tq, tk, tbias)
     tq_s, tk_rep, tv_rep = _to(tq, work, scale), _repeat(tk, r.groups, work), _repeat(tv, r.groups, work)
@@ -276,7 +308,7 @@ def attention_backward_jvp(
     for start, stop, cols, p, z, single in r.each_block():
         rows = slice(start, stop)
         do_blk, v_blk = do_w[:, :, rows], r.v_rep[..., cols, :]
-        s_t = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols)  # S'
+        s_t = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols, r.capped)  # S'
         p_t = _softmax_jacobian_times(p, s_t, out=r.tile(4, start, stop, cols))  # P'
         scratch = s_t  # S' is spent
         # backward: dP = (dO V~^T) * Z, and its tangent dP~ = (dO' V~^T + dO V~'^T) * Z
@@ -301,8 +333,13 @@ def attention_backward_jvp(
             dp.masked_fill_(single, 0.0)
         ds_t = p_t.mul_(dp).add_(dp_t.sub_(delta_t).mul_(p))  # dS~, in P''s buffer
         ds = p.mul_(dp)  # dS, in P's buffer
+        ds_bias = None
+        if r.capped is not None:  # backward: dA = slope dS  ->  dA~ = slope dS~ + (curve A') dS
+            ds_bias, cap = ds_t, r.capped
+            ds_t = cap.curve.mul_(ds).addcmul_(cap.slope, ds_t)
+            ds = cap.slope.mul_(ds)
         # backward: dQ = scale dS K~, dK~ = scale dS^T Q, dbias = dS  ->  product rule on each
-        _back_through_scores(r, ds_t, ds, tk_rep, tq_s, dq_t, dk_t, dbias_t, start, stop, cols)
+        _back_through_scores(r, ds_t, ds, tk_rep, tq_s, dq_t, dk_t, dbias_t, start, stop, cols, ds_bias)
     return (
         dq_t.to(q.dtype),
         dk_t.total(r.groups).to(k.dtype),
@@ -313,7 +350,7 @@ def attention_backward_jvp(
 
 def attention_double_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
-    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
+    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float, bias_grad: bool,
     dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
     bounds: Optional[Tensor] = None,
 ) -> tuple[Optional[Tensor], Tensor, Tensor, Tensor, Optional[Tensor]]:
@@ -321,7 +358,7 @@ def attention_double_backward(
     backward's inputs, of <gq, dq> + <gk, dk> + <gv, dv> + <gbias, dbias>; an absent cotangent
     is zero. g_dout only with `dout_grad`: a gradient penalty's dO is a constant, and g_dout
     takes two of the twelve score-sized products per block."""
-    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, dropout_p, buffers=5, bounds=bounds)
+    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=5, bounds=bounds)
     work = r.work
     form = r.score_form(gq, gk, gbias if bias_grad else None)  # T
     gq_s, gk_rep, gv_rep = _to(gq, work, scale), _repeat(gk, r.groups, work), _repeat(gv, r.groups, work)
@@ -336,7 +373,7 @@ def attention_double_backward(
         do_rows, v_blk = with_column(do_w[:, :, rows], -delta[:, :, rows]), r.v_rep[..., cols, :]  # [dO | -D]
         do_blk = do_rows[..., :width_v]
         scratch = r.tile(3, start, stop, cols)
-        t_form = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols)  # T
+        t_form = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols, r.capped)  # T
         t_row = torch.mul(p, t_form, out=scratch).sum(dim=-1, keepdim=True)  # t = rowsum(P * T)
         dp_out = r.tile(2, start, stop, cols)
         if z is None:
@@ -366,7 +403,12 @@ def attention_double_backward(
         # through P = softmax(S), then S = scale Q K~^T + bias; dQ, dK~ also hold K~, Q directly
         g_s = _softmax_jacobian_times(p, g_p, out=scratch)  # g_S = P * (g_P - rowsum(P * g_P))
         ds = p.mul_(dp)  # dS = P * (dP - D), in P's buffer
-        _back_through_scores(r, g_s, ds, gk_rep, gq_s, g_q, g_k, g_bias, start, stop, cols)
+        g_s_bias = None
+        if r.capped is not None:  # through dA = slope dS, and S = c tanh(A / c): g_A = slope g_S + (curve T_raw) dS
+            g_s_bias, cap = g_s, r.capped
+            g_s = cap.curve.mul_(ds).addcmul_(cap.slope, g_s)
+            ds = cap.slope.mul_(ds)
+        _back_through_scores(r, g_s, ds, gk_rep, gq_s, g_q, g_k, g_bias, start, stop, cols, g_s_bias)
     return (
         None if g_do is None else g_do.to(dout.dtype),
         g_q.to(q.dtype),

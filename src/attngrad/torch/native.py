@@ -206,7 +206,7 @@ class AttentionCall(ctypes.Structure):
         ("mask_sizes", ctypes.c_int64 * 4), ("bias_sizes", ctypes.c_int64 * 4),
         ("double_precision", ctypes.c_int64), ("causal", ctypes.c_int64), ("causal_offset", ctypes.c_int64),
         ("bounds_batch", ctypes.c_int64),  # key_bounds (1 or B, Lq, 2)
-        ("scale", ctypes.c_double), ("dropout", ctypes.c_int64), ("seed", ctypes.c_uint64),
+        ("scale", ctypes.c_double), ("softcap", ctypes.c_double), ("dropout", ctypes.c_int64), ("seed", ctypes.c_uint64),
         ("threshold", ctypes.c_uint64), ("keep_value", ctypes.c_double),
         *((name, ctypes.c_int64) for name in ("threads", "block_rows", "block_keys", "value_slice", "chunks")),
         ("data", ctypes.c_void_p * len(BUFFERS)), ("numel", ctypes.c_int64 * len(BUFFERS)),
@@ -238,7 +238,8 @@ class AttentionCall(ctypes.Structure):
 
 def describe(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, *, block_rows: int = 0,
              chunks: int = 1, seed: int = 0, dropout_p: float = 0.0, mask_sizes: tuple = (1, 1, 1, 1),
-             bias_sizes: tuple = (1, 1, 1, 1), block_keys: int = 0, **buffers: Tensor | None) -> AttentionCall:
+             bias_sizes: tuple = (1, 1, 1, 1), block_keys: int = 0, softcap: float = 0.0,
+             **buffers: Tensor | None) -> AttentionCall:
     """The call of a pass on (B, H, Lq, d) q, (B, Hkv, Lk, d) k, (B, Hkv, Lk, dv) v, with the
     named `buffers` (contiguous; None or absent is null) and the options."""
     from .dropout import keep_value, threshold  # that module imports this one
@@ -249,7 +250,7 @@ def describe(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, 
     call.causal, call.causal_offset = causal is not None, 0 if causal is None else int(causal)
     bounds = buffers.get("key_bounds")
     call.bounds_batch = 1 if bounds is None else bounds.shape[0]
-    call.scale = scale
+    call.scale, call.softcap = scale, softcap
     call.dropout, call.seed = dropout_p > 0.0, seed
     call.threshold, call.keep_value = threshold(dropout_p), keep_value(dropout_p)
     call.threads = torch.get_num_threads()
@@ -345,7 +346,7 @@ def _block_keys(bounds: Tensor | None) -> int:
     return BLOCK_KEYS if widest > NARROW_BAND else NARROW_BLOCK_KEYS
 
 
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float,
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, softcap: float = 0.0,
                       mask: Tensor | None = None, bias: Tensor | None = None, seed: int = 0,
                       dropout_p: float = 0.0, bounds: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, H, Lq, dv), row max m, inverse row sum 1/l (B, H, Lq)): `kernels.attention_forward`'s results."""
@@ -353,7 +354,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale
     batch, heads, len_q, _ = q.shape
     out = q.new_empty(batch, heads, len_q, v.shape[-1])
     row_max, inv_sum = q.new_empty(batch, heads, len_q), q.new_empty(batch, heads, len_q)
-    _call("attngrad_forward", describe(q, k, v, causal, scale, seed=seed, dropout_p=dropout_p, out=out,
+    _call("attngrad_forward", describe(q, k, v, causal, scale, softcap=softcap, seed=seed, dropout_p=dropout_p, out=out,
                                        row_max=row_max, inv_sum=inv_sum, block_keys=_block_keys(bounds),
                                        **_score_masks(mask, bias, q.dtype, bounds=bounds)))
     return out, row_max, inv_sum
@@ -417,7 +418,7 @@ def _sum_parts(parts: Tensor) -> Tensor:
 def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
     causal: int | None, scale: float, chunks: int | None = None, mask: Tensor | None = None, bias: Tensor | None = None,
-    seed: int = 0, dropout_p: float = 0.0, bias_grad: bool = False, bounds: Tensor | None = None,
+    seed: int = 0, dropout_p: float = 0.0, bias_grad: bool = False, bounds: Tensor | None = None, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv, dbias or None): `kernels.attention_backward`'s results for the cases
     `supports` accepts; dbias in the bias's shape and the compute dtype. `chunks` splits
@@ -430,7 +431,7 @@ def attention_backward(
     dq_parts = q.new_zeros(chunks, *q.shape)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     delta = q.new_empty(q.shape[:-1])
-    call = describe(q, k, v, causal, scale, chunks=chunks, seed=seed, dropout_p=dropout_p, dout=dout, out=out,
+    call = describe(q, k, v, causal, scale, chunks=chunks, seed=seed, dropout_p=dropout_p, softcap=softcap, dout=dout, out=out,
                     row_max=row_max, inv_sum=inv_sum, delta=delta, dq_parts=dq_parts, dk=dk, dv=dv,
                     block_keys=block_keys, **masks)
     dbias = _run("attngrad_backward", call, "dbias_parts" if bias_grad else None, bias)
@@ -447,7 +448,7 @@ def attention_double_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
     causal: int | None, scale: float, dout_grad: bool, gq: Tensor | None, gk: Tensor | None, gv: Tensor | None,
     chunks: int | None = None, mask: Tensor | None = None, bias: Tensor | None = None, gbias: Tensor | None = None,
-    seed: int = 0, dropout_p: float = 0.0, bias_grad: bool = False, bounds: Tensor | None = None,
+    seed: int = 0, dropout_p: float = 0.0, bias_grad: bool = False, bounds: Tensor | None = None, softcap: float = 0.0,
 ) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor | None]:
     """(g_dout or None, g_q, g_k, g_v, g_bias or None): `kernels_higher.attention_double_backward`'s
     results for the cases `supports` accepts, in the compute dtype; an absent cotangent is
@@ -461,7 +462,7 @@ def attention_double_backward(
     g_q = torch.empty_like(q)
     gk_parts, gv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
     call = describe(q, k, v, causal, scale, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p, dout=dout,
-                    out=out, row_max=row_max, inv_sum=inv_sum, delta=q.new_empty(q.shape[:-1]), gq=gq, gk=gk, gv=gv,
+                    softcap=softcap, out=out, row_max=row_max, inv_sum=inv_sum, delta=q.new_empty(q.shape[:-1]), gq=gq, gk=gk, gv=gv,
                     g_dout=g_dout, g_q=g_q, gk_parts=gk_parts, gv_parts=gv_parts, **masks)
     g_bias = _run("attngrad_double_backward", call, "g_bias_parts" if bias_grad else None, bias)
     return g_dout, g_q, _sum_parts(gk_parts), _sum_parts(gv_parts), g_bias
@@ -479,7 +480,7 @@ def dropout_keep_scale_into(out: Tensor, seed: int, row_start: int, threshold: i
 def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Tensor, causal: int | None, scale: float,
                   tq: Tensor | None, tk: Tensor | None, tv: Tensor | None, mask: Tensor | None = None,
                   bias: Tensor | None = None, tbias: Tensor | None = None, seed: int = 0,
-                  dropout_p: float = 0.0, bounds: Tensor | None = None) -> Tensor:
+                  dropout_p: float = 0.0, bounds: Tensor | None = None, softcap: float = 0.0) -> Tensor:
     """The output's tangent (B, H, Lq, dv): `kernels_higher.attention_jvp`'s result for the
     cases `supports` accepts; an absent tangent is zero."""
     q, k, v, row_max, inv_sum, tq, tk, tv = _work(q, k, v, row_max, inv_sum, tq, tk, tv)
@@ -487,7 +488,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Ten
                             tbias, q.dtype)
     out_t = q.new_empty(*q.shape[:3], v.shape[-1])
     rows, chunks = _whole_row_split(q, k, masks, False, None)  # each work item owns its rows
-    _call("attngrad_jvp", describe(q, k, v, causal, scale, block_rows=rows, chunks=chunks, seed=seed,
+    _call("attngrad_jvp", describe(q, k, v, causal, scale, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
                                    dropout_p=dropout_p, row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv,
                                    tout=out_t, **masks))
     return out_t
@@ -498,6 +499,7 @@ def attention_backward_jvp(
     causal: int | None, scale: float, tdout: Tensor | None, tq: Tensor | None, tk: Tensor | None, tv: Tensor | None,
     mask: Tensor | None = None, bias: Tensor | None = None, tbias: Tensor | None = None, seed: int = 0,
     dropout_p: float = 0.0, bias_grad: bool = False, chunks: int | None = None, bounds: Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """The tangents of (dq, dk, dv, dbias or None): `kernels_higher.attention_backward_jvp`'s
     results for the cases `supports` accepts, in the compute dtype; an absent tangent is
@@ -511,7 +513,7 @@ def attention_backward_jvp(
     tdq = q.new_empty(q.shape)
     tdk_parts, tdv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
     call = describe(q, k, v, causal, scale, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p, dout=dout,
-                    out=out, row_max=row_max, inv_sum=inv_sum, delta=q.new_empty(q.shape[:-1]), tdout=tdout, tq=tq,
+                    softcap=softcap, out=out, row_max=row_max, inv_sum=inv_sum, delta=q.new_empty(q.shape[:-1]), tdout=tdout, tq=tq,
                     tk=tk, tv=tv, tdq=tdq, tdk_parts=tdk_parts, tdv_parts=tdv_parts, **masks)
     tdbias = _run("attngrad_backward_jvp", call, "tdbias_parts" if bias_grad else None, bias)
     return tdq, _sum_parts(tdk_parts), _sum_parts(tdv_parts), tdbias

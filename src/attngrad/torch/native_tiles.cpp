@@ -74,6 +74,7 @@ struct AttngradCall {
     int64_t bounds_batch;                  // key_bounds (bounds_batch, Lq, 2): row i of batch b sees keys
                                            // [lo, hi) only; bounds_batch 1 (shared) or B
     double scale;
+    double softcap;  // c > 0: scores c tanh(scale q.k / c) + bias; 0: none
     int64_t dropout;
     uint64_t seed, threshold;  // keep where the draw's high 32 bits >= threshold = ceil(p 2^32)
     double keep_value;         // 1 / (1 - p)
@@ -86,7 +87,7 @@ struct AttngradCall {
 
 #define ATTNGRAD_FIELDS(X)                                                                                          \
     X(batch) X(heads) X(kv_heads) X(len_q) X(len_k) X(dim) X(dim_v) X(mask_sizes) X(bias_sizes) X(double_precision) \
-    X(causal) X(causal_offset) X(bounds_batch) X(scale) X(dropout) X(seed) X(threshold) X(keep_value) X(threads) X(block_rows)     \
+    X(causal) X(causal_offset) X(bounds_batch) X(scale) X(softcap) X(dropout) X(seed) X(threshold) X(keep_value) X(threads) X(block_rows)     \
     X(block_keys) X(value_slice) X(chunks) X(data) X(numel)
 
 namespace {
@@ -635,6 +636,25 @@ ScoreMask<T> score_mask(const AttngradCall& c) {
     return masks;
 }
 
+// The soft cap of the scores (Gemma 2): S = c tanh(A / c) for A = scale Q K^T, before the
+// bias and the masks. Its slope 1 - tanh^2 takes every derivative from S back to A; its
+// curve, the slope's own derivative -2 tanh (1 - tanh^2) / c, enters the second order.
+// std::tanh, scalar: exact to rounding, and the cost of a capped call (no fast path yet).
+template <typename T>
+struct Softcap {
+    T c = 0;  // 0: no cap
+
+    // a[0, n) <- c tanh(a / c); where given, slope and curve [0, n) at those scores
+    void apply(T* a, index_t n, T* slope = nullptr, T* curve = nullptr) const {
+        for (index_t j = 0; j < n; ++j) {
+            const T t = std::tanh(a[j] / c);
+            a[j] = c * t;
+            if (slope) slope[j] = T(1) - t * t;
+            if (curve) curve[j] = T(-2) * t * (T(1) - t * t) / c;
+        }
+    }
+};
+
 // A call with its buffers typed: what every pass below takes.
 template <typename T>
 struct Pass {
@@ -644,6 +664,7 @@ struct Pass {
     ScoreMask<T> masks;
     DropoutDraw drop;
     T scale;
+    Softcap<T> cap;
     int threads;
 
     explicit Pass(const AttngradCall& c)
@@ -653,6 +674,7 @@ struct Pass {
           masks(score_mask<T>(c)),
           drop{c.dropout != 0, c.seed, c.threshold, c.keep_value},
           scale(static_cast<T>(c.scale)),
+          cap{static_cast<T>(c.softcap)},
           threads(static_cast<int>(c.threads)) {}
 
     T* operator[](AttngradBuffer b) const { return static_cast<T*>(call.data[b]); }
@@ -876,6 +898,7 @@ void forward(const Pass<T>& pass) {
                 for (index_t i = 0; i < rows; ++i) {
                     T* row = scores.data() + i * cols;
                     const index_t seen = causal.visible(r0 + i, c0, cols);
+                    if (pass.cap.c) pass.cap.apply(row, seen);                  // S = c tanh(S / c)
                     if (masks.any()) masks.apply(row, b, h, r0 + i, c0, seen);  // S += bias, excluded -inf
                     const T m_new = std::max(m[i], max_of(row, seen));
                     // E = exp(S - m'); a row that has seen no key so far keeps E = 0
@@ -949,6 +972,7 @@ void backward(const Pass<T>& pass) {
     {
         SingleThreadedBlas blas_guard;
         std::vector<T> probs(block_rows * block_keys), dscores(block_rows * block_keys);
+        std::vector<T> slopes(pass.cap.c ? block_rows * block_keys : 0);  // the cap's, per score
 #pragma omp for schedule(dynamic, 1)
         for (index_t item = 0; item < items.count(); ++item) {
           items.visit(item, [&](const KvItem& it) {
@@ -981,6 +1005,8 @@ void backward(const Pass<T>& pass) {
                             const index_t seen = causal.visible(r0 + i, c0, cols);
                             const index_t row_keys = row_keys_of(bh, r0 + i);
                             const T m = row_max[first + i], inv = inv_sum[first + i];
+                            T* slope = pass.cap.c ? slopes.data() + i * cols : nullptr;
+                            if (slope) pass.cap.apply(p, seen, slope);  // S = c tanh(A / c)
                             if (masks.any()) masks.apply(p, b, h, r0 + i, c0, seen);
                             if (drop.on) drop.scale_row(ds, b, h, r0 + i, c0, seen);  // dP = (dO V^T) Z
                             if (c0 == 0 && causal.visible(r0 + i, 0, s.len_k) <= cols) {
@@ -1003,6 +1029,8 @@ void backward(const Pass<T>& pass) {
                             std::fill(ds + seen, ds + cols, T(0));
                             // forward: S = scale Q K^T + bias  ->  dbias = dS, summed over its broadcast axes
                             if (dbias_part) dbias.add_row(dbias_part, ds, b, h, r0 + i, c0, seen);
+                            // forward: S = c tanh(A / c) + bias  ->  dA = dS (1 - tanh^2)
+                            if (slope) for (index_t j = 0; j < seen; ++j) ds[j] *= slope[j];
                         }
                         // forward: O = (P Z) V  ->  dV_blk += (P Z)^T dO
                         gemm<T>(true, false, cols, s.dim_v, rows, T(1), probs.data(), cols, dout + first * s.dim_v,
@@ -1047,8 +1075,10 @@ void double_backward(const Pass<T>& pass) {
     row_dots(dout, out, delta, s.batch * s.heads * s.len_q, s.dim_v, pass.threads);  // D = rowsum(dO * O)
     const RowKeys<T> row_keys_of(pass.masks, pass.causal, s, pass.threads);
     const KvItems items(s, pass.call.chunks, g_bias.shares_batch(s), g_bias.shares_kv_heads(s));
-    // scratch: P, then P Z; T, then g_dP Z; dP~ - D, then dS; X, then g_P, then g_S
-    for_each_row_block(pass, items, 4, [&](const RowBlock& blk, T* scratch) {
+    // scratch: P, then P Z; T, then g_dP Z; dP~ - D, then dS; X, then g_P, then g_S; with a
+    // softcap its slope, and its curve (times the raw T)
+    const bool capped = pass.cap.c != T(0);
+    for_each_row_block(pass, items, capped ? 6 : 4, [&](const RowBlock& blk, T* scratch) {
         const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
         if (keys == 0) {  // rows that see no key: nothing flows back through them
             std::fill(g_q + first * s.dim, g_q + (first + rows) * s.dim, T(0));
@@ -1066,6 +1096,7 @@ void double_backward(const Pass<T>& pass) {
         const T* do_blk = blk.block(dout, s.dim_v);
         const T* gq_blk = blk.block(gq, s.dim);
         T *p = scratch, *t = scratch + tile, *dp = scratch + 2 * tile, *x = scratch + 3 * tile;
+        T *slope = capped ? scratch + 4 * tile : nullptr, *curve = capped ? scratch + 5 * tile : nullptr;
         // S = scale Q K^T;  T = scale (gQ K^T + Q gK^T) (+ gbias by row);  dP = dO V^T;  X = dO gV^T (Z by row)
         gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
         products_nt(rows, keys, s.dim, scale, gq_blk, k_head, q_blk, gk_head, t);
@@ -1075,6 +1106,14 @@ void double_backward(const Pass<T>& pass) {
             T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
             const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
             const T m = row_max[first + i], inv = inv_sum[first + i];
+            T *sli = capped ? slope + i * keys : nullptr, *cvi = capped ? curve + i * keys : nullptr;
+            if (capped) {  // S = c tanh(A / c): T = slope T_raw, and the curve meets T_raw
+                pass.cap.apply(pi, seen, sli, cvi);
+                for (index_t j = 0; j < seen; ++j) {
+                    cvi[j] *= ti[j];
+                    ti[j] *= sli[j];
+                }
+            }
             if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, blk.key0, seen);
             if (gbias.any()) gbias.apply(ti, blk.b, blk.h, row, blk.key0, seen);
             if (drop.on) {  // dP~ = (dO V^T) Z,  X = (dO gV^T) Z
@@ -1096,6 +1135,12 @@ void double_backward(const Pass<T>& pass) {
             }
             for (T* r : {pi, ti, dpi, xi}) std::fill(r + seen, r + keys, T(0));
             if (g_bias_part) g_bias.add_row(g_bias_part, xi, blk.b, blk.h, row, blk.key0, seen);  // g_bias += g_S
+            if (capped) {  // through dA = slope dS and S = c tanh(A / c): g_A = slope g_S + (curve T_raw) dS
+                for (index_t j = 0; j < seen; ++j) {
+                    xi[j] = sli[j] * xi[j] + cvi[j] * dpi[j];
+                    dpi[j] *= sli[j];
+                }
+            }
         }
         // backward: dV = (P Z)^T dO  ->  g_V += (g_dP Z)^T dO
         gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), g_v, s.dim_v);
@@ -1134,7 +1179,9 @@ void jvp(const Pass<T>& pass) {
     const ScoreMask<T> tbias{nullptr, Broadcast4(), pass[buf_tbias], Broadcast4(pass.call.bias_sizes)};
     const RowKeys<T> row_keys_of(pass.masks, pass.causal, s, pass.threads);
     // scratch: P; T, then P'
-    for_each_row_block(pass, KvItems(s, pass.call.chunks, false, false), 2, [&](const RowBlock& blk, T* scratch) {
+    const bool capped = pass.cap.c != T(0);  // then a third tile: the cap's slope
+    for_each_row_block(pass, KvItems(s, pass.call.chunks, false, false), capped ? 3 : 2,
+                       [&](const RowBlock& blk, T* scratch) {
         const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
         T* o_t = out_t + first * s.dim_v;
         if (keys == 0) {  // rows that see no key: output 0, tangent 0
@@ -1147,13 +1194,18 @@ void jvp(const Pass<T>& pass) {
         const T* tk_head = blk.head(tk, s.dim);
         const T* v_head = blk.head(v, s.dim_v);
         const T* tv_head = blk.head(tv, s.dim_v);
-        T *p = scratch, *t = scratch + tile;
+        T *p = scratch, *t = scratch + tile, *slope = capped ? scratch + 2 * tile : nullptr;
         // forward: S = scale Q K^T + bias  ->  S' = scale (tQ K^T + Q tK^T) + tbias
         gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
         products_nt(rows, keys, s.dim, scale, tq_blk, k_head, q_blk, tk_head, t);
         for (index_t i = 0; i < rows; ++i) {
             T *pi = p + i * keys, *ti = t + i * keys;
             const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
+            if (capped) {  // S = c tanh(A / c) + bias  ->  S' = slope A' + tbias
+                T* sli = slope + i * keys;
+                pass.cap.apply(pi, seen, sli);
+                for (index_t j = 0; j < seen; ++j) ti[j] *= sli[j];
+            }
             if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, blk.key0, seen);
             if (tbias.any()) tbias.apply(ti, blk.b, blk.h, row, blk.key0, seen);
             // forward: P = softmax(S)  ->  P' = P (S' - rowsum(P S'))
@@ -1199,8 +1251,10 @@ void backward_jvp(const Pass<T>& pass) {
     row_dots(dout, out, delta, s.batch * s.heads * s.len_q, s.dim_v, pass.threads);  // D = rowsum(dO * O)
     const RowKeys<T> row_keys_of(pass.masks, pass.causal, s, pass.threads);
     const KvItems items(s, pass.call.chunks, tdbias.shares_batch(s), tdbias.shares_kv_heads(s));
-    // scratch: P; T, then P'; dP~, then dS; dP~', then dS'
-    for_each_row_block(pass, items, 4, [&](const RowBlock& blk, T* scratch) {
+    // scratch: P; T, then P'; dP~, then dS; dP~', then dS'; with a softcap its slope, and its
+    // curve (times A')
+    const bool capped = pass.cap.c != T(0);
+    for_each_row_block(pass, items, capped ? 6 : 4, [&](const RowBlock& blk, T* scratch) {
         const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
         T* dq_t = tdq + first * s.dim;
         if (keys == 0) {  // rows that see no key: nothing flows back through them
@@ -1219,6 +1273,7 @@ void backward_jvp(const Pass<T>& pass) {
         const T* do_blk = blk.block(dout, s.dim_v);
         const T* tdo_blk = blk.block(tdout, s.dim_v);
         T *p = scratch, *t = scratch + tile, *dp = scratch + 2 * tile, *x = scratch + 3 * tile;
+        T *slope = capped ? scratch + 4 * tile : nullptr, *curve = capped ? scratch + 5 * tile : nullptr;
         // forward: S = scale Q K^T + bias  ->  S' = scale (tQ K^T + Q tK^T) + tbias
         gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
         products_nt(rows, keys, s.dim, scale, tq_blk, k_head, q_blk, tk_head, t);
@@ -1228,6 +1283,14 @@ void backward_jvp(const Pass<T>& pass) {
         for (index_t i = 0; i < rows; ++i) {
             T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
             const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
+            T *sli = capped ? slope + i * keys : nullptr, *cvi = capped ? curve + i * keys : nullptr;
+            if (capped) {  // S = c tanh(A / c): S' = slope A', and the slope's tangent is curve A'
+                pass.cap.apply(pi, seen, sli, cvi);
+                for (index_t j = 0; j < seen; ++j) {
+                    cvi[j] *= ti[j];
+                    ti[j] *= sli[j];
+                }
+            }
             if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, blk.key0, seen);
             if (tbias.any()) tbias.apply(ti, blk.b, blk.h, row, blk.key0, seen);
             T t_sum = probs_and_dot(pi, ti, seen, row_max[first + i], inv_sum[first + i]);  // P, t = rowsum(P * T)
@@ -1251,6 +1314,12 @@ void backward_jvp(const Pass<T>& pass) {
             }
             for (T* r : {pi, ti, dpi, xi}) std::fill(r + seen, r + keys, T(0));
             if (dbias_t) tdbias.add_row(dbias_t, xi, blk.b, blk.h, row, blk.key0, seen);  // dbias' = dS'
+            if (capped) {  // backward: dA = slope dS  ->  dA' = slope dS' + (curve A') dS
+                for (index_t j = 0; j < seen; ++j) {
+                    xi[j] = sli[j] * xi[j] + cvi[j] * dpi[j];
+                    dpi[j] *= sli[j];
+                }
+            }
         }
         // backward: dV = (P Z)^T dO  ->  dV' += (P' Z)^T dO + (P Z)^T tdO
         gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), dv_t, s.dim_v);

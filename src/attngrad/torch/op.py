@@ -46,19 +46,19 @@ from .op_checks import check_call
 @torch.library.custom_op("attngrad::attention_forward", mutates_args=())
 def attention_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], bounds: Optional[Tensor], seed: Tensor,
-    causal: Optional[int], scale: float, dropout_p: float,
+    causal: Optional[int], scale: float, softcap: float, dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    check_call(q, k, v, mask, bias, bounds, seed, causal, dropout_p)
+    check_call(q, k, v, mask, bias, bounds, seed, causal, dropout_p, softcap=softcap)
     if choose("forward", q, k, v, mask, bias) == "tiles":
-        out, row_max, inv_sum = native.attention_forward(q, k, v, causal, scale, mask=mask, bias=bias, seed=int(seed),
+        out, row_max, inv_sum = native.attention_forward(q, k, v, causal, scale, softcap=softcap, mask=mask, bias=bias, seed=int(seed),
                                                          dropout_p=dropout_p, bounds=bounds)
         return out.to(q.dtype), row_max, inv_sum  # the statistics stay in the compute dtype
-    return kernels.attention_forward(q, k, v, mask, bias, int(seed), causal, scale, dropout_p, bounds)
+    return kernels.attention_forward(q, k, v, mask, bias, int(seed), causal, scale, softcap, dropout_p, bounds)
 
 
 @attention_forward.register_fake
-def _attention_forward_fake(q, k, v, mask, bias, bounds, seed, causal, scale, dropout_p):
-    check_call(q, k, v, mask, bias, bounds, seed, causal, dropout_p)
+def _attention_forward_fake(q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p):
+    check_call(q, k, v, mask, bias, bounds, seed, causal, dropout_p, softcap=softcap)
     batch, heads, len_q, _ = q.shape
     stats = dict(dtype=kernels.compute_dtype(q.dtype))
     return q.new_empty(batch, heads, len_q, v.shape[-1]), q.new_empty(batch, heads, len_q, **stats), q.new_empty(batch, heads, len_q, **stats)
@@ -67,24 +67,25 @@ def _attention_forward_fake(q, k, v, mask, bias, bounds, seed, causal, scale, dr
 @torch.library.custom_op("attngrad::attention_backward", mutates_args=())
 def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], bounds: Optional[Tensor], seed: Tensor,
-    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
+    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float, bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad)
+    _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad, softcap=softcap)
     if choose("backward", q, k, v, mask, bias) == "tiles":
         dq, dk, dv, dbias = native.attention_backward(
-            dout, q, k, v, out, row_max, inv_sum, causal, scale, mask=mask, bias=bias, seed=int(seed),
+            dout, q, k, v, out, row_max, inv_sum, causal, scale, softcap=softcap, mask=mask, bias=bias, seed=int(seed),
             dropout_p=dropout_p, bias_grad=bias_grad, bounds=bounds,
         )
         dq, dk, dv, dbias = _in_dtypes_of((dq, dk, dv, dbias), (q, k, v, bias))
     else:
         dq, dk, dv, dbias = kernels.attention_backward(
-            dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad, bounds
+            dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad, bounds
         )
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)  # ops return tensors, not None
 
 
-def _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad, **sides):
-    check_call(q, k, v, mask, bias, bounds, seed, causal, dropout_p, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum,
+def _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
+                    softcap=0.0, **sides):
+    check_call(q, k, v, mask, bias, bounds, seed, causal, dropout_p, softcap=softcap, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum,
                bias_grad=bias_grad, **sides)
 
 
@@ -95,8 +96,8 @@ def _new(like: Tensor) -> Tensor:
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad):
-    _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad)
+def _attention_backward_fake(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad):
+    _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad, softcap=softcap)
     dbias = _new(bias) if bias_grad else q.new_empty(0)
     return _new(q), _new(k), _new(v), dbias
 
@@ -114,47 +115,47 @@ def _maybe_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
 @torch.library.custom_op("attngrad::attention_jvp", mutates_args=())
 def attention_jvp(
     q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], bounds: Optional[Tensor], seed: Tensor,
-    row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float,
+    row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float,
     tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
 ) -> Tensor:
-    _check_jvp(q, k, v, mask, bias, bounds, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias)
+    _check_jvp(q, k, v, mask, bias, bounds, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias, softcap)
     if choose("jvp", q, k, v, mask, bias) == "tiles":
-        out_t = native.attention_jvp(q, k, v, row_max, inv_sum, causal, scale, tq, tk, tv, mask=mask, bias=bias,
+        out_t = native.attention_jvp(q, k, v, row_max, inv_sum, causal, scale, tq, tk, tv, softcap=softcap, mask=mask, bias=bias,
                                      tbias=tbias, seed=int(seed), dropout_p=dropout_p, bounds=bounds)
         return out_t.to(q.dtype)
     return kernels_higher.attention_jvp(
-        q, k, v, mask, bias, int(seed), row_max, inv_sum, causal, scale, dropout_p, tq, tk, tv, tbias, bounds
+        q, k, v, mask, bias, int(seed), row_max, inv_sum, causal, scale, softcap, dropout_p, tq, tk, tv, tbias, bounds
     )
 
 
-def _check_jvp(q, k, v, mask, bias, bounds, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias):
-    check_call(q, k, v, mask, bias, bounds, seed, causal, dropout_p, row_max=row_max, inv_sum=inv_sum,
+def _check_jvp(q, k, v, mask, bias, bounds, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias, softcap):
+    check_call(q, k, v, mask, bias, bounds, seed, causal, dropout_p, softcap=softcap, row_max=row_max, inv_sum=inv_sum,
                query_side=(("tq", tq),), key_side=(("tk", tk),), value_side=(("tv", tv),), bias_like=(("tbias", tbias),))
 
 
 @attention_jvp.register_fake
-def _attention_jvp_fake(q, k, v, mask, bias, bounds, seed, row_max, inv_sum, causal, scale, dropout_p, tq, tk, tv, tbias):
-    _check_jvp(q, k, v, mask, bias, bounds, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias)
+def _attention_jvp_fake(q, k, v, mask, bias, bounds, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, tq, tk, tv, tbias):
+    _check_jvp(q, k, v, mask, bias, bounds, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias, softcap)
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
 @torch.library.custom_op("attngrad::attention_backward_jvp", mutates_args=())
 def attention_backward_jvp(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], bounds: Optional[Tensor], seed: Tensor,
-    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
+    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float, bias_grad: bool,
     tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
+    _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad, softcap=softcap,
                     **_second_order_sides("t", tdout, tq, tk, tv, tbias))
     if choose("backward_jvp", q, k, v, mask, bias) == "tiles":
         dq, dk, dv, dbias = native.attention_backward_jvp(
-            dout, q, k, v, out, row_max, inv_sum, causal, scale, tdout, tq, tk, tv, mask=mask, bias=bias,
+            dout, q, k, v, out, row_max, inv_sum, causal, scale, tdout, tq, tk, tv, softcap=softcap, mask=mask, bias=bias,
             tbias=tbias, seed=int(seed), dropout_p=dropout_p, bias_grad=bias_grad, bounds=bounds,
         )
         dq, dk, dv, dbias = _in_dtypes_of((dq, dk, dv, dbias), (q, k, v, bias))
     else:
         dq, dk, dv, dbias = kernels_higher.attention_backward_jvp(
-            dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad,
+            dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad,
             tdout, tq, tk, tv, tbias, bounds,
         )
     return dq, dk, dv, _maybe_empty(dbias, q)
@@ -167,9 +168,9 @@ def _second_order_sides(prefix: str, xdout, xq, xk, xv, xbias) -> dict:
 
 
 @attention_backward_jvp.register_fake
-def _attention_backward_jvp_fake(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, dropout_p,
-                                 bias_grad, tdout, tq, tk, tv, tbias):
-    _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
+def _attention_backward_jvp_fake(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, softcap,
+                                 dropout_p, bias_grad, tdout, tq, tk, tv, tbias):
+    _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad, softcap=softcap,
                     **_second_order_sides("t", tdout, tq, tk, tv, tbias))
     dbias = _new(bias) if bias_grad else q.new_empty(0)
     return _new(q), _new(k), _new(v), dbias
@@ -178,19 +179,19 @@ def _attention_backward_jvp_fake(dout, q, k, v, mask, bias, bounds, seed, out, r
 @torch.library.custom_op("attngrad::attention_double_backward", mutates_args=())
 def attention_double_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], bounds: Optional[Tensor], seed: Tensor,
-    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, dropout_p: float, bias_grad: bool,
+    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float, bias_grad: bool,
     dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
+    _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad, softcap=softcap,
                     **_second_order_sides("g", None, gq, gk, gv, gbias))
     if choose("double_backward", q, k, v, mask, bias) == "tiles":
         g_dout, g_q, g_k, g_v, g_bias = _in_dtypes_of(native.attention_double_backward(
-            dout, q, k, v, out, row_max, inv_sum, causal, scale, dout_grad, gq, gk, gv, mask=mask, bias=bias,
+            dout, q, k, v, out, row_max, inv_sum, causal, scale, dout_grad, gq, gk, gv, softcap=softcap, mask=mask, bias=bias,
             gbias=gbias, seed=int(seed), dropout_p=dropout_p, bias_grad=bias_grad, bounds=bounds,
         ), (dout, q, k, v, bias))
         return _maybe_empty(g_dout, q), g_q, g_k, g_v, _maybe_empty(g_bias, q)
     g_dout, g_q, g_k, g_v, g_bias = kernels_higher.attention_double_backward(
-        dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, dropout_p, bias_grad,
+        dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad,
         dout_grad, gq, gk, gv, gbias, bounds,
     )
     return _maybe_empty(g_dout, q), g_q, g_k, g_v, _maybe_empty(g_bias, q)
@@ -198,8 +199,8 @@ def attention_double_backward(
 
 @attention_double_backward.register_fake
 def _attention_double_backward_fake(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale,
-                                    dropout_p, bias_grad, dout_grad, gq, gk, gv, gbias):
-    _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad,
+                                    softcap, dropout_p, bias_grad, dout_grad, gq, gk, gv, gbias):
+    _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad, softcap=softcap,
                     **_second_order_sides("g", None, gq, gk, gv, gbias))
     g_dout = _new(dout) if dout_grad else q.new_empty(0)
     g_bias = _new(bias) if bias_grad else q.new_empty(0)
@@ -207,10 +208,10 @@ def _attention_double_backward_fake(dout, q, k, v, mask, bias, bounds, seed, out
 
 
 def _register_batching_rules() -> None:
-    forward_args = ["q", "k", "v", "mask", "bias", "bounds", "seed", "causal", "scale", "dropout_p"]
+    forward_args = ["q", "k", "v", "mask", "bias", "bounds", "seed", "causal", "scale", "softcap", "dropout_p"]
     backward_args = ["dout", "q", "k", "v", "mask", "bias", "bounds", "seed", "out", "row_max", "inv_sum",
-                     "causal", "scale", "dropout_p", "bias_grad"]
-    jvp_args = ["q", "k", "v", "mask", "bias", "bounds", "seed", "row_max", "inv_sum", "causal", "scale", "dropout_p",
+                     "causal", "scale", "softcap", "dropout_p", "bias_grad"]
+    jvp_args = ["q", "k", "v", "mask", "bias", "bounds", "seed", "row_max", "inv_sum", "causal", "scale", "softcap", "dropout_p",
                 "tq", "tk", "tv", "tbias"]
     for op, names, bias_output in (
         (attention_forward, forward_args, False),
@@ -265,16 +266,16 @@ class Attention(torch.autograd.Function):
     generate_vmap_rule = True  # vmap runs the custom ops once per batched slice
 
     @staticmethod
-    def forward(q, k, v, mask, bias, bounds, seed, causal: Optional[int], scale: float, dropout_p: float):
-        return attention_forward(q, k, v, mask, bias, bounds, seed, causal, scale, dropout_p)
+    def forward(q, k, v, mask, bias, bounds, seed, causal: Optional[int], scale: float, softcap: float, dropout_p: float):
+        return attention_forward(q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        q, k, v, mask, bias, bounds, seed, causal, scale, dropout_p = inputs
+        q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p = inputs
         out, row_max, inv_sum = output
         ctx.save_for_backward(q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum)
         ctx.save_for_forward(q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum)
-        ctx.options = (causal, scale, dropout_p)
+        ctx.options = (causal, scale, softcap, dropout_p)
         # row_max and inv_sum are not marked non-differentiable: under vmap, torch.func's
         # generated rule loses that mark and then refuses the None tangent (torch 2.13).
         # They get zero tangents, and their incoming gradients are ignored.
@@ -290,7 +291,7 @@ class Attention(torch.autograd.Function):
             dout.contiguous(), q, k, v, mask, bias, bounds, seed, out.detach(), row_max.detach(), inv_sum.detach(),
             *ctx.options, bias_grad,
         )
-        return dq, dk, dv, None, dbias if bias_grad else None, None, None, None, None, None
+        return dq, dk, dv, None, dbias if bias_grad else None, None, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx: Any, tq, tk, tv, _tmask, tbias, _tbounds, _tseed, *_options):
@@ -308,27 +309,27 @@ class AttentionBackward(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad):
-        return attention_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad)
+    def forward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad):
+        return attention_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, dropout_p, bias_grad = inputs
+        dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad = inputs
         ctx.save_for_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum)
         ctx.save_for_forward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum)
-        ctx.options = (causal, scale, dropout_p, bias_grad)
+        ctx.options = (causal, scale, softcap, dropout_p, bias_grad)
         ctx.set_materialize_grads(False)  # a gradient nobody used arrives as None: no work for it
 
     @staticmethod
     def backward(ctx: Any, gq: Tensor, gk: Tensor, gv: Tensor, gbias: Tensor):
-        bias_grad = ctx.options[3]
+        bias_grad = ctx.options[4]
         dout_grad = ctx.needs_input_grad[0]  # a gradient penalty's dout is a constant
         g_dout, g_q, g_k, g_v, g_bias = _Final.apply(
             attention_double_backward, THIRD_ORDER, *ctx.saved_tensors, *ctx.options, dout_grad, gq, gk, gv,
             gbias if bias_grad else None,
         )
         return (g_dout if dout_grad else None, g_q, g_k, g_v, None, g_bias if bias_grad else None,
-                None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None)
 
     @staticmethod
     def jvp(ctx: Any, tdout, tq, tk, tv, _tmask, tbias, _tbounds, _tseed, _tout, _tmax, _tinv, *_options):
@@ -349,8 +350,8 @@ class _AttentionTraced(Attention):
 
 def attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], bounds: Optional[Tensor], seed: Tensor,
-    causal: Optional[int], scale: float, dropout_p: float,
+    causal: Optional[int], scale: float, softcap: float, dropout_p: float,
 ) -> Tensor:
     """The differentiable op on (B, H, L, E) tensors."""
     function = _AttentionTraced if torch.compiler.is_compiling() else Attention
-    return function.apply(q, k, v, mask, bias, bounds, seed, causal, scale, dropout_p)[0]
+    return function.apply(q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p)[0]

@@ -66,7 +66,7 @@ def _check_bounds(bounds: Optional[Tensor], batch: int, len_q: int, device: torc
 
 def check_call(
     q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], bounds: Optional[Tensor], seed: Tensor,
-    causal: Optional[int], dropout_p: float, *, dout: Optional[Tensor] = None, out: Optional[Tensor] = None,
+    causal: Optional[int], dropout_p: float, *, softcap: float = 0.0, dout: Optional[Tensor] = None, out: Optional[Tensor] = None,
     row_max: Optional[Tensor] = None, inv_sum: Optional[Tensor] = None, bias_grad: bool = False,
     out_side: tuple[tuple[str, Optional[Tensor]], ...] = (),
     query_side: tuple[tuple[str, Optional[Tensor]], ...] = (), key_side: tuple[tuple[str, Optional[Tensor]], ...] = (),
@@ -116,6 +116,8 @@ def check_call(
         raise TypeError(f"attngrad attention op: causal must be None or an int diagonal offset; got {causal!r}")
     if not 0.0 <= dropout_p <= 1.0:
         _fail(f"dropout_p must be in [0, 1]; got {dropout_p}")
+    if not 0.0 <= softcap < float("inf"):
+        _fail(f"softcap must be 0 (none) or a positive finite number; got {softcap}")
     if bias_grad and bias is None:
         _fail("bias_grad=True needs a bias")
     out_shape = (batch, heads, len_q, v.shape[-1])

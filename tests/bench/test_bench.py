@@ -20,7 +20,8 @@ def test_flop_convention():
     assert BenchCase(1024, causal=True).flops == case.flops / 2
     assert [c.name for c in default_cases((64,))] == ["full", "causal", "full+bias-grad", "causal+bias-grad",
                                                       "full+padding", "full+float-mask", "full+dropout0.1",
-                                                      "full+padding-lengths", "causal+window", "full+documents"]
+                                                      "full+padding-lengths", "causal+window", "full+documents",
+                                                      "causal+softcap50"]
     assert [c.name for c in default_cases((64,), ("jvp", "double-backward"))] == [
         "jvp+full", "jvp+causal", "double-backward+full", "double-backward+causal"]
     assert BenchCase(1024, mode="double-backward").flops == 8.5 * 4 * 8 * 1024 * 1024 * 64
@@ -39,7 +40,7 @@ def test_flop_convention():
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_every_implementation_steps_on_every_case(implementation):
     for case in default_cases((32,), MODES):
-        if implementation == "torch-default" and case.mode != "train":
+        if implementation == "torch-default" and (case.mode != "train" or case.softcap):
             with pytest.raises((NotImplementedError, RuntimeError)):  # PyTorch's CPU kernel has neither
                 step(implementation, case)(make_inputs(case))
             continue
@@ -104,6 +105,19 @@ def test_masked_cases_mask_the_same_keys_everywhere():
     reference = outs["padding", "torch-math"]
     for out in outs.values():  # float32 (the bench's dtype): rounding is ~1e-7; a different mask would be O(1)
         assert torch.allclose(out, reference, atol=1e-5)
+
+
+def test_softcap_case_caps_the_same_scores_everywhere():
+    """attngrad's softcap and the spelled-out PyTorch formula agree, and differ from no cap."""
+    import torch
+
+    case = BenchCase(64, causal=True, softcap=0.5)
+    inputs = make_inputs(case)
+    ours = _attention("attngrad", case)(inputs["q"], inputs["k"], inputs["v"])
+    theirs = _attention("torch-math", case)(inputs["q"], inputs["k"], inputs["v"])
+    assert torch.allclose(ours, theirs, atol=1e-5)
+    plain = _attention("attngrad", BenchCase(64, causal=True))(inputs["q"], inputs["k"], inputs["v"])
+    assert not torch.allclose(plain, theirs, atol=1e-2)
 
 
 @pytest.mark.parametrize("mask", ["padding-lengths", "window", "documents"])

@@ -44,6 +44,7 @@ class BenchCase:
     bias_grad: bool = False  # a float (H, L, L) attention bias that requires grad
     mask: str = ""  # one of MASKS
     dropout: float = 0.0
+    softcap: float = 0.0  # c tanh(S / c) (Gemma 2's 50): PyTorch's SDPA has none, so its math is spelled out
     batch: int = 1
     heads: int = 8
     dim: int = 64
@@ -67,6 +68,8 @@ class BenchCase:
             parts.append(self.mask)
         if self.dropout:
             parts.append(f"dropout{self.dropout:g}")
+        if self.softcap:
+            parts.append(f"softcap{self.softcap:g}")
         return "+".join(parts)
 
     @property
@@ -110,6 +113,7 @@ def default_cases(lengths: tuple[int, ...], modes: tuple[str, ...] = ("train",))
                     BenchCase(length, mask="padding-lengths"),
                     BenchCase(length, causal=True, mask="window"),
                     BenchCase(length, mask="documents"),
+                    BenchCase(length, causal=True, softcap=50.0),
                 ]
             else:
                 cases += [BenchCase(length, mode=mode), BenchCase(length, causal=True, mode=mode)]
@@ -169,6 +173,10 @@ def _attention(implementation: str, case: BenchCase) -> Callable[..., Any]:
         raise ValueError(f"unknown implementation {implementation!r}; choose from {IMPLEMENTATIONS}")
 
     def forward(q: Any, k: Any, v: Any, bias: Any = None) -> Any:
+        if case.softcap:
+            if implementation == "attngrad":
+                return attention(q, k, v, is_causal=case.causal, softcap=case.softcap, dropout_p=case.dropout)
+            return _capped_in_pytorch(implementation, case, q, k, v)
         if implementation == "attngrad" and structured(case):  # no dense mask: the structure alone
             return attention(q, k, v, is_causal=case.causal, dropout_p=case.dropout, **structured(case))
         if case.mask in ("window", "documents"):  # the causal band is spelled into PyTorch's mask
@@ -186,6 +194,22 @@ def _attention(implementation: str, case: BenchCase) -> Callable[..., Any]:
         return _pytorch(implementation, q, k, v, kwargs)
 
     return forward
+
+
+def _capped_in_pytorch(implementation: str, case: BenchCase, q: Any, k: Any, v: Any) -> Any:
+    """Soft-capped attention as transformers' eager Gemma 2 code spells it in PyTorch ops (the
+    math path: PyTorch's SDPA has no softcap, so its default backend refuses the case)."""
+    import torch
+
+    if implementation == "torch-default":
+        raise NotImplementedError("PyTorch's scaled_dot_product_attention has no softcap")
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    scores = torch.tanh(scores / case.softcap) * case.softcap
+    if case.causal:
+        future = torch.ones(case.length, case.length, dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    probs = torch.nn.functional.dropout(torch.softmax(scores, dim=-1), case.dropout)
+    return probs @ v
 
 
 def _pytorch(implementation: str, q: Any, k: Any, v: Any, kwargs: dict[str, Any]) -> Any:

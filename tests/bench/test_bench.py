@@ -35,6 +35,7 @@ def test_flop_convention():
     # a window or packed documents count the scores they admit
     assert BenchCase(1024, causal=True, mask="window").flops == 3.5 * 4 * 8 * (1024 * 256 - 256 * 255 / 2) * 64
     assert BenchCase(1024, mask="documents").flops == case.flops / 8
+    assert BenchCase(1024, mask="padding").flops == case.flops * 3 / 4
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

@@ -330,3 +330,21 @@ def test_torch_ops_blocks_hold_only_their_band():
     assert len(plan) > 3 and plan[-1][1] == length
     for start, stop, first, last in plan:
         assert first == max(0, start - keys + 1) and last == stop
+
+
+def test_compiles_with_fullgraph():
+    """Under torch.compile(fullgraph=True) the structures build their bounds without reading
+    values (boolean padding becomes the mask), and the results are eager's, backward too."""
+    q, k, v = (randn(B, H, L, D, seed=s).requires_grad_() for s in (1, 2, 3))
+    padding = torch.arange(L)[None, :] >= torch.tensor([[20], [9]])
+
+    def fn(q, k, v):
+        return attention(q, k, v, key_padding=padding, window=(5, None), is_causal=True,
+                         cu_seqlens=torch.tensor([0, 8, L]), softcap=1.5)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)
+    dout = randn(B, H, L, D, seed=4)
+    ours = (compiled(q, k, v), *torch.autograd.grad(compiled(q, k, v), (q, k, v), dout))
+    eager = (fn(q, k, v), *torch.autograd.grad(fn(q, k, v), (q, k, v), dout))
+    assert_all_close(dict(zip(NAMES, ours)), dict(zip(NAMES, eager)))

@@ -75,10 +75,12 @@ class BenchCase:
     @property
     def flops(self) -> float:
         """FlashAttention's convention: forward 4 B H L^2 d, backward 2.5x that; causal halves it.
-        The other modes count their GEMMs in the same units (WORK). A window or packed
-        documents count the scores they admit, in place of L^2 (or L^2 / 2)."""
+        The other modes count their GEMMs in the same units (WORK). A mask counts the scores
+        it admits, in place of L^2 (or L^2 / 2): three quarters for the padding masks."""
         length = self.length
-        if self.mask == "window":
+        if self.mask in ("padding", "float-mask", "padding-lengths"):
+            scores = length * (length - length // 4)
+        elif self.mask == "window":
             window = min(WINDOW, length)
             scores = length * window - window * (window - 1) / 2
         elif self.mask == "documents":

@@ -30,10 +30,16 @@ The causal mask is a diagonal: key j is visible to query i when j <= i + c, wher
 argument `causal`, None for no causal mask) is 0 for PyTorch's top-left alignment and
 Lk - Lq for the bottom-right one. Lk' is Lk, or for a causal block only the keys any of its
 rows may see (j <= last row + c), which halves the work; dK~ and dV~ then grow by key
-prefixes (`KeyGradient`). A row that may see no key gets m = 0 and 1/l = 0, so its output
-is 0 and everything it sends back is 0: no NaN. A row that may see exactly one key gets P = 1 there and dS = 0 exactly:
-recomputing S in the backward can round it apart from the forward's m, and P = 1 - 1e-7
-would leave dQ and dK at 1e-7 where they are 0.
+prefixes (`KeyGradient`). Key bounds (1 or B, Lq, 2), which the structured masks become
+(`structured`), leave row i the keys [lo, hi); a block then computes only the keys between
+its rows' smallest lower and largest upper bound (`blocks`), so a sliding window costs its
+band. A soft cap c makes S = c tanh(A / c) + bias for A = scale Q K~^T, and the backward
+takes dA = (1 - tanh^2) dS back to Q and K~ (the bias still gets dS); the shift -m then
+comes after the cap, out of the GEMM.
+A row that may see no key gets m = 0 and 1/l = 0, so its output is 0 and everything it
+sends back is 0: no NaN. A row that may see exactly one key gets P = 1 there and dS = 0
+exactly: recomputing S in the backward can round it apart from the forward's m, and
+P = 1 - 1e-7 would leave dQ and dK at 1e-7 where they are 0.
 
 Dropout keep-masks are never stored: each block regenerates its entries from the seed and
 their coordinates (`dropout`), so the backward sees the forward's mask.

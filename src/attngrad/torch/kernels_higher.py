@@ -32,6 +32,8 @@ The lines, derived in docs/derivation.md ("Forward mode and second order"):
                                                     t D, a per-row constant the softmax ignores)
     g_S  = P * (g_P - rowsum(P * g_P))
     g_Q  = scale (g_S K~ + dS gK~),  g_K~ = scale (g_S^T Q + dS^T gQ),  g_bias = g_S
+With a soft cap (S = c tanh(A / c) + bias, A = scale Q K~^T) the scores' tangent and T take
+the cap's slope, and the step back to Q and K~ also its curve (`_Softcap`; derivation 11.6).
 Each row sum runs over a whole row of keys, which every block holds (a block's keys are
 those any of its rows may see: a prefix, or with key bounds the band between them). Masked entries and
 empty rows have P = 0, so every term above is 0 there: no NaN.

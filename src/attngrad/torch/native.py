@@ -1,8 +1,8 @@
 """The compiled tiles (`native_tiles.cpp`): every pass of attention (forward, backward,
 JVP, the backward's JVP, double backward) with the causal diagonal, a boolean mask, a float
-bias and its gradient, dropout and GQA; float32 or float64 (float16 and bfloat16 computed
-in float32), on the CPU; and the dropout keep-masks of `dropout` for the torch-ops
-kernels. Every entry point takes one `AttentionCall`: the sizes, options and named
+bias and its gradient, key bounds (the structured masks), a soft cap, dropout and GQA;
+float32 or float64 (float16 and bfloat16 computed in float32), on the CPU; and the dropout
+keep-masks of `dropout` for the torch-ops kernels. Every entry point takes one `AttentionCall`: the sizes, options and named
 buffers of a call, whose layout the library states and `library()` checks.
 
 The torch-ops kernels (`kernels`) run any case on any device, but each of their passes is a

@@ -1,8 +1,9 @@
 // attngrad's compiled tiles: every pass of exact attention (forward, backward, JVP, the
 // backward's JVP, double backward) with the causal diagonal, a boolean mask, a float bias
-// and its gradient, dropout and GQA, in the manner of FlashAttention-2 (Dao, 2023) on
-// per-thread tiles small enough to stay in a core's cache; and the dropout keep-masks of
-// the counter-based generator in `dropout.py`.
+// and its gradient, per-row key bounds (structured masks: padding lengths, sliding windows,
+// packed documents), a soft cap, dropout and GQA, in the manner of FlashAttention-2 (Dao,
+// 2023) on per-thread tiles small enough to stay in a core's cache; and the dropout
+// keep-masks of the counter-based generator in `dropout.py`.
 //
 // Shape legend (row-major, contiguous)
 //   q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), out and dout (B, H, Lq, dv),
@@ -26,7 +27,8 @@
 // same entries own parts): nothing is written by two threads, and the parts are added in a
 // fixed order, so the bits do not depend on the schedule.
 // The causal mask is a diagonal: row i sees keys j <= i + c (c = 0 top-left, Lk - Lq
-// bottom-right). A row that sees no key has output 0 and sends back 0; a row that sees one
+// bottom-right). Key bounds leave row i of batch entry b the keys [lo, hi): tiles outside
+// every row's bounds are skipped, and the whole-row passes hold only the keys between them. A row that sees no key has output 0 and sends back 0; a row that sees one
 // key has P = 1 there exactly and dS = 0 (a recomputed score can round apart from the
 // forward's maximum).
 //
@@ -87,8 +89,8 @@ struct AttngradCall {
 
 #define ATTNGRAD_FIELDS(X)                                                                                          \
     X(batch) X(heads) X(kv_heads) X(len_q) X(len_k) X(dim) X(dim_v) X(mask_sizes) X(bias_sizes) X(double_precision) \
-    X(causal) X(causal_offset) X(bounds_batch) X(scale) X(softcap) X(dropout) X(seed) X(threshold) X(keep_value) X(threads) X(block_rows)     \
-    X(block_keys) X(value_slice) X(chunks) X(data) X(numel)
+    X(causal) X(causal_offset) X(bounds_batch) X(scale) X(softcap) X(dropout) X(seed) X(threshold) X(keep_value) \
+    X(threads) X(block_rows) X(block_keys) X(value_slice) X(chunks) X(data) X(numel)
 
 namespace {
 

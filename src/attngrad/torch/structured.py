@@ -17,6 +17,11 @@ O(L w), not O(L^2)).
                  shared by every batch entry): row i sees the keys of its own document.
 With the causal diagonal beside any of these, its bound joins them, so that the bounds say
 how wide each row's band really is. Bounds intersect: lo is the largest, hi the smallest.
+
+The checks on values (lengths in range, documents contiguous, cu_seqlens rising) and the
+choice between bounds and a mask for boolean padding read the tensors' values; inside a
+torch.compile graph, where that would break the graph, the checks are left out (bounds
+are clamped to 0..Lk whatever they are) and boolean padding always becomes the mask.
 """
 
 from __future__ import annotations
@@ -49,11 +54,18 @@ def _fold_batch(t: Tensor, batch: tuple, tail: tuple, name: str) -> Tensor:
     return t.expand(full).reshape(math.prod(batch), *tail)
 
 
+def _eager() -> bool:
+    """Whether values may be read: not while torch.compile traces a graph."""
+    return not torch.compiler.is_compiling()
+
+
 def _padding(key_padding: Tensor, batch: tuple, len_k: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """((b, 1, 2) bounds, None) for lengths or for padding that leaves an interval per row;
     (None, (b, 1, 1, Lk) keep-mask) for any other boolean pattern."""
     if key_padding.dtype == torch.bool:
         kept = ~_fold_batch(key_padding, batch, (len_k,), "key_padding")  # (b, Lk)
+        if not _eager():
+            return None, kept[:, None, None, :]
         count = kept.sum(dim=-1)
         position = torch.arange(len_k, device=kept.device)
         first = torch.where(kept, position, len_k).amin(dim=-1)
@@ -65,7 +77,7 @@ def _padding(key_padding: Tensor, batch: tuple, len_k: int) -> tuple[Optional[Te
     if key_padding.is_floating_point() or key_padding.is_complex():
         raise TypeError(f"key_padding must be boolean (True = padding) or integer lengths; got {key_padding.dtype}")
     lengths = _fold_batch(key_padding, batch, (), "key_padding lengths")  # (b,)
-    if bool(((lengths < 0) | (lengths > len_k)).any()):
+    if _eager() and bool(((lengths < 0) | (lengths > len_k)).any()):
         raise ValueError(f"key_padding lengths must lie in [0, Lk = {len_k}]; got {lengths.tolist()}")
     lengths = lengths.to(torch.int64)
     return torch.stack([torch.zeros_like(lengths), lengths], dim=-1)[:, None, :], None
@@ -95,7 +107,7 @@ def _documents(document_ids: Tensor, batch: tuple, length: int) -> Tensor:
     distinct = torch.ones_like(new_run)
     ordered = ids.sort(dim=-1).values
     distinct[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
-    if not bool((new_run.sum(dim=-1) == distinct.sum(dim=-1)).all()):
+    if _eager() and not bool((new_run.sum(dim=-1) == distinct.sum(dim=-1)).all()):
         raise ValueError("document_ids: each document's tokens must be contiguous (packed sequences)")
     lo = torch.where(new_run, position, 0).cummax(dim=-1).values
     ends_run = torch.ones_like(new_run)
@@ -110,7 +122,7 @@ def _cu_seqlens(cu_seqlens: Tensor, length: int) -> Tensor:
         raise TypeError(f"cu_seqlens must be a 1-D integer tensor; got {cu_seqlens.dtype} of shape "
                         f"{tuple(cu_seqlens.shape)}")
     cu = cu_seqlens.to(torch.int64)
-    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != length or bool((cu[1:] < cu[:-1]).any()):
+    if cu.numel() < 2 or (_eager() and (int(cu[0]) != 0 or int(cu[-1]) != length or bool((cu[1:] < cu[:-1]).any()))):
         raise ValueError(f"cu_seqlens must rise from 0 to the sequence length {length}; got {cu_seqlens.tolist()}")
     position = torch.arange(length, device=cu.device)
     document = torch.searchsorted(cu, position, right=True) - 1

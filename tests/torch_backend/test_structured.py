@@ -22,20 +22,17 @@ from attngrad.torch import attention, implementation, kernels, kernels_higher, n
 from attngrad.torch.structured import structure  # noqa: E402
 
 from ..conftest import assert_all_close  # noqa: E402
+from .test_functional import many_blocks  # noqa: E402, F401  (a fixture small_tiles builds on)
 
 B, H, HKV, L, D, DV = 2, 4, 2, 23, 8, 6
 DOUBLE = torch.float64
 
 
 @pytest.fixture(autouse=True)
-def many_blocks(monkeypatch):
-    """Small tiles in both implementations, so that bands and documents cross many tile
-    boundaries and whole tiles are skipped."""
-    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 1 << 9)
-    monkeypatch.setattr(kernels, "MIN_ROWS", 3)
+def small_tiles(many_blocks, monkeypatch):
+    """`many_blocks`'s small tiles, narrower still, in both implementations, so that bands
+    and documents cross many tile boundaries and whole tiles are skipped."""
     monkeypatch.setattr(kernels_higher, "HIGHER_MIN_ROWS", 3)
-    monkeypatch.setattr(kernels, "VALUE_SLICE", 4)
-    monkeypatch.setattr(native, "BLOCK_ROWS", 3)
     monkeypatch.setattr(native, "BLOCK_KEYS", 8)
     monkeypatch.setattr(native, "NARROW_BLOCK_KEYS", 4)
     monkeypatch.setattr(native, "NARROW_BAND", 6)

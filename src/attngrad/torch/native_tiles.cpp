@@ -655,6 +655,27 @@ struct Softcap {
             if (curve) curve[j] = T(-2) * t * (T(1) - t * t) / c;
         }
     }
+
+    // The same, and a tangent or cotangent form x[0, n) of the raw scores (A' or T_raw)
+    // taken through the cap: x <- slope x, and where given curve <- curve x, the slope's own
+    // change along x (the second-order passes need it)
+    void apply_with_form(T* a, T* x, index_t n, T* slope, T* curve = nullptr) const {
+        apply(a, n, slope, curve);
+        for (index_t j = 0; j < n; ++j) {
+            if (curve) curve[j] *= x[j];
+            x[j] *= slope[j];
+        }
+    }
+
+    // A score-shaped pair taken from S back to A: second <- slope second and, by the product
+    // rule, first <- slope first + (curve x) second (dS~, dS in the backward's JVP; g_S, dS
+    // in the double backward)
+    static void back_to_raw(T* first, T* second, const T* slope, const T* curve, index_t n) {
+        for (index_t j = 0; j < n; ++j) {
+            first[j] = slope[j] * first[j] + curve[j] * second[j];
+            second[j] *= slope[j];
+        }
+    }
 };
 
 // A call with its buffers typed: what every pass below takes.
@@ -1109,13 +1130,7 @@ void double_backward(const Pass<T>& pass) {
             const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
             const T m = row_max[first + i], inv = inv_sum[first + i];
             T *sli = capped ? slope + i * keys : nullptr, *cvi = capped ? curve + i * keys : nullptr;
-            if (capped) {  // S = c tanh(A / c): T = slope T_raw, and the curve meets T_raw
-                pass.cap.apply(pi, seen, sli, cvi);
-                for (index_t j = 0; j < seen; ++j) {
-                    cvi[j] *= ti[j];
-                    ti[j] *= sli[j];
-                }
-            }
+            if (capped) pass.cap.apply_with_form(pi, ti, seen, sli, cvi);  // S = c tanh(A / c), T = slope T_raw
             if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, blk.key0, seen);
             if (gbias.any()) gbias.apply(ti, blk.b, blk.h, row, blk.key0, seen);
             if (drop.on) {  // dP~ = (dO V^T) Z,  X = (dO gV^T) Z
@@ -1137,12 +1152,8 @@ void double_backward(const Pass<T>& pass) {
             }
             for (T* r : {pi, ti, dpi, xi}) std::fill(r + seen, r + keys, T(0));
             if (g_bias_part) g_bias.add_row(g_bias_part, xi, blk.b, blk.h, row, blk.key0, seen);  // g_bias += g_S
-            if (capped) {  // through dA = slope dS and S = c tanh(A / c): g_A = slope g_S + (curve T_raw) dS
-                for (index_t j = 0; j < seen; ++j) {
-                    xi[j] = sli[j] * xi[j] + cvi[j] * dpi[j];
-                    dpi[j] *= sli[j];
-                }
-            }
+            // through dA = slope dS and S = c tanh(A / c): g_A = slope g_S + (curve T_raw) dS
+            if (capped) Softcap<T>::back_to_raw(xi, dpi, sli, cvi, seen);
         }
         // backward: dV = (P Z)^T dO  ->  g_V += (g_dP Z)^T dO
         gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), g_v, s.dim_v);
@@ -1203,11 +1214,7 @@ void jvp(const Pass<T>& pass) {
         for (index_t i = 0; i < rows; ++i) {
             T *pi = p + i * keys, *ti = t + i * keys;
             const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
-            if (capped) {  // S = c tanh(A / c) + bias  ->  S' = slope A' + tbias
-                T* sli = slope + i * keys;
-                pass.cap.apply(pi, seen, sli);
-                for (index_t j = 0; j < seen; ++j) ti[j] *= sli[j];
-            }
+            if (capped) pass.cap.apply_with_form(pi, ti, seen, slope + i * keys);  // S' = slope A' + tbias
             if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, blk.key0, seen);
             if (tbias.any()) tbias.apply(ti, blk.b, blk.h, row, blk.key0, seen);
             // forward: P = softmax(S)  ->  P' = P (S' - rowsum(P S'))
@@ -1286,13 +1293,7 @@ void backward_jvp(const Pass<T>& pass) {
             T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
             const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
             T *sli = capped ? slope + i * keys : nullptr, *cvi = capped ? curve + i * keys : nullptr;
-            if (capped) {  // S = c tanh(A / c): S' = slope A', and the slope's tangent is curve A'
-                pass.cap.apply(pi, seen, sli, cvi);
-                for (index_t j = 0; j < seen; ++j) {
-                    cvi[j] *= ti[j];
-                    ti[j] *= sli[j];
-                }
-            }
+            if (capped) pass.cap.apply_with_form(pi, ti, seen, sli, cvi);  // S' = slope A', curve A'
             if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, blk.key0, seen);
             if (tbias.any()) tbias.apply(ti, blk.b, blk.h, row, blk.key0, seen);
             T t_sum = probs_and_dot(pi, ti, seen, row_max[first + i], inv_sum[first + i]);  // P, t = rowsum(P * T)
@@ -1316,12 +1317,8 @@ void backward_jvp(const Pass<T>& pass) {
             }
             for (T* r : {pi, ti, dpi, xi}) std::fill(r + seen, r + keys, T(0));
             if (dbias_t) tdbias.add_row(dbias_t, xi, blk.b, blk.h, row, blk.key0, seen);  // dbias' = dS'
-            if (capped) {  // backward: dA = slope dS  ->  dA' = slope dS' + (curve A') dS
-                for (index_t j = 0; j < seen; ++j) {
-                    xi[j] = sli[j] * xi[j] + cvi[j] * dpi[j];
-                    dpi[j] *= sli[j];
-                }
-            }
+            // backward: dA = slope dS  ->  dA' = slope dS' + (curve A') dS
+            if (capped) Softcap<T>::back_to_raw(xi, dpi, sli, cvi, seen);
         }
         // backward: dV = (P Z)^T dO  ->  dV' += (P' Z)^T dO + (P Z)^T tdO
         gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), dv_t, s.dim_v);

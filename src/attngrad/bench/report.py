@@ -80,6 +80,9 @@ def write(report: BenchReport, directory: Path) -> list[Path]:
     return written
 
 
+PLOT_COLUMNS = 4  # panels per row of the plot: one per case
+
+
 def plot(report: BenchReport, path: Path) -> Path:
     import matplotlib
 
@@ -87,9 +90,13 @@ def plot(report: BenchReport, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(r.case.name for r in report.results))
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.8), squeeze=False)
+    columns = min(len(names), PLOT_COLUMNS)
+    rows_ = -(-len(names) // columns)
+    fig, axes = plt.subplots(rows_, columns, figsize=(4.2 * columns, 3.8 * rows_), squeeze=False)
     styles = {"attngrad": ("#1f4e9c", "o"), "torch-default": ("#c0392b", "s"), "torch-math": ("#7f8c8d", "^")}
-    for ax, name in zip(axes[0], names):
+    for ax in axes.flat[len(names):]:
+        ax.set_visible(False)
+    for ax, name in zip(axes.flat, names):
         results = [r for r in report.results if r.case.name == name]
         for impl in IMPLEMENTATIONS:
             points = [(r.case.length, r.seconds[impl] * 1e3) for r in results if impl in r.seconds]

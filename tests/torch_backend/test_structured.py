@@ -345,3 +345,20 @@ def test_compiles_with_fullgraph():
     ours = (compiled(q, k, v), *torch.autograd.grad(compiled(q, k, v), (q, k, v), dout))
     eager = (fn(q, k, v), *torch.autograd.grad(fn(q, k, v), (q, k, v), dout))
     assert_all_close(dict(zip(NAMES, ours)), dict(zip(NAMES, eager)))
+
+
+def test_vmap_folds_the_bounds_into_the_batch(backend):
+    """torch.func.vmap (as in jacrev and hessian) over a call with per-entry bounds runs the
+    op once on the folded batch: its results are the per-slice calls'."""
+    q = randn(3, B, H, L, D, seed=1)
+    k, v = randn(B, H, L, D, seed=2), randn(B, H, L, D, seed=3)
+    lengths = torch.tensor([L, 9])
+
+    def call(q):
+        return attention(q, k, v, key_padding=lengths, window=(4, 2), softcap=2.0)
+
+    batched = torch.func.vmap(call)(q)
+    assert_all_close({"out": batched}, {"out": torch.stack([call(x) for x in q])})
+    grads = torch.func.vmap(torch.func.grad(lambda q: call(q).square().sum()))(q)
+    looped = torch.stack([torch.func.grad(lambda q: call(q).square().sum())(x) for x in q])
+    assert_all_close({"dq": grads}, {"dq": looped})

@@ -34,6 +34,8 @@ from torch import Tensor
 
 
 class Structure(NamedTuple):
+    """What the structured masks of one call become for the op."""
+
     bounds: Optional[Tensor]  # (1 or B, Lq, 2) int64
     keep: Optional[Tensor]  # (1 or B, 1, 1, Lk) boolean, for padding that is no interval
 

@@ -19,6 +19,9 @@ CASES = {
     "bias": dict(bias=True),
     "bias-per-key": dict(bias="per-key"),  # its gradient sums over heads and rows: parts, added in order
     "dropout": dict(dropout_p=0.2, is_causal=True),
+    # structured masks and the soft cap (its 16-lane float32 tanh, and the scalar tail)
+    "structured-softcap": dict(bias=True, is_causal=True, structured=dict(
+        window=(40, None), key_padding=torch.tensor([150]), softcap=2.0)),
 }
 
 
@@ -35,7 +38,8 @@ def _everything(case: str, dtype=torch.float32, len_q=150, len_k=170):
     bias = torch.randn(bias_shape, generator=g, dtype=dtype) if spec.get("bias") else None
     mask = torch.rand(1, 1, len_q, len_k, generator=g) > 0.25 if spec.get("mask") else None
     tangents = [torch.randn(t.shape, generator=g, dtype=dtype) for t in (q, k, v)]
-    options = dict(attn_mask=mask, is_causal=spec.get("is_causal", False), dropout_p=spec.get("dropout_p", 0.0))
+    options = dict(attn_mask=mask, is_causal=spec.get("is_causal", False), dropout_p=spec.get("dropout_p", 0.0),
+                   **spec.get("structured", {}))
     primals = [q, k, v] + ([bias] if bias is not None else [])
 
     def run(q, k, v, bias=None):

@@ -46,6 +46,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 #include <cstddef>
@@ -178,6 +179,29 @@ inline floatv load(const float* p) {
 }
 
 inline void store(float* p, floatv v) { std::memcpy(p, &v, sizeof v); }
+
+// tanh in float32, for the soft cap: below |x| = 0.625 the odd minimax polynomial of Cephes'
+// tanhf (x + x^3 p(x^2), about 2 ulp), above it (1 - e) / (1 + e) with e = exp(-2 |x|) from
+// exp_score (e <= 0.29 there: no cancellation), signed. One body for a float and a 16-float
+// vector, like exp_score_any; float64 keeps the C library's tanh.
+template <typename F, typename I>
+inline F tanh_any(F x) {
+    const F zero{}, one = F{} + 1.0f, cut = F{} + 0.625f;
+    const F ax = x < zero ? -x : x;
+    const F z = x * x;
+    F p = F{} - 5.70498872745e-3f;
+    p = p * z + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    const F e = exp_score_any<F, I>(ax * -2.0f);
+    const F large = (one - e) / (one + e);
+    return ax < cut ? p * z * x + x : (x < zero ? -large : large);
+}
+
+inline float tanh_cap(float x) { return tanh_any<float, int32_t>(x); }
+inline floatv tanh_cap(floatv x) { return tanh_any<floatv, intv>(x); }
+inline double tanh_cap(double x) { return std::tanh(x); }
 
 // Each row operation below has a loop over elements, which float32 also runs on a row's
 // last n mod 16 entries, and a float32 version over 16-float vectors.
@@ -641,15 +665,24 @@ ScoreMask<T> score_mask(const AttngradCall& c) {
 // The soft cap of the scores (Gemma 2): S = c tanh(A / c) for A = scale Q K^T, before the
 // bias and the masks. Its slope 1 - tanh^2 takes every derivative from S back to A; its
 // curve, the slope's own derivative -2 tanh (1 - tanh^2) / c, enters the second order.
-// std::tanh, scalar: exact to rounding, and the cost of a capped call (no fast path yet).
+// float32 computes tanh 16 lanes at a time (tanh_cap), float64 with the C library's.
 template <typename T>
 struct Softcap {
     T c = 0;  // 0: no cap
 
     // a[0, n) <- c tanh(a / c); where given, slope and curve [0, n) at those scores
     void apply(T* a, index_t n, T* slope = nullptr, T* curve = nullptr) const {
-        for (index_t j = 0; j < n; ++j) {
-            const T t = std::tanh(a[j] / c);
+        index_t j = 0;
+        if constexpr (std::is_same_v<T, float>) {
+            for (; j + kLanes <= n; j += kLanes) {
+                const floatv t = tanh_cap(load(a + j) / c);
+                store(a + j, t * c);
+                if (slope) store(slope + j, 1.0f - t * t);
+                if (curve) store(curve + j, (t * -2.0f) * (1.0f - t * t) / c);
+            }
+        }
+        for (; j < n; ++j) {
+            const T t = tanh_cap(a[j] / c);
             a[j] = c * t;
             if (slope) slope[j] = T(1) - t * t;
             if (curve) curve[j] = T(-2) * t * (T(1) - t * t) / c;

@@ -8,8 +8,8 @@ buffers of a call, whose layout the library states and `library()` checks.
 The torch-ops kernels (`kernels`) run any case on any device, but each of their passes is a
 separate sweep over a score tile too large for the cache. The compiled tiles fuse those
 passes per thread on tiles that stay in cache, as PyTorch's own flash kernel does, and
-reach its speed. They are built on first use with the system's C++ compiler (about a
-second) into a cache folder, and loaded with ctypes; the GEMMs are the BLAS inside PyTorch
+reach its speed. They are built on first use with the system's C++ compiler (10-11 s on 2
+cores, as `status()` measures) into a cache folder, and loaded with ctypes; the GEMMs are the BLAS inside PyTorch
 (MKL on x86-64 Linux). Where any of that is missing, `library()` is None and `kernels`
 runs instead: the same numbers to rounding, more slowly.
 

@@ -711,6 +711,24 @@ struct Softcap {
     }
 };
 
+// Where a whole-row pass keeps the cap's slope and (with `curved`) its curve: the tiles
+// after its own `own` ones in its scratch, or nulls without a cap.
+template <typename T>
+struct CapRows {
+    T *slope = nullptr, *curve = nullptr;
+
+    static int tiles(const Softcap<T>& cap, bool curved) { return cap.c != T(0) ? 1 + curved : 0; }
+    CapRows(const Softcap<T>& cap, T* scratch, index_t tile, int own, bool curved) {
+        if (cap.c == T(0)) return;
+        slope = scratch + own * tile;
+        if (curved) curve = scratch + (own + 1) * tile;
+    }
+    // Row i of each, rows `keys` long
+    std::pair<T*, T*> row(index_t i, index_t keys) const {
+        return {slope ? slope + i * keys : nullptr, curve ? curve + i * keys : nullptr};
+    }
+};
+
 // A call with its buffers typed: what every pass below takes.
 template <typename T>
 struct Pass {
@@ -1133,8 +1151,7 @@ void double_backward(const Pass<T>& pass) {
     const KvItems items(s, pass.call.chunks, g_bias.shares_batch(s), g_bias.shares_kv_heads(s));
     // scratch: P, then P Z; T, then g_dP Z; dP~ - D, then dS; X, then g_P, then g_S; with a
     // softcap its slope, and its curve (times the raw T)
-    const bool capped = pass.cap.c != T(0);
-    for_each_row_block(pass, items, capped ? 6 : 4, [&](const RowBlock& blk, T* scratch) {
+    for_each_row_block(pass, items, 4 + CapRows<T>::tiles(pass.cap, true), [&](const RowBlock& blk, T* scratch) {
         const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
         if (keys == 0) {  // rows that see no key: nothing flows back through them
             std::fill(g_q + first * s.dim, g_q + (first + rows) * s.dim, T(0));
@@ -1152,7 +1169,7 @@ void double_backward(const Pass<T>& pass) {
         const T* do_blk = blk.block(dout, s.dim_v);
         const T* gq_blk = blk.block(gq, s.dim);
         T *p = scratch, *t = scratch + tile, *dp = scratch + 2 * tile, *x = scratch + 3 * tile;
-        T *slope = capped ? scratch + 4 * tile : nullptr, *curve = capped ? scratch + 5 * tile : nullptr;
+        const CapRows<T> cap_rows(pass.cap, scratch, tile, 4, true);
         // S = scale Q K^T;  T = scale (gQ K^T + Q gK^T) (+ gbias by row);  dP = dO V^T;  X = dO gV^T (Z by row)
         gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
         products_nt(rows, keys, s.dim, scale, gq_blk, k_head, q_blk, gk_head, t);
@@ -1162,8 +1179,8 @@ void double_backward(const Pass<T>& pass) {
             T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
             const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
             const T m = row_max[first + i], inv = inv_sum[first + i];
-            T *sli = capped ? slope + i * keys : nullptr, *cvi = capped ? curve + i * keys : nullptr;
-            if (capped) pass.cap.apply_with_form(pi, ti, seen, sli, cvi);  // S = c tanh(A / c), T = slope T_raw
+            const auto [sli, cvi] = cap_rows.row(i, keys);
+            if (sli) pass.cap.apply_with_form(pi, ti, seen, sli, cvi);  // S = c tanh(A / c), T = slope T_raw
             if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, blk.key0, seen);
             if (gbias.any()) gbias.apply(ti, blk.b, blk.h, row, blk.key0, seen);
             if (drop.on) {  // dP~ = (dO V^T) Z,  X = (dO gV^T) Z
@@ -1186,7 +1203,7 @@ void double_backward(const Pass<T>& pass) {
             for (T* r : {pi, ti, dpi, xi}) std::fill(r + seen, r + keys, T(0));
             if (g_bias_part) g_bias.add_row(g_bias_part, xi, blk.b, blk.h, row, blk.key0, seen);  // g_bias += g_S
             // through dA = slope dS and S = c tanh(A / c): g_A = slope g_S + (curve T_raw) dS
-            if (capped) Softcap<T>::back_to_raw(xi, dpi, sli, cvi, seen);
+            if (sli) Softcap<T>::back_to_raw(xi, dpi, sli, cvi, seen);
         }
         // backward: dV = (P Z)^T dO  ->  g_V += (g_dP Z)^T dO
         gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), g_v, s.dim_v);
@@ -1225,8 +1242,7 @@ void jvp(const Pass<T>& pass) {
     const ScoreMask<T> tbias{nullptr, Broadcast4(), pass[buf_tbias], Broadcast4(pass.call.bias_sizes)};
     const RowKeys<T> row_keys_of(pass.masks, pass.causal, s, pass.threads);
     // scratch: P; T, then P'
-    const bool capped = pass.cap.c != T(0);  // then a third tile: the cap's slope
-    for_each_row_block(pass, KvItems(s, pass.call.chunks, false, false), capped ? 3 : 2,
+    for_each_row_block(pass, KvItems(s, pass.call.chunks, false, false), 2 + CapRows<T>::tiles(pass.cap, false),
                        [&](const RowBlock& blk, T* scratch) {
         const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
         T* o_t = out_t + first * s.dim_v;
@@ -1240,14 +1256,16 @@ void jvp(const Pass<T>& pass) {
         const T* tk_head = blk.head(tk, s.dim);
         const T* v_head = blk.head(v, s.dim_v);
         const T* tv_head = blk.head(tv, s.dim_v);
-        T *p = scratch, *t = scratch + tile, *slope = capped ? scratch + 2 * tile : nullptr;
+        T *p = scratch, *t = scratch + tile;
+        const CapRows<T> cap_rows(pass.cap, scratch, tile, 2, false);
         // forward: S = scale Q K^T + bias  ->  S' = scale (tQ K^T + Q tK^T) + tbias
         gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
         products_nt(rows, keys, s.dim, scale, tq_blk, k_head, q_blk, tk_head, t);
         for (index_t i = 0; i < rows; ++i) {
             T *pi = p + i * keys, *ti = t + i * keys;
             const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
-            if (capped) pass.cap.apply_with_form(pi, ti, seen, slope + i * keys);  // S' = slope A' + tbias
+            T* sli = cap_rows.row(i, keys).first;
+            if (sli) pass.cap.apply_with_form(pi, ti, seen, sli);  // S' = slope A' + tbias
             if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, blk.key0, seen);
             if (tbias.any()) tbias.apply(ti, blk.b, blk.h, row, blk.key0, seen);
             // forward: P = softmax(S)  ->  P' = P (S' - rowsum(P S'))
@@ -1295,8 +1313,7 @@ void backward_jvp(const Pass<T>& pass) {
     const KvItems items(s, pass.call.chunks, tdbias.shares_batch(s), tdbias.shares_kv_heads(s));
     // scratch: P; T, then P'; dP~, then dS; dP~', then dS'; with a softcap its slope, and its
     // curve (times A')
-    const bool capped = pass.cap.c != T(0);
-    for_each_row_block(pass, items, capped ? 6 : 4, [&](const RowBlock& blk, T* scratch) {
+    for_each_row_block(pass, items, 4 + CapRows<T>::tiles(pass.cap, true), [&](const RowBlock& blk, T* scratch) {
         const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
         T* dq_t = tdq + first * s.dim;
         if (keys == 0) {  // rows that see no key: nothing flows back through them
@@ -1315,7 +1332,7 @@ void backward_jvp(const Pass<T>& pass) {
         const T* do_blk = blk.block(dout, s.dim_v);
         const T* tdo_blk = blk.block(tdout, s.dim_v);
         T *p = scratch, *t = scratch + tile, *dp = scratch + 2 * tile, *x = scratch + 3 * tile;
-        T *slope = capped ? scratch + 4 * tile : nullptr, *curve = capped ? scratch + 5 * tile : nullptr;
+        const CapRows<T> cap_rows(pass.cap, scratch, tile, 4, true);
         // forward: S = scale Q K^T + bias  ->  S' = scale (tQ K^T + Q tK^T) + tbias
         gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
         products_nt(rows, keys, s.dim, scale, tq_blk, k_head, q_blk, tk_head, t);
@@ -1325,8 +1342,8 @@ void backward_jvp(const Pass<T>& pass) {
         for (index_t i = 0; i < rows; ++i) {
             T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
             const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
-            T *sli = capped ? slope + i * keys : nullptr, *cvi = capped ? curve + i * keys : nullptr;
-            if (capped) pass.cap.apply_with_form(pi, ti, seen, sli, cvi);  // S' = slope A', curve A'
+            const auto [sli, cvi] = cap_rows.row(i, keys);
+            if (sli) pass.cap.apply_with_form(pi, ti, seen, sli, cvi);  // S' = slope A', curve A'
             if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, blk.key0, seen);
             if (tbias.any()) tbias.apply(ti, blk.b, blk.h, row, blk.key0, seen);
             T t_sum = probs_and_dot(pi, ti, seen, row_max[first + i], inv_sum[first + i]);  // P, t = rowsum(P * T)
@@ -1351,7 +1368,7 @@ void backward_jvp(const Pass<T>& pass) {
             for (T* r : {pi, ti, dpi, xi}) std::fill(r + seen, r + keys, T(0));
             if (dbias_t) tdbias.add_row(dbias_t, xi, blk.b, blk.h, row, blk.key0, seen);  // dbias' = dS'
             // backward: dA = slope dS  ->  dA' = slope dS' + (curve A') dS
-            if (capped) Softcap<T>::back_to_raw(xi, dpi, sli, cvi, seen);
+            if (sli) Softcap<T>::back_to_raw(xi, dpi, sli, cvi, seen);
         }
         // backward: dV = (P Z)^T dO  ->  dV' += (P' Z)^T dO + (P Z)^T tdO
         gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), dv_t, s.dim_v);

@@ -171,6 +171,12 @@ def _bad_calls():
         ("int32 bounds", op.attention_forward, forward, dict(bounds=torch.zeros(B, LQ, 2, dtype=torch.int32)),
          "bounds must be an int64"),
         ("a float seed", op.attention_forward, forward, dict(seed=torch.tensor(1.0)), "seed"),
+        ("a seed of 3 numbers", op.attention_forward, forward, dict(seed=torch.tensor([1, 2, 3])), "seed must be a 0-d"),
+        ("a negative row offset", op.attention_forward, forward, dict(seed=torch.tensor([1, -2, 0, 0, 0])), "offsets must be >= 0"),
+        ("a JVP on a part of each row's keys", op.attention_jvp,
+         dict(q=q, k=k, v=v, mask=None, bias=None, bounds=None, seed=seed, row_max=row_max, inv_sum=inv_sum, causal=None, scale=scale,
+              softcap=0.0, dropout_p=0.0, tq=None, tk=None, tv=None, tbias=None), dict(seed=torch.tensor([0, 0, 0, 0, 1])),
+         "each row's whole keys"),
         ("dout over too few rows", op.attention_backward, backward, dict(dout=dout[:, :, 1:]), "dout must have shape"),
         ("out of the wrong width", op.attention_backward, backward, dict(out=out[..., 1:]), "out must have shape"),
         ("row_max of the wrong shape", op.attention_backward, backward, dict(row_max=row_max[..., 1:]), "row_max"),
@@ -234,6 +240,10 @@ def test_the_compiled_tiles_check_their_own_sizes():
         forward(q, k, v, None, row_max, inv_sum)
     with pytest.raises(RuntimeError, match="gq is 128, expected 0"):  # a buffer this pass does not take
         forward(q, k, v, out, row_max, inv_sum, gq=q)
+    call = native.describe(q, k, v, None, 0.25, out=out, row_max=row_max, inv_sum=inv_sum)
+    call.dropout_key_offset = -1  # the draws' coordinates start below 0
+    with pytest.raises(RuntimeError, match="dropout_key_offset is -1"):
+        native._call("attngrad_forward", call)
     call = forward(q, k, v, out, row_max, inv_sum)  # a good call; then one whose count lies
     call.numel[native.BUFFERS.index("out")] -= 1
     with pytest.raises(RuntimeError, match="out is 127, expected 128"):

@@ -11,6 +11,10 @@ counter, which is what makes SplitMix a counter-based generator:
     keep   = (z >> 32) >= ceil(p 2^32)                           P(keep) = 1 - p to 2^-32
     Z      = keep / (1 - p)                                      (0 everywhere when p = 1)
 
+(h, i, j) are the score's head, row and key in the whole: a call on a part of it (a ring
+step or a head group of `attngrad.torch.distributed`) says where its heads, rows and keys
+start (`Placement`), so its masks are those of the whole.
+
 All arithmetic is modulo 2^64. PyTorch has no unsigned 64-bit shifts, so it runs on int64,
 whose products wrap, with logical shifts spelled as an arithmetic shift and a mask.
 """
@@ -18,6 +22,7 @@ whose products wrap, with logical shifts spelled as an arithmetic shift and a ma
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Union
 
 import torch
 from torch import Tensor
@@ -28,6 +33,40 @@ GAMMA = 0x9E3779B97F4A7C15
 MIX_1 = 0xBF58476D1CE4E5B9
 MIX_2 = 0x94D049BB133111EB
 _MASK64 = (1 << 64) - 1
+
+
+class Placement(NamedTuple):
+    """Where a call sits in a larger one (a ring step, a head group of
+    `attngrad.torch.distributed`): the dropout seed; the whole's row, key and head of the
+    call's first score, which key its dropout draws (all 0 for a whole call); and whether
+    the call's keys are only a part of each row's (then no pass may take a sum over the
+    call's keys for a whole row's)."""
+
+    seed: int
+    row_offset: int = 0
+    key_offset: int = 0
+    head_offset: int = 0
+    partial_rows: int = 0
+
+    @classmethod
+    def of(cls, seed: Union[int, "Placement", Tensor]) -> "Placement":
+        """From an int (the seed), a placement, or the ops' seed tensor: 0-d (the seed), or
+        (5,) int64, the fields in order."""
+        if isinstance(seed, Placement):
+            return seed
+        if isinstance(seed, Tensor):
+            placement = cls(*(int(x) for x in seed.reshape(-1).tolist()))
+            if min(placement[1:]) < 0 or placement.partial_rows > 1:
+                raise ValueError(f"attngrad attention op: the seed's offsets must be >= 0 and its last entry 0 or 1; "
+                                 f"got {placement}")
+            return placement
+        return cls(int(seed))
+
+    def tensor(self) -> Tensor:
+        """The ops' seed tensor: 0-d for a whole call, else (5,)."""
+        if not any(self[1:]):
+            return torch.tensor(self.seed, dtype=torch.int64)
+        return torch.tensor(list(self), dtype=torch.int64)
 
 
 def _signed(c: int) -> int:
@@ -75,10 +114,15 @@ def keep_int(seed: int, b: int, h: int, i: int, j: int, dropout_p: float) -> boo
     return mix_int(key + GAMMA * ((i << 32) + j + 1)) >> 32 >= threshold(dropout_p)
 
 
-def keep_scale_into(out: Tensor, seed: int, row_start: int, dropout_p: float, key_start: int = 0) -> Tensor:
+def keep_scale_into(out: Tensor, seed: Union[int, Placement], row_start: int, dropout_p: float,
+                    key_start: int = 0) -> Tensor:
     """Fill `out` (B, H, R, keys) with Z for rows row_start.. and keys key_start.. of every
-    (b, h): by the compiled tiles where they run (a contiguous float32 or float64 CPU tile),
-    else by `keep_scale_torch`. Both give the same bits."""
+    (b, h), both counted from the key's offsets: by the compiled tiles where they run (a
+    contiguous float32 or float64 CPU tile), else by `keep_scale_torch`. Both give the same bits."""
+    seed, row_offset, key_offset, head_offset, _ = Placement.of(seed)
+    row_start, key_start = row_start + row_offset, key_start + key_offset
+    if head_offset:
+        return keep_scale_torch(out, seed, row_start, dropout_p, key_start, head_offset)
     if out.device.type == "cpu" and out.dtype in (torch.float32, torch.float64) and out.is_contiguous():
         if native.library() is not None:
             return native.dropout_keep_scale_into(out, seed, row_start, threshold(dropout_p), keep_value(dropout_p),
@@ -86,12 +130,13 @@ def keep_scale_into(out: Tensor, seed: int, row_start: int, dropout_p: float, ke
     return keep_scale_torch(out, seed, row_start, dropout_p, key_start)
 
 
-def keep_scale_torch(out: Tensor, seed: int, row_start: int, dropout_p: float, key_start: int = 0) -> Tensor:
+def keep_scale_torch(out: Tensor, seed: int, row_start: int, dropout_p: float, key_start: int = 0,
+                     head_offset: int = 0) -> Tensor:
     """`keep_scale_into` in PyTorch operators, for any device (int64 tiles: slower)."""
     batch, heads, rows, keys = out.shape
     device = out.device
     b = torch.arange(batch, dtype=torch.int64, device=device)[:, None, None, None]
-    h = torch.arange(heads, dtype=torch.int64, device=device)[None, :, None, None]
+    h = torch.arange(head_offset, head_offset + heads, dtype=torch.int64, device=device)[None, :, None, None]
     key_bh = _mix(((b << 32) + h + 1) * _signed(GAMMA) + _signed(seed))  # (B, H, 1, 1)
     i = torch.arange(row_start, row_start + rows, dtype=torch.int64, device=device)[:, None]
     j = torch.arange(key_start, key_start + keys, dtype=torch.int64, device=device)

@@ -35,9 +35,13 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .dropout import Placement
 
 SOURCE = Path(__file__).with_name("native_tiles.cpp")
 # -fno-trapping-math lets the row loops' compares and selects vectorise; -ffp-contract=fast
@@ -208,6 +212,8 @@ class AttentionCall(ctypes.Structure):
         ("bounds_batch", ctypes.c_int64),  # key_bounds (1 or B, Lq, 2)
         ("scale", ctypes.c_double), ("softcap", ctypes.c_double), ("dropout", ctypes.c_int64), ("seed", ctypes.c_uint64),
         ("threshold", ctypes.c_uint64), ("keep_value", ctypes.c_double),
+        ("dropout_row_offset", ctypes.c_int64), ("dropout_key_offset", ctypes.c_int64), ("dropout_head_offset", ctypes.c_int64),
+        ("partial_rows", ctypes.c_int64),
         *((name, ctypes.c_int64) for name in ("threads", "block_rows", "block_keys", "value_slice", "chunks")),
         ("data", ctypes.c_void_p * len(BUFFERS)), ("numel", ctypes.c_int64 * len(BUFFERS)),
     ]
@@ -237,12 +243,12 @@ class AttentionCall(ctypes.Structure):
 
 
 def describe(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, *, block_rows: int = 0,
-             chunks: int = 1, seed: int = 0, dropout_p: float = 0.0, mask_sizes: tuple = (1, 1, 1, 1),
+             chunks: int = 1, seed: "int | Placement" = 0, dropout_p: float = 0.0, mask_sizes: tuple = (1, 1, 1, 1),
              bias_sizes: tuple = (1, 1, 1, 1), block_keys: int = 0, softcap: float = 0.0,
              **buffers: Tensor | None) -> AttentionCall:
     """The call of a pass on (B, H, Lq, d) q, (B, Hkv, Lk, d) k, (B, Hkv, Lk, dv) v, with the
     named `buffers` (contiguous; None or absent is null) and the options."""
-    from .dropout import keep_value, threshold  # that module imports this one
+    from .dropout import Placement, keep_value, threshold  # that module imports this one
 
     call = AttentionCall(*q.shape[:2], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3])
     call.mask_sizes[:], call.bias_sizes[:] = mask_sizes, bias_sizes
@@ -251,7 +257,10 @@ def describe(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, 
     bounds = buffers.get("key_bounds")
     call.bounds_batch = 1 if bounds is None else bounds.shape[0]
     call.scale, call.softcap = scale, softcap
-    call.dropout, call.seed = dropout_p > 0.0, seed
+    key = Placement.of(seed)
+    call.dropout, call.seed = dropout_p > 0.0, key.seed
+    call.dropout_row_offset, call.dropout_key_offset, call.dropout_head_offset = key.row_offset, key.key_offset, key.head_offset
+    call.partial_rows = key.partial_rows
     call.threshold, call.keep_value = threshold(dropout_p), keep_value(dropout_p)
     call.threads = torch.get_num_threads()
     call.block_rows, call.block_keys, call.value_slice = block_rows or BLOCK_ROWS, block_keys or BLOCK_KEYS, VALUE_SLICE
@@ -347,7 +356,7 @@ def _block_keys(bounds: Tensor | None) -> int:
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, softcap: float = 0.0,
-                      mask: Tensor | None = None, bias: Tensor | None = None, seed: int = 0,
+                      mask: Tensor | None = None, bias: Tensor | None = None, seed: "int | Placement" = 0,
                       dropout_p: float = 0.0, bounds: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, H, Lq, dv), row max m, inverse row sum 1/l (B, H, Lq)): `kernels.attention_forward`'s results."""
     q, k, v = _work(q, k, v)
@@ -418,7 +427,7 @@ def _sum_parts(parts: Tensor) -> Tensor:
 def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
     causal: int | None, scale: float, chunks: int | None = None, mask: Tensor | None = None, bias: Tensor | None = None,
-    seed: int = 0, dropout_p: float = 0.0, bias_grad: bool = False, bounds: Tensor | None = None, softcap: float = 0.0,
+    seed: "int | Placement" = 0, dropout_p: float = 0.0, bias_grad: bool = False, bounds: Tensor | None = None, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv, dbias or None): `kernels.attention_backward`'s results for the cases
     `supports` accepts; dbias in the bias's shape and the compute dtype. `chunks` splits
@@ -448,7 +457,7 @@ def attention_double_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
     causal: int | None, scale: float, dout_grad: bool, gq: Tensor | None, gk: Tensor | None, gv: Tensor | None,
     chunks: int | None = None, mask: Tensor | None = None, bias: Tensor | None = None, gbias: Tensor | None = None,
-    seed: int = 0, dropout_p: float = 0.0, bias_grad: bool = False, bounds: Tensor | None = None, softcap: float = 0.0,
+    seed: "int | Placement" = 0, dropout_p: float = 0.0, bias_grad: bool = False, bounds: Tensor | None = None, softcap: float = 0.0,
 ) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor | None]:
     """(g_dout or None, g_q, g_k, g_v, g_bias or None): `kernels_higher.attention_double_backward`'s
     results for the cases `supports` accepts, in the compute dtype; an absent cotangent is
@@ -479,7 +488,7 @@ def dropout_keep_scale_into(out: Tensor, seed: int, row_start: int, threshold: i
 
 def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Tensor, causal: int | None, scale: float,
                   tq: Tensor | None, tk: Tensor | None, tv: Tensor | None, mask: Tensor | None = None,
-                  bias: Tensor | None = None, tbias: Tensor | None = None, seed: int = 0,
+                  bias: Tensor | None = None, tbias: Tensor | None = None, seed: "int | Placement" = 0,
                   dropout_p: float = 0.0, bounds: Tensor | None = None, softcap: float = 0.0) -> Tensor:
     """The output's tangent (B, H, Lq, dv): `kernels_higher.attention_jvp`'s result for the
     cases `supports` accepts; an absent tangent is zero."""
@@ -497,7 +506,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Ten
 def attention_backward_jvp(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
     causal: int | None, scale: float, tdout: Tensor | None, tq: Tensor | None, tk: Tensor | None, tv: Tensor | None,
-    mask: Tensor | None = None, bias: Tensor | None = None, tbias: Tensor | None = None, seed: int = 0,
+    mask: Tensor | None = None, bias: Tensor | None = None, tbias: Tensor | None = None, seed: "int | Placement" = 0,
     dropout_p: float = 0.0, bias_grad: bool = False, chunks: int | None = None, bounds: Tensor | None = None,
     softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:

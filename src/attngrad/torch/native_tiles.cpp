@@ -81,6 +81,9 @@ struct AttngradCall {
     int64_t dropout;
     uint64_t seed, threshold;  // keep where the draw's high 32 bits >= threshold = ceil(p 2^32)
     double keep_value;         // 1 / (1 - p)
+    int64_t dropout_row_offset, dropout_key_offset, dropout_head_offset;  // where this call's rows,
+                                         // keys and heads sit in the whole: the draws' coordinates
+    int64_t partial_rows;  // 1: the keys are a part of each row's (a ring step): no whole-row sums
     int64_t threads;
     int64_t block_rows, block_keys, value_slice;  // query rows and keys of a tile; keys per E V product
     int64_t chunks;                               // work items per (b, key/value head)
@@ -91,7 +94,8 @@ struct AttngradCall {
 #define ATTNGRAD_FIELDS(X)                                                                                          \
     X(batch) X(heads) X(kv_heads) X(len_q) X(len_k) X(dim) X(dim_v) X(mask_sizes) X(bias_sizes) X(double_precision) \
     X(causal) X(causal_offset) X(bounds_batch) X(scale) X(softcap) X(dropout) X(seed) X(threshold) X(keep_value) \
-    X(threads) X(block_rows) X(block_keys) X(value_slice) X(chunks) X(data) X(numel)
+    X(dropout_row_offset) X(dropout_key_offset) X(dropout_head_offset) X(partial_rows) X(threads) X(block_rows)   \
+    X(block_keys) X(value_slice) X(chunks) X(data) X(numel)
 
 namespace {
 
@@ -458,12 +462,15 @@ struct DropoutDraw {
     bool on = false;
     uint64_t seed = 0, threshold = 0;  // keep where the draw's high 32 bits >= ceil(p 2^32)
     double value = 0;                  // 1 / (1 - p), 0 for p = 1
+    index_t row_offset = 0, key_offset = 0, head_offset = 0;  // the call's within the whole
 
     // x[0, n) *= Z for keys c0..c0 + n of row i of head (b, h): x value where kept, else 0
     template <typename T>
     void scale_row(T* x, index_t b, index_t h, index_t i, index_t c0, index_t n) const {
-        const uint64_t key_bh = mix64(seed + kGamma * ((static_cast<uint64_t>(b) << 32) + static_cast<uint64_t>(h) + 1));
-        const uint64_t row_counter = key_bh + kGamma * (static_cast<uint64_t>(i) << 32);
+        const uint64_t key_bh =
+            mix64(seed + kGamma * ((static_cast<uint64_t>(b) << 32) + static_cast<uint64_t>(h + head_offset) + 1));
+        const uint64_t row_counter = key_bh + kGamma * (static_cast<uint64_t>(i + row_offset) << 32);
+        c0 += key_offset;
         const T keep_value = static_cast<T>(value);
         for (index_t j = 0; j < n; ++j) {
             const uint64_t z = mix64(row_counter + kGamma * (static_cast<uint64_t>(c0 + j) + 1));
@@ -746,7 +753,8 @@ struct Pass {
           s{c.batch, c.heads, c.kv_heads, c.len_q, c.len_k, c.dim, c.dim_v},
           causal{c.causal != 0, c.causal_offset},
           masks(score_mask<T>(c)),
-          drop{c.dropout != 0, c.seed, c.threshold, c.keep_value},
+          drop{c.dropout != 0, c.seed, c.threshold, c.keep_value, c.dropout_row_offset, c.dropout_key_offset,
+               c.dropout_head_offset},
           scale(static_cast<T>(c.scale)),
           cap{static_cast<T>(c.softcap)},
           threads(static_cast<int>(c.threads)) {}
@@ -1083,7 +1091,7 @@ void backward(const Pass<T>& pass) {
                             if (slope) pass.cap.apply(p, seen, slope);  // S = c tanh(A / c)
                             if (masks.any()) masks.apply(p, b, h, r0 + i, c0, seen);
                             if (drop.on) drop.scale_row(ds, b, h, r0 + i, c0, seen);  // dP = (dO V^T) Z
-                            if (c0 == 0 && causal.visible(r0 + i, 0, s.len_k) <= cols) {
+                            if (!pass.call.partial_rows && c0 == 0 && causal.visible(r0 + i, 0, s.len_k) <= cols) {
                                 // every key of the row is in this block: D = rowsum(P dP) from
                                 // the very dP it is subtracted from, whose rounding then cancels
                                 // (rowsum(dO O) carries O's; few-key rows showed it in float32)
@@ -1092,7 +1100,9 @@ void backward(const Pass<T>& pass) {
                             } else {
                                 probs_and_score_grad(p, ds, seen, m, inv, delta[first + i]);
                             }
-                            if (row_keys == 1) {  // the row's one key, if in this block: P = 1, dS = 0
+                            // the row's one key, if in this block: P = 1, dS = 0 (with l = 1: a ring
+                            // step's row may have more keys than this call's, each with weight)
+                            if (row_keys == 1 && inv == T(1)) {
                                 for (index_t j = 0; j < seen; ++j) {
                                     p[j] = p[j] > T(0) ? T(1) : T(0);
                                     ds[j] = T(0);
@@ -1492,6 +1502,17 @@ bool check_call(const char* what, const AttngradCall* call, std::initializer_lis
         return fail(what, "block_rows * len_k", c.block_rows * c.len_k, 1 << 30);
     }
     if (c.threshold > (uint64_t{1} << 32)) return fail(what, "threshold", static_cast<int64_t>(c.threshold), 1ll << 32);
+    // the draws' row counter is 32 bits wide, their key counter (plus one) too
+    if (c.dropout_row_offset < 0 || c.dropout_row_offset > kIntMax - c.len_q) {
+        return fail(what, "dropout_row_offset", c.dropout_row_offset, 0);
+    }
+    if (c.dropout_key_offset < 0 || c.dropout_key_offset > kIntMax - c.len_k) {
+        return fail(what, "dropout_key_offset", c.dropout_key_offset, 0);
+    }
+    if (c.dropout_head_offset < 0 || c.dropout_head_offset > kIntMax - c.heads) {
+        return fail(what, "dropout_head_offset", c.dropout_head_offset, 0);
+    }
+    if (c.partial_rows != 0 && c.partial_rows != 1) return fail(what, "partial_rows", c.partial_rows, 1);
     if (!check_broadcast(what, "mask_sizes", c, c.mask_sizes)) return false;
     if (!check_broadcast(what, "bias_sizes", c, c.bias_sizes)) return false;
     Use use[kBufferCount] = {};

@@ -24,7 +24,9 @@ inverse softmax denominator: O(L). Everything else is recomputed block by block.
 `out`, the row statistics and `seed` reach AttentionBackward as caches: its derivatives
 are taken through q, k, v, bias and dout alone, which determine them.
 `seed` is a 0-d int64 tensor (drawn by the caller from PyTorch's generator) so that a
-compiled graph can draw it too. `causal` is the causal diagonal: None, or c such that key
+compiled graph can draw it too; or (5,), a `dropout.Placement`, for a call on a part of a
+longer sequence or of more heads, whose dropout masks must be the whole's, and whose
+keys may be only a part of each row's. `causal` is the causal diagonal: None, or c such that key
 j is visible to query i when j <= i + c (0: top-left, Lk - Lq: bottom-right).
 
 Every op checks its arguments (`op_checks`) before any kernel reads them, and returns
@@ -39,6 +41,7 @@ import torch
 from torch import Tensor
 
 from . import kernels, kernels_higher, native, vmap_rules
+from .dropout import Placement
 from .implementation import choose
 from .op_checks import check_call
 
@@ -50,10 +53,10 @@ def attention_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     check_call(q, k, v, mask, bias, bounds, seed, causal, dropout_p, softcap=softcap)
     if choose("forward", q, k, v, mask, bias) == "tiles":
-        out, row_max, inv_sum = native.attention_forward(q, k, v, causal, scale, softcap=softcap, mask=mask, bias=bias, seed=int(seed),
+        out, row_max, inv_sum = native.attention_forward(q, k, v, causal, scale, softcap=softcap, mask=mask, bias=bias, seed=Placement.of(seed),
                                                          dropout_p=dropout_p, bounds=bounds)
         return out.to(q.dtype), row_max, inv_sum  # the statistics stay in the compute dtype
-    return kernels.attention_forward(q, k, v, mask, bias, int(seed), causal, scale, softcap, dropout_p, bounds)
+    return kernels.attention_forward(q, k, v, mask, bias, Placement.of(seed), causal, scale, softcap, dropout_p, bounds)
 
 
 @attention_forward.register_fake
@@ -72,13 +75,13 @@ def attention_backward(
     _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad, softcap=softcap)
     if choose("backward", q, k, v, mask, bias) == "tiles":
         dq, dk, dv, dbias = native.attention_backward(
-            dout, q, k, v, out, row_max, inv_sum, causal, scale, softcap=softcap, mask=mask, bias=bias, seed=int(seed),
+            dout, q, k, v, out, row_max, inv_sum, causal, scale, softcap=softcap, mask=mask, bias=bias, seed=Placement.of(seed),
             dropout_p=dropout_p, bias_grad=bias_grad, bounds=bounds,
         )
         dq, dk, dv, dbias = _in_dtypes_of((dq, dk, dv, dbias), (q, k, v, bias))
     else:
         dq, dk, dv, dbias = kernels.attention_backward(
-            dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad, bounds
+            dout, q, k, v, mask, bias, Placement.of(seed), out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad, bounds
         )
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)  # ops return tensors, not None
 
@@ -108,6 +111,13 @@ def _in_dtypes_of(results: tuple, inputs: tuple) -> tuple:
     return tuple(None if r is None else r.to(x.dtype) for r, x in zip(results, inputs))
 
 
+def _whole_rows(seed: Tensor, name: str) -> None:
+    """The higher passes sum over each row's keys: they refuse a call whose keys are a part
+    of each row's (a ring step runs them by `kernels_higher` with the whole rows' sums)."""
+    if seed.dim() and Placement.of(seed).partial_rows:
+        raise ValueError(f"attngrad attention op: {name} needs each row's whole keys; its seed says they are a part")
+
+
 def _maybe_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
     return t if t is not None else like.new_empty(0)  # ops return tensors, not None
 
@@ -119,12 +129,13 @@ def attention_jvp(
     tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
 ) -> Tensor:
     _check_jvp(q, k, v, mask, bias, bounds, seed, row_max, inv_sum, causal, dropout_p, tq, tk, tv, tbias, softcap)
+    _whole_rows(seed, "attention_jvp")
     if choose("jvp", q, k, v, mask, bias) == "tiles":
         out_t = native.attention_jvp(q, k, v, row_max, inv_sum, causal, scale, tq, tk, tv, softcap=softcap, mask=mask, bias=bias,
-                                     tbias=tbias, seed=int(seed), dropout_p=dropout_p, bounds=bounds)
+                                     tbias=tbias, seed=Placement.of(seed), dropout_p=dropout_p, bounds=bounds)
         return out_t.to(q.dtype)
     return kernels_higher.attention_jvp(
-        q, k, v, mask, bias, int(seed), row_max, inv_sum, causal, scale, softcap, dropout_p, tq, tk, tv, tbias, bounds
+        q, k, v, mask, bias, Placement.of(seed), row_max, inv_sum, causal, scale, softcap, dropout_p, tq, tk, tv, tbias, bounds
     )
 
 
@@ -147,15 +158,16 @@ def attention_backward_jvp(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad, softcap=softcap,
                     **_second_order_sides("t", tdout, tq, tk, tv, tbias))
+    _whole_rows(seed, "attention_backward_jvp")
     if choose("backward_jvp", q, k, v, mask, bias) == "tiles":
         dq, dk, dv, dbias = native.attention_backward_jvp(
             dout, q, k, v, out, row_max, inv_sum, causal, scale, tdout, tq, tk, tv, softcap=softcap, mask=mask, bias=bias,
-            tbias=tbias, seed=int(seed), dropout_p=dropout_p, bias_grad=bias_grad, bounds=bounds,
+            tbias=tbias, seed=Placement.of(seed), dropout_p=dropout_p, bias_grad=bias_grad, bounds=bounds,
         )
         dq, dk, dv, dbias = _in_dtypes_of((dq, dk, dv, dbias), (q, k, v, bias))
     else:
         dq, dk, dv, dbias = kernels_higher.attention_backward_jvp(
-            dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad,
+            dout, q, k, v, mask, bias, Placement.of(seed), out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad,
             tdout, tq, tk, tv, tbias, bounds,
         )
     return dq, dk, dv, _maybe_empty(dbias, q)
@@ -184,14 +196,15 @@ def attention_double_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad, softcap=softcap,
                     **_second_order_sides("g", None, gq, gk, gv, gbias))
+    _whole_rows(seed, "attention_double_backward")
     if choose("double_backward", q, k, v, mask, bias) == "tiles":
         g_dout, g_q, g_k, g_v, g_bias = _in_dtypes_of(native.attention_double_backward(
             dout, q, k, v, out, row_max, inv_sum, causal, scale, dout_grad, gq, gk, gv, softcap=softcap, mask=mask, bias=bias,
-            gbias=gbias, seed=int(seed), dropout_p=dropout_p, bias_grad=bias_grad, bounds=bounds,
+            gbias=gbias, seed=Placement.of(seed), dropout_p=dropout_p, bias_grad=bias_grad, bounds=bounds,
         ), (dout, q, k, v, bias))
         return _maybe_empty(g_dout, q), g_q, g_k, g_v, _maybe_empty(g_bias, q)
     g_dout, g_q, g_k, g_v, g_bias = kernels_higher.attention_double_backward(
-        dout, q, k, v, mask, bias, int(seed), out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad,
+        dout, q, k, v, mask, bias, Placement.of(seed), out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad,
         dout_grad, gq, gk, gv, gbias, bounds,
     )
     return _maybe_empty(g_dout, q), g_q, g_k, g_v, _maybe_empty(g_bias, q)

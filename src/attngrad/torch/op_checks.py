@@ -110,8 +110,8 @@ def check_call(
     _check_broadcast("mask", mask, target, q.device)
     _check_broadcast("bias", bias, target, q.device)
     _check_bounds(bounds, batch, len_q, q.device)
-    if not isinstance(seed, Tensor) or seed.dim() != 0 or seed.dtype != torch.int64:
-        _fail(f"seed must be a 0-d int64 tensor; got {seed!r}")
+    if not isinstance(seed, Tensor) or seed.shape not in ((), (5,)) or seed.dtype != torch.int64:
+        _fail(f"seed must be a 0-d int64 tensor, or (5,): a `dropout.Placement`; got {seed!r}")
     if causal is not None and not isinstance(causal, int):
         raise TypeError(f"attngrad attention op: causal must be None or an int diagonal offset; got {causal!r}")
     if not 0.0 <= dropout_p <= 1.0:

@@ -256,29 +256,48 @@ def _times(t: Tensor, z: Optional[Tensor], out: Tensor) -> Tensor:
     return torch.mul(t, z, out=out) if z is not None else t
 
 
-def _softmax_jacobian_times(p: Tensor, x: Tensor, out: Tensor) -> Tensor:
+def _softmax_jacobian_times(p: Tensor, x: Tensor, out: Tensor, row: Optional[Tensor] = None,
+                            sums: Optional[Tensor] = None) -> Tensor:
     """P * (X - rowsum(P * X)) into `out` (not x's buffer): the softmax's Jacobian, which is
     symmetric, times X row by row. It is S' -> P' in forward mode and g_P -> g_S in reverse.
     (PyTorch's fused softmax-backward kernel computes this in one pass, but its bits change
-    with the thread count for rows of most lengths, torch 2.13: three passes instead.)"""
-    row = torch.mul(p, x, out=out).sum(dim=-1, keepdim=True)
+    with the thread count for rows of most lengths, torch 2.13: three passes instead.)
+
+    A call on a part of each row's keys (a ring step) cannot sum the whole row: it is given
+    the whole row's sum as `row` (B, H, R, 1), and adds its own part of it into `sums`."""
+    if row is None or sums is not None:
+        computed = torch.mul(p, x, out=out).sum(dim=-1, keepdim=True)
+        if sums is not None:
+            sums += computed
+        row = computed if row is None else row
     return torch.sub(x, row, out=out).mul_(p)
+
+
+def _rows(t: Optional[Tensor], start: int, stop: int) -> Optional[Tensor]:
+    """Rows start:stop of a (B, H, Lq, 1) row quantity, or None."""
+    return None if t is None else t[:, :, start:stop]
 
 
 def attention_jvp(
     q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
     row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float,
     tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
-    bounds: Optional[Tensor] = None,
+    bounds: Optional[Tensor] = None, centre: Optional[Tensor] = None, centre_sums: Optional[Tensor] = None,
 ) -> Tensor:
-    """O' (B, H, Lq, dv) in q's dtype; an absent tangent is zero."""
+    """O' (B, H, Lq, dv) in q's dtype; an absent tangent is zero.
+
+    For a part of each row's keys (`centre`, `centre_sums`: see `_softmax_jacobian_times`):
+    with `centre` = 0, the result is this part of (P * S' * Z) V~ + (P * Z) V~', and this
+    part of rowsum(P * S') is added into `centre_sums` (B, H, Lq, 1, compute dtype); the
+    whole O' is then the parts' sum less rowsum(P * S') O."""
     r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=3, bounds=bounds)
     form = r.score_form(tq, tk, tbias)
     tv_rep = _repeat(tv, r.groups, r.work)
     out_t = torch.zeros(r.batch, r.heads, r.len_q, v.shape[-1], dtype=r.work, device=q.device)
     for start, stop, cols, p, z, _single in r.each_block():  # a single-key row's P' is 0 exactly
         s_t = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols, r.capped)  # S'
-        p_t = _softmax_jacobian_times(p, s_t, out=r.tile(2, start, stop, cols))  # P'
+        p_t = _softmax_jacobian_times(p, s_t, r.tile(2, start, stop, cols), _rows(centre, start, stop),
+                                      _rows(centre_sums, start, stop))  # P'
         scratch = s_t  # S' is spent
         # forward: O = (P * Z) V~  ->  O' = (P' * Z) V~ + (P * Z) V~'
         out_t[:, :, start:stop] = _sum_of_products(
@@ -297,9 +316,12 @@ def attention_backward_jvp(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float, bias_grad: bool,
     tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
-    bounds: Optional[Tensor] = None,
+    bounds: Optional[Tensor] = None, centre: Optional[Tensor] = None, delta_t: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """Tangents of (dq, dk, dv, dbias or None), each in its input's dtype and shape."""
+    """Tangents of (dq, dk, dv, dbias or None), each in its input's dtype and shape.
+
+    For a part of each row's keys, the whole rows' sums are given (B, H, Lq, 1, compute
+    dtype): `centre` = rowsum(P * S') and `delta_t` = D~ = rowsum(dO' * O + dO * O')."""
     r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=5, bounds=bounds)
     work = r.work
     form = r.score_form(tq, tk, tbias)
@@ -311,7 +333,7 @@ def attention_backward_jvp(
         rows = slice(start, stop)
         do_blk, v_blk = do_w[:, :, rows], r.v_rep[..., cols, :]
         s_t = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols, r.capped)  # S'
-        p_t = _softmax_jacobian_times(p, s_t, out=r.tile(4, start, stop, cols))  # P'
+        p_t = _softmax_jacobian_times(p, s_t, r.tile(4, start, stop, cols), _rows(centre, start, stop))  # P'
         scratch = s_t  # S' is spent
         # backward: dP = (dO V~^T) * Z, and its tangent dP~ = (dO' V~^T + dO V~'^T) * Z
         dp = torch.matmul(do_blk, v_blk.transpose(-1, -2), out=r.tile(2, start, stop, cols))
@@ -324,8 +346,11 @@ def attention_backward_jvp(
             dp.mul_(z)
             dp_t.mul_(z)
         # backward: dS = P * (dP - D)  ->  dS~ = P' * (dP - D) + P * (dP~ - D~)
-        delta_t = torch.mul(p_t, dp, out=scratch).sum(dim=-1, keepdim=True)
-        delta_t += torch.mul(p, dp_t, out=scratch).sum(dim=-1, keepdim=True)
+        if delta_t is not None:
+            delta_t_blk = delta_t[:, :, rows]
+        else:
+            delta_t_blk = torch.mul(p_t, dp, out=scratch).sum(dim=-1, keepdim=True)
+            delta_t_blk += torch.mul(p, dp_t, out=scratch).sum(dim=-1, keepdim=True)
         # backward: dV~ = (P * Z)^T dO  ->  dV~~ = (P' * Z)^T dO + (P * Z)^T dO'
         dv_t.add(_times(p_t, z, scratch), do_blk, cols.start)
         if tdo_w is not None:
@@ -333,7 +358,7 @@ def attention_backward_jvp(
         dp.sub_(delta[:, :, rows])  # dP - D
         if single is not None:  # D = dP exactly there, and dS = 0 (as in `kernels`)
             dp.masked_fill_(single, 0.0)
-        ds_t = p_t.mul_(dp).add_(dp_t.sub_(delta_t).mul_(p))  # dS~, in P''s buffer
+        ds_t = p_t.mul_(dp).add_(dp_t.sub_(delta_t_blk).mul_(p))  # dS~, in P''s buffer
         ds = p.mul_(dp)  # dS, in P's buffer
         ds_bias = None
         if r.capped is not None:  # backward: dA = slope dS  ->  dA~ = slope dS~ + (curve A') dS
@@ -354,12 +379,16 @@ def attention_double_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float, bias_grad: bool,
     dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
-    bounds: Optional[Tensor] = None,
+    bounds: Optional[Tensor] = None, centre: Optional[Tensor] = None, g_centre: Optional[Tensor] = None,
 ) -> tuple[Optional[Tensor], Tensor, Tensor, Tensor, Optional[Tensor]]:
     """(g_dout or None, g_q, g_k, g_v, g_bias or None): the gradients, with respect to the
     backward's inputs, of <gq, dq> + <gk, dk> + <gv, dv> + <gbias, dbias>; an absent cotangent
     is zero. g_dout only with `dout_grad`: a gradient penalty's dO is a constant, and g_dout
-    takes two of the twelve score-sized products per block."""
+    takes two of the twelve score-sized products per block.
+
+    For a part of each row's keys, the whole rows' sums are given (B, H, Lq, 1, compute
+    dtype; `double_backward_row_sums`): `centre` = t = rowsum(P * T) and `g_centre` =
+    rowsum(P * g_P)."""
     r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=5, bounds=bounds)
     work = r.work
     form = r.score_form(gq, gk, gbias if bias_grad else None)  # T
@@ -376,7 +405,7 @@ def attention_double_backward(
         do_blk = do_rows[..., :width_v]
         scratch = r.tile(3, start, stop, cols)
         t_form = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols, r.capped)  # T
-        t_row = torch.mul(p, t_form, out=scratch).sum(dim=-1, keepdim=True)  # t = rowsum(P * T)
+        t_row = centre[:, :, rows] if centre is not None else torch.mul(p, t_form, out=scratch).sum(dim=-1, keepdim=True)  # t = rowsum(P * T)
         dp_out = r.tile(2, start, stop, cols)
         if z is None:
             dp = torch.matmul(do_rows, v_ones[..., cols, :].transpose(-1, -2), out=dp_out)  # dP - D
@@ -403,7 +432,7 @@ def attention_double_backward(
             else:
                 g_p.addcmul_(torch.matmul(do_blk, gv_rep[..., cols, :].transpose(-1, -2), out=scratch), z)
         # through P = softmax(S), then S = scale Q K~^T + bias; dQ, dK~ also hold K~, Q directly
-        g_s = _softmax_jacobian_times(p, g_p, out=scratch)  # g_S = P * (g_P - rowsum(P * g_P))
+        g_s = _softmax_jacobian_times(p, g_p, scratch, _rows(g_centre, start, stop))  # g_S = P * (g_P - rowsum(P * g_P))
         ds = p.mul_(dp)  # dS = P * (dP - D), in P's buffer
         g_s_bias = None
         if r.capped is not None:  # through dA = slope dS, and S = c tanh(A / c): g_A = slope g_S + (curve T_raw) dS
@@ -420,3 +449,37 @@ def attention_double_backward(
     )
 
 
+
+
+def double_backward_row_sums(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
+    row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float, bias_grad: bool,
+    gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
+    bounds: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    """This call's keys' part of the double backward's two row sums, for a ring step
+    (B, H, Lq, 1 each, compute dtype): rowsum(P * T), and rowsum(P * (dP * T + (dO gV~^T) * Z)).
+
+    Over a whole row, with t = rowsum(P * T), D = rowsum(P * dP) and rowsum(P) = 1 (or P = 0),
+        rowsum(P * g_P) = rowsum(P * ((dP - D) (T - t) + (dO gV~^T) Z))
+                        = rowsum(P * (dP T + (dO gV~^T) Z)) - t D,
+    so one pass over the keys gives both, for `attention_double_backward`'s centre and g_centre."""
+    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=3, bounds=bounds)
+    form = r.score_form(gq, gk, gbias if bias_grad else None)  # T
+    gv_rep = _repeat(gv, r.groups, r.work)
+    do_w = dout.to(r.work)
+    t_sum = torch.zeros(r.batch, r.heads, r.len_q, 1, dtype=r.work, device=q.device)
+    u_sum = torch.zeros_like(t_sum)
+    for start, stop, cols, p, z, _single in r.each_block():
+        rows = slice(start, stop)
+        t_form = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols, r.capped)  # T
+        dp = torch.matmul(do_w[:, :, rows], r.v_rep[..., cols, :].transpose(-1, -2), out=r.tile(2, start, stop, cols))
+        if gv_rep is not None:  # dP + (dO gV~^T) / T would divide: add the two products apart
+            x = torch.matmul(do_w[:, :, rows], gv_rep[..., cols, :].transpose(-1, -2))
+            u_sum[:, :, rows] += (x.mul_(z) if z is not None else x).mul_(p).sum(dim=-1, keepdim=True)
+        if z is not None:
+            dp.mul_(z)
+        pt = t_form.mul_(p)  # P * T
+        t_sum[:, :, rows] += pt.sum(dim=-1, keepdim=True)
+        u_sum[:, :, rows] += pt.mul_(dp).sum(dim=-1, keepdim=True)
+    return t_sum, u_sum

@@ -97,11 +97,16 @@ class _Layout:
     @property
     def target(self) -> tuple:
         """The full score shape a mask must broadcast to: (..., H, Lq, Lk)."""
-        return (*self.batch, self.heads, self.len_q, self.len_k) if not self.flat else (self.len_q, self.len_k)
+        return self.target_with(self.len_k)
 
-    def fold_mask(self, mask: Tensor, name: str) -> Tensor:
-        """A mask or bias broadcastable to `target`, as one broadcastable to (B, H, Lq, Lk)."""
-        target = self.target
+    def target_with(self, len_k: int) -> tuple:
+        """`target` for Lk keys (a ring's local queries see the whole sequence's keys)."""
+        return (*self.batch, self.heads, self.len_q, len_k) if not self.flat else (self.len_q, len_k)
+
+    def fold_mask(self, mask: Tensor, name: str, len_k: Optional[int] = None) -> Tensor:
+        """A mask or bias broadcastable to `target` (with `len_k` keys, if given), as one
+        broadcastable to (B, H, Lq, Lk)."""
+        target = self.target_with(self.len_k if len_k is None else len_k)
         try:
             ok = mask.dim() <= len(target) and torch.broadcast_shapes(mask.shape, target) == torch.Size(target)
         except RuntimeError:

@@ -1,0 +1,182 @@
+"""`ring_attention`: exact attention over a sequence sharded across the ranks of a group,
+with every derivative of the one-process op.
+
+Two autograd.Functions join the passes of `ring_passes`, as `op` joins the kernels:
+
+    RingAttention          forward -> out         backward: RingAttentionBackward   jvp: ring_jvp
+    RingAttentionBackward  forward -> dq, dk, ... backward: ring_double_backward    jvp: ring_backward_jvp
+
+so backward, the gradient of a bias, forward mode, double backward and Hessian-vector
+products all run round the ring; a third derivative raises.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..functional import FLOATS, _check_tensors, _Layout
+from ..op import REVERSE_OVER_FORWARD, THIRD_ORDER, _Final
+from ..structured import structure
+from .ring_comm import Ring, agree
+from .ring_passes import ring_backward, ring_backward_jvp, ring_double_backward, ring_forward, ring_jvp
+from .ring_plan import RingPlan
+from .sharding import LAYOUTS, Sharding, group_of
+
+_IS_CAUSAL = {False: 0, True: 1, "top_left": 1, "bottom_right": 1}  # Lq = Lk: both alignments agree
+
+
+def _jvp_out(*args: Any) -> Tensor:
+    return ring_jvp(*args)[0]
+
+
+class RingAttention(torch.autograd.Function):
+    """out = attention of this rank's queries to the whole sequence's keys."""
+
+    @staticmethod
+    def forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], plan: RingPlan):
+        return ring_forward(plan, q, k, v)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        q, k, v, bias, plan = inputs
+        out, row_max, inv_sum = output
+        ctx.save_for_backward(q, k, v, bias, out, row_max, inv_sum)
+        ctx.save_for_forward(q, k, v, bias, out, row_max, inv_sum)
+        ctx.plan = plan
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor, _dmax: Tensor, _dinv: Tensor):
+        q, k, v, bias, out, row_max, inv_sum = ctx.saved_tensors
+        bias_grad = bias is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dbias = RingAttentionBackward.apply(
+            dout.contiguous(), q, k, v, bias, out.detach(), row_max.detach(), inv_sum.detach(), ctx.plan, bias_grad)
+        return dq, dk, dv, dbias if bias_grad else None, None
+
+    @staticmethod
+    def jvp(ctx: Any, tq, tk, tv, tbias, _tplan):
+        q, k, v, bias, out, row_max, inv_sum = ctx.saved_tensors
+        out_t = _Final.apply(_jvp_out, REVERSE_OVER_FORWARD, ctx.plan, q, k, v, out, row_max, inv_sum, tq, tk, tv,
+                             tbias if bias is not None else None)
+        return out_t, torch.zeros_like(row_max), torch.zeros_like(inv_sum)
+
+
+class RingAttentionBackward(torch.autograd.Function):
+    """(dq, dk, dv, dbias) = the backward of `RingAttention`, itself differentiable once more."""
+
+    @staticmethod
+    def forward(dout, q, k, v, bias, out, row_max, inv_sum, plan: RingPlan, bias_grad: bool):
+        dq, dk, dv, dbias = ring_backward(plan, dout, q, k, v, out, row_max, inv_sum, bias_grad)
+        return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        dout, q, k, v, _bias, out, row_max, inv_sum, plan, bias_grad = inputs
+        ctx.save_for_backward(dout, q, k, v, out, row_max, inv_sum)
+        ctx.save_for_forward(dout, q, k, v, out, row_max, inv_sum)
+        ctx.plan, ctx.bias_grad = plan, bias_grad
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, gq: Tensor, gk: Tensor, gv: Tensor, gbias: Tensor):
+        dout_grad = ctx.needs_input_grad[0]
+        g_dout, g_q, g_k, g_v, g_bias = _Final.apply(
+            ring_double_backward, THIRD_ORDER, ctx.plan, *ctx.saved_tensors, ctx.bias_grad, dout_grad, gq, gk, gv,
+            gbias if ctx.bias_grad else None)
+        return g_dout if dout_grad else None, g_q, g_k, g_v, g_bias, None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, tdout, tq, tk, tv, tbias, _tout, _tmax, _tinv, _tplan, _tbias_grad):
+        dq_t, dk_t, dv_t, dbias_t = _Final.apply(
+            ring_backward_jvp, THIRD_ORDER, ctx.plan, *ctx.saved_tensors, ctx.bias_grad, tdout, tq, tk, tv,
+            tbias if ctx.bias_grad else None)
+        return dq_t, dk_t, dv_t, dbias_t if dbias_t is not None else dq_t.new_empty(0)
+
+
+def _shape(t: Optional[Tensor]) -> tuple:
+    return () if t is None else tuple(t.shape)
+
+
+def ring_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    is_causal: bool | str = False,
+    attn_bias: Optional[Tensor] = None,
+    attn_mask: Optional[Tensor] = None,
+    key_padding: Optional[Tensor] = None,
+    window: Optional[tuple[Optional[int], Optional[int]]] = None,
+    document_ids: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    layout: str = "contiguous",
+) -> Tensor:
+    """Attention of this rank's queries to the whole sequence, whose shards the ranks of
+    `group` hold (`shard_sequence` with `layout`); the same on every rank of the group.
+
+    query (..., H, L / P, E), key and value (..., Hkv, L / P, E or Ev): this rank's shards,
+    in `layout` ("contiguous", or "zigzag" to balance causal work). Key and value blocks
+    travel round the ring; each rank keeps O(L / P) besides the blocks in flight.
+
+    attn_bias (float, learned or not) and attn_mask (boolean, True = take part) are this
+    rank's query rows of the whole (..., H, L, L) one: broadcastable to (..., H, L / P, L),
+    keys in sequence order. A bias's gradient is this rank's part of it: a bias shared by
+    the ranks needs its gradients summed (all_reduce), as a replicated parameter does.
+
+    is_causal, key_padding, window, document_ids, cu_seqlens, softcap, dropout_p, scale and
+    enable_gqa: as in `attngrad.torch.attention`, over the whole sequence (key_padding and
+    document_ids of the whole sequence, (..., L)); dropout masks equal the one-process
+    call's on the whole sequence with the seed of rank 0.
+    """
+    group = group_of(group)
+    _check_tensors(query, key, value, dropout_p)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    if is_causal not in _IS_CAUSAL:
+        raise ValueError(f"is_causal must be True, False, 'top_left' or 'bottom_right'; got {is_causal!r}")
+    if query.shape[-2] != key.shape[-2]:
+        raise ValueError(f"ring_attention shards one sequence: query and key must have the same shard length; "
+                         f"got query {tuple(query.shape)}, key {tuple(key.shape)}")
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        raise TypeError(f"attn_mask must be boolean; pass a float mask as attn_bias (got {attn_mask.dtype})")
+    if attn_bias is not None and attn_bias.dtype not in FLOATS:
+        raise TypeError(f"attn_bias must be floating; got {attn_bias.dtype}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and 0.0 < softcap < math.inf):
+        raise ValueError(f"softcap must be a positive finite number (or None); got {softcap!r}")
+    ring = Ring(group)
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if dropout_p > 0.0 else 0
+    options = (_IS_CAUSAL[is_causal], LAYOUTS.index(layout), round(dropout_p * 2**32), int(enable_gqa),
+               round((softcap or 0.0) * 2**20), *(w if w is not None else -1 for w in (window or (-2, -2))))
+    seed = agree(group, "ring_attention", dict(query=query.shape, key=key.shape, value=value.shape,
+                                               attn_bias=_shape(attn_bias), attn_mask=_shape(attn_mask),
+                                               dtype=(FLOATS.index(query.dtype),), options=options), seed)
+    shard = query.shape[-2]
+    sharding = Sharding(layout, ring.size, shard * ring.size)
+    folded = _Layout(query, key, value, enable_gqa)
+    length = sharding.length
+    mask = None if attn_mask is None else folded.fold_mask(attn_mask, "attn_mask", length)
+    bias = None if attn_bias is None else folded.fold_mask(attn_bias, "attn_bias", length)
+    structured = dict(key_padding=key_padding, window=window, document_ids=document_ids, cu_seqlens=cu_seqlens)
+    bounds = None
+    if any(x is not None for x in structured.values()):
+        batch = () if folded.flat else tuple(folded.batch)
+        bounds, keep = structure(batch, length, length, 0 if is_causal else None, query.device, **structured)
+        if bounds is not None:  # this rank's rows
+            bounds = bounds[:, sharding.positions(ring.rank, bounds.device)]
+        if keep is not None:
+            mask = keep if mask is None else mask & keep
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
+    plan = RingPlan(ring, sharding, bool(is_causal), bounds, mask, bias, seed, float(scale), float(softcap or 0.0),
+                    float(dropout_p))
+    out = RingAttention.apply(folded.q, folded.k, folded.v, bias, plan)[0]
+    return folded.unfold(out)

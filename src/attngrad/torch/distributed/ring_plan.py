@@ -1,0 +1,112 @@
+"""What a ring call computes at each step: the units of work, each the attention of one of
+this rank's query chunks to one chunk of the key block it holds, at known sequence
+positions. A unit is an ordinary call of attngrad's ops on those chunks:
+
+    causal alone      c = q_start - k_start: key j is visible to query i when j <= i + c
+                      (top-left over the whole sequence); a unit that sees every key drops
+                      it, a unit that sees none is left out
+    structured masks  the whole sequence's key bounds of the unit's rows, shifted by
+                      -k_start and clamped to the chunk (`structured`: the causal diagonal,
+                      windows, documents and padding lengths are all bounds)
+    mask, bias        the unit's rows and keys of the rank's (local rows, all keys) tensor
+    dropout           the seed with the unit's row and key offsets, so that its masks are
+                      the whole sequence's (`dropout.Placement`)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..dropout import Placement
+from .ring_comm import Ring
+from .sharding import Sharding
+
+
+def piece(t: Optional[Tensor], rows: slice, cols: slice) -> Optional[Tensor]:
+    """Rows `rows` and keys `cols` of a (b, h, Lq, Lk) mask, bias or its gradient, where it
+    does not broadcast along that axis (a view)."""
+    if t is None:
+        return None
+    if t.shape[-2] != 1:
+        t = t[..., rows, :]
+    if t.shape[-1] != 1:
+        t = t[..., cols]
+    return t
+
+
+@dataclass
+class Unit:
+    """Query chunk `i` of this rank against key chunk `j` of the block held at the step."""
+
+    i: int
+    j: int
+    rows: slice  # the query chunk's rows in this rank's shard
+    cols: slice  # the key chunk's positions in the whole sequence
+    causal: Optional[int]
+    bounds: Optional[Tensor]  # (1 or B, C, 2) int64, in the chunk's keys
+    mask: Optional[Tensor]
+    bias: Optional[Tensor]
+    dropout: Placement
+
+    @property
+    def seed(self) -> Tensor:
+        return self.dropout.tensor()
+
+
+class RingPlan:
+    """Every step's units for this rank, and the options every unit shares.
+
+    `bounds` (1 or B, L / P, 2): the whole sequence's key bounds of this rank's rows, or
+    None; `causal`: the causal diagonal without other structure; `mask` and `bias`: folded
+    to (b, h, L / P, L), or None."""
+
+    def __init__(self, ring: Ring, sharding: Sharding, causal: bool, bounds: Optional[Tensor], mask: Optional[Tensor],
+                 bias: Optional[Tensor], seed: int, scale: float, softcap: float, dropout_p: float) -> None:
+        self.ring, self.sharding = ring, sharding
+        self.scale, self.softcap, self.dropout_p = scale, softcap, dropout_p
+        self.mask, self.bias = mask, bias
+        self.chunks = len(sharding.chunks(ring.rank))
+        self.units = [self._units(step, causal, bounds, seed) for step in range(ring.size)]
+
+    def _units(self, step: int, causal: bool, bounds: Optional[Tensor], seed: int) -> list[Unit]:
+        size = self.sharding.chunk
+        partial = int(self.sharding.pieces > 1)  # each row's keys are in more than one unit
+        units = []
+        for i, q_start in enumerate(self.sharding.starts(self.ring.rank)):
+            rows = slice(i * size, (i + 1) * size)
+            for j, k_start in enumerate(self.sharding.starts(self.ring.owner(step))):
+                cols = slice(k_start, k_start + size)
+                diagonal, unit_bounds = None, None
+                if bounds is not None:
+                    unit_bounds = (bounds[:, rows] - k_start).clamp_(0, size)
+                    lo, hi = unit_bounds[..., 0], unit_bounds[..., 1]
+                    if bool((lo >= hi).all()):
+                        continue  # no row sees a key of this chunk
+                    if bool(((lo == 0) & (hi == size)).all()):
+                        unit_bounds = None  # every row sees every key
+                    else:
+                        unit_bounds = unit_bounds.contiguous()
+                elif causal:
+                    diagonal = q_start - k_start
+                    if diagonal + size - 1 < 0:
+                        continue  # even the chunk's last row is before its first key
+                    if diagonal >= size - 1:
+                        diagonal = None  # even the first row is past its last key
+                units.append(Unit(i, j, rows, cols, diagonal, unit_bounds, piece(self.mask, rows, cols),
+                                  piece(self.bias, rows, cols), Placement(seed, q_start, k_start, 0, partial)))
+        return units
+
+    def split(self, t: Optional[Tensor]) -> Optional[list[Tensor]]:
+        """A (B, H, L / P, .) shard as its chunks, each contiguous."""
+        if t is None:
+            return None
+        size = self.sharding.chunk
+        return [t[:, :, i * size:(i + 1) * size].contiguous() for i in range(self.chunks)]
+
+    @staticmethod
+    def join(chunks: list[Tensor]) -> Tensor:
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)

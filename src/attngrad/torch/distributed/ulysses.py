@@ -1,0 +1,189 @@
+"""`all_to_all_attention` (DeepSpeed Ulysses): trade the sequence shard for a head group by
+one all-to-all, attend over the whole sequence with attngrad's own op, trade back.
+
+    (B, H, L / P, E) per rank --all-to-all--> (B, H / P, L, E) --attention--> (B, H / P, L, Ev)
+                             --all-to-all--> (B, H, L / P, Ev)
+
+The all-to-all is linear, so its derivatives are all-to-alls too: `_ToHeads` and
+`_ToSequence` are each other's backward and their own JVP, and everything the one-process
+op has (backward, a bias's gradient, JVP, double backward, HVP) carries over.
+(torch.distributed.nn.functional.all_to_all_single has no forward mode.)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..dropout import Placement
+from ..functional import FLOATS, _check_tensors, _Layout, _run
+from .ring_comm import agree, waited
+from .sharding import LAYOUTS, Sharding, group_of
+
+
+class _Trade:
+    """The sequence order of a group's shards: rank-major after an all-to-all, chunk by
+    chunk in sequence order for attention."""
+
+    def __init__(self, group: dist.ProcessGroup, layout: str, shard: int) -> None:
+        self.group, self.world = group, dist.get_world_size(group)
+        self.sharding = Sharding(layout, self.world, shard * self.world)
+        held = [c for rank in range(self.world) for c in self.sharding.chunks(rank)]  # chunk at each slot
+        self.sequence_order = [held.index(c) for c in range(len(held))]  # slot of each chunk
+        self.rank_order = held
+
+    def _exchange(self, received: Tensor, send: Tensor) -> None:
+        start = time.perf_counter()
+        dist.all_to_all_single(received, send, group=self.group)
+        waited[0] += time.perf_counter() - start
+
+    def _reorder(self, x: Tensor, order: list[int]) -> Tensor:
+        if order == list(range(len(order))):
+            return x
+        b, h, length, w = x.shape
+        return x.view(b, h, len(order), length // len(order), w)[:, :, order].reshape(b, h, length, w)
+
+    def to_heads(self, x: Tensor) -> Tensor:
+        """(B, H, L / P, W) shards -> this rank's head group over the whole sequence (B, H / P, L, W)."""
+        b, h, shard, w = x.shape
+        send = x.reshape(b, self.world, h // self.world, shard, w).transpose(0, 1).contiguous()
+        received = torch.empty_like(send)  # [s]: rank s's shard of this rank's heads
+        self._exchange(received, send)
+        whole = received.permute(1, 2, 0, 3, 4).reshape(b, h // self.world, self.world * shard, w)
+        return self._reorder(whole, self.sequence_order)
+
+    def to_sequence(self, x: Tensor) -> Tensor:
+        """The inverse of `to_heads`: (B, H / P, L, W) -> (B, H, L / P, W)."""
+        b, group_heads, length, w = x.shape
+        shard = length // self.world
+        ranked = self._reorder(x, self.rank_order)
+        send = ranked.reshape(b, group_heads, self.world, shard, w).permute(2, 0, 1, 3, 4).contiguous()
+        received = torch.empty_like(send)  # [s]: this rank's shard of rank s's heads
+        self._exchange(received, send)
+        return received.transpose(0, 1).reshape(b, self.world * group_heads, shard, w)
+
+
+class _ToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(x: Tensor, trade: _Trade) -> Tensor:
+        return trade.to_heads(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.trade = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):
+        return _ToSequence.apply(grad, ctx.trade), None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: Tensor, _ttrade: Any) -> Tensor:
+        return ctx.trade.to_heads(tangent)
+
+
+class _ToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(x: Tensor, trade: _Trade) -> Tensor:
+        return trade.to_sequence(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.trade = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):
+        return _ToHeads.apply(grad, ctx.trade), None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: Tensor, _ttrade: Any) -> Tensor:
+        return ctx.trade.to_sequence(tangent)
+
+
+def _heads_of(t: Tensor, heads: int, world: int) -> Tensor:
+    """A (b, h, ., .) tensor whose h splits into `world` groups: as it is, or its heads
+    repeated to `heads` (GQA's key/value heads, or a broadcast head axis)."""
+    if t.shape[1] % world == 0:
+        return t
+    return t.expand(t.shape[0], heads, *t.shape[2:]) if t.shape[1] == 1 else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _rows_to_heads(t: Optional[Tensor], trade: _Trade, heads: int, rank: int) -> Optional[Tensor]:
+    """A (b, h, L / P or 1, L or 1) mask or bias of this rank's rows as this rank's head
+    group's over all rows."""
+    if t is None:
+        return None
+    if t.shape[-2] == 1:  # the same for every row: only the heads change hands
+        if t.shape[1] == 1:
+            return t
+        group = t.shape[1] // trade.world
+        return t[:, rank * group:(rank + 1) * group]
+    t = _heads_of(t, heads, trade.world)
+    if t.dtype == torch.bool:  # not differentiable; the collectives take bytes
+        return trade.to_heads(t.to(torch.uint8)).to(torch.bool)
+    return _ToHeads.apply(t, trade)
+
+
+def all_to_all_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    is_causal: bool | str = False,
+    attn_bias: Optional[Tensor] = None,
+    attn_mask: Optional[Tensor] = None,
+    key_padding: Optional[Tensor] = None,
+    window: Optional[tuple[Optional[int], Optional[int]]] = None,
+    document_ids: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    layout: str = "contiguous",
+) -> Tensor:
+    """`ring_attention`'s arguments and result, computed by trading sequence shards for
+    head groups (Ulysses): H (and Hkv, or else key and value repeat to H heads) must be a
+    multiple of the world size P. Each rank holds (B, H / P, L, E) during the attention:
+    the same size as its shard of all heads; a bias with rows is traded to
+    (b, H / P, L, L). Two all-to-alls per call each way, none per step."""
+    group = group_of(group)
+    _check_tensors(query, key, value, dropout_p)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    if query.shape[-2] != key.shape[-2]:
+        raise ValueError(f"all_to_all_attention shards one sequence: query and key must have the same shard length; "
+                         f"got query {tuple(query.shape)}, key {tuple(key.shape)}")
+    for name, t, kind in (("attn_mask", attn_mask, (torch.bool,)), ("attn_bias", attn_bias, FLOATS)):
+        if t is not None and t.dtype not in kind:
+            raise TypeError(f"{name} must be {'boolean' if name == 'attn_mask' else 'floating'}; got {t.dtype}")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    folded = _Layout(query, key, value, enable_gqa)
+    if folded.heads % world:
+        raise ValueError(f"all_to_all_attention splits the {folded.heads} query heads over {world} ranks: "
+                         f"they must be a multiple of it (query {tuple(query.shape)}); use ring_attention")
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if dropout_p > 0.0 else 0
+    shapes = dict(query=query.shape, key=key.shape, value=value.shape,
+                  attn_bias=() if attn_bias is None else attn_bias.shape,
+                  attn_mask=() if attn_mask is None else attn_mask.shape,
+                  options=(FLOATS.index(query.dtype), LAYOUTS.index(layout), round(dropout_p * 2**32), int(enable_gqa)))
+    seed = agree(group, "all_to_all_attention", shapes, seed)
+    trade = _Trade(group, layout, query.shape[-2])
+    length = trade.sharding.length
+    q, k, v = folded.q, folded.k, folded.v
+    k, v = _heads_of(k, folded.heads, world), _heads_of(v, folded.heads, world)
+    mask = None if attn_mask is None else _rows_to_heads(folded.fold_mask(attn_mask, "attn_mask", length), trade,
+                                                        folded.heads, rank)
+    bias = None if attn_bias is None else _rows_to_heads(folded.fold_mask(attn_bias, "attn_bias", length), trade,
+                                                        folded.heads, rank)
+    q, k, v = (_ToHeads.apply(t, trade) for t in (q, k, v))
+    head_offset = rank * (folded.heads // world)
+    out = _run(q, k, v, mask, bias, dropout_p, is_causal, scale, enable_gqa=k.shape[1] != q.shape[1],
+               seed=Placement(seed, 0, 0, head_offset).tensor(), softcap=softcap,
+               structured=dict(key_padding=key_padding, window=window, document_ids=document_ids, cu_seqlens=cu_seqlens))
+    return folded.unfold(_ToSequence.apply(out, trade))
+

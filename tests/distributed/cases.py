@@ -1,0 +1,243 @@
+"""What each rank runs in the distributed tests (importable by spawned processes): random
+configurations of ring and all-to-all attention, each compared on every rank with
+one-process attngrad on the whole sequence, for every derivative. Each case returns the
+largest relative error (max |ours - theirs| / max |theirs|) over its tensors."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from attngrad.torch import attention
+from attngrad.torch.distributed import all_to_all_attention, gather_sequence, ring_attention, shard_sequence
+
+
+@dataclass
+class Config:
+    name: str
+    seed: int
+    method: str = "ring"  # or "all_to_all"
+    layout: str = "contiguous"
+    causal: bool = False
+    bias: bool = False
+    gqa: bool = False
+    mask: bool = False
+    dropout_p: float = 0.0
+    structured: dict = field(default_factory=dict)
+    softcap: Optional[float] = None
+    length_per_rank: int = 12
+    derivatives: tuple = ("forward", "backward", "jvp", "double_backward", "hvp")
+    dtype: torch.dtype = torch.float64
+
+
+def configs(world: int) -> list[Config]:
+    """Random configurations for a world size: every option in turn, and mixtures."""
+    rng = random.Random(1000 + world)
+    out = []
+    for n in range(6):
+        layout = ("contiguous", "zigzag")[n % 2]
+        out.append(Config(f"random{n}-{layout}", seed=rng.randrange(10**6), layout=layout, causal=rng.random() < 0.6,
+                          bias=rng.random() < 0.6, gqa=rng.random() < 0.5, mask=rng.random() < 0.5,
+                          dropout_p=rng.choice((0.0, 0.0, 0.3))))
+    out += [
+        Config("causal-zigzag-bias-dropout", 1, layout="zigzag", causal=True, bias=True, dropout_p=0.25),
+        Config("masked-rows", 2, layout="zigzag", mask=True, bias=True),
+        Config("window", 3, causal=True, structured=dict(window=(5, None)), layout="zigzag"),
+        Config("documents-softcap", 4, structured=dict(documents=True), softcap=2.0),
+        Config("padding-lengths", 5, structured=dict(lengths=True), causal=True, layout="zigzag"),
+        Config("all-to-all", 6, method="all_to_all", causal=True, bias=True, dropout_p=0.2, gqa=True, layout="zigzag"),
+    ]
+    return out
+
+
+def _inputs(config: Config, world: int) -> dict:
+    g = torch.Generator().manual_seed(config.seed)
+    batch, heads, kv_heads, width = 2, 2 * world, (world if config.gqa else 2 * world), 4
+    length = config.length_per_rank * world
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    x = dict(q=randn(batch, heads, length, width), k=randn(batch, kv_heads, length, width),
+             v=randn(batch, kv_heads, length, width + 1), dout=randn(batch, heads, length, width + 1))
+    x["bias"] = randn(batch, heads, length, length) if config.bias else None
+    if config.mask:
+        keep = torch.rand(batch, 1, length, length, generator=g) > 0.3
+        keep[:, :, 1:4, : length // world] = False  # rows that see no key of the first block
+        keep[:, :, 5] = False  # a row that sees no key at all
+        x["mask"] = keep
+    else:
+        x["mask"] = None
+    structured = {}
+    if "window" in config.structured:
+        structured["window"] = config.structured["window"]
+    if config.structured.get("documents"):
+        cuts = sorted(random.Random(config.seed).sample(range(1, length), 3))
+        ids = torch.zeros(length, dtype=torch.int64)
+        for c in cuts:
+            ids[c:] += 1
+        structured["document_ids"] = ids
+    if config.structured.get("lengths"):
+        structured["key_padding"] = torch.tensor([length - 3, length // 2 + 1])
+    x["structured"] = structured
+    x["tangents"] = {name: randn(*x[name].shape) for name in ("q", "k", "v", "bias") if x[name] is not None}
+    x["cotangents"] = {name: randn(*x[name].shape) for name in ("q", "k", "v", "bias") if x[name] is not None}
+    return x
+
+
+def _relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    scale = theirs.abs().max().item()
+    return (ours - theirs).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def _functions(config: Config, x: dict, world: int) -> tuple[Callable, Callable, Callable]:
+    """(sharded, whole, shard): attention on this rank's shards, on the whole sequence, and
+    this rank's shard of a whole (..., L, .) tensor (bias rows too)."""
+    method = ring_attention if config.method == "ring" else all_to_all_attention
+    options = dict(is_causal=config.causal, dropout_p=config.dropout_p, enable_gqa=config.gqa, softcap=config.softcap,
+                   **x["structured"])
+
+    def shard(t: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(t, layout=config.layout, dim=2)
+
+    mask = x["mask"]
+
+    def sharded(q, k, v, bias=None):
+        torch.manual_seed(config.seed)  # both draw the dropout seed the same way
+        return method(q, k, v, attn_bias=bias, attn_mask=None if mask is None else shard(mask), layout=config.layout,
+                      **options)
+
+    def whole(q, k, v, bias=None):
+        torch.manual_seed(config.seed)
+        return attention(q, k, v, attn_bias=bias, attn_mask=mask, **options)
+
+    return sharded, whole, shard
+
+
+def _grad_of(fn: Callable, dout: torch.Tensor) -> Callable:
+    """(q, k, v, bias...) -> the gradients of <fn(...), dout>, as a function torch.func can
+    differentiate again."""
+    def grads(*primals):
+        return torch.func.grad(lambda *p: (fn(*p) * dout).sum(), argnums=tuple(range(len(primals))))(*primals)
+    return grads
+
+
+def run_case(config: Config, world: int) -> dict[str, float]:
+    x = _inputs(config, world)
+    sharded, whole, shard = _functions(config, x, world)
+    names = [n for n in ("q", "k", "v", "bias") if x[n] is not None]
+    primals_whole = [x[n] for n in names]
+    primals_shard = [shard(t) for t in primals_whole]
+    tangents_whole = [x["tangents"][n] for n in names]
+    tangents_shard = [shard(t) for t in tangents_whole]
+    dout_whole, dout_shard = x["dout"], shard(x["dout"])
+    errors = {}
+    if "forward" in config.derivatives:
+        errors["forward"] = _relative(sharded(*primals_shard), shard(whole(*primals_whole)))
+    if "backward" in config.derivatives:
+        ours = torch.func.grad(lambda *p: (sharded(*p) * dout_shard).sum(), argnums=tuple(range(len(names))))(*primals_shard)
+        theirs = torch.func.grad(lambda *p: (whole(*p) * dout_whole).sum(), argnums=tuple(range(len(names))))(*primals_whole)
+        errors["backward"] = max(_relative(a, shard(b)) for a, b in zip(ours, theirs))
+    if "jvp" in config.derivatives:
+        ours = torch.func.jvp(sharded, tuple(primals_shard), tuple(tangents_shard))[1]
+        theirs = torch.func.jvp(whole, tuple(primals_whole), tuple(tangents_whole))[1]
+        errors["jvp"] = _relative(ours, shard(theirs))
+    if "double_backward" in config.derivatives:  # reverse over reverse: the gradient of <grads, w>
+        cot_whole = [x["cotangents"][n] for n in names]
+        cot_shard = [shard(t) for t in cot_whole]
+
+        def penalty(fn, dout, cot):
+            grads = _grad_of(fn, dout)
+            return lambda *p: sum((g * w).sum() for g, w in zip(grads(*p), cot))
+
+        ours = torch.func.grad(penalty(sharded, dout_shard, cot_shard), argnums=tuple(range(len(names))))(*primals_shard)
+        theirs = torch.func.grad(penalty(whole, dout_whole, cot_whole), argnums=tuple(range(len(names))))(*primals_whole)
+        errors["double_backward"] = max(_relative(a, shard(b)) for a, b in zip(ours, theirs))
+    if "hvp" in config.derivatives:  # forward over reverse
+        ours = torch.func.jvp(_grad_of(sharded, dout_shard), tuple(primals_shard), tuple(tangents_shard))[1]
+        theirs = torch.func.jvp(_grad_of(whole, dout_whole), tuple(primals_whole), tuple(tangents_whole))[1]
+        errors["hvp"] = max(_relative(a, shard(b)) for a, b in zip(ours, theirs))
+    return errors
+
+
+def float32_errors(world: int) -> dict[str, float]:
+    """Errors of float32 against the float64 truth: ring at this world size, and one
+    process on the whole sequence (causal, zigzag, a bias; output and gradients)."""
+    config = Config("float32", 7, layout="zigzag", causal=True, bias=True, length_per_rank=64)
+    x = _inputs(config, world)
+    sharded, whole, shard = _functions(config, x, world)
+    names = ["q", "k", "v", "bias"]
+
+    def out_and_grads(fn, primals, dout):
+        primals = [p.detach().requires_grad_() for p in primals]
+        out = fn(*primals)
+        grads = torch.autograd.grad((out * dout).sum(), primals)
+        return [out.detach(), *grads]
+
+    truth = out_and_grads(whole, [x[n] for n in names], x["dout"])
+    single = out_and_grads(whole, [x[n].float() for n in names], x["dout"].float())
+    ring = out_and_grads(sharded, [shard(x[n]).float() for n in names], shard(x["dout"]).float())
+    return dict(ring=max(_relative(a.double(), shard(t)) for a, t in zip(ring, truth)),
+                single=max(_relative(shard(a).double(), shard(t)) for a, t in zip(single, truth)))
+
+
+def all_cases(rank: int, world: int) -> dict:
+    """Every configuration for this world size, on one rank: {name: {derivative: error}}."""
+    results = {config.name: run_case(config, world) for config in configs(world)}
+    whole = torch.arange(2 * 3 * world * 4, dtype=torch.float64).view(2, 3 * world * 4)
+    for layout in ("contiguous", "zigzag"):
+        back = gather_sequence(shard_sequence(whole, layout=layout), layout=layout)
+        results[f"shard-gather-{layout}"] = {"roundtrip": float((back != whole).sum())}
+    if world == 4:
+        results["float32"] = float32_errors(world)
+    if world == 2:
+        results["disagreeing-shapes"] = disagreeing_shapes(rank, world)
+        results["example"] = example_losses(rank, world)
+    return results
+
+
+def example_losses(rank: int, world: int) -> dict:
+    """The context-parallel example's first steps here and in one process (on this rank,
+    without the group): their largest loss difference."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "context_parallel_lm.py"
+    spec = importlib.util.spec_from_file_location("context_parallel_lm", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    small = dict(steps=6, context=32, batch=2, width=32, heads=2, layers=2)
+    sharded = example.train(**small, group=dist.group.WORLD)
+    one = example.train(**small)
+    return dict(difference=max(abs(a - b) for a, b in zip(sharded, one)), first=one[0], last=one[-1])
+
+
+def disagreeing_shapes(rank: int, world: int) -> str:
+    """Rank 1 passes a longer shard: every rank must raise before any exchange."""
+    q = torch.randn(1, 2, 8 + (rank == 1), 4)
+    try:
+        ring_attention(q, q, q)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def killed_rank(rank: int, world: int) -> Optional[tuple[str, float]]:
+    """Rank 1 dies before the ring exchange; rank 0 must raise within the group's timeout."""
+    q = torch.randn(1, 2, 64, 8)
+    ring_attention(q, q, q)  # a first call, so that both ranks are connected
+    dist.barrier()
+    if rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        for _ in range(100):
+            ring_attention(q, q, q)
+    except Exception as e:  # noqa: BLE001 - whatever torch.distributed raises
+        return type(e).__name__, time.monotonic() - start
+    return "no error", time.monotonic() - start

@@ -1,0 +1,66 @@
+"""Ring and all-to-all attention on 2, 3 and 4 local processes (gloo on 127.0.0.1), each
+world size one spawn that runs every case of `cases`: every derivative equals one-process
+attngrad on the whole sequence to 1e-12 relative in float64."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from attngrad.torch.distributed.launch import spawn
+
+from . import cases
+
+WORLDS = (2, 3, 4)
+DERIVATIVES = ("forward", "backward", "jvp", "double_backward", "hvp")
+
+
+@functools.cache
+def _results(world: int) -> list[dict]:
+    return spawn(world, cases.all_cases, timeout=240, collective_timeout=60)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", [config.name for config in cases.configs(2)])
+def test_every_derivative_equals_one_process(world: int, name: str) -> None:
+    names = [config.name for config in cases.configs(world)]
+    assert name in names
+    for rank, result in enumerate(_results(world)):
+        errors = result[name]
+        assert set(errors) == set(DERIVATIVES)
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= 1e-12, f"rank {rank} of {world}, {name}: {worst} off by {errors[worst]:.2e} ({errors})"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_shard_and_gather_invert_each_other(world: int, layout: str) -> None:
+    for result in _results(world):
+        assert result[f"shard-gather-{layout}"] == {"roundtrip": 0.0}
+
+
+def test_float32_error_does_not_grow_with_the_world() -> None:
+    for result in _results(4):
+        errors = result["float32"]
+        assert 0 < errors["ring"] <= 1.5 * errors["single"], errors
+
+
+def test_ranks_that_disagree_on_shapes_all_raise_naming_them() -> None:
+    for rank, result in enumerate(_results(2)):
+        assert "rank 1 has query (1, 2, 9, 4)" in result["disagreeing-shapes"], (rank, result["disagreeing-shapes"])
+        assert "rank 0 has query (1, 2, 8, 4)" in result["disagreeing-shapes"]
+
+
+def test_a_killed_rank_makes_the_others_raise_within_the_timeout() -> None:
+    results = spawn(2, cases.killed_rank, timeout=40, collective_timeout=10, deaths=True)
+    assert results[1] is None  # it died
+    kind, seconds = results[0]
+    assert kind != "no error" and seconds < 15, results[0]
+
+
+def test_the_example_trains_as_in_one_process() -> None:
+    for result in _results(2):
+        example = result["example"]
+        assert example["last"] < example["first"]  # it learns
+        assert example["difference"] < 1e-5, example  # float32 rounding, summed in another order

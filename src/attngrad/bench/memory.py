@@ -34,7 +34,7 @@ def _status_bytes(field: str) -> int | None:
     return None
 
 
-def _reset_peak() -> int:
+def reset_peak() -> int:
     """Restart the peak-RSS count at the current RSS and return that RSS, in bytes.
 
     getrusage's ru_maxrss would not do: a child starts with its parent's peak (a bench
@@ -49,7 +49,7 @@ def _reset_peak() -> int:
     return _status_bytes("VmRSS") or 0
 
 
-def _peak_rss_bytes() -> int:
+def peak_rss_bytes() -> int:
     peak = _status_bytes("VmHWM")
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -59,9 +59,9 @@ def measure_here(implementation: str, case: BenchCase) -> dict[str, Any]:
     warm = replace(case, length=min(case.length, 64))
     step(implementation, warm)(make_inputs(warm))
     inputs = make_inputs(case)
-    baseline = _reset_peak()
+    baseline = reset_peak()
     step(implementation, case)(inputs)
-    growth = _peak_rss_bytes() - baseline
+    growth = peak_rss_bytes() - baseline
     element = 4  # float32
     required = element * case.batch * case.heads * case.length * case.dim * case.outputs
     if case.bias_grad:

@@ -33,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "warm-up; it shows that every case runs, not figures to quote")
     parser.add_argument("--out", type=Path, default=Path("bench-results"),
                         help="folder for results.json, results.md, results.png (default %(default)s)")
+    parser.add_argument("--distributed", action="store_true",
+                        help="context parallelism instead: ring (contiguous, zigzag) and all-to-all attention on "
+                        "--worlds local processes of one thread each, beside one process doing the same work; causal "
+                        "fwd+bwd at --lengths (default 8192); writes distributed.md and distributed.json")
+    parser.add_argument("--worlds", type=positive_int, nargs="+", default=[2, 4], metavar="P",
+                        help="world sizes of --distributed (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    if args.distributed:
+        return _run_distributed(args)
     from ..bench.cases import default_cases
     from ..bench.report import COLUMNS, rows, write
     from ..bench.runner import run_bench
@@ -85,3 +93,40 @@ def run(args: argparse.Namespace) -> int:
     if not any(path.suffix == ".png" for path in written):
         console.print("no results.png: matplotlib is not installed (pip install 'attngrad[docs]')", highlight=False)
     return 0
+
+
+def _run_distributed(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from ..bench.distributed import DistributedCase, run_distributed, write_distributed
+
+    default = args.lengths == [1024, 2048, 4096]  # not given: the 8192
+    lengths = QUICK_LENGTHS if args.quick else ((8192,) if default else tuple(args.lengths))
+    rounds = QUICK_REPEATS if args.quick else args.repeats
+    cases = [DistributedCase(world, length) for world in args.worlds for length in lengths]
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("starting")
+        report = run_distributed(cases, rounds=rounds, progress=lambda text: progress.update(task, description=text))
+    console = Console(width=None if sys.stdout.isatty() else 100)
+    table = Table(title="attngrad bench --distributed: float32 causal fwd+bwd, B=1 H=8 d=64, one thread per rank")
+    header, lines = report_rows(report)
+    for name in header:
+        table.add_column(name, justify="left" if name in ("case", "method") else "right", no_wrap=True)
+    for line in lines:
+        table.add_row(*line)
+    console.print(table)
+    if args.quick:
+        console.print("a smoke run (--quick): every method runs; these are no figures to quote", highlight=False)
+    for path in write_distributed(report, args.out, header, lines):
+        console.print(f"wrote {path}", highlight=False)
+    return 0
+
+
+def report_rows(report: list[dict]) -> tuple[list[str], list[list[str]]]:
+    header = ["case", "method", "time s", "1 proc s", "effic.", "waiting", "MiB/rank", "1 proc MiB"]
+    lines = [[r["name"], r["method"], f"{r['seconds']:.3f}", f"{r['one_process_seconds']:.3f}", f"{r['efficiency']:.0%}",
+              f"{r['waiting']:.0%}", f"{r['memory_mib']:.1f}", f"{r['one_process_memory_mib']:.1f}"] for r in report]
+    return header, lines

@@ -68,7 +68,7 @@ def test_parts_of_rows_and_keys_add_up_to_the_whole(implementation, causal, drop
         rows, parts = _parts(q, k, v, mask, causal, dropout_p, bias)
         dq = torch.zeros_like(q[:, :, rows])
         for (a, b), part, diagonal, m, bb, _ in parts:
-            dq_p, dk_p, dv_p, db_p = op.attention_backward(
+            dq_p, _, _, db_p = op.attention_backward(
                 dout[:, :, rows], q[:, :, rows], k[:, :, a:b], v[:, :, a:b], m, bb, None, part, out[:, :, rows],
                 row_max[:, :, rows], inv_sum[:, :, rows], diagonal, 0.4, 0.0, dropout_p, True)
             dq += dq_p
@@ -79,7 +79,7 @@ def test_parts_of_rows_and_keys_add_up_to_the_whole(implementation, causal, drop
 
 def test_the_higher_passes_refuse_a_part_of_the_rows():
     q = torch.randn(1, 1, 4, 2, dtype=torch.float64)
-    out, row_max, inv_sum = op.attention_forward(q, q, q, None, None, None, torch.tensor(0), None, 1.0, 0.0, 0.0)
+    _, row_max, inv_sum = op.attention_forward(q, q, q, None, None, None, torch.tensor(0), None, 1.0, 0.0, 0.0)
     part = Placement(0, 0, 0, 0, 1).tensor()
     with pytest.raises(ValueError, match="attention_jvp needs each row's whole keys"):
         op.attention_jvp(q, q, q, None, None, None, part, row_max, inv_sum, None, 1.0, 0.0, 0.0, q, None, None, None)

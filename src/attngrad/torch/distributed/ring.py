@@ -19,15 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..functional import FLOATS, _check_tensors, _Layout
+from ..functional import _Layout
 from ..op import REVERSE_OVER_FORWARD, THIRD_ORDER, _Final
 from ..structured import structure
-from .ring_comm import Ring, agree
+from .call_checks import start_call
+from .ring_comm import Ring
 from .ring_passes import ring_backward, ring_backward_jvp, ring_double_backward, ring_forward, ring_jvp
 from .ring_plan import RingPlan
-from .sharding import LAYOUTS, Sharding, group_of
-
-_IS_CAUSAL = {False: 0, True: 1, "top_left": 1, "bottom_right": 1}  # Lq = Lk: both alignments agree
+from .sharding import Sharding, group_of
 
 
 def _jvp_out(*args: Any) -> Tensor:
@@ -97,10 +96,6 @@ class RingAttentionBackward(torch.autograd.Function):
         return dq_t, dk_t, dv_t, dbias_t if dbias_t is not None else dq_t.new_empty(0)
 
 
-def _shape(t: Optional[Tensor]) -> tuple:
-    return () if t is None else tuple(t.shape)
-
-
 def ring_attention(
     query: Tensor,
     key: Tensor,
@@ -138,27 +133,9 @@ def ring_attention(
     call's on the whole sequence with the seed of rank 0.
     """
     group = group_of(group)
-    _check_tensors(query, key, value, dropout_p)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
-    if is_causal not in _IS_CAUSAL:
-        raise ValueError(f"is_causal must be True, False, 'top_left' or 'bottom_right'; got {is_causal!r}")
-    if query.shape[-2] != key.shape[-2]:
-        raise ValueError(f"ring_attention shards one sequence: query and key must have the same shard length; "
-                         f"got query {tuple(query.shape)}, key {tuple(key.shape)}")
-    if attn_mask is not None and attn_mask.dtype != torch.bool:
-        raise TypeError(f"attn_mask must be boolean; pass a float mask as attn_bias (got {attn_mask.dtype})")
-    if attn_bias is not None and attn_bias.dtype not in FLOATS:
-        raise TypeError(f"attn_bias must be floating; got {attn_bias.dtype}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and 0.0 < softcap < math.inf):
-        raise ValueError(f"softcap must be a positive finite number (or None); got {softcap!r}")
+    seed = start_call("ring_attention", group, query, key, value, layout=layout, is_causal=is_causal, attn_mask=attn_mask,
+                      attn_bias=attn_bias, softcap=softcap, dropout_p=dropout_p, enable_gqa=enable_gqa, window=window)
     ring = Ring(group)
-    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if dropout_p > 0.0 else 0
-    options = (_IS_CAUSAL[is_causal], LAYOUTS.index(layout), round(dropout_p * 2**32), int(enable_gqa),
-               round((softcap or 0.0) * 2**20), *(w if w is not None else -1 for w in (window or (-2, -2))))
-    seed = agree(group, "ring_attention", dict(query=query.shape, key=key.shape, value=value.shape,
-                                               attn_bias=_shape(attn_bias), attn_mask=_shape(attn_mask),
-                                               dtype=(FLOATS.index(query.dtype),), options=options), seed)
     shard = query.shape[-2]
     sharding = Sharding(layout, ring.size, shard * ring.size)
     folded = _Layout(query, key, value, enable_gqa)

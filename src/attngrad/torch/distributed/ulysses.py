@@ -4,8 +4,8 @@ one all-to-all, attend over the whole sequence with attngrad's own op, trade bac
     (B, H, L / P, E) per rank --all-to-all--> (B, H / P, L, E) --attention--> (B, H / P, L, Ev)
                              --all-to-all--> (B, H, L / P, Ev)
 
-The all-to-all is linear, so its derivatives are all-to-alls too: `_ToHeads` and
-`_ToSequence` are each other's backward and their own JVP, and everything the one-process
+The all-to-all is linear, so its derivatives are all-to-alls too (`_AllToAll`: each way
+is the other's backward and its own JVP), and everything the one-process
 op has (backward, a bias's gradient, JVP, double backward, HVP) carries over.
 (torch.distributed.nn.functional.all_to_all_single has no forward mode.)
 """
@@ -20,9 +20,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..dropout import Placement
-from ..functional import FLOATS, _check_tensors, _Layout, _run
-from .ring_comm import agree, waited
-from .sharding import LAYOUTS, Sharding, group_of
+from ..functional import _Layout, _run
+from .call_checks import start_call
+from .ring_comm import waited
+from .sharding import Sharding, group_of
 
 
 class _Trade:
@@ -67,40 +68,25 @@ class _Trade:
         return received.transpose(0, 1).reshape(b, self.world * group_heads, shard, w)
 
 
-class _ToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """`_Trade.to_heads` (to_heads=True) or `to_sequence`: each the other's backward, and
+    its own JVP (it is linear)."""
+
     @staticmethod
-    def forward(x: Tensor, trade: _Trade) -> Tensor:
-        return trade.to_heads(x)
+    def forward(x: Tensor, trade: _Trade, to_heads: bool) -> Tensor:
+        return trade.to_heads(x) if to_heads else trade.to_sequence(x)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
-        ctx.trade = inputs[1]
+        ctx.trade, ctx.to_heads = inputs[1], inputs[2]
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor):
-        return _ToSequence.apply(grad, ctx.trade), None
+        return _AllToAll.apply(grad, ctx.trade, not ctx.to_heads), None, None
 
     @staticmethod
-    def jvp(ctx: Any, tangent: Tensor, _ttrade: Any) -> Tensor:
-        return ctx.trade.to_heads(tangent)
-
-
-class _ToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(x: Tensor, trade: _Trade) -> Tensor:
-        return trade.to_sequence(x)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
-        ctx.trade = inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor):
-        return _ToHeads.apply(grad, ctx.trade), None
-
-    @staticmethod
-    def jvp(ctx: Any, tangent: Tensor, _ttrade: Any) -> Tensor:
-        return ctx.trade.to_sequence(tangent)
+    def jvp(ctx: Any, tangent: Tensor, _ttrade: Any, _tdirection: Any) -> Tensor:
+        return _AllToAll.forward(tangent, ctx.trade, ctx.to_heads)
 
 
 def _heads_of(t: Tensor, heads: int, world: int) -> Tensor:
@@ -124,7 +110,7 @@ def _rows_to_heads(t: Optional[Tensor], trade: _Trade, heads: int, rank: int) ->
     t = _heads_of(t, heads, trade.world)
     if t.dtype == torch.bool:  # not differentiable; the collectives take bytes
         return trade.to_heads(t.to(torch.uint8)).to(torch.bool)
-    return _ToHeads.apply(t, trade)
+    return _AllToAll.apply(t, trade, True)
 
 
 def all_to_all_attention(
@@ -152,26 +138,14 @@ def all_to_all_attention(
     the same size as its shard of all heads; a bias with rows is traded to
     (b, H / P, L, L). Two all-to-alls per call each way, none per step."""
     group = group_of(group)
-    _check_tensors(query, key, value, dropout_p)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
-    if query.shape[-2] != key.shape[-2]:
-        raise ValueError(f"all_to_all_attention shards one sequence: query and key must have the same shard length; "
-                         f"got query {tuple(query.shape)}, key {tuple(key.shape)}")
-    for name, t, kind in (("attn_mask", attn_mask, (torch.bool,)), ("attn_bias", attn_bias, FLOATS)):
-        if t is not None and t.dtype not in kind:
-            raise TypeError(f"{name} must be {'boolean' if name == 'attn_mask' else 'floating'}; got {t.dtype}")
+    seed = start_call("all_to_all_attention", group, query, key, value, layout=layout, is_causal=is_causal,
+                      attn_mask=attn_mask, attn_bias=attn_bias, softcap=softcap, dropout_p=dropout_p,
+                      enable_gqa=enable_gqa, window=window)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     folded = _Layout(query, key, value, enable_gqa)
-    if folded.heads % world:
+    if folded.heads % world:  # every rank raises alike: they agreed on the shapes
         raise ValueError(f"all_to_all_attention splits the {folded.heads} query heads over {world} ranks: "
                          f"they must be a multiple of it (query {tuple(query.shape)}); use ring_attention")
-    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if dropout_p > 0.0 else 0
-    shapes = dict(query=query.shape, key=key.shape, value=value.shape,
-                  attn_bias=() if attn_bias is None else attn_bias.shape,
-                  attn_mask=() if attn_mask is None else attn_mask.shape,
-                  options=(FLOATS.index(query.dtype), LAYOUTS.index(layout), round(dropout_p * 2**32), int(enable_gqa)))
-    seed = agree(group, "all_to_all_attention", shapes, seed)
     trade = _Trade(group, layout, query.shape[-2])
     length = trade.sharding.length
     q, k, v = folded.q, folded.k, folded.v
@@ -180,10 +154,10 @@ def all_to_all_attention(
                                                         folded.heads, rank)
     bias = None if attn_bias is None else _rows_to_heads(folded.fold_mask(attn_bias, "attn_bias", length), trade,
                                                         folded.heads, rank)
-    q, k, v = (_ToHeads.apply(t, trade) for t in (q, k, v))
+    q, k, v = (_AllToAll.apply(t, trade, True) for t in (q, k, v))
     head_offset = rank * (folded.heads // world)
     out = _run(q, k, v, mask, bias, dropout_p, is_causal, scale, enable_gqa=k.shape[1] != q.shape[1],
                seed=Placement(seed, 0, 0, head_offset).tensor(), softcap=softcap,
                structured=dict(key_padding=key_padding, window=window, document_ids=document_ids, cu_seqlens=cu_seqlens))
-    return folded.unfold(_ToSequence.apply(out, trade))
+    return folded.unfold(_AllToAll.apply(out, trade, False))
 

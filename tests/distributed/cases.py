@@ -227,13 +227,17 @@ def disagreeing_shapes(rank: int, world: int) -> str:
     return "no error"
 
 
-def killed_rank(rank: int, world: int) -> Optional[tuple[str, float]]:
-    """Rank 1 dies before the ring exchange; rank 0 must raise within the group's timeout."""
+def failing_rank(rank: int, world: int, how: str) -> Optional[tuple[str, float]]:
+    """Rank 1 dies ("killed") or stops calling ("stalled") before a ring exchange; rank 0
+    must raise within the group's timeout: (what it raised, after how many seconds)."""
     q = torch.randn(1, 2, 64, 8)
     ring_attention(q, q, q)  # a first call, so that both ranks are connected
     dist.barrier()
     if rank == 1:
-        os._exit(3)
+        if how == "killed":
+            os._exit(3)
+        time.sleep(30)  # longer than the group's timeout: the parent ends this process
+        return None
     start = time.monotonic()
     try:
         for _ in range(100):

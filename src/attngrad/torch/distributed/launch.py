@@ -11,7 +11,7 @@ import queue as queues
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,12 +44,13 @@ class RankFailed(RuntimeError):
 
 
 def spawn(world: int, fn: Callable, *args: Any, threads: int = 1, timeout: float = 60.0,
-          collective_timeout: float = 30.0, deaths: bool = False) -> list[Any]:
+          collective_timeout: float = 30.0, deaths: bool = False, wait_for: Optional[Sequence[int]] = None) -> list[Any]:
     """fn(rank, world, *args) on `world` new processes (fn importable, its results
     picklable), each with `threads` threads and a gloo group whose collectives give up
     after `collective_timeout` seconds. Returns the results in rank order; raises
     RankFailed with the first failing rank's traceback, or when `timeout` seconds pass.
-    With `deaths`, a rank that dies is no failure: its result is None."""
+    With `deaths`, a rank that dies is no failure: its result is None. With `wait_for`,
+    only those ranks' results are awaited; the others' are None, and they are ended."""
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
@@ -58,10 +59,11 @@ def spawn(world: int, fn: Callable, *args: Any, threads: int = 1, timeout: float
     for p in processes:
         p.start()
     got: dict[int, Any] = {}
+    awaited = set(range(world) if wait_for is None else wait_for)
     failure = None
     deadline = time.monotonic() + timeout
     try:
-        while len(got) < world and failure is None:
+        while not awaited <= set(got) and failure is None:
             try:
                 rank, ok, value = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
             except queues.Empty:
@@ -69,7 +71,7 @@ def spawn(world: int, fn: Callable, *args: Any, threads: int = 1, timeout: float
                 if deaths:
                     got.update((r, None) for r in dead)
                 if time.monotonic() > deadline:
-                    failure = f"ranks {sorted(set(range(world)) - set(got))} did not finish within {timeout} s"
+                    failure = f"ranks {sorted(awaited - set(got))} did not finish within {timeout} s"
                 elif dead and not deaths and results.empty():
                     failure = f"ranks {dead} died (exit codes {[processes[r].exitcode for r in dead]})"
                 continue
@@ -78,8 +80,8 @@ def spawn(world: int, fn: Callable, *args: Any, threads: int = 1, timeout: float
             else:
                 failure = f"rank {rank} raised:\n{value}"
     finally:
-        for p in processes:
-            p.join(timeout=5.0 if failure is None else 0.5)
+        for rank, p in enumerate(processes):
+            p.join(timeout=5.0 if failure is None and rank in awaited else 0.1)
         for p in processes:
             if p.is_alive():
                 p.kill()
@@ -87,4 +89,4 @@ def spawn(world: int, fn: Callable, *args: Any, threads: int = 1, timeout: float
         results.close()
     if failure is not None:
         raise RankFailed(failure)
-    return [got[rank] for rank in range(world)]
+    return [got.get(rank) for rank in range(world)]

@@ -138,11 +138,15 @@ def test_structured_cases_mask_what_pytorchs_dense_mask_does(mask):
     assert not torch.allclose(plain, outs["torch-math"], atol=1e-2)
 
 
-def test_the_distributed_report_is_a_table_of_every_method(tmp_path):
+def test_the_distributed_report_is_a_table_of_every_method(tmp_path, monkeypatch):
     """`attngrad bench --distributed`'s report: one row per case and method, written out
     (the measuring itself spawns processes: the distributed tests cover that path)."""
+    from attngrad.bench import runner
     from attngrad.bench.distributed import METHODS, DistributedCase, write_distributed
     from attngrad.cli.bench_cmd import report_rows
+
+    # the facts time a fresh build of the tiles (10 s): not what this test is about
+    monkeypatch.setattr(runner, "machine_facts", lambda: dict(processor="a CPU", torch="2.13", date="today"))
 
     case = DistributedCase(2, 8192)
     report = [dict(case={}, name=case.name, method=m, seconds=1.0, one_process_seconds=1.7, efficiency=0.85, waiting=0.1,
@@ -153,3 +157,4 @@ def test_the_distributed_report_is_a_table_of_every_method(tmp_path):
     json_path, md_path = write_distributed(report, tmp_path, header, lines)
     assert "| P=2 L=8192 | ring-zigzag | 1.000 | 1.700 | 85% | 10% | 12.5 | 20.0 |" in md_path.read_text()
     assert json.loads(json_path.read_text())["cases"][2]["method"] == "all-to-all"
+    assert md_path.read_text().startswith("a CPU, ")

@@ -125,9 +125,10 @@ def _compile(target: Path) -> None:
         os.replace(built, target)  # atomic: a concurrent process sees all of it or none
 
 
+@functools.cache
 def fresh_build_seconds() -> float:
     """Seconds a first use spends compiling the tiles (timed into a scratch folder, so the
-    cache is not touched): what a new machine pays once."""
+    cache is not touched): what a new machine pays once. Timed once per process."""
     with tempfile.TemporaryDirectory() as scratch:
         start = time.perf_counter()
         _compile(Path(scratch) / "native_tiles.so")

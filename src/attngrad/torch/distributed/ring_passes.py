@@ -54,10 +54,9 @@ def each_step(plan: RingPlan, block: Block, work: Callable[[Unit, Block], Option
         return fields
 
     sums_home = None  # the sums in flight
-    totals = None
+    partial = sums  # this step's results, into the caller's zeros first
     for step in range(ring.size):
         incoming = ring.pass_on(flat(block)) if step < ring.size - 1 else None
-        partial = None if sums is None else [[torch.zeros_like(t) for t in field] for field in sums]
         for unit in plan.units[step]:
             results = work(unit, block)
             if partial is not None:
@@ -65,22 +64,25 @@ def each_step(plan: RingPlan, block: Block, work: Callable[[Unit, Block], Option
                     if result is not None:
                         field[unit.j] += result
         if partial is not None:
-            if sums_home is not None:  # this block's sums from the ranks before
+            totals = partial
+            if sums_home is not None:  # this block's sums from the ranks before, received into fresh buffers
                 arrived = sums_home.wait()
-                totals = [[a + p for a, p in zip(arrived[n * chunks:(n + 1) * chunks], field)]
-                          for n, field in enumerate(partial)]
-            else:
-                totals = partial
-            if ring.size > 1:
-                sums_home = ring.pass_on([t for field in totals for t in field])
+                totals = [arrived[n * chunks:(n + 1) * chunks] for n in range(len(partial))]
+                for total, field in zip(totals, partial):
+                    for t, p in zip(total, field):
+                        t.add_(p)
+            if ring.size == 1:
+                return totals
+            sums_home = ring.pass_on([t for field in totals for t in field])
+            if step < ring.size - 1:  # a partial that was sent is in flight: the next step takes new zeros
+                partial = ([[t.zero_() for t in field] for field in partial] if totals is not partial
+                           else [[torch.zeros_like(t) for t in field] for field in partial])
         if incoming is not None:
             block = unflat(incoming.wait())
     if sums is None:
         return None
-    if sums_home is not None:
-        arrived = sums_home.wait()
-        return [arrived[n * chunks:(n + 1) * chunks] for n in range(len(sums))]
-    return totals
+    arrived = sums_home.wait()
+    return [arrived[n * chunks:(n + 1) * chunks] for n in range(len(sums))]
 
 
 def _zeros(chunks: Optional[list[Tensor]], work: torch.dtype, width: Optional[int] = None) -> list[Tensor]:

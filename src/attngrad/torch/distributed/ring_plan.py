@@ -101,11 +101,12 @@ class RingPlan:
         return units
 
     def split(self, t: Optional[Tensor]) -> Optional[list[Tensor]]:
-        """A (B, H, L / P, .) shard as its chunks, each contiguous."""
+        """A (B, H, L / P, .) shard as its chunks: views (a step's op copies what it needs
+        contiguous, for as long as it runs; a block sent on is copied once)."""
         if t is None:
             return None
         size = self.sharding.chunk
-        return [t[:, :, i * size:(i + 1) * size].contiguous() for i in range(self.chunks)]
+        return [t[:, :, i * size:(i + 1) * size] for i in range(self.chunks)]
 
     @staticmethod
     def join(chunks: list[Tensor]) -> Tensor:

@@ -9,6 +9,7 @@ import datetime
 import os
 import queue as queues
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
@@ -27,7 +28,9 @@ def free_port() -> int:
 
 def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, threads: int, timeout: float,
                results: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if sys.platform.startswith("linux"):  # gloo's own traffic on the loopback too (macOS names it lo0)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))

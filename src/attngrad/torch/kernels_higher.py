@@ -474,7 +474,7 @@ def double_backward_row_sums(
         rows = slice(start, stop)
         t_form = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols, r.capped)  # T
         dp = torch.matmul(do_w[:, :, rows], r.v_rep[..., cols, :].transpose(-1, -2), out=r.tile(2, start, stop, cols))
-        if gv_rep is not None:  # dP + (dO gV~^T) / T would divide: add the two products apart
+        if gv_rep is not None:  # (dO gV~^T) Z is not multiplied by T: its own row sum
             x = torch.matmul(do_w[:, :, rows], gv_rep[..., cols, :].transpose(-1, -2))
             u_sum[:, :, rows] += (x.mul_(z) if z is not None else x).mul_(p).sum(dim=-1, keepdim=True)
         if z is not None:

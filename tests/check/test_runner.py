@@ -118,3 +118,29 @@ def test_config_and_case_errors():
         make_case("mlp", "plain", SMALL)
     with pytest.raises(ValueError, match="unknown variant 'bias' for encoder"):
         make_case("encoder", "bias", SMALL)
+
+
+def test_attngrad_torch_is_proved_on_every_case():
+    """--backend torch: every case through attngrad.torch, both implementations, three
+    derivatives, against PyTorch's math path (and the gradient against the reference)."""
+    pytest.importorskip("torch")
+    report = run_check(SMALL, reference=False)
+    assert not report.rows and report.backend_skipped is None
+    cases = sum(len(VARIANTS[f]) for f in FLAVORS)
+    assert len(report.backend_rows) == cases * 2 * 3
+    assert report.passed, [r for r in report.backend_rows if not r.passed]
+    assert max(max(r.vs_math, r.vs_reference) for r in report.backend_rows if r.derivative == "gradient") < 1e-13
+    assert max(r.vs_math for r in report.backend_rows) < 1e-13
+    assert max(r.vs_math for r in report.backend_rows) > 0  # two computations were compared, not one
+
+
+def test_a_wrong_attngrad_torch_fails_every_derivative(monkeypatch):
+    pytest.importorskip("torch")
+    from attngrad.check import torch_backend
+
+    original = torch_backend._attngrad_attention
+    monkeypatch.setattr(torch_backend, "_attngrad_attention", lambda q, k, v, **options: original(q * 1.0001, k, v, **options))
+    report = run_check(SMALL, ("sdpa", "encoder"), ("plain",), reference=False)
+    assert not report.passed
+    assert {(r.implementation, r.derivative) for r in report.backend_rows if not r.passed} == {
+        (i, d) for i in ("tiles", "torch-ops") for d in torch_backend.DERIVATIVES}

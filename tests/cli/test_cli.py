@@ -38,12 +38,24 @@ def test_json_output(capsys):
     assert report["config"]["batch"] == 2 and report["tolerances"]["autograd"] == 1e-12
     assert {r["tensor"] for r in report["rows"]} == {"out", "query", "key", "value"}
     assert all(r["autograd"]["rel"] < 1e-12 for r in report["rows"])
+    assert len(report["backend"]) == 6 and all(r["passed"] for r in report["backend"])
+
+
+def test_backend_torch_alone(capsys):
+    pytest.importorskip("torch")
+    assert main(["check", *SMALL, "--flavor", "sdpa", "--variant", "gqa", "--backend", "torch"]) == 0
+    out = capsys.readouterr().out
+    assert "attngrad.torch: 1 cases x 2 implementations x 3 derivatives: all pass" in out
+    assert "vs autograd" not in out  # the reference's table is not there
+    assert main(["check", "--backend", "torch", "--no-torch"]) == 2
+    assert "--backend torch needs PyTorch" in capsys.readouterr().err
 
 
 def test_runs_without_torch_and_says_so():
     result = run_cli("check", *SMALL, "--flavor", "cross", "--variant", "all", block=("torch",))
     assert result.returncode == 0, result.stderr
     assert "skipped" in result.stdout and "PyTorch is not installed" in result.stdout
+    assert "attngrad.torch was not checked: PyTorch is not installed" in result.stdout
 
 
 def test_a_failing_check_exits_1(monkeypatch, capsys):

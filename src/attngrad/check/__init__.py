@@ -3,7 +3,8 @@
 `finite_difference_gradients` differentiates any function numerically against a random
 upstream gradient; `error_figure` measures one tensor against a reference; `run_check`
 proves every attention flavor and option against PyTorch autograd (when installed) and
-finite differences, and returns a `CheckReport`.
+finite differences, then (with PyTorch) runs every case through `attngrad.torch` as well
+(`torch_backend`), and returns a `CheckReport`.
 """
 
 from .cases import FLAVORS, VARIANTS, Case, CheckConfig, all_cases, make_case

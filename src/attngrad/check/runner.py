@@ -40,10 +40,12 @@ class CheckReport:
     rows: list[Row] = field(default_factory=list)
     torch_version: str | None = None  # None when the autograd column was skipped
     seconds: float = 0.0
+    backend_rows: list = field(default_factory=list)  # torch_backend.BackendRow: attngrad.torch, when checked
+    backend_skipped: str | None = None  # why attngrad.torch was not checked, if it was not
 
     @property
     def passed(self) -> bool:
-        return all(row.passed for row in self.rows)
+        return all(row.passed for row in self.rows) and all(row.passed for row in self.backend_rows)
 
     @property
     def tolerances(self) -> dict[str, float]:
@@ -74,6 +76,8 @@ class CheckReport:
                 }
                 for r in self.rows
             ],
+            "backend": [asdict(r) for r in self.backend_rows],
+            "backend_skipped": self.backend_skipped,
         }
 
 
@@ -120,6 +124,15 @@ def check_case(case: Case, oracle: Any = None, *, finite_differences: bool = Tru
     return rows
 
 
+def _torch_backend() -> tuple[Any, str | None]:
+    """(the torch_backend module, None), or (None, why attngrad.torch cannot be checked)."""
+    try:
+        from . import torch_backend
+    except ImportError as err:
+        return None, f"PyTorch is not installed ({err.name})"
+    return torch_backend, None
+
+
 def run_check(
     config: CheckConfig,
     flavors: tuple[str, ...] = FLAVORS,
@@ -128,15 +141,25 @@ def run_check(
     use_torch: bool = True,
     finite_differences: bool = True,
     progress: Callable[[Case, int, int], None] | None = None,
+    reference: bool = True,
+    backend: bool = True,
 ) -> CheckReport:
-    """Check every (flavor, variant) asked for. `progress(case, i, n)` is called before each."""
+    """Check every (flavor, variant) asked for: attngrad's reference (`reference`), and
+    attngrad.torch in float64 (`backend`, when PyTorch is installed and `use_torch`).
+    `progress(case, i, n)` is called before each case."""
     start = time.perf_counter()
-    oracle = _torch_oracle() if use_torch else None
+    oracle = _torch_oracle() if use_torch and reference else None
     report = CheckReport(config, torch_version=None if oracle is None else oracle.torch.__version__)
+    module, why = _torch_backend() if use_torch else (None, "--no-torch")
+    if backend and module is None:
+        report.backend_skipped = why
     cases = all_cases(config, flavors, variants)
     for i, case in enumerate(cases):
         if progress is not None:
             progress(case, i, len(cases))
-        report.rows.extend(check_case(case, oracle, finite_differences=finite_differences))
+        if reference:
+            report.rows.extend(check_case(case, oracle, finite_differences=finite_differences))
+        if backend and module is not None:
+            report.backend_rows.extend(module.check_backend(case, TOLERANCES["float64"]["autograd"]))
     report.seconds = time.perf_counter() - start
     return report

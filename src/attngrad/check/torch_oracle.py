@@ -52,9 +52,9 @@ def _math_sdpa(q, k, v, *, allowed, bias, is_causal, enable_gqa, dropout_p, keep
         )
 
 
-def _sdpa_oracle(case: Case, t: dict[str, torch.Tensor]) -> torch.Tensor:
+def _sdpa_oracle(case: Case, t: dict[str, torch.Tensor], attend=_math_sdpa) -> torch.Tensor:
     f = case.fixed
-    return _math_sdpa(
+    return attend(
         t["query"], t["key"], t["value"],
         allowed=None if f.get("mask") is None else torch.as_tensor(f["mask"]),
         bias=t.get("bias"), is_causal=f.get("is_causal", False), enable_gqa=f.get("enable_gqa", False),
@@ -62,8 +62,9 @@ def _sdpa_oracle(case: Case, t: dict[str, torch.Tensor]) -> torch.Tensor:
     )
 
 
-def _composed_mha(case: Case, t: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Multi-head attention spelled in torch ops: F.linear projections around math SDPA."""
+def _composed_mha(case: Case, t: dict[str, torch.Tensor], attend=_math_sdpa) -> torch.Tensor:
+    """Multi-head attention spelled in torch ops: F.linear projections around `attend`
+    (PyTorch's math SDPA by default; `torch_backend` passes attngrad's)."""
     c, f = case.config, case.fixed
     x = t["x"]
     memory = t["memory"] if case.flavor == "cross" else x  # the same tensor: autograd sums the paths
@@ -77,7 +78,7 @@ def _composed_mha(case: Case, t: dict[str, torch.Tensor]) -> torch.Tensor:
     v = heads(F.linear(memory, t["W^V"], t.get("b^V")))
     kpm = f.get("key_padding_mask")
     allowed = None if kpm is None else ~torch.as_tensor(kpm)[:, None, None, :]
-    attn = _math_sdpa(
+    attn = attend(
         q, k, v, allowed=allowed, bias=t.get("attn_bias"), is_causal=case.flavor == "decoder",
         enable_gqa=k.shape[1] != c.heads, dropout_p=f.get("dropout_p", 0.0), keep_mask=f.get("keep_mask"),
     )
@@ -140,3 +141,15 @@ def torch_gradients(
         params = ref.MHAParams.from_state_dict({name: p.grad for name, p in module.named_parameters()})
         grads.update({PARAM_LABELS[name]: grad for name, grad in params.items()})
     return out.detach().numpy(), grads
+
+
+def computation(case: Case, attend=_math_sdpa):
+    """The case as a function of its inputs' tensors, in the order of `case.inputs`, with
+    attention `attend`: the computation spelled in torch ops (never the module)."""
+    names = list(case.inputs)
+
+    def run(*tensors: torch.Tensor) -> torch.Tensor:
+        t = dict(zip(names, tensors))
+        return _sdpa_oracle(case, t, attend) if case.flavor == "sdpa" else _composed_mha(case, t, attend)
+
+    return run

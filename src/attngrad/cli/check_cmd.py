@@ -26,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float64", "float32"), default=defaults.dtype, help="dtype of attngrad's computation; the truth is always float64 (default %(default)s)")
     parser.add_argument("--flavor", action="append", choices=FLAVORS, help=f"run only this flavor (repeatable; default all: {', '.join(FLAVORS)})")
     parser.add_argument("--variant", action="append", choices=ALL_VARIANTS, help="run only this variant (repeatable; default all)")
+    parser.add_argument("--backend", choices=("all", "reference", "torch"), default="all",
+                        help="what to prove: attngrad's NumPy reference, attngrad.torch (both implementations, "
+                        "gradient, JVP and double backward against PyTorch's math path, float64), or all (default; "
+                        "attngrad.torch when PyTorch is installed)")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch autograd column")
     parser.add_argument("--no-finite-diff", action="store_true", help="skip the finite-difference column (it costs 2 forwards per input element)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
@@ -95,6 +99,47 @@ def summary_lines(report: CheckReport) -> list[str]:
     return lines
 
 
+def render_backend_table(report: CheckReport, console) -> None:  # console: rich.console.Console
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, title="attngrad check: attngrad.torch, float64, relative error (worst tensor)",
+                  caption="gradient: vs PyTorch's math path / vs attngrad's reference; jvp and double backward: "
+                  "vs PyTorch's math path; bar 1e-12")
+    for name in ("flavor", "variant", "implementation", "gradient", "jvp", "double bwd", "verdict"):
+        table.add_column(name, justify="left" if name in ("flavor", "variant", "implementation") else "right",
+                         no_wrap=name not in ("flavor", "variant"))
+    by_case: dict = {}
+    for row in report.backend_rows:
+        by_case.setdefault((row.flavor, row.variant, row.implementation), {})[row.derivative] = row
+    previous = None
+    for (flavor, variant, implementation), rows in by_case.items():
+        first = (flavor, variant) != previous
+        if first and previous is not None:
+            table.add_section()
+        previous = (flavor, variant)
+        gradient, jvp, double = rows["gradient"], rows["jvp"], rows["double backward"]
+        passed = all(r.passed for r in rows.values())
+        table.add_row(flavor if first else "", variant if first else "", implementation,
+                      f"{gradient.vs_math:.1e} / {gradient.vs_reference:.1e}", f"{jvp.vs_math:.1e}",
+                      f"{double.vs_math:.1e}", "[green]pass[/green]" if passed else "[bold red]FAIL[/bold red]")
+    console.print(table)
+
+
+def backend_lines(report: CheckReport) -> list[str]:
+    if report.backend_skipped:
+        return [f"attngrad.torch was not checked: {report.backend_skipped}."]
+    rows = report.backend_rows
+    if not rows:
+        return []
+    failed = [r for r in rows if not r.passed]
+    worst = max(max(r.vs_math, r.vs_reference or 0.0) for r in rows)
+    cases = len({(r.flavor, r.variant) for r in rows})
+    return [f"attngrad.torch: {cases} cases x {len({r.implementation for r in rows})} implementations x "
+            f"{len({r.derivative for r in rows})} derivatives: "
+            + ("all pass" if not failed else f"{len(failed)} FAIL") + f"; worst relative error {worst:.1e}."]
+
+
 def _no_case_message(flavors: tuple, variants: tuple | None) -> str:
     offered = "; ".join(f"{flavor}: {', '.join(VARIANTS[flavor])}" for flavor in flavors)
     return (f"no case matches --flavor {' '.join(flavors)} --variant {' '.join(variants or ())}; "
@@ -102,6 +147,9 @@ def _no_case_message(flavors: tuple, variants: tuple | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.backend == "torch" and args.no_torch:
+        print("attngrad check: error: --backend torch needs PyTorch; --no-torch turns it off", file=sys.stderr)
+        return 2
     if args.no_torch and args.no_finite_diff:
         print("attngrad check: error: --no-torch and --no-finite-diff together leave nothing to check against",
               file=sys.stderr)
@@ -133,8 +181,12 @@ def run(args: argparse.Namespace) -> int:
             progress.update(task, description=case.title, completed=i, total=n)
 
         report = run_check(config, flavors, variants, use_torch=not args.no_torch,
-                           finite_differences=not args.no_finite_diff, progress=on_case)
-    if not report.rows:
+                           finite_differences=not args.no_finite_diff, progress=on_case,
+                           reference=args.backend != "torch", backend=args.backend != "reference")
+    if args.backend == "torch" and report.backend_skipped:
+        print(f"attngrad check: error: --backend torch: {report.backend_skipped}", file=sys.stderr)
+        return 2
+    if not report.rows and not report.backend_rows:
         print(f"attngrad check: error: {_no_case_message(flavors, variants)}", file=sys.stderr)
         return 2
     if args.json:
@@ -142,7 +194,12 @@ def run(args: argparse.Namespace) -> int:
         print()
     else:
         console = Console(width=None if sys.stdout.isatty() else 100)
-        render_table(report, console)
-        for line in summary_lines(report):
-            console.print(line, highlight=False, markup=False)  # "attngrad[torch]" is no markup
+        if report.rows:
+            render_table(report, console)
+            for line in summary_lines(report):
+                console.print(line, highlight=False, markup=False)  # "attngrad[torch]" is no markup
+        if report.backend_rows:
+            render_backend_table(report, console)
+        for line in backend_lines(report):
+            console.print(line, highlight=False, markup=False)
     return 0 if report.passed else 1

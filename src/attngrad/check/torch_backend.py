@@ -1,0 +1,113 @@
+"""`attngrad check --backend torch`: every case of the table through `attngrad.torch` too,
+in both implementations (the compiled tiles and the torch-ops kernels), to first and
+second order, against autograd of the same computation on PyTorch's math attention, and
+to first order against attngrad's NumPy reference.
+
+Each case is spelled in torch ops (`torch_oracle.computation`) twice, once with PyTorch's
+math SDPA and once with `attngrad.torch.attention` in its place; for each implementation:
+
+    gradient         out and every input's gradient of <out, dout>; also against the reference
+    jvp              torch.func.jvp along random tangents of every input
+    double backward  the gradient of <gradients, w> for random w (reverse over reverse)
+
+With dropout, attngrad draws its keep-mask from its coordinate-keyed generator; the math
+path and the reference are handed that same mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from ..torch import dropout as attngrad_dropout
+from ..torch.functional import _run
+from ..torch.implementation import IMPLEMENTATIONS, use_implementation
+from .cases import Case
+from .torch_oracle import computation
+
+DERIVATIVES = ("gradient", "jvp", "double backward")
+SEED = 20261123  # attngrad's dropout seed in the check
+
+
+@dataclass(frozen=True)
+class BackendRow:
+    """One case, one implementation, one derivative: the worst relative error over its tensors."""
+
+    flavor: str
+    variant: str
+    implementation: str
+    derivative: str
+    vs_math: float
+    vs_reference: Optional[float]  # first order only
+    passed: bool
+
+
+def _attngrad_attention(q, k, v, *, allowed, bias, is_causal, enable_gqa, dropout_p, keep_mask):
+    return _run(q, k, v, allowed, bias, dropout_p, is_causal, None, enable_gqa, seed=torch.tensor(SEED))
+
+
+def _with_attngrad_dropout(case: Case) -> Case:
+    """The case with attngrad's own keep-mask in place of its drawn one."""
+    if not case.fixed.get("dropout_p"):
+        return case
+    shape = case.fixed["keep_mask"].shape
+    keep = attngrad_dropout.keep_scale_torch(torch.empty(shape, dtype=torch.float64), SEED, 0, case.fixed["dropout_p"]) > 0
+    return dataclasses.replace(case, fixed={**case.fixed, "keep_mask": keep.numpy()})
+
+
+def _worst(ours: list, theirs: list, floors: list[float]) -> float:
+    worst = 0.0
+    for a, b, floor in zip(ours, theirs, floors):
+        a, b = np.asarray(a), np.asarray(b)
+        scale = max(float(np.max(np.abs(b))) if b.size else 0.0, floor)
+        worst = max(worst, float(np.max(np.abs(a - b))) / scale if scale > 0 else float(np.max(np.abs(a - b), initial=0.0)))
+    return worst
+
+
+def _derivatives(fn: Callable, primals: list[torch.Tensor], dout: torch.Tensor, tangents: list[torch.Tensor],
+                 weights: list[torch.Tensor]) -> dict[str, list]:
+    leaves = [p.detach().requires_grad_() for p in primals]
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out, leaves, dout, create_graph=True, allow_unused=True, materialize_grads=True)
+    penalty = sum((g * w).sum() for g, w in zip(grads, weights))
+    second = torch.autograd.grad(penalty, leaves, allow_unused=True, materialize_grads=True)
+    out_t = torch.func.jvp(fn, tuple(p.detach() for p in primals), tuple(tangents))[1]
+    numpy = lambda ts: [t.detach().numpy() for t in ts]  # noqa: E731
+    return {"gradient": numpy([out, *grads]), "jvp": numpy([out_t]), "double backward": numpy(second)}
+
+
+def check_backend(case: Case, tol: float) -> list[BackendRow]:
+    """Judge attngrad.torch on one case (float64), each implementation and derivative."""
+    case = _with_attngrad_dropout(case)
+    names = list(case.inputs)
+    rng = np.random.default_rng([case.config.seed, 104729])
+    primals = [torch.tensor(case.inputs[n]) for n in names]
+    out_np = case.forward(case.inputs)
+    dout_np = rng.standard_normal(out_np.shape)
+    ref_out, ref_grads = case.gradients(case.inputs, dout_np)
+    dout = torch.tensor(dout_np)
+    tangents = [torch.tensor(rng.standard_normal(p.shape)) for p in primals]
+    weights = [torch.tensor(rng.standard_normal(p.shape)) for p in primals]
+    math = _derivatives(computation(case), primals, dout, tangents, weights)
+    # a gradient that is 0 in exact arithmetic (b^K's) is judged against the case's others
+    scale = max(float(np.max(np.abs(g))) for g in math["gradient"][1:])
+    zero = [n in case.exact_zeros for n in names]
+    floors = {"gradient": [0.0] + [scale if z else 0.0 for z in zero], "jvp": [0.0],
+              "double backward": [max(float(np.max(np.abs(g))) for g in math["double backward"]) if z else 0.0
+                                  for z in zero]}
+    rows = []
+    for implementation in IMPLEMENTATIONS:
+        with use_implementation(implementation):
+            ours = _derivatives(computation(case, _attngrad_attention), primals, dout, tangents, weights)
+        for derivative in DERIVATIVES:
+            vs_math = _worst(ours[derivative], math[derivative], floors[derivative])
+            vs_reference = None
+            if derivative == "gradient":
+                vs_reference = _worst(ours[derivative], [ref_out, *(ref_grads[n] for n in names)], floors[derivative])
+            passed = vs_math <= tol and (vs_reference is None or vs_reference <= tol)
+            rows.append(BackendRow(case.flavor, case.variant, implementation, derivative, vs_math, vs_reference, passed))
+    return rows

@@ -53,7 +53,19 @@ def spawn(world: int, fn: Callable, *args: Any, threads: int = 1, timeout: float
     after `collective_timeout` seconds. Returns the results in rank order; raises
     RankFailed with the first failing rank's traceback, or when `timeout` seconds pass.
     With `deaths`, a rank that dies is no failure: its result is None. With `wait_for`,
-    only those ranks' results are awaited; the others' are None, and they are ended."""
+    only those ranks' results are awaited; the others' are None, and they are ended.
+    A port taken between choosing it and binding it is chosen again (twice at most)."""
+    for attempt in range(3):
+        try:
+            return _spawn_once(world, fn, args, threads, timeout, collective_timeout, deaths, wait_for)
+        except RankFailed as failure:
+            if attempt == 2 or "address already in use" not in str(failure).lower():
+                raise
+    raise AssertionError("unreachable")
+
+
+def _spawn_once(world: int, fn: Callable, args: tuple, threads: int, timeout: float, collective_timeout: float,
+                deaths: bool, wait_for: Optional[Sequence[int]]) -> list[Any]:
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()

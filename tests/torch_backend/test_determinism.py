@@ -82,6 +82,42 @@ def test_bits_do_not_depend_on_the_thread_count(many_blocks, case):
             assert torch.equal(a, b), f"{case}: result {i} differs between 1 and {count} threads"
 
 
+def test_a_ring_steps_bits_do_not_depend_on_the_thread_count(many_blocks):
+    """A call on a part of each row's keys (a ring step: `dropout.Placement` with partial
+    rows, row and key offsets), forward and backward with dropout, a bias gradient and a
+    causal diagonal, and the higher kernels given the whole rows' sums: bit-equal for 1 to
+    4 threads."""
+    from attngrad.torch import kernels_higher, op
+    from attngrad.torch.dropout import Placement
+
+    g = torch.Generator().manual_seed(2)
+    q, dout = torch.randn(1, 3, 150, 24, generator=g), torch.randn(1, 3, 150, 16, generator=g)
+    k, v = torch.randn(1, 3, 170, 24, generator=g), torch.randn(1, 3, 170, 16, generator=g)
+    bias, tq = torch.randn(3, 150, 170, generator=g), torch.randn(1, 3, 150, 24, generator=g)
+    seed = Placement(11, 300, 250, 0, 1)
+
+    def step():
+        out, row_max, inv_sum = op.attention_forward(q, k, v, None, bias, None, seed.tensor(), 40, 0.2, 0.0, 0.1)
+        grads = op.attention_backward(dout, q, k, v, None, bias, None, seed.tensor(), out, row_max, inv_sum, 40, 0.2,
+                                      0.0, 0.1, True)
+        sums = torch.zeros(1, 3, 150, 1)
+        share = kernels_higher.attention_jvp(q, k, v, None, bias, seed, row_max, inv_sum, 40, 0.2, 0.0, 0.1, tq, None,
+                                             None, None, centre=torch.zeros_like(sums), centre_sums=sums)
+        return [out, row_max, inv_sum, *grads, share, sums]
+
+    threads = torch.get_num_threads()
+    try:
+        results = {}
+        for count in (1, 2, 3, 4):
+            torch.set_num_threads(count)
+            results[count] = step()
+    finally:
+        torch.set_num_threads(threads)
+    for count in (2, 3, 4):
+        for i, (a, b) in enumerate(zip(results[1], results[count])):
+            assert torch.equal(a, b), f"result {i} differs between 1 and {count} threads"
+
+
 def test_chunks_follow_the_shapes_alone(monkeypatch):
     """The backward's work split, the one thing that once followed the thread count."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)

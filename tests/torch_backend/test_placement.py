@@ -27,8 +27,24 @@ def test_a_tiles_keep_scale_is_the_wholes_at_its_offsets(dtype):
     ours = dropout.keep_scale_into(torch.empty(2, 3, 20, 30, dtype=dtype), part, 0, 0.4)
     assert torch.equal(ours, whole[:, 2:5, 7:27, 11:41])
     assert bool(whole[1, 4, 9, 13] > 0) == dropout.keep_int(99, 1, 4, 9, 13, 0.4)
-    # the torch-ops copy, and the tiles' own draws inside a pass, agree with it
-    assert torch.equal(dropout.keep_scale_torch(torch.empty(2, 3, 20, 30, dtype=dtype), 99, 7, 0.4, 11, 2), ours)
+    # with row and key offsets alone, the compiled tiles' generator fills it: the same bits
+    rows_keys = Placement(99, row_offset=7, key_offset=11)
+    assert torch.equal(dropout.keep_scale_into(torch.empty(2, 6, 20, 30, dtype=dtype), rows_keys, 0, 0.4), whole[:, :, 7:27, 11:41])
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_head_group_draws_the_wholes_masks(implementation):
+    """An all-to-all rank's call on heads 2..4 of 6 (its head offset in the seed) gives the
+    whole call's output for those heads, dropout included, in both implementations."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 6, 30, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    with use_implementation(implementation):
+        whole, _, _ = op.attention_forward(q, k, v, None, None, None, torch.tensor(7), 0, 0.3, 0.0, 0.4)
+        part, _, _ = op.attention_forward(q[:, 2:5], k[:, 2:5], v[:, 2:5], None, None, None,
+                                          Placement(7, head_offset=2).tensor(), 0, 0.3, 0.0, 0.4)
+    assert _rel(part, whole[:, 2:5]) < 1e-15
+    other, _, _ = op.attention_forward(q[:, 2:5], k[:, 2:5], v[:, 2:5], None, None, None, torch.tensor(7), 0, 0.3, 0.0, 0.4)
+    assert _rel(other, whole[:, 2:5]) > 1e-3  # without the offset, other masks: the test can tell
 
 
 def _parts(q, k, v, mask, causal, dropout_p, bias=None):

@@ -15,11 +15,13 @@ from .arg_types import positive_int
 TIME_COLUMNS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 MEMORY_COLUMNS = (0, 1, 9, 10, 11, 12)
 QUICK_LENGTHS, QUICK_REPEATS = (128, 256), 3
+DEFAULT_LENGTHS, DISTRIBUTED_LENGTH = (1024, 2048, 4096), 8192
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096], metavar="L",
-                        help="sequence lengths (default: %(default)s)")
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=None, metavar="L",
+                        help=f"sequence lengths (default: {' '.join(map(str, DEFAULT_LENGTHS))}; "
+                        f"{DISTRIBUTED_LENGTH} with --distributed)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=["train"], metavar="MODE",
                         help=f"what to time: {', '.join(MODES)} (fwd+bwd; forward mode; backward of a backward; "
                         "forward over reverse) "
@@ -36,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed", action="store_true",
                         help="context parallelism instead: ring (contiguous, zigzag) and all-to-all attention on "
                         "--worlds local processes of one thread each, beside one process doing the same work; causal "
-                        "fwd+bwd at --lengths (default 8192); writes distributed.md and distributed.json")
+                        "fwd+bwd at --lengths; writes distributed.md and distributed.json")
     parser.add_argument("--worlds", type=positive_int, nargs="+", default=[2, 4], metavar="P",
                         help="world sizes of --distributed (default: %(default)s)")
 
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.report import COLUMNS, rows, write
     from ..bench.runner import run_bench
 
-    lengths = QUICK_LENGTHS if args.quick else tuple(args.lengths)
+    lengths = QUICK_LENGTHS if args.quick else tuple(args.lengths or DEFAULT_LENGTHS)
     repeats = QUICK_REPEATS if args.quick else args.repeats
     cases = default_cases(lengths, tuple(dict.fromkeys(args.modes)))
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
@@ -102,8 +104,7 @@ def _run_distributed(args: argparse.Namespace) -> int:
 
     from ..bench.distributed import DistributedCase, run_distributed, write_distributed
 
-    default = args.lengths == [1024, 2048, 4096]  # not given: the 8192
-    lengths = QUICK_LENGTHS if args.quick else ((8192,) if default else tuple(args.lengths))
+    lengths = QUICK_LENGTHS if args.quick else tuple(args.lengths or (DISTRIBUTED_LENGTH,))
     rounds = QUICK_REPEATS if args.quick else args.repeats
     cases = [DistributedCase(world, length) for world in args.worlds for length in lengths]
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),

@@ -129,6 +129,13 @@ class _Layout:
         return out.reshape(*self.batch, *out.shape[1:])
 
 
+def default_scale(query: Tensor, scale: Optional[float]) -> float:
+    """`scale`, or PyTorch's default 1 / sqrt(E) (with E = 0 every score is 0 whatever the scale)."""
+    if scale is not None:
+        return float(scale)
+    return 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
+
+
 def _causal_offset(is_causal: bool | str, len_q: int, len_k: int) -> Optional[int]:
     """The op's causal diagonal for `is_causal`: None, 0 (top-left) or Lk - Lq (bottom-right)."""
     if is_causal is False:
@@ -255,8 +262,7 @@ def _run(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], bias
         bounds, keep = structure(batch, layout.len_q, layout.len_k, causal, query.device, **structured)
         if keep is not None:  # padding with holes: a (B, 1, 1, Lk) mask beside any other
             mask = keep if mask is None else mask & keep
-    if scale is None:  # with E = 0 every score is 0 whatever the scale
-        scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
+    scale = default_scale(query, scale)
     if seed is None:
         if dropout_p > 0.0:
             seed = torch.randint(0, 2**62, (), dtype=torch.int64)  # from PyTorch's default generator

@@ -12,14 +12,13 @@ products all run round the ring; a third derivative raises.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..functional import _Layout
+from ..functional import _Layout, default_scale
 from ..op import REVERSE_OVER_FORWARD, THIRD_ORDER, _Final
 from ..structured import structure
 from .call_checks import start_call
@@ -151,9 +150,7 @@ def ring_attention(
             bounds = bounds[:, sharding.positions(ring.rank, bounds.device)]
         if keep is not None:
             mask = keep if mask is None else mask & keep
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
-    plan = RingPlan(ring, sharding, bool(is_causal), bounds, mask, bias, seed, float(scale), float(softcap or 0.0),
+    plan = RingPlan(ring, sharding, bool(is_causal), bounds, mask, bias, seed, default_scale(query, scale), float(softcap or 0.0),
                     float(dropout_p))
     out = RingAttention.apply(folded.q, folded.k, folded.v, bias, plan)[0]
     return folded.unfold(out)

@@ -18,7 +18,7 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 python -m pytest -q -p no:cacheprovider --capture=sys \
     tests/torch_backend/test_native.py tests/torch_backend/test_determinism.py \
     tests/torch_backend/test_input_range.py tests/torch_backend/test_op_contract.py \
-    tests/torch_backend/test_structured.py tests/torch_backend/test_placement.py \
+    tests/torch_backend/test_structured.py tests/torch_backend/test_placement.py tests/torch_backend/test_sinks.py \
     -k "not compiled" "$@"
 python - <<'PY'
 from attngrad.torch import native

@@ -1,6 +1,7 @@
 """The bench program's parts: cases and FLOPs, one step of each implementation, the memory
 probe, the report files, and the command's smoke run. Timings are never asserted."""
 
+import importlib.util
 import json
 
 import pytest
@@ -12,6 +13,7 @@ from attngrad.bench.memory import measure  # noqa: E402
 from attngrad.bench.report import COLUMNS, markdown, rows, write  # noqa: E402
 from attngrad.bench.runner import BenchReport, CaseResult, machine_facts  # noqa: E402
 from attngrad.cli.main import main  # noqa: E402
+from attngrad.docs_page import sections  # noqa: E402
 
 
 def test_flop_convention():
@@ -82,12 +84,23 @@ def test_report_files(tmp_path):
 
 
 def test_quick_command_writes_its_files(tmp_path, capsys):
-    assert main(["bench", "--quick", "--no-memory", "--modes", "train", "double-backward", "--out", str(tmp_path)]) == 0
+    page = tmp_path / "docs" / "bench.md"
+    assert main(["bench", "--quick", "--no-memory", "--modes", "train", "double-backward", "--out", str(tmp_path),
+                 "--docs", str(page)]) == 0
     text = capsys.readouterr().out
     assert "default" in text and "results.md" in text and "double-backward+causal" in text
     assert "refused" in text and "a smoke run" in text
     assert max(len(line) for line in text.splitlines()) <= 100  # every column, within 100 columns
     assert (tmp_path / "results.json").exists() and "smoke run" in (tmp_path / "results.md").read_text()
+    # its section of the docs: the command, the table, the plot and every case where it lost
+    body = sections(page)["attngrad bench (train+double-backward)"]
+    assert body.startswith("`attngrad bench --modes train double-backward --lengths 128 256 --repeats 3`")
+    assert "| full | 128 |" in body and "](img/bench-train+double-backward.png)" in body
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    slower = [r for r in results if (r.get("ratio_to_torch_default") or 0) > 1.0]
+    assert body.count(" the time of PyTorch's default backend") == len(slower)
+    if importlib.util.find_spec("matplotlib"):
+        assert (page.parent / "img" / "bench-train+double-backward.png").stat().st_size > 10_000
 
 
 def test_masked_cases_mask_the_same_keys_everywhere():
@@ -142,7 +155,7 @@ def test_the_distributed_report_is_a_table_of_every_method(tmp_path, monkeypatch
     """`attngrad bench --distributed`'s report: one row per case and method, written out
     (the measuring itself spawns processes: the distributed tests cover that path)."""
     from attngrad.bench import runner
-    from attngrad.bench.distributed import METHODS, DistributedCase, write_distributed
+    from attngrad.bench.distributed import METHODS, DistributedCase, docs_section, write_distributed
     from attngrad.cli.bench_cmd import report_rows
 
     # the facts time a fresh build of the tiles (10 s): not what this test is about
@@ -158,3 +171,7 @@ def test_the_distributed_report_is_a_table_of_every_method(tmp_path, monkeypatch
     assert "| P=2 L=8192 | ring-zigzag | 1.000 | 1.700 | 85% | 10% | 12.5 | 20.0 |" in md_path.read_text()
     assert json.loads(json_path.read_text())["cases"][2]["method"] == "all-to-all"
     assert md_path.read_text().startswith("a CPU, ")
+    report[1].update(efficiency=0.6)  # ring-zigzag loses; the others keep 85% and wait 10%
+    section = docs_section(report, "attngrad bench --distributed", header, lines)
+    assert section.startswith("`attngrad bench --distributed`\n\na CPU, ")
+    assert section.endswith("- P=2 L=8192 ring-zigzag: efficiency 60%, waiting 10% of the step.")

@@ -22,6 +22,8 @@ CASES = {
     # structured masks and the soft cap (its 16-lane float32 tanh, and the scalar tail)
     "structured-softcap": dict(bias=True, is_causal=True, structured=dict(
         window=(40, None), key_padding=torch.tensor([150]), softcap=2.0)),
+    # sinks: the forward's scaled statistics, and the double backward's t D P_sink per row
+    "sinks": dict(bias=True, is_causal=True, structured=dict(window=(40, None), sinks=torch.tensor([0.5, -0.3, 1.0]))),
 }
 
 

@@ -164,3 +164,24 @@ def write_distributed(report: list[dict], folder: Path, header: list[str], lines
     md_path.write_text(f"{facts['processor']}, {os.cpu_count()} cores, torch {facts['torch']}, {facts['date']}\n\n"
                        + "\n".join(table) + "\n")
     return [json_path, md_path]
+
+
+def docs_section(report: list[dict], command: str, header: list[str], lines: list[list[str]]) -> str:
+    """The Markdown of one --distributed run for docs/bench.md: the command, the machine,
+    the table, and where a method loses (efficiency below 75%, or waiting over a quarter
+    of the step), computed from the run."""
+    from .runner import machine_facts
+
+    facts = machine_facts()
+    table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    table += ["| " + " | ".join(line) + " |" for line in lines]
+    losses = [f"- {r['name']} {r['method']}: efficiency {r['efficiency']:.0%}, waiting {r['waiting']:.0%} of the step."
+              for r in report if r["efficiency"] < 0.75 or r["waiting"] > 0.25]
+    parts = [f"`{command}`", "",
+             f"{facts['processor']}, {os.cpu_count()} cores, torch {facts['torch']}, {facts['date']}; float32 causal "
+             "fwd+bwd, B=1 H=8 d=64, one thread per rank. efficiency = one-process time / (min(P, cores) x distributed "
+             "time); waiting = the share of the step spent waiting on communication; MiB/rank = peak memory per rank "
+             "in fresh processes.", "", *table, ""]
+    parts.append("Where we lose in this run (efficiency below 75%, or waiting over a quarter of the step):" if losses
+                 else "Where we lose in this run: every method kept 75% efficiency or more.")
+    return "\n".join(parts + ["", *losses])

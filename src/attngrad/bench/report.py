@@ -80,10 +80,54 @@ def write(report: BenchReport, directory: Path) -> list[Path]:
     return written
 
 
-PLOT_COLUMNS = 4  # panels per row of the plot: one per case
+PLOT_COLUMNS = 3  # panels per row: one per case, each readable at README width
+
+
+def where_we_lose(report: BenchReport) -> list[str]:
+    """A line for each case that is slower than PyTorch's default backend (or, where that
+    refuses, its math path), or that takes more memory than it: computed from the run."""
+    lines = []
+    for r in report.results:
+        other = "torch-default" if "torch-default" in r.seconds else "torch-math"
+        ratio = r.ratio(other)
+        name = "PyTorch's default backend" if other == "torch-default" else "PyTorch's math path"
+        if ratio is not None and ratio > 1.0:
+            lines.append(f"- {r.case.name} at L={r.case.length}: {r.seconds['attngrad'] * 1e3:.1f} ms, "
+                         f"{ratio:.2f}x the time of {name} ({r.seconds[other] * 1e3:.1f} ms).")
+        ours, theirs = r.memory.get("attngrad", {}), r.memory.get(other, {})
+        if "extra_bytes" in ours and "extra_bytes" in theirs and ours["extra_bytes"] > theirs["extra_bytes"] + 2**20:
+            lines.append(f"- {r.case.name} at L={r.case.length}: {ours['extra_bytes'] / 2**20:.0f} MiB, more than "
+                         f"{name}'s {theirs['extra_bytes'] / 2**20:.0f} MiB.")
+    return lines
+
+
+def docs_section(report: BenchReport, command: str, image: str | None) -> str:
+    """The Markdown of one run for docs/bench.md: the command, the table, the plot and the
+    cases where attngrad loses."""
+    parts = [f"`{command}`", "", markdown(report)]
+    if image:
+        parts += [f"![{command}]({image})", ""]
+    losses = where_we_lose(report)
+    parts.append("Where we lose in this run (slower than PyTorch, or more memory):" if losses
+                 else "Where we lose in this run: no case is slower than PyTorch or takes more memory.")
+    parts += ["", *losses]
+    return "\n".join(parts)
+
+
+def _plain_ticks(ax, lengths: list[int]) -> None:
+    """Tick labels as plain numbers on log axes: the lengths measured, and times as 10, 200."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.set_xticks(lengths)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def plot(report: BenchReport, path: Path) -> Path:
+    """A grid of panels, one per case: time per step against L for each implementation."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,26 +136,30 @@ def plot(report: BenchReport, path: Path) -> Path:
     names = list(dict.fromkeys(r.case.name for r in report.results))
     columns = min(len(names), PLOT_COLUMNS)
     rows_ = -(-len(names) // columns)
-    fig, axes = plt.subplots(rows_, columns, figsize=(4.2 * columns, 3.8 * rows_), squeeze=False)
+    fig, axes = plt.subplots(rows_, columns, figsize=(3.6 * columns, 2.9 * rows_), squeeze=False)
     styles = {"attngrad": ("#1f4e9c", "o"), "torch-default": ("#c0392b", "s"), "torch-math": ("#7f8c8d", "^")}
+    labels = {"attngrad": "attngrad", "torch-default": "PyTorch default", "torch-math": "PyTorch math"}
     for ax in axes.flat[len(names):]:
         ax.set_visible(False)
     for ax, name in zip(axes.flat, names):
         results = [r for r in report.results if r.case.name == name]
+        case = results[0].case
         for impl in IMPLEMENTATIONS:
             points = [(r.case.length, r.seconds[impl] * 1e3) for r in results if impl in r.seconds]
             if points:
                 color, marker = styles[impl]
-                ax.plot(*zip(*points), marker=marker, color=color, label=impl)
+                ax.plot(*zip(*points), marker=marker, color=color, label=labels[impl])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_title(name)
-        ax.set_xlabel("sequence length L")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("time per step (ms)")
-    axes[0][0].legend()
-    fig.suptitle(f"attngrad vs PyTorch, float32 CPU ({report.machine['date']})")
+        _plain_ticks(ax, sorted({r.case.length for r in results}))
+        ax.set_title(f"{name}\nB={case.batch} H={case.heads} d={case.dim}", fontsize=10)
+        ax.set_xlabel("L")
+        ax.grid(True, which="major", alpha=0.3)
+    for row in axes:
+        row[0].set_ylabel("ms per step")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"float32 CPU, {report.machine['processor']}, {report.machine['date']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

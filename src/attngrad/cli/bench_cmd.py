@@ -16,6 +16,12 @@ TIME_COLUMNS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 MEMORY_COLUMNS = (0, 1, 9, 10, 11, 12)
 QUICK_LENGTHS, QUICK_REPEATS = (128, 256), 3
 DEFAULT_LENGTHS, DISTRIBUTED_LENGTH = (1024, 2048, 4096), 8192
+DOCS_PAGE = Path("docs/bench.md")
+DOCS_TITLE = "Benchmarks"
+DOCS_PREAMBLE = """Every section below was written by the command at its top (`--docs`), with the
+table, plot and losses of that run; run it again to replace the section. Times are
+medians of runs interleaved in one process, so that a ratio compares like with like; the
+machine, its thread count and the date head each table."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "fwd+bwd at --lengths; writes distributed.md and distributed.json")
     parser.add_argument("--worlds", type=positive_int, nargs="+", default=[2, 4], metavar="P",
                         help="world sizes of --distributed (default: %(default)s)")
+    parser.add_argument("--docs", type=Path, nargs="?", const=DOCS_PAGE, default=None, metavar="PAGE",
+                        help=f"also write this run's section of PAGE (default {DOCS_PAGE}): the command, the table, "
+                        "the plot (in img/ beside the page) and the cases where attngrad loses")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,11 +99,40 @@ def run(args: argparse.Namespace) -> int:
         report.machine["smoke_run"] = (f"a smoke run (attngrad bench --quick): L={QUICK_LENGTHS[0]} and "
                                        f"{QUICK_LENGTHS[1]}, {QUICK_REPEATS} repeats; no figures to quote")
     written = write(report, args.out)
+    if args.docs is not None:
+        written.extend(_write_docs(args, report, lengths, repeats))
     for path in written:
         console.print(f"wrote {path}", highlight=False)
     if not any(path.suffix == ".png" for path in written):
         console.print("no results.png: matplotlib is not installed (pip install 'attngrad[docs]')", highlight=False)
     return 0
+
+
+def _command(args: argparse.Namespace, lengths: tuple, repeats: int) -> str:
+    """The command line that repeats this run (what its section of the docs says it ran)."""
+    if args.distributed:
+        return (f"attngrad bench --distributed --worlds {' '.join(map(str, args.worlds))} "
+                f"--lengths {' '.join(map(str, lengths))} --repeats {repeats}")
+    return (f"attngrad bench --modes {' '.join(dict.fromkeys(args.modes))} --lengths {' '.join(map(str, lengths))} "
+            f"--repeats {repeats}")
+
+
+def _write_docs(args: argparse.Namespace, report, lengths: tuple, repeats: int) -> list[Path]:
+    """This run's section of the docs page (keyed by its modes) and its plot."""
+    from ..bench.report import docs_section, plot
+    from ..docs_page import write_section
+
+    key = "+".join(dict.fromkeys(args.modes))
+    image = args.docs.parent / "img" / f"bench-{key}.png"
+    image.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        plot(report, image)
+        relative = f"img/{image.name}"
+    except ImportError:
+        image, relative = None, None
+    body = docs_section(report, _command(args, lengths, repeats), relative)
+    page = write_section(args.docs, f"attngrad bench ({key})", body, DOCS_TITLE, DOCS_PREAMBLE)
+    return [page] + ([image] if image else [])
 
 
 def _run_distributed(args: argparse.Namespace) -> int:
@@ -121,7 +159,14 @@ def _run_distributed(args: argparse.Namespace) -> int:
     console.print(table)
     if args.quick:
         console.print("a smoke run (--quick): every method runs; these are no figures to quote", highlight=False)
-    for path in write_distributed(report, args.out, header, lines):
+    written = write_distributed(report, args.out, header, lines)
+    if args.docs is not None:
+        from ..bench.distributed import docs_section
+        from ..docs_page import write_section
+
+        body = docs_section(report, _command(args, lengths, rounds), header, lines)
+        written.append(write_section(args.docs, "attngrad bench (distributed)", body, DOCS_TITLE, DOCS_PREAMBLE))
+    for path in written:
         console.print(f"wrote {path}", highlight=False)
     return 0
 

@@ -13,6 +13,13 @@ DEFAULTS = {  # TrainConfig and TransformerConfig defaults, as the command shows
 }
 
 
+DOCS_PAGE = Path("docs/train.md")
+DOCS_TITLE = "Training runs"
+DOCS_PREAMBLE = """Runs of `attngrad train`: a Transformer in NumPy whose every gradient is written by
+hand (attention's from `attngrad.reference`). Each section was written by the command at
+its top with `--docs`; run it again to replace the section."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", choices=TASKS, default="reverse",
                         help="reverse, copy or sort digit sequences (encoder-decoder), or lm: a character "
@@ -45,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", type=Path, metavar="CHECKPOINT", help="continue from a checkpoint (its model, optimizer state and step count), up to --steps in all")
     parser.add_argument("--out", type=Path, default=Path("runs/latest"),
                         help="folder for model.npz, history.json, curves.png (default %(default)s)")
+    parser.add_argument("--docs", type=Path, nargs="?", const=DOCS_PAGE, default=None, metavar="PAGE",
+                        help=f"also write this run's section of PAGE (default {DOCS_PAGE}): the command, the result, "
+                        "time and memory, and the curves (in img/ beside the page)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,6 +120,47 @@ def run(args: argparse.Namespace) -> int:
     if not (args.out / "curves.png").exists():
         out.print("no curves.png: matplotlib is not installed (pip install 'attngrad[docs]')", highlight=False,
                   markup=False)
+    if args.docs is not None:
+        for path in _write_docs(args, result, metric):
+            out.print(f"wrote {path}", highlight=False)
     return 0
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line that repeats this run, every option that shapes it spelled out."""
+    options = dict(task=args.task, steps=args.steps, batch_size=args.batch_size, d_model=args.d_model, heads=args.heads,
+                   d_ff=args.d_ff, layers=args.layers, dropout=args.dropout, warmup=args.warmup, seed=args.seed,
+                   stop_at=args.stop_at, dtype=args.dtype, threads=args.threads)
+    words = [f"--{name.replace('_', '-')} {value}" for name, value in options.items()]
+    words += [flag for flag, on in (("--pre-ln", args.pre_ln), ("--untied", args.untied)) if on]
+    if args.resume:
+        words.append(f"--resume {args.resume}")
+    return "attngrad train " + " ".join(words)
+
+
+def _write_docs(args: argparse.Namespace, result, metric: str) -> list[Path]:
+    """This run's section of the docs page (keyed by its task) and its curves."""
+    import resource
+    import shutil
+    from datetime import datetime, timezone
+
+    from ..docs_page import write_section
+    from ..machine import cpu_name
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    lines = [f"`{_command(args)}`", "",
+             f"Held-out {metric} {result.accuracy:.4f} after {result.steps} steps, in {result.seconds:.0f} s wall time "
+             f"and {peak:.0f} MiB peak memory; {cpu_name()}, {args.threads} BLAS thread(s), "
+             f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}."]
+    written = []
+    curves = args.out / "curves.png"
+    if curves.exists():
+        image = args.docs.parent / "img" / f"train-{args.task}.png"
+        image.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(curves, image)
+        lines += ["", f"![attngrad train --task {args.task}](img/{image.name})"]
+        written.append(image)
+    page = write_section(args.docs, f"attngrad train ({args.task})", "\n".join(lines), DOCS_TITLE, DOCS_PREAMBLE)
+    return [page] + written
 
 

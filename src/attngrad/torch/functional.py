@@ -136,15 +136,33 @@ def default_scale(query: Tensor, scale: Optional[float]) -> float:
     return 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
 
 
-def _causal_offset(is_causal: bool | str, len_q: int, len_k: int) -> Optional[int]:
-    """The op's causal diagonal for `is_causal`: None, 0 (top-left) or Lk - Lq (bottom-right)."""
+def _with_sinks(bias: Optional[Tensor], sinks: Tensor, layout: _Layout, query: Tensor) -> Tensor:
+    """The bias less each head's sink logit: softmax over [S, s] equals softmax over
+    [S - s, 0], so the op needs only a sink of logit 0, and s gets every derivative a bias
+    gets. (H,) sinks become an (H, 1, 1) bias, or join the given one."""
+    if not isinstance(sinks, Tensor) or sinks.dtype not in FLOATS:
+        raise TypeError(f"sinks must be a floating tensor of shape (H,); got {getattr(sinks, 'dtype', type(sinks).__name__)}")
+    if sinks.shape != (layout.heads,) or layout.flat:
+        raise ValueError(f"sinks must have shape (H,) = ({layout.heads},), one logit per query head of (..., H, L, E) "
+                         f"inputs; got {tuple(sinks.shape)} ({layout.shapes})")
+    if sinks.device != query.device:
+        raise ValueError(f"sinks is on {sinks.device} but query on {query.device}")
+    shift = -sinks.to(query.dtype)[:, None, None]  # (H, 1, 1)
+    return shift if bias is None else bias + shift
+
+
+def _causal_offset(is_causal: bool | int | str, len_q: int, len_k: int) -> Optional[int]:
+    """The op's causal diagonal for `is_causal`: None, 0 (top-left), Lk - Lq (bottom-right)
+    or the int given."""
+    if isinstance(is_causal, int) and not isinstance(is_causal, bool):
+        return is_causal
     if is_causal is False:
         return None
     if is_causal is True or is_causal == "top_left":
         return 0
     if is_causal == "bottom_right":
         return len_k - len_q
-    raise ValueError(f"is_causal must be True, False, 'top_left' or 'bottom_right'; got {is_causal!r}")
+    raise ValueError(f"is_causal must be True, False, 'top_left', 'bottom_right' or an int diagonal; got {is_causal!r}")
 
 
 def scaled_dot_product_attention(
@@ -195,12 +213,13 @@ def attention(
     *,
     attn_mask: Optional[Tensor] = None,
     attn_bias: Optional[Tensor] = None,
-    is_causal: bool | str = False,
+    is_causal: bool | int | str = False,
     key_padding: Optional[Tensor] = None,
     window: Optional[tuple[Optional[int], Optional[int]]] = None,
     document_ids: Optional[Tensor] = None,
     cu_seqlens: Optional[Tensor] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
@@ -226,6 +245,14 @@ def attention(
     with the bias and masks added after the cap; every derivative takes the cap's slope
     and, to second order, its curvature.
 
+    sinks: (H,) logits, one per query head, of an extra key that every query sees and whose
+    value is 0 (GPT-OSS's attention sinks): each row's softmax gains exp(s_h) in its
+    denominator, so a row may give weight to nothing. Learned: it gets its gradient, JVP and
+    second derivatives like a bias. A row that sees no real key still gives 0.
+
+    is_causal may also be an int c, the diagonal itself: key j is visible to query i when
+    j <= i + c (a cache whose queries start c - Lk + Lq keys before the end).
+
     PyTorch's signature takes one mask and refuses is_causal beside it, so a causal model
     with a learned bias must spell the causal mask into the bias with -inf, and then no
     kernel can skip the masked half. Here the tiles that the causal or a structured mask
@@ -233,12 +260,13 @@ def attention(
     """
     return _run(query, key, value, attn_mask, attn_bias, dropout_p, is_causal, scale, enable_gqa,
                 structured=dict(key_padding=key_padding, window=window, document_ids=document_ids,
-                                cu_seqlens=cu_seqlens), softcap=softcap)
+                                cu_seqlens=cu_seqlens), softcap=softcap, sinks=sinks)
 
 
 def _run(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
          dropout_p: float, is_causal: bool | str, scale: Optional[float], enable_gqa: bool,
-         seed: Optional[Tensor] = None, structured: Optional[dict] = None, softcap: Optional[float] = None) -> Tensor:
+         seed: Optional[Tensor] = None, structured: Optional[dict] = None, softcap: Optional[float] = None,
+         sinks: Optional[Tensor] = None) -> Tensor:
     """Check, fold to (B, H, L, E), run the op, unfold. `seed` (a 0-d int64 tensor) fixes
     the dropout draw; by default it comes from PyTorch's generator. `structured`: the
     structured masks' keywords of `structured.structure`."""
@@ -253,6 +281,8 @@ def _run(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], bias
         if t is not None and t.device != query.device:
             raise ValueError(f"{name} is on {t.device} but query on {query.device}")
     layout = _Layout(query, key, value, enable_gqa)
+    if sinks is not None:
+        bias = _with_sinks(bias, sinks, layout, query)
     mask = None if mask is None else layout.fold_mask(mask, "attn_mask")
     bias = None if bias is None else layout.fold_mask(bias, "attn_bias")
     causal = _causal_offset(is_causal, layout.len_q, layout.len_k)
@@ -269,5 +299,5 @@ def _run(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], bias
         else:
             seed = torch.zeros((), dtype=torch.int64)
     out = attention_op(layout.q, layout.k, layout.v, mask, bias, bounds, seed, causal, float(scale), float(softcap or 0.0),
-                       float(dropout_p))
+                       float(dropout_p), sinks is not None)
     return layout.unfold(out)

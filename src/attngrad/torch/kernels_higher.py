@@ -307,6 +307,13 @@ def attention_jvp(
     return out_t.to(q.dtype)
 
 
+def _sink_share(r: _Recompute, rows: slice) -> Tensor:
+    """(B, H, R, 1) the sink's P, exp(0 - m) / l, on rows that see a key; 0 elsewhere."""
+    inv, m = r.inv_sum[:, :, rows, None], r.row_max[:, :, rows, None]
+    seen = inv > 0
+    return torch.where(seen, torch.exp(torch.log(torch.where(seen, inv, 1.0)) - m), 0.0)
+
+
 def _delta(dout: Tensor, out: Tensor, work: torch.dtype) -> Tensor:
     """D = rowsum(dO * O), (B, H, Lq, 1)."""
     return (dout.to(work) * out.to(work)).sum(dim=-1, keepdim=True)
@@ -379,7 +386,7 @@ def attention_double_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float, bias_grad: bool,
     dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
-    bounds: Optional[Tensor] = None, centre: Optional[Tensor] = None, g_centre: Optional[Tensor] = None,
+    bounds: Optional[Tensor] = None, centre: Optional[Tensor] = None, g_centre: Optional[Tensor] = None, sink: bool = False,
 ) -> tuple[Optional[Tensor], Tensor, Tensor, Tensor, Optional[Tensor]]:
     """(g_dout or None, g_q, g_k, g_v, g_bias or None): the gradients, with respect to the
     backward's inputs, of <gq, dq> + <gk, dk> + <gv, dv> + <gbias, dbias>; an absent cotangent
@@ -388,7 +395,10 @@ def attention_double_backward(
 
     For a part of each row's keys, the whole rows' sums are given (B, H, Lq, 1, compute
     dtype; `double_backward_row_sums`): `centre` = t = rowsum(P * T) and `g_centre` =
-    rowsum(P * g_P)."""
+    rowsum(P * g_P).
+
+    With a `sink` (`op._add_sink`) P sums to 1 - P_sink on a row, and the per-row t D left
+    out of g_P returns as t D P_sink in rowsum(P * g_P), P_sink = exp(-m) / l."""
     r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=5, bounds=bounds)
     work = r.work
     form = r.score_form(gq, gk, gbias if bias_grad else None)  # T
@@ -432,7 +442,10 @@ def attention_double_backward(
             else:
                 g_p.addcmul_(torch.matmul(do_blk, gv_rep[..., cols, :].transpose(-1, -2), out=scratch), z)
         # through P = softmax(S), then S = scale Q K~^T + bias; dQ, dK~ also hold K~, Q directly
-        g_s = _softmax_jacobian_times(p, g_p, scratch, _rows(g_centre, start, stop))  # g_S = P * (g_P - rowsum(P * g_P))
+        u_row = _rows(g_centre, start, stop)
+        if sink:
+            u_row = torch.mul(p, g_p, out=scratch).sum(dim=-1, keepdim=True) + t_row * delta[:, :, rows] * _sink_share(r, rows)
+        g_s = _softmax_jacobian_times(p, g_p, scratch, u_row)  # g_S = P * (g_P - rowsum(P * g_P))
         ds = p.mul_(dp)  # dS = P * (dP - D), in P's buffer
         g_s_bias = None
         if r.capped is not None:  # through dA = slope dS, and S = c tanh(A / c): g_A = slope g_S + (curve T_raw) dS

@@ -214,7 +214,7 @@ class AttentionCall(ctypes.Structure):
         ("scale", ctypes.c_double), ("softcap", ctypes.c_double), ("dropout", ctypes.c_int64), ("seed", ctypes.c_uint64),
         ("threshold", ctypes.c_uint64), ("keep_value", ctypes.c_double),
         ("dropout_row_offset", ctypes.c_int64), ("dropout_key_offset", ctypes.c_int64), ("dropout_head_offset", ctypes.c_int64),
-        ("partial_rows", ctypes.c_int64),
+        ("partial_rows", ctypes.c_int64), ("sink", ctypes.c_int64),
         *((name, ctypes.c_int64) for name in ("threads", "block_rows", "block_keys", "value_slice", "chunks")),
         ("data", ctypes.c_void_p * len(BUFFERS)), ("numel", ctypes.c_int64 * len(BUFFERS)),
     ]
@@ -245,7 +245,7 @@ class AttentionCall(ctypes.Structure):
 
 def describe(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, *, block_rows: int = 0,
              chunks: int = 1, seed: "int | Placement" = 0, dropout_p: float = 0.0, mask_sizes: tuple = (1, 1, 1, 1),
-             bias_sizes: tuple = (1, 1, 1, 1), block_keys: int = 0, softcap: float = 0.0,
+             bias_sizes: tuple = (1, 1, 1, 1), block_keys: int = 0, softcap: float = 0.0, sink: bool = False,
              **buffers: Tensor | None) -> AttentionCall:
     """The call of a pass on (B, H, Lq, d) q, (B, Hkv, Lk, d) k, (B, Hkv, Lk, dv) v, with the
     named `buffers` (contiguous; None or absent is null) and the options."""
@@ -261,7 +261,7 @@ def describe(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, 
     key = Placement.of(seed)
     call.dropout, call.seed = dropout_p > 0.0, key.seed
     call.dropout_row_offset, call.dropout_key_offset, call.dropout_head_offset = key.row_offset, key.key_offset, key.head_offset
-    call.partial_rows = key.partial_rows
+    call.partial_rows, call.sink = key.partial_rows, sink
     call.threshold, call.keep_value = threshold(dropout_p), keep_value(dropout_p)
     call.threads = torch.get_num_threads()
     call.block_rows, call.block_keys, call.value_slice = block_rows or BLOCK_ROWS, block_keys or BLOCK_KEYS, VALUE_SLICE
@@ -459,6 +459,7 @@ def attention_double_backward(
     causal: int | None, scale: float, dout_grad: bool, gq: Tensor | None, gk: Tensor | None, gv: Tensor | None,
     chunks: int | None = None, mask: Tensor | None = None, bias: Tensor | None = None, gbias: Tensor | None = None,
     seed: "int | Placement" = 0, dropout_p: float = 0.0, bias_grad: bool = False, bounds: Tensor | None = None, softcap: float = 0.0,
+    sink: bool = False,
 ) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor | None]:
     """(g_dout or None, g_q, g_k, g_v, g_bias or None): `kernels_higher.attention_double_backward`'s
     results for the cases `supports` accepts, in the compute dtype; an absent cotangent is
@@ -472,7 +473,7 @@ def attention_double_backward(
     g_q = torch.empty_like(q)
     gk_parts, gv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
     call = describe(q, k, v, causal, scale, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p, dout=dout,
-                    softcap=softcap, out=out, row_max=row_max, inv_sum=inv_sum, delta=q.new_empty(q.shape[:-1]), gq=gq, gk=gk, gv=gv,
+                    softcap=softcap, sink=sink, out=out, row_max=row_max, inv_sum=inv_sum, delta=q.new_empty(q.shape[:-1]), gq=gq, gk=gk, gv=gv,
                     g_dout=g_dout, g_q=g_q, gk_parts=gk_parts, gv_parts=gv_parts, **masks)
     g_bias = _run("attngrad_double_backward", call, "g_bias_parts" if bias_grad else None, bias)
     return g_dout, g_q, _sum_parts(gk_parts), _sum_parts(gv_parts), g_bias

@@ -84,6 +84,7 @@ struct AttngradCall {
     int64_t dropout_row_offset, dropout_key_offset, dropout_head_offset;  // where this call's rows,
                                          // keys and heads sit in the whole: the draws' coordinates
     int64_t partial_rows;  // 1: the keys are a part of each row's (a ring step): no whole-row sums
+    int64_t sink;          // 1: each row's softmax has one more term, exp(0), of a key with value 0
     int64_t threads;
     int64_t block_rows, block_keys, value_slice;  // query rows and keys of a tile; keys per E V product
     int64_t chunks;                               // work items per (b, key/value head)
@@ -94,7 +95,7 @@ struct AttngradCall {
 #define ATTNGRAD_FIELDS(X)                                                                                          \
     X(batch) X(heads) X(kv_heads) X(len_q) X(len_k) X(dim) X(dim_v) X(mask_sizes) X(bias_sizes) X(double_precision) \
     X(causal) X(causal_offset) X(bounds_batch) X(scale) X(softcap) X(dropout) X(seed) X(threshold) X(keep_value) \
-    X(dropout_row_offset) X(dropout_key_offset) X(dropout_head_offset) X(partial_rows) X(threads) X(block_rows)   \
+    X(dropout_row_offset) X(dropout_key_offset) X(dropout_head_offset) X(partial_rows) X(sink) X(threads) X(block_rows)   \
     X(block_keys) X(value_slice) X(chunks) X(data) X(numel)
 
 namespace {
@@ -1199,12 +1200,15 @@ void double_backward(const Pass<T>& pass) {
             }
             T d_row = delta[first + i];
             T t_sum = probs_and_dot(pi, ti, seen, m, inv);  // P, t = rowsum(P * T)
-            if (row_keys_of(blk.bh, row) == 1) {  // the row's one key: P = 1, so t = T, D = dP~ exactly
+            if (row_keys_of(blk.bh, row) == 1 && inv == T(1)) {  // the row's one key: P = 1, so t = T, D = dP~ exactly
                 t_sum = single_key_probs(pi, ti, seen);
                 d_row = T(0);
                 for (index_t j = 0; j < seen; ++j) d_row += pi[j] * dpi[j];
             }
-            const T u_sum = second_order_terms(pi, ti, dpi, xi, seen, t_sum, d_row);
+            T u_sum = second_order_terms(pi, ti, dpi, xi, seen, t_sum, d_row);
+            // with a sink, rowsum(P) = 1 - P_sink: the per-row t D that g_P leaves out (the softmax
+            // ignores it only when P sums to 1) comes back as t D P_sink, P_sink = exp(-m) / l
+            if (pass.call.sink && inv > T(0)) u_sum += t_sum * d_row * std::exp(std::log(inv) - m);
             centre_and_scale(pi, xi, seen, u_sum);  // g_S = P (g_P - u)
             if (drop.on) {  // g_dP Z and P Z, for g_V and g_dO
                 drop.scale_row(ti, blk.b, blk.h, row, blk.key0, seen);
@@ -1280,7 +1284,8 @@ void jvp(const Pass<T>& pass) {
             if (tbias.any()) tbias.apply(ti, blk.b, blk.h, row, blk.key0, seen);
             // forward: P = softmax(S)  ->  P' = P (S' - rowsum(P S'))
             T t_sum = probs_and_dot(pi, ti, seen, row_max[first + i], inv_sum[first + i]);
-            if (row_keys_of(blk.bh, row) == 1) t_sum = single_key_probs(pi, ti, seen);  // so P' = 0
+            // (1/l = 1: with a sink, the one key shares the row and P < 1)
+            if (row_keys_of(blk.bh, row) == 1 && inv_sum[first + i] == T(1)) t_sum = single_key_probs(pi, ti, seen);  // so P' = 0
             centre_and_scale(pi, ti, seen, t_sum);
             if (drop.on) {  // P Z and P' Z
                 drop.scale_row(pi, blk.b, blk.h, row, blk.key0, seen);
@@ -1357,7 +1362,7 @@ void backward_jvp(const Pass<T>& pass) {
             if (pass.masks.any()) pass.masks.apply(pi, blk.b, blk.h, row, blk.key0, seen);
             if (tbias.any()) tbias.apply(ti, blk.b, blk.h, row, blk.key0, seen);
             T t_sum = probs_and_dot(pi, ti, seen, row_max[first + i], inv_sum[first + i]);  // P, t = rowsum(P * T)
-            const bool single = row_keys_of(blk.bh, row) == 1;  // then P' = 0 and dS = dS' = 0
+            const bool single = row_keys_of(blk.bh, row) == 1 && inv_sum[first + i] == T(1);  // then P' = 0 and dS = dS' = 0
             if (single) t_sum = single_key_probs(pi, ti, seen);
             centre_and_scale(pi, ti, seen, t_sum);  // P' = P (T - t)
             if (drop.on) {  // dP~ = dP Z, dP~' = dP' Z
@@ -1513,6 +1518,7 @@ bool check_call(const char* what, const AttngradCall* call, std::initializer_lis
         return fail(what, "dropout_head_offset", c.dropout_head_offset, 0);
     }
     if (c.partial_rows != 0 && c.partial_rows != 1) return fail(what, "partial_rows", c.partial_rows, 1);
+    if (c.sink != 0 && c.sink != 1) return fail(what, "sink", c.sink, 1);
     if (!check_broadcast(what, "mask_sizes", c, c.mask_sizes)) return false;
     if (!check_broadcast(what, "bias_sizes", c, c.bias_sizes)) return false;
     Use use[kBufferCount] = {};

@@ -27,7 +27,9 @@ are taken through q, k, v, bias and dout alone, which determine them.
 compiled graph can draw it too; or (5,), a `dropout.Placement`, for a call on a part of a
 longer sequence or of more heads, whose dropout masks must be the whole's, and whose
 keys may be only a part of each row's. `causal` is the causal diagonal: None, or c such that key
-j is visible to query i when j <= i + c (0: top-left, Lk - Lq: bottom-right).
+j is visible to query i when j <= i + c (0: top-left, Lk - Lq: bottom-right). `sink` (the
+forward's, and the double backward's) adds exp(0) to every row's softmax denominator
+(`_add_sink`): attention sinks, their logits moved into the bias.
 
 Every op checks its arguments (`op_checks`) before any kernel reads them, and returns
 contiguous tensors, as its fake implementation says it will.
@@ -49,18 +51,34 @@ from .op_checks import check_call
 @torch.library.custom_op("attngrad::attention_forward", mutates_args=())
 def attention_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], bounds: Optional[Tensor], seed: Tensor,
-    causal: Optional[int], scale: float, softcap: float, dropout_p: float,
+    causal: Optional[int], scale: float, softcap: float, dropout_p: float, sink: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     check_call(q, k, v, mask, bias, bounds, seed, causal, dropout_p, softcap=softcap)
+    if sink:
+        _whole_rows(seed, "a sink")
     if choose("forward", q, k, v, mask, bias) == "tiles":
         out, row_max, inv_sum = native.attention_forward(q, k, v, causal, scale, softcap=softcap, mask=mask, bias=bias, seed=Placement.of(seed),
                                                          dropout_p=dropout_p, bounds=bounds)
-        return out.to(q.dtype), row_max, inv_sum  # the statistics stay in the compute dtype
-    return kernels.attention_forward(q, k, v, mask, bias, Placement.of(seed), causal, scale, softcap, dropout_p, bounds)
+        out = out.to(q.dtype)  # the statistics stay in the compute dtype
+    else:
+        out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, Placement.of(seed), causal, scale, softcap, dropout_p, bounds)
+    return _add_sink(out, row_max, inv_sum) if sink else (out, row_max, inv_sum)
+
+
+def _add_sink(out: Tensor, row_max: Tensor, inv_sum: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The rows with a sink: one more term, exp(0), in every row's softmax denominator, a
+    key of score 0 and value 0 (GPT-OSS's sinks with the learned logit s moved into the
+    bias as -s: softmax is blind to a shift of a whole row). With Z = sum_j exp(S_ij) the
+    rows' weight Z / (Z + 1) = sigmoid(log Z) scales O and 1/l; every later pass then reads
+    the sink's share from 1/l alone. A row that sees no key stays 0."""
+    seen = inv_sum > 0
+    log_z = row_max - torch.log(torch.where(seen, inv_sum, 1.0))  # log Z = m + log l
+    kept = torch.where(seen, torch.sigmoid(log_z), 0.0)  # Z / (Z + 1)
+    return (out * kept[..., None].to(out.dtype)).contiguous(), row_max, inv_sum * kept
 
 
 @attention_forward.register_fake
-def _attention_forward_fake(q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p):
+def _attention_forward_fake(q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink=False):
     check_call(q, k, v, mask, bias, bounds, seed, causal, dropout_p, softcap=softcap)
     batch, heads, len_q, _ = q.shape
     stats = dict(dtype=kernels.compute_dtype(q.dtype))
@@ -192,7 +210,7 @@ def _attention_backward_jvp_fake(dout, q, k, v, mask, bias, bounds, seed, out, r
 def attention_double_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], bounds: Optional[Tensor], seed: Tensor,
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float, bias_grad: bool,
-    dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
+    dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor], sink: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad, softcap=softcap,
                     **_second_order_sides("g", None, gq, gk, gv, gbias))
@@ -200,19 +218,19 @@ def attention_double_backward(
     if choose("double_backward", q, k, v, mask, bias) == "tiles":
         g_dout, g_q, g_k, g_v, g_bias = _in_dtypes_of(native.attention_double_backward(
             dout, q, k, v, out, row_max, inv_sum, causal, scale, dout_grad, gq, gk, gv, softcap=softcap, mask=mask, bias=bias,
-            gbias=gbias, seed=Placement.of(seed), dropout_p=dropout_p, bias_grad=bias_grad, bounds=bounds,
+            gbias=gbias, seed=Placement.of(seed), dropout_p=dropout_p, bias_grad=bias_grad, bounds=bounds, sink=sink,
         ), (dout, q, k, v, bias))
         return _maybe_empty(g_dout, q), g_q, g_k, g_v, _maybe_empty(g_bias, q)
     g_dout, g_q, g_k, g_v, g_bias = kernels_higher.attention_double_backward(
         dout, q, k, v, mask, bias, Placement.of(seed), out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad,
-        dout_grad, gq, gk, gv, gbias, bounds,
+        dout_grad, gq, gk, gv, gbias, bounds, sink=sink,
     )
     return _maybe_empty(g_dout, q), g_q, g_k, g_v, _maybe_empty(g_bias, q)
 
 
 @attention_double_backward.register_fake
 def _attention_double_backward_fake(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale,
-                                    softcap, dropout_p, bias_grad, dout_grad, gq, gk, gv, gbias):
+                                    softcap, dropout_p, bias_grad, dout_grad, gq, gk, gv, gbias, sink=False):
     _check_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, dropout_p, bias_grad, softcap=softcap,
                     **_second_order_sides("g", None, gq, gk, gv, gbias))
     g_dout = _new(dout) if dout_grad else q.new_empty(0)
@@ -221,7 +239,7 @@ def _attention_double_backward_fake(dout, q, k, v, mask, bias, bounds, seed, out
 
 
 def _register_batching_rules() -> None:
-    forward_args = ["q", "k", "v", "mask", "bias", "bounds", "seed", "causal", "scale", "softcap", "dropout_p"]
+    forward_args = ["q", "k", "v", "mask", "bias", "bounds", "seed", "causal", "scale", "softcap", "dropout_p", "sink"]
     backward_args = ["dout", "q", "k", "v", "mask", "bias", "bounds", "seed", "out", "row_max", "inv_sum",
                      "causal", "scale", "softcap", "dropout_p", "bias_grad"]
     jvp_args = ["q", "k", "v", "mask", "bias", "bounds", "seed", "row_max", "inv_sum", "causal", "scale", "softcap", "dropout_p",
@@ -231,7 +249,7 @@ def _register_batching_rules() -> None:
         (attention_backward, backward_args, True),
         (attention_jvp, jvp_args, False),
         (attention_backward_jvp, backward_args + ["tdout", "tq", "tk", "tv", "tbias"], True),
-        (attention_double_backward, backward_args + ["dout_grad", "gq", "gk", "gv", "gbias"], True),
+        (attention_double_backward, backward_args + ["dout_grad", "gq", "gk", "gv", "gbias", "sink"], True),
     ):
         op.register_vmap(vmap_rules.make_rule(op, names, bias_output))
 
@@ -279,16 +297,18 @@ class Attention(torch.autograd.Function):
     generate_vmap_rule = True  # vmap runs the custom ops once per batched slice
 
     @staticmethod
-    def forward(q, k, v, mask, bias, bounds, seed, causal: Optional[int], scale: float, softcap: float, dropout_p: float):
-        return attention_forward(q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p)
+    def forward(q, k, v, mask, bias, bounds, seed, causal: Optional[int], scale: float, softcap: float, dropout_p: float,
+                sink: bool):
+        return attention_forward(q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p = inputs
+        q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink = inputs
         out, row_max, inv_sum = output
         ctx.save_for_backward(q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum)
         ctx.save_for_forward(q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum)
         ctx.options = (causal, scale, softcap, dropout_p)
+        ctx.sink = sink
         # row_max and inv_sum are not marked non-differentiable: under vmap, torch.func's
         # generated rule loses that mark and then refuses the None tangent (torch 2.13).
         # They get zero tangents, and their incoming gradients are ignored.
@@ -302,9 +322,9 @@ class Attention(torch.autograd.Function):
         # autograd rerun this backward on zeros
         dq, dk, dv, dbias = AttentionBackward.apply(
             dout.contiguous(), q, k, v, mask, bias, bounds, seed, out.detach(), row_max.detach(), inv_sum.detach(),
-            *ctx.options, bias_grad,
+            *ctx.options, bias_grad, ctx.sink,
         )
-        return dq, dk, dv, None, dbias if bias_grad else None, None, None, None, None, None, None
+        return dq, dk, dv, None, dbias if bias_grad else None, None, None, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx: Any, tq, tk, tv, _tmask, tbias, _tbounds, _tseed, *_options):
@@ -322,15 +342,17 @@ class AttentionBackward(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad):
+    def forward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad,
+                sink):
         return attention_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad = inputs
+        dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad, sink = inputs
         ctx.save_for_backward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum)
         ctx.save_for_forward(dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum)
         ctx.options = (causal, scale, softcap, dropout_p, bias_grad)
+        ctx.sink = sink  # only the double backward needs it: the rest read the sink's share from 1/l
         ctx.set_materialize_grads(False)  # a gradient nobody used arrives as None: no work for it
 
     @staticmethod
@@ -339,10 +361,10 @@ class AttentionBackward(torch.autograd.Function):
         dout_grad = ctx.needs_input_grad[0]  # a gradient penalty's dout is a constant
         g_dout, g_q, g_k, g_v, g_bias = _Final.apply(
             attention_double_backward, THIRD_ORDER, *ctx.saved_tensors, *ctx.options, dout_grad, gq, gk, gv,
-            gbias if bias_grad else None,
+            gbias if bias_grad else None, ctx.sink,
         )
         return (g_dout if dout_grad else None, g_q, g_k, g_v, None, g_bias if bias_grad else None,
-                None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None)
 
     @staticmethod
     def jvp(ctx: Any, tdout, tq, tk, tv, _tmask, tbias, _tbounds, _tseed, _tout, _tmax, _tinv, *_options):
@@ -363,8 +385,9 @@ class _AttentionTraced(Attention):
 
 def attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], bounds: Optional[Tensor], seed: Tensor,
-    causal: Optional[int], scale: float, softcap: float, dropout_p: float,
+    causal: Optional[int], scale: float, softcap: float, dropout_p: float, sink: bool = False,
 ) -> Tensor:
-    """The differentiable op on (B, H, L, E) tensors."""
+    """The differentiable op on (B, H, L, E) tensors. `sink`: every row's softmax has one
+    more term, exp(0) (`_add_sink`)."""
     function = _AttentionTraced if torch.compiler.is_compiling() else Attention
-    return function.apply(q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p)[0]
+    return function.apply(q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink)[0]

@@ -1,0 +1,1 @@
+"""attngrad inside other libraries; each integration needs its library (an extra)."""

@@ -1,0 +1,97 @@
+"""attngrad inside Hugging Face transformers: `attn_implementation="attngrad"`.
+
+    from attngrad.integrations.transformers import register
+    register()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="attngrad")
+
+`register()` adds two functions to transformers' interfaces under one name:
+- a mask function (`AttentionMaskInterface`), which reads the model's mask into attngrad's
+  structured masks (`transformers_masks`): causal with any cache offset, sliding windows,
+  packed sequences from position ids, and padding from the 2-D attention_mask, as a
+  `CompactMask` of O(B L) memory instead of a (B, 1, L, L) tensor;
+- an attention function (`AttentionInterface`), which runs `attngrad.torch.attention` on
+  it, with GQA without repeating heads, T5's relative position bias as a bias with its
+  gradient, Gemma 2's soft cap and GPT-OSS's sinks.
+
+Every model that calls the attention interface then runs on attngrad: exact in float64,
+O(L) memory, and with forward-mode AD and double backward through the whole model. A mask
+or an option attngrad cannot serve raises `UnsupportedMask` or ValueError naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ..torch import attention
+from .transformers_masks import CompactMask, UnsupportedMask, compact_mask, read_mask_function
+
+__all__ = ["NAME", "CompactMask", "UnsupportedMask", "attention_for_transformers", "mask_for_attngrad", "register"]
+
+NAME = "attngrad"
+
+
+def mask_for_attngrad(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                      mask_function: Any = None, attention_mask: Optional[Tensor] = None, **_: Any) -> CompactMask:
+    """transformers' mask interface: the model's mask as a CompactMask (nothing Lq x Lk)."""
+    if mask_function is None:
+        raise UnsupportedMask("attn_implementation='attngrad' needs the model's mask_function")
+    pattern = read_mask_function(mask_function)
+    return compact_mask(q_length, kv_length, q_offset, kv_offset, pattern, attention_mask, batch_size)
+
+
+def _needed_bias(position_bias: Optional[Tensor]) -> Optional[Tensor]:
+    """T5's position bias, or None for the all-zero one its layers without a relative bias
+    pass (cross-attention): adding zeros would cost a bias pass for nothing."""
+    if position_bias is None:
+        return None
+    if not position_bias.requires_grad and not bool(position_bias.any()):
+        return None
+    return position_bias
+
+
+def attention_for_transformers(
+    module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+    dropout: float = 0.0, scaling: Optional[float] = None, is_causal: Optional[bool] = None, *,
+    softcap: Optional[float] = None, s_aux: Optional[Tensor] = None, position_bias: Optional[Tensor] = None,
+    **_: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention interface: query (B, H, Lq, D), key and value (B, Hkv, Lk, D)
+    -> ((B, Lq, H, Dv), None). The attention weights are never formed, so none are returned."""
+    options: dict = {}
+    bias = _needed_bias(position_bias)
+    if isinstance(attention_mask, CompactMask):
+        if (attention_mask.q_length, attention_mask.kv_length) != (query.shape[-2], key.shape[-2]):
+            raise ValueError(f"the attngrad mask was made for (Lq, Lk) = ({attention_mask.q_length}, "
+                             f"{attention_mask.kv_length}), but query has {query.shape[-2]} and key {key.shape[-2]}")
+        options.update(attention_mask.arguments())
+    elif isinstance(attention_mask, Tensor):  # a 4-D mask the caller built: transformers passes it as it is
+        if attention_mask.dtype == torch.bool:
+            options["attn_mask"] = attention_mask
+        else:
+            bias = attention_mask if bias is None else bias + attention_mask
+    elif attention_mask is None:
+        # no mask was made (a model without mask creation): SDPA's rule, causal for more than one query
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+        options["is_causal"] = bool(causal) and query.shape[-2] > 1
+    else:
+        raise UnsupportedMask(f"attn_implementation='attngrad' got an attention_mask of type "
+                              f"{type(attention_mask).__name__}; it takes the masks its own mask function makes")
+    out = attention(
+        query, key, value, attn_bias=bias, softcap=softcap or None, sinks=s_aux, dropout_p=dropout, scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1], **options,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register(name: str = NAME) -> str:
+    """Make `attn_implementation=name` ("attngrad") run attngrad in every transformers model
+    that uses the attention interface. Returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, attention_for_transformers)
+    AttentionMaskInterface.register(name, mask_for_attngrad)
+    return name

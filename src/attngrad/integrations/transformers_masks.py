@@ -1,0 +1,163 @@
+"""transformers' mask functions read as attngrad's structured masks.
+
+transformers describes a mask as a function of (batch, head, query, key) indices built from
+a few pieces of `transformers.masking_utils`: the causal mask, sliding windows, packed
+sequences (documents found from position ids), joined by `and_masks`. Its mask interface
+then hands that function to each attention backend's mask builder, which for SDPA or eager
+evaluates it into a (B, 1, Lq, Lk) tensor.
+
+Here the function is read instead of evaluated: each known piece becomes an argument of
+`attngrad.torch.attention` (a causal diagonal, a window, document ids, key padding), and
+any other piece (or_masks, chunked or blockwise overlays, a model's own mask function)
+raises `UnsupportedMask` naming it, so that no model runs with a mask other than its own.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+MASKING_MODULE = "transformers.masking_utils"
+
+# pieces no structured mask expresses, by the name of the function that builds them
+REFUSED = {
+    "or_masks": "a union of masks (or_masks, e.g. an or_mask_function for image tokens)",
+    "chunked_overlay": "chunked attention (attention_chunk_size, as in Llama 4)",
+    "blockwise_overlay": "blockwise attention (block_sequence_ids: bidirectional blocks inside a causal mask)",
+    "add_offsets_to_mask_function": "a mask function with offsets already added",
+}
+
+
+class UnsupportedMask(NotImplementedError):
+    """A transformers mask that attngrad's structured masks cannot express."""
+
+
+@dataclass
+class Pattern:
+    """The parts of a mask function, in absolute positions (query q, key k): all must hold."""
+
+    causal: bool = False  # k <= q
+    left: Optional[int] = None  # k >= q - left (a causal sliding window of left + 1 keys)
+    band: Optional[int] = None  # |q - k| <= band (a bidirectional sliding window)
+    documents: Optional[Tensor] = None  # (B, L): q and k in one packed sequence
+
+    def join(self, other: "Pattern") -> "Pattern":
+        return Pattern(
+            causal=self.causal or other.causal,
+            left=_smallest(self.left, other.left),
+            band=_smallest(self.band, other.band),
+            documents=other.documents if self.documents is None else self.documents,
+        )
+
+
+def _smallest(a: Optional[int], b: Optional[int]) -> Optional[int]:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _origin(fn: Callable) -> str:
+    """The name of the masking_utils function that made `fn` ('and_masks' for its and_mask)."""
+    qualname = getattr(fn, "__qualname__", type(fn).__name__)
+    return qualname.split(".<locals>")[0]
+
+
+def _captured(fn: Callable) -> dict:
+    return inspect.getclosurevars(fn).nonlocals
+
+
+def read_mask_function(fn: Callable) -> Pattern:
+    """The Pattern of a transformers mask function, or UnsupportedMask naming the piece that
+    has none."""
+    module = getattr(fn, "__module__", None)
+    name = _origin(fn)
+    if module != MASKING_MODULE:
+        raise UnsupportedMask(
+            f"attn_implementation='attngrad' reads transformers' own mask functions into structured masks; "
+            f"this model's mask uses {module}.{getattr(fn, '__qualname__', fn)!s}, which it cannot read. "
+            "Use attn_implementation='sdpa' or 'eager' for this model, or pass a 4-D attention_mask.")
+    if name in REFUSED:
+        raise UnsupportedMask(f"attn_implementation='attngrad' does not support {REFUSED[name]}")
+    if name == "causal_mask_function":
+        return Pattern(causal=True)
+    if name == "bidirectional_mask_function":
+        return Pattern()
+    if name == "and_masks":
+        pattern = Pattern()
+        for part in _captured(fn)["mask_functions"]:
+            pattern = pattern.join(read_mask_function(part))
+        return pattern
+    if name == "sliding_window_overlay":  # k > q - w
+        return Pattern(left=int(_captured(fn)["sliding_window"]) - 1)
+    if name == "sliding_window_bidirectional_overlay":  # |q - k| <= w
+        return Pattern(band=int(_captured(fn)["sliding_window"]))
+    if name == "packed_sequence_mask_function":
+        return Pattern(documents=_captured(fn)["packed_sequence_mask"])
+    if name == "remap_positions_for_packed_sequence":
+        # the inner pieces see positions within each document; those above depend on q - k
+        # alone, which within one document equals the difference of indices
+        return read_mask_function(_captured(fn)["mask_function"])
+    if name == "padding_mask_function":
+        raise UnsupportedMask("attn_implementation='attngrad' takes padding from the 2-D attention_mask; "
+                              "a padding mask function inside the mask is not supported")
+    raise UnsupportedMask(f"attn_implementation='attngrad' does not support the mask piece "
+                          f"transformers.masking_utils.{name}")
+
+
+@dataclass
+class CompactMask:
+    """A transformers mask as attngrad's structured arguments: O(B L) memory, never Lq x Lk.
+    What `mask_for_attngrad` returns and the attention function receives as attention_mask."""
+
+    q_length: int
+    kv_length: int
+    is_causal: bool | int = False  # False, or the causal diagonal c: key j seen by query i when j <= i + c
+    window: Optional[tuple] = None
+    key_padding: Optional[Tensor] = None  # (B, Lk) boolean, True = padding
+    document_ids: Optional[Tensor] = None  # (B, L)
+
+    def arguments(self) -> dict:
+        """Keywords of `attngrad.torch.attention`."""
+        return dict(is_causal=self.is_causal, window=self.window, key_padding=self.key_padding,
+                    document_ids=self.document_ids)
+
+    @property
+    def shape(self) -> tuple:
+        """The shape of the dense mask this stands for (B, 1, Lq, Lk), B = 1 when shared."""
+        batch = next((t.shape[0] for t in (self.key_padding, self.document_ids) if t is not None), 1)
+        return (batch, 1, self.q_length, self.kv_length)
+
+
+def compact_mask(q_length: int, kv_length: int, q_offset: int, kv_offset: int, pattern: Pattern,
+                 attention_mask: Optional[Tensor], batch_size: int) -> CompactMask:
+    """The CompactMask of a Pattern for queries at positions q_offset.. and keys at kv_offset..,
+    with transformers' 2-D `attention_mask` (True or 1 = a real token) for the padding."""
+    diagonal = int(q_offset) - int(kv_offset)  # key j seen by query i when j <= i + diagonal (causal)
+    window = None
+    if pattern.left is not None or pattern.band is not None:
+        if not pattern.causal and diagonal != 0:
+            raise UnsupportedMask(f"attn_implementation='attngrad': a sliding window without the causal mask needs "
+                                  f"queries and keys at the same positions; got offsets {q_offset} and {kv_offset}")
+        left = _smallest(pattern.left, pattern.band)
+        window = (left, pattern.band)
+    documents = None
+    if pattern.documents is not None:
+        if q_length != kv_length or diagonal != 0:
+            raise UnsupportedMask("attn_implementation='attngrad': packed sequences need as many queries as keys, "
+                                  f"at the same positions; got Lq = {q_length}, Lk = {kv_length}")
+        documents = pattern.documents.expand(batch_size, -1)
+    key_padding = None
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError(f"attention_mask for attngrad must be 2-D (batch, keys); got {tuple(attention_mask.shape)}")
+        kept = attention_mask.to(torch.bool)
+        short = kv_offset + kv_length - kept.shape[-1]
+        if short > 0:  # as transformers' prepare_padding_mask: keys past the mask are padding
+            kept = torch.nn.functional.pad(kept, (0, short))
+        kept = kept[:, kv_offset:kv_offset + kv_length]
+        if not bool(kept.all()):
+            key_padding = ~kept
+    return CompactMask(q_length, kv_length, is_causal=diagonal if pattern.causal else False, window=window,
+                       key_padding=key_padding, document_ids=documents)

@@ -1,0 +1,137 @@
+"""attn_implementation="attngrad" in tiny random transformers models, in float64: logits,
+every parameter's gradient, a JVP and a gradient penalty's double backward through the
+whole model equal those of the exact dense reference (`models`), generate() gives the same
+tokens, masks the integration cannot serve are refused by name, and a padded Llama at
+L = 4096 makes no L x L tensor.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from attngrad.integrations.transformers import CompactMask, UnsupportedMask  # noqa: E402
+
+from ..conftest import assert_all_close  # noqa: E402
+from .models import MODELS, REFERENCE, build, register_both  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    register_both()
+
+
+def logits_of(model, inputs, params=None):
+    if params is None:
+        return model(**inputs).logits
+    return torch.func.functional_call(model, params, args=(), kwargs=inputs).logits
+
+
+def weights(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def first_and_second_order(model, inputs):
+    """logits, every parameter's gradient of <W, logits>, the JVP of the logits along random
+    parameter tangents, and the gradient of a gradient penalty sum |grad|^2."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = dict(model.named_parameters())
+    leaves = [params[n] for n in names]
+    logits = logits_of(model, inputs)
+    w = weights(logits.shape, 1)
+    grads = torch.autograd.grad((logits * w).sum(), leaves, create_graph=True)
+    penalty = sum((g * g).sum() for g in grads)
+    second = torch.autograd.grad(penalty, leaves, allow_unused=True)
+    primals = {n: p.detach() for n, p in params.items()}
+    tangents = {n: weights(p.shape, 2 + i) for i, (n, p) in enumerate(primals.items())}
+    _, logits_t = torch.func.jvp(lambda ps: logits_of(model, inputs, ps), (primals,), (tangents,))
+    results = dict(logits=logits, jvp=logits_t)
+    results.update({f"grad {n}": g for n, g in zip(names, grads)})
+    results.update({f"penalty grad {n}": g if g is not None else torch.zeros_like(p)
+                    for n, g, p in zip(names, second, leaves)})
+    return results
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_model_matches_the_exact_reference_to_second_order(name):
+    model, inputs = build(name, "attngrad")
+    ours = first_and_second_order(model, inputs)
+    model.set_attn_implementation(REFERENCE)
+    theirs = first_and_second_order(model, inputs)
+    assert not any(t.isnan().any() for t in ours.values())
+    # a key projection's bias shifts whole rows of scores, which softmax ignores: its gradient
+    # is 0 in exact arithmetic and both sides hold rounding noise
+    zeros = {n for n in ours if any(part in n for part in ("k_proj.bias", "key.bias", ".k.bias"))}
+    assert_all_close(ours, theirs, zeros=zeros)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gpt_oss", "t5"])
+def test_generate_gives_the_reference_tokens(name):
+    """Greedy decoding with the cache: one query over all keys so far (the causal diagonal
+    moves with the cache), sliding-window caches, left padding, encoder-decoder."""
+    model, inputs = build(name, "attngrad")
+    inputs = {k: v for k, v in inputs.items() if k != "decoder_input_ids"}
+    ours = model.generate(**inputs, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    model.set_attn_implementation(REFERENCE)
+    theirs = model.generate(**inputs, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert torch.equal(ours, theirs)
+
+
+def test_masks_reach_attention_compact():
+    """The mask function's result for a padded sliding-window layer: a causal diagonal, a
+    window and key padding, O(B L) memory."""
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    model, inputs = build("mistral", "attngrad")
+    embeds = model.model.embed_tokens(inputs["input_ids"])
+    mask = create_sliding_window_causal_mask(model.config, embeds, inputs["attention_mask"], None)
+    assert isinstance(mask, CompactMask)
+    assert (mask.is_causal, mask.window) == (0, (3, None))
+    assert torch.equal(mask.key_padding, inputs["attention_mask"] == 0)
+
+
+def test_unsupported_masks_are_refused_by_name():
+    from transformers import masking_utils as mu
+
+    from attngrad.integrations.transformers import mask_for_attngrad
+
+    cases = [
+        (mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function), "or_masks"),
+        (mu.and_masks(mu.causal_mask_function, mu.chunked_overlay(4, torch.zeros(2, dtype=torch.long))), "chunked"),
+        (mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(torch.zeros(2, 8, dtype=torch.long))), "or_masks"),
+        (lambda b, h, q, k: q >= k, "test_transformers"),
+    ]
+    for mask_function, named in cases:
+        with pytest.raises(UnsupportedMask, match=named):
+            mask_for_attngrad(batch_size=2, q_length=8, kv_length=8, mask_function=mask_function)
+
+
+def test_a_padded_llama_at_4096_makes_no_l_by_l_tensor():
+    """Every tensor that any operator returns in a forward and backward of a padded Llama at
+    L = 4096, watched at PyTorch's dispatcher: none has L x L elements (a (B, 1, L, L) mask
+    would have 2 L^2, SDPA's boolean one among them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    length = 4096
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=length)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="attngrad", dtype=torch.float32)
+    ids = torch.randint(1, 64, (2, length), generator=torch.Generator().manual_seed(0))
+    padding = torch.ones(2, length, dtype=torch.long)
+    padding[0, :1000] = 0
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.largest = max(Largest.largest, t.numel())
+            return out
+
+    with Largest():
+        loss = model(input_ids=ids, attention_mask=padding).logits.sum()
+        loss.backward()
+    assert 0 < Largest.largest < length * length

@@ -1,0 +1,116 @@
+"""Attention sinks (GPT-OSS): a learned logit per head in every row's softmax denominator,
+checked on both implementations in every derivative (gradient, JVP, double backward,
+forward over reverse), sinks included, against autograd of
+the definition: softmax over the scores with one more column of the sink's logit, that
+column dropped before multiplying by V.
+"""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from attngrad.torch import attention  # noqa: E402
+
+from ..conftest import assert_all_close  # noqa: E402
+from .test_functional import many_blocks  # noqa: E402, F401  (a fixture small_tiles builds on)
+from .test_structured import DV, HKV, B, D, H, L, backend, dense_keep, randn, small_tiles, transposed  # noqa: E402, F401
+
+
+def with_sinks_by_definition(q, k, v, bias, sinks, keep, softcap):
+    """softmax([S | s_h]) without its last column, times V; S masked by `keep` with -inf.
+    A row with no key gives 0 (as attngrad's do)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias
+    s = s.masked_fill(~keep, -math.inf)
+    sink_column = sinks[:, None, None].expand(*s.shape[:-1], 1)
+    p = torch.softmax(torch.cat([s, sink_column], dim=-1), dim=-1)[..., :-1]
+    return p @ v
+
+
+CASES = {
+    "plain": dict(),
+    "causal-gqa": dict(is_causal=True, gqa=True),
+    "window-padding-bias": dict(is_causal=True, window=(3, None), key_padding=torch.tensor([L, 7]), bias=True),
+    # window (0, 0): single-key rows, whose one key no longer has all the weight
+    "single-key-rows": dict(window=(0, 0), is_causal=True),
+    "one-key": dict(len_k=1),
+    "no-key-left-softcap": dict(len_q=17, key_padding=torch.tensor([0, 5]), is_causal="bottom_right", softcap=1.5,
+                                bias=True),
+}
+
+
+class SinkCase:
+    def __init__(self, len_q=L, len_k=L, gqa=False, bias=False, softcap=None, is_causal=False, **structured):
+        kv = HKV if gqa else H
+        self.q, self.k, self.v = (transposed(B, h, n, e, seed=s) for s, (h, n, e) in
+                                  enumerate(((H, len_q, D), (kv, len_k, D), (kv, len_k, DV))))
+        # logits near the scores' size, so that the sink takes a real share of each row
+        self.sinks = randn(H, seed=11)
+        self.bias = randn(B, 1, len_q, len_k, seed=9) if bias else None
+        self.options = dict(is_causal=is_causal, enable_gqa=gqa, softcap=softcap, **structured)
+        self.keep = dense_keep(B, len_q, len_k, causal=is_causal, **structured)
+        self.softcap = softcap
+
+    @property
+    def primals(self):
+        return (self.q, self.k, self.v, self.sinks) + (() if self.bias is None else (self.bias,))
+
+    def ours(self, q, k, v, sinks, bias=None):
+        return attention(q, k, v, attn_bias=bias, sinks=sinks, **self.options)
+
+    def theirs(self, q, k, v, sinks, bias=None):
+        return with_sinks_by_definition(q, k, v, bias, sinks, self.keep, self.softcap)
+
+
+NAMES = ("q", "k", "v", "sinks", "bias")
+
+
+def grads(fn, primals, dout, create_graph=False):
+    return torch.autograd.grad(fn(*primals), primals, dout, create_graph=create_graph)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_sinks_in_every_derivative_match_the_definition(backend, name):  # noqa: F811 (the fixture)
+    case = SinkCase(**CASES[name])
+    leaves = [p.detach().clone().requires_grad_() for p in case.primals]
+    dout = randn(*case.q.shape[:-1], DV, seed=5)
+    names = NAMES[:len(leaves)]
+    results = {}
+    for side, fn in (("ours", case.ours), ("theirs", case.theirs)):
+        out = fn(*leaves)
+        first = grads(fn, leaves, dout, create_graph=True)
+        tangents = tuple(randn(*p.shape, seed=20 + i) for i, p in enumerate(leaves))
+        out_t = torch.func.jvp(fn, tuple(p.detach() for p in leaves), tangents)[1]
+        cotangents = tuple(randn(*p.shape, seed=40 + i) for i, p in enumerate(leaves))
+        second = torch.autograd.grad(sum((g * c).sum() for g, c in zip(first, cotangents)), leaves)
+        # forward over reverse: the backward's JVP
+        hvp = torch.func.jvp(lambda *p: torch.func.vjp(fn, *p)[1](dout), tuple(p.detach() for p in leaves), tangents)[1]
+        results[side] = dict(out=out, tangent=out_t, **{f"d{n}": g for n, g in zip(names, first)},
+                             **{f"dd{n}": g for n, g in zip(names, second)}, **{f"hvp_{n}": g for n, g in zip(names, hvp)})
+    assert not any(t.isnan().any() for t in results["ours"].values())
+    assert_all_close(results["ours"], results["theirs"])
+
+
+def test_a_sink_takes_weight_from_every_row(backend):  # noqa: F811 (the fixture)
+    """A large sink logit drives the output to 0; a very negative one gives plain attention."""
+    case = SinkCase(is_causal=True)
+    plain = attention(case.q, case.k, case.v, is_causal=True)
+    far_below = attention(case.q, case.k, case.v, is_causal=True, sinks=torch.full((H,), -200.0, dtype=torch.float64))
+    far_above = attention(case.q, case.k, case.v, is_causal=True, sinks=torch.full((H,), 200.0, dtype=torch.float64))
+    assert_all_close(dict(out=far_below), dict(out=plain))
+    assert far_above.abs().max() < 1e-60
+
+
+def test_sinks_of_the_wrong_shape_are_refused():
+    case = SinkCase()
+    with pytest.raises(ValueError, match=r"sinks must have shape \(H,\) = \(4,\).*got \(2,\)"):
+        attention(case.q, case.k, case.v, sinks=torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(TypeError, match="sinks must be a floating tensor"):
+        attention(case.q, case.k, case.v, sinks=torch.zeros(H, dtype=torch.int64))

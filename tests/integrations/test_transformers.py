@@ -135,3 +135,28 @@ def test_a_padded_llama_at_4096_makes_no_l_by_l_tensor():
         loss = model(input_ids=ids, attention_mask=padding).logits.sum()
         loss.backward()
     assert 0 < Largest.largest < length * length
+
+
+def test_a_window_without_a_mask_is_refused():
+    """The window reaches attngrad through the mask; a call without one cannot honour it."""
+    from attngrad.integrations.transformers import attention_for_transformers
+
+    q = torch.randn(1, 2, 6, 4, dtype=torch.float64)
+    module = torch.nn.Module()
+    with pytest.raises(UnsupportedMask, match="sliding_window"):
+        attention_for_transformers(module, q, q, q, None, sliding_window=3)
+    out, weights = attention_for_transformers(module, q, q, q, None)
+    assert out.shape == (1, 6, 2, 4) and weights is None
+
+
+def test_a_4d_mask_of_the_callers_own_is_used_as_given():
+    """transformers hands a 4-D mask through untouched: boolean as attn_mask, float as a bias."""
+    model, inputs = build("llama", "attngrad")
+    length = inputs["input_ids"].shape[1]
+    keep = torch.ones(length, length, dtype=torch.bool).tril()[None, None] & inputs["attention_mask"].bool()[:, None, None, :]
+    compact = model(**inputs).logits
+    dense = model(input_ids=inputs["input_ids"], attention_mask=keep).logits
+    additive = model(input_ids=inputs["input_ids"],
+                     attention_mask=torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, -torch.inf)).logits
+    real = inputs["attention_mask"].bool()  # padded queries see no key: 0 here, as in the compact call
+    assert_all_close(dict(dense=dense[real], additive=additive[real]), dict(dense=compact[real], additive=compact[real]))

@@ -56,7 +56,7 @@ def attention_for_transformers(
     module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
     dropout: float = 0.0, scaling: Optional[float] = None, is_causal: Optional[bool] = None, *,
     softcap: Optional[float] = None, s_aux: Optional[Tensor] = None, position_bias: Optional[Tensor] = None,
-    **_: Any,
+    sliding_window: Optional[int] = None, **_: Any,
 ) -> tuple[Tensor, None]:
     """transformers' attention interface: query (B, H, Lq, D), key and value (B, Hkv, Lk, D)
     -> ((B, Lq, H, Dv), None). The attention weights are never formed, so none are returned."""
@@ -74,6 +74,9 @@ def attention_for_transformers(
             bias = attention_mask if bias is None else bias + attention_mask
     elif attention_mask is None:
         # no mask was made (a model without mask creation): SDPA's rule, causal for more than one query
+        if sliding_window is not None:  # the window lives in the mask this call did not get
+            raise UnsupportedMask("attn_implementation='attngrad' got sliding_window without a mask from its mask "
+                                  "function; the window reaches it through the model's mask")
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
         options["is_causal"] = bool(causal) and query.shape[-2] > 1
     else:

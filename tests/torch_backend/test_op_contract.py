@@ -33,6 +33,8 @@ VARIANTS = {
     "softcap": dict(softcap=0.9, bias=(H, LQ, LK), bias_grad=True),
     "all": dict(causal=0, mask=True, bias=(B, 1, LQ, LK), bias_grad=True, dropout_p=0.2, kv_heads=HKV, bounds=1,
                 softcap=2.0),
+    # a sink: the forward's scaled statistics, the double backward's extra row term
+    "sink": dict(causal=0, bias=(H, 1, 1), bias_grad=True, kv_heads=HKV, sink=True),
 }
 
 
@@ -55,7 +57,8 @@ def _call_args(variant: str, layout: str, dtype=torch.float64):
     seed = torch.tensor(1234 if spec.get("dropout_p") else 0)
     causal, dropout_p, bias_grad = spec.get("causal"), spec.get("dropout_p", 0.0), spec.get("bias_grad", False)
     scale, softcap = D**-0.5, spec.get("softcap", 0.0)
-    forward = (q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p)
+    sink = spec.get("sink", False)
+    forward = (q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink)
     out, row_max, inv_sum = op.attention_forward(*forward)
     dout = make(B, H, LQ, DV, g=g, dtype=dtype)
     backward = (dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad)
@@ -63,7 +66,7 @@ def _call_args(variant: str, layout: str, dtype=torch.float64):
     tbias = None if bias is None else torch.randn(bias.shape, generator=g, dtype=dtype)
     jvp = (q, k, v, mask, bias, bounds, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, tq, tk, tv, tbias)
     backward_jvp = (*backward, torch.randn(dout.shape, generator=g, dtype=dtype), tq, tk, tv, tbias)
-    double_backward = (*backward, True, tq, tk, tv, tbias if bias_grad else None)
+    double_backward = (*backward, True, tq, tk, tv, tbias if bias_grad else None, sink)
     return forward, backward, jvp, backward_jvp, double_backward
 
 

@@ -264,7 +264,7 @@ def attention(
 
 
 def _run(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
-         dropout_p: float, is_causal: bool | str, scale: Optional[float], enable_gqa: bool,
+         dropout_p: float, is_causal: bool | int | str, scale: Optional[float], enable_gqa: bool,
          seed: Optional[Tensor] = None, structured: Optional[dict] = None, softcap: Optional[float] = None,
          sinks: Optional[Tensor] = None) -> Tensor:
     """Check, fold to (B, H, L, E), run the op, unfold. `seed` (a 0-d int64 tensor) fixes

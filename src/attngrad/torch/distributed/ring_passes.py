@@ -124,7 +124,7 @@ def ring_forward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tenso
     def unit_forward(unit: Unit, block: Block) -> None:
         k_blk, v_blk = block
         merges[unit.i].add(*attention_forward(qs[unit.i], k_blk[unit.j], v_blk[unit.j], unit.mask, unit.bias, unit.bounds,
-                                              unit.seed, unit.causal, plan.scale, plan.softcap, plan.dropout_p, False))
+                                              unit.seed, unit.causal, plan.scale, plan.softcap, plan.dropout_p))
 
     each_step(plan, [plan.split(k), plan.split(v)], unit_forward)
     out, row_max, inv_sum = (plan.join(list(parts)) for parts in zip(*(m.result() for m in merges)))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

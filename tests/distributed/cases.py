@@ -9,9 +9,10 @@ import importlib.util
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ class Config:
     dropout_p: float = 0.0
     structured: dict = field(default_factory=dict)
     softcap: Optional[float] = None
+    sinks: bool = False  # GPT-OSS's per-head sink logits (fixed here: their gradient is the bias's)
     length_per_rank: int = 12
     derivatives: tuple = ("forward", "backward", "jvp", "double_backward", "hvp")
     dtype: torch.dtype = torch.float64
@@ -54,6 +56,8 @@ def configs(world: int) -> list[Config]:
         Config("documents-softcap", 4, structured=dict(documents=True), softcap=2.0),
         Config("padding-lengths", 5, structured=dict(lengths=True), causal=True, layout="zigzag"),
         Config("all-to-all", 6, method="all_to_all", causal=True, bias=True, dropout_p=0.2, gqa=True, layout="zigzag"),
+        Config("sinks-window", 7, causal=True, bias=True, sinks=True, structured=dict(window=(6, None)), layout="zigzag"),
+        Config("all-to-all-sinks", 8, method="all_to_all", causal=True, sinks=True, dropout_p=0.2),
     ]
     return out
 
@@ -88,6 +92,7 @@ def _inputs(config: Config, world: int) -> dict:
     if config.structured.get("lengths"):
         structured["key_padding"] = torch.tensor([length - 3, length // 2 + 1])
     x["structured"] = structured
+    x["sinks"] = randn(heads) if config.sinks else None
     x["tangents"] = {name: randn(*x[name].shape) for name in ("q", "k", "v", "bias") if x[name] is not None}
     x["cotangents"] = {name: randn(*x[name].shape) for name in ("q", "k", "v", "bias") if x[name] is not None}
     return x
@@ -103,7 +108,7 @@ def _functions(config: Config, x: dict, world: int) -> tuple[Callable, Callable,
     this rank's shard of a whole (..., L, .) tensor (bias rows too)."""
     method = ring_attention if config.method == "ring" else all_to_all_attention
     options = dict(is_causal=config.causal, dropout_p=config.dropout_p, enable_gqa=config.gqa, softcap=config.softcap,
-                   **x["structured"])
+                   sinks=x["sinks"], **x["structured"])
 
     def shard(t: torch.Tensor) -> torch.Tensor:
         return shard_sequence(t, layout=config.layout, dim=2)
@@ -199,9 +204,22 @@ def all_cases(rank: int, world: int) -> dict:
     if world == 4:
         results["float32"] = float32_errors(world)
     if world == 2:
+        results["counting-backend"] = on_a_counting_backend(world)
         results["disagreeing-shapes"] = disagreeing_shapes(rank, world)
         results["example"] = example_losses(rank, world)
     return results
+
+
+def on_a_counting_backend(world: int) -> dict:
+    """Ring and all-to-all attention with only the tests' own backend allowed: every
+    derivative's error, and how many of its calls were a ring step's, per pass."""
+    from ..counting_backend import registered_counting_backend
+
+    chosen = {c.name: c for c in configs(world)}
+    with registered_counting_backend() as counting:
+        errors = {name: run_case(chosen[name], world) for name in ("causal-zigzag-bias-dropout", "all-to-all")}
+    passes = ("forward", "backward", "jvp", "backward_jvp", "double_backward", "double_backward_row_sums")
+    return dict(errors=errors, ring_steps={p: counting.count(p, ring_step=True) for p in passes})
 
 
 def example_losses(rank: int, world: int) -> dict:

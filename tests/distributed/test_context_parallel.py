@@ -46,6 +46,17 @@ def test_float32_error_does_not_grow_with_the_world() -> None:
         assert 0 < errors["ring"] <= 1.5 * errors["single"], errors
 
 
+def test_the_ring_runs_on_any_registered_backend() -> None:
+    """A backend defined in the tests (`tests/counting_backend.py`), registered and alone
+    allowed, runs every pass of the ring's steps, and ring and all-to-all attention on it
+    equal one process."""
+    for result in _results(2):
+        counts = result["counting-backend"]
+        assert all(n > 0 for n in counts["ring_steps"].values()), counts["ring_steps"]
+        for name, errors in counts["errors"].items():
+            assert max(errors.values()) <= 1e-12, (name, errors)
+
+
 def test_ranks_that_disagree_on_shapes_all_raise_naming_them() -> None:
     for rank, result in enumerate(_results(2)):
         assert "rank 1 has query (1, 2, 9, 4)" in result["disagreeing-shapes"], (rank, result["disagreeing-shapes"])

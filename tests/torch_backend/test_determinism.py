@@ -9,7 +9,6 @@ torch = pytest.importorskip("torch")
 from attngrad.torch import attention, dropout, kernels, native  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
-from .test_functional import many_blocks  # noqa: E402, F401
 
 CASES = {
     "full": dict(),
@@ -89,7 +88,7 @@ def test_a_ring_steps_bits_do_not_depend_on_the_thread_count(many_blocks):
     rows, row and key offsets), forward and backward with dropout, a bias gradient and a
     causal diagonal, and the higher kernels given the whole rows' sums: bit-equal for 1 to
     4 threads."""
-    from attngrad.torch import kernels_higher, op
+    from attngrad.torch import kernels_higher, ops
     from attngrad.torch.dropout import Placement
 
     g = torch.Generator().manual_seed(2)
@@ -99,9 +98,10 @@ def test_a_ring_steps_bits_do_not_depend_on_the_thread_count(many_blocks):
     seed = Placement(11, 300, 250, 0, 1)
 
     def step():
-        out, row_max, inv_sum = op.attention_forward(q, k, v, None, bias, None, seed.tensor(), 40, 0.2, 0.0, 0.1)
-        grads = op.attention_backward(dout, q, k, v, None, bias, None, seed.tensor(), out, row_max, inv_sum, 40, 0.2,
-                                      0.0, 0.1, True)
+        options = dict(q=q, k=k, v=v, mask=None, bias=bias, bounds=None, seed=seed.tensor(), causal=40, scale=0.2,
+                       softcap=0.0, dropout_p=0.1)
+        out, row_max, inv_sum = ops.attention_forward(**options)
+        grads = ops.attention_backward(**options, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=True)
         sums = torch.zeros(1, 3, 150, 1)
         share = kernels_higher.attention_jvp(q, k, v, None, bias, seed, row_max, inv_sum, 40, 0.2, 0.0, 0.1, tq, None,
                                              None, None, centre=torch.zeros_like(sums), centre_sums=sums)

@@ -3,43 +3,14 @@
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from attngrad.torch import dropout, kernels, native, scaled_dot_product_attention, use_implementation  # noqa: E402
-from attngrad.torch import attention as capped_attention  # noqa: E402  (the op's is `attention` here)
-from attngrad.torch.op import attention  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from attngrad.torch import attention as capped_attention  # noqa: E402
+from attngrad.torch import dropout, kernels, scaled_dot_product_attention  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
-
-
-@pytest.fixture
-def many_blocks(monkeypatch):
-    """Small tiles, so that every test crosses many block boundaries, and short key slices
-    in the forward's E V product (the last one shorter than the rest). The compiled tiles
-    get 20-key blocks: a 16-wide vector and a scalar tail per row."""
-    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 1 << 9)
-    monkeypatch.setattr(kernels, "MIN_ROWS", 3)
-    monkeypatch.setattr(kernels, "VALUE_SLICE", 4)
-    monkeypatch.setattr(native, "BLOCK_ROWS", 3)
-    monkeypatch.setattr(native, "BLOCK_KEYS", 20)
-    monkeypatch.setattr(native, "VALUE_SLICE", 4)
-
-
-@pytest.fixture(params=["tiles", "torch-ops"])
-def backend(request):
-    """Both implementations: the compiled tiles where they take the call (and are built),
-    and the torch-ops kernels alone."""
-    if request.param == "torch-ops":
-        with use_implementation("torch-ops"):
-            yield request.param
-    else:
-        yield request.param
-
-
-def math_sdpa(*args, **kwargs):
-    with sdpa_kernel(SDPBackend.MATH):
-        return F.scaled_dot_product_attention(*args, **kwargs)
+from .conftest import math_sdpa, op_attention  # noqa: E402
 
 
 def make(batch=2, heads=4, kv_heads=None, len_q=13, len_k=21, dim=8, dim_v=6, dtype=torch.float64):
@@ -127,7 +98,7 @@ def test_dropout_is_exact_with_the_regenerated_mask(many_blocks, is_causal):
     q, k, v = make()
     p, seed = 0.3, 12345
     seed_t = torch.tensor(seed)
-    out = attention(q, k, v, None, None, None, seed_t, 0 if is_causal else None, 8**-0.5, 0.0, p)
+    out = op_attention(q, k, v, seed=seed_t, causal=0 if is_causal else None, scale=8**-0.5, dropout_p=p)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, [q, k, v], dout)
     keep = _keep_mask(2, 4, 13, 21, seed, p)
@@ -143,7 +114,7 @@ def test_dropout_is_exact_with_the_regenerated_mask(many_blocks, is_causal):
 def test_dropout_gradcheck_and_reproducibility():
     q, k, v = make(batch=1, heads=2, len_q=4, len_k=5, dim=3, dim_v=2)
     seed = torch.tensor(7)
-    assert torch.autograd.gradcheck(lambda *t: attention(*t, None, None, None, seed, None, 0.5, 0.0, 0.4), (q, k, v))
+    assert torch.autograd.gradcheck(lambda *t: op_attention(*t, seed=seed, scale=0.5, dropout_p=0.4), (q, k, v))
     torch.manual_seed(0)
     a = scaled_dot_product_attention(q, k, v, dropout_p=0.4)
     b = scaled_dot_product_attention(q, k, v, dropout_p=0.4)

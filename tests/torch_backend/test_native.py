@@ -272,7 +272,7 @@ def test_float32_tiles_agree_with_float64(is_causal):
         results.append((out, inv_sum, *grads, *second))
     names = ("out", "inv_sum", "dq", "dk", "dv", "g_dout", "g_q", "g_k", "g_v")
     for name, exact, single in zip(names, *results):
-        error = float(((single.double() - exact).norm() / exact.norm()))
+        error = float((single.double() - exact).norm() / exact.norm())
         assert error < 1e-6, (name, error)
 
 
@@ -313,13 +313,17 @@ def test_a_broadcast_bias_gradient_takes_no_copy_per_batch_entry_or_head():
     it is small), never a bias-sized copy per batch entry or head."""
     q, k, v, _ = _inputs(3, 4, 2, 37, 300, 8, 8, torch.float32, 0)
 
-    def parts(bias_sizes, backward_jvp=0):
-        call = native.describe(q, k, v, None, 0.3, chunks=5, bias=torch.zeros(bias_sizes), bias_sizes=bias_sizes)
-        return native.library().attngrad_bias_grad_parts(native.ctypes.byref(call), backward_jvp)
+    def parts(bias_sizes, backward_jvp=False):
+        theirs = torch.ops.attngrad_tiles.bias_grad_parts(list(bias_sizes), 5, backward_jvp)  # what the ops check
+        ours = native._bias_grad_parts(bias_sizes, 5, backward_jvp)  # what native.py allocates
+        assert ours == theirs
+        return ours
 
     assert parts((1, 4, 37, 300)) == parts((1, 1, 37, 300)) == parts((3, 4, 37, 300)) == 1
     assert parts((1, 1, 37, 1)) == 5  # per key, summed over key chunks: 5 parts of 37 numbers
-    assert parts((1, 1, 1, 300), backward_jvp=1) == 5  # the backward's JVP chunks the query rows
+    assert parts((1, 1, 1, 300), backward_jvp=True) == 5
+    with pytest.raises(RuntimeError, match="bias_sizes must have 4 entries"):
+        torch.ops.attngrad_tiles.bias_grad_parts([37, 300], 5, False)  # the backward's JVP chunks the query rows
     assert native._independent(k, (1, 4, 37, 300)) == 2 and native._independent(k, None) == 6
 
 
@@ -358,9 +362,13 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "false")  # a compiler that always fails
     native.library.cache_clear()
     try:
-        with pytest.warns(UserWarning, match="compiled attention tiles are unavailable"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             assert native.library() is None
-        assert "failed" in native.build_info.reason
+        assert len(caught) == 1, [str(w.message) for w in caught]  # one warning, and it says why
+        assert "compiled attention tiles are unavailable" in str(caught[0].message)
+        assert "failed" in native.build_info.reason and "false" in native.build_info.reason  # names the compiler
+        assert not native.available()
         q, k, v, _ = _inputs(1, 2, 2, 5, 6, 4, 4, torch.float64, 0)
         assert not native.supports(q, k, v, None, None)
         out = scaled_dot_product_attention(q, k, v)  # the torch-ops kernels run instead
@@ -378,13 +386,68 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
 
 
 @needs_tiles
+def test_the_tiles_are_cached_and_keyed(monkeypatch, tmp_path):
+    """The library sits in the cache folder, in a folder of its own key (sources, flags,
+    compiler, CPU): a sanitizer build or another compiler gets another folder, and a
+    process that finds the build loads it without compiling."""
+    from attngrad.torch import native_build
+
+    path = native.build_info.path
+    assert path.parent.parent == native_build._cache_dir() and path.exists()
+    assert (path.parent / "build_seconds").exists() and native.fresh_build_seconds() > 0
+    assert native.library() is path and native.available()
+    monkeypatch.setenv("ATTNGRAD_SANITIZE", "0")
+    key = native_build._machine_key()
+    monkeypatch.setenv("ATTNGRAD_SANITIZE", "1")
+    assert native_build._machine_key() != key and "-fsanitize=address,undefined" in native_build.flags()
+    monkeypatch.setenv("ATTNGRAD_SANITIZE", "0")
+    monkeypatch.setenv("CXX", "g++-other")
+    assert native_build._machine_key() != key
+
+
+@needs_tiles
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_aten_gemm_gives_the_blas_results(dtype):
+    """Where PyTorch has no Fortran BLAS to link (macOS, another BLAS), the tiles' GEMMs are
+    ATen's at::cpu::addmm_out: every pass gives the BLAS path's results, float64 to 1e-12
+    (the same sums, perhaps in another order)."""
+    ops = torch.ops.attngrad_tiles
+    q, k, v, dout = _inputs(2, 4, 2, 37, 45, 16, 8, dtype, 11)
+    bias = torch.randn(4, 37, 45, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    cot = [torch.randn_like(t) for t in (q, k, v)]
+
+    def passes():
+        stats = native.attention_forward(q, k, v, 0, 0.25, bias=bias, seed=3, dropout_p=0.2)
+        grads = native.attention_backward(dout, q, k, v, *stats, 0, 0.25, bias=bias, seed=3, dropout_p=0.2,
+                                          bias_grad=True)
+        second = native.attention_double_backward(dout, q, k, v, *stats, 0, 0.25, True, *cot, bias=bias, seed=3,
+                                                  dropout_p=0.2)
+        jvp = native.attention_jvp(q, k, v, *stats[1:], 0, 0.25, *cot)
+        bjvp = native.attention_backward_jvp(dout, q, k, v, *stats, 0, 0.25, dout, *cot)
+        return [t for t in (*stats, *grads, *second, jvp, *bjvp) if t is not None]
+
+    with pytest.raises(RuntimeError, match="choose is 2, expected -1, 0 or 1"):
+        ops.gemm_path(2)
+    if ops.gemm_path(-1) == 1:
+        pytest.skip("no BLAS in this process: the tiles run on ATen's GEMM throughout")
+    blas = passes()
+    try:
+        assert ops.gemm_path(1) == 1
+        aten = passes()
+    finally:
+        ops.gemm_path(0)
+    for a, b in zip(aten, blas):
+        assert rel_err(a, b) < (EXACT if dtype == torch.float64 else 1e-5)
+
+
+@needs_tiles
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_half_precision_runs_on_the_tiles_in_float32(dtype, is_causal):
     """float16 and bfloat16 inputs: every pass on the tiles, computed in float32 and returned
     in the inputs' dtype; the torch-ops kernels (which compute in float32 too) give the same
     numbers up to a rounding of the half-precision results."""
-    from attngrad.torch import attention, implementation, use_implementation
+    from attngrad.torch import attention, ran, use_implementation
 
     g = torch.Generator().manual_seed(4)
     q, k, v, dout, tq, tk, tv = (torch.randn(2, 4, 37, 16, generator=g).to(dtype) for _ in range(7))
@@ -401,9 +464,9 @@ def test_half_precision_runs_on_the_tiles_in_float32(dtype, is_causal):
                                (q, k, v), (tq, tk, tv))[1]
         return [t.detach() for t in (out, *grads, *second, out_t)]
 
-    implementation.ran.clear()
+    ran.clear()
     ours = everything()
-    assert {("forward", "tiles"), ("backward", "tiles"), ("jvp", "tiles")} <= set(implementation.ran)
+    assert {("forward", "tiles"), ("backward", "tiles"), ("jvp", "tiles")} <= set(ran)
     with use_implementation("torch-ops"):
         theirs = everything()
     eps = torch.finfo(dtype).eps
@@ -427,28 +490,28 @@ def test_what_the_tiles_take():
 def test_use_implementation_chooses_and_counts():
     """The choice is the user's: torch-ops alone, tiles alone (a call they cannot run raises,
     never silently runs elsewhere), and `ran` says what ran, backward passes included."""
-    from attngrad.torch import implementation, use_implementation
+    from attngrad.torch import dispatch, ran, use_implementation
 
     q, k, v, dout = _inputs(1, 2, 2, 5, 6, 4, 4, torch.float64, 0)
     q.requires_grad_()
-    implementation.ran.clear()
+    ran.clear()
     with use_implementation("torch-ops"):
         out = scaled_dot_product_attention(q, k, v)
         out.backward(dout)
-    assert dict(implementation.ran) == {("forward", "torch-ops"): 1, ("backward", "torch-ops"): 1}
+    assert dict(ran) == {("forward", "torch-ops"): 1, ("backward", "torch-ops"): 1}
     if native.library() is None:
         return
-    implementation.ran.clear()
+    ran.clear()
     with use_implementation("tiles"):
         scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
-        with pytest.raises(RuntimeError, match="no allowed implementation runs this call.*do not take this forward"):
+        with pytest.raises(RuntimeError, match="no allowed backend runs this forward call.*tiles: it takes no empty dimension"):
             scaled_dot_product_attention(q, k[..., :0, :], v[..., :0, :])  # an empty axis
         torch.func.jvp(lambda q: scaled_dot_product_attention(q, k, v), (q.detach(),), (torch.ones_like(q),))
-        assert dict(implementation.ran) == {("forward", "tiles"): 2, ("backward", "tiles"): 1, ("jvp", "tiles"): 1}
+        assert dict(ran) == {("forward", "tiles"): 2, ("backward", "tiles"): 1, ("jvp", "tiles"): 1}
         dq, = torch.autograd.grad(scaled_dot_product_attention(q, k, v, dropout_p=0.5).sum(), q, create_graph=True)
         dq.sum().backward()  # dropout's double backward, on the tiles too
-        assert implementation.ran[("double_backward", "tiles")] == 1
-    assert implementation.allowed() == implementation.IMPLEMENTATIONS
+        assert ran[("double_backward", "tiles")] == 1
+    assert dispatch.allowed() == dispatch.registered()
     with pytest.raises(ValueError, match="one or more of"):
         with use_implementation("flash"):
             pass

@@ -6,10 +6,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attngrad.torch import MultiheadAttention, native, op, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch import MultiheadAttention, native, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch import ops as op  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
-from .test_functional import math_sdpa  # noqa: E402
+from .conftest import math_sdpa  # noqa: E402
 
 B, H, HKV, LQ, LK, D, DV = 2, 4, 2, 5, 7, 8, 6
 
@@ -45,7 +46,8 @@ def _bounds(batch: int, g: torch.Generator) -> torch.Tensor:
 
 
 def _call_args(variant: str, layout: str, dtype=torch.float64):
-    """Arguments of every op for one variant, as (forward, backward, jvp, backward_jvp, double_backward)."""
+    """Arguments of every op for one variant, as (forward, backward, jvp, backward_jvp,
+    double_backward), each (the call's fields in order, the pass's inputs by name)."""
     spec = VARIANTS[variant]
     g = torch.Generator().manual_seed(len(variant))
     make = _transposed if layout == "transposed" else (lambda *s, g, dtype=dtype: torch.randn(*s, generator=g, dtype=dtype))
@@ -58,16 +60,21 @@ def _call_args(variant: str, layout: str, dtype=torch.float64):
     causal, dropout_p, bias_grad = spec.get("causal"), spec.get("dropout_p", 0.0), spec.get("bias_grad", False)
     scale, softcap = D**-0.5, spec.get("softcap", 0.0)
     sink = spec.get("sink", False)
-    forward = (q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink)
-    out, row_max, inv_sum = op.attention_forward(*forward)
+    fields = (q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p)
+    out, row_max, inv_sum = op.attention_forward(*fields, sink=sink)
     dout = make(B, H, LQ, DV, g=g, dtype=dtype)
-    backward = (dout, q, k, v, mask, bias, bounds, seed, out, row_max, inv_sum, causal, scale, softcap, dropout_p, bias_grad)
+    stats = dict(out=out, row_max=row_max, inv_sum=inv_sum)
     tq, tk, tv = (torch.randn(t.shape, generator=g, dtype=dtype) for t in (q, k, v))
     tbias = None if bias is None else torch.randn(bias.shape, generator=g, dtype=dtype)
-    jvp = (q, k, v, mask, bias, bounds, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, tq, tk, tv, tbias)
-    backward_jvp = (*backward, torch.randn(dout.shape, generator=g, dtype=dtype), tq, tk, tv, tbias)
-    double_backward = (*backward, True, tq, tk, tv, tbias if bias_grad else None, sink)
-    return forward, backward, jvp, backward_jvp, double_backward
+    tangents = dict(tq=tq, tk=tk, tv=tv, tbias=tbias)
+    backward = dict(dout=dout, **stats, bias_grad=bias_grad)
+    return (
+        (fields, dict(sink=sink)),
+        (fields, backward),
+        (fields, dict(row_max=row_max, inv_sum=inv_sum, **tangents)),
+        (fields, dict(**backward, tdout=torch.randn(dout.shape, generator=g, dtype=dtype), **tangents)),
+        (fields, dict(**backward, dout_grad=True, gq=tq, gk=tk, gv=tv, gbias=tbias if bias_grad else None, sink=sink)),
+    )
 
 
 OPS = (op.attention_forward, op.attention_backward, op.attention_jvp, op.attention_backward_jvp,
@@ -79,17 +86,18 @@ OPS = (op.attention_forward, op.attention_backward, op.attention_jvp, op.attenti
 def test_opcheck_every_op(variant, layout):
     """Schema, fake tensors (shapes, dtypes and strides of the real results) and
     AOT dispatch, on both implementations where the compiled tiles take the call."""
-    for custom_op, args in zip(OPS, _call_args(variant, layout)):
-        torch.library.opcheck(custom_op, args)
+    for custom_op, (args, kwargs) in zip(OPS, _call_args(variant, layout)):
+        torch.library.opcheck(custom_op, args, kwargs)
 
 
 def test_fakes_say_what_the_real_ops_return():
     """The strides of every result are the real ones (contiguous), for transposed inputs too:
     the fake of the backward once returned empty_like(q), a transposed layout."""
-    for custom_op, args in zip(OPS, _call_args("all", "transposed")):
-        real = custom_op(*args)
+    for custom_op, (args, kwargs) in zip(OPS, _call_args("all", "transposed")):
+        real = custom_op(*args, **kwargs)
         with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-            fake = custom_op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+            fake = custom_op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args),
+                             **{n: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for n, a in kwargs.items()})
         real, fake = (r if isinstance(r, tuple) else (r,) for r in (real, fake))
         for r, f in zip(real, fake):
             assert r.shape == f.shape and r.stride() == f.stride() and r.dtype == f.dtype, custom_op
@@ -206,59 +214,129 @@ def test_inconsistent_direct_calls_raise_clearly(case):
         custom_op(**{**good, **change})
 
 
-def test_the_compiled_tiles_check_their_own_sizes():
-    """Below the ops: an entry point of the library handed a buffer of the wrong size
-    refuses the call (and says which) instead of reading past its end."""
+def _tiles_ops():
     if native.library() is None:
         pytest.skip(f"no compiled tiles: {native.build_info.reason}")
-    q, k, v = torch.randn(1, 3, 8, 16), torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8)
-    out, row_max, inv_sum = torch.empty(1, 3, 8, 8), torch.empty(1, 3, 8), torch.empty(1, 3, 8)
+    return torch.ops.attngrad_tiles
 
-    def forward(q, k, v, out, row_max, inv_sum, mask=None, bias=None, **more):
-        call = native.describe(q, k, v, None, 0.25, out=out, row_max=row_max, inv_sum=inv_sum,
-                               **native._score_masks(mask, bias, torch.float32), **more)
-        native._call("attngrad_forward", call)
-        return call
 
-    with pytest.raises(RuntimeError, match="heads mod kv_heads"):  # heads 3 over kv_heads 2
-        forward(q, k, v, out, row_max, inv_sum)
-    q = torch.randn(1, 2, 8, 16)  # width 16 against k's 8: k holds half of what the sizes say
-    out, row_max, inv_sum = torch.empty(1, 2, 8, 8), torch.empty(1, 2, 8), torch.empty(1, 2, 8)
-    with pytest.raises(RuntimeError, match="k is 128, expected 256"):
-        forward(q, k, v, out, row_max, inv_sum)
-    q = torch.randn(1, 2, 8, 8)
-    with pytest.raises(RuntimeError, match="mask_sizes is 3, expected 8"):  # a mask over 3 keys of 8
-        forward(q, k, v, out, row_max, inv_sum, mask=torch.ones(8, 3, dtype=torch.bool))
-    with pytest.raises(RuntimeError, match="bias_sizes is 7, expected 8"):
-        forward(q, k, v, out, row_max, inv_sum, bias=torch.ones(7, 8))
+def _tiles_calls():
+    """(name, op, good arguments, a change, what the refusal says) for the compiled tiles'
+    ops, called directly: each change is a tensor of the wrong shape, dtype or layout, or
+    an option out of range, that would have the tiles read or write past a buffer."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 8, generator=g) for _ in range(3))
+    out, dout = torch.empty(1, 2, 8, 8), torch.randn(1, 2, 8, 8, generator=g)
+    row_max, inv_sum, delta = torch.zeros(1, 2, 8), torch.ones(1, 2, 8), torch.empty(1, 2, 8)
+    options = native._options(None, 0.25, block_rows=4, block_keys=4)
+    masks = dict(mask=None, bias=None, key_bounds=None)
+    forward = dict(q=q, k=k, v=v, **masks, out=out, row_max=row_max, inv_sum=inv_sum, **options)
+    after = dict(q=q, k=k, v=v, **masks, out=out, row_max=row_max, inv_sum=inv_sum, dout=dout, delta=delta, **options)
+    backward = dict(**after, dq_parts=torch.zeros(1, 1, 2, 8, 8), dk=torch.zeros(1, 2, 8, 8), dv=torch.zeros(1, 2, 8, 8),
+                    dbias_parts=None)
+    double = dict(**after, gq=None, gk=None, gv=None, gbias=None, g_dout=None, g_q=torch.empty(1, 2, 8, 8),
+                  gk_parts=torch.zeros(1, 1, 2, 8, 8), gv_parts=torch.zeros(1, 1, 2, 8, 8), g_bias_parts=None)
+    jvp = dict(q=q, k=k, v=v, **masks, row_max=row_max, inv_sum=inv_sum, tq=None, tk=None, tv=None, tbias=None,
+               tout=torch.empty(1, 2, 8, 8), **options)
+    backward_jvp = dict(**after, tdout=None, tq=None, tk=None, tv=None, tbias=None, tdq=torch.empty(1, 2, 8, 8),
+                        tdk_parts=torch.zeros(1, 1, 2, 8, 8), tdv_parts=torch.zeros(1, 1, 2, 8, 8), tdbias_parts=None)
     bounds = torch.tensor([[0, 8]] * 8).reshape(1, 8, 2)
-    forward(q, k, v, out, row_max, inv_sum, key_bounds=bounds)  # every key: a good call
-    with pytest.raises(RuntimeError, match="a key bound is 9, expected 8"):  # a bound past the last key
-        forward(q, k, v, out, row_max, inv_sum, key_bounds=bounds.clone().index_put_((torch.tensor(0), torch.tensor(3), torch.tensor(1)), torch.tensor(9)))
-    with pytest.raises(RuntimeError, match="a key bound is -1"):
-        forward(q, k, v, out, row_max, inv_sum, key_bounds=bounds - 1)
-    with pytest.raises(RuntimeError, match="bounds_batch is 2, expected 1"):  # bounds for 2 batch entries of 1
-        forward(q, k, v, out, row_max, inv_sum, key_bounds=bounds.expand(2, 8, 2).contiguous())
-    with pytest.raises(RuntimeError, match="out is 0, expected 1"):  # a buffer the pass needs, missing
-        forward(q, k, v, None, row_max, inv_sum)
-    with pytest.raises(RuntimeError, match="gq is 128, expected 0"):  # a buffer this pass does not take
-        forward(q, k, v, out, row_max, inv_sum, gq=q)
-    call = native.describe(q, k, v, None, 0.25, out=out, row_max=row_max, inv_sum=inv_sum)
-    call.dropout_key_offset = -1  # the draws' coordinates start below 0
-    with pytest.raises(RuntimeError, match="dropout_key_offset is -1"):
-        native._call("attngrad_forward", call)
-    call = forward(q, k, v, out, row_max, inv_sum)  # a good call; then one whose count lies
-    call.numel[native.BUFFERS.index("out")] -= 1
-    with pytest.raises(RuntimeError, match="out is 127, expected 128"):
-        native._call("attngrad_forward", call)
-    call.numel[native.BUFFERS.index("out")] += 1
-    call.chunks = 0
-    with pytest.raises(RuntimeError, match="chunks is 0"):
-        native._call("attngrad_forward", call)
-    with pytest.raises(RuntimeError, match="call is 0"):
-        native._call("attngrad_forward", None)
-    with pytest.raises(RuntimeError, match="row_max as torch.float32; got torch.float64"):  # counts alone agree
-        forward(q, k, v, out, row_max.double(), inv_sum)
-    with pytest.raises(RuntimeError, match="numel"):
-        native._call("attngrad_dropout_keep_scale", 0, out.data_ptr(), out.numel() + 1, 1, 3, 0, 8, 0, 8, 7, 1 << 31, 2.0, 1)
+    keep = dict(out=torch.empty(1, 3, 8, 8), seed=7, row_start=0, key_start=0, threshold=1 << 31, value=2.0)
+    return [
+        ("heads 3 over kv_heads 2", "forward", forward,
+         dict(q=torch.randn(1, 3, 8, 8), k=k[:, :1].expand(1, 2, 8, 8).contiguous(), out=torch.empty(1, 3, 8, 8),
+              row_max=torch.empty(1, 3, 8), inv_sum=torch.empty(1, 3, 8)), r"heads \(3\) must be a multiple of kv_heads \(2\)"),
+        ("k narrower than q", "forward", forward, dict(q=torch.randn(1, 2, 8, 16)),
+         r"k has shape \[1, 2, 8, 8\], expected \[1, 2, 8, 16\] \(q \[1, 2, 8, 16\]"),
+        ("v over fewer keys than k", "forward", forward, dict(v=v[:, :, :7].contiguous()),
+         r"v has shape \[1, 2, 7, 8\], expected \[1, 2, 8, 8\]"),
+        ("v of another batch", "forward", forward, dict(v=torch.randn(2, 2, 8, 8)), r"v has shape \[2, 2, 8, 8\]"),
+        ("q not contiguous", "forward", forward, dict(q=q.transpose(2, 3)), "q must be contiguous"),
+        ("k not contiguous", "backward", backward, dict(k=k.transpose(2, 3)), "k must be contiguous"),
+        ("q of integers", "forward", forward, dict(q=torch.ones(1, 2, 8, 8, dtype=torch.int32)), "q must be float32 or float64"),
+        ("k float64 beside float32 q", "forward", forward, dict(k=k.double()), "k must be Float, got Double"),
+        ("q 3-D", "forward", forward, dict(q=q[0]), "q, k and v must be 4-D"),
+        ("a mask over 3 keys of 8", "forward", forward, dict(mask=torch.ones(1, 1, 8, 3, dtype=torch.bool)),
+         r"mask has shape \[1, 1, 8, 3\]; each size must be 1 or the scores' \[1, 2, 8, 8\]"),
+        ("a mask of floats", "forward", forward, dict(mask=torch.ones(1, 1, 8, 8)), "mask must be Bool, got Float"),
+        ("a 2-D mask", "forward", forward, dict(mask=torch.ones(8, 8, dtype=torch.bool)), "mask must be 4-D"),
+        ("a mask not contiguous", "forward", forward,
+         dict(mask=torch.ones(1, 2, 8, 8, dtype=torch.bool).transpose(2, 3)), "mask must be contiguous"),
+        ("a bias over 7 rows", "forward", forward, dict(bias=torch.ones(1, 1, 7, 8)), r"bias has shape \[1, 1, 7, 8\]"),
+        ("a float64 bias", "forward", forward, dict(bias=torch.ones(1, 1, 8, 8, dtype=torch.float64)),
+         "bias must be Float, got Double"),
+        ("a key bound past the last key", "forward", forward,
+         dict(key_bounds=bounds.clone().index_put_((torch.tensor(0), torch.tensor(3), torch.tensor(1)), torch.tensor(9))),
+         "a key bound is 9, expected 0 to len_k 8"),
+        ("a key bound below 0", "forward", forward, dict(key_bounds=bounds - 1), "a key bound is -1"),
+        ("key bounds for 2 batch entries of 1", "forward", forward, dict(key_bounds=bounds.expand(2, 8, 2).contiguous()),
+         r"key_bounds has shape \[2, 8, 2\], expected \(1 or batch 1, 8, 2\)"),
+        ("key bounds of int32", "forward", forward, dict(key_bounds=bounds.int()), "key_bounds must be Long, got Int"),
+        ("key bounds over 7 rows", "forward", forward, dict(key_bounds=bounds[:, :7].contiguous()), "key_bounds has shape"),
+        ("out over one row too few", "forward", forward, dict(out=out[:, :, 1:]), r"out has shape \[1, 2, 7, 8\]"),
+        ("row_max float64", "forward", forward, dict(row_max=row_max.double()), "row_max must be Float, got Double"),
+        ("inv_sum over one head", "forward", forward, dict(inv_sum=inv_sum[:, :1]), r"inv_sum has shape \[1, 1, 8\]"),
+        ("an empty query axis", "forward", forward,
+         dict(q=q[:, :, :0], out=out[:, :, :0], row_max=row_max[:, :, :0], inv_sum=inv_sum[:, :, :0]),
+         "len_q is 0, expected 1 to 2"),
+        ("a causal offset past 2^31", "forward", forward, dict(causal=1 << 40), "causal is 1099511627776"),
+        ("whole-row tiles past 2^40 numbers", "jvp", jvp,
+         dict(k=torch.randn(1, 2, 1024, 8), v=torch.randn(1, 2, 1024, 8), block_rows=(1 << 31) - 1),
+         "block_rows \\* len_k is 2199023254528, expected at most 2\\^40"),
+        ("chunks 0", "forward", forward, dict(chunks=0), "chunks is 0"),
+        ("block_rows 0", "backward", backward, dict(block_rows=0), "block_rows is 0"),
+        ("value_slice -1", "forward", forward, dict(value_slice=-1), "value_slice is -1"),
+        ("a dropout key offset below 0", "forward", forward, dict(key_offset=-1), "key_offset is -1"),
+        ("a dropout row offset past 2^31", "forward", forward, dict(row_offset=1 << 31), "row_offset is 2147483648"),
+        ("a dropout head offset below 0", "forward", forward, dict(head_offset=-1), "head_offset is -1"),
+        ("a dropout threshold past 2^32", "forward", forward, dict(threshold=(1 << 32) + 1), "threshold is 4294967297"),
+        ("dout over one row too few", "backward", backward, dict(dout=dout[:, :, 1:]), r"dout has shape \[1, 2, 7, 8\]"),
+        ("delta not contiguous", "backward", backward, dict(delta=torch.empty(1, 8, 2).transpose(1, 2)),
+         "delta must be contiguous"),
+        ("dq_parts for 1 chunk of 2", "backward", backward, dict(chunks=2), r"dq_parts has shape \[1, 1, 2, 8, 8\], expected \[2, 1, 2, 8, 8\]"),
+        ("dk over one key too few", "backward", backward, dict(dk=torch.zeros(1, 2, 7, 8)), r"dk has shape \[1, 2, 7, 8\]"),
+        ("a bias gradient without a bias", "backward", backward, dict(dbias_parts=torch.zeros(1, 1, 1, 1, 1)),
+         "dbias_parts was given without a bias"),
+        ("a key-constant bias's gradient in 1 part of 3 chunks", "backward", backward,
+         dict(bias=torch.zeros(1, 1, 8, 1), chunks=3, dq_parts=torch.zeros(3, 1, 2, 8, 8),
+              dbias_parts=torch.zeros(1, 1, 1, 8, 1)), r"dbias_parts has shape \[1, 1, 1, 8, 1\], expected \[3, 1, 1, 8, 1\]"),
+        ("a cotangent of k over too many keys", "double_backward", double, dict(gk=torch.zeros(1, 2, 9, 8)),
+         r"gk has shape \[1, 2, 9, 8\]"),
+        ("g_dout over one row too few", "double_backward", double, dict(g_dout=torch.empty(1, 2, 7, 8)), "g_dout has shape"),
+        ("gv_parts for 1 chunk of 2", "double_backward", double, dict(chunks=2, gk_parts=torch.zeros(2, 1, 2, 8, 8)),
+         r"gv_parts has shape \[1, 1, 2, 8, 8\], expected \[2, 1, 2, 8, 8\]"),
+        ("a cotangent of the bias without a bias", "double_backward", double, dict(gbias=torch.zeros(1, 1, 1, 1)),
+         "gbias was given without a bias"),
+        ("a tangent of q of float64", "jvp", jvp, dict(tq=torch.zeros(1, 2, 8, 8, dtype=torch.float64)),
+         "tq must be Float, got Double"),
+        ("a tangent of the bias in other sizes than the bias", "jvp", jvp,
+         dict(bias=torch.zeros(1, 1, 8, 8), tbias=torch.zeros(1, 2, 8, 8)), r"tbias has shape \[1, 2, 8, 8\], expected \[1, 1, 8, 8\]"),
+        ("tout not contiguous", "jvp", jvp, dict(tout=torch.empty(1, 2, 8, 8).transpose(2, 3)), "tout must be contiguous"),
+        ("a tangent of dout over too few rows", "backward_jvp", backward_jvp, dict(tdout=dout[:, :, 1:]),
+         r"tdout has shape \[1, 2, 7, 8\]"),
+        ("tdk_parts of another width", "backward_jvp", backward_jvp, dict(tdk_parts=torch.zeros(1, 1, 2, 8, 4)),
+         "tdk_parts has shape"),
+        ("a keep-scale tile not contiguous", "dropout_keep_scale", keep, dict(out=torch.empty(1, 3, 8, 8).transpose(2, 3)),
+         "out must be contiguous"),
+        ("a keep-scale tile of float16", "dropout_keep_scale", keep, dict(out=torch.empty(1, 3, 8, 8, dtype=torch.float16)),
+         "out must be float32 or float64"),
+        ("a keep-scale tile from row -1", "dropout_keep_scale", keep, dict(row_start=-1), "row_start is -1"),
+        ("a 3-D keep-scale tile", "dropout_keep_scale", keep, dict(out=torch.empty(3, 8, 8)), "out must be 4-D"),
+        ("a keep-scale threshold below 0", "dropout_keep_scale", keep, dict(threshold=-1), "threshold is -1"),
+        ("a keep-scale tile from key 2^31 + 1", "dropout_keep_scale", keep, dict(key_start=(1 << 31) + 1),
+         "key_start is 2147483649"),
+    ]
+
+
+@pytest.mark.parametrize("case", _tiles_calls(), ids=lambda case: case[0] if isinstance(case, tuple) else None)
+def test_the_compiled_tiles_check_every_tensor(case):
+    """Below the ops: each of the compiled tiles' ops (torch.ops.attngrad_tiles), handed a
+    tensor of the wrong shape, dtype or layout or an option out of range, refuses the call
+    with a RuntimeError naming the argument and the shapes, before it reads or writes any
+    tensor; the good call runs."""
+    _, name, good, change, fragment = case
+    op = getattr(_tiles_ops(), name)
+    op(**good)
+    with pytest.raises(RuntimeError, match=f"attngrad_tiles.{name}: .*{fragment}"):
+        op(**{**good, **change})
 

@@ -9,11 +9,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attngrad.torch import dropout, op  # noqa: E402
+from attngrad.torch import backends, dropout, use_implementation  # noqa: E402
+from attngrad.torch import ops as op  # noqa: E402
 from attngrad.torch.dropout import Placement  # noqa: E402
-from attngrad.torch.implementation import use_implementation  # noqa: E402
 
-IMPLEMENTATIONS = ("tiles", "torch-ops")
+IMPLEMENTATIONS = [b.name for b in backends() if b.available]
 
 
 def _rel(a, b):
@@ -79,14 +79,15 @@ def test_parts_of_rows_and_keys_add_up_to_the_whole(implementation, causal, drop
     with use_implementation(implementation):
         seed = torch.tensor(1234)
         out, row_max, inv_sum = op.attention_forward(q, k, v, mask, bias, None, seed, causal, 0.4, 0.0, dropout_p)
-        whole = op.attention_backward(dout, q, k, v, mask, bias, None, seed, out, row_max, inv_sum, causal, 0.4, 0.0, dropout_p,
-                                      True)
+        whole = op.attention_backward(q, k, v, mask, bias, None, seed, causal, 0.4, 0.0, dropout_p, dout=dout, out=out,
+                                      row_max=row_max, inv_sum=inv_sum, bias_grad=True)
         rows, parts = _parts(q, k, v, mask, causal, dropout_p, bias)
         dq = torch.zeros_like(q[:, :, rows])
         for (a, b), part, diagonal, m, bb, _ in parts:
             dq_p, _, _, db_p = op.attention_backward(
-                dout[:, :, rows], q[:, :, rows], k[:, :, a:b], v[:, :, a:b], m, bb, None, part, out[:, :, rows],
-                row_max[:, :, rows], inv_sum[:, :, rows], diagonal, 0.4, 0.0, dropout_p, True)
+                q[:, :, rows], k[:, :, a:b], v[:, :, a:b], m, bb, None, part, diagonal, 0.4, 0.0, dropout_p,
+                dout=dout[:, :, rows], out=out[:, :, rows], row_max=row_max[:, :, rows], inv_sum=inv_sum[:, :, rows],
+                bias_grad=True)
             dq += dq_p
             assert _rel(db_p, whole[3][:, :, rows, a:b]) < 1e-13
     # the rows' dq is the whole's (dk, dv need every row: a ring adds them up round the ring)
@@ -98,4 +99,5 @@ def test_the_higher_passes_refuse_a_part_of_the_rows():
     _, row_max, inv_sum = op.attention_forward(q, q, q, None, None, None, torch.tensor(0), None, 1.0, 0.0, 0.0)
     part = Placement(0, 0, 0, 0, 1).tensor()
     with pytest.raises(ValueError, match="attention_jvp needs each row's whole keys"):
-        op.attention_jvp(q, q, q, None, None, None, part, row_max, inv_sum, None, 1.0, 0.0, 0.0, q, None, None, None)
+        op.attention_jvp(q, q, q, None, None, None, part, None, 1.0, 0.0, 0.0, row_max=row_max, inv_sum=inv_sum, tq=q,
+                         tk=None, tv=None, tbias=None)

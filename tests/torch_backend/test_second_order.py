@@ -9,23 +9,19 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from attngrad.torch import MultiheadAttention, attention, kernels, scaled_dot_product_attention  # noqa: E402
-from attngrad.torch import kernels_higher  # noqa: E402
-from attngrad.torch import op as attention_op  # noqa: E402
+from attngrad.torch import (  # noqa: E402
+    MultiheadAttention,
+    attention,
+    ops,  # noqa: E402
+    scaled_dot_product_attention,
+)
 
 from ..conftest import EXACT, assert_all_close, rel_err  # noqa: E402
+from .conftest import op_attention  # noqa: E402
 from .test_functional import _keep_mask, make  # noqa: E402
 
 B, H, HKV, LQ, LK = 2, 4, 2, 13, 21
 DOUBLE = torch.float64
-
-
-@pytest.fixture
-def many_blocks(monkeypatch):
-    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 1 << 9)
-    monkeypatch.setattr(kernels, "MIN_ROWS", 3)
-    monkeypatch.setattr(kernels_higher, "HIGHER_MIN_ROWS", 3)
-    monkeypatch.setattr(kernels, "VALUE_SLICE", 4)
 
 
 def randn(*shape, seed):
@@ -54,7 +50,8 @@ class Case:
 
     def ours(self, q, k, v, bias=None):
         if self.dropout_p:
-            return attention_op.attention(q, k, v, self.mask, bias, None, torch.tensor(77), 0 if self.is_causal else None, q.shape[-1] ** -0.5, 0.0, self.dropout_p)
+            return op_attention(q, k, v, mask=self.mask, bias=bias, seed=torch.tensor(77),
+                                causal=0 if self.is_causal else None, dropout_p=self.dropout_p)
         return attention(q, k, v, attn_mask=self.mask, attn_bias=bias, is_causal=self.is_causal, enable_gqa=self.gqa)
 
     def theirs(self, q, k, v, bias=None):
@@ -126,9 +123,10 @@ def test_vmapped_double_backward_op_without_dout_gradient(many_blocks):
     seed, options = torch.tensor(0), (None, 0.3, 0.0, 0.0)
 
     def second(q, dout_grad):
-        out, row_max, inv_sum = attention_op.attention_forward(q, k, v, None, None, None, seed, *options)
-        return attention_op.attention_double_backward(dout, q, k, v, None, None, None, seed, out, row_max, inv_sum,
-                                                      *options, False, dout_grad, gq, gk, gv, None)
+        out, row_max, inv_sum = ops.attention_forward(q, k, v, None, None, None, seed, *options)
+        return ops.attention_double_backward(q, k, v, None, None, None, seed, *options, dout=dout, out=out,
+                                             row_max=row_max, inv_sum=inv_sum, bias_grad=False, dout_grad=dout_grad,
+                                             gq=gq, gk=gk, gv=gv, gbias=None)
 
     without = torch.func.vmap(lambda q: second(q, False))(qs)
     with_dout = torch.func.vmap(lambda q: second(q, True))(qs)
@@ -285,10 +283,11 @@ def test_drop_in_function_second_order():
 
 @pytest.mark.filterwarnings("error:There is a performance drop:UserWarning")
 @pytest.mark.parametrize("name", ["causal-gqa-bias", "mask-bias", "dropout-bias"])
-def test_vmap_batching_rules_match_a_loop(many_blocks, name):
-    """vmap folds its axis into the batch (dropout: one call per slice); per-sample gradients,
-    bias gradients included, equal a Python loop over the samples, and PyTorch's slow
-    fallback (which warns) is never taken."""
+def test_vmap_batching_rules_match_a_loop(many_blocks, counting_backend, name):
+    """vmap folds its axis into the batch (dropout: one call per slice), so each pass runs
+    once (counted on the tests' backend); per-sample gradients, bias gradients included,
+    equal a Python loop over the samples, and PyTorch's slow fallback (which warns) is never
+    taken."""
     case = Case(**CASES[name])
     q, k, v, bias = case.primals
     qs = torch.stack([q, 2 * q, q.flip(2)])
@@ -297,6 +296,8 @@ def test_vmap_batching_rules_match_a_loop(many_blocks, name):
         return case.ours(q, k, v, bias).sin().sum()
 
     batched = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=(0, None))(qs, bias)
+    calls = 3 if case.dropout_p else 1  # with dropout each slice draws its own blocks' masks
+    assert counting_backend.count("forward") == calls and counting_backend.count("backward") == calls
     for i in range(3):
         single = torch.func.grad(loss, argnums=(0, 1))(qs[i], bias)
         assert all(rel_err(b[i], s) < EXACT for b, s in zip(batched, single))

@@ -14,8 +14,7 @@ torch = pytest.importorskip("torch")
 from attngrad.torch import attention  # noqa: E402
 
 from ..conftest import assert_all_close  # noqa: E402
-from .test_functional import many_blocks  # noqa: E402, F401  (a fixture small_tiles builds on)
-from .test_structured import DV, HKV, B, D, H, L, backend, dense_keep, randn, small_tiles, transposed  # noqa: E402, F401
+from .test_structured import DV, HKV, B, D, H, L, dense_keep, randn, small_tiles, transposed  # noqa: E402, F401
 
 
 def with_sinks_by_definition(q, k, v, bias, sinks, keep, softcap):

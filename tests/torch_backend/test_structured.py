@@ -18,11 +18,10 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from attngrad.torch import attention, implementation, kernels, kernels_higher, native, use_implementation  # noqa: E402
+from attngrad.torch import attention, backends, kernels, kernels_higher, native, use_implementation  # noqa: E402
 from attngrad.torch.structured import structure  # noqa: E402
 
 from ..conftest import assert_all_close  # noqa: E402
-from .test_functional import many_blocks  # noqa: E402, F401  (a fixture small_tiles builds on)
 
 B, H, HKV, L, D, DV = 2, 4, 2, 23, 8, 6
 DOUBLE = torch.float64
@@ -30,23 +29,13 @@ DOUBLE = torch.float64
 
 @pytest.fixture(autouse=True)
 def small_tiles(many_blocks, monkeypatch):
-    """`many_blocks`'s small tiles, narrower still, in both implementations, so that bands
+    """`many_blocks`'s small tiles, narrower still, in both backends, so that bands
     and documents cross many tile boundaries and whole tiles are skipped."""
     monkeypatch.setattr(kernels_higher, "HIGHER_MIN_ROWS", 3)
     monkeypatch.setattr(native, "BLOCK_KEYS", 8)
     monkeypatch.setattr(native, "NARROW_BLOCK_KEYS", 4)
     monkeypatch.setattr(native, "NARROW_BAND", 6)
     monkeypatch.setattr(native, "DOUBLE_TILE", 24)
-
-
-@pytest.fixture(params=["tiles", "torch-ops"])
-def backend(request):
-    if request.param == "tiles" and native.library() is None:
-        pytest.skip(f"no compiled tiles: {native.build_info.reason}")
-    implementation.ran.clear()
-    with use_implementation(request.param):
-        yield request.param
-    assert {impl for (_, impl) in implementation.ran} == {request.param}
 
 
 def randn(*shape, seed):
@@ -242,7 +231,7 @@ def structured_calls(draw):
 
 
 @settings(max_examples=40, deadline=None)
-@given(structured_calls(), st.sampled_from(["tiles", "torch-ops"]))
+@given(structured_calls(), st.sampled_from([b.name for b in backends() if b.available]))
 def test_random_structures_match_the_math_kernel(options, implementation_name):
     case = Case(**options)
     dout = randn(*case.q.shape[:-1], DV, seed=7)
@@ -274,22 +263,13 @@ def test_bounds_are_the_intervals_of_the_dense_mask():
         assert torch.equal(from_bounds.expand_as(dense), dense), name
 
 
-def test_no_dense_mask_is_built(monkeypatch):
-    """Padding given as lengths, a window and documents reach the op as bounds alone."""
-    from attngrad.torch import functional
-
-    seen = {}
-    real = functional.attention_op
-
-    def spy(q, k, v, mask, bias, bounds, *rest):
-        seen.update(mask=mask, bounds=bounds)
-        return real(q, k, v, mask, bias, bounds, *rest)
-
-    monkeypatch.setattr(functional, "attention_op", spy)
+def test_no_dense_mask_is_built(counting_backend):
+    """Padding given as lengths, a window and documents reach the backend as bounds alone."""
     q = randn(B, H, L, D, seed=1)
     attention(q, q, q, key_padding=torch.tensor([5, L]), window=(3, None), cu_seqlens=torch.tensor([0, 10, L]),
               is_causal=True)
-    assert seen["mask"] is None and seen["bounds"].shape == (B, L, 2)
+    [(pass_name, call, _)] = counting_backend.calls
+    assert pass_name == "forward" and call.mask is None and call.bounds.shape == (B, L, 2)
 
 
 @pytest.mark.parametrize("kwargs,exc,fragment", [

@@ -13,8 +13,9 @@ its error in the table instead of a time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 IMPLEMENTATIONS = ("attngrad", "torch-default", "torch-math")
 # Masks: "padding", boolean (B, 1, 1, L), the last quarter of the keys excluded; "float-mask",

@@ -20,9 +20,10 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 METHODS = ("ring-contiguous", "ring-zigzag", "all-to-all")
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any
 
 from ..machine import cpu_name
 from .cases import IMPLEMENTATIONS, BenchCase, make_inputs, step
@@ -104,7 +105,7 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
 ) -> BenchReport:
     """Time (and measure the memory of) every implementation on every case."""
-    from ..torch.implementation import ran  # counts what attngrad's passes ran on
+    from ..torch.dispatch import ran  # counts what attngrad's passes ran on
 
     peak = gemm_peak_gflops()
     results = []

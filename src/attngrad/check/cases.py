@@ -10,8 +10,9 @@ Flavors: sdpa (scaled dot-product attention itself), encoder (self-attention), d
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 

@@ -9,7 +9,7 @@ out.sum(), makes every output element matter with its own weight.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 

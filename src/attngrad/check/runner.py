@@ -9,8 +9,9 @@ and judge every tensor by its relative error against the stated tolerance.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

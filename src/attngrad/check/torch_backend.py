@@ -17,15 +17,17 @@ path and the reference are handed that same mask.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
 from ..torch import dropout as attngrad_dropout
-from ..torch.functional import _run
-from ..torch.implementation import IMPLEMENTATIONS, use_implementation
+from ..torch.autograd import attention
+from ..torch.dispatch import backends, use_implementation
+from ..torch.functional import build_call
 from .cases import Case
 from .torch_oracle import computation
 
@@ -47,7 +49,9 @@ class BackendRow:
 
 
 def _attngrad_attention(q, k, v, *, allowed, bias, is_causal, enable_gqa, dropout_p, keep_mask):
-    return _run(q, k, v, allowed, bias, dropout_p, is_causal, None, enable_gqa, seed=torch.tensor(SEED))
+    call, layout = build_call(q, k, v, mask=allowed, bias=bias, dropout_p=dropout_p, is_causal=is_causal,
+                              enable_gqa=enable_gqa, seed=torch.tensor(SEED))
+    return layout.unfold(attention(call))
 
 
 def _with_attngrad_dropout(case: Case) -> Case:
@@ -100,7 +104,7 @@ def check_backend(case: Case, tol: float) -> list[BackendRow]:
               "double backward": [max(float(np.max(np.abs(g))) for g in math["double backward"]) if z else 0.0
                                   for z in zero]}
     rows = []
-    for implementation in IMPLEMENTATIONS:
+    for implementation in [b.name for b in backends() if b.available]:
         with use_implementation(implementation):
             ours = _derivatives(computation(case, _attngrad_attention), primals, dout, tangents, weights)
         for derivative in DERIVATIVES:

@@ -14,7 +14,7 @@ Every oracle runs `out.backward(dout)` with the case's random dout and returns
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -68,7 +68,7 @@ def _composed_mha(case: Case, t: dict[str, torch.Tensor], attend=_math_sdpa) -> 
     c, f = case.config, case.fixed
     x = t["x"]
     memory = t["memory"] if case.flavor == "cross" else x  # the same tensor: autograd sums the paths
-    batch, len_q, len_k, head_dim = x.shape[0], x.shape[1], memory.shape[1], c.embed_dim // c.heads
+    batch, len_q, head_dim = x.shape[0], x.shape[1], c.embed_dim // c.heads
 
     def heads(y: torch.Tensor) -> torch.Tensor:  # (B, L, h*dh) -> (B, h, L, dh)
         return y.unflatten(-1, (-1, head_dim)).transpose(1, 2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable
+from collections.abc import Callable
 
 
 def _bounded(kind: type, test: Callable[[float], bool], what: str) -> Callable[[str], float]:

@@ -9,7 +9,6 @@ import sys
 from .. import __version__
 from . import bench_cmd, check_cmd, formulas_cmd, generate_cmd, train_cmd
 
-
 COMMANDS = (  # (name, module, one-line help, description)
     ("check", check_cmd,
      "prove every attention gradient against PyTorch autograd and finite differences",

@@ -15,8 +15,9 @@ raises `UnsupportedMask` naming it, so that no model runs with a mask other than
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -45,7 +46,7 @@ class Pattern:
     band: Optional[int] = None  # |q - k| <= band (a bidirectional sliding window)
     documents: Optional[Tensor] = None  # (B, L): q and k in one packed sequence
 
-    def join(self, other: "Pattern") -> "Pattern":
+    def join(self, other: Pattern) -> Pattern:
         return Pattern(
             causal=self.causal or other.causal,
             left=_smallest(self.left, other.left),

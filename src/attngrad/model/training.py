@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +26,18 @@ from .layers import Dropout
 from .loss import cross_entropy_backward, cross_entropy_forward
 from .optim import Adam, clip_grad_norm, warmup_lr
 from .tasks import DIGITS_VOCAB, TOY_TASKS, Batch, TextData, ToyData, digits_to_tokens, read_text, tokens_to_digits
-from .transformer import BOS, EOS, PAD, TransformerConfig, backward, decode, encode, forward, init_params, parameter_shapes
+from .transformer import (
+    BOS,
+    EOS,
+    PAD,
+    TransformerConfig,
+    backward,
+    decode,
+    encode,
+    forward,
+    init_params,
+    parameter_shapes,
+)
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
 

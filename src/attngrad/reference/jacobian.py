@@ -12,7 +12,8 @@ such as one row or column (shape Zs), has shape O + Zs: J[o..., z...] = d out[o]
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

@@ -14,8 +14,9 @@ state_dict (`in_proj_weight` stacked [W^Q; W^K; W^V] when kdim == vdim == E, els
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -73,7 +74,7 @@ class MHAParams:
         bias: bool = True,
         rng: np.random.Generator | int | None = None,
         dtype: Any = np.float64,
-    ) -> "MHAParams":
+    ) -> MHAParams:
         """Random parameters: uniform weights of torch's Xavier scale, nonzero random biases.
 
         The biases are random (torch initialises them to 0) so that tests exercise them.
@@ -99,7 +100,7 @@ class MHAParams:
         return cls(**weights, **biases)
 
     @classmethod
-    def from_state_dict(cls, state_dict: Mapping[str, Any]) -> "MHAParams":
+    def from_state_dict(cls, state_dict: Mapping[str, Any]) -> MHAParams:
         """Read `torch.nn.MultiheadAttention.state_dict()` (tensors or arrays)."""
         sd = {name: as_float_array(f"state_dict[{name!r}]", value) for name, value in state_dict.items()}
         unsupported = {"bias_k", "bias_v"} & sd.keys()

@@ -128,7 +128,7 @@ def sdpa_hvp(
     do = as_float_array("dout", dout).astype(cache.q.dtype, copy=False)
     t = _SDPATangents(cache, query, key, value, bias)
     do_t = _tangent("dout_tangent", dout_tangent, do.shape, cache.q.dtype)
-    p, z = cache.probs, cache.keep_scaled
+    p = cache.probs
     probs_t = _probs_tangent(cache, t.scores(cache))  # P', (B, H, Lq, Lk)
 
     # backward: dP = (dO V~^T) * Z

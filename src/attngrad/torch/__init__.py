@@ -4,11 +4,13 @@
 gradient of a float attention mask; `MultiheadAttention` is a drop-in for
 `torch.nn.MultiheadAttention` built on it; `attention` is the same op with a boolean mask,
 a float bias and the causal mask in any combination. All run wherever the tensors are;
-`use_implementation` chooses between the compiled tiles and the torch-ops kernels.
+`backends()` lists the backends that run the passes (the compiled tiles, the torch-ops
+kernels, ...), `use_implementation` chooses among them, and `ran` counts what ran.
 """
 
+from . import backends as _backends  # noqa: F401  (registers the backends)
+from .dispatch import backends, ran, use_implementation
 from .functional import attention, scaled_dot_product_attention
-from .implementation import use_implementation
 from .mha import MultiheadAttention
 
-__all__ = ["MultiheadAttention", "attention", "scaled_dot_product_attention", "use_implementation"]
+__all__ = ["MultiheadAttention", "attention", "backends", "ran", "scaled_dot_product_attention", "use_implementation"]

@@ -1,7 +1,7 @@
 """Dropout keep-masks from a counter-based generator: the draw for score (b, h, i, j) is a
 hash of the seed and those four coordinates alone, so a mask is the same whatever the
 tiling, the thread count, the batch folding or the implementation (this module, or the
-compiled tiles' copy of it in `native_tiles.cpp`, which must give the same bits).
+compiled tiles' copy of it in `csrc/tiles.h`, which must give the same bits).
 
 The hash is SplitMix64's output function (Steele, Lea and Flood, 2014) applied to a
 counter, which is what makes SplitMix a counter-based generator:
@@ -22,12 +22,11 @@ whose products wrap, with logical shifts spelled as an arithmetic shift and a ma
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Union
+from collections.abc import Callable
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
-
-from . import native
 
 GAMMA = 0x9E3779B97F4A7C15
 MIX_1 = 0xBF58476D1CE4E5B9
@@ -49,7 +48,7 @@ class Placement(NamedTuple):
     partial_rows: int = 0
 
     @classmethod
-    def of(cls, seed: Union[int, "Placement", Tensor]) -> "Placement":
+    def of(cls, seed: Union[int, Placement, Tensor]) -> Placement:
         """From an int (the seed), a placement, or the ops' seed tensor: 0-d (the seed), or
         (5,) int64, the fields in order."""
         if isinstance(seed, Placement):
@@ -114,19 +113,31 @@ def keep_int(seed: int, b: int, h: int, i: int, j: int, dropout_p: float) -> boo
     return mix_int(key + GAMMA * ((i << 32) + j + 1)) >> 32 >= threshold(dropout_p)
 
 
+# A compiled fill of the same bits, where a backend offers one (`use_compiled_fill`):
+# fill(out, seed, row_start, threshold, keep_value, key_start) -> out, or None where it
+# does not take that tile.
+_compiled_fill: Optional[Callable[..., Optional[Tensor]]] = None
+
+
+def use_compiled_fill(fill: Callable[..., Optional[Tensor]]) -> None:
+    """Have `keep_scale_into` try `fill` first (the compiled tiles register theirs)."""
+    global _compiled_fill
+    _compiled_fill = fill
+
+
 def keep_scale_into(out: Tensor, seed: Union[int, Placement], row_start: int, dropout_p: float,
                     key_start: int = 0) -> Tensor:
     """Fill `out` (B, H, R, keys) with Z for rows row_start.. and keys key_start.. of every
-    (b, h), both counted from the key's offsets: by the compiled tiles where they run (a
-    contiguous float32 or float64 CPU tile), else by `keep_scale_torch`. Both give the same bits."""
+    (b, h), both counted from the key's offsets: by the compiled fill where it takes the tile,
+    else by `keep_scale_torch`. Both give the same bits."""
     seed, row_offset, key_offset, head_offset, _ = Placement.of(seed)
     row_start, key_start = row_start + row_offset, key_start + key_offset
     if head_offset:
         return keep_scale_torch(out, seed, row_start, dropout_p, key_start, head_offset)
-    if out.device.type == "cpu" and out.dtype in (torch.float32, torch.float64) and out.is_contiguous():
-        if native.library() is not None:
-            return native.dropout_keep_scale_into(out, seed, row_start, threshold(dropout_p), keep_value(dropout_p),
-                                                  key_start)
+    if _compiled_fill is not None:
+        filled = _compiled_fill(out, seed, row_start, threshold(dropout_p), keep_value(dropout_p), key_start)
+        if filled is not None:
+            return filled
     return keep_scale_torch(out, seed, row_start, dropout_p, key_start)
 
 

@@ -1,7 +1,8 @@
 """Tiled exact attention on plain tensors: forward and backward in O(L) extra memory.
 
-These run every case on any device; the ops (`op`) hand a CPU call with no mask, bias or
-dropout to the compiled tiles (`native`) instead, which fuse the passes below in cache.
+The "torch-ops" backend (`backends.torch_ops`): they run every case on any device. On the
+CPU the "tiles" backend (`native`) takes the calls first, fusing the passes below in cache.
+Which keys a row sees comes from `block_map`.
 
 Shape legend
     B batch, H query heads, Hkv key/value heads (G = H / Hkv), Lq / Lk query / key lengths,
@@ -54,6 +55,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .block_map import excluded, key_range
 from .dropout import keep_scale_into
 
 # Elements of one (B, H, R, Lk') score tile: 2^22 float32 = 16 MiB. A handful of tiles are
@@ -71,11 +73,6 @@ MAX_ROWS = 128
 # the output's error below PyTorch's flash kernel's (B=2, H=4, L=1024: 0.93x its normwise
 # error, against 1.08x for one product) for about 2% more time.
 VALUE_SLICE = 128
-
-
-def causal_keys(causal: int | None, stop: int, len_k: int) -> int:
-    """How many keys (a prefix) rows ..stop - 1 may see under the causal diagonal `causal`."""
-    return len_k if causal is None else min(len_k, max(0, stop + causal))
 
 
 def blocks(batch: int, heads: int, len_q: int, len_k: int, causal: int | None, min_rows: int | None = None,
@@ -102,10 +99,8 @@ def blocks(batch: int, heads: int, len_q: int, len_k: int, causal: int | None, m
             rows = int((math.sqrt(seen * seen + 4 * budget) - seen) / 2)
         rows = max(1, min(len_q - start, max(min_rows, min(MAX_ROWS, rows))))
         stop = start + rows
-        keys, first = causal_keys(causal, stop, len_k), 0
-        if bounds is not None:
-            keys, first = min(keys, max(highs[start:stop])), min(lows[start:stop])
-        out.append((start, stop, min(first, keys), keys))
+        first, keys = key_range(start, stop, len_k, causal, lows, highs)
+        out.append((start, stop, first, keys))
         start = stop
     return out
 
@@ -222,15 +217,8 @@ def scores_into(
     allowed = row_slice(mask, start, stop, keys, first)
     if allowed is not None:
         out.masked_fill_(~allowed, float("-inf"))
-    future_from = first if causal is None else max(first, start + causal + 1)  # only these can lie in a row's future
-    if causal is not None and keys > future_from:
-        rows = torch.arange(start, stop, device=out.device)[:, None]
-        future = torch.arange(future_from, keys, device=out.device)[None, :] > rows + causal  # (R, keys - future_from)
-        out[..., future_from - first:].masked_fill_(future, float("-inf"))
-    if bounds is not None:
-        row_bounds = bounds[:, start:stop, None, :]  # (b, R, 1, 2)
-        key = torch.arange(first, keys, device=out.device)
-        outside = (key < row_bounds[..., 0]) | (key >= row_bounds[..., 1])  # (b, R, keys)
+    outside = excluded(start, stop, first, keys, causal, bounds, out.device)  # (1 or b, R, keys - first)
+    if outside is not None:
         out.masked_fill_(outside[:, None], float("-inf"))
     return out
 

@@ -43,14 +43,24 @@ against PyTorch and against each other (<g, J t> = <J^T g, t>).
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from collections.abc import Iterator
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .dropout import keep_scale_into
-from .kernels import (KeyGradient, operands, row_slice, scores_into, ScoreTiles, add_block_to_bias, blocks, single_key_rows,
-                      with_column)
+from .kernels import (
+    KeyGradient,
+    ScoreTiles,
+    add_block_to_bias,
+    blocks,
+    operands,
+    row_slice,
+    scores_into,
+    single_key_rows,
+    with_column,
+)
 
 HIGHER_MIN_ROWS = 128
 
@@ -89,7 +99,7 @@ class _ScoreForm:
         self.right = torch.cat(rights, dim=-1) if rights else None  # (B, H, Lk, d or 2d)
         self.c = c
 
-    def tile_into(self, out: Tensor, start: int, stop: int, cols: slice, softcap: Optional["_Softcap"] = None) -> Tensor:
+    def tile_into(self, out: Tensor, start: int, stop: int, cols: slice, softcap: Optional[_Softcap] = None) -> Tensor:
         """The rows start:stop and keys `cols` of the form, written into `out`. With `softcap`,
         whose scores are c tanh(A / c) + bias, the products' part goes through the cap's
         slope first: (1 - tanh^2) (A_q K~^T + Q B_k^T) + C, after `softcap.met` saw them."""
@@ -230,7 +240,7 @@ def _sum_of_products(*terms: Optional[tuple[Tensor, Tensor, float]]) -> Tensor:
 
 
 def _back_through_scores(
-    r: "_Recompute", x: Tensor, ds: Tensor, key_side: Optional[Tensor], query_side: Optional[Tensor],
+    r: _Recompute, x: Tensor, ds: Tensor, key_side: Optional[Tensor], query_side: Optional[Tensor],
     dq: Tensor, dk: KeyGradient, dbias: Optional[Tensor], start: int, stop: int, cols: slice,
     x_bias: Optional[Tensor] = None,
 ) -> None:
@@ -397,7 +407,7 @@ def attention_double_backward(
     dtype; `double_backward_row_sums`): `centre` = t = rowsum(P * T) and `g_centre` =
     rowsum(P * g_P).
 
-    With a `sink` (`op._add_sink`) P sums to 1 - P_sink on a row, and the per-row t D left
+    With a `sink` (`ops.add_sink`) P sums to 1 - P_sink on a row, and the per-row t D left
     out of g_P returns as t D P_sink in rowsum(P * g_P), P_sink = exp(-m) / l."""
     r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=5, bounds=bounds)
     work = r.work

@@ -9,10 +9,12 @@ error) and names the argument and the shapes when they disagree.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
+
+from .call import FIELDS, AttentionCall
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -64,22 +66,12 @@ def _check_bounds(bounds: Optional[Tensor], batch: int, len_q: int, device: torc
         _fail(f"bounds is on {bounds.device} but q on {device}")
 
 
-def check_call(
-    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], bounds: Optional[Tensor], seed: Tensor,
-    causal: Optional[int], dropout_p: float, *, softcap: float = 0.0, dout: Optional[Tensor] = None, out: Optional[Tensor] = None,
-    row_max: Optional[Tensor] = None, inv_sum: Optional[Tensor] = None, bias_grad: bool = False,
-    out_side: tuple[tuple[str, Optional[Tensor]], ...] = (),
-    query_side: tuple[tuple[str, Optional[Tensor]], ...] = (), key_side: tuple[tuple[str, Optional[Tensor]], ...] = (),
-    value_side: tuple[tuple[str, Optional[Tensor]], ...] = (), bias_like: tuple[tuple[str, Optional[Tensor]], ...] = (),
-) -> None:
-    """Raise a clear error unless the arguments of one attention op fit together.
-
-    q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), H a multiple of Hkv; mask
+def _check_call(call: AttentionCall) -> None:
+    """q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), H a multiple of Hkv; mask
     boolean and bias floating, each broadcastable to (B, H, Lq, Lk); bounds int64
     (1 or B, Lq, 2), each row's keys [lo, hi) (its values are checked where they are read:
-    `structured` builds them in range, the tiles refuse any out of it); dout and out
-    (B, H, Lq, dv); the row statistics (B, H, Lq). `out_side`, `query_side` etc. name
-    tangents or cotangents that must be shaped like dout, q, k, v or the bias."""
+    `structured` builds them in range, the tiles refuse any out of it)."""
+    q, k, v = call.q, call.k, call.v
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"attngrad attention op: {name} must be a tensor; got {type(t).__name__}")
@@ -102,6 +94,7 @@ def check_call(
     kv_heads = k.shape[1]
     if (kv_heads == 0 and heads != 0) or (kv_heads != 0 and heads % kv_heads):
         _fail(f"the query heads H must be a multiple of the key/value heads Hkv; got {shapes}")
+    mask, bias = call.mask, call.bias
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"attngrad attention op: mask must be boolean; got {mask.dtype}")
     if bias is not None and bias.dtype not in FLOATS:
@@ -109,26 +102,34 @@ def check_call(
     target = (batch, heads, len_q, k.shape[2])
     _check_broadcast("mask", mask, target, q.device)
     _check_broadcast("bias", bias, target, q.device)
-    _check_bounds(bounds, batch, len_q, q.device)
+    _check_bounds(call.bounds, batch, len_q, q.device)
+    seed = call.seed
     if not isinstance(seed, Tensor) or seed.shape not in ((), (5,)) or seed.dtype != torch.int64:
         _fail(f"seed must be a 0-d int64 tensor, or (5,): a `dropout.Placement`; got {seed!r}")
-    if causal is not None and not isinstance(causal, int):
+    causal = call.causal
+    if causal is not None and (not isinstance(causal, int) or isinstance(causal, bool)):
         raise TypeError(f"attngrad attention op: causal must be None or an int diagonal offset; got {causal!r}")
-    if not 0.0 <= dropout_p <= 1.0:
-        _fail(f"dropout_p must be in [0, 1]; got {dropout_p}")
-    if not 0.0 <= softcap < float("inf"):
-        _fail(f"softcap must be 0 (none) or a positive finite number; got {softcap}")
-    if bias_grad and bias is None:
+    if not 0.0 <= call.dropout_p <= 1.0:
+        _fail(f"dropout_p must be in [0, 1]; got {call.dropout_p}")
+    if not 0.0 <= call.softcap < float("inf"):
+        _fail(f"softcap must be 0 (none) or a positive finite number; got {call.softcap}")
+
+
+def check_fields(call: AttentionCall, inputs: dict[str, Any]) -> None:
+    """Raise a clear error unless a pass's arguments fit together: the call's own
+    (`_check_call`), and each of the pass's inputs shaped as its `call.FIELDS` entry says
+    (like q, k, v, the output (B, H, Lq, dv), the row statistics (B, H, Lq) or the bias)."""
+    _check_call(call)
+    q, v, bias = call.q, call.v, call.bias
+    shapes = {"q": _shape(q), "k": _shape(call.k), "v": _shape(v), "out": (*_shape(q)[:3], v.shape[-1]),
+              "rows": _shape(q)[:3], "bias": _shape(bias) if bias is not None else ()}
+    what = {"out": "(B, H, Lq, dv)", "rows": "(B, H, Lq)", "bias": "the shape of bias"}
+    if inputs.get("bias_grad") and bias is None:
         _fail("bias_grad=True needs a bias")
-    out_shape = (batch, heads, len_q, v.shape[-1])
-    _check_like("dout", dout, out_shape, q.device, "(B, H, Lq, dv)")
-    _check_like("out", out, out_shape, q.device, "(B, H, Lq, dv)")
-    for name, t in (("row_max", row_max), ("inv_sum", inv_sum)):
-        _check_like(name, t, out_shape[:3], q.device, "(B, H, Lq)")
-    for side, shape in ((out_side, out_shape), (query_side, _shape(q)), (key_side, _shape(k)), (value_side, _shape(v))):
-        for name, t in side:
-            _check_like(name, t, shape, q.device, "the shape of its primal")
-    for name, t in bias_like:
-        if t is not None and bias is None:
+    for name, t in inputs.items():
+        like = FIELDS[name].like if name in FIELDS else None
+        if like is None:
+            continue
+        if like == "bias" and t is not None and bias is None:
             _fail(f"{name} was given without a bias")
-        _check_like(name, t, _shape(bias) if bias is not None else (), q.device, "the shape of bias")
+        _check_like(name, t, shapes[like], q.device, what.get(like, f"the shape of {like}"))

@@ -11,12 +11,16 @@ drawn for them, so then, as with a batched seed, the op runs once per slice.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-BIAS_LIKE = frozenset({"mask", "bias", "tbias", "gbias"})
+from .call import FIELDS, PASSES
+
+# Operands broadcastable to (B, H, Lq, Lk): the masks, and what is shaped like the bias.
+BIAS_LIKE = frozenset({"mask", "bias"} | {f.name for f in FIELDS.values() if f.like == "bias"})
 
 
 def _moved(t: Tensor, dim: int | None) -> Tensor:
@@ -51,9 +55,11 @@ def _unfold_bias(grad: Tensor, n: int, batch: int, shape: torch.Size) -> Tensor:
     return grad.reshape(n, *shape)
 
 
-def make_rule(op: Callable, names: Sequence[str], bias_output: bool) -> Callable:
-    """The batching rule of `op`, whose arguments are called `names` in order; with
-    `bias_output`, its last output is a bias gradient (or an empty placeholder)."""
+def make_rule(op: Callable, pass_name: str, names: Sequence[str]) -> Callable:
+    """The batching rule of `op`, the op of pass `pass_name`, whose arguments are called
+    `names` in order; an output shaped like the bias (`call.PASSES`) unfolds to the bias's
+    own shape per slice."""
+    bias_outputs = {i for i, output in enumerate(PASSES[pass_name].outputs) if output.like == "bias"}
     q_index, seed_index, dropout_index = names.index("q"), names.index("seed"), names.index("dropout_p")
 
     def per_slice(info: Any, in_dims: tuple, args: tuple) -> tuple[Any, Any]:
@@ -93,7 +99,7 @@ def make_rule(op: Callable, names: Sequence[str], bias_output: bool) -> Callable
             if out.dim() == 1 and out.numel() == 0:  # a placeholder: that gradient was not asked for
                 unfolded.append(out)
                 dims.append(None)
-            elif bias_output and i == len(outputs) - 1:
+            elif i in bias_outputs:
                 unfolded.append(_unfold_bias(out, n, batch, bias_shape))
                 dims.append(0)
             else:

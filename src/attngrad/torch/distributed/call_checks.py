@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..functional import FLOATS, _check_tensors
+from ..layout import FLOATS, check_tensors
 from .ring_comm import agree
 from .sharding import LAYOUTS
 
@@ -24,9 +24,9 @@ def _shape(t: Optional[Tensor]) -> tuple:
 
 def start_call(what: str, group: dist.ProcessGroup, query: Tensor, key: Tensor, value: Tensor, *, layout: str,
                is_causal: bool | str, attn_mask: Optional[Tensor], attn_bias: Optional[Tensor], softcap: Optional[float],
-               dropout_p: float, enable_gqa: bool, window: Optional[tuple]) -> int:
+               dropout_p: float, enable_gqa: bool, window: Optional[tuple], sinks: Optional[Tensor] = None) -> int:
     """Check the call `what` here and against the other ranks; return the dropout seed."""
-    _check_tensors(query, key, value, dropout_p)
+    check_tensors(query, key, value, dropout_p)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
     if is_causal not in IS_CAUSAL:
@@ -44,5 +44,5 @@ def start_call(what: str, group: dist.ProcessGroup, query: Tensor, key: Tensor, 
     options = (FLOATS.index(query.dtype), IS_CAUSAL[is_causal], LAYOUTS.index(layout), round(dropout_p * 2**32),
                int(enable_gqa), round((softcap or 0.0) * 2**20), *(w if w is not None else -1 for w in (window or (-2, -2))))
     facts = dict(query=query.shape, key=key.shape, value=value.shape, attn_bias=_shape(attn_bias),
-                 attn_mask=_shape(attn_mask), options=options)
+                 attn_mask=_shape(attn_mask), sinks=_shape(sinks), options=options)
     return agree(group, what, facts, seed)

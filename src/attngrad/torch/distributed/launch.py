@@ -12,7 +12,8 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist

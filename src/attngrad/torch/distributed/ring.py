@@ -1,7 +1,7 @@
 """`ring_attention`: exact attention over a sequence sharded across the ranks of a group,
 with every derivative of the one-process op.
 
-Two autograd.Functions join the passes of `ring_passes`, as `op` joins the kernels:
+Two autograd.Functions join the passes of `ring_passes`, as `autograd` joins the ops:
 
     RingAttention          forward -> out         backward: RingAttentionBackward   jvp: ring_jvp
     RingAttentionBackward  forward -> dq, dk, ... backward: ring_double_backward    jvp: ring_backward_jvp
@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..functional import _Layout, default_scale
-from ..op import REVERSE_OVER_FORWARD, THIRD_ORDER, _Final
+from ..autograd import REVERSE_OVER_FORWARD, THIRD_ORDER, Final
+from ..functional import sinks_as_bias
+from ..layout import Layout, default_scale
 from ..structured import structure
 from .call_checks import start_call
 from .ring_comm import Ring
@@ -58,7 +59,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, tq, tk, tv, tbias, _tplan):
         q, k, v, bias, out, row_max, inv_sum = ctx.saved_tensors
-        out_t = _Final.apply(_jvp_out, REVERSE_OVER_FORWARD, ctx.plan, q, k, v, out, row_max, inv_sum, tq, tk, tv,
+        out_t = Final.apply(_jvp_out, REVERSE_OVER_FORWARD, ctx.plan, q, k, v, out, row_max, inv_sum, tq, tk, tv,
                              tbias if bias is not None else None)
         return out_t, torch.zeros_like(row_max), torch.zeros_like(inv_sum)
 
@@ -82,14 +83,14 @@ class RingAttentionBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, gq: Tensor, gk: Tensor, gv: Tensor, gbias: Tensor):
         dout_grad = ctx.needs_input_grad[0]
-        g_dout, g_q, g_k, g_v, g_bias = _Final.apply(
+        g_dout, g_q, g_k, g_v, g_bias = Final.apply(
             ring_double_backward, THIRD_ORDER, ctx.plan, *ctx.saved_tensors, ctx.bias_grad, dout_grad, gq, gk, gv,
             gbias if ctx.bias_grad else None)
         return g_dout if dout_grad else None, g_q, g_k, g_v, g_bias, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx: Any, tdout, tq, tk, tv, tbias, _tout, _tmax, _tinv, _tplan, _tbias_grad):
-        dq_t, dk_t, dv_t, dbias_t = _Final.apply(
+        dq_t, dk_t, dv_t, dbias_t = Final.apply(
             ring_backward_jvp, THIRD_ORDER, ctx.plan, *ctx.saved_tensors, ctx.bias_grad, tdout, tq, tk, tv,
             tbias if ctx.bias_grad else None)
         return dq_t, dk_t, dv_t, dbias_t if dbias_t is not None else dq_t.new_empty(0)
@@ -109,6 +110,7 @@ def ring_attention(
     document_ids: Optional[Tensor] = None,
     cu_seqlens: Optional[Tensor] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
@@ -126,19 +128,22 @@ def ring_attention(
     keys in sequence order. A bias's gradient is this rank's part of it: a bias shared by
     the ranks needs its gradients summed (all_reduce), as a replicated parameter does.
 
-    is_causal, key_padding, window, document_ids, cu_seqlens, softcap, dropout_p, scale and
-    enable_gqa: as in `attngrad.torch.attention`, over the whole sequence (key_padding and
+    is_causal, key_padding, window, document_ids, cu_seqlens, softcap, sinks, dropout_p, scale
+    and enable_gqa: as in `attngrad.torch.attention`, over the whole sequence (key_padding and
     document_ids of the whole sequence, (..., L)); dropout masks equal the one-process
     call's on the whole sequence with the seed of rank 0.
     """
     group = group_of(group)
     seed = start_call("ring_attention", group, query, key, value, layout=layout, is_causal=is_causal, attn_mask=attn_mask,
-                      attn_bias=attn_bias, softcap=softcap, dropout_p=dropout_p, enable_gqa=enable_gqa, window=window)
+                      attn_bias=attn_bias, softcap=softcap, dropout_p=dropout_p, enable_gqa=enable_gqa, window=window,
+                      sinks=sinks)
     ring = Ring(group)
     shard = query.shape[-2]
     sharding = Sharding(layout, ring.size, shard * ring.size)
-    folded = _Layout(query, key, value, enable_gqa)
+    folded = Layout(query, key, value, enable_gqa)
     length = sharding.length
+    if sinks is not None:  # the logits join the bias; the kernels need a zero-logit sink alone
+        attn_bias = sinks_as_bias(attn_bias, sinks, folded, query)
     mask = None if attn_mask is None else folded.fold_mask(attn_mask, "attn_mask", length)
     bias = None if attn_bias is None else folded.fold_mask(attn_bias, "attn_bias", length)
     structured = dict(key_padding=key_padding, window=window, document_ids=document_ids, cu_seqlens=cu_seqlens)
@@ -151,6 +156,6 @@ def ring_attention(
         if keep is not None:
             mask = keep if mask is None else mask & keep
     plan = RingPlan(ring, sharding, bool(is_causal), bounds, mask, bias, seed, default_scale(query, scale), float(softcap or 0.0),
-                    float(dropout_p))
+                    float(dropout_p), sink=sinks is not None)
     out = RingAttention.apply(folded.q, folded.k, folded.v, bias, plan)[0]
     return folded.unfold(out)

@@ -8,7 +8,8 @@ and the blocking collectives (`attngrad bench` reports it as a share of the time
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist

@@ -14,21 +14,22 @@ Every pass is exact because every unit uses the whole rows' statistics:
     backward's JVP   the JVP first (for c and D~ = rowsum(dO' O + dO O')), then units given both
     double backward  a first walk for t = rowsum(P T) and rowsum(P g_P), then units given both
 
-The higher passes' units run on the torch-ops kernels (`kernels_higher`), which take the
-whole rows' sums as arguments; the forward and backward's run on the ops, so on the
-compiled tiles where they apply. Tangents and cotangents of K and V travel with them.
+Every unit is an `AttentionCall` (`RingPlan.call`) run through the backend registry: the
+forward and backward's through the ops, the higher passes' through `dispatch.run` with the
+whole rows' sums (`row_sums`), which only a backend with `row_sums` takes. Tangents and cotangents of K and V travel with them.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .. import kernels_higher
+from .. import dispatch
 from ..kernels import compute_dtype
-from ..op import attention_backward, attention_forward
+from ..ops import add_sink, run_op
 from .ring_plan import RingPlan, Unit, piece
 
 Block = list[Optional[list[Tensor]]]  # per travelling field (K, V, their tangents...), its chunks or None
@@ -123,11 +124,12 @@ def ring_forward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tenso
 
     def unit_forward(unit: Unit, block: Block) -> None:
         k_blk, v_blk = block
-        merges[unit.i].add(*attention_forward(qs[unit.i], k_blk[unit.j], v_blk[unit.j], unit.mask, unit.bias, unit.bounds,
-                                              unit.seed, unit.causal, plan.scale, plan.softcap, plan.dropout_p))
+        merges[unit.i].add(*run_op("forward", plan.call(unit, qs[unit.i], k_blk[unit.j], v_blk[unit.j])))
 
     each_step(plan, [plan.split(k), plan.split(v)], unit_forward)
     out, row_max, inv_sum = (plan.join(list(parts)) for parts in zip(*(m.result() for m in merges)))
+    if plan.sink:  # the whole rows' statistics take the sink in; every later pass reads it from 1/l
+        out, row_max, inv_sum = add_sink(out, row_max, inv_sum)
     return out.to(q.dtype), row_max, inv_sum
 
 
@@ -170,9 +172,8 @@ def ring_backward(plan: RingPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
 
     def unit_backward(unit: Unit, block: Block) -> list[Tensor]:
         i, k_blk, v_blk = unit.i, block[0][unit.j], block[1][unit.j]
-        dq_u, dk_u, dv_u, dbias_u = attention_backward(
-            r.dout[i], r.q[i], k_blk, v_blk, unit.mask, unit.bias, unit.bounds, unit.seed, r.out[i], r.row_max[i],
-            r.inv_sum[i], unit.causal, plan.scale, plan.softcap, plan.dropout_p, bias_grad)
+        dq_u, dk_u, dv_u, dbias_u = run_op("backward", plan.call(unit, r.q[i], k_blk, v_blk), dout=r.dout[i], out=r.out[i],
+                                           row_max=r.row_max[i], inv_sum=r.inv_sum[i], bias_grad=bias_grad)
         dq[i] += dq_u
         _add_to(dbias, unit, dbias_u)
         return [dk_u, dv_u]
@@ -194,10 +195,10 @@ def ring_jvp(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_m
     def unit_jvp(unit: Unit, block: Block) -> None:
         i, j = unit.i, unit.j
         k_blk, v_blk, tk_blk, tv_blk = block
-        out_t[i] += kernels_higher.attention_jvp(
-            r.q[i], k_blk[j], v_blk[j], unit.mask, unit.bias, unit.dropout, r.row_max[i], r.inv_sum[i], unit.causal,
-            plan.scale, plan.softcap, plan.dropout_p, _of(r.tq, i), _of(tk_blk, j), _of(tv_blk, j),
-            piece(tbias, unit.rows, unit.cols), unit.bounds, centre=uncentred, centre_sums=centre[i])
+        out_t[i] += dispatch.run(
+            "jvp", plan.call(unit, r.q[i], k_blk[j], v_blk[j]), row_max=r.row_max[i], inv_sum=r.inv_sum[i],
+            tq=_of(r.tq, i), tk=_of(tk_blk, j), tv=_of(tv_blk, j), tbias=piece(tbias, unit.rows, unit.cols),
+            row_sums=dict(centre=uncentred, centre_sums=centre[i]))
 
     each_step(plan, [plan.split(k), plan.split(v), plan.split(tk), plan.split(tv)], unit_jvp)
     for i in range(plan.chunks):
@@ -221,11 +222,11 @@ def ring_backward_jvp(plan: RingPlan, dout: Tensor, q: Tensor, k: Tensor, v: Ten
     def unit_backward_jvp(unit: Unit, block: Block) -> list[Tensor]:
         i, j = unit.i, unit.j
         k_blk, v_blk, tk_blk, tv_blk = block
-        dq_u, dk_u, dv_u, dbias_u = kernels_higher.attention_backward_jvp(
-            r.dout[i], r.q[i], k_blk[j], v_blk[j], unit.mask, unit.bias, unit.dropout, r.out[i], r.row_max[i],
-            r.inv_sum[i], unit.causal, plan.scale, plan.softcap, plan.dropout_p, bias_grad, _of(r.tdout, i), _of(r.tq, i),
-            _of(tk_blk, j), _of(tv_blk, j), piece(tbias, unit.rows, unit.cols), unit.bounds, centre=r.centre[i],
-            delta_t=r.delta_t[i])
+        dq_u, dk_u, dv_u, dbias_u = dispatch.run(
+            "backward_jvp", plan.call(unit, r.q[i], k_blk[j], v_blk[j]), dout=r.dout[i], out=r.out[i],
+            row_max=r.row_max[i], inv_sum=r.inv_sum[i], bias_grad=bias_grad, tdout=_of(r.tdout, i), tq=_of(r.tq, i),
+            tk=_of(tk_blk, j), tv=_of(tv_blk, j), tbias=piece(tbias, unit.rows, unit.cols),
+            row_sums=dict(centre=r.centre[i], delta_t=r.delta_t[i]))
         dq_t[i] += dq_u
         _add_to(dbias_t, unit, dbias_u)
         return [dk_u, dv_u]
@@ -241,7 +242,7 @@ def ring_double_backward(plan: RingPlan, dout: Tensor, q: Tensor, k: Tensor, v: 
                          gv: Optional[Tensor], gbias: Optional[Tensor],
                          ) -> tuple[Optional[Tensor], Tensor, Tensor, Tensor, Optional[Tensor]]:
     """(g_dout or None, g_q, g_k, g_v, g_bias or None): the gradients of
-    <gq, dq> + <gk, dk> + <gv, dv> + <gbias, dbias>, as `op.attention_double_backward`."""
+    <gq, dq> + <gk, dk> + <gv, dv> + <gbias, dbias>, as the double_backward op."""
     work = compute_dtype(q.dtype)
     gbias = gbias if bias_grad else None
     r = _Rows(plan, dout=dout, q=q, out=out, row_max=row_max, inv_sum=inv_sum, gq=gq)
@@ -252,15 +253,17 @@ def ring_double_backward(plan: RingPlan, dout: Tensor, q: Tensor, k: Tensor, v: 
     def unit_row_sums(unit: Unit, block: Block) -> None:
         i, j = unit.i, unit.j
         k_blk, v_blk, gk_blk, gv_blk = block
-        t_u, u_u = kernels_higher.double_backward_row_sums(
-            r.dout[i], r.q[i], k_blk[j], v_blk[j], unit.mask, unit.bias, unit.dropout, r.row_max[i], r.inv_sum[i],
-            unit.causal, plan.scale, plan.softcap, plan.dropout_p, bias_grad, _of(r.gq, i), _of(gk_blk, j), _of(gv_blk, j),
-            piece(gbias, unit.rows, unit.cols), unit.bounds)
+        t_u, u_u = dispatch.run(
+            "double_backward_row_sums", plan.call(unit, r.q[i], k_blk[j], v_blk[j]), dout=r.dout[i],
+            row_max=r.row_max[i], inv_sum=r.inv_sum[i], bias_grad=bias_grad, gq=_of(r.gq, i), gk=_of(gk_blk, j),
+            gv=_of(gv_blk, j), gbias=piece(gbias, unit.rows, unit.cols), row_sums={})
         t_sum[i] += t_u
         u_sum[i] += u_u
 
     each_step(plan, block, unit_row_sums)
     for i in range(plan.chunks):  # rowsum(P g_P) = rowsum(P (dP T + (dO gV~^T) Z)) - t D
+        # (with a sink too: the one-process pass's t D P_sink term restores what its own
+        # rowsum(P g_P) leaves out, where this sum never had it)
         u_sum[i] -= t_sum[i] * (r.dout[i].to(work) * r.out[i].to(work)).sum(dim=-1, keepdim=True)
     g_dout = r.zeros(dout, work) if dout_grad else None
     g_q, g_bias = r.zeros(q, work), _bias_total(plan, bias_grad, work)
@@ -268,11 +271,11 @@ def ring_double_backward(plan: RingPlan, dout: Tensor, q: Tensor, k: Tensor, v: 
     def unit_double_backward(unit: Unit, block: Block) -> list[Tensor]:
         i, j = unit.i, unit.j
         k_blk, v_blk, gk_blk, gv_blk = block
-        g_dout_u, g_q_u, g_k_u, g_v_u, g_bias_u = kernels_higher.attention_double_backward(
-            r.dout[i], r.q[i], k_blk[j], v_blk[j], unit.mask, unit.bias, unit.dropout, r.out[i], r.row_max[i],
-            r.inv_sum[i], unit.causal, plan.scale, plan.softcap, plan.dropout_p, bias_grad, dout_grad, _of(r.gq, i),
-            _of(gk_blk, j), _of(gv_blk, j), piece(gbias, unit.rows, unit.cols), unit.bounds, centre=t_sum[i],
-            g_centre=u_sum[i])
+        g_dout_u, g_q_u, g_k_u, g_v_u, g_bias_u = dispatch.run(
+            "double_backward", plan.call(unit, r.q[i], k_blk[j], v_blk[j]), dout=r.dout[i], out=r.out[i],
+            row_max=r.row_max[i], inv_sum=r.inv_sum[i], bias_grad=bias_grad, dout_grad=dout_grad, gq=_of(r.gq, i),
+            gk=_of(gk_blk, j), gv=_of(gv_blk, j), gbias=piece(gbias, unit.rows, unit.cols),
+            row_sums=dict(centre=t_sum[i], g_centre=u_sum[i]))
         if g_dout is not None:
             g_dout[i] += g_dout_u
         g_q[i] += g_q_u

@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..block_map import EMPTY, FULL, classify, row_intervals
+from ..call import AttentionCall, ScoreMasks
 from ..dropout import Placement
 from .ring_comm import Ring
 from .sharding import Sharding
@@ -65,8 +67,10 @@ class RingPlan:
     to (b, h, L / P, L), or None."""
 
     def __init__(self, ring: Ring, sharding: Sharding, causal: bool, bounds: Optional[Tensor], mask: Optional[Tensor],
-                 bias: Optional[Tensor], seed: int, scale: float, softcap: float, dropout_p: float) -> None:
+                 bias: Optional[Tensor], seed: int, scale: float, softcap: float, dropout_p: float,
+                 sink: bool = False) -> None:
         self.ring, self.sharding = ring, sharding
+        self.sink = sink  # each row's softmax has a zero-logit sink: merged in once the rows are whole
         self.scale, self.softcap, self.dropout_p = scale, softcap, dropout_p
         self.mask, self.bias = mask, bias
         self.chunks = len(sharding.chunks(ring.rank))
@@ -83,22 +87,25 @@ class RingPlan:
                 diagonal, unit_bounds = None, None
                 if bounds is not None:
                     unit_bounds = (bounds[:, rows] - k_start).clamp_(0, size)
-                    lo, hi = unit_bounds[..., 0], unit_bounds[..., 1]
-                    if bool((lo >= hi).all()):
+                    state = classify(unit_bounds[..., 0], unit_bounds[..., 1], 0, size)
+                    if state == EMPTY:
                         continue  # no row sees a key of this chunk
-                    if bool(((lo == 0) & (hi == size)).all()):
-                        unit_bounds = None  # every row sees every key
-                    else:
-                        unit_bounds = unit_bounds.contiguous()
+                    unit_bounds = None if state == FULL else unit_bounds.contiguous()
                 elif causal:
                     diagonal = q_start - k_start
-                    if diagonal + size - 1 < 0:
+                    state = classify(*row_intervals(size, size, diagonal, None), 0, size)
+                    if state == EMPTY:
                         continue  # even the chunk's last row is before its first key
-                    if diagonal >= size - 1:
+                    if state == FULL:
                         diagonal = None  # even the first row is past its last key
                 units.append(Unit(i, j, rows, cols, diagonal, unit_bounds, piece(self.mask, rows, cols),
                                   piece(self.bias, rows, cols), Placement(seed, q_start, k_start, 0, partial)))
         return units
+
+    def call(self, unit: Unit, q: Tensor, k: Tensor, v: Tensor) -> AttentionCall:
+        """The attention call of `unit` on its query chunk `q` and key chunks `k`, `v`."""
+        masks = ScoreMasks(mask=unit.mask, bias=unit.bias, bounds=unit.bounds, causal=unit.causal, softcap=self.softcap)
+        return AttentionCall(q, k, v, masks, unit.seed, self.scale, self.dropout_p)
 
     def split(self, t: Optional[Tensor]) -> Optional[list[Tensor]]:
         """A (B, H, L / P, .) shard as its chunks: views (a step's op copies what it needs

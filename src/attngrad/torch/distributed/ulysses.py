@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..autograd import attention
 from ..dropout import Placement
-from ..functional import _Layout, _run
+from ..functional import build_call
+from ..layout import Layout
 from .call_checks import start_call
 from .ring_comm import waited
 from .sharding import Sharding, group_of
@@ -127,6 +129,7 @@ def all_to_all_attention(
     document_ids: Optional[Tensor] = None,
     cu_seqlens: Optional[Tensor] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
@@ -136,13 +139,14 @@ def all_to_all_attention(
     head groups (Ulysses): H (and Hkv, or else key and value repeat to H heads) must be a
     multiple of the world size P. Each rank holds (B, H / P, L, E) during the attention:
     the same size as its shard of all heads; a bias with rows is traded to
-    (b, H / P, L, L). Two all-to-alls per call each way, none per step."""
+    (b, H / P, L, L). Two all-to-alls per call each way, none per step. `sinks` (H,): as in
+    `attngrad.torch.attention`; each rank takes its head group's."""
     group = group_of(group)
     seed = start_call("all_to_all_attention", group, query, key, value, layout=layout, is_causal=is_causal,
                       attn_mask=attn_mask, attn_bias=attn_bias, softcap=softcap, dropout_p=dropout_p,
-                      enable_gqa=enable_gqa, window=window)
+                      enable_gqa=enable_gqa, window=window, sinks=sinks)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    folded = _Layout(query, key, value, enable_gqa)
+    folded = Layout(query, key, value, enable_gqa)
     if folded.heads % world:  # every rank raises alike: they agreed on the shapes
         raise ValueError(f"all_to_all_attention splits the {folded.heads} query heads over {world} ranks: "
                          f"they must be a multiple of it (query {tuple(query.shape)}); use ring_attention")
@@ -156,8 +160,10 @@ def all_to_all_attention(
                                                         folded.heads, rank)
     q, k, v = (_AllToAll.apply(t, trade, True) for t in (q, k, v))
     head_offset = rank * (folded.heads // world)
-    out = _run(q, k, v, mask, bias, dropout_p, is_causal, scale, enable_gqa=k.shape[1] != q.shape[1],
-               seed=Placement(seed, 0, 0, head_offset).tensor(), softcap=softcap,
-               structured=dict(key_padding=key_padding, window=window, document_ids=document_ids, cu_seqlens=cu_seqlens))
-    return folded.unfold(_AllToAll.apply(out, trade, False))
+    heads_here = folded.heads // world
+    call, _ = build_call(q, k, v, mask=mask, bias=bias, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                         enable_gqa=k.shape[1] != q.shape[1], seed=Placement(seed, 0, 0, head_offset).tensor(),
+                         key_padding=key_padding, window=window, document_ids=document_ids, cu_seqlens=cu_seqlens,
+                         softcap=softcap, sinks=None if sinks is None else sinks[head_offset:head_offset + heads_here])
+    return folded.unfold(_AllToAll.apply(attention(call), trade, False))
 

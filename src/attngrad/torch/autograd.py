@@ -1,0 +1,188 @@
+"""Attention as a differentiable function: two autograd.Functions over the ops of `ops`.
+
+    Attention          forward -> out          backward: AttentionBackward    jvp: the jvp op
+    AttentionBackward  forward -> dq, dk, ...  backward: the double_backward op   jvp: the backward_jvp op
+
+Because the first backward is itself a differentiable Function, double backward
+(create_graph=True), Hessian-vector products and torch.func.hessian work; a third
+derivative raises. (torch.library's own register_autograd would be the shorter spelling,
+but the wrapper it generates in torch 2.13 has no setup_context, and torch.func refuses
+it: pytorch#170834.)
+
+The forward saves the call's tensors, out, and per query row the score maximum and the
+inverse softmax denominator: O(L). `out`, the row statistics and `seed` reach
+AttentionBackward as caches: its derivatives are taken through q, k, v, bias and dout
+alone, which determine them. The Functions take the call's fields positionally (autograd
+tracks tensors among positional arguments only) and rebuild the `AttentionCall` from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .call import AttentionCall
+from .ops import CALL_NAMES, run_op
+
+_Q, _K, _V, _BIAS = (CALL_NAMES.index(name) for name in ("q", "k", "v", "bias"))
+assert CALL_NAMES == ("q", "k", "v", "mask", "bias", "bounds", "seed", "causal", "scale", "softcap", "dropout_p", "sink"), \
+    "the Functions' forward signatures spell out the call's fields"
+
+THIRD_ORDER = "attngrad attention has derivatives up to second order; a third was asked for"
+REVERSE_OVER_FORWARD = (
+    "attngrad attention's JVP has no reverse-mode derivative; for Hessian-vector products take "
+    "forward over reverse (torch.func.jvp of torch.func.grad) or reverse over reverse (double backward)"
+)
+
+
+class Final(torch.autograd.Function):
+    """Runs one function as a leaf of differentiation: differentiating its results raises.
+
+    Autograd and torch.func transforms call a Function's backward and jvp on tensors that an
+    outer transform may still track (torch.func always builds the graph of a backward).
+    Calling the function inside this Function's forward hands it plain tensors, and a
+    derivative asked of its results gets a clear error instead of a silent zero."""
+
+    generate_vmap_rule = True  # vmap runs the op once per batched slice
+
+    @staticmethod
+    def forward(fn: Callable, refusal: str, *args: Any):
+        return fn(*args)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.refusal = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any):
+        raise NotImplementedError(ctx.refusal)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any):
+        raise NotImplementedError(ctx.refusal)
+
+
+def _pass(pass_name: str, *call_fields: Any, **inputs: Any) -> Any:
+    """Run the op of `pass_name` on a call given by its fields in order (`Final`'s form)."""
+    return run_op(pass_name, AttentionCall.from_fields(dict(zip(CALL_NAMES, call_fields))), **inputs)
+
+
+def _final(pass_name: str, refusal: str, fields: list, **inputs: Any) -> Any:
+    """The op of `pass_name` as a leaf of differentiation (`Final`), every tensor handed to
+    it as an argument, so that a torch.func transform unwraps each."""
+    names = tuple(inputs)
+
+    def run(*args: Any) -> Any:
+        return _pass(pass_name, *args[:len(CALL_NAMES)], **dict(zip(names, args[len(CALL_NAMES):])))
+
+    return Final.apply(run, refusal, *fields, *inputs.values())
+
+
+def _save(ctx: Any, fields: tuple, *extra: Tensor) -> None:
+    """Save the call's fields (tensors through autograd, options as they are) and `extra`."""
+    tensors = [f if isinstance(f, Tensor) or f is None else None for f in fields]
+    ctx.options = [None if isinstance(f, Tensor) or f is None else f for f in fields]
+    ctx.save_for_backward(*tensors, *extra)
+    ctx.save_for_forward(*tensors, *extra)
+
+
+def _saved(ctx: Any) -> tuple[list, tuple]:
+    """The call's fields and the extra tensors `_save` kept."""
+    saved = ctx.saved_tensors
+    fields = [t if option is None else option for t, option in zip(saved, ctx.options)]
+    return fields, saved[len(ctx.options):]
+
+
+class Attention(torch.autograd.Function):
+    """out = attention(call) with the tiled backward. Arguments: the call's fields in order."""
+
+    generate_vmap_rule = True  # vmap runs the custom ops once per batched slice
+
+    @staticmethod
+    def forward(q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink):
+        # the call's fields (`CALL_NAMES`) spelled out: Dynamo traces no *args forward
+        return _pass("forward", q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        _save(ctx, inputs, *output)
+        # row_max and inv_sum are not marked non-differentiable: under vmap, torch.func's
+        # generated rule loses that mark and then refuses the None tangent (torch 2.13).
+        # They get zero tangents, and their incoming gradients are ignored.
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor, _dmax: Tensor, _dinv: Tensor):
+        fields, (out, row_max, inv_sum) = _saved(ctx)
+        bias_grad = fields[_BIAS] is not None and ctx.needs_input_grad[_BIAS]
+        # out and the statistics enter as caches, detached: the second derivatives are taken
+        # through q, k, v and bias, and a graph edge back into this node would only make
+        # autograd rerun this backward on zeros
+        dq, dk, dv, dbias = AttentionBackward.apply(
+            dout.contiguous(), out.detach(), row_max.detach(), inv_sum.detach(), bias_grad, *fields)
+        grads = [None] * len(fields)
+        grads[_Q], grads[_K], grads[_V], grads[_BIAS] = dq, dk, dv, dbias if bias_grad else None
+        return tuple(grads)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any):
+        fields, (_out, row_max, inv_sum) = _saved(ctx)
+        tbias = tangents[_BIAS] if fields[_BIAS] is not None else None
+        out_t = _final("jvp", REVERSE_OVER_FORWARD, fields, row_max=row_max, inv_sum=inv_sum, tq=tangents[_Q],
+                       tk=tangents[_K], tv=tangents[_V], tbias=tbias)
+        return out_t, torch.zeros_like(row_max), torch.zeros_like(inv_sum)
+
+
+class AttentionBackward(torch.autograd.Function):
+    """(dq, dk, dv, dbias) = the backward of `Attention`, itself differentiable once more.
+    Arguments: dout, out, row_max, inv_sum, bias_grad, then the call's fields in order."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(dout, out, row_max, inv_sum, bias_grad: bool, q, k, v, mask, bias, bounds, seed, causal, scale, softcap,
+                dropout_p, sink):
+        return _pass("backward", q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink, dout=dout,
+                     out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        dout, out, row_max, inv_sum, bias_grad, *fields = inputs
+        _save(ctx, tuple(fields), dout, out, row_max, inv_sum)
+        ctx.bias_grad = bias_grad
+        ctx.set_materialize_grads(False)  # a gradient nobody used arrives as None: no work for it
+
+    @staticmethod
+    def backward(ctx: Any, gq: Tensor, gk: Tensor, gv: Tensor, gbias: Tensor):
+        fields, (dout, out, row_max, inv_sum) = _saved(ctx)
+        dout_grad = ctx.needs_input_grad[0]  # a gradient penalty's dout is a constant
+        g_dout, g_q, g_k, g_v, g_bias = _final(
+            "double_backward", THIRD_ORDER, fields, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum,
+            bias_grad=ctx.bias_grad, dout_grad=dout_grad, gq=gq, gk=gk, gv=gv, gbias=gbias if ctx.bias_grad else None)
+        grads = [None] * len(fields)
+        grads[_Q], grads[_K], grads[_V], grads[_BIAS] = g_q, g_k, g_v, g_bias if ctx.bias_grad else None
+        return (g_dout if dout_grad else None, None, None, None, None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, tdout, _tout, _tmax, _tinv, _tbias_grad, *tangents: Any):
+        fields, (dout, out, row_max, inv_sum) = _saved(ctx)
+        tbias = tangents[_BIAS] if fields[_BIAS] is not None else None
+        # without a bias gradient, the last result is the empty placeholder
+        return _final("backward_jvp", THIRD_ORDER, fields, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum,
+                      bias_grad=ctx.bias_grad, tdout=tdout, tq=tangents[_Q], tk=tangents[_K], tv=tangents[_V], tbias=tbias)
+
+
+class _AttentionTraced(Attention):
+    """Attention as torch.compile sees it: Dynamo refuses autograd.Functions that define jvp
+    (torch 2.13), so a compiled graph gets this twin without forward mode."""
+
+    jvp = torch.autograd.Function.jvp
+
+
+def attention(call: AttentionCall) -> Tensor:
+    """The differentiable attention of `call`, on (B, H, L, E) tensors: its output."""
+    function = _AttentionTraced if torch.compiler.is_compiling() else Attention
+    fields = call.fields()
+    return function.apply(*(fields[name] for name in CALL_NAMES))[0]

@@ -1,0 +1,98 @@
+"""The "tiles" backend: the compiled C++ tiles (`native`), every pass on the CPU in float32
+or float64 (float16 and bfloat16 computed in float32, results returned in the inputs'
+dtypes). Registered first: where it takes a call, it is the fast one. It refuses tensors on
+other devices, an empty dimension, and a ring step's higher passes (`row_sums`); it is
+unavailable where the tiles cannot be built (`native.build_info.reason` says why)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import dispatch, dropout, native
+from ..call import AttentionCall
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _unavailable() -> Optional[str]:
+    return None if native.library() is not None else native.build_info.reason
+
+
+def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]:
+    if any(t.device.type != "cpu" for t in call.tensors()):
+        return f"it runs on the CPU; the call is on {call.q.device}"
+    if call.q.dtype not in FLOATS:
+        return f"it takes floating tensors; got {call.q.dtype}"
+    if min(call.q.shape) == 0 or min(call.k.shape) == 0 or min(call.v.shape) == 0:
+        return "it takes no empty dimension"
+    return None
+
+
+def _options(call: AttentionCall) -> dict:
+    return dict(mask=call.mask, bias=call.bias, seed=call.placement, dropout_p=call.dropout_p, bounds=call.bounds,
+                softcap=call.softcap)
+
+
+def _in_dtypes_of(results: tuple, inputs: tuple) -> tuple:
+    """The tiles' results (float32 for float16 and bfloat16 inputs) each in the dtype of the
+    input it is the derivative of; None stays None."""
+    return tuple(None if r is None else r.to(x.dtype) for r, x in zip(results, inputs))
+
+
+def forward(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
+    out, row_max, inv_sum = native.attention_forward(call.q, call.k, call.v, call.causal, call.scale, **_options(call))
+    return out.to(call.q.dtype), row_max, inv_sum  # the statistics stay in the compute dtype
+
+
+def backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
+             bias_grad: bool) -> tuple:
+    grads = native.attention_backward(dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal, call.scale,
+                                      bias_grad=bias_grad, **_options(call))
+    return _in_dtypes_of(grads, (call.q, call.k, call.v, call.bias))
+
+
+def jvp(call: AttentionCall, *, row_max: Tensor, inv_sum: Tensor, tq: Optional[Tensor], tk: Optional[Tensor],
+        tv: Optional[Tensor], tbias: Optional[Tensor]) -> Tensor:
+    out_t = native.attention_jvp(call.q, call.k, call.v, row_max, inv_sum, call.causal, call.scale, tq, tk, tv,
+                                 tbias=tbias, **_options(call))
+    return out_t.to(call.q.dtype)
+
+
+def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor, bias_grad: bool,
+                 tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
+                 tbias: Optional[Tensor]) -> tuple:
+    results = native.attention_backward_jvp(dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal, call.scale,
+                                            tdout, tq, tk, tv, tbias=tbias, bias_grad=bias_grad, **_options(call))
+    return _in_dtypes_of(results, (call.q, call.k, call.v, call.bias))
+
+
+def double_backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
+                    bias_grad: bool, dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor],
+                    gbias: Optional[Tensor]) -> tuple:
+    results = native.attention_double_backward(dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal,
+                                               call.scale, dout_grad, gq, gk, gv, gbias=gbias, bias_grad=bias_grad,
+                                               sink=call.sink, **_options(call))
+    return _in_dtypes_of(results, (dout, call.q, call.k, call.v, call.bias))
+
+
+def _fill(out: Tensor, seed: int, row_start: int, threshold: int, value: float, key_start: int) -> Optional[Tensor]:
+    """The dropout keep-scales of a contiguous float32 or float64 CPU tile, compiled, or None."""
+    if out.device.type != "cpu" or out.dtype not in (torch.float32, torch.float64) or not out.is_contiguous():
+        return None
+    if native.library() is None:
+        return None
+    return native.dropout_keep_scale_into(out, seed, row_start, threshold, value, key_start)
+
+
+dropout.use_compiled_fill(_fill)
+
+BACKEND = dispatch.register(dispatch.Backend(
+    name="tiles",
+    passes=dict(forward=forward, backward=backward, jvp=jvp, backward_jvp=backward_jvp, double_backward=double_backward),
+    unavailable=_unavailable,
+    refuses=_refuses,
+    description="compiled C++ tiles: CPU, every pass",
+), before="torch-ops" if "torch-ops" in dispatch.registered() else None)

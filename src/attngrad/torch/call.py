@@ -1,0 +1,186 @@
+"""One description of an attention call, and one table of every pass's fields.
+
+`AttentionCall` says what a call computes: q, k, v, its score masks (`ScoreMasks`), the
+dropout and the scale. The public functions build it once; the ops, their fakes and checks,
+the vmap rules, the autograd Functions, the backends and the ring all pass it on.
+
+`FIELDS` names every argument any pass takes, with its schema type and the tensor whose
+shape it must have; `PASSES` lists each pass's extra inputs and its outputs. The ops' schemas
+(`ops`), their fake results, their shape checks (`op_checks.check_fields`) and their batching
+rules (`vmap_rules`) are derived from these two tables, so a new option is one field here
+plus its kernel code.
+
+Shape legend: q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), out (B, H, Lq, dv),
+row statistics (B, H, Lq), a bias or mask broadcastable to (B, H, Lq, Lk), key bounds
+(1 or B, Lq, 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from .dropout import Placement
+
+
+@dataclass(frozen=True)
+class Field:
+    """One argument of a pass: its name, its type in the op schema, and what its shape must
+    equal (`like`: "q", "k", "v", "out" (B, H, Lq, dv), "rows" (B, H, Lq), "bias"), if any."""
+
+    name: str
+    schema: str
+    like: Optional[str] = None
+    default: Optional[str] = None  # in the schema's words
+
+    def declaration(self) -> str:
+        return f"{self.schema} {self.name}" + ("" if self.default is None else f"={self.default}")
+
+
+# The call's own fields: what every pass takes.
+CALL_FIELDS = (
+    Field("q", "Tensor"), Field("k", "Tensor"), Field("v", "Tensor"),
+    Field("mask", "Tensor?"),  # boolean, True = take part
+    Field("bias", "Tensor?"),  # added to the scores
+    Field("bounds", "Tensor?"),  # per-row key bounds [lo, hi) of the structured masks
+    Field("seed", "Tensor"),  # 0-d int64 dropout seed, or (5,): a `dropout.Placement`
+    Field("causal", "int?"),  # the causal diagonal: key j visible to query i when j <= i + causal
+    Field("scale", "float"), Field("softcap", "float"), Field("dropout_p", "float"),
+    Field("sink", "bool", default="False"),  # every row's softmax has one more term, exp(0)
+)
+
+# The passes' own inputs: the forward's results, upstream gradients, tangents, cotangents.
+PASS_FIELDS = (
+    Field("dout", "Tensor", "out"), Field("out", "Tensor", "out"),
+    Field("row_max", "Tensor", "rows"), Field("inv_sum", "Tensor", "rows"),
+    Field("bias_grad", "bool"), Field("dout_grad", "bool"),
+    Field("tdout", "Tensor?", "out"), Field("tq", "Tensor?", "q"), Field("tk", "Tensor?", "k"),
+    Field("tv", "Tensor?", "v"), Field("tbias", "Tensor?", "bias"),
+    Field("gq", "Tensor?", "q"), Field("gk", "Tensor?", "k"), Field("gv", "Tensor?", "v"), Field("gbias", "Tensor?", "bias"),
+)
+
+FIELDS = {field.name: field for field in CALL_FIELDS + PASS_FIELDS}
+
+
+@dataclass(frozen=True)
+class Output:
+    """One result of a pass: shaped like `like` (as in `Field`, "rows" in the compute dtype),
+    present only when the boolean input `when` is true (an empty placeholder otherwise)."""
+
+    name: str
+    like: str
+    when: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Pass:
+    inputs: tuple[str, ...]
+    outputs: tuple[Output, ...]
+
+
+_STATS = ("out", "row_max", "inv_sum")
+_TANGENTS = ("tq", "tk", "tv", "tbias")
+_GRADS = (Output("dq", "q"), Output("dk", "k"), Output("dv", "v"), Output("dbias", "bias", "bias_grad"))
+
+PASSES = {
+    "forward": Pass((), (Output("out", "out"), Output("row_max", "rows"), Output("inv_sum", "rows"))),
+    "backward": Pass(("dout", *_STATS, "bias_grad"), _GRADS),
+    "jvp": Pass(("row_max", "inv_sum", *_TANGENTS), (Output("out_t", "out"),)),
+    "backward_jvp": Pass(("dout", *_STATS, "bias_grad", "tdout", *_TANGENTS), _GRADS),
+    "double_backward": Pass(
+        ("dout", *_STATS, "bias_grad", "dout_grad", "gq", "gk", "gv", "gbias"),
+        (Output("g_dout", "out", "dout_grad"), Output("g_q", "q"), Output("g_k", "k"), Output("g_v", "v"),
+         Output("g_bias", "bias", "bias_grad")),
+    ),
+}
+
+
+def argument_names(pass_name: str) -> tuple[str, ...]:
+    """A pass's arguments in schema order: the call's fields, the pass's inputs, then those
+    of the call's fields that have defaults (the schema wants them last)."""
+    plain = tuple(f.name for f in CALL_FIELDS if f.default is None)
+    defaulted = tuple(f.name for f in CALL_FIELDS if f.default is not None)
+    return plain + PASSES[pass_name].inputs + defaulted
+
+
+def schema(pass_name: str) -> str:
+    """The op schema of a pass, from the tables: "(Tensor q, ..., bool sink, Tensor dout, ...) -> (...)"."""
+    declared = [FIELDS[n].declaration() for n in argument_names(pass_name)]
+    outputs = PASSES[pass_name].outputs
+    results = "Tensor" if len(outputs) == 1 else f"({', '.join('Tensor' for _ in outputs)})"
+    return f"({', '.join(declared)}) -> {results}"
+
+
+@dataclass(frozen=True)
+class ScoreMasks:
+    """What decides each score and which scores take part: a boolean mask, a float bias,
+    per-row key bounds (the structured masks), the causal diagonal, a soft cap and a sink."""
+
+    mask: Optional[Tensor] = None  # broadcastable to (B, H, Lq, Lk)
+    bias: Optional[Tensor] = None  # broadcastable to (B, H, Lq, Lk)
+    bounds: Optional[Tensor] = None  # (1 or B, Lq, 2) int64
+    causal: Optional[int] = None
+    softcap: float = 0.0
+    sink: bool = False
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """An attention call on (B, H, L, E) tensors: what every pass of it computes."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    masks: ScoreMasks
+    seed: Tensor
+    scale: float
+    dropout_p: float = 0.0
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> AttentionCall:
+        """From the ops' arguments by name (`CALL_FIELDS`)."""
+        masks = ScoreMasks(fields["mask"], fields["bias"], fields["bounds"], fields["causal"], fields["softcap"],
+                           fields["sink"])
+        return cls(fields["q"], fields["k"], fields["v"], masks, fields["seed"], fields["scale"], fields["dropout_p"])
+
+    def fields(self) -> dict[str, Any]:
+        """The ops' arguments by name (`CALL_FIELDS`)."""
+        m = self.masks
+        return dict(q=self.q, k=self.k, v=self.v, mask=m.mask, bias=m.bias, bounds=m.bounds, seed=self.seed,
+                    causal=m.causal, scale=self.scale, softcap=m.softcap, dropout_p=self.dropout_p, sink=m.sink)
+
+    # Shorthands for the backends, which read the masks often.
+    mask = property(lambda self: self.masks.mask)
+    bias = property(lambda self: self.masks.bias)
+    bounds = property(lambda self: self.masks.bounds)
+    causal = property(lambda self: self.masks.causal)
+    softcap = property(lambda self: self.masks.softcap)
+    sink = property(lambda self: self.masks.sink)
+
+    @property
+    def placement(self) -> Placement:
+        """The dropout seed and where this call sits in a larger one."""
+        return Placement.of(self.seed)
+
+    @property
+    def partial_rows(self) -> bool:
+        """Whether the call's keys are a part of each row's (a ring step)."""
+        return self.seed.dim() > 0 and bool(self.placement.partial_rows)
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """Every tensor of the call that is not None."""
+        return tuple(t for t in (self.q, self.k, self.v, self.mask, self.bias, self.bounds) if t is not None)
+
+
+def empty_like_field(like: str, call: AttentionCall) -> Tensor:
+    """An uninitialised contiguous result shaped like `like` (see `Output`)."""
+    q, v = call.q, call.v
+    if like == "out":
+        return q.new_empty(*q.shape[:3], v.shape[-1])
+    if like == "rows":
+        return q.new_empty(q.shape[:3], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    source = {"q": q, "k": call.k, "v": v, "bias": call.bias}[like]
+    return source.new_empty(source.shape)  # empty_like would copy a transposed input's strides

@@ -1,0 +1,183 @@
+// attngrad's compiled tiles: the forward and the backward (see tiles.h for the design).
+#include "tiles.h"
+
+namespace attngrad_tiles {
+
+template <typename T>
+void forward(const Pass<T>& pass) {
+    const T *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v];
+    T *out = pass[buf_out], *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];
+    const Shape& s = pass.s;
+    const Causal causal = pass.causal;
+    const ScoreMask<T>& masks = pass.masks;
+    const DropoutDraw& drop = pass.drop;
+    const T scale = pass.scale;
+    const index_t block_rows = pass.call.block_rows, block_keys = pass.call.block_keys;
+    const index_t value_slice = pass.call.value_slice;
+    const index_t group = s.heads / s.kv_heads;
+    const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
+    const index_t bh_count = s.batch * s.heads;
+    const T neg_inf = -std::numeric_limits<T>::infinity();
+    const BlockSkips<T> skips(masks, s, block_rows, block_keys);
+    // the last query blocks first: a causal pass's heaviest work is scheduled first
+    parallel_items(query_blocks * bh_count, [&](const ItemSource& source) {
+        std::vector<T> scores(block_rows * block_keys), acc(block_rows * s.dim_v), m(block_rows), l(block_rows);
+        for (index_t item; (item = source.next()) >= 0;) {
+            const index_t qb = query_blocks - 1 - item / bh_count, bh = item % bh_count;
+            const index_t b = bh / s.heads, h = bh % s.heads;
+            const index_t r0 = qb * block_rows, rows = std::min(block_rows, s.len_q - r0);
+            const T* q_blk = q + (bh * s.len_q + r0) * s.dim;
+            const T* k_head = k + (b * s.kv_heads + h / group) * s.len_k * s.dim;
+            const T* v_head = v + (b * s.kv_heads + h / group) * s.len_k * s.dim_v;
+            const index_t keys = causal.keys_before(r0 + rows, s.len_k);
+            std::fill(m.begin(), m.end(), neg_inf);
+            std::fill(l.begin(), l.end(), T(0));
+            std::fill(acc.begin(), acc.end(), T(0));
+            for (index_t c0 = 0; c0 < keys; c0 += block_keys) {
+                if (skips(b, h, qb, c0 / block_keys)) continue;  // every score of the tile excluded
+                const index_t cols = std::min(block_keys, keys - c0);
+                // forward: S = scale Q_blk K_blk^T
+                gemm<T>(false, true, rows, cols, s.dim, scale, q_blk, s.dim, k_head + c0 * s.dim, s.dim, T(0),
+                        scores.data(), cols);
+                for (index_t i = 0; i < rows; ++i) {
+                    T* row = scores.data() + i * cols;
+                    const index_t seen = causal.visible(r0 + i, c0, cols);
+                    pass.score_row(row, b, h, r0 + i, c0, seen);  // S = c tanh(S / c) + bias, excluded -inf
+                    const T m_new = std::max(m[i], max_of(row, seen));
+                    // E = exp(S - m'); a row that has seen no key so far keeps E = 0
+                    const T sum = m_new != neg_inf ? exp_and_sum(row, seen, m_new) : T(0);
+                    std::fill(row + (m_new != neg_inf ? seen : 0), row + cols, T(0));  // the row's future
+                    if (m_new != m[i]) {  // rescale what earlier key blocks summed
+                        const T correction = m[i] == neg_inf ? T(0) : exp_score(m[i] - m_new);
+                        l[i] *= correction;
+                        T* acc_row = acc.data() + i * s.dim_v;
+                        for (index_t c = 0; c < s.dim_v; ++c) acc_row[c] *= correction;
+                        m[i] = m_new;
+                    }
+                    l[i] += sum;
+                    if (drop.on) drop.scale_row(row, b, h, r0 + i, c0, seen);  // E Z: l keeps E alone
+                }
+                // forward: acc += E V_blk, over slices of `value_slice` keys: a float32 sum's
+                // rounding grows with its length, and blocked sums keep each part short
+                for (index_t j0 = 0; j0 < cols; j0 += value_slice) {
+                    gemm<T>(false, false, rows, s.dim_v, std::min(value_slice, cols - j0), T(1), scores.data() + j0,
+                            cols, v_head + (c0 + j0) * s.dim_v, s.dim_v, T(1), acc.data(), s.dim_v);
+                }
+            }
+            for (index_t i = 0; i < rows; ++i) {
+                const index_t r = bh * s.len_q + r0 + i;
+                const bool empty = !(l[i] > T(0));  // a row that saw no key: out 0, statistics 0
+                const T inv = empty ? T(0) : T(1) / l[i];
+                row_max[r] = empty ? T(0) : m[i];
+                inv_sum[r] = inv;
+                const T* acc_row = acc.data() + i * s.dim_v;
+                T* out_row = out + r * s.dim_v;
+                for (index_t c = 0; c < s.dim_v; ++c) out_row[c] = acc_row[c] * inv;
+            }
+        }
+    });
+}
+
+template <typename T>
+void backward(const Pass<T>& pass) {
+    const T *dout = pass[buf_dout], *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v], *out = pass[buf_out];
+    const T *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];
+    T *delta = pass[buf_delta], *dq_parts = pass[buf_dq_parts], *dk = pass[buf_dk], *dv = pass[buf_dv];
+    const BiasGradient<T> dbias(pass, buf_dbias_parts, 3);
+    const Shape& s = pass.s;
+    const Causal causal = pass.causal;
+    const ScoreMask<T>& masks = pass.masks;
+    const DropoutDraw& drop = pass.drop;
+    const T scale = pass.scale;
+    const index_t block_rows = pass.call.block_rows, block_keys = pass.call.block_keys, chunks = pass.call.chunks;
+    const index_t group = s.heads / s.kv_heads;
+    const index_t rows_total = s.batch * s.heads * s.len_q;
+    row_dots(dout, out, delta, rows_total, s.dim_v);  // D = rowsum(dO * O)
+    const RowKeys<T> row_keys_of(masks, causal, s);
+    const BlockSkips<T> skips(masks, s, block_rows, block_keys);
+    const index_t key_blocks = (s.len_k + block_keys - 1) / block_keys;
+    const KvItems items(s, chunks, dbias.shares_batch(s), dbias.shares_kv_heads(s));
+    parallel_items(items.count(), [&](const ItemSource& source) {
+        std::vector<T> probs(block_rows * block_keys), dscores(block_rows * block_keys);
+        std::vector<T> slopes(pass.cap.c ? block_rows * block_keys : 0);  // the cap's, per score
+        for (index_t item; (item = source.next()) >= 0;) {
+          items.visit(item, [&](const KvItem& it) {
+            const index_t chunk = it.chunk, bhk = it.bhk, b = it.b, hk = it.hk;
+            const T* k_head = k + bhk * s.len_k * s.dim;
+            const T* v_head = v + bhk * s.len_k * s.dim_v;
+            T* dk_head = dk + bhk * s.len_k * s.dim;
+            T* dv_head = dv + bhk * s.len_k * s.dim_v;
+            T* dq = dq_parts + chunk * rows_total * s.dim;
+            T* dbias_part = dbias.part(chunk);
+            for (index_t kb = chunk * key_blocks / chunks; kb < (chunk + 1) * key_blocks / chunks; ++kb) {
+                const index_t c0 = kb * block_keys, cols = std::min(block_keys, s.len_k - c0);
+                const T* k_blk = k_head + c0 * s.dim;
+                const T* v_blk = v_head + c0 * s.dim_v;
+                for (index_t h = hk * group; h < (hk + 1) * group; ++h) {
+                    const index_t bh = b * s.heads + h;
+                    // causal: rows before c0 - offset see none of these keys
+                    const index_t first_row = causal.on ? std::max<index_t>(0, c0 - causal.offset) : 0;
+                    for (index_t r0 = first_row / block_rows * block_rows; r0 < s.len_q; r0 += block_rows) {
+                        if (skips(b, h, r0 / block_rows, kb)) continue;  // every score of the tile excluded
+                        const index_t rows = std::min(block_rows, s.len_q - r0), first = bh * s.len_q + r0;
+                        // forward: S = scale Q K_blk^T;  backward: dP = dO V_blk^T
+                        gemm<T>(false, true, rows, cols, s.dim, scale, q + first * s.dim, s.dim, k_blk, s.dim, T(0),
+                                probs.data(), cols);
+                        gemm<T>(false, true, rows, cols, s.dim_v, T(1), dout + first * s.dim_v, s.dim_v, v_blk,
+                                s.dim_v, T(0), dscores.data(), cols);
+                        for (index_t i = 0; i < rows; ++i) {
+                            T* p = probs.data() + i * cols;
+                            T* ds = dscores.data() + i * cols;
+                            const index_t seen = causal.visible(r0 + i, c0, cols);
+                            const index_t row_keys = row_keys_of(bh, r0 + i);
+                            const T m = row_max[first + i], inv = inv_sum[first + i];
+                            T* slope = pass.cap.c ? slopes.data() + i * cols : nullptr;
+                            pass.score_row(p, b, h, r0 + i, c0, seen, slope);  // S = c tanh(A / c) + bias
+                            if (drop.on) drop.scale_row(ds, b, h, r0 + i, c0, seen);  // dP = (dO V^T) Z
+                            if (!pass.call.partial_rows && c0 == 0 && causal.visible(r0 + i, 0, s.len_k) <= cols) {
+                                // every key of the row is in this block: D = rowsum(P dP) from
+                                // the very dP it is subtracted from, whose rounding then cancels
+                                // (rowsum(dO O) carries O's; few-key rows showed it in float32)
+                                const T d_row = probs_and_dot(p, ds, seen, m, inv);
+                                centre_and_scale(p, ds, seen, d_row);
+                            } else {
+                                probs_and_score_grad(p, ds, seen, m, inv, delta[first + i]);
+                            }
+                            // the row's one key, if in this block: P = 1, dS = 0 (with l = 1: a ring
+                            // step's row may have more keys than this call's, each with weight)
+                            if (row_keys == 1 && inv == T(1)) {
+                                for (index_t j = 0; j < seen; ++j) {
+                                    p[j] = p[j] > T(0) ? T(1) : T(0);
+                                    ds[j] = T(0);
+                                }
+                            }
+                            if (drop.on) drop.scale_row(p, b, h, r0 + i, c0, seen);  // P Z, for dV
+                            std::fill(p + seen, p + cols, T(0));
+                            std::fill(ds + seen, ds + cols, T(0));
+                            // forward: S = scale Q K^T + bias  ->  dbias = dS, summed over its broadcast axes
+                            if (dbias_part) dbias.add_row(dbias_part, ds, b, h, r0 + i, c0, seen);
+                            // forward: S = c tanh(A / c) + bias  ->  dA = dS (1 - tanh^2)
+                            if (slope) for (index_t j = 0; j < seen; ++j) ds[j] *= slope[j];
+                        }
+                        // forward: O = (P Z) V  ->  dV_blk += (P Z)^T dO
+                        gemm<T>(true, false, cols, s.dim_v, rows, T(1), probs.data(), cols, dout + first * s.dim_v,
+                                s.dim_v, T(1), dv_head + c0 * s.dim_v, s.dim_v);
+                        // forward: S = scale Q K^T  ->  dK_blk += scale dS^T Q,  dQ += scale dS K_blk
+                        gemm<T>(true, false, cols, s.dim, rows, scale, dscores.data(), cols, q + first * s.dim, s.dim,
+                                T(1), dk_head + c0 * s.dim, s.dim);
+                        gemm<T>(false, false, rows, s.dim, cols, scale, dscores.data(), cols, k_blk, s.dim, T(1),
+                                dq + first * s.dim, s.dim);
+                    }
+                }
+            }
+          });
+        }
+    });
+}
+
+template void forward<float>(const Pass<float>&);
+template void forward<double>(const Pass<double>&);
+template void backward<float>(const Pass<float>&);
+template void backward<double>(const Pass<double>&);
+
+}  // namespace attngrad_tiles

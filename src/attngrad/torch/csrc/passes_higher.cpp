@@ -1,0 +1,272 @@
+// attngrad's compiled tiles: the passes on query blocks of whole rows, the double
+// backward, the JVP and the backward's JVP (see tiles.h for the design).
+#include "tiles.h"
+
+namespace attngrad_tiles {
+
+
+// The double backward, for cotangents gQ, gK, gV, gbias (each may be null: zero) of the
+// backward's dQ, dK, dV, dbias; per query block of whole rows (for_each_row_block), since
+// two row sums run over all of a row's keys; Z the dropout keep-scale (1 without):
+//   T = scale (gQ K^T + Q gK^T) + gbias,  t = rowsum(P * T),  X = (dO gV^T) Z
+//   dP~ = (dO V^T) Z,  g_P = (dP~ - D) * (T - t) + X,  u = rowsum(P * g_P)
+//   g_dP = P * (T - t)    -> g_V += (g_dP Z)^T dO,  g_dO = (g_dP Z) V + (P Z) gV (when asked)
+//   g_S = P * (g_P - u),  dS = P * (dP~ - D)
+//   g_Q = scale (g_S K + dS gK),  g_K += scale (g_S^T Q + dS^T gQ),  g_bias += g_S
+// A work item adds into its own parts of g_K and g_V (gk_parts, gv_parts: one per chunk)
+// and of g_bias (BiasGradient).
+template <typename T>
+void double_backward(const Pass<T>& pass) {
+    const T *dout = pass[buf_dout], *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v], *out = pass[buf_out];
+    const T *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];
+    const T *gq = pass[buf_gq], *gk = pass[buf_gk], *gv = pass[buf_gv];
+    T *delta = pass[buf_delta], *g_dout = pass[buf_g_dout], *g_q = pass[buf_g_q];
+    T *gk_parts = pass[buf_gk_parts], *gv_parts = pass[buf_gv_parts];
+    const BiasGradient<T> g_bias(pass, buf_g_bias_parts, 2);
+    const Shape& s = pass.s;
+    const DropoutDraw& drop = pass.drop;
+    const T scale = pass.scale;
+    const ScoreMask<T> gbias{nullptr, Broadcast4(), pass[buf_gbias], Broadcast4(pass.call.bias_sizes)};
+    const index_t kv_size = s.batch * s.kv_heads * s.len_k;
+    row_dots(dout, out, delta, s.batch * s.heads * s.len_q, s.dim_v);  // D = rowsum(dO * O)
+    const RowKeys<T> row_keys_of(pass.masks, pass.causal, s);
+    const KvItems items(s, pass.call.chunks, g_bias.shares_batch(s), g_bias.shares_kv_heads(s));
+    // scratch: P, then P Z; T, then g_dP Z; dP~ - D, then dS; X, then g_P, then g_S; with a
+    // softcap its slope, and its curve (times the raw T)
+    for_each_row_block(pass, items, 4 + CapRows<T>::tiles(pass.cap, true), [&](const RowBlock& blk, T* scratch) {
+        const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
+        if (keys == 0) {  // rows that see no key: nothing flows back through them
+            std::fill(g_q + first * s.dim, g_q + (first + rows) * s.dim, T(0));
+            if (g_dout) std::fill(g_dout + first * s.dim_v, g_dout + (first + rows) * s.dim_v, T(0));
+            return;
+        }
+        const T* k_head = blk.head(k, s.dim);
+        const T* v_head = blk.head(v, s.dim_v);
+        const T* gk_head = blk.head(gk, s.dim);
+        const T* gv_head = blk.head(gv, s.dim_v);
+        T* g_k = blk.part_head(gk_parts, kv_size, s.dim);
+        T* g_v = blk.part_head(gv_parts, kv_size, s.dim_v);
+        T* g_bias_part = g_bias.part(blk.chunk);
+        const T* q_blk = blk.block(q, s.dim);
+        const T* do_blk = blk.block(dout, s.dim_v);
+        const T* gq_blk = blk.block(gq, s.dim);
+        T *p = scratch, *t = scratch + tile, *dp = scratch + 2 * tile, *x = scratch + 3 * tile;
+        const CapRows<T> cap_rows(pass.cap, scratch, tile, 4, true);
+        // S = scale Q K^T;  T = scale (gQ K^T + Q gK^T) (+ gbias by row);  dP = dO V^T;  X = dO gV^T (Z by row)
+        gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
+        products_nt(rows, keys, s.dim, scale, gq_blk, k_head, q_blk, gk_head, t);
+        gemm<T>(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, v_head, s.dim_v, T(0), dp, keys);
+        products_nt<T>(rows, keys, s.dim_v, T(1), do_blk, gv_head, nullptr, nullptr, x);
+        for (index_t i = 0; i < rows; ++i) {
+            T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
+            const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
+            const T m = row_max[first + i], inv = inv_sum[first + i];
+            const auto [sli, cvi] = cap_rows.row(i, keys);
+            // S = c tanh(A / c) + bias, T = slope T_raw + gbias
+            pass.score_row(pi, blk.b, blk.h, row, blk.key0, seen, sli, cvi, ti, &gbias);
+            if (drop.on) {  // dP~ = (dO V^T) Z,  X = (dO gV^T) Z
+                drop.scale_row(dpi, blk.b, blk.h, row, blk.key0, seen);
+                drop.scale_row(xi, blk.b, blk.h, row, blk.key0, seen);
+            }
+            T d_row = delta[first + i];
+            const bool single = row_keys_of(blk.bh, row) == 1 && inv == T(1);
+            const T t_sum = row_probs(pi, ti, seen, m, inv, single);  // P, t = rowsum(P * T)
+            if (single) {  // the row's one key: P = 1, so t = T, D = dP~ exactly
+                d_row = T(0);
+                for (index_t j = 0; j < seen; ++j) d_row += pi[j] * dpi[j];
+            }
+            T u_sum = second_order_terms(pi, ti, dpi, xi, seen, t_sum, d_row);
+            // with a sink, rowsum(P) = 1 - P_sink: the per-row t D that g_P leaves out (the softmax
+            // ignores it only when P sums to 1) comes back as t D P_sink, P_sink = exp(-m) / l
+            if (pass.call.sink && inv > T(0)) u_sum += t_sum * d_row * std::exp(std::log(inv) - m);
+            centre_and_scale(pi, xi, seen, u_sum);  // g_S = P (g_P - u)
+            if (drop.on) {  // g_dP Z and P Z, for g_V and g_dO
+                drop.scale_row(ti, blk.b, blk.h, row, blk.key0, seen);
+                drop.scale_row(pi, blk.b, blk.h, row, blk.key0, seen);
+            }
+            for (T* r : {pi, ti, dpi, xi}) std::fill(r + seen, r + keys, T(0));
+            if (g_bias_part) g_bias.add_row(g_bias_part, xi, blk.b, blk.h, row, blk.key0, seen);  // g_bias += g_S
+            // through dA = slope dS and S = c tanh(A / c): g_A = slope g_S + (curve T_raw) dS
+            if (sli) Softcap<T>::back_to_raw(xi, dpi, sli, cvi, seen);
+        }
+        // backward: dV = (P Z)^T dO  ->  g_V += (g_dP Z)^T dO
+        gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), g_v, s.dim_v);
+        // backward: dP~ = (dO V^T) Z, dV = (P Z)^T dO  ->  g_dO = (g_dP Z) V + (P Z) gV
+        if (g_dout) {
+            T* g_do = g_dout + first * s.dim_v;
+            gemm<T>(false, false, rows, s.dim_v, keys, T(1), t, keys, v_head, s.dim_v, T(0), g_do, s.dim_v);
+            if (gv_head) {
+                gemm<T>(false, false, rows, s.dim_v, keys, T(1), p, keys, gv_head, s.dim_v, T(1), g_do, s.dim_v);
+            }
+        }
+        // backward: dQ = scale dS K, dK = scale dS^T Q  ->  g_Q = scale (g_S K + dS gK),
+        // g_K += scale (g_S^T Q + dS^T gQ)
+        T* g_q_blk = g_q + first * s.dim;
+        gemm<T>(false, false, rows, s.dim, keys, scale, x, keys, k_head, s.dim, T(0), g_q_blk, s.dim);
+        if (gk_head) gemm<T>(false, false, rows, s.dim, keys, scale, dp, keys, gk_head, s.dim, T(1), g_q_blk, s.dim);
+        gemm<T>(true, false, keys, s.dim, rows, scale, x, keys, q_blk, s.dim, T(1), g_k, s.dim);
+        if (gq_blk) gemm<T>(true, false, keys, s.dim, rows, scale, dp, keys, gq_blk, s.dim, T(1), g_k, s.dim);
+    });
+}
+
+// The JVP: the output's tangent O' for tangents tQ, tK, tV, tbias (each may be null:
+// zero), from the forward's statistics, per query block of whole rows (t below sums over
+// all of a row's keys). Each block owns its rows of O'.
+//   P = exp(S - m) / l,  T = S' = scale (tQ K^T + Q tK^T) + tbias,  t = rowsum(P * T)
+//   P' = P (T - t),  O' = (P' Z) V + (P Z) tV
+template <typename T>
+void jvp(const Pass<T>& pass) {
+    const T *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v];
+    const T *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];
+    const T *tq = pass[buf_tq], *tk = pass[buf_tk], *tv = pass[buf_tv];
+    T* out_t = pass[buf_tout];
+    const Shape& s = pass.s;
+    const DropoutDraw& drop = pass.drop;
+    const T scale = pass.scale;
+    const ScoreMask<T> tbias{nullptr, Broadcast4(), pass[buf_tbias], Broadcast4(pass.call.bias_sizes)};
+    const RowKeys<T> row_keys_of(pass.masks, pass.causal, s);
+    // scratch: P; T, then P'
+    for_each_row_block(pass, KvItems(s, pass.call.chunks, false, false), 2 + CapRows<T>::tiles(pass.cap, false),
+                       [&](const RowBlock& blk, T* scratch) {
+        const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
+        T* o_t = out_t + first * s.dim_v;
+        if (keys == 0) {  // rows that see no key: output 0, tangent 0
+            std::fill(o_t, o_t + rows * s.dim_v, T(0));
+            return;
+        }
+        const T* q_blk = blk.block(q, s.dim);
+        const T* tq_blk = blk.block(tq, s.dim);
+        const T* k_head = blk.head(k, s.dim);
+        const T* tk_head = blk.head(tk, s.dim);
+        const T* v_head = blk.head(v, s.dim_v);
+        const T* tv_head = blk.head(tv, s.dim_v);
+        T *p = scratch, *t = scratch + tile;
+        const CapRows<T> cap_rows(pass.cap, scratch, tile, 2, false);
+        // forward: S = scale Q K^T + bias  ->  S' = scale (tQ K^T + Q tK^T) + tbias
+        gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
+        products_nt(rows, keys, s.dim, scale, tq_blk, k_head, q_blk, tk_head, t);
+        for (index_t i = 0; i < rows; ++i) {
+            T *pi = p + i * keys, *ti = t + i * keys;
+            const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
+            T* sli = cap_rows.row(i, keys).first;
+            pass.score_row(pi, blk.b, blk.h, row, blk.key0, seen, sli, nullptr, ti, &tbias);  // S' = slope A' + tbias
+            // forward: P = softmax(S)  ->  P' = P (S' - rowsum(P S')); a row's one key: P' = 0
+            // (1/l = 1: with a sink, the one key shares the row and P < 1)
+            const bool single = row_keys_of(blk.bh, row) == 1 && inv_sum[first + i] == T(1);
+            const T t_sum = row_probs(pi, ti, seen, row_max[first + i], inv_sum[first + i], single);
+            centre_and_scale(pi, ti, seen, t_sum);
+            if (drop.on) {  // P Z and P' Z
+                drop.scale_row(pi, blk.b, blk.h, row, blk.key0, seen);
+                drop.scale_row(ti, blk.b, blk.h, row, blk.key0, seen);
+            }
+            std::fill(pi + seen, pi + keys, T(0));
+            std::fill(ti + seen, ti + keys, T(0));
+        }
+        // forward: O = (P Z) V  ->  O' = (P' Z) V + (P Z) tV
+        gemm<T>(false, false, rows, s.dim_v, keys, T(1), t, keys, v_head, s.dim_v, T(0), o_t, s.dim_v);
+        if (tv_head) gemm<T>(false, false, rows, s.dim_v, keys, T(1), p, keys, tv_head, s.dim_v, T(1), o_t, s.dim_v);
+    });
+}
+
+// The backward's JVP (forward over reverse: Hessian-vector products), the tangents of dQ,
+// dK, dV and dbias for tangents tdO, tQ, tK, tV, tbias (each may be null: zero); per query
+// block of whole rows like the double backward (t and D' sum over all of a row's keys):
+//   P = exp(S - m) / l,  T = S' = scale (tQ K^T + Q tK^T) + tbias,  t = rowsum(P * T)
+//   P' = P (T - t),  dP~ = (dO V^T) Z,  dP~' = (tdO V^T + dO tV^T) Z
+//   D = rowsum(dO * O),  D' = rowsum(P' * dP~ + P * dP~')
+//   dS = P (dP~ - D),  dS' = P' (dP~ - D) + P (dP~' - D')
+//   dV' += (P' Z)^T dO + (P Z)^T tdO,  dQ' = scale (dS' K + dS tK),
+//   dK' += scale (dS'^T Q + dS^T tQ),  dbias' = dS' summed over the bias's broadcast axes
+// A work item adds into its own parts of dK', dV' (one per chunk) and dbias' (BiasGradient).
+template <typename T>
+void backward_jvp(const Pass<T>& pass) {
+    const T *dout = pass[buf_dout], *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v], *out = pass[buf_out];
+    const T *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];
+    const T *tdout = pass[buf_tdout], *tq = pass[buf_tq], *tk = pass[buf_tk], *tv = pass[buf_tv];
+    T *delta = pass[buf_delta], *tdq = pass[buf_tdq];
+    T *tdk_parts = pass[buf_tdk_parts], *tdv_parts = pass[buf_tdv_parts];
+    const BiasGradient<T> tdbias(pass, buf_tdbias_parts, 2);
+    const Shape& s = pass.s;
+    const DropoutDraw& drop = pass.drop;
+    const T scale = pass.scale;
+    const ScoreMask<T> tbias{nullptr, Broadcast4(), pass[buf_tbias], Broadcast4(pass.call.bias_sizes)};
+    const index_t kv_size = s.batch * s.kv_heads * s.len_k;
+    row_dots(dout, out, delta, s.batch * s.heads * s.len_q, s.dim_v);  // D = rowsum(dO * O)
+    const RowKeys<T> row_keys_of(pass.masks, pass.causal, s);
+    const KvItems items(s, pass.call.chunks, tdbias.shares_batch(s), tdbias.shares_kv_heads(s));
+    // scratch: P; T, then P'; dP~, then dS; dP~', then dS'; with a softcap its slope, and its
+    // curve (times A')
+    for_each_row_block(pass, items, 4 + CapRows<T>::tiles(pass.cap, true), [&](const RowBlock& blk, T* scratch) {
+        const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
+        T* dq_t = tdq + first * s.dim;
+        if (keys == 0) {  // rows that see no key: nothing flows back through them
+            std::fill(dq_t, dq_t + rows * s.dim, T(0));
+            return;
+        }
+        const T* k_head = blk.head(k, s.dim);
+        const T* v_head = blk.head(v, s.dim_v);
+        const T* tk_head = blk.head(tk, s.dim);
+        const T* tv_head = blk.head(tv, s.dim_v);
+        T* dk_t = blk.part_head(tdk_parts, kv_size, s.dim);
+        T* dv_t = blk.part_head(tdv_parts, kv_size, s.dim_v);
+        T* dbias_t = tdbias.part(blk.chunk);
+        const T* q_blk = blk.block(q, s.dim);
+        const T* tq_blk = blk.block(tq, s.dim);
+        const T* do_blk = blk.block(dout, s.dim_v);
+        const T* tdo_blk = blk.block(tdout, s.dim_v);
+        T *p = scratch, *t = scratch + tile, *dp = scratch + 2 * tile, *x = scratch + 3 * tile;
+        const CapRows<T> cap_rows(pass.cap, scratch, tile, 4, true);
+        // forward: S = scale Q K^T + bias  ->  S' = scale (tQ K^T + Q tK^T) + tbias
+        gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
+        products_nt(rows, keys, s.dim, scale, tq_blk, k_head, q_blk, tk_head, t);
+        // backward: dP = dO V^T  ->  dP' = tdO V^T + dO tV^T
+        gemm<T>(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, v_head, s.dim_v, T(0), dp, keys);
+        products_nt(rows, keys, s.dim_v, T(1), tdo_blk, v_head, do_blk, tv_head, x);
+        for (index_t i = 0; i < rows; ++i) {
+            T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
+            const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
+            const auto [sli, cvi] = cap_rows.row(i, keys);
+            pass.score_row(pi, blk.b, blk.h, row, blk.key0, seen, sli, cvi, ti, &tbias);  // S' = slope A' + tbias, curve A'
+            const bool single = row_keys_of(blk.bh, row) == 1 && inv_sum[first + i] == T(1);  // then P' = 0 and dS = dS' = 0
+            const T t_sum = row_probs(pi, ti, seen, row_max[first + i], inv_sum[first + i], single);  // P, t = rowsum(P * T)
+            centre_and_scale(pi, ti, seen, t_sum);  // P' = P (T - t)
+            if (drop.on) {  // dP~ = dP Z, dP~' = dP' Z
+                drop.scale_row(dpi, blk.b, blk.h, row, blk.key0, seen);
+                drop.scale_row(xi, blk.b, blk.h, row, blk.key0, seen);
+            }
+            if (single) {
+                std::fill(dpi, dpi + seen, T(0));
+                std::fill(xi, xi + seen, T(0));
+            } else {
+                const T d_t = tangent_delta(pi, ti, dpi, xi, seen);  // D'
+                score_grad_tangents(pi, ti, dpi, xi, seen, delta[first + i], d_t);  // dS, dS'
+            }
+            if (drop.on) {  // P Z and P' Z, for dV'
+                drop.scale_row(pi, blk.b, blk.h, row, blk.key0, seen);
+                drop.scale_row(ti, blk.b, blk.h, row, blk.key0, seen);
+            }
+            for (T* r : {pi, ti, dpi, xi}) std::fill(r + seen, r + keys, T(0));
+            if (dbias_t) tdbias.add_row(dbias_t, xi, blk.b, blk.h, row, blk.key0, seen);  // dbias' = dS'
+            // backward: dA = slope dS  ->  dA' = slope dS' + (curve A') dS
+            if (sli) Softcap<T>::back_to_raw(xi, dpi, sli, cvi, seen);
+        }
+        // backward: dV = (P Z)^T dO  ->  dV' += (P' Z)^T dO + (P Z)^T tdO
+        gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), dv_t, s.dim_v);
+        if (tdo_blk) gemm<T>(true, false, keys, s.dim_v, rows, T(1), p, keys, tdo_blk, s.dim_v, T(1), dv_t, s.dim_v);
+        // backward: dQ = scale dS K, dK = scale dS^T Q  ->  dQ' = scale (dS' K + dS tK),
+        // dK' += scale (dS'^T Q + dS^T tQ)
+        gemm<T>(false, false, rows, s.dim, keys, scale, x, keys, k_head, s.dim, T(0), dq_t, s.dim);
+        if (tk_head) gemm<T>(false, false, rows, s.dim, keys, scale, dp, keys, tk_head, s.dim, T(1), dq_t, s.dim);
+        gemm<T>(true, false, keys, s.dim, rows, scale, x, keys, q_blk, s.dim, T(1), dk_t, s.dim);
+        if (tq_blk) gemm<T>(true, false, keys, s.dim, rows, scale, dp, keys, tq_blk, s.dim, T(1), dk_t, s.dim);
+    });
+}
+
+template void double_backward<float>(const Pass<float>&);
+template void double_backward<double>(const Pass<double>&);
+template void jvp<float>(const Pass<float>&);
+template void jvp<double>(const Pass<double>&);
+template void backward_jvp<float>(const Pass<float>&);
+template void backward_jvp<double>(const Pass<double>&);
+
+}  // namespace attngrad_tiles

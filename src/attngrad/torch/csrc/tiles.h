@@ -1,0 +1,671 @@
+// attngrad's compiled tiles: every pass of exact attention (forward, backward, JVP, the
+// backward's JVP, double backward) with the causal diagonal, a boolean mask, a float bias
+// and its gradient, per-row key bounds (structured masks: padding lengths, sliding windows,
+// packed documents), a soft cap, dropout and GQA, in the manner of FlashAttention-2 (Dao,
+// 2023) on per-thread tiles small enough to stay in a core's cache; and the dropout
+// keep-masks of the counter-based generator in `dropout.py`.
+//
+// The sources: tiles_math.h (SIMD exp and tanh, the row loops), this header (masks, dropout,
+// work items, the GEMM and thread-pool interface every pass uses), runtime.cpp (the GEMM and
+// the work loop on PyTorch's thread pool), passes.cpp (forward, backward), passes_higher.cpp
+// (double backward, JVP, the backward's JVP) and ops.cpp (the TORCH_LIBRARY ops
+// attngrad_tiles::*, which check every tensor against the others before a pass runs).
+//
+// Shape legend (row-major, contiguous)
+//   q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), out and dout (B, H, Lq, dv),
+//   row_max and inv_sum (B, H, Lq). G = H / Hkv query heads share one key/value head.
+//   R rows of a query block, C keys of a key block.
+//
+// forward, per (b, h, query block), over key blocks with an online softmax:
+//   S = scale Q_blk K_blk^T                                    (R, C)
+//   m' = max(m, rowmax S),  E = exp(S - m'),  l = l exp(m - m') + rowsum E
+//   acc = acc exp(m - m') + E V_blk                            (R, dv)
+//   out = acc / l;  row_max = m, inv_sum = 1 / l              (the statistics attngrad keeps)
+// backward, per (b, key/value head, chunk of key blocks), over query blocks:
+//   P  = exp(S - m) / l,  dP = dO V_blk^T,  dS = P (dP - D)    D = rowsum(dO * O), or
+//   rowsum(P * dP) where the block holds all of the row's keys (the same in exact arithmetic)
+//   dV_blk += P^T dO,  dK_blk += scale dS^T Q,  dQ += scale dS K_blk,  dbias += dS
+// jvp, backward_jvp, double_backward: see each in passes_higher.cpp; they take query blocks
+// of whole rows.
+// A work item owns its dK and dV rows, and its own copy of dQ when the keys are split into
+// chunks (the double backward and the backward's JVP: their dQ-shaped rows, and their own
+// dK, dV-shaped sums when the query blocks are split; a bias gradient: the batch entries
+// and heads sharing a broadcast bias form one item (KvItems), and chunks adding into the
+// same entries own parts): nothing is written by two threads, and the parts are added in a
+// fixed order, so the bits do not depend on the schedule. The items run on PyTorch's own
+// thread pool (at::parallel_for), one worker per thread, each taking the next item from an
+// atomic counter (parallel_items): dynamic load balancing, with the GEMMs single-threaded
+// inside a worker.
+// The causal mask is a diagonal: row i sees keys j <= i + c (c = 0 top-left, Lk - Lq
+// bottom-right). Key bounds leave row i of batch entry b the keys [lo, hi): tiles outside
+// every row's bounds are skipped, and the whole-row passes hold only the keys between them.
+// A row that sees no key has output 0 and sends back 0; a row that sees one key has P = 1
+// there exactly and dS = 0 (a recomputed score can round apart from the forward's maximum).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "tiles_math.h"
+
+namespace attngrad_tiles {
+
+// The buffers a call of a pass may name; ops.cpp fills them from the op's tensors after
+// checking every size, dtype and layout, and a pass reads only those its op takes.
+#define ATTNGRAD_BUFFERS(X) \
+    X(q) X(k) X(v) X(mask) X(bias) X(out) X(row_max) X(inv_sum) X(dout) X(delta) X(dq_parts) X(dk) X(dv) \
+    X(dbias_parts) X(gq) X(gk) X(gv) X(g_dout) X(g_q) X(gk_parts) X(gv_parts) X(tq) X(tk) X(tv) X(tbias) X(tout) \
+    X(tdout) X(tdq) X(tdk_parts) X(tdv_parts) X(tdbias_parts) X(gbias) X(g_bias_parts) X(key_bounds)
+
+enum AttngradBuffer : int {
+#define ATTNGRAD_ENUM(name) buf_##name,
+    ATTNGRAD_BUFFERS(ATTNGRAD_ENUM)
+#undef ATTNGRAD_ENUM
+    kBufferCount
+};
+
+// One call of a pass: the sizes, the options and the buffers (null where absent), filled
+// by ops.cpp from the op's arguments.
+struct AttngradCall {
+    int64_t batch = 0, heads = 0, kv_heads = 0, len_q = 0, len_k = 0, dim = 0, dim_v = 0;
+    int64_t mask_sizes[4] = {1, 1, 1, 1}, bias_sizes[4] = {1, 1, 1, 1};  // (b, h, i, j), each 1 or the scores' own
+    bool double_precision = false;         // the element type of every float buffer
+    bool causal = false;
+    int64_t causal_offset = 0;             // with causal, row i sees keys j <= i + causal_offset
+    int64_t bounds_batch = 1;              // key_bounds (bounds_batch, Lq, 2): row i of batch b sees keys
+                                           // [lo, hi) only; bounds_batch 1 (shared) or B
+    double scale = 1;
+    double softcap = 0;  // c > 0: scores c tanh(scale q.k / c) + bias; 0: none
+    bool dropout = false;
+    uint64_t seed = 0, threshold = 0;  // keep where the draw's high 32 bits >= threshold = ceil(p 2^32)
+    double keep_value = 1;             // 1 / (1 - p)
+    int64_t dropout_row_offset = 0, dropout_key_offset = 0, dropout_head_offset = 0;  // where this call's
+                                         // rows, keys and heads sit in the whole: the draws' coordinates
+    bool partial_rows = false;  // the keys are a part of each row's (a ring step): no whole-row sums
+    bool sink = false;          // each row's softmax has one more term, exp(0), of a key with value 0
+    int64_t block_rows = 1, block_keys = 1, value_slice = 1;  // query rows and keys of a tile; keys per E V product
+    int64_t chunks = 1;                                       // work items per (b, key/value head)
+    void* data[kBufferCount] = {};
+};
+
+// C (m x n, row-major, ldc) = alpha op(A) op(B) + beta C, op(A) m x k, op(B) k x n, on the
+// calling thread alone (runtime.cpp: the BLAS inside PyTorch, or ATen's mm where there is none).
+void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, float alpha, const float* a, index_t lda,
+          const float* b, index_t ldb, float beta, float* c, index_t ldc);
+void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, double alpha, const double* a, index_t lda,
+          const double* b, index_t ldb, double beta, double* c, index_t ldc);
+
+template <typename T>
+inline void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alpha, const T* a, index_t lda,
+                 const T* b, index_t ldb, T beta, T* c, index_t ldc) {
+    gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+// Hands out work items 0, 1, ..., count - 1, each once, in that order, to whichever worker
+// asks first; -1 when none is left.
+class ItemSource {
+   public:
+    explicit ItemSource(index_t count) : count_(count) {}
+    index_t next() const;
+
+   private:
+    index_t count_;
+    mutable std::atomic<index_t> next_{0};
+};
+
+// worker(items) on each of up to min(count, at::get_num_threads()) workers of PyTorch's
+// thread pool, each drawing items until none is left; the BLAS single-threaded inside.
+void parallel_items(index_t count, const std::function<void(const ItemSource&)>& worker);
+
+// fn(begin, end) over [0, count) split across PyTorch's thread pool (for loops whose
+// iterations write apart and cost alike).
+void parallel_range(index_t count, index_t grain, const std::function<void(index_t, index_t)>& fn);
+
+struct Shape {
+    index_t batch, heads, kv_heads, len_q, len_k, dim, dim_v;
+};
+
+// The dropout keep-mask generator of `dropout.py`, bit for bit: SplitMix64's output
+// function on a counter made of the seed and the score's coordinates (b, h, i, j), so the
+// backward regenerates the forward's mask, whatever the tiling.
+constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
+
+inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+struct DropoutDraw {
+    bool on = false;
+    uint64_t seed = 0, threshold = 0;  // keep where the draw's high 32 bits >= ceil(p 2^32)
+    double value = 0;                  // 1 / (1 - p), 0 for p = 1
+    index_t row_offset = 0, key_offset = 0, head_offset = 0;  // the call's within the whole
+
+    // x[0, n) *= Z for keys c0..c0 + n of row i of head (b, h): x value where kept, else 0
+    template <typename T>
+    void scale_row(T* x, index_t b, index_t h, index_t i, index_t c0, index_t n) const {
+        const uint64_t key_bh =
+            mix64(seed + kGamma * ((static_cast<uint64_t>(b) << 32) + static_cast<uint64_t>(h + head_offset) + 1));
+        const uint64_t row_counter = key_bh + kGamma * (static_cast<uint64_t>(i + row_offset) << 32);
+        c0 += key_offset;
+        const T keep_value = static_cast<T>(value);
+        for (index_t j = 0; j < n; ++j) {
+            const uint64_t z = mix64(row_counter + kGamma * (static_cast<uint64_t>(c0 + j) + 1));
+            x[j] = (z >> 32) >= threshold ? x[j] * keep_value : T(0);
+        }
+    }
+};
+
+// The causal diagonal: with `on`, row i sees keys j <= i + offset.
+struct Causal {
+    bool on;
+    index_t offset;
+    // Keys of block [c0, c0 + cols) that row `row` may see: all, or up to the diagonal.
+    index_t visible(index_t row, index_t c0, index_t cols) const {
+        return on ? std::clamp<index_t>(row + offset - c0 + 1, 0, cols) : cols;
+    }
+    // How many keys (a prefix of len_k) rows ..stop - 1 may see.
+    index_t keys_before(index_t stop, index_t len_k) const {
+        return on ? std::clamp<index_t>(stop + offset, 0, len_k) : len_k;
+    }
+};
+
+// A (b, h, i, j) tensor, contiguous in its own sizes, each of which is 1 or the scores' own
+// (B, H, Lq, Lk): element strides, 0 along the axes it broadcasts along.
+struct Broadcast4 {
+    index_t sb = 0, sh = 0, si = 0, sj = 0;
+    explicit Broadcast4(const int64_t* sizes = nullptr) {
+        if (!sizes) return;
+        const index_t sj1 = 1, si1 = sizes[3], sh1 = sizes[2] * si1, sb1 = sizes[1] * sh1;
+        sb = sizes[0] == 1 ? 0 : sb1;
+        sh = sizes[1] == 1 ? 0 : sh1;
+        si = sizes[2] == 1 ? 0 : si1;
+        sj = sizes[3] == 1 ? 0 : sj1;
+    }
+    index_t row(index_t b, index_t h, index_t i) const { return b * sb + h * sh + i * si; }
+};
+
+// A boolean mask (nonzero = take part), an additive float bias and per-row key bounds, each
+// optional, as the torch-ops kernels' `scores_into` applies them: S = scale Q K^T + bias,
+// excluded entries -inf. The bounds are what a structured mask (padding lengths, a sliding
+// window, packed documents) leaves of a row: keys [lo, hi), per batch entry or shared.
+template <typename T>
+struct ScoreMask {
+    const uint8_t* mask = nullptr;
+    Broadcast4 m;
+    const T* bias = nullptr;
+    Broadcast4 bb;
+    const int64_t* bounds = nullptr;  // (1 or B, Lq, 2)
+    index_t bounds_sb = 0;            // 0 (shared) or 2 Lq
+
+    bool any() const { return mask || bias || bounds; }
+
+    // The keys [lo, hi) row i of batch entry b may see by its bounds (all n without them)
+    std::pair<index_t, index_t> range(index_t b, index_t i, index_t n) const {
+        if (!bounds) return {0, n};
+        const int64_t* row = bounds + b * bounds_sb + 2 * i;
+        return {row[0], row[1]};
+    }
+
+    // Scores s[0, n) of row i of head (b, h), keys c0..c0 + n
+    void apply(T* s, index_t b, index_t h, index_t i, index_t c0, index_t n) const {
+        constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+        if (bias) {
+            const T* row = bias + bb.row(b, h, i) + c0 * bb.sj;
+            if (bb.sj == 1) {  // a column per key: a loop the compiler vectorises
+                for (index_t j = 0; j < n; ++j) s[j] += row[j];
+            } else {
+                for (index_t j = 0; j < n; ++j) s[j] += row[0];
+            }
+        }
+        if (mask) {
+            const uint8_t* row = mask + m.row(b, h, i) + c0 * m.sj;
+            if (m.sj == 1) {
+                for (index_t j = 0; j < n; ++j) s[j] = row[j] ? s[j] : neg_inf;
+            } else if (!row[0]) {
+                std::fill(s, s + n, neg_inf);
+            }
+        }
+        if (bounds) {
+            const auto [lo, hi] = range(b, i, 0);
+            const index_t first = std::clamp<index_t>(lo - c0, 0, n), stop = std::clamp<index_t>(hi - c0, first, n);
+            std::fill(s, s + first, neg_inf);
+            std::fill(s + stop, s + n, neg_inf);
+        }
+    }
+
+    // Whether key j of row i of head (b, h) takes part (a bias of -inf excludes it too)
+    bool takes_part(index_t b, index_t h, index_t i, index_t j) const {
+        const auto [lo, hi] = range(b, i, j + 1);
+        return j >= lo && j < hi && (!mask || mask[m.row(b, h, i) + j * m.sj]) &&
+               (!bias || bias[bb.row(b, h, i) + j * bb.sj] != -std::numeric_limits<T>::infinity());
+    }
+
+    // How many of keys 0..n of row i of head (b, h) take part: read within the row's bounds only
+    index_t count(index_t b, index_t h, index_t i, index_t n) const {
+        auto [lo, hi] = range(b, i, n);
+        hi = std::min(hi, n);
+        if (!mask && !bias) return std::max<index_t>(0, hi - lo);
+        const uint8_t* mrow = mask ? mask + m.row(b, h, i) : nullptr;
+        const T* brow = bias ? bias + bb.row(b, h, i) : nullptr;
+        index_t total = 0;
+        for (index_t j = lo; j < hi; ++j) {
+            total += (!mrow || mrow[j * m.sj]) && (!brow || brow[j * bb.sj] != -std::numeric_limits<T>::infinity());
+        }
+        return total;
+    }
+};
+
+// Keys each row (b, h, i) may see, for telling the rows that see exactly one: the causal
+// diagonal alone gives it directly; with a mask or bias, a pass over them counts (B H Lq
+// counts, O(B H Lq Lk) reads of the mask, once per backward pass).
+template <typename T>
+class RowKeys {
+   public:
+    RowKeys(const ScoreMask<T>& masks, Causal causal, const Shape& s) : causal_(causal), len_k_(s.len_k),
+                                                                        len_q_(s.len_q) {
+        if (!masks.any()) return;
+        counts_.resize(s.batch * s.heads * s.len_q);
+        parallel_range(s.batch * s.heads * s.len_q, 64, [&](index_t begin, index_t end) {
+            for (index_t r = begin; r < end; ++r) {
+                const index_t bh = r / s.len_q, i = r % s.len_q;
+                counts_[r] = masks.count(bh / s.heads, bh % s.heads, i, causal.visible(i, 0, s.len_k));
+            }
+        });
+    }
+    // Keys row i of flat head bh (b H + h) may see
+    index_t operator()(index_t bh, index_t i) const {
+        return counts_.empty() ? causal_.visible(i, 0, len_k_) : counts_[bh * len_q_ + i];
+    }
+
+   private:
+    Causal causal_;
+    index_t len_k_, len_q_;
+    std::vector<index_t> counts_;
+};
+
+// Which (query block, key block) tiles a mask or bias excludes entirely, so that the passes
+// skip them (padding: a quarter of the keys excluded is a quarter of the work saved). Kept
+// per (b, h) only along the axes the mask or bias varies on; a scan that stops at the first
+// key that takes part, so it reads a whole tile only where the tile is excluded.
+template <typename T>
+class BlockSkips {
+   public:
+    BlockSkips(const ScoreMask<T>& masks, const Shape& s, index_t block_rows, index_t block_keys)
+        : query_blocks_((s.len_q + block_rows - 1) / block_rows), key_blocks_((s.len_k + block_keys - 1) / block_keys) {
+        if (!masks.any()) return;
+        per_b_ = (masks.mask && masks.m.sb) || (masks.bias && masks.bb.sb) || masks.bounds_sb;
+        heads_ = (masks.mask && masks.m.sh) || (masks.bias && masks.bb.sh) ? s.heads : 1;
+        const bool dense = masks.mask || masks.bias;
+        const index_t tiles = (per_b_ ? s.batch : 1) * heads_ * query_blocks_ * key_blocks_;
+        skip_.assign(tiles, 0);
+        parallel_items(tiles, [&](const ItemSource& items) {
+          for (index_t tile; (tile = items.next()) >= 0;) {
+            const index_t kb = tile % key_blocks_, qb = tile / key_blocks_ % query_blocks_;
+            const index_t bh = tile / key_blocks_ / query_blocks_, b = bh / heads_, h = bh % heads_;
+            const index_t r1 = std::min(s.len_q, (qb + 1) * block_rows), c1 = std::min(s.len_k, (kb + 1) * block_keys);
+            bool excluded = true;
+            for (index_t i = qb * block_rows; i < r1 && excluded; ++i) {
+                // only the keys within the row's bounds can take part: a band's tile costs its rows
+                const auto [lo, hi] = masks.range(b, i, s.len_k);
+                const index_t j0 = std::max(kb * block_keys, lo), j1 = std::min(c1, hi);
+                if (!dense) excluded = j0 >= j1;
+                for (index_t j = j0; dense && j < j1 && excluded; ++j) excluded = !masks.takes_part(b, h, i, j);
+            }
+            skip_[tile] = excluded;
+          }
+        });
+    }
+
+    // Whether tile (qb, kb) of head (b, h) is excluded entirely
+    bool operator()(index_t b, index_t h, index_t qb, index_t kb) const {
+        if (skip_.empty()) return false;
+        const index_t bh = (per_b_ ? b : 0) * heads_ + (heads_ > 1 ? h : 0);
+        return skip_[(bh * query_blocks_ + qb) * key_blocks_ + kb];
+    }
+
+   private:
+    index_t query_blocks_, key_blocks_, heads_ = 1;
+    bool per_b_ = false;
+    std::vector<uint8_t> skip_;
+};
+
+template <typename T>
+ScoreMask<T> score_mask(const AttngradCall& c) {
+    ScoreMask<T> masks;
+    if (c.data[buf_mask]) {
+        masks.mask = static_cast<const uint8_t*>(c.data[buf_mask]);
+        masks.m = Broadcast4(c.mask_sizes);
+    }
+    if (c.data[buf_bias]) {
+        masks.bias = static_cast<const T*>(c.data[buf_bias]);
+        masks.bb = Broadcast4(c.bias_sizes);
+    }
+    if (c.data[buf_key_bounds]) {
+        masks.bounds = static_cast<const int64_t*>(c.data[buf_key_bounds]);
+        masks.bounds_sb = c.bounds_batch == 1 ? 0 : 2 * c.len_q;
+    }
+    return masks;
+}
+
+// The soft cap of the scores (Gemma 2): S = c tanh(A / c) for A = scale Q K^T, before the
+// bias and the masks. Its slope 1 - tanh^2 takes every derivative from S back to A; its
+// curve, the slope's own derivative -2 tanh (1 - tanh^2) / c, enters the second order.
+// float32 computes tanh 16 lanes at a time (tanh_cap), float64 with the C library's.
+template <typename T>
+struct Softcap {
+    T c = 0;  // 0: no cap
+
+    // a[0, n) <- c tanh(a / c); where given, slope and curve [0, n) at those scores
+    void apply(T* a, index_t n, T* slope = nullptr, T* curve = nullptr) const {
+        index_t j = 0;
+        if constexpr (std::is_same_v<T, float>) {
+            for (; j + kLanes <= n; j += kLanes) {
+                const floatv t = tanh_cap(load(a + j) / c);
+                store(a + j, t * c);
+                if (slope) store(slope + j, 1.0f - t * t);
+                if (curve) store(curve + j, (t * -2.0f) * (1.0f - t * t) / c);
+            }
+        }
+        for (; j < n; ++j) {
+            const T t = tanh_cap(a[j] / c);
+            a[j] = c * t;
+            if (slope) slope[j] = T(1) - t * t;
+            if (curve) curve[j] = T(-2) * t * (T(1) - t * t) / c;
+        }
+    }
+
+    // The same, and a tangent or cotangent form x[0, n) of the raw scores (A' or T_raw)
+    // taken through the cap: x <- slope x, and where given curve <- curve x, the slope's own
+    // change along x (the second-order passes need it)
+    void apply_with_form(T* a, T* x, index_t n, T* slope, T* curve = nullptr) const {
+        apply(a, n, slope, curve);
+        for (index_t j = 0; j < n; ++j) {
+            if (curve) curve[j] *= x[j];
+            x[j] *= slope[j];
+        }
+    }
+
+    // A score-shaped pair taken from S back to A: second <- slope second and, by the product
+    // rule, first <- slope first + (curve x) second (dS~, dS in the backward's JVP; g_S, dS
+    // in the double backward)
+    static void back_to_raw(T* first, T* second, const T* slope, const T* curve, index_t n) {
+        for (index_t j = 0; j < n; ++j) {
+            first[j] = slope[j] * first[j] + curve[j] * second[j];
+            second[j] *= slope[j];
+        }
+    }
+};
+
+// Where a whole-row pass keeps the cap's slope and (with `curved`) its curve: the tiles
+// after its own `own` ones in its scratch, or nulls without a cap.
+template <typename T>
+struct CapRows {
+    T *slope = nullptr, *curve = nullptr;
+
+    static int tiles(const Softcap<T>& cap, bool curved) { return cap.c != T(0) ? 1 + curved : 0; }
+    CapRows(const Softcap<T>& cap, T* scratch, index_t tile, int own, bool curved) {
+        if (cap.c == T(0)) return;
+        slope = scratch + own * tile;
+        if (curved) curve = scratch + (own + 1) * tile;
+    }
+    // Row i of each, rows `keys` long
+    std::pair<T*, T*> row(index_t i, index_t keys) const {
+        return {slope ? slope + i * keys : nullptr, curve ? curve + i * keys : nullptr};
+    }
+};
+
+// A call with its buffers typed: what every pass below takes.
+template <typename T>
+struct Pass {
+    const AttngradCall& call;
+    Shape s;
+    Causal causal;
+    ScoreMask<T> masks;
+    DropoutDraw drop;
+    T scale;
+    Softcap<T> cap;
+
+    explicit Pass(const AttngradCall& c)
+        : call(c),
+          s{c.batch, c.heads, c.kv_heads, c.len_q, c.len_k, c.dim, c.dim_v},
+          causal{c.causal != 0, c.causal_offset},
+          masks(score_mask<T>(c)),
+          drop{c.dropout != 0, c.seed, c.threshold, c.keep_value, c.dropout_row_offset, c.dropout_key_offset,
+               c.dropout_head_offset},
+          scale(static_cast<T>(c.scale)),
+          cap{static_cast<T>(c.softcap)} {}
+
+    T* operator[](AttngradBuffer b) const { return static_cast<T*>(call.data[b]); }
+
+    // The one row routine of every pass: the scores s[0, n) of row i of head (b, h), keys
+    // c0..c0 + n, from the raw A = scale Q K^T: the soft cap (its slope and curve where
+    // asked, and a tangent or cotangent `form` of the raw scores taken through it), then the
+    // bias, the mask and the key bounds (-inf where excluded); and the form's own bias term
+    // (tbias, gbias), where given.
+    void score_row(T* s, index_t b, index_t h, index_t i, index_t c0, index_t n, T* slope = nullptr,
+                   T* curve = nullptr, T* form = nullptr, const ScoreMask<T>* form_bias = nullptr) const {
+        if (cap.c != T(0)) {
+            if (form) {
+                cap.apply_with_form(s, form, n, slope, curve);
+            } else {
+                cap.apply(s, n, slope, curve);
+            }
+        }
+        if (masks.any()) masks.apply(s, b, h, i, c0, n);
+        if (form && form_bias && form_bias->any()) form_bias->apply(form, b, h, i, c0, n);
+    }
+};
+
+// The bias gradient: dS summed over the axes the bias broadcasts along. The batch entries
+// and key/value heads a broadcast bias shares are visited by one work item (KvItems), in
+// order; chunks of one (b, key/value head) would still add into the same entries where the
+// bias broadcasts along the chunked axis (`chunked_axis`: 3, keys, in the backward; 2,
+// query rows, in the backward's JVP), so there each chunk owns a part, and the caller adds
+// the parts in order. No entry is written by two threads, and no atomics.
+inline int64_t bias_grad_parts(const AttngradCall& c, int chunked_axis) {
+    return c.bias_sizes[chunked_axis] == 1 ? c.chunks : 1;
+}
+
+template <typename T>
+class BiasGradient {
+   public:
+    BiasGradient(const Pass<T>& p, AttngradBuffer parts, int chunked_axis)
+        : parts_(p[parts]), bb_(p.call.bias_sizes),
+          part_numel_(p.call.bias_sizes[0] * p.call.bias_sizes[1] * p.call.bias_sizes[2] * p.call.bias_sizes[3]),
+          chunks_(bias_grad_parts(p.call, chunked_axis)) {}
+
+    // The part that chunk `chunk` adds into, or null without a bias gradient
+    T* part(index_t chunk) const { return parts_ ? parts_ + (chunks_ > 1 ? chunk : 0) * part_numel_ : nullptr; }
+
+    // Which of the batch and key/value head axes work items must share (KvItems): those the
+    // bias broadcasts along, when there is a gradient
+    bool shares_batch(const Shape& s) const { return parts_ && bb_.sb == 0 && s.batch > 1; }
+    bool shares_kv_heads(const Shape& s) const { return parts_ && bb_.sh == 0 && s.kv_heads > 1; }
+
+    // part += dS for keys c0..c0 + n of row i of head (b, h)
+    void add_row(T* part, const T* ds, index_t b, index_t h, index_t i, index_t c0, index_t n) const {
+        T* row = part + bb_.row(b, h, i);
+        if (bb_.sj) {
+            row += c0;
+            for (index_t j = 0; j < n; ++j) row[j] += ds[j];
+        } else {
+            T sum = 0;
+            for (index_t j = 0; j < n; ++j) sum += ds[j];
+            row[0] += sum;
+        }
+    }
+
+   private:
+    T* parts_;
+    Broadcast4 bb_;
+    index_t part_numel_, chunks_;
+};
+
+// The work of the backward passes: chunk `chunk` of key/value head bhk = b Hkv + hk.
+struct KvItem {
+    index_t chunk, bhk, b, hk;
+};
+
+// The work items of the backward passes, in chunk-major order (in the backward's causal
+// pass the first key chunks, seen by the most rows, are the heaviest and so go first): one
+// per (chunk, b, hk), except that the batch entries or key/value heads a bias gradient sums
+// over are one item, visited in order, so that no two items add into the same entries.
+class KvItems {
+   public:
+    KvItems(const Shape& s, index_t chunks, bool share_batch, bool share_kv_heads)
+        : batch_(s.batch), kv_heads_(s.kv_heads), chunks_(chunks), b_items_(share_batch ? 1 : s.batch),
+          hk_items_(share_kv_heads ? 1 : s.kv_heads) {}
+
+    index_t count() const { return chunks_ * b_items_ * hk_items_; }
+
+    // fn(KvItem) for each (chunk, b, hk) of item `item`, in order
+    template <typename F>
+    void visit(index_t item, F&& fn) const {
+        const index_t groups = b_items_ * hk_items_, chunk = item / groups;
+        const index_t b0 = item % groups / hk_items_, hk0 = item % hk_items_;
+        for (index_t b = b0; b < (b_items_ == 1 ? batch_ : b0 + 1); ++b) {
+            for (index_t hk = hk0; hk < (hk_items_ == 1 ? kv_heads_ : hk0 + 1); ++hk) {
+                fn(KvItem{chunk, b * kv_heads_ + hk, b, hk});
+            }
+        }
+    }
+
+   private:
+    index_t batch_, kv_heads_, chunks_, b_items_, hk_items_;
+};
+
+// out (rows x keys) = alpha (a1 b1^T + a2 b2^T), each factor `width` wide and row-major; a
+// pair with a null factor is left out, and with neither out is 0. The tangents' and
+// cotangents' score-sized products: scale (tQ K^T + Q tK^T), dO tV^T + tdO V^T, ...
+template <typename T>
+void products_nt(index_t rows, index_t keys, index_t width, T alpha, const T* a1, const T* b1, const T* a2,
+                 const T* b2, T* out) {
+    const bool first = a1 && b1, second = a2 && b2;
+    if (first) gemm<T>(false, true, rows, keys, width, alpha, a1, width, b1, width, T(0), out, keys);
+    if (second) gemm<T>(false, true, rows, keys, width, alpha, a2, width, b2, width, T(first ? 1 : 0), out, keys);
+    if (!first && !second) std::fill(out, out + rows * keys, T(0));
+}
+
+// A row whose one key takes part: P = 1 there and 0 elsewhere, exactly (a recomputed score
+// can round apart from the forward's maximum); returns rowsum(P * t) = t at that key.
+template <typename T>
+T single_key_probs(T* p, const T* t, index_t n) {
+    T sum = 0;
+    for (index_t j = 0; j < n; ++j) {
+        p[j] = p[j] > T(0) ? T(1) : T(0);
+        sum += p[j] * t[j];
+    }
+    return sum;
+}
+
+// The whole-row passes' probabilities: p <- P = exp(S - m) / l over a row's n keys; returns
+// t = rowsum(P * form). A row whose one key takes part (`single`, with l = 1) has P = 1 there
+// exactly, so t is the form there.
+template <typename T>
+T row_probs(T* p, const T* form, index_t n, T m, T inv, bool single) {
+    const T t = probs_and_dot(p, form, n, m, inv);
+    return single ? single_key_probs(p, form, n) : t;
+}
+
+// A query block of whole rows, in the passes that hold them (JVP, the backward's JVP,
+// double backward), within work item (chunk of query blocks, b, key/value head hk).
+struct RowBlock {
+    index_t chunk, b, hk, bhk;  // the work item; bhk = b Hkv + hk
+    index_t h, bh;              // the query head, and bh = b H + h
+    index_t r0, rows, first;    // rows r0..r0 + rows of the head; first = bh Lq + r0
+    index_t keys;               // how many keys, from key0 on, any of the rows sees
+    index_t len_k;
+    index_t key0 = 0;           // the first of them: 0, or the smallest lower key bound of the rows
+
+    // The item's head in a key-side (B, Hkv, Lk, width) tensor from key key0 on, the block's
+    // rows in a query-side (B, H, Lq, width) one; null (an absent tangent) stays null.
+    template <typename P>
+    P* head(P* base, index_t width) const { return base ? base + head_offset(width) : nullptr; }
+    template <typename P>
+    P* block(P* base, index_t width) const { return base ? base + first * width : nullptr; }
+    // The item's head in its own chunk's part of `parts` (chunks x (B, Hkv, Lk, width))
+    template <typename P>
+    P* part_head(P* parts, index_t kv_size, index_t width) const {
+        return parts + chunk * kv_size * width + head_offset(width);
+    }
+    index_t head_offset(index_t width) const { return (bhk * len_k + key0) * width; }
+};
+
+// A block's keys narrowed to those between its rows' bounds: a band of a sliding window,
+// not the whole prefix, so its row sums run over the keys that can take part alone.
+template <typename T>
+void narrow_to_bounds(RowBlock& blk, const ScoreMask<T>& masks) {
+    index_t lo = blk.keys, hi = 0;
+    for (index_t i = blk.r0; i < blk.r0 + blk.rows; ++i) {
+        const auto [row_lo, row_hi] = masks.range(blk.b, i, blk.len_k);
+        lo = std::min(lo, row_lo);
+        hi = std::max(hi, row_hi);
+    }
+    const index_t stop = std::min(blk.keys, hi);
+    blk.key0 = std::min(lo, stop);
+    blk.keys = stop - blk.key0;
+}
+
+// body(block, scratch) for every query block of whole rows: the work `items` in parallel,
+// each visiting, for its (chunk of query blocks, b, key/value head)s in order, its chunk of
+// blocks for every query head of the group in order (so its sums into its own parts have a
+// fixed order); `scratch` holds `tiles` tiles of block_rows x Lk per thread.
+template <typename T, typename Body>
+void for_each_row_block(const Pass<T>& pass, const KvItems& items, int tiles, Body&& body) {
+    const Shape& s = pass.s;
+    const index_t block_rows = pass.call.block_rows, chunks = pass.call.chunks;
+    const index_t group = s.heads / s.kv_heads;
+    const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
+    parallel_items(items.count(), [&](const ItemSource& source) {
+        std::vector<T> scratch(tiles * block_rows * s.len_k);
+        for (index_t item; (item = source.next()) >= 0;) {
+            items.visit(item, [&](const KvItem& it) {
+                for (index_t h = it.hk * group; h < (it.hk + 1) * group; ++h) {
+                    for (index_t qb = it.chunk * query_blocks / chunks; qb < (it.chunk + 1) * query_blocks / chunks;
+                         ++qb) {
+                        RowBlock blk{it.chunk, it.b, it.hk, it.bhk, h, it.b * s.heads + h, qb * block_rows, 0, 0, 0,
+                                     s.len_k};
+                        blk.rows = std::min(block_rows, s.len_q - blk.r0);
+                        blk.first = blk.bh * s.len_q + blk.r0;
+                        blk.keys = pass.causal.keys_before(blk.r0 + blk.rows, s.len_k);
+                        if (pass.masks.bounds) narrow_to_bounds(blk, pass.masks);
+                        body(blk, scratch.data());
+                    }
+                }
+            });
+        }
+    });
+}
+
+// delta_r = rowsum(a_r * b_r) for `rows` rows of width `width`, summed in double: D enters
+// every dS = P (dP - D) of its row, and a float32 sum of d products would carry d roundings
+// into all of them (O(L d) work, so the wider sum costs nothing measurable)
+template <typename T>
+void row_dots(const T* a, const T* b, T* delta, index_t rows, index_t width) {
+    parallel_range(rows, 256, [&](index_t begin, index_t end) {
+        for (index_t r = begin; r < end; ++r) {
+            double sum = 0;
+            for (index_t c = 0; c < width; ++c) sum += double(a[r * width + c]) * double(b[r * width + c]);
+            delta[r] = static_cast<T>(sum);
+        }
+    });
+}
+
+// The passes (passes.cpp, passes_higher.cpp), for float and double.
+template <typename T> void forward(const Pass<T>& pass);
+template <typename T> void backward(const Pass<T>& pass);
+template <typename T> void double_backward(const Pass<T>& pass);
+template <typename T> void jvp(const Pass<T>& pass);
+template <typename T> void backward_jvp(const Pass<T>& pass);
+
+}  // namespace attngrad_tiles

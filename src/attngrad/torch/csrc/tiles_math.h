@@ -1,0 +1,314 @@
+// attngrad's compiled tiles: the row arithmetic every pass shares. exp and tanh in float32
+// as explicit 16-lane SIMD (GCC's vector extensions), and the row loops built on them; each
+// row loop has a plain loop over elements (float64, and float32's last n mod 16 entries)
+// and a float32 version over 16-float vectors.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace attngrad_tiles {
+
+using index_t = int64_t;
+
+// exp for x <= 0 (a score minus its row maximum): exp(x) = 2^n exp(r), n = round(x / ln 2),
+// |r| <= ln(2) / 2, and exp(r) by its degree-7 Taylor polynomial (truncation 5e-9 relative,
+// below float32's 6e-8 rounding). Below -87.3 (2^-126, where float32 turns subnormal), and
+// at -inf, 0. Written once over a generic element type so that the same lines serve one
+// float and a 16-float vector (GCC's vector extensions: the loops below are explicit SIMD,
+// where the auto-vectoriser gave up on the reductions).
+template <typename F, typename I>
+inline F exp_score_any(F x) {
+    const F lowest = F{} - 87.3f;
+    const F highest = F{} + 88.0f;  // x is <= 0 up to rounding; the clamp keeps 2^n finite
+    const F xc = x < lowest ? lowest : (x > highest ? highest : x);
+    const F n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23)
+    const F r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // ln 2 in two parts (Cody and Waite)
+    F p = F{} + 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    I bits;
+    if constexpr (sizeof(F) == sizeof(float)) {
+        bits = (static_cast<I>(n) + 127) << 23;  // 2^n, n in [-126, 127]
+    } else {
+        bits = (__builtin_convertvector(n, I) + 127) << 23;
+    }
+    F two_n;
+    std::memcpy(&two_n, &bits, sizeof two_n);
+    const F zero{};
+    return x < lowest ? zero : p * two_n;
+}
+
+constexpr int kLanes = 16;
+using floatv = float __attribute__((vector_size(kLanes * sizeof(float))));
+using intv = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline float exp_score(float x) { return exp_score_any<float, int32_t>(x); }
+inline floatv exp_score(floatv x) { return exp_score_any<floatv, intv>(x); }
+// float64 is the exactness path: the C library's exp, within an ulp
+inline double exp_score(double x) { return std::exp(x); }
+
+inline floatv load(const float* p) {
+    floatv v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+inline void store(float* p, floatv v) { std::memcpy(p, &v, sizeof v); }
+
+// tanh in float32, for the soft cap: below |x| = 0.625 the odd minimax polynomial of Cephes'
+// tanhf (x + x^3 p(x^2), about 2 ulp), above it (1 - e) / (1 + e) with e = exp(-2 |x|) from
+// exp_score (e <= 0.29 there: no cancellation), signed. One body for a float and a 16-float
+// vector, like exp_score_any; float64 keeps the C library's tanh.
+template <typename F, typename I>
+inline F tanh_any(F x) {
+    const F zero{}, one = F{} + 1.0f, cut = F{} + 0.625f;
+    const F ax = x < zero ? -x : x;
+    const F z = x * x;
+    F p = F{} - 5.70498872745e-3f;
+    p = p * z + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    const F e = exp_score_any<F, I>(ax * -2.0f);
+    const F large = (one - e) / (one + e);
+    return ax < cut ? p * z * x + x : (x < zero ? -large : large);
+}
+
+inline float tanh_cap(float x) { return tanh_any<float, int32_t>(x); }
+inline floatv tanh_cap(floatv x) { return tanh_any<floatv, intv>(x); }
+inline double tanh_cap(double x) { return std::tanh(x); }
+
+// Each row operation below has a loop over elements, which float32 also runs on a row's
+// last n mod 16 entries, and a float32 version over 16-float vectors.
+
+// max_j x_j (-inf for n = 0)
+template <typename T>
+T max_of_each(const T* x, index_t n) {
+    T top = -std::numeric_limits<T>::infinity();
+    for (index_t j = 0; j < n; ++j) top = x[j] > top ? x[j] : top;
+    return top;
+}
+
+template <typename T>
+T max_of(const T* x, index_t n) {
+    return max_of_each(x, n);
+}
+
+template <>
+inline float max_of(const float* x, index_t n) {
+    floatv lanes = floatv{} - std::numeric_limits<float>::infinity();
+    index_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+        const floatv v = load(x + j);
+        lanes = v > lanes ? v : lanes;
+    }
+    float top = max_of_each(x + j, n - j);
+    for (int t = 0; t < kLanes; ++t) top = lanes[t] > top ? lanes[t] : top;
+    return top;
+}
+
+// x_j <- exp(x_j - shift); returns the sum of the new x_j
+template <typename T>
+T exp_and_sum_each(T* x, index_t n, T shift) {
+    T sum = 0;
+    for (index_t j = 0; j < n; ++j) {
+        x[j] = exp_score(x[j] - shift);
+        sum += x[j];
+    }
+    return sum;
+}
+
+template <typename T>
+T exp_and_sum(T* x, index_t n, T shift) {
+    return exp_and_sum_each(x, n, shift);
+}
+
+template <>
+inline float exp_and_sum(float* x, index_t n, float shift) {
+    floatv lanes{};
+    index_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+        const floatv e = exp_score(load(x + j) - shift);
+        store(x + j, e);
+        lanes += e;
+    }
+    float sum = exp_and_sum_each(x + j, n - j, shift);
+    for (int t = 0; t < kLanes; ++t) sum += lanes[t];
+    return sum;
+}
+
+// forward: P = exp(S - m) / l  ->  dS = P (dP - D); p holds S and becomes P, ds holds dP
+// and becomes dS
+template <typename T>
+void probs_and_score_grad_each(T* p, T* ds, index_t n, T m, T inv, T d) {
+    for (index_t j = 0; j < n; ++j) {
+        const T pj = exp_score(p[j] - m) * inv;
+        p[j] = pj;
+        ds[j] = pj * (ds[j] - d);
+    }
+}
+
+template <typename T>
+void probs_and_score_grad(T* p, T* ds, index_t n, T m, T inv, T d) {
+    probs_and_score_grad_each(p, ds, n, m, inv, d);
+}
+
+template <>
+inline void probs_and_score_grad(float* p, float* ds, index_t n, float m, float inv, float d) {
+    index_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+        const floatv pj = exp_score(load(p + j) - m) * inv;
+        store(p + j, pj);
+        store(ds + j, pj * (load(ds + j) - d));
+    }
+    probs_and_score_grad_each(p + j, ds + j, n - j, m, inv, d);
+}
+
+// The double backward's row work, in three sweeps over one row (in the manner of the row
+// operations above: a loop for any type, 16-float vectors for float32).
+// p <- P = exp(S - m) / l; returns t = rowsum(P * T)
+template <typename T>
+T probs_and_dot_each(T* p, const T* t, index_t n, T m, T inv) {
+    T sum = 0;
+    for (index_t j = 0; j < n; ++j) {
+        p[j] = exp_score(p[j] - m) * inv;
+        sum += p[j] * t[j];
+    }
+    return sum;
+}
+
+template <typename T>
+T probs_and_dot(T* p, const T* t, index_t n, T m, T inv) {
+    return probs_and_dot_each(p, t, n, m, inv);
+}
+
+template <>
+inline float probs_and_dot(float* p, const float* t, index_t n, float m, float inv) {
+    floatv lanes{};
+    index_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+        const floatv pj = exp_score(load(p + j) - m) * inv;
+        store(p + j, pj);
+        lanes += pj * load(t + j);
+    }
+    float sum = probs_and_dot_each(p + j, t + j, n - j, m, inv);
+    for (int i = 0; i < kLanes; ++i) sum += lanes[i];
+    return sum;
+}
+
+// x <- g_P = (dP - D) (T - t) + X,  t <- g_dP = P (T - t),  dp <- dS = P (dP - D);
+// returns u = rowsum(P * g_P)
+template <typename T>
+T second_order_terms_each(const T* p, T* t, T* dp, T* x, index_t n, T t_sum, T d_row) {
+    T sum = 0;
+    for (index_t j = 0; j < n; ++j) {
+        const T t_centred = t[j] - t_sum, dp_centred = dp[j] - d_row;
+        const T g_p = dp_centred * t_centred + x[j];
+        sum += p[j] * g_p;
+        x[j] = g_p;
+        t[j] = p[j] * t_centred;
+        dp[j] = p[j] * dp_centred;
+    }
+    return sum;
+}
+
+template <typename T>
+T second_order_terms(const T* p, T* t, T* dp, T* x, index_t n, T t_sum, T d_row) {
+    return second_order_terms_each(p, t, dp, x, n, t_sum, d_row);
+}
+
+template <>
+inline float second_order_terms(const float* p, float* t, float* dp, float* x, index_t n, float t_sum, float d_row) {
+    floatv lanes{};
+    index_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+        const floatv pj = load(p + j), t_centred = load(t + j) - t_sum, dp_centred = load(dp + j) - d_row;
+        const floatv g_p = dp_centred * t_centred + load(x + j);
+        lanes += pj * g_p;
+        store(x + j, g_p);
+        store(t + j, pj * t_centred);
+        store(dp + j, pj * dp_centred);
+    }
+    float sum = second_order_terms_each(p + j, t + j, dp + j, x + j, n - j, t_sum, d_row);
+    for (int i = 0; i < kLanes; ++i) sum += lanes[i];
+    return sum;
+}
+
+// x <- P (x - u)
+template <typename T>
+void centre_and_scale_each(const T* p, T* x, index_t n, T u) {
+    for (index_t j = 0; j < n; ++j) x[j] = p[j] * (x[j] - u);
+}
+
+template <typename T>
+void centre_and_scale(const T* p, T* x, index_t n, T u) {
+    centre_and_scale_each(p, x, n, u);
+}
+
+template <>
+inline void centre_and_scale(const float* p, float* x, index_t n, float u) {
+    index_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) store(x + j, load(p + j) * (load(x + j) - u));
+    centre_and_scale_each(p + j, x + j, n - j, u);
+}
+
+// The backward's JVP row work (after P, P' = P (T - t), dP~ = dP Z, dP~' = dP' Z are in
+// place): returns D' = rowsum(P' * dP~ + P * dP~'), in one sweep over a row
+template <typename T>
+T tangent_delta_each(const T* p, const T* p_t, const T* dp, const T* dp_t, index_t n) {
+    T sum = 0;
+    for (index_t j = 0; j < n; ++j) sum += p_t[j] * dp[j] + p[j] * dp_t[j];
+    return sum;
+}
+
+template <typename T>
+T tangent_delta(const T* p, const T* p_t, const T* dp, const T* dp_t, index_t n) {
+    return tangent_delta_each(p, p_t, dp, dp_t, n);
+}
+
+template <>
+inline float tangent_delta(const float* p, const float* p_t, const float* dp, const float* dp_t, index_t n) {
+    floatv lanes{};
+    index_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) lanes += load(p_t + j) * load(dp + j) + load(p + j) * load(dp_t + j);
+    float sum = tangent_delta_each(p + j, p_t + j, dp + j, dp_t + j, n - j);
+    for (int i = 0; i < kLanes; ++i) sum += lanes[i];
+    return sum;
+}
+
+// dp_t <- dS' = P' (dP~ - D) + P (dP~' - D'),  dp <- dS = P (dP~ - D)
+template <typename T>
+void score_grad_tangents_each(const T* p, const T* p_t, T* dp, T* dp_t, index_t n, T d, T d_t) {
+    for (index_t j = 0; j < n; ++j) {
+        const T centred = dp[j] - d;
+        dp_t[j] = p_t[j] * centred + p[j] * (dp_t[j] - d_t);
+        dp[j] = p[j] * centred;
+    }
+}
+
+template <typename T>
+void score_grad_tangents(const T* p, const T* p_t, T* dp, T* dp_t, index_t n, T d, T d_t) {
+    score_grad_tangents_each(p, p_t, dp, dp_t, n, d, d_t);
+}
+
+template <>
+inline void score_grad_tangents(const float* p, const float* p_t, float* dp, float* dp_t, index_t n, float d, float d_t) {
+    index_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+        const floatv pj = load(p + j), centred = load(dp + j) - d;
+        store(dp_t + j, load(p_t + j) * centred + pj * (load(dp_t + j) - d_t));
+        store(dp + j, pj * centred);
+    }
+    score_grad_tangents_each(p + j, p_t + j, dp + j, dp_t + j, n - j, d, d_t);
+}
+
+}  // namespace attngrad_tiles

@@ -1,0 +1,161 @@
+"""The backend registry: which backend runs a pass of a call, decided in one place, seen and
+chosen by the user.
+
+A backend is a module that registers a `Backend`: its name, why it cannot run on this
+machine (if it cannot), which calls it refuses, and its passes (`call.PASSES`: forward,
+backward, jvp, backward_jvp, double_backward), each `pass(call, **inputs)` with the pass's
+inputs by name. The ops hand every pass to `run`, which takes the first registered backend
+that is allowed, available and takes the call. The ring's steps come through `run` too;
+their higher passes carry the whole rows' sums (`inputs["row_sums"]`), which only a backend
+with `row_sums=True` takes. Registered today, in order of preference:
+
+    "tiles"      the compiled C++ tiles (`backends.tiles`): CPU, every pass, fast
+    "torch-ops"  PyTorch operators over score tiles (`backends.torch_ops`): every call,
+                 on any device; the portable one
+
+`use_implementation(...)`, in the manner of `torch.nn.attention.sdpa_kernel`, restricts the
+choice while it is active; a call that none of the allowed backends takes raises, naming
+each one's reason, instead of silently taking another. `ran` counts what ran, per pass and
+backend (`attngrad bench` records it); `backends()` lists the registered backends and
+whether each runs here.
+
+    with use_implementation("torch-ops"):
+        out = scaled_dot_product_attention(q, k, v)
+    ran.most_common()  # [(('forward', 'torch-ops'), 1)]
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+from .call import PASSES, AttentionCall
+
+# A pass only the ring runs: one walk for the double backward's whole-row sums.
+RING_PASSES = ("double_backward_row_sums",)
+# Why a backend refuses a pass of a call (None: it takes it).
+Refusal = Callable[[AttentionCall, str, dict], Optional[str]]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A backend: `passes` maps pass names to `fn(call, **inputs)`; `unavailable()` is None
+    where it runs on this machine, else why not (asked at every call, so it may build
+    lazily); `refuses(call, pass_name, inputs)` is None where it takes the call, else why
+    not; `row_sums`: its higher passes take a part of each row's keys given the whole rows'
+    sums (a ring step)."""
+
+    name: str
+    passes: dict[str, Callable[..., Any]]
+    unavailable: Callable[[], Optional[str]] = lambda: None
+    refuses: Refusal = lambda call, pass_name, inputs: None
+    row_sums: bool = False
+    description: str = ""
+
+
+class BackendStatus(NamedTuple):
+    name: str
+    available: bool
+    reason: Optional[str]  # why it does not run here
+    description: str
+
+
+_registry: dict[str, Backend] = {}
+_allowed: Optional[tuple[str, ...]] = None  # None: every registered backend
+ran: collections.Counter = collections.Counter()  # (pass, backend) -> calls
+
+
+def register(backend: Backend, *, before: Optional[str] = None) -> Backend:
+    """Add `backend` to the registry: last in preference, just before the backend `before`,
+    or, for a name registered already, in that one's place."""
+    unknown = [p for p in backend.passes if p not in PASSES and p not in RING_PASSES]
+    if unknown:
+        raise ValueError(f"backend {backend.name!r} registers unknown passes {unknown}; the passes are {tuple(PASSES)}")
+    if before is not None and before not in _registry:
+        raise ValueError(f"no backend {before!r} is registered; the backends are {registered()}")
+    names = list(_registry)
+    if before is not None:
+        names = [n for n in names if n != backend.name]
+        names.insert(names.index(before), backend.name)
+    elif backend.name not in names:
+        names.append(backend.name)
+    entries = {**_registry, backend.name: backend}
+    _registry.clear()
+    _registry.update((n, entries[n]) for n in names)
+    return backend
+
+
+def unregister(name: str) -> None:
+    """Remove the backend `name` (a test's own, say)."""
+    _registry.pop(name, None)
+
+
+def registered() -> tuple[str, ...]:
+    """The backends' names, in order of preference."""
+    return tuple(_registry)
+
+
+def backends() -> list[BackendStatus]:
+    """Every registered backend, whether it runs on this machine, and why not where it does not."""
+    statuses = []
+    for backend in _registry.values():
+        reason = backend.unavailable()
+        statuses.append(BackendStatus(backend.name, reason is None, reason, backend.description))
+    return statuses
+
+
+@contextmanager
+def use_implementation(*names: str) -> Iterator[None]:
+    """Allow only the backends `names` ("tiles", "torch-ops", ...) inside the block. Like
+    PyTorch's `sdpa_kernel`, the choice is global (autograd's backward runs the passes later,
+    and may run them on another thread), so it also governs backward passes run inside the
+    block."""
+    global _allowed
+    unknown = [name for name in names if name not in _registry]
+    if unknown or not names:
+        raise ValueError(f"use_implementation takes one or more of {registered()}; got {names}")
+    previous, _allowed = _allowed, tuple(names)
+    try:
+        yield
+    finally:
+        _allowed = previous
+
+
+def allowed() -> tuple[str, ...]:
+    """The backends a call may take now."""
+    return registered() if _allowed is None else tuple(n for n in _allowed if n in _registry)
+
+
+def _refusal(backend: Backend, call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]:
+    if pass_name not in backend.passes:
+        return f"it has no {pass_name} pass"
+    if inputs.get("row_sums") is not None and not backend.row_sums:
+        return "it takes no part of each row's keys (a ring step's higher passes)"
+    reason = backend.unavailable()
+    if reason is not None:
+        return f"it is unavailable ({reason})"
+    return backend.refuses(call, pass_name, inputs)
+
+
+def choose(pass_name: str, call: AttentionCall, inputs: Optional[dict] = None) -> Backend:
+    """The backend that runs this pass of this call."""
+    inputs = inputs or {}
+    reasons = []
+    for name in allowed():
+        backend = _registry[name]
+        reason = _refusal(backend, call, pass_name, inputs)
+        if reason is None:
+            return backend
+        reasons.append(f"{name}: {reason}")
+    raise RuntimeError(f"attngrad: no allowed backend runs this {pass_name} call ({call.q.dtype} on {call.q.device}); "
+                       f"allowed: {allowed()}; " + "; ".join(reasons))
+
+
+def run(pass_name: str, call: AttentionCall, **inputs: Any) -> Any:
+    """Run pass `pass_name` of `call` on the first backend that takes it, counted in `ran`."""
+    backend = choose(pass_name, call, inputs)
+    ran[(pass_name, backend.name)] += 1
+    return backend.passes[pass_name](call, **inputs)

@@ -1,0 +1,120 @@
+"""How the public functions' inputs of any rank, (..., H, L, E), map onto the ops'
+(B, H, L, E), and the checks that name the user's arguments when they do not fit."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def describe_shapes(query: Tensor, key: Tensor, value: Tensor) -> str:
+    return f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+
+
+def check_tensors(query: Tensor, key: Tensor, value: Tensor, dropout_p: float) -> None:
+    shapes = describe_shapes(query, key, value)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dtype not in FLOATS:
+            raise TypeError(f"{name} must be a floating tensor; got {t.dtype} ({shapes})")
+        if t.dim() < 2:
+            raise ValueError(f"query, key and value must have at least 2 dimensions (..., L, E); got {shapes}")
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(f"query, key and value must share a dtype; got {query.dtype}, {key.dtype}, {value.dtype}")
+    if not query.device == key.device == value.device:
+        raise ValueError(f"query, key and value must be on one device; got {query.device}, {key.device}, {value.device}")
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(f"key and value must have the same length Lk (dimension -2); got {shapes}")
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"query and key must share their last dimension E; got {shapes}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1]; got {dropout_p}")
+
+
+class Layout:
+    """How (..., H, L, E) inputs of any rank map onto the op's (B, H, L, E): the leading
+    dimensions broadcast among query, key and value and fold into one batch axis; the
+    heads axis (-3) broadcasts too, or groups query heads over key/value heads (GQA)."""
+
+    def __init__(self, query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) -> None:
+        shapes = describe_shapes(query, key, value)
+        self.flat = max(t.dim() for t in (query, key, value)) == 2  # (L, E) inputs: no heads axis
+        heads = [t.shape[-3] if t.dim() >= 3 else 1 for t in (query, key, value)]
+        try:
+            self.batch = torch.broadcast_shapes(*(t.shape[:-3] for t in (query, key, value)))
+        except RuntimeError:
+            raise ValueError(f"the batch dimensions of query, key and value do not broadcast; got {shapes}") from None
+        h_q, h_k, h_v = heads
+        if enable_gqa and h_q != h_k:
+            if h_k != h_v:
+                raise ValueError(f"with enable_gqa, key and value must have the same number of heads; got {shapes}")
+            if h_k == 0 or h_q % h_k:
+                raise ValueError(f"the number of query heads must be a multiple of key/value heads; got {shapes}")
+            self.heads, kv_heads = h_q, h_k
+        else:
+            try:
+                self.heads = torch.broadcast_shapes((h_q,), (h_k,), (h_v,))[0]
+            except RuntimeError:
+                hint = "; pass enable_gqa=True" if h_k == h_v and h_k and h_q % h_k == 0 else ""
+                raise ValueError(f"query has {h_q} heads but key/value {h_k}, {h_v}{hint} ({shapes})") from None
+            # key and value heads broadcast over the query's: GQA with one group, no copy
+            kv_heads = 1 if h_k == h_v == 1 and h_q > 1 else self.heads
+        self.shapes = shapes
+        self.len_q, self.len_k = query.shape[-2], key.shape[-2]
+        self.q = self._fold(query, self.heads)
+        self.k = self._fold(key, kv_heads)
+        self.v = self._fold(value, kv_heads)
+
+    def _fold(self, t: Tensor, heads: int) -> Tensor:
+        """t as (B, heads, L, E): broadcast to the batch and heads, batch axes flattened."""
+        while t.dim() < 3:
+            t = t.unsqueeze(0)
+        t = t.expand(*self.batch, heads, *t.shape[-2:])
+        return t.reshape(math.prod(self.batch), *t.shape[-3:]) if len(self.batch) != 1 else t
+
+    @property
+    def target(self) -> tuple:
+        """The full score shape a mask must broadcast to: (..., H, Lq, Lk)."""
+        return self.target_with(self.len_k)
+
+    def target_with(self, len_k: int) -> tuple:
+        """`target` for Lk keys (a ring's local queries see the whole sequence's keys)."""
+        return (*self.batch, self.heads, self.len_q, len_k) if not self.flat else (self.len_q, len_k)
+
+    def fold_mask(self, mask: Tensor, name: str, len_k: Optional[int] = None) -> Tensor:
+        """A mask or bias broadcastable to `target` (with `len_k` keys, if given), as one
+        broadcastable to (B, H, Lq, Lk)."""
+        target = self.target_with(self.len_k if len_k is None else len_k)
+        try:
+            ok = mask.dim() <= len(target) and torch.broadcast_shapes(mask.shape, target) == torch.Size(target)
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name} of shape {tuple(mask.shape)} does not broadcast to the scores' shape {target} "
+                             f"({self.shapes})")
+        mask = mask[(None,) * max(0, 4 - mask.dim())]  # at least (b, h, lq, lk)
+        if len(self.batch) <= 1:  # the batch axis is the op's as it is
+            return mask
+        lead = mask.shape[:-3]
+        if all(size == 1 for size in lead):
+            return mask.reshape(1, *mask.shape[-3:])
+        return mask.expand(*self.batch, *mask.shape[-3:]).reshape(math.prod(self.batch), *mask.shape[-3:])
+
+    def unfold(self, out: Tensor) -> Tensor:
+        """(B, H, Lq, Ev) back to the inputs' layout (..., H, Lq, Ev)."""
+        if self.flat:
+            return out.reshape(out.shape[-2:])
+        return out.reshape(*self.batch, *out.shape[1:])
+
+
+def default_scale(query: Tensor, scale: Optional[float]) -> float:
+    """`scale`, or PyTorch's default 1 / sqrt(E) (with E = 0 every score is 0 whatever the scale)."""
+    if scale is not None:
+        return float(scale)
+    return 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0

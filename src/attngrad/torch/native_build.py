@@ -1,0 +1,165 @@
+"""Building and loading the compiled tiles (`csrc/`) as a PyTorch extension.
+
+`torch.utils.cpp_extension.load` compiles the sources with the system's C++ compiler and
+ninja (the files in parallel) into a cache folder, once per source, flags, compiler and CPU,
+and loads the library into the process (is_python_module=False), whose TORCH_LIBRARY
+registers the ops `torch.ops.attngrad_tiles.*`. A later process finds the built library in
+its folder and loads it without a build step.
+
+ATTNGRAD_NATIVE=0 turns the tiles off; ATTNGRAD_CACHE names the cache folder (default
+$XDG_CACHE_HOME/attngrad or ~/.cache/attngrad); CXX names the compiler (default c++).
+ATTNGRAD_SANITIZE=1 builds them with AddressSanitizer and UndefinedBehaviorSanitizer
+instead, into a folder of its own (for `scripts/sanitize_tiles.sh`, which preloads the
+sanitizer runtimes that a Python process needs for such a library).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+NAME = "attngrad_tiles"  # the extension's name and its ops' namespace
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("ops.cpp", "runtime.cpp", "passes.cpp", "passes_higher.cpp")
+HEADERS = ("tiles.h", "tiles_math.h")
+# -fno-trapping-math lets the row loops' compares and selects vectorise; -ffp-contract=fast
+# turns their a * b + c into FMAs. No -ffast-math: the code relies on -inf and exact order.
+# -fopenmp where PyTorch's thread pool is OpenMP's: at::parallel_for is inline code in the
+# tiles' own sources, a `#pragma omp parallel` that runs serially without it (measured: the
+# same time on 1 and 2 threads). The libgomp it links is PyTorch's, already loaded under
+# the same soname: one thread pool in the process.
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast")
+OPENMP_FLAGS = ("-fopenmp",)
+SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g")
+
+
+@dataclass
+class BuildInfo:
+    """How the library was had: its path, whether it was compiled in this process, the
+    seconds that took, or why it is unavailable."""
+
+    path: Path | None = None
+    compiled: bool = False
+    seconds: float = 0.0
+    reason: str | None = None
+
+    def reset(self) -> None:
+        self.path, self.compiled, self.seconds, self.reason = None, False, 0.0, None
+
+
+build_info = BuildInfo()
+
+
+def sanitized() -> bool:
+    return os.environ.get("ATTNGRAD_SANITIZE") == "1"
+
+
+def _openmp() -> tuple[str, ...]:
+    return OPENMP_FLAGS if torch.backends.openmp.is_available() else ()
+
+
+def flags() -> tuple[str, ...]:
+    return FLAGS + _openmp() + (SANITIZE_FLAGS if sanitized() else ())
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("ATTNGRAD_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "attngrad"
+    )
+    return Path(root)
+
+
+def _machine_key() -> str:
+    """What the built library depends on: the sources, the flags, the compiler, the CPU
+    (-march=native) and PyTorch (its headers and ABI), so a cache folder shared between
+    machines or environments does not hand one the other's."""
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu += "".join(line for line in info if line.startswith(("model name", "flags")))
+    except OSError:
+        pass
+    text = b"".join((CSRC / name).read_bytes() for name in SOURCES + HEADERS)
+    text += " ".join(flags()).encode() + os.environ.get("CXX", "c++").encode() + cpu.encode()
+    text += torch.__version__.encode()
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
+def _library_file(folder: Path) -> Path:
+    return folder / f"{NAME}.so"
+
+
+def _build(folder: Path) -> None:
+    """Compile the sources into `folder` with cpp_extension and load the result."""
+    from torch.utils import cpp_extension
+
+    folder.mkdir(parents=True, exist_ok=True)
+    extra = list(_openmp()) + (list(SANITIZE_FLAGS) if sanitized() else [])
+    with warnings.catch_warnings():  # its own (a compiler it cannot version, ...): the one warning is library()'s
+        warnings.simplefilter("ignore")
+        cpp_extension.load(
+            name=NAME, sources=[str(CSRC / name) for name in SOURCES], extra_cflags=list(flags()),
+            extra_ldflags=extra, extra_include_paths=[str(CSRC)], build_directory=str(folder),
+            is_python_module=False, with_cuda=False, verbose=False,
+        )
+
+
+_loaded: Path | None = None  # the library this process has loaded (one per process: its ops' namespace)
+
+
+@functools.cache
+def library() -> Path | None:
+    """The loaded tiles' library file (a truthy handle: `torch.ops.attngrad_tiles` holds
+    its ops), or None, and `build_info.reason` says why."""
+    global _loaded
+    build_info.reset()
+    if os.environ.get("ATTNGRAD_NATIVE", "1") == "0":
+        build_info.reason = "turned off by ATTNGRAD_NATIVE=0"
+        return None
+    try:
+        folder = _cache_dir() / f"{NAME}-{_machine_key()}"
+        target = _library_file(folder)
+        # the marker is written after a build has finished: a library mid-build is never loaded
+        built = (folder / "build_seconds").exists()
+        if _loaded != target:
+            if _loaded is not None and built:
+                raise RuntimeError(f"another build of the tiles is loaded in this process already ({_loaded})")
+            if built:
+                torch.ops.load_library(str(target))
+            else:
+                start = time.perf_counter()
+                _build(folder)
+                build_info.compiled, build_info.seconds = True, time.perf_counter() - start
+                (folder / "build_seconds").write_text(f"{build_info.seconds:.3f}\n")
+            _loaded = target
+    except Exception as error:  # no compiler, no ninja, a failed build or load: the fallback runs
+        build_info.reason = f"building or loading the tiles failed: {type(error).__name__}: {str(error)[-2000:]}"
+        warnings.warn(
+            f"attngrad: the compiled attention tiles are unavailable ({build_info.reason}); "
+            "the torch-ops kernels run instead, exact but slower",
+            stacklevel=2,
+        )
+        return None
+    build_info.path = target
+    return target
+
+
+def fresh_build_seconds() -> float:
+    """Seconds the first use spent compiling the tiles on this machine (what a new machine
+    pays once): this process's build, or the one recorded beside the cached library."""
+    if library() is None:
+        return 0.0
+    if build_info.compiled:
+        return build_info.seconds
+    try:
+        return float((build_info.path.parent / "build_seconds").read_text())
+    except (OSError, ValueError):
+        return float("nan")

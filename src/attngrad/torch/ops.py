@@ -1,0 +1,102 @@
+"""The passes of attention as PyTorch operators: `attngrad::attention_forward`,
+`..._backward`, `..._jvp`, `..._backward_jvp`, `..._double_backward`.
+
+Each is a `torch.library.custom_op` whose schema, fake implementation, argument checks and
+batching rule come from the tables of `call` (FIELDS, PASSES): one generic implementation
+builds the `AttentionCall`, checks it, and hands the pass to the backend registry
+(`dispatch.run`). So torch.compile sees one opaque operator per pass, torch.func.vmap runs
+it once over a folded batch (`vmap_rules`), and a new option touches no op.
+
+Every op checks its arguments (`op_checks`) before any kernel reads them, and returns
+contiguous tensors, as its fake says it will. The higher passes refuse a call whose seed
+says its keys are a part of each row's: a ring step runs them through `dispatch.run` with
+the whole rows' sums instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import dispatch, vmap_rules
+from .call import CALL_FIELDS, PASSES, AttentionCall, argument_names, empty_like_field, schema
+from .op_checks import check_fields
+
+CALL_NAMES = tuple(f.name for f in CALL_FIELDS)
+ARGUMENTS = {pass_name: argument_names(pass_name) for pass_name in PASSES}  # in schema order
+DEFAULTS = {f.name: {"False": False, "True": True}[f.default] for f in CALL_FIELDS if f.default is not None}
+
+
+def split_fields(pass_name: str, args: tuple, kwargs: dict) -> tuple[AttentionCall, dict[str, Any]]:
+    """The op's arguments as (the call, the pass's own inputs by name)."""
+    # the dispatcher leaves out trailing arguments that equal their defaults
+    fields = {**DEFAULTS, **dict(zip(ARGUMENTS[pass_name], args)), **kwargs}
+    call = AttentionCall.from_fields(fields)
+    return call, {name: fields[name] for name in PASSES[pass_name].inputs}
+
+
+def add_sink(out: Tensor, row_max: Tensor, inv_sum: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The rows with a sink: one more term, exp(0), in every row's softmax denominator, a
+    key of score 0 and value 0 (GPT-OSS's sinks with the learned logit s moved into the
+    bias as -s: softmax is blind to a shift of a whole row). With Z = sum_j exp(S_ij) the
+    rows' weight Z / (Z + 1) = sigmoid(log Z) scales O and 1/l; every later pass then reads
+    the sink's share from 1/l alone. A row that sees no key stays 0."""
+    seen = inv_sum > 0
+    log_z = row_max - torch.log(torch.where(seen, inv_sum, 1.0))  # log Z = m + log l
+    kept = torch.where(seen, torch.sigmoid(log_z), 0.0)  # Z / (Z + 1)
+    return (out * kept[..., None].to(out.dtype)).contiguous(), row_max, inv_sum * kept
+
+
+def _implementation(pass_name: str) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        call, inputs = split_fields(pass_name, args, kwargs)
+        check_fields(call, inputs)
+        if pass_name != "forward" and pass_name != "backward" and call.partial_rows:
+            raise ValueError(f"attngrad attention op: attention_{pass_name} needs each row's whole keys; its seed says "
+                             "they are a part")
+        if pass_name == "forward" and call.sink and call.partial_rows:
+            raise ValueError("attngrad attention op: a sink needs each row's whole keys; its seed says they are a part")
+        results = dispatch.run(pass_name, call, **inputs)
+        if pass_name == "forward" and call.sink:
+            results = add_sink(*results)
+        if isinstance(results, Tensor):
+            return results
+        return tuple(call.q.new_empty(0) if r is None else r for r in results)  # ops return tensors, not None
+
+    return run
+
+
+def _fake(pass_name: str) -> Callable[..., Any]:
+    def fake(*args: Any, **kwargs: Any) -> Any:
+        call, inputs = split_fields(pass_name, args, kwargs)
+        check_fields(call, inputs)
+        results = tuple(
+            empty_like_field(output.like, call) if output.when is None or inputs[output.when] else call.q.new_empty(0)
+            for output in PASSES[pass_name].outputs
+        )
+        return results[0] if len(results) == 1 else results
+
+    return fake
+
+
+def _define(pass_name: str) -> Any:
+    op = torch.library.custom_op(f"attngrad::attention_{pass_name}", _implementation(pass_name), mutates_args=(),
+                                 schema=schema(pass_name))
+    op.register_fake(_fake(pass_name))
+    op.register_vmap(vmap_rules.make_rule(op, pass_name, argument_names(pass_name)))
+    return op
+
+
+OPS = {pass_name: _define(pass_name) for pass_name in PASSES}
+attention_forward, attention_backward, attention_jvp, attention_backward_jvp, attention_double_backward = (
+    OPS[name] for name in ("forward", "backward", "jvp", "backward_jvp", "double_backward"))
+
+
+def run_op(pass_name: str, call: AttentionCall, **inputs: Any) -> Any:
+    """Call the op of `pass_name` on `call` and the pass's inputs (by name; handed to the op
+    in schema order, which Dynamo traces where it does not trace every keyword)."""
+    fields = {**call.fields(), **inputs}
+    return OPS[pass_name](*(fields[name] for name in ARGUMENTS[pass_name]))

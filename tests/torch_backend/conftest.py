@@ -1,0 +1,71 @@
+"""Fixtures and helpers every attngrad.torch test shares: small tiles, the backends, the math
+path as the oracle, and the ops called by keyword."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from attngrad.torch import dispatch, kernels, kernels_higher, native, use_implementation  # noqa: E402
+from attngrad.torch.autograd import attention as differentiable_attention  # noqa: E402
+from attngrad.torch.call import AttentionCall, ScoreMasks  # noqa: E402
+
+from ..counting_backend import registered_counting_backend  # noqa: E402
+
+
+@pytest.fixture
+def many_blocks(monkeypatch):
+    """Small tiles in every backend, so that every test crosses many block boundaries, and
+    short key slices in the forward's E V product (the last one shorter than the rest). The
+    compiled tiles get 20-key blocks: a 16-wide vector and a scalar tail per row."""
+    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 1 << 9)
+    monkeypatch.setattr(kernels, "MIN_ROWS", 3)
+    monkeypatch.setattr(kernels, "VALUE_SLICE", 4)
+    monkeypatch.setattr(kernels_higher, "HIGHER_MIN_ROWS", 3)
+    monkeypatch.setattr(native, "BLOCK_ROWS", 3)
+    monkeypatch.setattr(native, "BLOCK_KEYS", 20)
+    monkeypatch.setattr(native, "VALUE_SLICE", 4)
+
+
+BACKENDS = ("tiles", "torch-ops")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """Each backend alone, skipped where it does not run here; the test fails if any pass
+    ran on another one."""
+    status = {b.name: b for b in dispatch.backends()}[request.param]
+    if not status.available:
+        pytest.skip(f"backend {request.param} does not run here: {status.reason}")
+    before = dict(dispatch.ran)
+    with use_implementation(request.param):
+        yield request.param
+    ran = {backend for (pass_name, backend), count in dispatch.ran.items() if count > before.get((pass_name, backend), 0)}
+    assert ran <= {request.param}, f"passes ran on {ran}"
+
+
+def math_sdpa(*args, **kwargs):
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(*args, **kwargs)
+
+
+def make_call(q, k, v, mask=None, bias=None, bounds=None, seed=None, causal=None, scale=None, softcap=0.0, dropout_p=0.0,
+              sink=False) -> AttentionCall:
+    """An `AttentionCall` on (B, H, L, E) tensors, by keyword."""
+    seed = torch.tensor(0) if seed is None else seed
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    masks = ScoreMasks(mask=mask, bias=bias, bounds=bounds, causal=causal, softcap=softcap, sink=sink)
+    return AttentionCall(q, k, v, masks, seed, float(scale), float(dropout_p))
+
+
+def op_attention(q, k, v, **options):
+    """The differentiable op on (B, H, L, E) tensors (`make_call`'s keywords)."""
+    return differentiable_attention(make_call(q, k, v, **options))
+
+
+@pytest.fixture
+def counting_backend():
+    """`CountingBackend`, registered first and the only one allowed while the test runs."""
+    with registered_counting_backend() as counting:
+        yield counting

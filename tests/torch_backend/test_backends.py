@@ -1,0 +1,98 @@
+"""The backend registry: what it lists, how a call chooses, and that a backend defined in the
+tests alone (`tests/counting_backend.py`) runs every pass of every entry point without an
+edit anywhere else."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from attngrad.torch import (  # noqa: E402
+    MultiheadAttention,
+    attention,
+    backends,
+    dispatch,
+    ran,
+    scaled_dot_product_attention,
+    use_implementation,
+)
+from attngrad.torch.call import PASSES, schema  # noqa: E402
+
+from ..conftest import EXACT, rel_err  # noqa: E402
+from .conftest import math_sdpa  # noqa: E402
+
+
+def randn(*shape, seed, grad=True):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64, requires_grad=grad)
+
+
+def test_backends_lists_tiles_and_torch_ops_and_says_why_one_does_not_run():
+    statuses = {b.name: b for b in backends()}
+    assert list(statuses)[:2] == ["tiles", "torch-ops"]  # the order of preference
+    assert statuses["torch-ops"].available and statuses["torch-ops"].reason is None
+    tiles = statuses["tiles"]
+    assert tiles.available == (tiles.reason is None)
+
+
+def test_every_pass_of_every_entry_point_runs_on_a_new_backend(counting_backend):
+    """Forward, backward, JVP, the backward's JVP and double backward of the drop-in, of
+    `attention` with a learned bias, and of MultiheadAttention, all on the tests' backend,
+    and exact."""
+    q, k, v = randn(2, 4, 9, 8, seed=1), randn(2, 2, 11, 8, seed=2), randn(2, 2, 11, 6, seed=3)
+    bias = randn(4, 9, 11, seed=4)
+    out = attention(q, k, v, attn_bias=bias, is_causal="bottom_right", enable_gqa=True)
+    dout = randn(*out.shape, seed=5, grad=False)
+    grads = torch.autograd.grad(out, (q, k, v, bias), dout, create_graph=True)
+    sum(g.square().sum() for g in grads).backward()
+    with torch.no_grad():
+        tangents = [randn(*t.shape, seed=6 + i, grad=False) for i, t in enumerate((q, k, v))]
+    torch.func.jvp(lambda *t: scaled_dot_product_attention(*t, is_causal=True), (q.detach(), q.detach(), q.detach()),
+                   tuple(tangents[:1] * 3))
+    hvp = torch.func.jvp(torch.func.grad(lambda q: attention(q, k.detach(), v.detach(), enable_gqa=True).sin().sum()),
+                         (q.detach(),), (tangents[0],))
+    module = MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+    module(q[0], q[0], q[0])[0].sum().backward()
+    for pass_name in PASSES:
+        assert counting_backend.count(pass_name) > 0, (pass_name, counting_backend.calls)
+    assert {name for name, _ in ran if _ == "counting"} == set(PASSES)
+    # and the numbers are attention's
+    ref = math_sdpa(q, k, v, attn_mask=bias.masked_fill(~torch.ones(9, 11, dtype=torch.bool).tril(2), float("-inf")),
+                    enable_gqa=True)
+    assert rel_err(out, ref) < EXACT
+    assert hvp[1].shape == q.shape
+
+
+def test_a_call_no_allowed_backend_takes_raises_with_each_ones_reason():
+    q = randn(1, 1, 3, 2, seed=1, grad=False)
+    with use_implementation("torch-ops"):
+        before = dict(ran)
+        attention(q, q, q)
+        assert ran[("forward", "torch-ops")] == before.get(("forward", "torch-ops"), 0) + 1
+    empty = q[..., :0, :]
+    with use_implementation("tiles"):
+        with pytest.raises(RuntimeError, match="no allowed backend runs this forward call.*tiles: it (takes no empty|is "
+                                               "unavailable)"):
+            attention(q, empty, empty)
+    with pytest.raises(ValueError, match="use_implementation takes one or more of"):
+        with use_implementation("flash"):
+            pass
+
+
+def test_registering_checks_the_passes_and_the_order():
+    with pytest.raises(ValueError, match="unknown passes"):
+        dispatch.register(dispatch.Backend(name="odd", passes=dict(sideways=lambda call: None)))
+    with pytest.raises(ValueError, match="no backend 'nowhere'"):
+        dispatch.register(dispatch.Backend(name="odd", passes={}), before="nowhere")
+    dispatch.register(dispatch.Backend(name="odd", passes={}), before="torch-ops")
+    try:
+        assert dispatch.registered().index("odd") == dispatch.registered().index("torch-ops") - 1
+        q = randn(1, 1, 3, 2, seed=1, grad=False)
+        attention(q, q, q)  # "odd" has no forward: the next one takes the call
+    finally:
+        dispatch.unregister("odd")
+    assert "odd" not in dispatch.registered()
+
+
+def test_the_op_schemas_come_from_the_table():
+    assert schema("forward").startswith("(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? bounds")
+    assert "Tensor? tbias" in schema("backward_jvp") and schema("backward_jvp").endswith("-> (Tensor, Tensor, Tensor, Tensor)")
+    assert str(torch.ops.attngrad.attention_double_backward.default._schema).count("Tensor?") == 3 + 4

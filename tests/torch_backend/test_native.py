@@ -517,12 +517,33 @@ def test_use_implementation_chooses_and_counts():
             pass
 
 
+def _tiles_not_empty(q, k, causal, mask=None, bias=None, bounds=None, block_keys=None):
+    """Score tiles of the forward (and of the backward: the same tiling) that the block map
+    leaves to compute: all B H Lq/R Lk/C of them less its EMPTY ones, and how many those are."""
+    from attngrad.torch.block_map import empty_tiles
+
+    masks = native._score_masks(mask, bias, q.dtype, bounds=bounds)
+    block_keys = block_keys or native._block_keys(bounds)
+    empty = empty_tiles(q.shape[2], k.shape[2], causal, masks.get("key_bounds"), masks.get("mask"),
+                        masks.get("bias"), native.BLOCK_ROWS, block_keys)
+    empty = empty.expand(q.shape[0], q.shape[1], *empty.shape[2:])
+    return int((~empty).sum()), int(empty.sum())
+
+
+def _counted(run):
+    """run()'s result and the score tiles the compiled passes computed during it."""
+    torch.ops.attngrad_tiles.tiles_computed(True)
+    result = run()
+    return result, torch.ops.attngrad_tiles.tiles_computed(True)
+
+
 @needs_tiles
 @pytest.mark.parametrize("causal", [None, 0, -4])
 def test_tiles_skip_what_a_padding_mask_excludes(causal):
     """Padding of a different length per sequence, on 3 x 5 tiles: whole tiles are excluded
-    (and skipped), others partly; rows of the second sequence see no key past its padding.
-    Forward, backward and double backward equal the torch-ops kernels' to 1e-12."""
+    and skipped (the forward and the backward each compute all tiles less the block map's
+    EMPTY ones, counted), others partly; rows of the second sequence see no key past its
+    padding. Forward, backward and double backward equal the torch-ops kernels' to 1e-12."""
     q, k, v, dout = _inputs(2, 4, 2, 17, 23, 8, 6, torch.float64, 3)
     keep = torch.ones(2, 1, 1, 23, dtype=torch.bool)
     keep[0, ..., 15:] = False
@@ -534,12 +555,19 @@ def test_tiles_skip_what_a_padding_mask_excludes(causal):
         old = native.BLOCK_ROWS, native.BLOCK_KEYS
         native.BLOCK_ROWS, native.BLOCK_KEYS = 3, 5
         try:
-            ours = native.attention_forward(q, k, v, causal, 0.3, mask=mask, bias=float_mask)
-            grads = native.attention_backward(dout, q, k, v, *ours, causal, 0.3, mask=mask, bias=float_mask)[:3]
+            tiles, empty = _tiles_not_empty(q, k, causal, mask, float_mask)
+            ours, forward_tiles = _counted(lambda: native.attention_forward(q, k, v, causal, 0.3, mask=mask,
+                                                                            bias=float_mask))
+            grads, backward_tiles = _counted(lambda: native.attention_backward(
+                dout, q, k, v, *ours, causal, 0.3, mask=mask, bias=float_mask)[:3])
             second = native.attention_double_backward(dout, q, k, v, *ours, causal, 0.3, True, *cotangents,
                                                       mask=mask, bias=float_mask)[:4]
         finally:
             native.BLOCK_ROWS, native.BLOCK_KEYS = old
+        # 2 x 4 heads of 6 x 5 tiles: the first sequence's last two key blocks and the
+        # second's last three are padding alone (more under the causal diagonals)
+        assert empty >= 4 * 6 * (2 + 3)
+        assert forward_tiles == backward_tiles == tiles == 2 * 4 * 6 * 5 - empty
         theirs = kernels.attention_forward(q, k, v, mask, float_mask, 0, causal, 0.3, 0.0, 0.0)
         their_grads = kernels.attention_backward(dout, q, k, v, mask, float_mask, 0, *theirs, causal, 0.3, 0.0, 0.0,
                                                  False)
@@ -548,3 +576,55 @@ def test_tiles_skip_what_a_padding_mask_excludes(causal):
         names = ("out", "row_max", "inv_sum", "dq", "dk", "dv", "g_dout", "g_q", "g_k", "g_v")
         assert_all_close(dict(zip(names, (*ours, *grads, *second))),
                          dict(zip(names, (*theirs, *their_grads[:3], *their_second[:4]))))
+
+
+@needs_tiles
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_tiles_skip_what_a_causal_window_excludes(with_mask):
+    """A causal sliding window of 9 keys (key bounds), with or without a boolean mask that
+    drops every third key of the first batch entry, on 4 x 5 tiles: the tiles below the
+    window and above the diagonal are skipped, each pass computing exactly the block map's
+    tiles that are not EMPTY; the results equal the torch-ops kernels' to 1e-12."""
+    q, k, v, dout = _inputs(2, 2, 1, 37, 37, 8, 6, torch.float64, 5)
+    rows = torch.arange(37)
+    bounds = torch.stack([(rows - 8).clamp(min=0), rows + 1], -1)[None]  # (1, Lq, 2)
+    mask = None
+    if with_mask:
+        mask = torch.ones(2, 1, 37, 37, dtype=torch.bool)
+        mask[0, ..., ::3] = False
+    old = native.BLOCK_ROWS, native.NARROW_BLOCK_KEYS
+    native.BLOCK_ROWS, native.NARROW_BLOCK_KEYS = 4, 5
+    try:
+        tiles, empty = _tiles_not_empty(q, k, 0, mask, bounds=bounds)
+        ours, forward_tiles = _counted(lambda: native.attention_forward(q, k, v, 0, 0.3, mask=mask, bounds=bounds))
+        grads, backward_tiles = _counted(lambda: native.attention_backward(dout, q, k, v, *ours, 0, 0.3, mask=mask,
+                                                                           bounds=bounds)[:3])
+    finally:
+        native.BLOCK_ROWS, native.NARROW_BLOCK_KEYS = old
+    all_tiles = 2 * 2 * 10 * 8
+    # per head, of 10 x 8 tiles, the window and the diagonal leave 2 or 3 per query block
+    assert empty >= 2 * 2 * (10 * 8 - 3 * 10)
+    assert forward_tiles == backward_tiles == tiles == all_tiles - empty
+    theirs = kernels.attention_forward(q, k, v, mask, None, 0, 0, 0.3, 0.0, 0.0, bounds=bounds)
+    their_grads = kernels.attention_backward(dout, q, k, v, mask, None, 0, *theirs, 0, 0.3, 0.0, 0.0, False,
+                                             bounds=bounds)[:3]
+    names = ("out", "row_max", "inv_sum", "dq", "dk", "dv")
+    assert_all_close(dict(zip(names, (*ours, *grads))), dict(zip(names, (*theirs, *their_grads))))
+
+
+@needs_tiles
+@pytest.mark.parametrize("fault", ["shape", "dtype", "layout"])
+def test_tiles_check_the_block_map(fault):
+    """The ops check the block map they are handed like every other tensor: its shape
+    against the call's blocks, bool, contiguous; the message names it."""
+    q, k, v, _ = _inputs(1, 2, 2, 9, 11, 4, 4, torch.float32, 1)
+    good = torch.zeros(1, 2, 3, 2, dtype=torch.bool)  # 9 rows of 4, 11 keys of 8
+    bad = {"shape": torch.zeros(1, 2, 3, 3, dtype=torch.bool), "dtype": good.to(torch.uint8),
+           "layout": torch.zeros(1, 2, 2, 3, dtype=torch.bool).transpose(2, 3)}[fault]
+    out, row_max, inv_sum = q.new_empty(1, 2, 9, 4), q.new_empty(1, 2, 9), q.new_empty(1, 2, 9)
+    options = native._options(None, 0.5, block_rows=4, block_keys=8)
+    torch.ops.attngrad_tiles.forward(q, k, v, None, None, None, out=out, row_max=row_max, inv_sum=inv_sum,
+                                     empty_tiles=good, **options)
+    with pytest.raises(RuntimeError, match="attngrad_tiles.forward: empty_tiles"):
+        torch.ops.attngrad_tiles.forward(q, k, v, None, None, None, out=out, row_max=row_max, inv_sum=inv_sum,
+                                         empty_tiles=bad, **options)

@@ -6,14 +6,17 @@ Two rules decide it, and every structured mask becomes them (`structured`):
     key bounds              row i of batch entry b sees keys [lo, hi) (padding, windows,
                             documents: (1 or B, Lq, 2) int64)
 Together each row sees one interval, [lo_i, min(hi_i, i + c + 1)) (`row_intervals`). A
-boolean mask and a float bias may exclude more, entry by entry; the block map does not
-read them.
+boolean mask and a float bias may exclude more, entry by entry; `BlockMap` does not read
+them, `empty_tiles` does.
 
 `BlockMap` classifies the (query block, key block) tiles of a tiling from the intervals,
 in the manner of FlexAttention's block mask: EMPTY (no row sees a key of it: skipped),
 FULL (every row sees every key: no structural mask to apply), PARTIAL. The backends read
 the rules here: the torch-ops kernels' key range per block (`key_range`) and excluded
 entries (`excluded`), the ring's units (`classify`), the counts the tests check.
+`empty_tiles` gives the compiled tiles' forward and backward the tiles they skip: those in
+which no entry takes part by the intervals, the mask and the bias together (the entries of
+the tiles they compute are masked one by one there).
 """
 
 from __future__ import annotations
@@ -106,3 +109,74 @@ class BlockMap:
 
     def count(self, kind: int) -> int:
         return int((self.state == kind).sum())
+
+
+def _blocks(t: Tensor, axis: int, size: int, block: int) -> Tensor:
+    """`t` with axis `axis` (of `size`) padded with False to whole blocks of `block`."""
+    if size % block == 0:
+        return t
+    padded = t.new_zeros(*t.shape[:axis], -(-size // block) * block, *t.shape[axis + 1:])
+    padded.narrow(axis, 0, size).copy_(t)
+    return padded
+
+
+def empty_tiles(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[Tensor], mask: Optional[Tensor],
+                bias: Optional[Tensor], block_rows: int, block_keys: int) -> Tensor:
+    """Which tiles of block_rows x block_keys no score takes part in: (1 or B, 1 or H, query
+    blocks, key blocks) boolean, contiguous, True where the tile is excluded entirely (EMPTY:
+    the compiled tiles skip it). Entry (i, j) takes part where j lies in row i's interval
+    (`row_intervals`: the causal diagonal and the key bounds), the mask is True and the bias
+    is not -inf; `mask` and `bias` 4-D, each size 1 or the scores' own (B, H, Lq, Lk). The
+    batch and head axes stay 1 where none of bounds, mask and bias varies along them.
+
+    Vectorised: the intervals classify each tile (no row sees a key of it, every row sees
+    all of its keys, or partly); the mask and bias are reduced per whole tile, which decides
+    the first two kinds; the partial tiles that hold a key taking part are gathered and
+    their entries read within the intervals."""
+    n_q, n_k = -(-len_q // block_rows), -(-len_k // block_keys)
+    any_allowed = None
+    if mask is not None or bias is not None:
+        allowed = mask if mask is None or mask.dtype == torch.bool else mask.to(torch.bool)
+        if bias is not None:
+            finite = bias != float("-inf")
+            allowed = finite if allowed is None else allowed & finite
+        rows_a, keys_a = allowed.shape[2], allowed.shape[3]
+        # any entry of the tile taking part by the mask and bias alone: (Ba, Ha, n_q or 1, n_k or 1)
+        br, bk = (block_rows if rows_a > 1 else 1), (block_keys if keys_a > 1 else 1)
+        tiles = _blocks(_blocks(allowed, 2, rows_a, br), 3, keys_a, bk)  # a size-1 axis: broadcast
+        tiles = tiles.contiguous().view(*allowed.shape[:2], tiles.shape[2] // br, br, tiles.shape[3] // bk, bk)
+        if bk % 8 == 0 and tiles.storage_offset() % 8 == 0:  # eight entries (bytes of 0 or 1) as one int64
+            none_allowed = tiles.view(torch.int64).amax((3, 5)) == 0
+        else:
+            none_allowed = ~tiles.amax((3, 5))
+        if causal is None and bounds is None:  # every row sees every key: the mask and bias alone decide
+            return none_allowed.expand(*none_allowed.shape[:2], n_q, n_k).contiguous()
+        any_allowed = ~none_allowed
+    lo, hi = row_intervals(len_q, len_k, causal, bounds)  # (1 or B, Lq) each, lo <= hi
+    start = torch.arange(n_k, dtype=torch.int64) * block_keys
+    end = (start + block_keys).clamp(max=len_k)
+    # each row's keys within each key block: [first, stop), first = stop where none
+    first = torch.maximum(lo[..., None], start)  # (1 or B, Lq, n_k)
+    stop = torch.maximum(first, torch.minimum(hi[..., None], end))
+    sees = _blocks(stop > first, 1, len_q, block_rows).view(-1, n_q, block_rows, n_k)
+    some = sees.any(2)  # (1 or B, n_q, n_k): some row sees a key of the tile
+    if any_allowed is None:
+        return (~some)[:, None].contiguous()
+    # every row sees every key of the tile (rows past Lq count as doing so)
+    short = _blocks(stop - first != end - start, 1, len_q, block_rows)
+    whole = ~short.view(-1, n_q, block_rows, n_k).any(2)
+    seen = some[:, None] & any_allowed  # exact on the tiles every row sees whole, and the empty ones
+    partial = some[:, None] & ~whole[:, None] & any_allowed
+    if bool(partial.any()):
+        b, h, qb, kb = partial.nonzero(as_tuple=True)  # h: 0 or the mask's head (any_allowed's)
+        rows = qb[:, None] * block_rows + torch.arange(block_rows)  # (P, br)
+        keys = kb[:, None] * block_keys + torch.arange(block_keys)  # (P, bk)
+        b_bounds = b if first.shape[0] > 1 else torch.zeros_like(b)
+        row_at = rows.clamp(max=len_q - 1)
+        f = first[b_bounds[:, None], row_at, kb[:, None]]
+        s = torch.where(rows < len_q, stop[b_bounds[:, None], row_at, kb[:, None]], f)
+        inside = (keys[:, None, :] >= f[..., None]) & (keys[:, None, :] < s[..., None])  # (P, br, bk)
+        b_a = b if allowed.shape[0] > 1 else torch.zeros_like(b)
+        part = tiles.permute(0, 1, 2, 4, 3, 5)[b_a, h, qb if rows_a > 1 else 0 * qb, kb if keys_a > 1 else 0 * kb]
+        seen[b, h, qb, kb] = (part & inside).flatten(1).any(1)
+    return (~seen).contiguous()

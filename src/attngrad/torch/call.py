@@ -25,19 +25,22 @@ from torch import Tensor
 
 from .dropout import Placement
 
+REQUIRED = object()  # a field without a default
+
 
 @dataclass(frozen=True)
 class Field:
-    """One argument of a pass: its name, its type in the op schema, and what its shape must
-    equal (`like`: "q", "k", "v", "out" (B, H, Lq, dv), "rows" (B, H, Lq), "bias"), if any."""
+    """One argument of a pass: its name, its type in the op schema, what its shape must
+    equal (`like`: "q", "k", "v", "out" (B, H, Lq, dv), "rows" (B, H, Lq), "bias"), if
+    anything, and its default, if it has one."""
 
     name: str
     schema: str
     like: Optional[str] = None
-    default: Optional[str] = None  # in the schema's words
+    default: Any = REQUIRED
 
     def declaration(self) -> str:
-        return f"{self.schema} {self.name}" + ("" if self.default is None else f"={self.default}")
+        return f"{self.schema} {self.name}" + ("" if self.default is REQUIRED else f"={self.default!r}")
 
 
 # The call's own fields: what every pass takes.
@@ -49,7 +52,7 @@ CALL_FIELDS = (
     Field("seed", "Tensor"),  # 0-d int64 dropout seed, or (5,): a `dropout.Placement`
     Field("causal", "int?"),  # the causal diagonal: key j visible to query i when j <= i + causal
     Field("scale", "float"), Field("softcap", "float"), Field("dropout_p", "float"),
-    Field("sink", "bool", default="False"),  # every row's softmax has one more term, exp(0)
+    Field("sink", "bool", default=False),  # every row's softmax has one more term, exp(0)
 )
 
 # The passes' own inputs: the forward's results, upstream gradients, tangents, cotangents.
@@ -101,8 +104,8 @@ PASSES = {
 def argument_names(pass_name: str) -> tuple[str, ...]:
     """A pass's arguments in schema order: the call's fields, the pass's inputs, then those
     of the call's fields that have defaults (the schema wants them last)."""
-    plain = tuple(f.name for f in CALL_FIELDS if f.default is None)
-    defaulted = tuple(f.name for f in CALL_FIELDS if f.default is not None)
+    plain = tuple(f.name for f in CALL_FIELDS if f.default is REQUIRED)
+    defaulted = tuple(f.name for f in CALL_FIELDS if f.default is not REQUIRED)
     return plain + PASSES[pass_name].inputs + defaulted
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .block_map import empty_tiles
 from .dropout import Placement, keep_value, threshold
 from .native_build import build_info, fresh_build_seconds, library
 
@@ -170,6 +171,18 @@ def _block_keys(bounds: Tensor | None) -> int:
     return BLOCK_KEYS if widest > NARROW_BAND else NARROW_BLOCK_KEYS
 
 
+def _empty_tiles(q: Tensor, k: Tensor, masks: dict, causal: int | None, block_keys: int) -> Tensor | None:
+    """The block map the forward and the backward skip tiles by (`block_map.empty_tiles`:
+    (1 or B, 1 or H, query blocks, key blocks), True where no score of a tile takes part),
+    from the op's own mask, bias (in the compute dtype) and key bounds, for BLOCK_ROWS x
+    `block_keys` tiles; None where there is none of them (the causal diagonal alone the
+    passes keep to by their key ranges)."""
+    mask, bias, bounds = masks.get("mask"), masks.get("bias"), masks.get("key_bounds")
+    if mask is None and bias is None and bounds is None:
+        return None
+    return empty_tiles(q.shape[2], k.shape[2], causal, bounds, mask, bias, BLOCK_ROWS, block_keys)
+
+
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, softcap: float = 0.0,
                       mask: Tensor | None = None, bias: Tensor | None = None, seed: int | Placement = 0,
                       dropout_p: float = 0.0, bounds: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -178,9 +191,10 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale
     batch, heads, len_q, _ = q.shape
     out = q.new_empty(batch, heads, len_q, v.shape[-1])
     row_max, inv_sum = q.new_empty(batch, heads, len_q), q.new_empty(batch, heads, len_q)
-    _ops().forward(q, k, v, **_mask_args(_score_masks(mask, bias, q.dtype, bounds=bounds)), out=out, row_max=row_max,
-                   inv_sum=inv_sum, **_options(causal, scale, softcap=softcap, seed=seed, dropout_p=dropout_p,
-                                               block_keys=_block_keys(bounds)))
+    masks, block_keys = _score_masks(mask, bias, q.dtype, bounds=bounds), _block_keys(bounds)
+    _ops().forward(q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum,
+                   empty_tiles=_empty_tiles(q, k, masks, causal, block_keys),
+                   **_options(causal, scale, softcap=softcap, seed=seed, dropout_p=dropout_p, block_keys=block_keys))
     return out, row_max, inv_sum
 
 
@@ -258,6 +272,7 @@ def attention_backward(
     dbias_parts = _bias_grad_buffer(masks, bias_grad, chunks, False, q.dtype)
     _ops().backward(q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout, delta=delta,
                     dq_parts=dq_parts, dk=dk, dv=dv, dbias_parts=dbias_parts,
+                    empty_tiles=_empty_tiles(q, k, masks, causal, block_keys),
                     **_options(causal, scale, chunks=chunks, seed=seed, dropout_p=dropout_p, softcap=softcap,
                                block_keys=block_keys))
     return _sum_parts(dq_parts), dk, dv, _finish_bias_grad(dbias_parts, bias)

@@ -22,12 +22,12 @@ import torch
 from torch import Tensor
 
 from . import dispatch, vmap_rules
-from .call import CALL_FIELDS, PASSES, AttentionCall, argument_names, empty_like_field, schema
+from .call import CALL_FIELDS, PASSES, REQUIRED, AttentionCall, argument_names, empty_like_field, schema
 from .op_checks import check_fields
 
 CALL_NAMES = tuple(f.name for f in CALL_FIELDS)
 ARGUMENTS = {pass_name: argument_names(pass_name) for pass_name in PASSES}  # in schema order
-DEFAULTS = {f.name: {"False": False, "True": True}[f.default] for f in CALL_FIELDS if f.default is not None}
+DEFAULTS = {f.name: f.default for f in CALL_FIELDS if f.default is not REQUIRED}
 
 
 def split_fields(pass_name: str, args: tuple, kwargs: dict) -> tuple[AttentionCall, dict[str, Any]]:
@@ -54,7 +54,7 @@ def _implementation(pass_name: str) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         call, inputs = split_fields(pass_name, args, kwargs)
         check_fields(call, inputs)
-        if pass_name != "forward" and pass_name != "backward" and call.partial_rows:
+        if pass_name not in ("forward", "backward") and call.partial_rows:
             raise ValueError(f"attngrad attention op: attention_{pass_name} needs each row's whole keys; its seed says "
                              "they are a part")
         if pass_name == "forward" and call.sink and call.partial_rows:
@@ -86,7 +86,7 @@ def _define(pass_name: str) -> Any:
     op = torch.library.custom_op(f"attngrad::attention_{pass_name}", _implementation(pass_name), mutates_args=(),
                                  schema=schema(pass_name))
     op.register_fake(_fake(pass_name))
-    op.register_vmap(vmap_rules.make_rule(op, pass_name, argument_names(pass_name)))
+    op.register_vmap(vmap_rules.make_rule(op, pass_name, ARGUMENTS[pass_name]))
     return op
 
 

@@ -208,6 +208,22 @@ Call make_call(const char* what, const at::Tensor& q, const at::Tensor& k, const
     return out;
 }
 
+// The block map of the call's tiles (`block_map.empty_tiles`), where given: (1 or B, 1 or H,
+// query blocks, key blocks) bool for the call's blocks, checked like every other tensor.
+void bind_empty_tiles(Call& call, const OptTensor& empty_tiles) {
+    if (!empty_tiles) return;
+    const at::Tensor& t = *empty_tiles;
+    AttngradCall& c = call.call;
+    const int64_t query_blocks = (c.len_q + c.block_rows - 1) / c.block_rows;
+    const int64_t key_blocks = (c.len_k + c.block_keys - 1) / c.block_keys;
+    TORCH_CHECK(t.dim() == 4 && (t.size(0) == 1 || t.size(0) == c.batch) && (t.size(1) == 1 || t.size(1) == c.heads),
+                call.what, ": empty_tiles has shape ", t.sizes(), ", expected (1 or batch ", c.batch, ", 1 or heads ",
+                c.heads, ", query blocks ", query_blocks, ", key blocks ", key_blocks, ")", call.ctx);
+    check_tensor(call.what, "empty_tiles", t, at::kBool, {t.size(0), t.size(1), query_blocks, key_blocks}, call.ctx);
+    c.empty_tiles_sizes[0] = t.size(0), c.empty_tiles_sizes[1] = t.size(1);
+    c.data[buf_empty_tiles] = t.data_ptr();
+}
+
 // Runs `pass` on the checked call in its element type.
 template <typename Run>
 void run(const Call& call, Run&& pass) {
@@ -219,11 +235,13 @@ void run(const Call& call, Run&& pass) {
 }
 
 // out (B, H, Lq, dv), row_max and inv_sum (B, H, Lq) from q, k, v; mask (bool, true = take
-// part), bias and key bounds optional; dropout in the output's E V.
+// part), bias and key bounds optional; dropout in the output's E V; empty_tiles, where
+// given, the tiles to skip (bind_empty_tiles).
 void forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
                 const OptTensor& bias, const OptTensor& key_bounds, const at::Tensor& out, const at::Tensor& row_max,
-                const at::Tensor& inv_sum, ATTNGRAD_OPTIONS_PARAMS) {
+                const at::Tensor& inv_sum, ATTNGRAD_OPTIONS_PARAMS, const OptTensor& empty_tiles) {
     Call call = make_call("attngrad_tiles.forward", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
+    bind_empty_tiles(call, empty_tiles);
     call.bind(buf_out, out, true);
     call.bind(buf_row_max, row_max, true);
     call.bind(buf_inv_sum, inv_sum, true);
@@ -243,13 +261,15 @@ void bind_after_forward(Call& call, const at::Tensor& out, const at::Tensor& row
 
 // dq_parts holds `chunks` zeroed (B, H, Lq, d) partial sums of dQ, one per chunk of key
 // blocks; dk and dv are zeroed; delta is (B, H, Lq) scratch; dbias_parts, where given,
-// holds the zeroed parts of the bias's gradient (bias_grad_parts of them).
+// holds the zeroed parts of the bias's gradient (bias_grad_parts of them); empty_tiles, where
+// given, the tiles to skip (bind_empty_tiles).
 void backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
                  const OptTensor& bias, const OptTensor& key_bounds, const at::Tensor& out, const at::Tensor& row_max,
                  const at::Tensor& inv_sum, const at::Tensor& dout, const at::Tensor& delta,
                  const at::Tensor& dq_parts, const at::Tensor& dk, const at::Tensor& dv, const OptTensor& dbias_parts,
-                 ATTNGRAD_OPTIONS_PARAMS) {
+                 ATTNGRAD_OPTIONS_PARAMS, const OptTensor& empty_tiles) {
     Call call = make_call("attngrad_tiles.backward", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
+    bind_empty_tiles(call, empty_tiles);
     bind_after_forward(call, out, row_max, inv_sum, dout, delta);
     call.bind(buf_dq_parts, dq_parts, true);
     call.bind(buf_dk, dk, true);
@@ -378,6 +398,12 @@ int64_t gemm_path_op(int64_t choose) {
 // The number of parts a bias gradient's buffer holds: 1, or `chunks` where the bias is
 // constant along the chunked axis (keys in the backward, whole_rows false; query rows in
 // the whole-row passes).
+// The score tiles the forward and the backward have computed in this process since the
+// last reset; with `reset`, the count is set back to 0 (the value before it returned).
+int64_t tiles_computed_op(bool reset) {
+    return reset ? tiles_computed.exchange(0) : tiles_computed.load();
+}
+
 int64_t bias_grad_parts_op(c10::IntArrayRef bias_sizes, int64_t chunks, bool whole_rows) {
     TORCH_CHECK(bias_sizes.size() == 4, "attngrad_tiles.bias_grad_parts: bias_sizes must have 4 entries, got ",
                 bias_sizes);
@@ -388,10 +414,10 @@ int64_t bias_grad_parts_op(c10::IntArrayRef bias_sizes, int64_t chunks, bool who
 
 TORCH_LIBRARY(attngrad_tiles, m) {
     m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor(a!) out, "
-          "Tensor(b!) row_max, Tensor(c!) inv_sum, " ATTNGRAD_OPTIONS_SCHEMA ") -> ()");
+          "Tensor(b!) row_max, Tensor(c!) inv_sum, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? empty_tiles=None) -> ()");
     m.def("backward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor out, "
           "Tensor row_max, Tensor inv_sum, Tensor dout, Tensor(a!) delta, Tensor(b!) dq_parts, Tensor(c!) dk, "
-          "Tensor(d!) dv, Tensor(e!)? dbias_parts, " ATTNGRAD_OPTIONS_SCHEMA ") -> ()");
+          "Tensor(d!) dv, Tensor(e!)? dbias_parts, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? empty_tiles=None) -> ()");
     m.def("double_backward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor out, "
           "Tensor row_max, Tensor inv_sum, Tensor dout, Tensor(a!) delta, Tensor? gq, Tensor? gk, Tensor? gv, "
           "Tensor? gbias, Tensor(b!)? g_dout, Tensor(c!) g_q, Tensor(d!) gk_parts, Tensor(e!) gv_parts, "
@@ -405,6 +431,7 @@ TORCH_LIBRARY(attngrad_tiles, m) {
           "Tensor(e!)? tdbias_parts, " ATTNGRAD_OPTIONS_SCHEMA ") -> ()");
     m.def("dropout_keep_scale(Tensor(a!) out, int seed, int row_start, int key_start, int threshold, float value) -> ()");
     m.def("gemm_path(int choose) -> int", &gemm_path_op);
+    m.def("tiles_computed(bool reset=False) -> int", &tiles_computed_op);
     m.def("bias_grad_parts(int[] bias_sizes, int chunks, bool whole_rows) -> int", &bias_grad_parts_op);
 }
 

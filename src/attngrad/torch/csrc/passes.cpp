@@ -18,7 +18,7 @@ void forward(const Pass<T>& pass) {
     const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
     const index_t bh_count = s.batch * s.heads;
     const T neg_inf = -std::numeric_limits<T>::infinity();
-    const BlockSkips<T> skips(masks, s, block_rows, block_keys);
+    const BlockSkips skips(pass.call);
     // the last query blocks first: a causal pass's heaviest work is scheduled first
     parallel_items(query_blocks * bh_count, [&](const ItemSource& source) {
         std::vector<T> scores(block_rows * block_keys), acc(block_rows * s.dim_v), m(block_rows), l(block_rows);
@@ -33,8 +33,10 @@ void forward(const Pass<T>& pass) {
             std::fill(m.begin(), m.end(), neg_inf);
             std::fill(l.begin(), l.end(), T(0));
             std::fill(acc.begin(), acc.end(), T(0));
+            index_t computed = 0;
             for (index_t c0 = 0; c0 < keys; c0 += block_keys) {
                 if (skips(b, h, qb, c0 / block_keys)) continue;  // every score of the tile excluded
+                ++computed;
                 const index_t cols = std::min(block_keys, keys - c0);
                 // forward: S = scale Q_blk K_blk^T
                 gemm<T>(false, true, rows, cols, s.dim, scale, q_blk, s.dim, k_head + c0 * s.dim, s.dim, T(0),
@@ -74,6 +76,7 @@ void forward(const Pass<T>& pass) {
                 T* out_row = out + r * s.dim_v;
                 for (index_t c = 0; c < s.dim_v; ++c) out_row[c] = acc_row[c] * inv;
             }
+            tiles_computed.fetch_add(computed, std::memory_order_relaxed);
         }
     });
 }
@@ -94,7 +97,7 @@ void backward(const Pass<T>& pass) {
     const index_t rows_total = s.batch * s.heads * s.len_q;
     row_dots(dout, out, delta, rows_total, s.dim_v);  // D = rowsum(dO * O)
     const RowKeys<T> row_keys_of(masks, causal, s);
-    const BlockSkips<T> skips(masks, s, block_rows, block_keys);
+    const BlockSkips skips(pass.call);
     const index_t key_blocks = (s.len_k + block_keys - 1) / block_keys;
     const KvItems items(s, chunks, dbias.shares_batch(s), dbias.shares_kv_heads(s));
     parallel_items(items.count(), [&](const ItemSource& source) {
@@ -109,6 +112,7 @@ void backward(const Pass<T>& pass) {
             T* dv_head = dv + bhk * s.len_k * s.dim_v;
             T* dq = dq_parts + chunk * rows_total * s.dim;
             T* dbias_part = dbias.part(chunk);
+            index_t computed = 0;
             for (index_t kb = chunk * key_blocks / chunks; kb < (chunk + 1) * key_blocks / chunks; ++kb) {
                 const index_t c0 = kb * block_keys, cols = std::min(block_keys, s.len_k - c0);
                 const T* k_blk = k_head + c0 * s.dim;
@@ -119,6 +123,7 @@ void backward(const Pass<T>& pass) {
                     const index_t first_row = causal.on ? std::max<index_t>(0, c0 - causal.offset) : 0;
                     for (index_t r0 = first_row / block_rows * block_rows; r0 < s.len_q; r0 += block_rows) {
                         if (skips(b, h, r0 / block_rows, kb)) continue;  // every score of the tile excluded
+                        ++computed;
                         const index_t rows = std::min(block_rows, s.len_q - r0), first = bh * s.len_q + r0;
                         // forward: S = scale Q K_blk^T;  backward: dP = dO V_blk^T
                         gemm<T>(false, true, rows, cols, s.dim, scale, q + first * s.dim, s.dim, k_blk, s.dim, T(0),
@@ -170,6 +175,7 @@ void backward(const Pass<T>& pass) {
                     }
                 }
             }
+            tiles_computed.fetch_add(computed, std::memory_order_relaxed);
           });
         }
     });

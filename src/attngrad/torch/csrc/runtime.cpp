@@ -36,6 +36,8 @@ namespace attngrad_tiles {
 // Measured (2 cores, the 7 benchmark cases, 3 interleaved runs): ATen's path took -2.0% to +4.6%, median +2.4%, over the BLAS's: above the 2% bar, so the BLAS comes first.
 std::atomic<bool> use_aten_gemm{sgemm_ == nullptr || dgemm_ == nullptr};
 
+std::atomic<int64_t> tiles_computed{0};
+
 namespace {
 
 void fortran_gemm(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* alpha,

@@ -63,7 +63,7 @@ namespace attngrad_tiles {
 #define ATTNGRAD_BUFFERS(X) \
     X(q) X(k) X(v) X(mask) X(bias) X(out) X(row_max) X(inv_sum) X(dout) X(delta) X(dq_parts) X(dk) X(dv) \
     X(dbias_parts) X(gq) X(gk) X(gv) X(g_dout) X(g_q) X(gk_parts) X(gv_parts) X(tq) X(tk) X(tv) X(tbias) X(tout) \
-    X(tdout) X(tdq) X(tdk_parts) X(tdv_parts) X(tdbias_parts) X(gbias) X(g_bias_parts) X(key_bounds)
+    X(tdout) X(tdq) X(tdk_parts) X(tdv_parts) X(tdbias_parts) X(gbias) X(g_bias_parts) X(key_bounds) X(empty_tiles)
 
 enum AttngradBuffer : int {
 #define ATTNGRAD_ENUM(name) buf_##name,
@@ -80,6 +80,7 @@ struct AttngradCall {
     bool double_precision = false;         // the element type of every float buffer
     bool causal = false;
     int64_t causal_offset = 0;             // with causal, row i sees keys j <= i + causal_offset
+    int64_t empty_tiles_sizes[2] = {1, 1};  // empty_tiles (1 or B, 1 or H, query blocks, key blocks)
     int64_t bounds_batch = 1;              // key_bounds (bounds_batch, Lq, 2): row i of batch b sees keys
                                            // [lo, hi) only; bounds_batch 1 (shared) or B
     double scale = 1;
@@ -243,13 +244,6 @@ struct ScoreMask {
         }
     }
 
-    // Whether key j of row i of head (b, h) takes part (a bias of -inf excludes it too)
-    bool takes_part(index_t b, index_t h, index_t i, index_t j) const {
-        const auto [lo, hi] = range(b, i, j + 1);
-        return j >= lo && j < hi && (!mask || mask[m.row(b, h, i) + j * m.sj]) &&
-               (!bias || bias[bb.row(b, h, i) + j * bb.sj] != -std::numeric_limits<T>::infinity());
-    }
-
     // How many of keys 0..n of row i of head (b, h) take part: read within the row's bounds only
     index_t count(index_t b, index_t h, index_t i, index_t n) const {
         auto [lo, hi] = range(b, i, n);
@@ -293,51 +287,36 @@ class RowKeys {
     std::vector<index_t> counts_;
 };
 
-// Which (query block, key block) tiles a mask or bias excludes entirely, so that the passes
-// skip them (padding: a quarter of the keys excluded is a quarter of the work saved). Kept
-// per (b, h) only along the axes the mask or bias varies on; a scan that stops at the first
-// key that takes part, so it reads a whole tile only where the tile is excluded.
-template <typename T>
+// Which (query block, key block) tiles no score of takes part in, so that the forward and
+// the backward skip them (padding: a quarter of the keys excluded is a quarter of the work
+// saved): the map `block_map.empty_tiles` computes once per call from the causal diagonal,
+// the key bounds, the mask and the bias, (1 or B, 1 or H, query blocks, key blocks) of
+// 0 / 1, checked against the call's sizes and blocks by ops.cpp. None given: none skipped.
+// The passes read it and derive nothing; the entries of the tiles they compute are masked
+// one by one (ScoreMask::apply).
 class BlockSkips {
    public:
-    BlockSkips(const ScoreMask<T>& masks, const Shape& s, index_t block_rows, index_t block_keys)
-        : query_blocks_((s.len_q + block_rows - 1) / block_rows), key_blocks_((s.len_k + block_keys - 1) / block_keys) {
-        if (!masks.any()) return;
-        per_b_ = (masks.mask && masks.m.sb) || (masks.bias && masks.bb.sb) || masks.bounds_sb;
-        heads_ = (masks.mask && masks.m.sh) || (masks.bias && masks.bb.sh) ? s.heads : 1;
-        const bool dense = masks.mask || masks.bias;
-        const index_t tiles = (per_b_ ? s.batch : 1) * heads_ * query_blocks_ * key_blocks_;
-        skip_.assign(tiles, 0);
-        parallel_items(tiles, [&](const ItemSource& items) {
-          for (index_t tile; (tile = items.next()) >= 0;) {
-            const index_t kb = tile % key_blocks_, qb = tile / key_blocks_ % query_blocks_;
-            const index_t bh = tile / key_blocks_ / query_blocks_, b = bh / heads_, h = bh % heads_;
-            const index_t r1 = std::min(s.len_q, (qb + 1) * block_rows), c1 = std::min(s.len_k, (kb + 1) * block_keys);
-            bool excluded = true;
-            for (index_t i = qb * block_rows; i < r1 && excluded; ++i) {
-                // only the keys within the row's bounds can take part: a band's tile costs its rows
-                const auto [lo, hi] = masks.range(b, i, s.len_k);
-                const index_t j0 = std::max(kb * block_keys, lo), j1 = std::min(c1, hi);
-                if (!dense) excluded = j0 >= j1;
-                for (index_t j = j0; dense && j < j1 && excluded; ++j) excluded = !masks.takes_part(b, h, i, j);
-            }
-            skip_[tile] = excluded;
-          }
-        });
+    explicit BlockSkips(const AttngradCall& c)
+        : skip_(static_cast<const uint8_t*>(c.data[buf_empty_tiles])),
+          key_blocks_((c.len_k + c.block_keys - 1) / c.block_keys) {
+        const index_t query_blocks = (c.len_q + c.block_rows - 1) / c.block_rows;
+        sh_ = c.empty_tiles_sizes[1] == 1 ? 0 : query_blocks * key_blocks_;
+        sb_ = c.empty_tiles_sizes[0] == 1 ? 0 : c.empty_tiles_sizes[1] * query_blocks * key_blocks_;
     }
 
     // Whether tile (qb, kb) of head (b, h) is excluded entirely
     bool operator()(index_t b, index_t h, index_t qb, index_t kb) const {
-        if (skip_.empty()) return false;
-        const index_t bh = (per_b_ ? b : 0) * heads_ + (heads_ > 1 ? h : 0);
-        return skip_[(bh * query_blocks_ + qb) * key_blocks_ + kb];
+        return skip_ && skip_[b * sb_ + h * sh_ + qb * key_blocks_ + kb];
     }
 
    private:
-    index_t query_blocks_, key_blocks_, heads_ = 1;
-    bool per_b_ = false;
-    std::vector<uint8_t> skip_;
+    const uint8_t* skip_;
+    index_t key_blocks_, sb_ = 0, sh_ = 0;
 };
+
+// Score tiles the forward and the backward have computed in this process (tiles_computed
+// op): the tests count the tiles the block map lets them skip.
+extern std::atomic<int64_t> tiles_computed;
 
 template <typename T>
 ScoreMask<T> score_mask(const AttngradCall& c) {

@@ -126,7 +126,8 @@ def ring_attention(
     attn_bias (float, learned or not) and attn_mask (boolean, True = take part) are this
     rank's query rows of the whole (..., H, L, L) one: broadcastable to (..., H, L / P, L),
     keys in sequence order. A bias's gradient is this rank's part of it: a bias shared by
-    the ranks needs its gradients summed (all_reduce), as a replicated parameter does.
+    the ranks needs its gradients summed (all_reduce), as a replicated parameter does; so do
+    `sinks`' gradients.
 
     is_causal, key_padding, window, document_ids, cu_seqlens, softcap, sinks, dropout_p, scale
     and enable_gqa: as in `attngrad.torch.attention`, over the whole sequence (key_padding and

@@ -1,0 +1,113 @@
+"""block_map.empty_tiles, the tiles the compiled passes skip, against a dense reference
+built by brute force: every entry's rule applied, then each tile read whole."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from attngrad.torch.block_map import empty_tiles  # noqa: E402
+
+
+def _reference(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys):
+    """(B', H', query blocks, key blocks): True where no entry of the tile takes part."""
+    batch = max([1] + [t.shape[0] for t in (bounds, mask, bias) if t is not None])
+    heads = max([1] + [t.shape[1] for t in (mask, bias) if t is not None])
+    takes = torch.ones(batch, heads, len_q, len_k, dtype=torch.bool)
+    rows, keys = torch.arange(len_q)[:, None], torch.arange(len_k)[None, :]
+    if causal is not None:
+        takes &= keys <= rows + causal
+    if bounds is not None:
+        takes &= ((keys >= bounds[..., :1]) & (keys < bounds[..., 1:]))[:, None]
+    if mask is not None:
+        takes &= mask
+    if bias is not None:
+        takes &= bias != float("-inf")
+    n_q, n_k = -(-len_q // block_rows), -(-len_k // block_keys)
+    out = torch.empty(batch, heads, n_q, n_k, dtype=torch.bool)
+    for i in range(n_q):
+        for j in range(n_k):
+            tile = takes[:, :, i * block_rows:(i + 1) * block_rows, j * block_keys:(j + 1) * block_keys]
+            out[:, :, i, j] = ~tile.flatten(2).any(2)
+    return out
+
+
+def _check(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys):
+    got = empty_tiles(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys)
+    want = _reference(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys)
+    assert got.dtype == torch.bool and got.is_contiguous()
+    # the batch and head axes kept at 1 where nothing varies along them
+    batch = max([1] + [t.shape[0] for t in (bounds, mask, bias) if t is not None])
+    heads = max([1] + [t.shape[1] for t in (mask, bias) if t is not None])
+    assert tuple(got.shape) == (batch, heads, *want.shape[2:])
+    assert torch.equal(got, want)
+    return got
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 3), heads=st.integers(1, 3), len_q=st.integers(1, 23),
+       len_k=st.integers(1, 40), block_rows=st.integers(1, 7),
+       block_keys=st.sampled_from([1, 2, 3, 5, 7, 8, 16]))
+def test_empty_tiles_match_a_dense_reference(data, batch, heads, len_q, len_k, block_rows, block_keys):
+    """Any causal offset (from rows that see no key to rows that see all), key bounds
+    shared or per batch entry (some empty, some inverted: lo > hi), a mask and a bias with
+    -inf entries, each with any of its axes broadcast (size 1)."""
+    causal = data.draw(st.one_of(st.none(), st.just(0), st.just(len_k - len_q), st.integers(-30, 30)))
+    seed = data.draw(st.integers(0, 2**31))
+    g = torch.Generator().manual_seed(seed)
+    bounds = None
+    if data.draw(st.booleans()):
+        rows = data.draw(st.sampled_from([1, batch]))
+        bounds = torch.randint(0, len_k + 1, (rows, len_q, 2), generator=g)
+
+    def sizes():
+        return [data.draw(st.sampled_from([1, n])) for n in (batch, heads, len_q, len_k)]
+
+    mask = bias = None
+    if data.draw(st.booleans()):
+        mask = torch.rand(*sizes(), generator=g) < data.draw(st.sampled_from([0.05, 0.5, 0.95]))
+    if data.draw(st.booleans()):
+        dtype = data.draw(st.sampled_from([torch.float32, torch.float64]))
+        bias = torch.randn(*sizes(), generator=g, dtype=dtype)
+        bias[torch.rand(bias.shape, generator=g) < data.draw(st.sampled_from([0.1, 0.9]))] = float("-inf")
+    _check(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys)
+
+
+def test_padding_mask_excludes_whole_key_blocks():
+    """A (B, 1, 1, Lk) padding mask: per batch entry, the key blocks wholly padded are
+    empty for every query block; the head axis stays 1."""
+    keep = torch.ones(2, 1, 1, 23, dtype=torch.bool)
+    keep[0, ..., 15:] = False
+    keep[1, ..., 6:] = False
+    got = _check(17, 23, None, None, keep, None, 3, 5)
+    assert got.shape == (2, 1, 6, 5)
+    assert got[0].sum() == 6 * 2 and got[1].sum() == 6 * 3
+
+
+def test_rows_that_see_no_key():
+    """A causal offset below -Lq: no row sees a key, every tile is empty; rows whose bounds
+    are empty (lo = hi) or inverted empty their tiles too."""
+    assert bool(_check(9, 7, -10, None, None, None, 4, 3).all())
+    bounds = torch.tensor([[[3, 3]] * 4 + [[0, 7]] * 5])
+    got = _check(9, 7, None, bounds, None, None, 4, 3)
+    assert bool(got[0, 0, 0].all()) and not bool(got[0, 0, 2].any())
+    inverted = torch.tensor([[[5, 2]] * 9])
+    assert bool(_check(9, 7, None, inverted, None, None, 4, 3).all())
+
+
+def test_bias_of_minus_infinity_empties_its_tiles():
+    """A per-head bias of -inf on a block of entries empties that tile of that head alone."""
+    bias = torch.zeros(1, 2, 8, 8, dtype=torch.float64)
+    bias[0, 1, :4, 4:] = float("-inf")
+    got = _check(8, 8, None, None, None, bias, 4, 4)
+    assert got.shape == (1, 2, 2, 2)
+    assert got.sum() == 1 and bool(got[0, 1, 0, 1])
+
+
+def test_causal_diagonal_and_offsets():
+    """Top-left, bottom-right and shifted diagonals, with a mask that varies per row."""
+    mask = torch.rand(2, 1, 13, 19, generator=torch.Generator().manual_seed(0)) < 0.3
+    for causal in (0, 19 - 13, -5, 30):
+        _check(13, 19, causal, None, None, None, 4, 5)
+        _check(13, 19, causal, None, mask, None, 4, 5)

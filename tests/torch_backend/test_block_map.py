@@ -1,5 +1,7 @@
 """block_map.empty_tiles, the tiles the compiled passes skip, against a dense reference
-built by brute force: every entry's rule applied, then each tile read whole."""
+built by brute force: every entry's rule applied, then each tile read whole. The bias is
+read per tile (a tile excluded where it is -inf throughout), so every tile the map excludes
+is one no entry of takes part: skipping it is exact."""
 
 import pytest
 
@@ -10,8 +12,10 @@ from hypothesis import strategies as st  # noqa: E402
 from attngrad.torch.block_map import empty_tiles  # noqa: E402
 
 
-def _reference(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys):
-    """(B', H', query blocks, key blocks): True where no entry of the tile takes part."""
+def _reference(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys, exact=False):
+    """(B', H', query blocks, key blocks): True where no entry of the tile takes part by the
+    intervals and the mask, or where the bias is -inf on the whole tile; `exact`: where no
+    entry takes part by all of them together (what a skip must never exceed)."""
     batch = max([1] + [t.shape[0] for t in (bounds, mask, bias) if t is not None])
     heads = max([1] + [t.shape[1] for t in (mask, bias) if t is not None])
     takes = torch.ones(batch, heads, len_q, len_k, dtype=torch.bool)
@@ -22,14 +26,15 @@ def _reference(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys)
         takes &= ((keys >= bounds[..., :1]) & (keys < bounds[..., 1:]))[:, None]
     if mask is not None:
         takes &= mask
-    if bias is not None:
-        takes &= bias != float("-inf")
+    finite = torch.ones_like(takes) if bias is None else (bias != float("-inf")).expand_as(takes)
+    if exact:
+        takes = takes & finite
     n_q, n_k = -(-len_q // block_rows), -(-len_k // block_keys)
     out = torch.empty(batch, heads, n_q, n_k, dtype=torch.bool)
     for i in range(n_q):
         for j in range(n_k):
-            tile = takes[:, :, i * block_rows:(i + 1) * block_rows, j * block_keys:(j + 1) * block_keys]
-            out[:, :, i, j] = ~tile.flatten(2).any(2)
+            rows, keys = slice(i * block_rows, (i + 1) * block_rows), slice(j * block_keys, (j + 1) * block_keys)
+            out[:, :, i, j] = ~takes[:, :, rows, keys].flatten(2).any(2) | ~finite[:, :, rows, keys].flatten(2).any(2)
     return out
 
 
@@ -42,6 +47,8 @@ def _check(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys):
     heads = max([1] + [t.shape[1] for t in (mask, bias) if t is not None])
     assert tuple(got.shape) == (batch, heads, *want.shape[2:])
     assert torch.equal(got, want)
+    exact = _reference(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys, exact=True)
+    assert not bool((got & ~exact).any()), "a tile with an entry that takes part was excluded"
     return got
 
 

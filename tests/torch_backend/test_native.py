@@ -2,6 +2,9 @@
 
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -386,6 +389,33 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
 
 
 @needs_tiles
+def test_a_compiler_without_openmp_still_builds_the_tiles(tmp_path):
+    """Where the compiler refuses the OpenMP flag (Apple's clang), the tiles are built
+    without it and run, on one thread, with a warning that says so (a fresh process: one
+    build of the tiles per process)."""
+    script = textwrap.dedent("""
+        import warnings, torch
+        from attngrad.torch import native, native_build
+        native_build.OPENMP_FLAGS = ("-fopenmp", "-fattngrad-no-such-flag")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert native.library() is not None, native.build_info.reason
+        assert any("without OpenMP" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        assert "-fattngrad-no-such-flag" not in native_build.flags(openmp=False)
+        from attngrad.torch import attention, ran, use_implementation
+        q = torch.randn(1, 2, 9, 4, dtype=torch.float64)
+        with use_implementation("tiles"):
+            out = attention(q, q, q, is_causal=True)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        assert float((out - ref).abs().max()) < 1e-12 and ran[("forward", "tiles")] == 1
+        print("ok")
+    """)
+    env = {**os.environ, "ATTNGRAD_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@needs_tiles
 def test_the_tiles_are_cached_and_keyed(monkeypatch, tmp_path):
     """The library sits in the cache folder, in a folder of its own key (sources, flags,
     compiler, CPU): a sanitizer build or another compiler gets another folder, and a
@@ -515,6 +545,22 @@ def test_use_implementation_chooses_and_counts():
     with pytest.raises(ValueError, match="one or more of"):
         with use_implementation("flash"):
             pass
+
+
+@needs_tiles
+def test_a_kept_block_map_follows_its_tensors(monkeypatch):
+    """The block maps kept between calls are a float bias's while it lives unchanged: after
+    an in-place write of -inf over a key block, the next call skips that block."""
+    monkeypatch.setattr(native, "BLOCK_ROWS", 4)
+    monkeypatch.setattr(native, "BLOCK_KEYS", 8)
+    q, k, v, _ = _inputs(1, 2, 2, 8, 16, 4, 4, torch.float64, 5)
+    bias = torch.zeros(1, 1, 8, 16, dtype=torch.float64)
+    _, before = _counted(lambda: native.attention_forward(q, k, v, None, 0.5, bias=bias))
+    _, again = _counted(lambda: native.attention_forward(q, k, v, None, 0.5, bias=bias))
+    bias[..., 8:] = float("-inf")  # the second key block, in place
+    out, after = _counted(lambda: native.attention_forward(q, k, v, None, 0.5, bias=bias))
+    assert before == again and after < before, (before, again, after)
+    assert rel_err(out[0], kernels.attention_forward(q, k, v, None, bias, 0, None, 0.5, 0.0, 0.0)[0]) < EXACT
 
 
 def _tiles_not_empty(q, k, causal, mask=None, bias=None, bounds=None, block_keys=None):

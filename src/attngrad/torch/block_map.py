@@ -15,8 +15,8 @@ FULL (every row sees every key: no structural mask to apply), PARTIAL. The backe
 the rules here: the torch-ops kernels' key range per block (`key_range`) and excluded
 entries (`excluded`), the ring's units (`classify`), the counts the tests check.
 `empty_tiles` gives the compiled tiles' forward and backward the tiles they skip: those in
-which no entry takes part by the intervals, the mask and the bias together (the entries of
-the tiles they compute are masked one by one there).
+which no entry takes part by the intervals and the mask, or whose bias is -inf throughout
+(the entries of the tiles they compute are masked one by one there).
 """
 
 from __future__ import annotations
@@ -120,26 +120,53 @@ def _blocks(t: Tensor, axis: int, size: int, block: int) -> Tensor:
     return padded
 
 
+def _tiles_all_minus_inf(bias: Tensor, block_rows: int, block_keys: int) -> Tensor:
+    """(Ba, Hb, query blocks or 1, key blocks or 1) boolean: the tiles whose bias entries are
+    all -inf. Read cheaply: a tile with a finite entry in its first key column is not (one
+    column in block_keys read), and only the others are read whole (a padding mask's padded
+    tiles; none for a dense learned bias)."""
+    rows_b, keys_b = bias.shape[2], bias.shape[3]
+    br, bk = (block_rows if rows_b > 1 else 1), (block_keys if keys_b > 1 else 1)
+    first_column = _blocks(bias[..., ::bk] != float("-inf"), 2, rows_b, br)  # (Ba, Hb, rows, nk)
+    open_ = first_column.view(*bias.shape[:2], -1, br, first_column.shape[-1]).any(3)  # (Ba, Hb, nq, nk)
+    candidates = (~open_).nonzero(as_tuple=True)
+    if candidates[0].numel():
+        b, h, qb, kb = candidates
+        rows = (qb[:, None] * br + torch.arange(br)).clamp(max=rows_b - 1)  # (C, br): a last partial block
+        keys = (kb[:, None] * bk + torch.arange(bk)).clamp(max=keys_b - 1)  # repeats its last row and key
+        entries = bias[b[:, None, None], h[:, None, None], rows[:, :, None], keys[:, None, :]]  # (C, br, bk)
+        open_[b, h, qb, kb] = (entries != float("-inf")).flatten(1).any(1)
+    return ~open_
+
+
 def empty_tiles(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[Tensor], mask: Optional[Tensor],
                 bias: Optional[Tensor], block_rows: int, block_keys: int) -> Tensor:
-    """Which tiles of block_rows x block_keys no score takes part in: (1 or B, 1 or H, query
-    blocks, key blocks) boolean, contiguous, True where the tile is excluded entirely (EMPTY:
-    the compiled tiles skip it). Entry (i, j) takes part where j lies in row i's interval
-    (`row_intervals`: the causal diagonal and the key bounds), the mask is True and the bias
-    is not -inf; `mask` and `bias` 4-D, each size 1 or the scores' own (B, H, Lq, Lk). The
-    batch and head axes stay 1 where none of bounds, mask and bias varies along them.
+    """Which tiles of block_rows x block_keys the compiled tiles skip: (1 or B, 1 or H, query
+    blocks, key blocks) boolean, contiguous, True where the tile is excluded. A tile is
+    excluded where no entry (i, j) takes part by row i's interval (`row_intervals`: the
+    causal diagonal and the key bounds) and the boolean mask together, or where the bias is
+    -inf on all of it (the bias is read per tile: a tile whose only finite bias entries lie
+    outside its rows' intervals is computed, and gives zeros there). `mask` and `bias` 4-D,
+    each size 1 or the scores' own (B, H, Lq, Lk). The batch and head axes stay 1 where none
+    of bounds, mask and bias varies along them."""
+    excluded = _excluded_by_structure_and_mask(len_q, len_k, causal, bounds, mask, block_rows, block_keys)
+    if bias is not None:
+        excluded = excluded | _tiles_all_minus_inf(bias, block_rows, block_keys)
+    return excluded.expand(*excluded.shape[:2], -(-len_q // block_rows), -(-len_k // block_keys)).contiguous()
+
+
+def _excluded_by_structure_and_mask(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[Tensor],
+                                    mask: Optional[Tensor], block_rows: int, block_keys: int) -> Tensor:
+    """`empty_tiles` without the bias: exact, entry by entry.
 
     Vectorised: the intervals classify each tile (no row sees a key of it, every row sees
-    all of its keys, or partly); the mask and bias are reduced per whole tile, which decides
-    the first two kinds; the partial tiles that hold a key taking part are gathered and
-    their entries read within the intervals."""
+    all of its keys, or partly); the mask is reduced per whole tile, which decides the first
+    two kinds; the partial tiles that hold a key taking part are gathered and their entries
+    read within the intervals."""
     n_q, n_k = -(-len_q // block_rows), -(-len_k // block_keys)
     any_allowed = None
-    if mask is not None or bias is not None:
-        allowed = mask if mask is None or mask.dtype == torch.bool else mask.to(torch.bool)
-        if bias is not None:
-            finite = bias != float("-inf")
-            allowed = finite if allowed is None else allowed & finite
+    if mask is not None:
+        allowed = mask
         rows_a, keys_a = allowed.shape[2], allowed.shape[3]
         # any entry of the tile taking part by the mask and bias alone: (Ba, Ha, n_q or 1, n_k or 1)
         br, bk = (block_rows if rows_a > 1 else 1), (block_keys if keys_a > 1 else 1)
@@ -150,7 +177,7 @@ def empty_tiles(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[
         else:
             none_allowed = ~tiles.amax((3, 5))
         if causal is None and bounds is None:  # every row sees every key: the mask and bias alone decide
-            return none_allowed.expand(*none_allowed.shape[:2], n_q, n_k).contiguous()
+            return none_allowed
         any_allowed = ~none_allowed
     lo, hi = row_intervals(len_q, len_k, causal, bounds)  # (1 or B, Lq) each, lo <= hi
     start = torch.arange(n_k, dtype=torch.int64) * block_keys
@@ -161,7 +188,7 @@ def empty_tiles(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[
     sees = _blocks(stop > first, 1, len_q, block_rows).view(-1, n_q, block_rows, n_k)
     some = sees.any(2)  # (1 or B, n_q, n_k): some row sees a key of the tile
     if any_allowed is None:
-        return (~some)[:, None].contiguous()
+        return (~some)[:, None]
     # every row sees every key of the tile (rows past Lq count as doing so)
     short = _blocks(stop - first != end - start, 1, len_q, block_rows)
     whole = ~short.view(-1, n_q, block_rows, n_k).any(2)
@@ -179,4 +206,4 @@ def empty_tiles(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[
         b_a = b if allowed.shape[0] > 1 else torch.zeros_like(b)
         part = tiles.permute(0, 1, 2, 4, 3, 5)[b_a, h, qb if rows_a > 1 else 0 * qb, kb if keys_a > 1 else 0 * kb]
         seen[b, h, qb, kb] = (part & inside).flatten(1).any(1)
-    return (~seen).contiguous()
+    return ~seen

@@ -62,12 +62,12 @@ def sanitized() -> bool:
     return os.environ.get("ATTNGRAD_SANITIZE") == "1"
 
 
-def _openmp() -> tuple[str, ...]:
-    return OPENMP_FLAGS if torch.backends.openmp.is_available() else ()
+def _openmp(openmp: bool = True) -> tuple[str, ...]:
+    return OPENMP_FLAGS if openmp and torch.backends.openmp.is_available() else ()
 
 
-def flags() -> tuple[str, ...]:
-    return FLAGS + _openmp() + (SANITIZE_FLAGS if sanitized() else ())
+def flags(openmp: bool = True) -> tuple[str, ...]:
+    return FLAGS + _openmp(openmp) + (SANITIZE_FLAGS if sanitized() else ())
 
 
 def _cache_dir() -> Path:
@@ -77,7 +77,7 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def _machine_key() -> str:
+def _machine_key(openmp: bool = True) -> str:
     """What the built library depends on: the sources, the flags, the compiler, the CPU
     (-march=native) and PyTorch (its headers and ABI), so a cache folder shared between
     machines or environments does not hand one the other's."""
@@ -88,7 +88,7 @@ def _machine_key() -> str:
     except OSError:
         pass
     text = b"".join((CSRC / name).read_bytes() for name in SOURCES + HEADERS)
-    text += " ".join(flags()).encode() + os.environ.get("CXX", "c++").encode() + cpu.encode()
+    text += " ".join(flags(openmp)).encode() + os.environ.get("CXX", "c++").encode() + cpu.encode()
     text += torch.__version__.encode()
     return hashlib.sha256(text).hexdigest()[:16]
 
@@ -97,16 +97,16 @@ def _library_file(folder: Path) -> Path:
     return folder / f"{NAME}.so"
 
 
-def _build(folder: Path) -> None:
+def _build(folder: Path, openmp: bool) -> None:
     """Compile the sources into `folder` with cpp_extension and load the result."""
     from torch.utils import cpp_extension
 
     folder.mkdir(parents=True, exist_ok=True)
-    extra = list(_openmp()) + (list(SANITIZE_FLAGS) if sanitized() else [])
+    extra = list(_openmp(openmp)) + (list(SANITIZE_FLAGS) if sanitized() else [])
     with warnings.catch_warnings():  # its own (a compiler it cannot version, ...): the one warning is library()'s
         warnings.simplefilter("ignore")
         cpp_extension.load(
-            name=NAME, sources=[str(CSRC / name) for name in SOURCES], extra_cflags=list(flags()),
+            name=NAME, sources=[str(CSRC / name) for name in SOURCES], extra_cflags=list(flags(openmp)),
             extra_ldflags=extra, extra_include_paths=[str(CSRC)], build_directory=str(folder),
             is_python_module=False, with_cuda=False, verbose=False,
         )
@@ -115,31 +115,46 @@ def _build(folder: Path) -> None:
 _loaded: Path | None = None  # the library this process has loaded (one per process: its ops' namespace)
 
 
+def _load_or_build(openmp: bool) -> Path:
+    """Load the cached library, or build it first; its path."""
+    global _loaded
+    folder = _cache_dir() / f"{NAME}-{_machine_key(openmp)}"
+    target = _library_file(folder)
+    # the marker is written after a build has finished: a library mid-build is never loaded
+    built = (folder / "build_seconds").exists()
+    if _loaded != target:
+        if _loaded is not None and built:
+            raise RuntimeError(f"another build of the tiles is loaded in this process already ({_loaded})")
+        if built:
+            torch.ops.load_library(str(target))
+        else:
+            start = time.perf_counter()
+            _build(folder, openmp)
+            build_info.compiled, build_info.seconds = True, time.perf_counter() - start
+            (folder / "build_seconds").write_text(f"{build_info.seconds:.3f}\n")
+        _loaded = target
+    return target
+
+
 @functools.cache
 def library() -> Path | None:
     """The loaded tiles' library file (a truthy handle: `torch.ops.attngrad_tiles` holds
     its ops), or None, and `build_info.reason` says why."""
-    global _loaded
     build_info.reset()
     if os.environ.get("ATTNGRAD_NATIVE", "1") == "0":
         build_info.reason = "turned off by ATTNGRAD_NATIVE=0"
         return None
     try:
-        folder = _cache_dir() / f"{NAME}-{_machine_key()}"
-        target = _library_file(folder)
-        # the marker is written after a build has finished: a library mid-build is never loaded
-        built = (folder / "build_seconds").exists()
-        if _loaded != target:
-            if _loaded is not None and built:
-                raise RuntimeError(f"another build of the tiles is loaded in this process already ({_loaded})")
-            if built:
-                torch.ops.load_library(str(target))
-            else:
-                start = time.perf_counter()
-                _build(folder)
-                build_info.compiled, build_info.seconds = True, time.perf_counter() - start
-                (folder / "build_seconds").write_text(f"{build_info.seconds:.3f}\n")
-            _loaded = target
+        try:
+            target = _load_or_build(openmp=True)
+        except Exception as error:
+            if not _openmp():
+                raise
+            # a compiler without OpenMP (Apple's clang): the tiles still run, on one thread
+            target = _load_or_build(openmp=False)
+            build_info.reason = None
+            warnings.warn(f"attngrad: the compiled tiles were built without OpenMP ({type(error).__name__}), so they "
+                          "run on one thread", stacklevel=2)
     except Exception as error:  # no compiler, no ninja, a failed build or load: the fallback runs
         build_info.reason = f"building or loading the tiles failed: {type(error).__name__}: {str(error)[-2000:]}"
         warnings.warn(

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from attngrad.torch.block_map import empty_tiles  # noqa: E402
+from attngrad.torch.block_map import empty_tiles, key_range, key_ranges, row_intervals  # noqa: E402
 
 
 def _reference(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys, exact=False):
@@ -118,3 +118,34 @@ def test_causal_diagonal_and_offsets():
     for causal in (0, 19 - 13, -5, 30):
         _check(13, 19, causal, None, None, None, 4, 5)
         _check(13, 19, causal, None, mask, None, 4, 5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data(), st.integers(1, 3), st.integers(1, 30), st.integers(1, 30), st.integers(1, 9))
+def test_key_ranges_agree_with_key_range_and_hold_every_interval(data, batch, len_q, len_k, block_rows):
+    """key_ranges, what the compiled tiles read, is key_range (the torch-ops kernels') for
+    each query block of each batch entry: the causal prefix of the block's last row,
+    narrowed to between its rows' smallest lower and largest upper bound (key0 = the end
+    where they see none); every row's interval (row_intervals) lies within its block's."""
+    causal = data.draw(st.one_of(st.none(), st.integers(-len_q - 2, len_k + 2)))
+    bounds = None
+    if data.draw(st.booleans()):
+        ends = torch.tensor(data.draw(st.lists(st.integers(0, len_k), min_size=2 * batch * len_q,
+                                               max_size=2 * batch * len_q))).view(batch, len_q, 2)
+        bounds = torch.stack([ends.amin(-1), ends.amax(-1)], -1)
+    ranges = key_ranges(len_q, len_k, causal, bounds, block_rows)
+    n_q = -(-len_q // block_rows)
+    assert ranges.dtype == torch.int64 and ranges.is_contiguous()
+    assert ranges.shape == ((1 if bounds is None else batch), n_q, 2)
+    lo, hi = row_intervals(len_q, len_k, causal, bounds)
+    for b in range(ranges.shape[0]):
+        lows = None if bounds is None else bounds[b, :, 0].tolist()
+        highs = None if bounds is None else bounds[b, :, 1].tolist()
+        for qb in range(n_q):
+            start, stop = qb * block_rows, min(len_q, (qb + 1) * block_rows)
+            first, end = key_range(start, stop, len_k, causal, lows, highs)
+            key0, keys = ranges[b, qb].tolist()
+            assert (key0, key0 + keys) == (first, end)
+            assert 0 <= key0 <= key0 + keys <= len_k
+            seen = hi[b, start:stop] > lo[b, start:stop]
+            assert bool((lo[b, start:stop][seen] >= key0).all() & (hi[b, start:stop][seen] <= key0 + keys).all())

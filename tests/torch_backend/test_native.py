@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from attngrad.torch import kernels, kernels_higher, native, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch import block_map, kernels, kernels_higher, native, scaled_dot_product_attention  # noqa: E402
 
 from ..conftest import EXACT, assert_all_close, rel_err  # noqa: E402
 from .test_functional import math_sdpa  # noqa: E402
@@ -674,3 +674,28 @@ def test_tiles_check_the_block_map(fault):
     with pytest.raises(RuntimeError, match="attngrad_tiles.forward: empty_tiles"):
         torch.ops.attngrad_tiles.forward(q, k, v, None, None, None, out=out, row_max=row_max, inv_sum=inv_sum,
                                          empty_tiles=bad, **options)
+
+
+@needs_tiles
+@pytest.mark.parametrize("fault", ["past the keys", "negative", "shape", "dtype", "layout"])
+@pytest.mark.parametrize("op", ["forward", "jvp"])
+def test_tiles_check_the_key_ranges(fault, op):
+    """The ops check the key ranges they are handed (block_map.key_ranges) like every other
+    tensor, values too: (1 or batch, query blocks, 2) int64, contiguous, each block's
+    [key0, key0 + keys) within the keys; the message names the argument."""
+    q, k, v, _ = _inputs(1, 2, 2, 9, 11, 4, 4, torch.float32, 1)
+    good = block_map.key_ranges(9, 11, 0, None, 4)  # 9 rows of 4: 3 query blocks
+    bad = {"past the keys": torch.tensor([[[0, 4], [3, 9], [0, 11]]]),
+           "negative": torch.tensor([[[0, 4], [-1, 5], [0, 11]]]),
+           "shape": torch.zeros(1, 2, 2, dtype=torch.int64), "dtype": good.to(torch.int32),
+           "layout": torch.zeros(1, 2, 3, dtype=torch.int64).transpose(1, 2)}[fault]
+    row_max, inv_sum = q.new_zeros(1, 2, 9), q.new_ones(1, 2, 9)
+    args = dict(q=q, k=k, v=v, mask=None, bias=None, key_bounds=None, **native._options(0, 0.5, block_rows=4,
+                                                                                        block_keys=8))
+    if op == "forward":
+        args.update(out=q.new_empty(1, 2, 9, 4), row_max=row_max, inv_sum=inv_sum)
+    else:
+        args.update(row_max=row_max, inv_sum=inv_sum, tq=None, tk=None, tv=None, tbias=None, tout=q.new_empty(1, 2, 9, 4))
+    getattr(torch.ops.attngrad_tiles, op)(**args, key_ranges=good)
+    with pytest.raises(RuntimeError, match=f"attngrad_tiles.{op}: key_ranges"):
+        getattr(torch.ops.attngrad_tiles, op)(**args, key_ranges=bad)

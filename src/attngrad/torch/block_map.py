@@ -14,7 +14,9 @@ in the manner of FlexAttention's block mask: EMPTY (no row sees a key of it: ski
 FULL (every row sees every key: no structural mask to apply), PARTIAL. The backends read
 the rules here: the torch-ops kernels' key range per block (`key_range`) and excluded
 entries (`excluded`), the ring's units (`classify`), the counts the tests check.
-`empty_tiles` gives the compiled tiles' forward and backward the tiles they skip: those in
+`key_ranges` gives the compiled tiles each query block's keys [key0, key0 + keys), the
+same ranges as `key_range`, per batch entry of the bounds. `empty_tiles` gives the
+compiled tiles' forward and backward the tiles they skip: those in
 which no entry takes part by the intervals and the mask, or whose bias is -inf throughout
 (the entries of the tiles they compute are masked one by one there).
 """
@@ -207,3 +209,25 @@ def _excluded_by_structure_and_mask(len_q: int, len_k: int, causal: Optional[int
         part = tiles.permute(0, 1, 2, 4, 3, 5)[b_a, h, qb if rows_a > 1 else 0 * qb, kb if keys_a > 1 else 0 * kb]
         seen[b, h, qb, kb] = (part & inside).flatten(1).any(1)
     return ~seen
+
+
+def key_ranges(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[Tensor], block_rows: int) -> Tensor:
+    """The keys each query block of `block_rows` rows may see, as the compiled tiles read
+    them: (1 or B, query blocks, 2) int64, contiguous, [key0, key0 + keys) per block: the
+    causal prefix of its last row (`causal_keys`), narrowed by the key bounds to between the
+    smallest lower and the largest upper bound of its rows; key0 = the end where they see
+    none (keys 0). `key_range` for each block of each batch entry of the bounds, at once."""
+    n_q = -(-len_q // block_rows)
+    stops = (torch.arange(1, n_q + 1, dtype=torch.int64) * block_rows).clamp(max=len_q)  # each block's r0 + rows
+    end = torch.full((1, n_q), len_k, dtype=torch.int64)
+    if causal is not None:
+        end = (stops + causal).clamp(0, len_k)[None]
+    first = torch.zeros_like(end)
+    if bounds is not None:
+        lo, hi = bounds[..., 0].clamp(0, len_k), bounds[..., 1].clamp(0, len_k)  # (1 or B, Lq)
+        pad = n_q * block_rows - len_q  # rows past Lq: no lower bound below, no upper above, any real row's
+        lo = torch.nn.functional.pad(lo, (0, pad), value=len_k).view(-1, n_q, block_rows).amin(2)
+        hi = torch.nn.functional.pad(hi, (0, pad), value=0).view(-1, n_q, block_rows).amax(2)
+        end = torch.minimum(end, hi)
+        first = torch.minimum(lo, end)
+    return torch.stack([first, end - first], -1).contiguous()

@@ -224,6 +224,29 @@ void bind_empty_tiles(Call& call, const OptTensor& empty_tiles) {
     c.data[buf_empty_tiles] = t.data_ptr();
 }
 
+// The key range of each query block (`block_map.key_ranges`), where given: (1 or B, query
+// blocks of the call's block_rows, 2) int64 of [key0, key0 + keys), each within [0, len_k):
+// checked, values too, like every other tensor, before a pass reads keys by them.
+void bind_key_ranges(Call& call, const OptTensor& key_ranges) {
+    if (!key_ranges) return;
+    const at::Tensor& t = *key_ranges;
+    AttngradCall& c = call.call;
+    const int64_t query_blocks = (c.len_q + c.block_rows - 1) / c.block_rows;
+    TORCH_CHECK(t.dim() == 3 && (t.size(0) == 1 || t.size(0) == c.batch), call.what, ": key_ranges has shape ",
+                t.sizes(), ", expected (1 or batch ", c.batch, ", query blocks ", query_blocks, ", 2)", call.ctx);
+    check_tensor(call.what, "key_ranges", t, at::kLong, {t.size(0), query_blocks, 2}, call.ctx);
+    const int64_t* ranges = t.const_data_ptr<int64_t>();
+    for (int64_t r = 0; r < t.size(0) * query_blocks; ++r) {
+        const int64_t key0 = ranges[2 * r], keys = ranges[2 * r + 1];
+        TORCH_CHECK(key0 >= 0 && key0 <= c.len_k && keys >= 0 && keys <= c.len_k - key0, call.what,
+                    ": key_ranges holds [", key0, ", ", key0, " + ", keys, ") for query block ", r % query_blocks,
+                    " of batch entry ", r / query_blocks, ", expected 0 <= key0 <= key0 + keys <= len_k ", c.len_k,
+                    call.ctx);
+    }
+    c.key_ranges_batch = t.size(0);
+    c.data[buf_key_ranges] = t.data_ptr();
+}
+
 // Runs `pass` on the checked call in its element type.
 template <typename Run>
 void run(const Call& call, Run&& pass) {
@@ -239,8 +262,10 @@ void run(const Call& call, Run&& pass) {
 // given, the tiles to skip (bind_empty_tiles).
 void forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
                 const OptTensor& bias, const OptTensor& key_bounds, const at::Tensor& out, const at::Tensor& row_max,
-                const at::Tensor& inv_sum, ATTNGRAD_OPTIONS_PARAMS, const OptTensor& empty_tiles) {
+                const at::Tensor& inv_sum, ATTNGRAD_OPTIONS_PARAMS, const OptTensor& empty_tiles,
+                const OptTensor& key_ranges) {
     Call call = make_call("attngrad_tiles.forward", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
+    bind_key_ranges(call, key_ranges);
     bind_empty_tiles(call, empty_tiles);
     call.bind(buf_out, out, true);
     call.bind(buf_row_max, row_max, true);
@@ -267,8 +292,9 @@ void backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                  const OptTensor& bias, const OptTensor& key_bounds, const at::Tensor& out, const at::Tensor& row_max,
                  const at::Tensor& inv_sum, const at::Tensor& dout, const at::Tensor& delta,
                  const at::Tensor& dq_parts, const at::Tensor& dk, const at::Tensor& dv, const OptTensor& dbias_parts,
-                 ATTNGRAD_OPTIONS_PARAMS, const OptTensor& empty_tiles) {
+                 ATTNGRAD_OPTIONS_PARAMS, const OptTensor& empty_tiles, const OptTensor& key_ranges) {
     Call call = make_call("attngrad_tiles.backward", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
+    bind_key_ranges(call, key_ranges);
     bind_empty_tiles(call, empty_tiles);
     bind_after_forward(call, out, row_max, inv_sum, dout, delta);
     call.bind(buf_dq_parts, dq_parts, true);
@@ -288,8 +314,9 @@ void double_backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const at::Tensor& delta, const OptTensor& gq, const OptTensor& gk, const OptTensor& gv,
                         const OptTensor& gbias, const OptTensor& g_dout, const at::Tensor& g_q,
                         const at::Tensor& gk_parts, const at::Tensor& gv_parts, const OptTensor& g_bias_parts,
-                        ATTNGRAD_OPTIONS_PARAMS) {
+                        ATTNGRAD_OPTIONS_PARAMS, const OptTensor& key_ranges) {
     Call call = make_call("attngrad_tiles.double_backward", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
+    bind_key_ranges(call, key_ranges);
     bind_after_forward(call, out, row_max, inv_sum, dout, delta);
     call.bind(buf_gq, gq, false);
     call.bind(buf_gk, gk, false);
@@ -309,8 +336,9 @@ void double_backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
 void jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
             const OptTensor& bias, const OptTensor& key_bounds, const at::Tensor& row_max, const at::Tensor& inv_sum,
             const OptTensor& tq, const OptTensor& tk, const OptTensor& tv, const OptTensor& tbias,
-            const at::Tensor& tout, ATTNGRAD_OPTIONS_PARAMS) {
+            const at::Tensor& tout, ATTNGRAD_OPTIONS_PARAMS, const OptTensor& key_ranges) {
     Call call = make_call("attngrad_tiles.jvp", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
+    bind_key_ranges(call, key_ranges);
     call.bind(buf_row_max, row_max, true);
     call.bind(buf_inv_sum, inv_sum, true);
     call.bind(buf_tq, tq, false);
@@ -330,8 +358,10 @@ void backward_jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const at::Tensor& row_max, const at::Tensor& inv_sum, const at::Tensor& dout,
                      const at::Tensor& delta, const OptTensor& tdout, const OptTensor& tq, const OptTensor& tk,
                      const OptTensor& tv, const OptTensor& tbias, const at::Tensor& tdq, const at::Tensor& tdk_parts,
-                     const at::Tensor& tdv_parts, const OptTensor& tdbias_parts, ATTNGRAD_OPTIONS_PARAMS) {
+                     const at::Tensor& tdv_parts, const OptTensor& tdbias_parts, ATTNGRAD_OPTIONS_PARAMS,
+                     const OptTensor& key_ranges) {
     Call call = make_call("attngrad_tiles.backward_jvp", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
+    bind_key_ranges(call, key_ranges);
     bind_after_forward(call, out, row_max, inv_sum, dout, delta);
     call.bind(buf_tdout, tdout, false);
     call.bind(buf_tq, tq, false);
@@ -414,21 +444,23 @@ int64_t bias_grad_parts_op(c10::IntArrayRef bias_sizes, int64_t chunks, bool who
 
 TORCH_LIBRARY(attngrad_tiles, m) {
     m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor(a!) out, "
-          "Tensor(b!) row_max, Tensor(c!) inv_sum, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? empty_tiles=None) -> ()");
+          "Tensor(b!) row_max, Tensor(c!) inv_sum, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? empty_tiles=None, "
+          "Tensor? key_ranges=None) -> ()");
     m.def("backward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor out, "
           "Tensor row_max, Tensor inv_sum, Tensor dout, Tensor(a!) delta, Tensor(b!) dq_parts, Tensor(c!) dk, "
-          "Tensor(d!) dv, Tensor(e!)? dbias_parts, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? empty_tiles=None) -> ()");
+          "Tensor(d!) dv, Tensor(e!)? dbias_parts, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? empty_tiles=None, "
+          "Tensor? key_ranges=None) -> ()");
     m.def("double_backward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor out, "
           "Tensor row_max, Tensor inv_sum, Tensor dout, Tensor(a!) delta, Tensor? gq, Tensor? gk, Tensor? gv, "
           "Tensor? gbias, Tensor(b!)? g_dout, Tensor(c!) g_q, Tensor(d!) gk_parts, Tensor(e!) gv_parts, "
-          "Tensor(f!)? g_bias_parts, " ATTNGRAD_OPTIONS_SCHEMA ") -> ()");
+          "Tensor(f!)? g_bias_parts, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? key_ranges=None) -> ()");
     m.def("jvp(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor row_max, "
           "Tensor inv_sum, Tensor? tq, Tensor? tk, Tensor? tv, Tensor? tbias, Tensor(a!) tout, "
-          ATTNGRAD_OPTIONS_SCHEMA ") -> ()");
+          ATTNGRAD_OPTIONS_SCHEMA ", Tensor? key_ranges=None) -> ()");
     m.def("backward_jvp(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor out, "
           "Tensor row_max, Tensor inv_sum, Tensor dout, Tensor(a!) delta, Tensor? tdout, Tensor? tq, Tensor? tk, "
           "Tensor? tv, Tensor? tbias, Tensor(b!) tdq, Tensor(c!) tdk_parts, Tensor(d!) tdv_parts, "
-          "Tensor(e!)? tdbias_parts, " ATTNGRAD_OPTIONS_SCHEMA ") -> ()");
+          "Tensor(e!)? tdbias_parts, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? key_ranges=None) -> ()");
     m.def("dropout_keep_scale(Tensor(a!) out, int seed, int row_start, int key_start, int threshold, float value) -> ()");
     m.def("gemm_path(int choose) -> int", &gemm_path_op);
     m.def("tiles_computed(bool reset=False) -> int", &tiles_computed_op);

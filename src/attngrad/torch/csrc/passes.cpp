@@ -19,6 +19,7 @@ void forward(const Pass<T>& pass) {
     const index_t bh_count = s.batch * s.heads;
     const T neg_inf = -std::numeric_limits<T>::infinity();
     const BlockSkips skips(pass.call);
+    const KeyRanges ranges(pass.call);
     // the last query blocks first: a causal pass's heaviest work is scheduled first
     parallel_items(query_blocks * bh_count, [&](const ItemSource& source) {
         std::vector<T> scores(block_rows * block_keys), acc(block_rows * s.dim_v), m(block_rows), l(block_rows);
@@ -29,12 +30,13 @@ void forward(const Pass<T>& pass) {
             const T* q_blk = q + (bh * s.len_q + r0) * s.dim;
             const T* k_head = k + (b * s.kv_heads + h / group) * s.len_k * s.dim;
             const T* v_head = v + (b * s.kv_heads + h / group) * s.len_k * s.dim_v;
-            const index_t keys = causal.keys_before(r0 + rows, s.len_k);
+            const auto [key0, key_count] = ranges(b, qb);  // block_map.key_ranges
+            const index_t keys = key0 + key_count;
             std::fill(m.begin(), m.end(), neg_inf);
             std::fill(l.begin(), l.end(), T(0));
             std::fill(acc.begin(), acc.end(), T(0));
             index_t computed = 0;
-            for (index_t c0 = 0; c0 < keys; c0 += block_keys) {
+            for (index_t c0 = key0 / block_keys * block_keys; c0 < keys; c0 += block_keys) {
                 if (skips(b, h, qb, c0 / block_keys)) continue;  // every score of the tile excluded
                 ++computed;
                 const index_t cols = std::min(block_keys, keys - c0);
@@ -98,6 +100,7 @@ void backward(const Pass<T>& pass) {
     row_dots(dout, out, delta, rows_total, s.dim_v);  // D = rowsum(dO * O)
     const RowKeys<T> row_keys_of(masks, causal, s);
     const BlockSkips skips(pass.call);
+    const KeyRanges ranges(pass.call);
     const index_t key_blocks = (s.len_k + block_keys - 1) / block_keys;
     const KvItems items(s, chunks, dbias.shares_batch(s), dbias.shares_kv_heads(s));
     parallel_items(items.count(), [&](const ItemSource& source) {
@@ -119,9 +122,10 @@ void backward(const Pass<T>& pass) {
                 const T* v_blk = v_head + c0 * s.dim_v;
                 for (index_t h = hk * group; h < (hk + 1) * group; ++h) {
                     const index_t bh = b * s.heads + h;
-                    // causal: rows before c0 - offset see none of these keys
-                    const index_t first_row = causal.on ? std::max<index_t>(0, c0 - causal.offset) : 0;
-                    for (index_t r0 = first_row / block_rows * block_rows; r0 < s.len_q; r0 += block_rows) {
+                    for (index_t r0 = 0; r0 < s.len_q; r0 += block_rows) {
+                        // the query blocks whose key range (block_map.key_ranges) misses these keys
+                        const auto [key0, keys] = ranges(b, r0 / block_rows);
+                        if (c0 >= key0 + keys || c0 + cols <= key0) continue;
                         if (skips(b, h, r0 / block_rows, kb)) continue;  // every score of the tile excluded
                         ++computed;
                         const index_t rows = std::min(block_rows, s.len_q - r0), first = bh * s.len_q + r0;

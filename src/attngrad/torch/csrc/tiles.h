@@ -50,6 +50,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -63,7 +64,8 @@ namespace attngrad_tiles {
 #define ATTNGRAD_BUFFERS(X) \
     X(q) X(k) X(v) X(mask) X(bias) X(out) X(row_max) X(inv_sum) X(dout) X(delta) X(dq_parts) X(dk) X(dv) \
     X(dbias_parts) X(gq) X(gk) X(gv) X(g_dout) X(g_q) X(gk_parts) X(gv_parts) X(tq) X(tk) X(tv) X(tbias) X(tout) \
-    X(tdout) X(tdq) X(tdk_parts) X(tdv_parts) X(tdbias_parts) X(gbias) X(g_bias_parts) X(key_bounds) X(empty_tiles)
+    X(tdout) X(tdq) X(tdk_parts) X(tdv_parts) X(tdbias_parts) X(gbias) X(g_bias_parts) X(key_bounds) X(empty_tiles) \
+    X(key_ranges)
 
 enum AttngradBuffer : int {
 #define ATTNGRAD_ENUM(name) buf_##name,
@@ -81,6 +83,7 @@ struct AttngradCall {
     bool causal = false;
     int64_t causal_offset = 0;             // with causal, row i sees keys j <= i + causal_offset
     int64_t empty_tiles_sizes[2] = {1, 1};  // empty_tiles (1 or B, 1 or H, query blocks, key blocks)
+    int64_t key_ranges_batch = 1;          // key_ranges (1 or B, query blocks, 2)
     int64_t bounds_batch = 1;              // key_bounds (bounds_batch, Lq, 2): row i of batch b sees keys
                                            // [lo, hi) only; bounds_batch 1 (shared) or B
     double scale = 1;
@@ -173,10 +176,6 @@ struct Causal {
     // Keys of block [c0, c0 + cols) that row `row` may see: all, or up to the diagonal.
     index_t visible(index_t row, index_t c0, index_t cols) const {
         return on ? std::clamp<index_t>(row + offset - c0 + 1, 0, cols) : cols;
-    }
-    // How many keys (a prefix of len_k) rows ..stop - 1 may see.
-    index_t keys_before(index_t stop, index_t len_k) const {
-        return on ? std::clamp<index_t>(stop + offset, 0, len_k) : len_k;
     }
 };
 
@@ -312,6 +311,29 @@ class BlockSkips {
    private:
     const uint8_t* skip_;
     index_t key_blocks_, sb_ = 0, sh_ = 0;
+};
+
+// The keys each query block (of the call's block_rows) may see: the map
+// `block_map.key_ranges` computes once per call from the causal diagonal and the key bounds,
+// (1 or B, query blocks, 2) int64 of [key0, key0 + keys), checked by ops.cpp. None given:
+// every key, for every block. The passes read their key ranges here and derive none; the
+// entries within them are masked one by one (Causal::visible, ScoreMask::apply).
+class KeyRanges {
+   public:
+    explicit KeyRanges(const AttngradCall& c)
+        : ranges_(static_cast<const int64_t*>(c.data[buf_key_ranges])), len_k_(c.len_k),
+          sb_(c.key_ranges_batch == 1 ? 0 : 2 * ((c.len_q + c.block_rows - 1) / c.block_rows)) {}
+
+    // (key0, keys) of query block qb of batch entry b
+    std::pair<index_t, index_t> operator()(index_t b, index_t qb) const {
+        if (!ranges_) return {0, len_k_};
+        const int64_t* r = ranges_ + b * sb_ + 2 * qb;
+        return {r[0], r[1]};
+    }
+
+   private:
+    const int64_t* ranges_;
+    index_t len_k_, sb_;
 };
 
 // Score tiles the forward and the backward have computed in this process (tiles_computed
@@ -580,21 +602,6 @@ struct RowBlock {
     index_t head_offset(index_t width) const { return (bhk * len_k + key0) * width; }
 };
 
-// A block's keys narrowed to those between its rows' bounds: a band of a sliding window,
-// not the whole prefix, so its row sums run over the keys that can take part alone.
-template <typename T>
-void narrow_to_bounds(RowBlock& blk, const ScoreMask<T>& masks) {
-    index_t lo = blk.keys, hi = 0;
-    for (index_t i = blk.r0; i < blk.r0 + blk.rows; ++i) {
-        const auto [row_lo, row_hi] = masks.range(blk.b, i, blk.len_k);
-        lo = std::min(lo, row_lo);
-        hi = std::max(hi, row_hi);
-    }
-    const index_t stop = std::min(blk.keys, hi);
-    blk.key0 = std::min(lo, stop);
-    blk.keys = stop - blk.key0;
-}
-
 // body(block, scratch) for every query block of whole rows: the work `items` in parallel,
 // each visiting, for its (chunk of query blocks, b, key/value head)s in order, its chunk of
 // blocks for every query head of the group in order (so its sums into its own parts have a
@@ -605,6 +612,7 @@ void for_each_row_block(const Pass<T>& pass, const KvItems& items, int tiles, Bo
     const index_t block_rows = pass.call.block_rows, chunks = pass.call.chunks;
     const index_t group = s.heads / s.kv_heads;
     const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
+    const KeyRanges ranges(pass.call);
     parallel_items(items.count(), [&](const ItemSource& source) {
         std::vector<T> scratch(tiles * block_rows * s.len_k);
         for (index_t item; (item = source.next()) >= 0;) {
@@ -616,8 +624,7 @@ void for_each_row_block(const Pass<T>& pass, const KvItems& items, int tiles, Bo
                                      s.len_k};
                         blk.rows = std::min(block_rows, s.len_q - blk.r0);
                         blk.first = blk.bh * s.len_q + blk.r0;
-                        blk.keys = pass.causal.keys_before(blk.r0 + blk.rows, s.len_k);
-                        if (pass.masks.bounds) narrow_to_bounds(blk, pass.masks);
+                        std::tie(blk.key0, blk.keys) = ranges(it.b, qb);  // block_map.key_ranges
                         body(blk, scratch.data());
                     }
                 }

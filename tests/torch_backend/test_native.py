@@ -13,9 +13,10 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from attngrad.torch import block_map, kernels, kernels_higher, native, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch import block_map, dispatch, kernels, kernels_higher, native, scaled_dot_product_attention  # noqa: E402
 
 from ..conftest import EXACT, assert_all_close, rel_err  # noqa: E402
+from .conftest import make_call  # noqa: E402
 from .test_functional import math_sdpa  # noqa: E402
 
 compiler = shutil.which(os.environ.get("CXX", "c++"))
@@ -373,7 +374,7 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
         assert "failed" in native.build_info.reason and "false" in native.build_info.reason  # names the compiler
         assert not native.available()
         q, k, v, _ = _inputs(1, 2, 2, 5, 6, 4, 4, torch.float64, 0)
-        assert not native.supports(q, k, v, None, None)
+        assert dispatch.choose("forward", make_call(q, k, v)).name == "torch-ops"
         out = scaled_dot_product_attention(q, k, v)  # the torch-ops kernels run instead
         assert rel_err(out, math_sdpa(q, k, v)) < EXACT
         monkeypatch.setenv("ATTNGRAD_NATIVE", "0")
@@ -507,20 +508,26 @@ def test_half_precision_runs_on_the_tiles_in_float32(dtype, is_causal):
 
 
 def test_what_the_tiles_take():
+    """The tiles backend takes CPU calls in any float dtype (half computed in float32), with
+    masks and a bias, and refuses an empty axis and other devices, saying why."""
+    from attngrad.torch.backends import tiles
+
     q, k, v, _ = _inputs(1, 2, 2, 5, 6, 4, 4, torch.float64, 0)
-    available = native.library() is not None
-    assert native.supports(q, k, v, None, None) is available
-    assert native.supports(q, k, v, torch.ones(5, 6, dtype=torch.bool), None) is available
-    assert native.supports(q, k, v, None, torch.zeros(5, 6, dtype=torch.float64)) is available
-    assert native.supports(q.half(), k.half(), v.half(), None, None) is available  # computed in float32
-    assert not native.supports(q.half(), k, v, None, None)  # mixed dtypes
-    assert not native.supports(q, k[..., :0, :], v[..., :0, :], None, None)  # an empty axis
+
+    def refusal(q, k, v, **masks):
+        return tiles.BACKEND.refuses(make_call(q, k, v, **masks), "forward", {})
+
+    assert refusal(q, k, v) is None
+    assert refusal(q, k, v, mask=torch.ones(5, 6, dtype=torch.bool), bias=torch.zeros(5, 6, dtype=torch.float64)) is None
+    assert refusal(q.half(), k.half(), v.half()) is None  # computed in float32
+    assert refusal(q, k[..., :0, :], v[..., :0, :]) == "it takes no empty dimension"
+    assert "runs on the CPU" in refusal(q.to("meta"), k.to("meta"), v.to("meta"))
 
 
 def test_use_implementation_chooses_and_counts():
     """The choice is the user's: torch-ops alone, tiles alone (a call they cannot run raises,
     never silently runs elsewhere), and `ran` says what ran, backward passes included."""
-    from attngrad.torch import dispatch, ran, use_implementation
+    from attngrad.torch import ran, use_implementation
 
     q, k, v, dout = _inputs(1, 2, 2, 5, 6, 4, 4, torch.float64, 0)
     q.requires_grad_()

@@ -35,7 +35,7 @@ from .dropout import Placement, keep_value, threshold
 from .native_build import build_info, fresh_build_seconds, library
 
 __all__ = ["attention_forward", "attention_backward", "attention_double_backward", "attention_jvp",
-           "attention_backward_jvp", "dropout_keep_scale_into", "supports", "status", "available", "library",
+           "attention_backward_jvp", "dropout_keep_scale_into", "status", "available", "library",
            "build_info", "fresh_build_seconds"]
 
 # Rows of a query block and keys of a key block. A (128, 512) float32 score tile is 256 KiB;
@@ -75,7 +75,7 @@ def status() -> str:
 
 
 def _ops():
-    """The ops, the library loaded first (callers ask `supports` before they call)."""
+    """The ops, the library loaded first (the tiles backend asks `library()` before it calls)."""
     if library() is None:
         raise RuntimeError(f"attngrad's compiled tiles are unavailable: {build_info.reason}")
     return torch.ops.attngrad_tiles
@@ -114,21 +114,6 @@ def _bias_grad_buffer(masks: dict, wanted: bool, chunks: int, whole_rows: bool, 
 
 def _finish_bias_grad(parts: Tensor | None, bias: Tensor | None) -> Tensor | None:
     return None if parts is None else _sum_parts(parts).view(bias.shape)
-
-
-def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None) -> bool:
-    """Whether the tiles run a call, in any pass, with any dropout and with or without the
-    bias's gradient: q, k, v on the CPU in one dtype (float16 and bfloat16 are computed in
-    float32, the tiles' element type beside float64), no empty axis; a mask and a bias
-    (broadcastable, any float dtype) on the CPU."""
-    return (
-        all(t is None or t.device.type == "cpu" for t in (mask, bias))
-        and q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
-        and q.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-        and k.dtype == q.dtype and v.dtype == q.dtype
-        and min(q.shape) > 0 and min(k.shape) > 0 and min(v.shape) > 0
-        and library() is not None
-    )
 
 
 def _work(*tensors: Tensor | None) -> list:
@@ -308,7 +293,7 @@ def attention_backward(
     seed: int | Placement = 0, dropout_p: float = 0.0, bias_grad: bool = False, bounds: Tensor | None = None, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv, dbias or None): `kernels.attention_backward`'s results for the cases
-    `supports` accepts; dbias in the bias's shape and the compute dtype. `chunks` splits
+    the tiles backend takes; dbias in the bias's shape and the compute dtype. `chunks` splits
     each head's keys into that many work items (default: `_chunks`)."""
     dout, q, k, v, out, row_max, inv_sum = _work(dout, q, k, v, out, row_max, inv_sum)
     masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad, bounds=bounds)
@@ -342,7 +327,7 @@ def attention_double_backward(
     sink: bool = False,
 ) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor | None]:
     """(g_dout or None, g_q, g_k, g_v, g_bias or None): `kernels_higher.attention_double_backward`'s
-    results for the cases `supports` accepts, in the compute dtype; an absent cotangent is
+    results for the cases the tiles backend takes, in the compute dtype; an absent cotangent is
     zero (`gbias`, dbias's, only with `bias_grad`). `chunks` splits each head's query blocks
     into that many work items (default: `_chunks`)."""
     dout, q, k, v, out, row_max, inv_sum, gq, gk, gv = _work(dout, q, k, v, out, row_max, inv_sum, gq, gk, gv)
@@ -375,7 +360,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Ten
                   bias: Tensor | None = None, tbias: Tensor | None = None, seed: int | Placement = 0,
                   dropout_p: float = 0.0, bounds: Tensor | None = None, softcap: float = 0.0) -> Tensor:
     """The output's tangent (B, H, Lq, dv): `kernels_higher.attention_jvp`'s result for the
-    cases `supports` accepts; an absent tangent is zero."""
+    cases the tiles backend takes; an absent tangent is zero."""
     q, k, v, row_max, inv_sum, tq, tk, tv = _work(q, k, v, row_max, inv_sum, tq, tk, tv)
     masks = _with_bias_like(_score_masks(mask, bias, q.dtype, full_bias=tbias is not None, bounds=bounds), "tbias",
                             tbias, q.dtype)
@@ -396,7 +381,7 @@ def attention_backward_jvp(
     softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """The tangents of (dq, dk, dv, dbias or None): `kernels_higher.attention_backward_jvp`'s
-    results for the cases `supports` accepts, in the compute dtype; an absent tangent is
+    results for the cases the tiles backend takes, in the compute dtype; an absent tangent is
     zero. `chunks` splits each head's query blocks into that many work items (default:
     `_chunks`)."""
     dout, q, k, v, out, row_max, inv_sum, tdout, tq, tk, tv = _work(dout, q, k, v, out, row_max, inv_sum, tdout, tq,

@@ -74,3 +74,4 @@ def test_the_tiles_come_through_pytorchs_extension_machinery():
         text = path.read_text()
         for word in ("ctypes", "libtorch_cpu", "subprocess"):
             assert word not in text, f"{path.relative_to(SRC)} names {word}"
+

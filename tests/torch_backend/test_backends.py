@@ -18,7 +18,7 @@ from attngrad.torch import (  # noqa: E402
 from attngrad.torch.call import PASSES, schema  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
-from .conftest import math_sdpa  # noqa: E402
+from .conftest import make_call, math_sdpa  # noqa: E402
 
 
 def randn(*shape, seed, grad=True):
@@ -96,3 +96,36 @@ def test_the_op_schemas_come_from_the_table():
     assert schema("forward").startswith("(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? bounds")
     assert "Tensor? tbias" in schema("backward_jvp") and schema("backward_jvp").endswith("-> (Tensor, Tensor, Tensor, Tensor)")
     assert str(torch.ops.attngrad.attention_double_backward.default._schema).count("Tensor?") == 3 + 4
+
+
+def test_eager_calls_skip_the_dispatcher_and_everything_else_sees_the_op(monkeypatch):
+    """In plain eager code the op's implementation runs directly (the dispatcher would only
+    route it back); the bits are the op's. Under a dispatch mode (as under torch.compile's
+    tracing or torch.func) the op itself is called, so those still see one opaque operator."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from attngrad.torch import ops
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 7, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    through_op = ops.OPS["forward"](*(make_call(q, k, v).fields()[name] for name in ops.ARGUMENTS["forward"]))
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as seen:
+        assert all(torch.equal(a, b) for a, b in zip(ops.run_op("forward", make_call(q, k, v)), through_op))
+    assert "attngrad.attention_forward.default" in seen.ops
+
+    def refuse(*args):
+        raise AssertionError("the dispatcher was called in plain eager code")
+
+    monkeypatch.setitem(ops.OPS, "forward", refuse)
+    direct = ops.run_op("forward", make_call(q, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(direct, through_op))

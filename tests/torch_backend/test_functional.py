@@ -299,3 +299,17 @@ def test_full_size_bias_gradient_with_causal_single_row_blocks(monkeypatch, head
     ref_grads = torch.autograd.grad(ref, [q, k, v, bias], dout)
     assert all(rel_err(a, b) < EXACT for a, b in zip(grads, ref_grads))
     assert (grads[3][..., ~tri] == 0).all()
+
+
+@pytest.mark.parametrize("shapes", [((2, 1), (3,)), ((), (4,)), ((1,), (1,)), ((5, 1, 3), (4, 1), (1,)), ((2,), (3,)),
+                                    ((0,), (1,)), ((0,), (2,))])
+def test_broadcast_shapes_is_pytorchs(shapes):
+    from attngrad.torch.layout import broadcast_shapes
+
+    try:
+        expected = torch.broadcast_shapes(*shapes)
+    except RuntimeError:
+        with pytest.raises(RuntimeError):
+            broadcast_shapes(*shapes)
+    else:
+        assert broadcast_shapes(*shapes) == expected

@@ -198,14 +198,27 @@ def test_float32_single_key_rows_are_exact(backend, shape, is_causal):
         assert float(g_q.abs().max()) == 0.0 and float(g_k.abs().max()) == 0.0
 
 
-def test_float32_single_key_rows_under_a_mask(backend):
-    """The same through a boolean mask that leaves one key to some rows."""
+@pytest.mark.parametrize("small_tiles", [False, True])
+def test_float32_single_key_rows_under_a_mask(backend, small_tiles, request):
+    """The same through a boolean mask that leaves one key to some rows, in the first key
+    block or a later one; with small tiles each row's keys span several blocks, so no block
+    holds all of a row's keys."""
+    if small_tiles:
+        request.getfixturevalue("many_blocks")
     g = torch.Generator().manual_seed(9)
-    q, k, v = (torch.randn(2, 3, 10, 16, generator=g).requires_grad_() for _ in range(3))
-    keep = torch.rand(10, 10, generator=g) > 0.5
+    q = torch.randn(2, 3, 10, 16, generator=g).requires_grad_()
+    k, v = (torch.randn(2, 3, 45, 16, generator=g).requires_grad_() for _ in range(2))
+    keep = torch.rand(10, 45, generator=g) > 0.5
     keep[::2] = False
-    keep[::2, 3] = True  # even rows: key 3 alone
+    keep[0:6:2, 3] = True  # rows 0, 2, 4: key 3 alone
+    keep[6::2, 41] = True  # rows 6, 8: key 41 alone
     out = attention(q, k, v, attn_mask=keep)
-    dq, = torch.autograd.grad(out, (q,), torch.randn(out.shape, generator=g))
-    assert float(dq[:, :, ::2].abs().max()) == 0.0
-    assert float(dq[:, :, 1::2].abs().max()) > 0.0
+    dq, dk = torch.autograd.grad(out, (q, k), torch.randn(out.shape, generator=g), create_graph=True)
+    assert float(dq[:, :, ::2].detach().abs().max()) == 0.0
+    assert float(dq[:, :, 1::2].detach().abs().max()) > 0.0
+    # forward mode: P' = 0 on those rows, so the output's tangent is the one key's tV alone
+    tangents = tuple(torch.randn(t.shape, generator=g) for t in (q, k, v))
+    out_t = torch.func.jvp(lambda *a: attention(*a, attn_mask=keep), (q.detach(), k.detach(), v.detach()),
+                           tangents)[1]
+    assert torch.equal(out_t[:, :, 0:6:2], tangents[2][:, :, 3, None].expand_as(out_t[:, :, 0:6:2]))
+    assert torch.equal(out_t[:, :, 6::2], tangents[2][:, :, 41, None].expand_as(out_t[:, :, 6::2]))

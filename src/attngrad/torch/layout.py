@@ -12,6 +12,24 @@ from torch import Tensor
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def broadcast_shapes(*shapes: tuple) -> torch.Size:
+    """torch.broadcast_shapes for a few short shapes, in plain Python (PyTorch's goes through
+    its reference implementation: tens of microseconds of a small call); RuntimeError where
+    they do not broadcast."""
+    rank = 0
+    for shape in shapes:  # loops Dynamo traces (it refuses max over a generator with a default)
+        rank = max(rank, len(shape))
+    result = [1] * rank
+    for shape in shapes:
+        for axis, size in enumerate(shape, start=rank - len(shape)):
+            if size == 1 or size == result[axis]:
+                continue
+            if result[axis] != 1:
+                raise RuntimeError(f"shapes {[tuple(s) for s in shapes]} do not broadcast")
+            result[axis] = size
+    return torch.Size(result)
+
+
 def describe_shapes(query: Tensor, key: Tensor, value: Tensor) -> str:
     return f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
 
@@ -47,7 +65,7 @@ class Layout:
         self.flat = max(t.dim() for t in (query, key, value)) == 2  # (L, E) inputs: no heads axis
         heads = [t.shape[-3] if t.dim() >= 3 else 1 for t in (query, key, value)]
         try:
-            self.batch = torch.broadcast_shapes(*(t.shape[:-3] for t in (query, key, value)))
+            self.batch = broadcast_shapes(*(t.shape[:-3] for t in (query, key, value)))
         except RuntimeError:
             raise ValueError(f"the batch dimensions of query, key and value do not broadcast; got {shapes}") from None
         h_q, h_k, h_v = heads
@@ -59,7 +77,7 @@ class Layout:
             self.heads, kv_heads = h_q, h_k
         else:
             try:
-                self.heads = torch.broadcast_shapes((h_q,), (h_k,), (h_v,))[0]
+                self.heads = broadcast_shapes((h_q,), (h_k,), (h_v,))[0]
             except RuntimeError:
                 hint = "; pass enable_gqa=True" if h_k == h_v and h_k and h_q % h_k == 0 else ""
                 raise ValueError(f"query has {h_q} heads but key/value {h_k}, {h_v}{hint} ({shapes})") from None
@@ -92,7 +110,7 @@ class Layout:
         broadcastable to (B, H, Lq, Lk)."""
         target = self.target_with(self.len_k if len_k is None else len_k)
         try:
-            ok = mask.dim() <= len(target) and torch.broadcast_shapes(mask.shape, target) == torch.Size(target)
+            ok = mask.dim() <= len(target) and broadcast_shapes(mask.shape, target) == torch.Size(target)
         except RuntimeError:
             ok = False
         if not ok:

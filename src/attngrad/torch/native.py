@@ -105,11 +105,14 @@ def _bias_grad_parts(bias_sizes: tuple, chunks: int, whole_rows: bool) -> int:
 
 
 def _bias_grad_buffer(masks: dict, wanted: bool, chunks: int, whole_rows: bool, dtype: torch.dtype) -> Tensor | None:
-    """Zeroed parts of a bias gradient (None where not wanted), in the bias's 4-D sizes."""
+    """The parts of a bias gradient (None where not wanted), in the bias's 4-D sizes: zeroed
+    for the whole-row passes, which add into them; uninitialised for the backward, which
+    writes every entry (or zeroes them first where it adds)."""
     if not wanted:
         return None
     sizes = masks["bias_sizes"]
-    return torch.zeros(_bias_grad_parts(sizes, chunks, whole_rows), *sizes, dtype=dtype)
+    make = torch.zeros if whole_rows else torch.empty
+    return make(_bias_grad_parts(sizes, chunks, whole_rows), *sizes, dtype=dtype)
 
 
 def _finish_bias_grad(parts: Tensor | None, bias: Tensor | None) -> Tensor | None:

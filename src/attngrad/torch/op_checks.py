@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .call import FIELDS, AttentionCall
+from .layout import broadcast_shapes
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -48,7 +49,7 @@ def _check_broadcast(name: str, t: Optional[Tensor], target: tuple, device: torc
     ok = 2 <= t.dim() <= 4
     if ok:
         try:
-            ok = torch.broadcast_shapes(t.shape, target) == torch.Size(target)
+            ok = broadcast_shapes(t.shape, target) == torch.Size(target)
         except RuntimeError:
             ok = False
     if not ok:

@@ -32,6 +32,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from .layout import broadcast_shapes
+
 
 class Structure(NamedTuple):
     """What the structured masks of one call become for the op."""
@@ -45,7 +47,7 @@ def _fold_batch(t: Tensor, batch: tuple, tail: tuple, name: str) -> Tensor:
     full = (*batch, *tail)
     try:
         ok = t.dim() <= len(full) and t.shape[t.dim() - len(tail):] == torch.Size(tail) and \
-            torch.broadcast_shapes(t.shape, full) == torch.Size(full)
+            broadcast_shapes(t.shape, full) == torch.Size(full)
     except RuntimeError:
         ok = False
     if not ok:

@@ -98,14 +98,17 @@ void backward(const Pass<T>& pass) {
     const index_t group = s.heads / s.kv_heads;
     const index_t rows_total = s.batch * s.heads * s.len_q;
     row_dots(dout, out, delta, rows_total, s.dim_v);  // D = rowsum(dO * O)
-    const RowKeys<T> row_keys_of(masks, causal, s);
+    const SingleKeyRows<T> single_key(masks, causal, s, inv_sum);
     const BlockSkips skips(pass.call);
     const KeyRanges ranges(pass.call);
     const index_t key_blocks = (s.len_k + block_keys - 1) / block_keys;
     const KvItems items(s, chunks, dbias.shares_batch(s), dbias.shares_kv_heads(s));
+    const bool dbias_direct = dbias.direct(s);  // written entry by entry; else added into zeros
+    if (dbias.part(0) && !dbias_direct) dbias.zero_all();
     parallel_items(items.count(), [&](const ItemSource& source) {
         std::vector<T> probs(block_rows * block_keys), dscores(block_rows * block_keys);
         std::vector<T> slopes(pass.cap.c ? block_rows * block_keys : 0);  // the cap's, per score
+        std::vector<T> keep(drop.on ? block_keys : 0);  // a row's dropout multipliers Z
         for (index_t item; (item = source.next()) >= 0;) {
           items.visit(item, [&](const KvItem& it) {
             const index_t chunk = it.chunk, bhk = it.bhk, b = it.b, hk = it.hk;
@@ -125,10 +128,13 @@ void backward(const Pass<T>& pass) {
                     for (index_t r0 = 0; r0 < s.len_q; r0 += block_rows) {
                         // the query blocks whose key range (block_map.key_ranges) misses these keys
                         const auto [key0, keys] = ranges(b, r0 / block_rows);
-                        if (c0 >= key0 + keys || c0 + cols <= key0) continue;
-                        if (skips(b, h, r0 / block_rows, kb)) continue;  // every score of the tile excluded
-                        ++computed;
                         const index_t rows = std::min(block_rows, s.len_q - r0), first = bh * s.len_q + r0;
+                        // skipped: beyond the block's keys, or every score of the tile excluded
+                        if (c0 >= key0 + keys || c0 + cols <= key0 || skips(b, h, r0 / block_rows, kb)) {
+                            if (dbias_direct) dbias.zero_tile(dbias_part, b, h, r0, rows, c0, cols);
+                            continue;
+                        }
+                        ++computed;
                         // forward: S = scale Q K_blk^T;  backward: dP = dO V_blk^T
                         gemm<T>(false, true, rows, cols, s.dim, scale, q + first * s.dim, s.dim, k_blk, s.dim, T(0),
                                 probs.data(), cols);
@@ -138,11 +144,14 @@ void backward(const Pass<T>& pass) {
                             T* p = probs.data() + i * cols;
                             T* ds = dscores.data() + i * cols;
                             const index_t seen = causal.visible(r0 + i, c0, cols);
-                            const index_t row_keys = row_keys_of(bh, r0 + i);
                             const T m = row_max[first + i], inv = inv_sum[first + i];
                             T* slope = pass.cap.c ? slopes.data() + i * cols : nullptr;
                             pass.score_row(p, b, h, r0 + i, c0, seen, slope);  // S = c tanh(A / c) + bias
-                            if (drop.on) drop.scale_row(ds, b, h, r0 + i, c0, seen);  // dP = (dO V^T) Z
+                            if (drop.on) {  // Z drawn once for the row; dP = (dO V^T) Z
+                                std::fill(keep.begin(), keep.begin() + seen, T(1));
+                                drop.scale_row(keep.data(), b, h, r0 + i, c0, seen);
+                                for (index_t j = 0; j < seen; ++j) ds[j] *= keep[j];
+                            }
                             if (!pass.call.partial_rows && c0 == 0 && causal.visible(r0 + i, 0, s.len_k) <= cols) {
                                 // every key of the row is in this block: D = rowsum(P dP) from
                                 // the very dP it is subtracted from, whose rounding then cancels
@@ -154,17 +163,21 @@ void backward(const Pass<T>& pass) {
                             }
                             // the row's one key, if in this block: P = 1, dS = 0 (with l = 1: a ring
                             // step's row may have more keys than this call's, each with weight)
-                            if (row_keys == 1 && inv == T(1)) {
+                            if (single_key(bh, r0 + i)) {
                                 for (index_t j = 0; j < seen; ++j) {
                                     p[j] = p[j] > T(0) ? T(1) : T(0);
                                     ds[j] = T(0);
                                 }
                             }
-                            if (drop.on) drop.scale_row(p, b, h, r0 + i, c0, seen);  // P Z, for dV
+                            if (drop.on) for (index_t j = 0; j < seen; ++j) p[j] *= keep[j];  // P Z, for dV
                             std::fill(p + seen, p + cols, T(0));
                             std::fill(ds + seen, ds + cols, T(0));
                             // forward: S = scale Q K^T + bias  ->  dbias = dS, summed over its broadcast axes
-                            if (dbias_part) dbias.add_row(dbias_part, ds, b, h, r0 + i, c0, seen);
+                            if (dbias_direct) {
+                                dbias.write_row(dbias_part, ds, b, h, r0 + i, c0, cols);
+                            } else if (dbias_part) {
+                                dbias.add_row(dbias_part, ds, b, h, r0 + i, c0, seen);
+                            }
                             // forward: S = c tanh(A / c) + bias  ->  dA = dS (1 - tanh^2)
                             if (slope) for (index_t j = 0; j < seen; ++j) ds[j] *= slope[j];
                         }
@@ -182,6 +195,7 @@ void backward(const Pass<T>& pass) {
             tiles_computed.fetch_add(computed, std::memory_order_relaxed);
           });
         }
+        store_fence();  // the bias gradient's streamed rows
     });
 }
 

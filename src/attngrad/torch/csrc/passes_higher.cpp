@@ -29,7 +29,7 @@ void double_backward(const Pass<T>& pass) {
     const ScoreMask<T> gbias{nullptr, Broadcast4(), pass[buf_gbias], Broadcast4(pass.call.bias_sizes)};
     const index_t kv_size = s.batch * s.kv_heads * s.len_k;
     row_dots(dout, out, delta, s.batch * s.heads * s.len_q, s.dim_v);  // D = rowsum(dO * O)
-    const RowKeys<T> row_keys_of(pass.masks, pass.causal, s);
+    const SingleKeyRows<T> single_key(pass.masks, pass.causal, s, inv_sum);
     const KvItems items(s, pass.call.chunks, g_bias.shares_batch(s), g_bias.shares_kv_heads(s));
     // scratch: P, then P Z; T, then g_dP Z; dP~ - D, then dS; X, then g_P, then g_S; with a
     // softcap its slope, and its curve (times the raw T)
@@ -69,7 +69,7 @@ void double_backward(const Pass<T>& pass) {
                 drop.scale_row(xi, blk.b, blk.h, row, blk.key0, seen);
             }
             T d_row = delta[first + i];
-            const bool single = row_keys_of(blk.bh, row) == 1 && inv == T(1);
+            const bool single = single_key(blk.bh, row);
             const T t_sum = row_probs(pi, ti, seen, m, inv, single);  // P, t = rowsum(P * T)
             if (single) {  // the row's one key: P = 1, so t = T, D = dP~ exactly
                 d_row = T(0);
@@ -124,7 +124,7 @@ void jvp(const Pass<T>& pass) {
     const DropoutDraw& drop = pass.drop;
     const T scale = pass.scale;
     const ScoreMask<T> tbias{nullptr, Broadcast4(), pass[buf_tbias], Broadcast4(pass.call.bias_sizes)};
-    const RowKeys<T> row_keys_of(pass.masks, pass.causal, s);
+    const SingleKeyRows<T> single_key(pass.masks, pass.causal, s, inv_sum);
     // scratch: P; T, then P'
     for_each_row_block(pass, KvItems(s, pass.call.chunks, false, false), 2 + CapRows<T>::tiles(pass.cap, false),
                        [&](const RowBlock& blk, T* scratch) {
@@ -152,7 +152,7 @@ void jvp(const Pass<T>& pass) {
             pass.score_row(pi, blk.b, blk.h, row, blk.key0, seen, sli, nullptr, ti, &tbias);  // S' = slope A' + tbias
             // forward: P = softmax(S)  ->  P' = P (S' - rowsum(P S')); a row's one key: P' = 0
             // (1/l = 1: with a sink, the one key shares the row and P < 1)
-            const bool single = row_keys_of(blk.bh, row) == 1 && inv_sum[first + i] == T(1);
+            const bool single = single_key(blk.bh, row);
             const T t_sum = row_probs(pi, ti, seen, row_max[first + i], inv_sum[first + i], single);
             centre_and_scale(pi, ti, seen, t_sum);
             if (drop.on) {  // P Z and P' Z
@@ -192,7 +192,7 @@ void backward_jvp(const Pass<T>& pass) {
     const ScoreMask<T> tbias{nullptr, Broadcast4(), pass[buf_tbias], Broadcast4(pass.call.bias_sizes)};
     const index_t kv_size = s.batch * s.kv_heads * s.len_k;
     row_dots(dout, out, delta, s.batch * s.heads * s.len_q, s.dim_v);  // D = rowsum(dO * O)
-    const RowKeys<T> row_keys_of(pass.masks, pass.causal, s);
+    const SingleKeyRows<T> single_key(pass.masks, pass.causal, s, inv_sum);
     const KvItems items(s, pass.call.chunks, tdbias.shares_batch(s), tdbias.shares_kv_heads(s));
     // scratch: P; T, then P'; dP~, then dS; dP~', then dS'; with a softcap its slope, and its
     // curve (times A')
@@ -227,7 +227,7 @@ void backward_jvp(const Pass<T>& pass) {
             const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
             const auto [sli, cvi] = cap_rows.row(i, keys);
             pass.score_row(pi, blk.b, blk.h, row, blk.key0, seen, sli, cvi, ti, &tbias);  // S' = slope A' + tbias, curve A'
-            const bool single = row_keys_of(blk.bh, row) == 1 && inv_sum[first + i] == T(1);  // then P' = 0 and dS = dS' = 0
+            const bool single = single_key(blk.bh, row);  // then P' = 0 and dS = dS' = 0
             const T t_sum = row_probs(pi, ti, seen, row_max[first + i], inv_sum[first + i], single);  // P, t = rowsum(P * T)
             centre_and_scale(pi, ti, seen, t_sum);  // P' = P (T - t)
             if (drop.on) {  // dP~ = dP Z, dP~' = dP' Z

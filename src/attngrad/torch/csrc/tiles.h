@@ -55,6 +55,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "tiles_math.h"
 
 namespace attngrad_tiles {
@@ -142,10 +146,40 @@ struct Shape {
 // backward regenerates the forward's mask, whatever the tiling.
 constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
 
-inline uint64_t mix64(uint64_t z) {
+using u64v = uint64_t __attribute__((vector_size(8 * sizeof(uint64_t))));
+using i64v = int64_t __attribute__((vector_size(8 * sizeof(int64_t))));
+
+// One body for one counter and eight (u64v)
+template <typename U>
+inline U mix64(U z) {
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
+}
+
+// x[0, 8) <- x value where `kept` (all ones), +0 where not (0), as whole vectors: the kept
+// lanes' bits pass an AND, then one multiply
+inline void keep_scale8(float* x, i64v kept, float value) {
+    using i32x8 = int32_t __attribute__((vector_size(8 * sizeof(int32_t))));
+    using f32x8 = float __attribute__((vector_size(8 * sizeof(float))));
+    i32x8 bits;
+    std::memcpy(&bits, x, sizeof bits);
+    bits &= __builtin_convertvector(kept, i32x8);
+    f32x8 v;
+    std::memcpy(&v, &bits, sizeof v);
+    v *= value;
+    std::memcpy(x, &v, sizeof v);
+}
+
+inline void keep_scale8(double* x, i64v kept, double value) {
+    using f64x8 = double __attribute__((vector_size(8 * sizeof(double))));
+    i64v bits;
+    std::memcpy(&bits, x, sizeof bits);
+    bits &= kept;
+    f64x8 v;
+    std::memcpy(&v, &bits, sizeof v);
+    v *= value;
+    std::memcpy(x, &v, sizeof v);
 }
 
 struct DropoutDraw {
@@ -154,17 +188,30 @@ struct DropoutDraw {
     double value = 0;                  // 1 / (1 - p), 0 for p = 1
     index_t row_offset = 0, key_offset = 0, head_offset = 0;  // the call's within the whole
 
-    // x[0, n) *= Z for keys c0..c0 + n of row i of head (b, h): x value where kept, else 0
+    // x[0, n) *= Z for keys c0..c0 + n of row i of head (b, h): x value where kept, else 0;
+    // and y[0, n) *= the same Z, where y is given (the backward's dP and P share one draw).
+    // Eight draws at a time in 64-bit vector lanes (GCC's vector extensions: AVX-512's
+    // 64-bit multiplies where the CPU has them, plain integer arithmetic elsewhere, the same
+    // bits either way), the last n mod 8 one by one.
     template <typename T>
-    void scale_row(T* x, index_t b, index_t h, index_t i, index_t c0, index_t n) const {
+    void scale_row(T* x, index_t b, index_t h, index_t i, index_t c0, index_t n, T* y = nullptr) const {
         const uint64_t key_bh =
             mix64(seed + kGamma * ((static_cast<uint64_t>(b) << 32) + static_cast<uint64_t>(h + head_offset) + 1));
         const uint64_t row_counter = key_bh + kGamma * (static_cast<uint64_t>(i + row_offset) << 32);
-        c0 += key_offset;
+        // the counter of key c0 + j: row_counter + kGamma (c0 + j + 1), modulo 2^64
+        const uint64_t first = row_counter + kGamma * (static_cast<uint64_t>(c0 + key_offset) + 1);
         const T keep_value = static_cast<T>(value);
-        for (index_t j = 0; j < n; ++j) {
-            const uint64_t z = mix64(row_counter + kGamma * (static_cast<uint64_t>(c0 + j) + 1));
-            x[j] = (z >> 32) >= threshold ? x[j] * keep_value : T(0);
+        index_t j = 0;
+        u64v counter = first + kGamma * u64v{0, 1, 2, 3, 4, 5, 6, 7};
+        for (; j + 8 <= n; j += 8, counter += kGamma * 8) {
+            const i64v kept = (mix64(counter) >> 32) >= threshold;  // all ones where kept, 0 where dropped
+            keep_scale8(x + j, kept, keep_value);
+            if (y) keep_scale8(y + j, kept, keep_value);
+        }
+        for (; j < n; ++j) {
+            const bool kept = (mix64(first + kGamma * static_cast<uint64_t>(j)) >> 32) >= threshold;
+            x[j] = kept ? x[j] * keep_value : T(0);
+            if (y) y[j] = kept ? y[j] * keep_value : T(0);
         }
     }
 };
@@ -258,32 +305,37 @@ struct ScoreMask {
     }
 };
 
-// Keys each row (b, h, i) may see, for telling the rows that see exactly one: the causal
-// diagonal alone gives it directly; with a mask or bias, a pass over them counts (B H Lq
-// counts, O(B H Lq Lk) reads of the mask, once per backward pass).
+// The rows that see exactly one key, where a pass sets P = 1 exactly (a recomputed score can
+// round apart from the forward's maximum). Only a row whose forward sum l came out exactly 1
+// can be one, so only those rows' keys are counted (within their bounds): rows with l = 1 are
+// rare outside one-key rows, and the scan no longer reads the whole mask or bias per pass.
 template <typename T>
-class RowKeys {
+class SingleKeyRows {
    public:
-    RowKeys(const ScoreMask<T>& masks, Causal causal, const Shape& s) : causal_(causal), len_k_(s.len_k),
-                                                                        len_q_(s.len_q) {
+    SingleKeyRows(const ScoreMask<T>& masks, Causal causal, const Shape& s, const T* inv_sum)
+        : causal_(causal), len_k_(s.len_k), len_q_(s.len_q), inv_sum_(inv_sum) {
         if (!masks.any()) return;
-        counts_.resize(s.batch * s.heads * s.len_q);
-        parallel_range(s.batch * s.heads * s.len_q, 64, [&](index_t begin, index_t end) {
+        single_.resize(s.batch * s.heads * s.len_q);
+        parallel_range(s.batch * s.heads * s.len_q, 256, [&](index_t begin, index_t end) {
             for (index_t r = begin; r < end; ++r) {
                 const index_t bh = r / s.len_q, i = r % s.len_q;
-                counts_[r] = masks.count(bh / s.heads, bh % s.heads, i, causal.visible(i, 0, s.len_k));
+                single_[r] = inv_sum[r] == T(1) &&
+                             masks.count(bh / s.heads, bh % s.heads, i, causal.visible(i, 0, s.len_k)) == 1;
             }
         });
     }
-    // Keys row i of flat head bh (b H + h) may see
-    index_t operator()(index_t bh, index_t i) const {
-        return counts_.empty() ? causal_.visible(i, 0, len_k_) : counts_[bh * len_q_ + i];
+    // Whether row i of flat head bh (b H + h) sees exactly one key (and so l = 1)
+    bool operator()(index_t bh, index_t i) const {
+        const index_t r = bh * len_q_ + i;
+        if (!single_.empty()) return single_[r] != 0;
+        return inv_sum_[r] == T(1) && causal_.visible(i, 0, len_k_) == 1;
     }
 
    private:
     Causal causal_;
     index_t len_k_, len_q_;
-    std::vector<index_t> counts_;
+    const T* inv_sum_;
+    std::vector<uint8_t> single_;
 };
 
 // Which (query block, key block) tiles no score of takes part in, so that the forward and
@@ -364,24 +416,27 @@ ScoreMask<T> score_mask(const AttngradCall& c) {
 // float32 computes tanh 16 lanes at a time (tanh_cap), float64 with the C library's.
 template <typename T>
 struct Softcap {
-    T c = 0;  // 0: no cap
+    T c = 0;    // 0: no cap
+    T inv = 0;  // 1 / c: a multiply where a division per score cost a tenth of the causal pass
+
+    explicit Softcap(T cap = 0) : c(cap), inv(cap != T(0) ? T(1) / cap : T(0)) {}
 
     // a[0, n) <- c tanh(a / c); where given, slope and curve [0, n) at those scores
     void apply(T* a, index_t n, T* slope = nullptr, T* curve = nullptr) const {
         index_t j = 0;
         if constexpr (std::is_same_v<T, float>) {
             for (; j + kLanes <= n; j += kLanes) {
-                const floatv t = tanh_cap(load(a + j) / c);
+                const floatv t = tanh_cap(load(a + j) * inv);
                 store(a + j, t * c);
                 if (slope) store(slope + j, 1.0f - t * t);
-                if (curve) store(curve + j, (t * -2.0f) * (1.0f - t * t) / c);
+                if (curve) store(curve + j, (t * -2.0f) * (1.0f - t * t) * inv);
             }
         }
         for (; j < n; ++j) {
-            const T t = tanh_cap(a[j] / c);
+            const T t = tanh_cap(a[j] * inv);
             a[j] = c * t;
             if (slope) slope[j] = T(1) - t * t;
-            if (curve) curve[j] = T(-2) * t * (T(1) - t * t) / c;
+            if (curve) curve[j] = T(-2) * t * (T(1) - t * t) * inv;
         }
     }
 
@@ -444,7 +499,7 @@ struct Pass {
           drop{c.dropout != 0, c.seed, c.threshold, c.keep_value, c.dropout_row_offset, c.dropout_key_offset,
                c.dropout_head_offset},
           scale(static_cast<T>(c.scale)),
-          cap{static_cast<T>(c.softcap)} {}
+          cap(static_cast<T>(c.softcap)) {}
 
     T* operator[](AttngradBuffer b) const { return static_cast<T*>(call.data[b]); }
 
@@ -477,6 +532,36 @@ inline int64_t bias_grad_parts(const AttngradCall& c, int chunked_axis) {
     return c.bias_sizes[chunked_axis] == 1 ? c.chunks : 1;
 }
 
+// dst[0, n) = src[0, n), past the caches where the CPU has streaming stores: a gradient the
+// size of the scores is written once and not read again by this pass, and a cached write
+// would first read each line (and evict the tiles' operands).
+template <typename T>
+void stream_copy(T* dst, const T* src, index_t n) {
+#if defined(__AVX512F__)
+    index_t j = 0;
+    constexpr index_t lanes = 64 / sizeof(T);
+    for (; j < n && reinterpret_cast<uintptr_t>(dst + j) % 64 != 0; ++j) dst[j] = src[j];
+    for (; j + lanes <= n; j += lanes) {
+        if constexpr (std::is_same_v<T, float>) {
+            _mm512_stream_ps(dst + j, _mm512_loadu_ps(src + j));
+        } else {
+            _mm512_stream_pd(dst + j, _mm512_loadu_pd(src + j));
+        }
+    }
+    for (; j < n; ++j) dst[j] = src[j];
+#else
+    std::memcpy(dst, src, n * sizeof(T));
+#endif
+}
+
+// Orders a worker's streaming stores before whatever it does next (its end: the join that
+// hands the results to the caller)
+inline void store_fence() {
+#if defined(__AVX512F__)
+    _mm_sfence();
+#endif
+}
+
 template <typename T>
 class BiasGradient {
    public:
@@ -492,6 +577,35 @@ class BiasGradient {
     // bias broadcasts along, when there is a gradient
     bool shares_batch(const Shape& s) const { return parts_ && bb_.sb == 0 && s.batch > 1; }
     bool shares_kv_heads(const Shape& s) const { return parts_ && bb_.sh == 0 && s.kv_heads > 1; }
+
+    // Whether the bias has the scores' own sizes, so that each entry of its gradient is one
+    // score's dS: then the backward writes every entry once (the tiles it skips as 0), and
+    // the buffer is neither zeroed first nor read back (a (8, 4096, 4096) gradient is 512 MiB)
+    bool direct(const Shape& s) const {
+        // each size is 1 or the scores' own (ops.cpp), so equal counts mean equal sizes
+        return parts_ && chunks_ == 1 && part_numel_ == s.batch * s.heads * s.len_q * s.len_k;
+    }
+
+    // The whole buffer zeroed, where the pass adds into it (not `direct`)
+    void zero_all() const {
+        parallel_range(part_numel_ * chunks_, 1 << 16, [&](index_t begin, index_t end) {
+            std::fill(parts_ + begin, parts_ + end, T(0));
+        });
+    }
+
+    // part = x for keys c0..c0 + n of row i of head (b, h): a `direct` gradient's row
+    void write_row(T* part, const T* x, index_t b, index_t h, index_t i, index_t c0, index_t n) const {
+        stream_copy(part + bb_.row(b, h, i) + c0 * bb_.sj, x, n);
+    }
+
+    // part = 0 for keys c0..c0 + n of rows r0..r0 + rows of head (b, h): a `direct` gradient's
+    // skipped tile
+    void zero_tile(T* part, index_t b, index_t h, index_t r0, index_t rows, index_t c0, index_t n) const {
+        for (index_t i = r0; i < r0 + rows; ++i) {
+            T* row = part + bb_.row(b, h, i) + c0 * bb_.sj;
+            std::fill(row, row + n, T(0));
+        }
+    }
 
     // part += dS for keys c0..c0 + n of row i of head (b, h)
     void add_row(T* part, const T* ds, index_t b, index_t h, index_t i, index_t c0, index_t n) const {

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from attngrad.torch.block_map import empty_tiles, key_range, key_ranges, row_intervals  # noqa: E402
+from attngrad.torch.block_map import empty_tiles, kept_keys, key_range, key_ranges, row_intervals  # noqa: E402
 
 
 def _reference(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys, exact=False):
@@ -149,3 +149,38 @@ def test_key_ranges_agree_with_key_range_and_hold_every_interval(data, batch, le
             assert 0 <= key0 <= key0 + keys <= len_k
             seen = hi[b, start:stop] > lo[b, start:stop]
             assert bool((lo[b, start:stop][seen] >= key0).all() & (hi[b, start:stop][seen] <= key0 + keys).all())
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.integers(1, 3), st.integers(1, 3), st.integers(2, 40), st.sampled_from(["mask", "bias", "both"]))
+def test_kept_keys_span_exactly_the_keys_a_padding_mask_keeps(data, batch, heads, len_k, kind):
+    """kept_keys of a (B, H, 1, Lk) mask or -inf bias: [first, stop) holds every key some head
+    keeps, and its ends are kept (nothing narrower would do); (0, 0) where none is kept. Key
+    ranges narrowed by it still hold every kept key of every row (the causal prefix aside)."""
+    keep = torch.tensor(data.draw(st.lists(st.booleans(), min_size=batch * heads * len_k,
+                                           max_size=batch * heads * len_k))).view(batch, heads, 1, len_k)
+    bias = torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+    mask = keep if kind in ("mask", "both") else None
+    kept = kept_keys(mask, bias if kind in ("bias", "both") else None)
+    any_head = keep.any(1)[:, 0]  # (B, Lk)
+    assert kept.shape == (batch, 2) and kept.dtype == torch.int64
+    for b in range(batch):
+        first, stop = kept[b].tolist()
+        columns = any_head[b].nonzero().flatten().tolist()
+        assert (first, stop) == ((columns[0], columns[-1] + 1) if columns else (0, 0))
+    causal = data.draw(st.one_of(st.none(), st.integers(-3, len_k)))
+    ranges = key_ranges(5, len_k, causal, None, 2, kept)
+    for b in range(batch):
+        for qb in range(3):
+            key0, keys = ranges[b, qb].tolist()
+            for row in range(qb * 2, min(5, qb * 2 + 2)):
+                end = len_k if causal is None else max(0, min(len_k, row + causal + 1))
+                seen = any_head[b, :end].nonzero().flatten().tolist()
+                assert all(key0 <= j < key0 + keys for j in seen)
+
+
+def test_kept_keys_leave_other_shapes_alone():
+    """A mask per query row, or one broadcast along the keys (a sink's bias), narrows nothing."""
+    assert kept_keys(torch.ones(1, 1, 4, 6, dtype=torch.bool), None) is None
+    assert kept_keys(None, torch.zeros(1, 3, 1, 1)) is None
+    assert kept_keys(None, None) is None

@@ -706,3 +706,47 @@ def test_tiles_check_the_key_ranges(fault, op):
     getattr(torch.ops.attngrad_tiles, op)(**args, key_ranges=good)
     with pytest.raises(RuntimeError, match=f"attngrad_tiles.{op}: key_ranges"):
         getattr(torch.ops.attngrad_tiles, op)(**args, key_ranges=bad)
+
+
+@needs_tiles
+@pytest.mark.parametrize("is_causal", [False, True, "bottom_right"])
+def test_padding_narrows_the_tiles_and_every_derivative_holds(many_blocks, is_causal):
+    """A key padding mask with left and right padding (per batch entry) narrows every pass's
+    key ranges (block_map.kept_keys): the tiles stop where the kept keys do, the backward's
+    at the forward's width. With a full-size bias whose gradient the backward writes entry by
+    entry (the narrowed-off columns as 0): output, dq, dk, dv, dbias, a JVP and a double
+    backward equal PyTorch's math backend to 1e-12 in float64."""
+    from attngrad.torch import attention, use_implementation
+
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(2, 3, 17, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 3, 43, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    bias = torch.randn(2, 3, 17, 43, generator=g, dtype=torch.float64, requires_grad=True)
+    keep = torch.zeros(2, 1, 1, 43, dtype=torch.bool)
+    keep[0, ..., 5:31] = True
+    keep[1, ..., 22:41] = True
+    dout = torch.randn(2, 3, 17, 8, generator=g, dtype=torch.float64)
+    offset = 43 - 17 if is_causal == "bottom_right" else 0
+    allowed = keep & torch.ones(17, 43, dtype=torch.bool).tril(offset) if is_causal else keep
+    seen = allowed.any(-1, keepdim=True)  # rows that see no key: 0 in attngrad, NaN in PyTorch
+
+    def ours(q, k, v, bias):
+        with use_implementation("tiles"):
+            return attention(q, k, v, attn_mask=keep, attn_bias=bias, is_causal=is_causal)
+
+    def theirs(q, k, v, bias):
+        out = math_sdpa(q, k, v, attn_mask=bias.masked_fill(~allowed, float("-inf")))
+        return torch.where(seen, out, 0.0)
+
+    results = {}
+    for name, fn in (("ours", ours), ("theirs", theirs)):
+        out = fn(q, k, v, bias)
+        grads = torch.autograd.grad(out, (q, k, v, bias), dout, create_graph=True)
+        second = torch.autograd.grad(sum((gr * gr).sum() for gr in grads[:3]), (q, k, v))
+        tangent = torch.func.jvp(fn, (q.detach(), k.detach(), v.detach(), bias.detach()),
+                                 tuple(torch.ones_like(t) * 0.1 for t in (q, k, v, bias)))[1]
+        results[name] = dict(zip(("out", "dq", "dk", "dv", "dbias", "g_q", "g_k", "g_v", "jvp"),
+                                 (out, *grads, *second, tangent)))
+    for name in results["ours"]:
+        theirs_value = torch.nan_to_num(results["theirs"][name].detach())
+        assert rel_err(results["ours"][name].detach(), theirs_value) <= EXACT, name

@@ -211,12 +211,34 @@ def _excluded_by_structure_and_mask(len_q: int, len_k: int, causal: Optional[int
     return ~seen
 
 
-def key_ranges(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[Tensor], block_rows: int) -> Tensor:
+def kept_keys(mask: Optional[Tensor], bias: Optional[Tensor]) -> Optional[Tensor]:
+    """Where a mask or bias that is the same for every query row (a key padding mask,
+    (., ., 1, Lk)) leaves keys: (1 or B, 2) int64, [first, stop) spanning every key some
+    head keeps (first = stop = 0 where none); None where neither has that shape."""
+    kept = None
+    for t, keep in ((mask, lambda m: m), (bias, lambda b: b != float("-inf"))):
+        if t is None or t.dim() != 4 or t.shape[2] != 1 or t.shape[3] == 1:  # per row, or one for all keys
+            continue
+        cols = keep(t).any(1)[:, 0]  # (1 or B, Lk)
+        kept = cols if kept is None else kept & cols
+    if kept is None:
+        return None
+    len_k = kept.shape[-1]
+    positions = torch.arange(len_k, dtype=torch.int64)
+    first = torch.where(kept, positions, len_k).amin(-1, keepdim=True) if len_k else torch.zeros(len(kept), 1)
+    stop = torch.where(kept, positions + 1, 0).amax(-1, keepdim=True) if len_k else torch.zeros(len(kept), 1)
+    first = torch.minimum(first, stop)
+    return torch.cat([first, stop], -1).to(torch.int64)
+
+
+def key_ranges(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[Tensor], block_rows: int,
+               kept: Optional[Tensor] = None) -> Tensor:
     """The keys each query block of `block_rows` rows may see, as the compiled tiles read
     them: (1 or B, query blocks, 2) int64, contiguous, [key0, key0 + keys) per block: the
     causal prefix of its last row (`causal_keys`), narrowed by the key bounds to between the
-    smallest lower and the largest upper bound of its rows; key0 = the end where they see
-    none (keys 0). `key_range` for each block of each batch entry of the bounds, at once."""
+    smallest lower and the largest upper bound of its rows, and to the keys a padding mask
+    keeps (`kept_keys`); key0 = the end where they see none (keys 0). `key_range` for each
+    block of each batch entry of the bounds, at once."""
     n_q = -(-len_q // block_rows)
     stops = (torch.arange(1, n_q + 1, dtype=torch.int64) * block_rows).clamp(max=len_q)  # each block's r0 + rows
     end = torch.full((1, n_q), len_k, dtype=torch.int64)
@@ -230,4 +252,7 @@ def key_ranges(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[T
         hi = torch.nn.functional.pad(hi, (0, pad), value=0).view(-1, n_q, block_rows).amax(2)
         end = torch.minimum(end, hi)
         first = torch.minimum(lo, end)
+    if kept is not None:
+        end = torch.minimum(end, kept[:, 1:])
+        first = torch.minimum(torch.maximum(first, kept[:, :1]), end)
     return torch.stack([first, end - first], -1).contiguous()

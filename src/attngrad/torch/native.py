@@ -30,7 +30,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from .block_map import empty_tiles, key_ranges
+from .block_map import empty_tiles, kept_keys, key_ranges
 from .dropout import Placement, keep_value, threshold
 from .native_build import build_info, fresh_build_seconds, library
 
@@ -208,15 +208,16 @@ def _causal_key_ranges(len_q: int, len_k: int, causal: int | None, block_rows: i
     return key_ranges(len_q, len_k, causal, None, block_rows)
 
 
-def _key_ranges(q: Tensor, k: Tensor, causal: int | None, block_rows: int, masks: dict | None = None) -> Tensor:
+def _key_ranges(q: Tensor, k: Tensor, causal: int | None, block_rows: int, masks: dict, whole_rows: bool) -> Tensor:
     """The key range of each query block of `block_rows` rows the passes read
-    (`block_map.key_ranges`: (1 or B, query blocks, 2)): the causal prefix alone for the
-    forward and the backward (`masks` None; their block map skips the tiles the key bounds
-    exclude), narrowed by the key bounds in `masks` for the passes on whole rows."""
-    bounds = None if masks is None else masks.get("key_bounds")
-    if bounds is None:
+    (`block_map.key_ranges`: (1 or B, query blocks, 2)): the causal prefix, narrowed to the
+    keys a padding-shaped mask or bias keeps; for the passes on whole rows also by the key
+    bounds (the forward and the backward skip those tiles by their block map instead)."""
+    bounds = masks.get("key_bounds") if whole_rows else None
+    kept = kept_keys(masks.get("mask"), masks.get("bias"))
+    if bounds is None and kept is None:
         return _causal_key_ranges(q.shape[2], k.shape[2], causal, block_rows)
-    return key_ranges(q.shape[2], k.shape[2], causal, bounds, block_rows)
+    return key_ranges(q.shape[2], k.shape[2], causal, bounds, block_rows, kept)
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, softcap: float = 0.0,
@@ -230,7 +231,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale
     masks, block_keys = _score_masks(mask, bias, q.dtype, bounds=bounds), _block_keys(bounds)
     _ops().forward(q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum,
                    empty_tiles=_empty_tiles(q, k, masks, causal, block_keys),
-                   key_ranges=_key_ranges(q, k, causal, BLOCK_ROWS),
+                   key_ranges=_key_ranges(q, k, causal, BLOCK_ROWS, masks, False),
                    **_options(causal, scale, softcap=softcap, seed=seed, dropout_p=dropout_p, block_keys=block_keys))
     return out, row_max, inv_sum
 
@@ -310,7 +311,7 @@ def attention_backward(
     _ops().backward(q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout, delta=delta,
                     dq_parts=dq_parts, dk=dk, dv=dv, dbias_parts=dbias_parts,
                     empty_tiles=_empty_tiles(q, k, masks, causal, block_keys),
-                    key_ranges=_key_ranges(q, k, causal, BLOCK_ROWS),
+                    key_ranges=_key_ranges(q, k, causal, BLOCK_ROWS, masks, False),
                     **_options(causal, scale, chunks=chunks, seed=seed, dropout_p=dropout_p, softcap=softcap,
                                block_keys=block_keys))
     return _sum_parts(dq_parts), dk, dv, _finish_bias_grad(dbias_parts, bias)
@@ -344,7 +345,7 @@ def attention_double_backward(
     _ops().double_backward(q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout,
                            delta=q.new_empty(q.shape[:-1]), gq=gq, gk=gk, gv=gv, gbias=masks.get("gbias"),
                            g_dout=g_dout, g_q=g_q, gk_parts=gk_parts, gv_parts=gv_parts, g_bias_parts=g_bias_parts,
-                           key_ranges=_key_ranges(q, k, causal, rows, masks),
+                           key_ranges=_key_ranges(q, k, causal, rows, masks, True),
                            **_options(causal, scale, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
                                       softcap=softcap, sink=sink))
     return g_dout, g_q, _sum_parts(gk_parts), _sum_parts(gv_parts), _finish_bias_grad(g_bias_parts, bias)
@@ -370,7 +371,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Ten
     out_t = q.new_empty(*q.shape[:3], v.shape[-1])
     rows, chunks = _whole_row_split(q, k, masks, False, None)  # each work item owns its rows
     _ops().jvp(q, k, v, **_mask_args(masks), row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv,
-               tbias=masks.get("tbias"), tout=out_t, key_ranges=_key_ranges(q, k, causal, rows, masks),
+               tbias=masks.get("tbias"), tout=out_t, key_ranges=_key_ranges(q, k, causal, rows, masks, True),
                **_options(causal, scale, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
                           dropout_p=dropout_p))
     return out_t
@@ -398,7 +399,7 @@ def attention_backward_jvp(
     _ops().backward_jvp(q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout,
                         delta=q.new_empty(q.shape[:-1]), tdout=tdout, tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"),
                         tdq=tdq, tdk_parts=tdk_parts, tdv_parts=tdv_parts, tdbias_parts=tdbias_parts,
-                        key_ranges=_key_ranges(q, k, causal, rows, masks),
+                        key_ranges=_key_ranges(q, k, causal, rows, masks, True),
                         **_options(causal, scale, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
                                    softcap=softcap))
     return tdq, _sum_parts(tdk_parts), _sum_parts(tdv_parts), _finish_bias_grad(tdbias_parts, bias)

@@ -135,24 +135,31 @@ void backward(const Pass<T>& pass) {
                             continue;
                         }
                         ++computed;
+                        // the forward's tile of these rows ends where their block's keys do: the
+                        // same GEMM, so the same scores, bit for bit, as the forward's
+                        const index_t width = std::min(c0 + cols, key0 + keys) - c0;
+                        if (dbias_direct && width < cols) {
+                            dbias.zero_tile(dbias_part, b, h, r0, rows, c0 + width, cols - width);
+                        }
                         // forward: S = scale Q K_blk^T;  backward: dP = dO V_blk^T
-                        gemm<T>(false, true, rows, cols, s.dim, scale, q + first * s.dim, s.dim, k_blk, s.dim, T(0),
-                                probs.data(), cols);
-                        gemm<T>(false, true, rows, cols, s.dim_v, T(1), dout + first * s.dim_v, s.dim_v, v_blk,
-                                s.dim_v, T(0), dscores.data(), cols);
+                        gemm<T>(false, true, rows, width, s.dim, scale, q + first * s.dim, s.dim, k_blk, s.dim, T(0),
+                                probs.data(), width);
+                        gemm<T>(false, true, rows, width, s.dim_v, T(1), dout + first * s.dim_v, s.dim_v, v_blk,
+                                s.dim_v, T(0), dscores.data(), width);
                         for (index_t i = 0; i < rows; ++i) {
-                            T* p = probs.data() + i * cols;
-                            T* ds = dscores.data() + i * cols;
-                            const index_t seen = causal.visible(r0 + i, c0, cols);
+                            T* p = probs.data() + i * width;
+                            T* ds = dscores.data() + i * width;
+                            const index_t seen = causal.visible(r0 + i, c0, width);
                             const T m = row_max[first + i], inv = inv_sum[first + i];
-                            T* slope = pass.cap.c ? slopes.data() + i * cols : nullptr;
+                            T* slope = pass.cap.c ? slopes.data() + i * width : nullptr;
                             pass.score_row(p, b, h, r0 + i, c0, seen, slope);  // S = c tanh(A / c) + bias
                             if (drop.on) {  // Z drawn once for the row; dP = (dO V^T) Z
                                 std::fill(keep.begin(), keep.begin() + seen, T(1));
                                 drop.scale_row(keep.data(), b, h, r0 + i, c0, seen);
                                 for (index_t j = 0; j < seen; ++j) ds[j] *= keep[j];
                             }
-                            if (!pass.call.partial_rows && c0 == 0 && causal.visible(r0 + i, 0, s.len_k) <= cols) {
+                            const index_t row_end = std::min(causal.visible(r0 + i, 0, s.len_k), key0 + keys);
+                            if (!pass.call.partial_rows && c0 <= key0 && row_end <= c0 + width) {
                                 // every key of the row is in this block: D = rowsum(P dP) from
                                 // the very dP it is subtracted from, whose rounding then cancels
                                 // (rowsum(dO O) carries O's; few-key rows showed it in float32)
@@ -170,11 +177,11 @@ void backward(const Pass<T>& pass) {
                                 }
                             }
                             if (drop.on) for (index_t j = 0; j < seen; ++j) p[j] *= keep[j];  // P Z, for dV
-                            std::fill(p + seen, p + cols, T(0));
-                            std::fill(ds + seen, ds + cols, T(0));
+                            std::fill(p + seen, p + width, T(0));
+                            std::fill(ds + seen, ds + width, T(0));
                             // forward: S = scale Q K^T + bias  ->  dbias = dS, summed over its broadcast axes
                             if (dbias_direct) {
-                                dbias.write_row(dbias_part, ds, b, h, r0 + i, c0, cols);
+                                dbias.write_row(dbias_part, ds, b, h, r0 + i, c0, width);
                             } else if (dbias_part) {
                                 dbias.add_row(dbias_part, ds, b, h, r0 + i, c0, seen);
                             }
@@ -182,12 +189,12 @@ void backward(const Pass<T>& pass) {
                             if (slope) for (index_t j = 0; j < seen; ++j) ds[j] *= slope[j];
                         }
                         // forward: O = (P Z) V  ->  dV_blk += (P Z)^T dO
-                        gemm<T>(true, false, cols, s.dim_v, rows, T(1), probs.data(), cols, dout + first * s.dim_v,
+                        gemm<T>(true, false, width, s.dim_v, rows, T(1), probs.data(), width, dout + first * s.dim_v,
                                 s.dim_v, T(1), dv_head + c0 * s.dim_v, s.dim_v);
                         // forward: S = scale Q K^T  ->  dK_blk += scale dS^T Q,  dQ += scale dS K_blk
-                        gemm<T>(true, false, cols, s.dim, rows, scale, dscores.data(), cols, q + first * s.dim, s.dim,
+                        gemm<T>(true, false, width, s.dim, rows, scale, dscores.data(), width, q + first * s.dim, s.dim,
                                 T(1), dk_head + c0 * s.dim, s.dim);
-                        gemm<T>(false, false, rows, s.dim, cols, scale, dscores.data(), cols, k_blk, s.dim, T(1),
+                        gemm<T>(false, false, rows, s.dim, width, scale, dscores.data(), width, k_blk, s.dim, T(1),
                                 dq + first * s.dim, s.dim);
                     }
                 }

@@ -8,10 +8,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attngrad.bench.cases import IMPLEMENTATIONS, MODES, BenchCase, _attention, default_cases, make_inputs, step  # noqa: E402
+from attngrad.bench.cases import FAMILIES, IMPLEMENTATIONS, BenchCase, _attention, default_cases, make_inputs, step  # noqa: E402
 from attngrad.bench.memory import measure  # noqa: E402
 from attngrad.bench.report import COLUMNS, markdown, rows, write  # noqa: E402
-from attngrad.bench.runner import BenchReport, CaseResult, machine_facts  # noqa: E402
+from attngrad.bench.runner import PLAIN, BenchReport, CaseResult, machine_facts  # noqa: E402
 from attngrad.cli.main import main  # noqa: E402
 from attngrad.docs_page import sections  # noqa: E402
 
@@ -38,12 +38,29 @@ def test_flop_convention():
     assert BenchCase(1024, causal=True, mask="window").flops == 3.5 * 4 * 8 * (1024 * 256 - 256 * 255 / 2) * 64
     assert BenchCase(1024, mask="documents").flops == case.flops / 8
     assert BenchCase(1024, mask="padding").flops == case.flops * 3 / 4
+    # decode: one query row against every key, forward only
+    assert BenchCase(4096, batch=4, mode="decode").flops == 4 * 4 * 8 * 4096 * 64
+
+
+def test_cases_name_their_dtype_and_batch_and_each_has_its_plain_call():
+    names = {c.name for c in default_cases((64,), FAMILIES)}
+    assert {"bf16+causal", "fp16+causal", "causal+b4", "full+b4", "decode+full+b4", "jvp+causal"} <= names
+    with pytest.raises(ValueError, match="unknown dtype"):
+        BenchCase(64, dtype="int8")
+    assert BenchCase(64).reference is None and BenchCase(64, batch=4, mode="decode").reference is None
+    assert BenchCase(64, causal=True, softcap=50.0).reference == BenchCase(64, causal=True)
+    assert BenchCase(64, bias_grad=True).reference == BenchCase(64)
+    assert BenchCase(64, mode="hvp", causal=True).reference == BenchCase(64, causal=True)
+    assert BenchCase(64, causal=True, dtype="bfloat16", batch=4).reference is None
+    inputs = make_inputs(BenchCase(64, batch=4, mode="decode", dtype="bfloat16"))
+    assert inputs["q"].shape == (4, 8, 1, 64) and inputs["k"].shape == (4, 8, 64, 64)
+    assert inputs["q"].dtype == inputs["k"].dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_every_implementation_steps_on_every_case(implementation):
-    for case in default_cases((32,), MODES):
-        if implementation == "torch-default" and (case.mode != "train" or case.softcap):
+    for case in default_cases((32,), FAMILIES):
+        if implementation == "torch-default" and (case.mode not in ("train", "decode") or case.softcap):
             with pytest.raises((NotImplementedError, RuntimeError)):  # PyTorch's CPU kernel has neither
                 step(implementation, case)(make_inputs(case))
             continue
@@ -68,18 +85,20 @@ def test_report_files(tmp_path):
                    {"attngrad": {"extra_bytes": 2**20}}),
         CaseResult(BenchCase(512, causal=True), {"attngrad": 0.02, "torch-default": 0.01},
                    skipped={"torch-math": "L > 256"}),
-        CaseResult(BenchCase(512, mode="jvp"), {"attngrad": 0.02, "torch-math": 0.06},
+        CaseResult(BenchCase(512, mode="jvp"), {"attngrad": 0.02, "torch-math": 0.06, PLAIN: 0.025},
                    skipped={"torch-default": "refused: Trying to use forward AD with ..."}),
     ]
     report = BenchReport(results, 300.0, machine_facts())
     table = rows(report)
     assert len(table[0]) == len(COLUMNS) and table[0][5] == "1.25x" and table[1][4] == "skipped"
-    assert table[2][:7] == ["jvp+full", "512", "20.0", "refused", "60.0", "-", "0.33x"]
+    assert table[2][:8] == ["jvp+full", "512", "20.0", "refused", "60.0", "-", "0.33x", "0.80x"]
+    assert table[0][7] == "-"  # the plain call has no plain call to be timed against
     assert "| full | 256 |" in markdown(report)
     written = write(report, tmp_path)
     assert [p.name for p in written] == ["results.json", "results.md", "results.png"]
     data = json.loads(written[0].read_text())
     assert data["results"][0]["ratio_to_torch_default"] == pytest.approx(1.25)
+    assert data["results"][2]["ratio_to_plain"] == pytest.approx(0.8) and data["results"][0]["ratio_to_plain"] is None
     assert data["gemm_peak_gflops"] == 300.0
 
 

@@ -474,10 +474,12 @@ def test_the_aten_gemm_gives_the_blas_results(dtype):
 @needs_tiles
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_half_precision_runs_on_the_tiles_in_float32(dtype, is_causal):
-    """float16 and bfloat16 inputs: every pass on the tiles, computed in float32 and returned
-    in the inputs' dtype; the torch-ops kernels (which compute in float32 too) give the same
-    numbers up to a rounding of the half-precision results."""
+def test_half_precision_runs_on_the_tiles(dtype, is_causal):
+    """float16 and bfloat16 inputs: every pass on the tiles, returned in the inputs' dtype
+    (float16 computed in float32; bfloat16's GEMMs multiply bfloat16 operands, P and dS
+    rounded to bfloat16 as PyTorch's kernels round them, with float32 sums); the torch-ops
+    kernels (float32 throughout) give the same numbers up to about a rounding of the
+    half-precision results."""
     from attngrad.torch import attention, ran, use_implementation
 
     g = torch.Generator().manual_seed(4)
@@ -750,3 +752,37 @@ def test_padding_narrows_the_tiles_and_every_derivative_holds(many_blocks, is_ca
     for name in results["ours"]:
         theirs_value = torch.nan_to_num(results["theirs"][name].detach())
         assert rel_err(results["ours"][name].detach(), theirs_value) <= EXACT, name
+
+
+@needs_tiles
+@pytest.mark.parametrize("is_causal", [None, 0])
+def test_bfloat16_products_on_either_gemm_path(is_causal):
+    """bfloat16 inputs multiply in bfloat16: the float32 results of MKL's bfloat16 GEMM and of
+    the fallback (the same rounded operands through the float32 GEMM) differ from a
+    float32-product computation by about bfloat16's rounding of P and dS (more than float32's,
+    less than bfloat16's eps), and from each other by far less (their scores differ in the
+    last float32 bit, which moves a few entries of P to the next bfloat16: 1.6e-4 measured)."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v, dout = (torch.randn(2, 3, 150, 32, generator=g).bfloat16() for _ in range(4))
+
+    def passes(*inputs):
+        out, row_max, inv_sum = native.attention_forward(*inputs[:3], is_causal, 0.2)
+        return (out, *native.attention_backward(inputs[3], *inputs[:3], out, row_max, inv_sum, is_causal, 0.2)[:3])
+
+    before = torch.ops.attngrad_tiles.gemm_path(-1)
+    try:
+        results = {}
+        for path in (0, 1):  # 0: the BLAS (MKL's bfloat16 GEMM where it has one), 1: ATen's float32 GEMM
+            try:
+                torch.ops.attngrad_tiles.gemm_path(path)
+            except RuntimeError:  # no BLAS in this process
+                continue
+            results[path] = passes(q, k, v, dout)
+    finally:
+        torch.ops.attngrad_tiles.gemm_path(before)
+    float_products = passes(*(t.float() for t in (q, k, v, dout)))
+    for i, ours in enumerate(results[1]):
+        assert ours.dtype == torch.float32
+        if 0 in results:
+            assert rel_err(results[0][i], ours) < torch.finfo(torch.bfloat16).eps / 8, i
+        assert 1e-5 < rel_err(ours, float_products[i]) < torch.finfo(torch.bfloat16).eps, i

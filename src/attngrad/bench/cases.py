@@ -1,14 +1,19 @@
 """What `attngrad bench` measures: the cases, the implementations, the FLOP convention.
 
-Four modes, each one step of an attention call on (B, H, L, d) float32 q, k, v:
+Five modes, each one step of an attention call on (B, H, L, d) q, k, v (float32 unless a
+case names bf16 or fp16):
     train            forward + backward
     jvp              forward + the tangent of the output (torch.func.jvp), tangents of q, k, v
     double-backward  forward, backward with create_graph=True, then the backward of
                      <c, (dq, dk, dv)> for random c: what a gradient penalty or MAML runs
     hvp              forward over reverse: torch.func.jvp of torch.func.grad of <dO, out>,
                      the Hessian-vector product for tangents of q, k, v
+    decode           the forward of one query row against L keys, without gradient (a
+                     generation step over a cache of L)
 PyTorch's default CPU backend refuses jvp, double backward and hvp; the runner records
-its error in the table instead of a time.
+its error in the table instead of a time. `--modes` picks families of cases (FAMILIES):
+the modes, and "half" (bfloat16 and float16 causal fwd+bwd), "small" (fwd+bwd at B=4,
+for short L) and "decode" (B=4).
 """
 
 from __future__ import annotations
@@ -26,19 +31,21 @@ IMPLEMENTATIONS = ("attngrad", "torch-default", "torch-math")
 MASKS = ("", "padding", "float-mask", "padding-lengths", "window", "documents")
 WINDOW = 256
 DOCUMENTS = 8
-MODES = ("train", "jvp", "double-backward", "hvp")
+MODES = ("train", "jvp", "double-backward", "hvp", "decode")
+FAMILIES = ("train", "jvp", "double-backward", "hvp", "half", "small", "decode")  # what --modes picks
+DTYPES = {"float32": "", "bfloat16": "bf16", "float16": "fp16"}  # the dtype's prefix in a case's name
 # GEMM work of each mode in units of one forward's 4 B H L^2 d (FlashAttention's convention
 # counts the backward as 2.5 forwards). jvp: the forward, then S' (2 products), P' V~ and
 # P V~': 1 + 2. double backward: 1 + 2.5, then S, T (2 products), dP, dO gV^T, g_V, two
 # each for g_Q and g_K: 5 more (dO is a constant here, so g_dO's two products are not run).
 # hvp: the jvp's 3 and the backward's 2.5, then the tangents' own products: S' and dP' (two
 # each), dV', dQ', dK' (two each): 5 more.
-WORK = {"train": 3.5, "jvp": 3.0, "double-backward": 8.5, "hvp": 10.5}
+WORK = {"train": 3.5, "jvp": 3.0, "double-backward": 8.5, "hvp": 10.5, "decode": 1.0}
 
 
 @dataclass(frozen=True)
 class BenchCase:
-    """One step of one attention call: (B, H, L, d) float32 q, k, v."""
+    """One step of one attention call: (B, H, L, d) q, k, v ((B, H, 1, d) q in decode)."""
 
     length: int
     causal: bool = False
@@ -50,10 +57,13 @@ class BenchCase:
     heads: int = 8
     dim: int = 64
     mode: str = "train"
+    dtype: str = "float32"  # one of DTYPES
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose from {MODES}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose from {tuple(DTYPES)}")
         if self.mask not in MASKS:
             raise ValueError(f"unknown mask {self.mask!r}; choose from {MASKS}")
         if self.mask == "window" and not self.causal:
@@ -62,7 +72,10 @@ class BenchCase:
     @property
     def name(self) -> str:
         parts = [] if self.mode == "train" else [self.mode]
+        parts += [DTYPES[self.dtype]] if DTYPES[self.dtype] else []
         parts.append("causal" if self.causal else "full")
+        if self.batch != 1:
+            parts.append(f"b{self.batch}")
         if self.bias_grad:
             parts.append("bias-grad")
         if self.mask:
@@ -88,13 +101,26 @@ class BenchCase:
             scores = length * length / DOCUMENTS
         else:
             scores = length * length / (2.0 if self.causal else 1.0)
+        if self.mode == "decode":  # one query row sees every key
+            scores = length
         return WORK[self.mode] * 4.0 * self.batch * self.heads * scores * self.dim
+
+    @property
+    def reference(self) -> BenchCase | None:
+        """attngrad's plain call this case is timed against ('over plain'): fwd+bwd with no
+        mask, bias, dropout or cap, at the same L, causality, dtype and batch; None for the
+        plain call itself and for decode."""
+        if self.mode == "decode":
+            return None
+        plain = BenchCase(self.length, causal=self.causal, batch=self.batch, heads=self.heads, dim=self.dim,
+                          dtype=self.dtype)
+        return None if plain == self else plain
 
     @property
     def outputs(self) -> int:
         """How many (B, H, L, d) tensors the step must return: its memory floor."""
         # out + dq, dk, dv / out, out' / + the 3 second-order results / dq, dk, dv and their tangents
-        return {"train": 4, "jvp": 2, "double-backward": 7, "hvp": 6}[self.mode]
+        return {"train": 4, "jvp": 2, "double-backward": 7, "hvp": 6, "decode": 0}[self.mode]
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "name": self.name}
@@ -118,6 +144,12 @@ def default_cases(lengths: tuple[int, ...], modes: tuple[str, ...] = ("train",))
                     BenchCase(length, mask="documents"),
                     BenchCase(length, causal=True, softcap=50.0),
                 ]
+            elif mode == "half":
+                cases += [BenchCase(length, causal=True, dtype="bfloat16"), BenchCase(length, causal=True, dtype="float16")]
+            elif mode == "small":
+                cases += [BenchCase(length, causal=True, batch=4), BenchCase(length, batch=4)]
+            elif mode == "decode":
+                cases += [BenchCase(length, batch=4, mode="decode")]
             else:
                 cases += [BenchCase(length, mode=mode), BenchCase(length, causal=True, mode=mode)]
     return cases
@@ -131,8 +163,11 @@ def make_inputs(case: BenchCase, seed: int = 0) -> dict[str, Any]:
     shape = (case.batch, case.heads, case.length, case.dim)
     names = {"train": ("q", "k", "v", "dout"), "jvp": ("q", "k", "v", "tq", "tk", "tv"),
              "double-backward": ("q", "k", "v", "dout", "cq", "ck", "cv"),
-             "hvp": ("q", "k", "v", "dout", "tq", "tk", "tv")}[case.mode]
-    tensors = {name: torch.randn(shape, generator=g) for name in names}
+             "hvp": ("q", "k", "v", "dout", "tq", "tk", "tv"), "decode": ("q", "k", "v")}[case.mode]
+    dtype = getattr(torch, case.dtype)
+    tensors = {name: torch.randn(shape, generator=g).to(dtype) for name in names}
+    if case.mode == "decode":  # one query row
+        tensors["q"] = tensors["q"][:, :, -1:].contiguous()
     if case.bias_grad:
         tensors["bias"] = torch.randn(case.heads, case.length, case.length, generator=g)
     if case.mask:
@@ -234,6 +269,10 @@ def step(implementation: str, case: BenchCase) -> Callable[[dict[str, Any]], Non
 
     def run(inputs: dict[str, Any]) -> None:
         primals, tangents = tuple(inputs[n] for n in ("q", "k", "v")), tuple(inputs.get(n) for n in ("tq", "tk", "tv"))
+        if case.mode == "decode":
+            with torch.no_grad():
+                forward(*primals)
+            return
         if case.mode == "jvp":
             torch.func.jvp(forward, primals, tangents)
             return

@@ -62,7 +62,7 @@ def measure_here(implementation: str, case: BenchCase) -> dict[str, Any]:
     baseline = reset_peak()
     step(implementation, case)(inputs)
     growth = peak_rss_bytes() - baseline
-    element = 4  # float32
+    element = {"float32": 4, "bfloat16": 2, "float16": 2}[case.dtype]
     required = element * case.batch * case.heads * case.length * case.dim * case.outputs
     if case.bias_grad:
         required += element * case.heads * case.length * case.length  # dbias

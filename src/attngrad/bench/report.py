@@ -9,7 +9,7 @@ from .cases import IMPLEMENTATIONS
 from .runner import BenchReport, CaseResult
 
 # ours = attngrad; default / math = PyTorch's default and math SDPA backends
-COLUMNS = ("case", "L", "ours ms", "default ms", "math ms", "vs default", "vs math",
+COLUMNS = ("case", "L", "ours ms", "default ms", "math ms", "vs default", "vs math", "over plain",
            "ours GFLOP/s", "% peak", "ours MiB", "default MiB", "math MiB", "ours ran")
 RAN_SHORT = {"tiles": "tiles", "torch-ops": "ops"}
 
@@ -32,11 +32,12 @@ def rows(report: BenchReport) -> list[list[str]]:
     out = []
     for r in report.results:
         ms = {impl: (f"{r.seconds[impl] * 1e3:.1f}" if impl in r.seconds else _absent(r, impl)) for impl in IMPLEMENTATIONS}
-        vs_default, vs_math = r.ratio("torch-default"), r.ratio("torch-math")
+        vs_default, vs_math, over_plain = r.ratio("torch-default"), r.ratio("torch-math"), r.over_plain()
         gflops = r.gflops("attngrad")
         out.append([
             r.case.name, str(r.case.length), ms["attngrad"], ms["torch-default"], ms["torch-math"],
             "-" if vs_default is None else f"{vs_default:.2f}x", "-" if vs_math is None else f"{vs_math:.2f}x",
+            "-" if over_plain is None else f"{over_plain:.2f}x",
             "-" if gflops is None else f"{gflops:.0f}", "-" if gflops is None else f"{100 * gflops / report.gemm_peak_gflops:.0f}%",
             _mib(r, "attngrad"), _mib(r, "torch-default"), _mib(r, "torch-math"),
             "+".join(dict.fromkeys(RAN_SHORT[choice] for choice in r.ran.values())) or "-",
@@ -47,13 +48,17 @@ def rows(report: BenchReport) -> list[list[str]]:
 def markdown(report: BenchReport) -> str:
     m = report.machine
     lines = [
-        f"float32, B=1, H=8, d=64; {m['date']}; {m['processor']}, {m['threads']} threads, torch {m['torch']}; "
+        f"float32 unless named bf16 or fp16, B=1 unless named b4, H=8, d=64; {m['date']}; {m['processor']}, "
+        f"{m['threads']} threads, torch {m['torch']}; "
         f"float32 GEMM peak {report.gemm_peak_gflops:.0f} GFLOP/s (2048x2048, same run). Times are medians of "
         "interleaved runs; ours = attngrad, default / math = PyTorch's default and math SDPA backends; 'vs' is our "
-        "time over theirs (below 1 is faster); % peak is our GFLOP/s (FlashAttention's convention) over the GEMM "
+        "time over theirs (below 1 is faster); 'over plain' is our time over our own fwd+bwd call without mask, "
+        "bias, dropout or cap at the same L, causality, dtype and batch, timed in the same interleaving; "
+        "% peak is our GFLOP/s (FlashAttention's convention) over the GEMM "
         "peak; MiB is peak memory beyond inputs, outputs and gradients, each case in a fresh process; 'ours ran' is the implementation of attngrad's passes (compiled tiles, torch-ops kernels). Cases are "
         "fwd+bwd unless named jvp (forward and output tangent), double-backward (forward, backward with "
-        "create_graph, backward again) or hvp (forward over reverse: the JVP of the gradient); 'refused' means "
+        "create_graph, backward again), hvp (forward over reverse: the JVP of the gradient) or decode (the "
+        "forward of one query row against L keys, no gradient); 'refused' means "
         "the backend raised (PyTorch's default CPU kernel has neither forward mode nor a second derivative).",
         "",
         f"attngrad: {m.get('attngrad_tiles', 'torch-ops kernels')}.",
@@ -158,7 +163,7 @@ def plot(report: BenchReport, path: Path) -> Path:
     for row in axes:
         row[0].set_ylabel("ms per step")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"float32 CPU, {report.machine['processor']}, {report.machine['date']}", fontsize=10)
+    fig.suptitle(f"CPU, {report.machine['processor']}, {report.machine['date']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -19,6 +19,8 @@ from ..machine import cpu_name
 from .cases import IMPLEMENTATIONS, BenchCase, make_inputs, step
 from .memory import measure
 
+PLAIN = "attngrad-plain"  # attngrad on the case's reference, timed beside it
+
 
 def gemm_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
     """float32 matmul throughput of this machine, best of `repeats` (2 n^3 flops each)."""
@@ -43,6 +45,12 @@ class CaseResult:
     memory: dict[str, dict[str, Any]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)  # implementation -> why
     ran: dict[str, str] = field(default_factory=dict)  # attngrad's pass -> implementation that ran it
+
+    def over_plain(self) -> float | None:
+        """Our time over our plain call's (`BenchCase.reference`), timed interleaved with it."""
+        if "attngrad" in self.seconds and PLAIN in self.seconds:
+            return self.seconds["attngrad"] / self.seconds[PLAIN]
+        return None
 
     def ratio(self, other: str) -> float | None:
         if "attngrad" in self.seconds and other in self.seconds:
@@ -72,6 +80,8 @@ class BenchReport:
                     "gflops": {impl: r.gflops(impl) for impl in r.seconds},
                     "ratio_to_torch_default": r.ratio("torch-default"),
                     "ratio_to_torch_math": r.ratio("torch-math"),
+                    "ratio_to_plain": r.over_plain(),
+                    "plain": None if r.case.reference is None else r.case.reference.as_dict(),
                     "memory": r.memory,
                     "skipped": r.skipped,
                     "attngrad_ran": r.ran,
@@ -119,6 +129,11 @@ def run_bench(
             progress(f"{case.name} L={case.length}: timing")
         inputs = make_inputs(case)
         runs = {impl: step(impl, case) for impl in implementations}
+        reference = case.reference
+        if reference is not None:  # our plain call of the same L, in the same interleaving
+            plain_inputs = make_inputs(reference)
+            plain_step = step("attngrad", reference)
+            runs[PLAIN] = lambda _inputs: plain_step(plain_inputs)
         ran.clear()  # what attngrad's warm-up run takes, per pass
         for impl in list(implementations):  # warm-up: first-call costs are not the steady state
             try:
@@ -129,13 +144,16 @@ def run_bench(
                 implementations.remove(impl)
                 result.skipped[impl] = "refused: " + (str(error).strip().splitlines() or [type(error).__name__])[0]
         result.ran = {pass_name: choice for pass_name, choice in sorted(ran)}
+        if reference is not None:
+            runs[PLAIN](inputs)  # its warm-up
+            implementations.append(PLAIN)
         samples: dict[str, list[float]] = {impl: [] for impl in implementations}
         for _ in range(repeats):
             for impl in implementations:  # interleaved, so drift hits all alike
                 samples[impl].append(_timed(lambda: runs[impl](inputs)))
         result.seconds = {impl: statistics.median(s) for impl, s in samples.items()}
         if memory:
-            for impl in implementations:
+            for impl in (i for i in implementations if i != PLAIN):
                 if progress:
                     progress(f"{case.name} L={case.length}: memory of {impl}")
                 result.memory[impl] = measure(impl, case)

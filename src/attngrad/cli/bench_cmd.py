@@ -7,13 +7,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..bench.cases import MODES
+from ..bench.cases import FAMILIES
 from .arg_types import positive_int
 
 # The terminal shows the report's columns as two tables, times and memory, so that each
 # fits 100 columns; results.md keeps them in one.
-TIME_COLUMNS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
-MEMORY_COLUMNS = (0, 1, 9, 10, 11, 12)
+TIME_COLUMNS = (0, 1, 2, 3, 4, 5, 6, 7, 9)
+MEMORY_COLUMNS = (0, 1, 10, 11, 12, 13)
 QUICK_LENGTHS, QUICK_REPEATS = (128, 256), 3
 DEFAULT_LENGTHS, DISTRIBUTED_LENGTH = (1024, 2048, 4096), 8192
 DOCS_PAGE = Path("docs/bench.md")
@@ -28,10 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", type=positive_int, nargs="+", default=None, metavar="L",
                         help=f"sequence lengths (default: {' '.join(map(str, DEFAULT_LENGTHS))}; "
                         f"{DISTRIBUTED_LENGTH} with --distributed)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=["train"], metavar="MODE",
-                        help=f"what to time: {', '.join(MODES)} (fwd+bwd; forward mode; backward of a backward; "
-                        "forward over reverse) "
-                        "(default: train)")
+    parser.add_argument("--modes", nargs="+", choices=FAMILIES, default=["train"], metavar="MODE",
+                        help=f"what to time: {', '.join(FAMILIES)} (fwd+bwd with every mask; forward mode; backward "
+                        "of a backward; forward over reverse; bfloat16 and float16 causal fwd+bwd; fwd+bwd at B=4; "
+                        "one query row against L keys at B=4, no gradient) (default: train)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per implementation, median taken (default %(default)s)")
     parser.add_argument("--max-math-length", type=int, default=4096,
                         help="skip PyTorch's O(L^2) math backend above this length (default %(default)s)")
@@ -78,10 +78,11 @@ def run(args: argparse.Namespace) -> int:
                            progress=lambda text: progress.update(task, description=text))
     console = Console(width=None if sys.stdout.isatty() else 100)
     table_rows = rows(report)
-    title = f"attngrad bench: float32, B=1 H=8 d=64; GEMM peak {report.gemm_peak_gflops:.0f} GFLOP/s"
+    title = (f"attngrad bench: float32 unless named bf16 or fp16, B=1 unless named b4, H=8 d=64; GEMM peak "
+             f"{report.gemm_peak_gflops:.0f} GFLOP/s")
     tables = [(title, TIME_COLUMNS)]
     tables.append(("peak memory beyond inputs, outputs and gradients; the implementation that ran ours",
-                   MEMORY_COLUMNS if not args.no_memory else (0, 1, 12)))
+                   MEMORY_COLUMNS if not args.no_memory else (0, 1, 13)))
     for caption, columns in tables:
         table = Table(title=caption)
         for index in columns:  # a case name may wrap; the figures never do

@@ -1,8 +1,8 @@
 """The compiled tiles (`csrc/`, the ops `torch.ops.attngrad_tiles.*`): every pass of
 attention (forward, backward, JVP, the backward's JVP, double backward) with the causal
 diagonal, a boolean mask, a float bias and its gradient, key bounds (the structured masks),
-a soft cap, dropout and GQA; float32 or float64 (float16 and bfloat16 computed in float32),
-on the CPU; and the dropout keep-masks of `dropout` for the torch-ops kernels.
+a soft cap, dropout and GQA; float32 or float64 (float16 computed in float32, bfloat16's
+products in bfloat16 with float32 sums and softmax statistics), on the CPU; and the dropout keep-masks of `dropout` for the torch-ops kernels.
 
 The torch-ops kernels (`kernels`) run any case on any device, but each of their passes is a
 separate sweep over a score tile too large for the cache. The compiled tiles fuse those
@@ -83,7 +83,7 @@ def _ops():
 
 def _options(causal: int | None, scale: float, *, block_rows: int = 0, chunks: int = 1,
              seed: int | Placement = 0, dropout_p: float = 0.0, block_keys: int = 0, softcap: float = 0.0,
-             sink: bool = False) -> dict:
+             sink: bool = False, bf16: bool = False) -> dict:
     """The options every op takes (ATTNGRAD_OPTIONS_SCHEMA in csrc/ops.cpp): the causal
     diagonal (None: none), the dropout's placement and draws, the blocks, read now (tests
     set BLOCK_ROWS, BLOCK_KEYS and VALUE_SLICE)."""
@@ -94,7 +94,7 @@ def _options(causal: int | None, scale: float, *, block_rows: int = 0, chunks: i
                 threshold=threshold(dropout_p), keep_value=keep_value(dropout_p), row_offset=key.row_offset,
                 key_offset=key.key_offset, head_offset=key.head_offset, partial_rows=bool(key.partial_rows),
                 sink=bool(sink), block_rows=block_rows or BLOCK_ROWS, block_keys=block_keys or BLOCK_KEYS,
-                value_slice=VALUE_SLICE, chunks=chunks)
+                value_slice=VALUE_SLICE, chunks=chunks, bf16_products=bf16)
 
 
 def _bias_grad_parts(bias_sizes: tuple, chunks: int, whole_rows: bool) -> int:
@@ -117,6 +117,13 @@ def _bias_grad_buffer(masks: dict, wanted: bool, chunks: int, whole_rows: bool, 
 
 def _finish_bias_grad(parts: Tensor | None, bias: Tensor | None) -> Tensor | None:
     return None if parts is None else _sum_parts(parts).view(bias.shape)
+
+
+def _bf16(q: Tensor) -> bool:
+    """Whether a pass's GEMMs multiply in bfloat16 (float32 sums): for bfloat16 inputs, as
+    PyTorch's own kernels do; float16 inputs are computed in float32 (MKL's float16 GEMM is
+    no faster than its float32 one on the CPUs here)."""
+    return q.dtype == torch.bfloat16
 
 
 def _work(*tensors: Tensor | None) -> list:
@@ -224,6 +231,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale
                       mask: Tensor | None = None, bias: Tensor | None = None, seed: int | Placement = 0,
                       dropout_p: float = 0.0, bounds: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, H, Lq, dv), row max m, inverse row sum 1/l (B, H, Lq)): `kernels.attention_forward`'s results."""
+    bf16 = _bf16(q)
     q, k, v = _work(q, k, v)
     batch, heads, len_q, _ = q.shape
     out = q.new_empty(batch, heads, len_q, v.shape[-1])
@@ -232,7 +240,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale
     _ops().forward(q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum,
                    empty_tiles=_empty_tiles(q, k, masks, causal, block_keys),
                    key_ranges=_key_ranges(q, k, causal, BLOCK_ROWS, masks, False),
-                   **_options(causal, scale, softcap=softcap, seed=seed, dropout_p=dropout_p, block_keys=block_keys))
+                   **_options(causal, scale, bf16=bf16, softcap=softcap, seed=seed, dropout_p=dropout_p,
+                            block_keys=block_keys))
     return out, row_max, inv_sum
 
 
@@ -299,6 +308,7 @@ def attention_backward(
     """(dq, dk, dv, dbias or None): `kernels.attention_backward`'s results for the cases
     the tiles backend takes; dbias in the bias's shape and the compute dtype. `chunks` splits
     each head's keys into that many work items (default: `_chunks`)."""
+    bf16 = _bf16(q)
     dout, q, k, v, out, row_max, inv_sum = _work(dout, q, k, v, out, row_max, inv_sum)
     masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad, bounds=bounds)
     block_keys = _block_keys(bounds)
@@ -312,7 +322,7 @@ def attention_backward(
                     dq_parts=dq_parts, dk=dk, dv=dv, dbias_parts=dbias_parts,
                     empty_tiles=_empty_tiles(q, k, masks, causal, block_keys),
                     key_ranges=_key_ranges(q, k, causal, BLOCK_ROWS, masks, False),
-                    **_options(causal, scale, chunks=chunks, seed=seed, dropout_p=dropout_p, softcap=softcap,
+                    **_options(causal, scale, bf16=bf16, chunks=chunks, seed=seed, dropout_p=dropout_p, softcap=softcap,
                                block_keys=block_keys))
     return _sum_parts(dq_parts), dk, dv, _finish_bias_grad(dbias_parts, bias)
 
@@ -334,6 +344,7 @@ def attention_double_backward(
     results for the cases the tiles backend takes, in the compute dtype; an absent cotangent is
     zero (`gbias`, dbias's, only with `bias_grad`). `chunks` splits each head's query blocks
     into that many work items (default: `_chunks`)."""
+    bf16 = _bf16(q)
     dout, q, k, v, out, row_max, inv_sum, gq, gk, gv = _work(dout, q, k, v, out, row_max, inv_sum, gq, gk, gv)
     masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad, bounds=bounds)
     _with_bias_like(masks, "gbias", gbias if bias_grad else None, q.dtype)
@@ -346,7 +357,7 @@ def attention_double_backward(
                            delta=q.new_empty(q.shape[:-1]), gq=gq, gk=gk, gv=gv, gbias=masks.get("gbias"),
                            g_dout=g_dout, g_q=g_q, gk_parts=gk_parts, gv_parts=gv_parts, g_bias_parts=g_bias_parts,
                            key_ranges=_key_ranges(q, k, causal, rows, masks, True),
-                           **_options(causal, scale, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
+                           **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
                                       softcap=softcap, sink=sink))
     return g_dout, g_q, _sum_parts(gk_parts), _sum_parts(gv_parts), _finish_bias_grad(g_bias_parts, bias)
 
@@ -365,6 +376,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Ten
                   dropout_p: float = 0.0, bounds: Tensor | None = None, softcap: float = 0.0) -> Tensor:
     """The output's tangent (B, H, Lq, dv): `kernels_higher.attention_jvp`'s result for the
     cases the tiles backend takes; an absent tangent is zero."""
+    bf16 = _bf16(q)
     q, k, v, row_max, inv_sum, tq, tk, tv = _work(q, k, v, row_max, inv_sum, tq, tk, tv)
     masks = _with_bias_like(_score_masks(mask, bias, q.dtype, full_bias=tbias is not None, bounds=bounds), "tbias",
                             tbias, q.dtype)
@@ -372,7 +384,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Ten
     rows, chunks = _whole_row_split(q, k, masks, False, None)  # each work item owns its rows
     _ops().jvp(q, k, v, **_mask_args(masks), row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv,
                tbias=masks.get("tbias"), tout=out_t, key_ranges=_key_ranges(q, k, causal, rows, masks, True),
-               **_options(causal, scale, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
+               **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
                           dropout_p=dropout_p))
     return out_t
 
@@ -388,6 +400,7 @@ def attention_backward_jvp(
     results for the cases the tiles backend takes, in the compute dtype; an absent tangent is
     zero. `chunks` splits each head's query blocks into that many work items (default:
     `_chunks`)."""
+    bf16 = _bf16(q)
     dout, q, k, v, out, row_max, inv_sum, tdout, tq, tk, tv = _work(dout, q, k, v, out, row_max, inv_sum, tdout, tq,
                                                                     tk, tv)
     masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad or tbias is not None, bounds=bounds)
@@ -400,6 +413,6 @@ def attention_backward_jvp(
                         delta=q.new_empty(q.shape[:-1]), tdout=tdout, tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"),
                         tdq=tdq, tdk_parts=tdk_parts, tdv_parts=tdv_parts, tdbias_parts=tdbias_parts,
                         key_ranges=_key_ranges(q, k, causal, rows, masks, True),
-                        **_options(causal, scale, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
+                        **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
                                    softcap=softcap))
     return tdq, _sum_parts(tdk_parts), _sum_parts(tdv_parts), _finish_bias_grad(tdbias_parts, bias)

@@ -35,14 +35,14 @@ const char* const kBufferNames[kBufferCount] = {
 #define ATTNGRAD_OPTIONS_SCHEMA                                                                              \
     "int? causal, float scale, float softcap, bool dropout, int seed, int threshold, float keep_value, "     \
     "int row_offset, int key_offset, int head_offset, bool partial_rows, bool sink, int block_rows, "        \
-    "int block_keys, int value_slice, int chunks"
+    "int block_keys, int value_slice, int chunks, bool bf16_products=False"
 #define ATTNGRAD_OPTIONS_PARAMS                                                                                   \
     std::optional<int64_t> causal, double scale, double softcap, bool dropout, int64_t seed, int64_t threshold,    \
         double keep_value, int64_t row_offset, int64_t key_offset, int64_t head_offset, bool partial_rows,         \
-        bool sink, int64_t block_rows, int64_t block_keys, int64_t value_slice, int64_t chunks
+        bool sink, int64_t block_rows, int64_t block_keys, int64_t value_slice, int64_t chunks, bool bf16_products
 #define ATTNGRAD_OPTIONS_ARGS                                                                                      \
     Options { causal, scale, softcap, dropout, seed, threshold, keep_value, row_offset, key_offset, head_offset,   \
-              partial_rows, sink, block_rows, block_keys, value_slice, chunks }
+              partial_rows, sink, block_rows, block_keys, value_slice, chunks, bf16_products }
 
 struct Options {
     std::optional<int64_t> causal;
@@ -53,6 +53,7 @@ struct Options {
     int64_t row_offset, key_offset, head_offset;
     bool partial_rows, sink;
     int64_t block_rows, block_keys, value_slice, chunks;
+    bool bf16_products;
 };
 
 std::vector<int64_t> sizes_of(const AttngradCall& c, std::initializer_list<int64_t> lead, const int64_t* four) {
@@ -173,6 +174,8 @@ Call make_call(const char* what, const at::Tensor& q, const at::Tensor& k, const
                 ", expected 0 to 2^31 - 1 - heads", ctx);
     TORCH_CHECK(!o.causal || (*o.causal >= -kIntMax && *o.causal <= kIntMax), what, ": causal is ", *o.causal, ctx);
     c.double_precision = out.dtype == at::kDouble;
+    TORCH_CHECK(!o.bf16_products || !c.double_precision, what, ": bf16_products needs float32 buffers", ctx);
+    c.bf16_products = o.bf16_products;
     c.causal = o.causal.has_value(), c.causal_offset = o.causal.value_or(0);
     c.scale = o.scale, c.softcap = o.softcap;
     c.dropout = o.dropout, c.seed = static_cast<uint64_t>(o.seed), c.threshold = static_cast<uint64_t>(o.threshold);

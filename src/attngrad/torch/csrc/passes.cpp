@@ -41,7 +41,7 @@ void forward(const Pass<T>& pass) {
                 ++computed;
                 const index_t cols = std::min(block_keys, keys - c0);
                 // forward: S = scale Q_blk K_blk^T
-                gemm<T>(false, true, rows, cols, s.dim, scale, q_blk, s.dim, k_head + c0 * s.dim, s.dim, T(0),
+                pass.gemm(false, true, rows, cols, s.dim, scale, q_blk, s.dim, k_head + c0 * s.dim, s.dim, T(0),
                         scores.data(), cols);
                 for (index_t i = 0; i < rows; ++i) {
                     T* row = scores.data() + i * cols;
@@ -64,7 +64,7 @@ void forward(const Pass<T>& pass) {
                 // forward: acc += E V_blk, over slices of `value_slice` keys: a float32 sum's
                 // rounding grows with its length, and blocked sums keep each part short
                 for (index_t j0 = 0; j0 < cols; j0 += value_slice) {
-                    gemm<T>(false, false, rows, s.dim_v, std::min(value_slice, cols - j0), T(1), scores.data() + j0,
+                    pass.gemm(false, false, rows, s.dim_v, std::min(value_slice, cols - j0), T(1), scores.data() + j0,
                             cols, v_head + (c0 + j0) * s.dim_v, s.dim_v, T(1), acc.data(), s.dim_v);
                 }
             }
@@ -142,9 +142,9 @@ void backward(const Pass<T>& pass) {
                             dbias.zero_tile(dbias_part, b, h, r0, rows, c0 + width, cols - width);
                         }
                         // forward: S = scale Q K_blk^T;  backward: dP = dO V_blk^T
-                        gemm<T>(false, true, rows, width, s.dim, scale, q + first * s.dim, s.dim, k_blk, s.dim, T(0),
+                        pass.gemm(false, true, rows, width, s.dim, scale, q + first * s.dim, s.dim, k_blk, s.dim, T(0),
                                 probs.data(), width);
-                        gemm<T>(false, true, rows, width, s.dim_v, T(1), dout + first * s.dim_v, s.dim_v, v_blk,
+                        pass.gemm(false, true, rows, width, s.dim_v, T(1), dout + first * s.dim_v, s.dim_v, v_blk,
                                 s.dim_v, T(0), dscores.data(), width);
                         for (index_t i = 0; i < rows; ++i) {
                             T* p = probs.data() + i * width;
@@ -189,12 +189,12 @@ void backward(const Pass<T>& pass) {
                             if (slope) for (index_t j = 0; j < seen; ++j) ds[j] *= slope[j];
                         }
                         // forward: O = (P Z) V  ->  dV_blk += (P Z)^T dO
-                        gemm<T>(true, false, width, s.dim_v, rows, T(1), probs.data(), width, dout + first * s.dim_v,
+                        pass.gemm(true, false, width, s.dim_v, rows, T(1), probs.data(), width, dout + first * s.dim_v,
                                 s.dim_v, T(1), dv_head + c0 * s.dim_v, s.dim_v);
                         // forward: S = scale Q K^T  ->  dK_blk += scale dS^T Q,  dQ += scale dS K_blk
-                        gemm<T>(true, false, width, s.dim, rows, scale, dscores.data(), width, q + first * s.dim, s.dim,
+                        pass.gemm(true, false, width, s.dim, rows, scale, dscores.data(), width, q + first * s.dim, s.dim,
                                 T(1), dk_head + c0 * s.dim, s.dim);
-                        gemm<T>(false, false, rows, s.dim, width, scale, dscores.data(), width, k_blk, s.dim, T(1),
+                        pass.gemm(false, false, rows, s.dim, width, scale, dscores.data(), width, k_blk, s.dim, T(1),
                                 dq + first * s.dim, s.dim);
                     }
                 }

@@ -53,10 +53,10 @@ void double_backward(const Pass<T>& pass) {
         T *p = scratch, *t = scratch + tile, *dp = scratch + 2 * tile, *x = scratch + 3 * tile;
         const CapRows<T> cap_rows(pass.cap, scratch, tile, 4, true);
         // S = scale Q K^T;  T = scale (gQ K^T + Q gK^T) (+ gbias by row);  dP = dO V^T;  X = dO gV^T (Z by row)
-        gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
-        products_nt(rows, keys, s.dim, scale, gq_blk, k_head, q_blk, gk_head, t);
-        gemm<T>(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, v_head, s.dim_v, T(0), dp, keys);
-        products_nt<T>(rows, keys, s.dim_v, T(1), do_blk, gv_head, nullptr, nullptr, x);
+        pass.gemm(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
+        products_nt(pass, rows, keys, s.dim, scale, gq_blk, k_head, q_blk, gk_head, t);
+        pass.gemm(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, v_head, s.dim_v, T(0), dp, keys);
+        products_nt<T>(pass, rows, keys, s.dim_v, T(1), do_blk, gv_head, nullptr, nullptr, x);
         for (index_t i = 0; i < rows; ++i) {
             T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
             const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
@@ -90,22 +90,22 @@ void double_backward(const Pass<T>& pass) {
             if (sli) Softcap<T>::back_to_raw(xi, dpi, sli, cvi, seen);
         }
         // backward: dV = (P Z)^T dO  ->  g_V += (g_dP Z)^T dO
-        gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), g_v, s.dim_v);
+        pass.gemm(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), g_v, s.dim_v);
         // backward: dP~ = (dO V^T) Z, dV = (P Z)^T dO  ->  g_dO = (g_dP Z) V + (P Z) gV
         if (g_dout) {
             T* g_do = g_dout + first * s.dim_v;
-            gemm<T>(false, false, rows, s.dim_v, keys, T(1), t, keys, v_head, s.dim_v, T(0), g_do, s.dim_v);
+            pass.gemm(false, false, rows, s.dim_v, keys, T(1), t, keys, v_head, s.dim_v, T(0), g_do, s.dim_v);
             if (gv_head) {
-                gemm<T>(false, false, rows, s.dim_v, keys, T(1), p, keys, gv_head, s.dim_v, T(1), g_do, s.dim_v);
+                pass.gemm(false, false, rows, s.dim_v, keys, T(1), p, keys, gv_head, s.dim_v, T(1), g_do, s.dim_v);
             }
         }
         // backward: dQ = scale dS K, dK = scale dS^T Q  ->  g_Q = scale (g_S K + dS gK),
         // g_K += scale (g_S^T Q + dS^T gQ)
         T* g_q_blk = g_q + first * s.dim;
-        gemm<T>(false, false, rows, s.dim, keys, scale, x, keys, k_head, s.dim, T(0), g_q_blk, s.dim);
-        if (gk_head) gemm<T>(false, false, rows, s.dim, keys, scale, dp, keys, gk_head, s.dim, T(1), g_q_blk, s.dim);
-        gemm<T>(true, false, keys, s.dim, rows, scale, x, keys, q_blk, s.dim, T(1), g_k, s.dim);
-        if (gq_blk) gemm<T>(true, false, keys, s.dim, rows, scale, dp, keys, gq_blk, s.dim, T(1), g_k, s.dim);
+        pass.gemm(false, false, rows, s.dim, keys, scale, x, keys, k_head, s.dim, T(0), g_q_blk, s.dim);
+        if (gk_head) pass.gemm(false, false, rows, s.dim, keys, scale, dp, keys, gk_head, s.dim, T(1), g_q_blk, s.dim);
+        pass.gemm(true, false, keys, s.dim, rows, scale, x, keys, q_blk, s.dim, T(1), g_k, s.dim);
+        if (gq_blk) pass.gemm(true, false, keys, s.dim, rows, scale, dp, keys, gq_blk, s.dim, T(1), g_k, s.dim);
     });
 }
 
@@ -143,8 +143,8 @@ void jvp(const Pass<T>& pass) {
         T *p = scratch, *t = scratch + tile;
         const CapRows<T> cap_rows(pass.cap, scratch, tile, 2, false);
         // forward: S = scale Q K^T + bias  ->  S' = scale (tQ K^T + Q tK^T) + tbias
-        gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
-        products_nt(rows, keys, s.dim, scale, tq_blk, k_head, q_blk, tk_head, t);
+        pass.gemm(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
+        products_nt(pass, rows, keys, s.dim, scale, tq_blk, k_head, q_blk, tk_head, t);
         for (index_t i = 0; i < rows; ++i) {
             T *pi = p + i * keys, *ti = t + i * keys;
             const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
@@ -163,8 +163,8 @@ void jvp(const Pass<T>& pass) {
             std::fill(ti + seen, ti + keys, T(0));
         }
         // forward: O = (P Z) V  ->  O' = (P' Z) V + (P Z) tV
-        gemm<T>(false, false, rows, s.dim_v, keys, T(1), t, keys, v_head, s.dim_v, T(0), o_t, s.dim_v);
-        if (tv_head) gemm<T>(false, false, rows, s.dim_v, keys, T(1), p, keys, tv_head, s.dim_v, T(1), o_t, s.dim_v);
+        pass.gemm(false, false, rows, s.dim_v, keys, T(1), t, keys, v_head, s.dim_v, T(0), o_t, s.dim_v);
+        if (tv_head) pass.gemm(false, false, rows, s.dim_v, keys, T(1), p, keys, tv_head, s.dim_v, T(1), o_t, s.dim_v);
     });
 }
 
@@ -217,11 +217,11 @@ void backward_jvp(const Pass<T>& pass) {
         T *p = scratch, *t = scratch + tile, *dp = scratch + 2 * tile, *x = scratch + 3 * tile;
         const CapRows<T> cap_rows(pass.cap, scratch, tile, 4, true);
         // forward: S = scale Q K^T + bias  ->  S' = scale (tQ K^T + Q tK^T) + tbias
-        gemm<T>(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
-        products_nt(rows, keys, s.dim, scale, tq_blk, k_head, q_blk, tk_head, t);
+        pass.gemm(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
+        products_nt(pass, rows, keys, s.dim, scale, tq_blk, k_head, q_blk, tk_head, t);
         // backward: dP = dO V^T  ->  dP' = tdO V^T + dO tV^T
-        gemm<T>(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, v_head, s.dim_v, T(0), dp, keys);
-        products_nt(rows, keys, s.dim_v, T(1), tdo_blk, v_head, do_blk, tv_head, x);
+        pass.gemm(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, v_head, s.dim_v, T(0), dp, keys);
+        products_nt(pass, rows, keys, s.dim_v, T(1), tdo_blk, v_head, do_blk, tv_head, x);
         for (index_t i = 0; i < rows; ++i) {
             T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
             const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
@@ -251,14 +251,14 @@ void backward_jvp(const Pass<T>& pass) {
             if (sli) Softcap<T>::back_to_raw(xi, dpi, sli, cvi, seen);
         }
         // backward: dV = (P Z)^T dO  ->  dV' += (P' Z)^T dO + (P Z)^T tdO
-        gemm<T>(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), dv_t, s.dim_v);
-        if (tdo_blk) gemm<T>(true, false, keys, s.dim_v, rows, T(1), p, keys, tdo_blk, s.dim_v, T(1), dv_t, s.dim_v);
+        pass.gemm(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), dv_t, s.dim_v);
+        if (tdo_blk) pass.gemm(true, false, keys, s.dim_v, rows, T(1), p, keys, tdo_blk, s.dim_v, T(1), dv_t, s.dim_v);
         // backward: dQ = scale dS K, dK = scale dS^T Q  ->  dQ' = scale (dS' K + dS tK),
         // dK' += scale (dS'^T Q + dS^T tQ)
-        gemm<T>(false, false, rows, s.dim, keys, scale, x, keys, k_head, s.dim, T(0), dq_t, s.dim);
-        if (tk_head) gemm<T>(false, false, rows, s.dim, keys, scale, dp, keys, tk_head, s.dim, T(1), dq_t, s.dim);
-        gemm<T>(true, false, keys, s.dim, rows, scale, x, keys, q_blk, s.dim, T(1), dk_t, s.dim);
-        if (tq_blk) gemm<T>(true, false, keys, s.dim, rows, scale, dp, keys, tq_blk, s.dim, T(1), dk_t, s.dim);
+        pass.gemm(false, false, rows, s.dim, keys, scale, x, keys, k_head, s.dim, T(0), dq_t, s.dim);
+        if (tk_head) pass.gemm(false, false, rows, s.dim, keys, scale, dp, keys, tk_head, s.dim, T(1), dq_t, s.dim);
+        pass.gemm(true, false, keys, s.dim, rows, scale, x, keys, q_blk, s.dim, T(1), dk_t, s.dim);
+        if (tq_blk) pass.gemm(true, false, keys, s.dim, rows, scale, dp, keys, tq_blk, s.dim, T(1), dk_t, s.dim);
     });
 }
 

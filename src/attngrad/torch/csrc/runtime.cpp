@@ -18,6 +18,13 @@
 #include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/from_blob.h>
 
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 #include "tiles.h"
 
 extern "C" {
@@ -27,6 +34,10 @@ void sgemm_(const char*, const char*, const int*, const int*, const int*, const 
 void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*, const int*,
             const double*, const int*, const double*, double*, const int*) __attribute__((weak));
 int MKL_Set_Num_Threads_Local(int) __attribute__((weak));  // MKL's C interface (its lowercase name is the Fortran one)
+// MKL's bfloat16 GEMM (bf16 x bf16 products, float32 sums and C): on the matrix units (AMX) or
+// AVX512-BF16 where the CPU has them. Layout and transposes are CBLAS's enums (ints).
+void cblas_gemm_bf16bf16f32(int layout, int trans_a, int trans_b, int m, int n, int k, float alpha, const uint16_t* a,
+                            int lda, const uint16_t* b, int ldb, float beta, float* c, int ldc) __attribute__((weak));
 }
 
 namespace attngrad_tiles {
@@ -114,6 +125,75 @@ void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, float alp
 void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, double alpha, const double* a, index_t lda,
           const double* b, index_t ldb, double beta, double* c, index_t ldc) {
     any_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+bool bf16_blas_available() { return cblas_gemm_bf16bf16f32 != nullptr; }
+
+namespace {
+
+// float -> bfloat16, rounded to nearest even (NaN stays NaN): as c10::BFloat16 rounds.
+// Branch-free, so that the loops below vectorise (AVX512-BF16's vcvtneps2bf16 rounds alike).
+inline uint16_t to_bf16(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    const uint32_t even = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (u >> 16) | 0x40u;
+    return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : even);
+}
+
+// x[0, n) as bfloat16 into out
+inline void round_row(const float* x, index_t n, uint16_t* out) {
+    index_t j = 0;
+#if defined(__AVX512BF16__)
+    for (; j + 16 <= n; j += 16) {
+        const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + j));
+        std::memcpy(out + j, &h, sizeof h);
+    }
+#endif
+    for (; j < n; ++j) out[j] = to_bf16(x[j]);
+}
+
+// The stored rows x cols of a (leading dimension ld) as bfloat16, contiguous
+const uint16_t* rounded(const float* a, index_t rows, index_t cols, index_t ld, std::vector<uint16_t>& buffer) {
+    buffer.resize(rows * cols);
+    for (index_t r = 0; r < rows; ++r) round_row(a + r * ld, cols, buffer.data() + r * cols);
+    return buffer.data();
+}
+
+// The same rounded values, as float32 again (the fallback's operands)
+const float* rounded_float(const uint16_t* a, index_t count, std::vector<float>& buffer) {
+    buffer.resize(count);
+    for (index_t i = 0; i < count; ++i) {
+        const uint32_t u = static_cast<uint32_t>(a[i]) << 16;
+        std::memcpy(&buffer[i], &u, sizeof(float));
+    }
+    return buffer.data();
+}
+
+}  // namespace
+
+void gemm_bf16(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, float alpha, const float* a, index_t lda,
+               const float* b, index_t ldb, float beta, float* c, index_t ldc) {
+    if (m == 0 || n == 0) return;
+    // per thread: the operands rounded to bfloat16, contiguous (op(A) stored m x k or k x m)
+    thread_local std::vector<uint16_t> a16, b16;
+    const index_t a_rows = trans_a ? k : m, a_cols = trans_a ? m : k;
+    const index_t b_rows = trans_b ? n : k, b_cols = trans_b ? k : n;
+    const uint16_t* a_bf = rounded(a, a_rows, a_cols, lda, a16);
+    const uint16_t* b_bf = rounded(b, b_rows, b_cols, ldb, b16);
+    if (cblas_gemm_bf16bf16f32 && !use_aten_gemm.load(std::memory_order_relaxed)) {
+        constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+        cblas_gemm_bf16bf16f32(kRowMajor, trans_a ? kTrans : kNoTrans, trans_b ? kTrans : kNoTrans,
+                               static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, a_bf,
+                               static_cast<int>(a_cols), b_bf, static_cast<int>(b_cols), beta, c,
+                               static_cast<int>(ldc));
+        return;
+    }
+    // no bfloat16 GEMM here: the same rounded operands multiplied in float32 (exact products,
+    // float32 sums, in the float32 GEMM's order)
+    thread_local std::vector<float> a32, b32;
+    gemm(trans_a, trans_b, m, n, k, alpha, rounded_float(a_bf, a_rows * a_cols, a32), a_cols,
+         rounded_float(b_bf, b_rows * b_cols, b32), b_cols, beta, c, ldc);
 }
 
 index_t ItemSource::next() const {

@@ -99,6 +99,8 @@ struct AttngradCall {
                                          // rows, keys and heads sit in the whole: the draws' coordinates
     bool partial_rows = false;  // the keys are a part of each row's (a ring step): no whole-row sums
     bool sink = false;          // each row's softmax has one more term, exp(0), of a key with value 0
+    bool bf16_products = false;  // float32 buffers of bfloat16 inputs: every GEMM multiplies its operands rounded
+                                 // to bfloat16 (gemm_bf16), as the inputs' own type, with float32 sums
     int64_t block_rows = 1, block_keys = 1, value_slice = 1;  // query rows and keys of a tile; keys per E V product
     int64_t chunks = 1;                                       // work items per (b, key/value head)
     void* data[kBufferCount] = {};
@@ -116,6 +118,12 @@ inline void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T 
                  const T* b, index_t ldb, T beta, T* c, index_t ldc) {
     gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
+
+// The same with A and B rounded to bfloat16 first, multiplied by MKL's bfloat16 GEMM (the
+// matrix units where the CPU has them), sums in float32; where there is none (or ATen's path
+// is chosen), the rounded operands go through the float32 GEMM: the same products.
+void gemm_bf16(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, float alpha, const float* a, index_t lda,
+               const float* b, index_t ldb, float beta, float* c, index_t ldc);
 
 // Hands out work items 0, 1, ..., count - 1, each once, in that order, to whichever worker
 // asks first; -1 when none is left.
@@ -503,6 +511,18 @@ struct Pass {
 
     T* operator[](AttngradBuffer b) const { return static_cast<T*>(call.data[b]); }
 
+    // Every GEMM of a pass: in T, or with bfloat16 products for bfloat16 inputs
+    void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alpha, const T* a, index_t lda,
+              const T* b, index_t ldb, T beta, T* c, index_t ldc) const {
+        if constexpr (std::is_same_v<T, float>) {
+            if (call.bf16_products) {
+                gemm_bf16(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+                return;
+            }
+        }
+        attngrad_tiles::gemm<T>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    }
+
     // The one row routine of every pass: the scores s[0, n) of row i of head (b, h), keys
     // c0..c0 + n, from the raw A = scale Q K^T: the soft cap (its slope and curve where
     // asked, and a tangent or cotangent `form` of the raw scores taken through it), then the
@@ -663,11 +683,11 @@ class KvItems {
 // pair with a null factor is left out, and with neither out is 0. The tangents' and
 // cotangents' score-sized products: scale (tQ K^T + Q tK^T), dO tV^T + tdO V^T, ...
 template <typename T>
-void products_nt(index_t rows, index_t keys, index_t width, T alpha, const T* a1, const T* b1, const T* a2,
-                 const T* b2, T* out) {
+void products_nt(const Pass<T>& pass, index_t rows, index_t keys, index_t width, T alpha, const T* a1, const T* b1,
+                 const T* a2, const T* b2, T* out) {
     const bool first = a1 && b1, second = a2 && b2;
-    if (first) gemm<T>(false, true, rows, keys, width, alpha, a1, width, b1, width, T(0), out, keys);
-    if (second) gemm<T>(false, true, rows, keys, width, alpha, a2, width, b2, width, T(first ? 1 : 0), out, keys);
+    if (first) pass.gemm(false, true, rows, keys, width, alpha, a1, width, b1, width, T(0), out, keys);
+    if (second) pass.gemm(false, true, rows, keys, width, alpha, a2, width, b2, width, T(first ? 1 : 0), out, keys);
     if (!first && !second) std::fill(out, out + rows * keys, T(0));
 }
 

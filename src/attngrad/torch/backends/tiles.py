@@ -1,6 +1,6 @@
 """The "tiles" backend: the compiled C++ tiles (`native`), every pass on the CPU in float32
-or float64 (float16 and bfloat16 computed in float32, results returned in the inputs'
-dtypes). Registered first: where it takes a call, it is the fast one. It refuses tensors on
+or float64 (float16 computed in float32, bfloat16's products in bfloat16 with float32 sums;
+results returned in the inputs' dtypes). Registered first: where it takes a call, it is the fast one. It refuses tensors on
 other devices, an empty dimension, and a ring step's higher passes (`row_sums`); it is
 unavailable where the tiles cannot be built (`native.build_info.reason` says why)."""
 

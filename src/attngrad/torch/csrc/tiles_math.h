@@ -10,6 +10,10 @@
 #include <cstring>
 #include <limits>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace attngrad_tiles {
 
 using index_t = int64_t;
@@ -68,23 +72,40 @@ inline void store(float* p, floatv v) { std::memcpy(p, &v, sizeof v); }
 // tanhf (x + x^3 p(x^2), about 2 ulp), above it (1 - e) / (1 + e) with e = exp(-2 |x|) from
 // exp_score (e <= 0.29 there: no cancellation), signed. One body for a float and a 16-float
 // vector, like exp_score_any; float64 keeps the C library's tanh.
-template <typename F, typename I>
-inline F tanh_any(F x) {
-    const F zero{}, one = F{} + 1.0f, cut = F{} + 0.625f;
-    const F ax = x < zero ? -x : x;
+template <typename F>
+inline F tanh_small(F x) {  // the polynomial branch, |x| < 0.625
     const F z = x * x;
     F p = F{} - 5.70498872745e-3f;
     p = p * z + 2.06390887954e-2f;
     p = p * z - 5.37397155531e-2f;
     p = p * z + 1.33314422036e-1f;
     p = p * z - 3.33332819422e-1f;
+    return p * z * x + x;
+}
+
+template <typename F, typename I>
+inline F tanh_any(F x) {
+    const F zero{}, one = F{} + 1.0f, cut = F{} + 0.625f;
+    const F ax = x < zero ? -x : x;
     const F e = exp_score_any<F, I>(ax * -2.0f);
     const F large = (one - e) / (one + e);
-    return ax < cut ? p * z * x + x : (x < zero ? -large : large);
+    return ax < cut ? tanh_small(x) : (x < zero ? -large : large);
 }
 
 inline float tanh_cap(float x) { return tanh_any<float, int32_t>(x); }
-inline floatv tanh_cap(floatv x) { return tanh_any<floatv, intv>(x); }
+// 16 lanes: where every lane is below the cut (a soft cap well above the scores, as
+// Gemma's 50), the polynomial alone, without the exp and the division of the other branch;
+// each lane's value is the one tanh_any gives it either way
+inline floatv tanh_cap(floatv x) {
+    const floatv ax = x < floatv{} ? -x : x;
+#if defined(__AVX512F__)
+    const bool small = _mm512_cmp_ps_mask(reinterpret_cast<__m512>(ax), _mm512_set1_ps(0.625f), _CMP_GE_OQ) == 0;
+#else
+    bool small = true;
+    for (int t = 0; t < kLanes; ++t) small &= ax[t] < 0.625f;
+#endif
+    return small ? tanh_small(x) : tanh_any<floatv, intv>(x);
+}
 inline double tanh_cap(double x) { return std::tanh(x); }
 
 // Each row operation below has a loop over elements, which float32 also runs on a row's

@@ -123,6 +123,19 @@ def test_eager_calls_skip_the_dispatcher_and_everything_else_sees_the_op(monkeyp
         assert all(torch.equal(a, b) for a, b in zip(ops.run_op("forward", make_call(q, k, v)), through_op))
     assert "attngrad.attention_forward.default" in seen.ops
 
+    class Functions(torch.overrides.TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.called = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.called.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Functions() as functions:
+        ops.run_op("forward", make_call(q, k, v))
+    assert "attngrad.attention_forward.default" in functions.called
+
     def refuse(*args):
         raise AssertionError("the dispatcher was called in plain eager code")
 

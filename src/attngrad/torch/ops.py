@@ -108,11 +108,11 @@ def run_op(pass_name: str, call: AttentionCall, **inputs: Any) -> Any:
 
 def _plain_eager(args: list) -> bool:
     """Whether nothing would see the op called: eager (no torch.compile, no torch.func
-    transform, no dispatch mode) on plain tensors. There the dispatcher would only route the
-    call back to `_implementation` (about 35 us of a 200 us small call, torch 2.13)."""
+    transform, no function or dispatch mode) on plain tensors. There the dispatcher would only
+    route the call back to `_implementation` (about 35 us of a 200 us small call, torch 2.13)."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False
-    if torch._C._len_torch_dispatch_stack() > 0:
+    if torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled():
         return False
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # a transform's tensor, its level set aside
     return all(type(a) is Tensor and not wrapped(a) for a in args if isinstance(a, Tensor))

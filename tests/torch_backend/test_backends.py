@@ -100,7 +100,7 @@ def test_the_op_schemas_come_from_the_table():
 
 def test_eager_calls_skip_the_dispatcher_and_everything_else_sees_the_op(monkeypatch):
     """In plain eager code the op's implementation runs directly (the dispatcher would only
-    route it back); the bits are the op's. Under a dispatch mode (as under torch.compile's
+    route it back); the bits are the op's. Under a function or dispatch mode (as under torch.compile's
     tracing or torch.func) the op itself is called, so those still see one opaque operator."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -110,31 +110,20 @@ def test_eager_calls_skip_the_dispatcher_and_everything_else_sees_the_op(monkeyp
     q, k, v = (torch.randn(2, 3, 7, 8, generator=g, dtype=torch.float64) for _ in range(3))
     through_op = ops.OPS["forward"](*(make_call(q, k, v).fields()[name] for name in ops.ARGUMENTS["forward"]))
 
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
+    def recording(mode_class, hook):
+        """A mode of `mode_class` that records the name of every function or op it sees."""
+        def record(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
             return func(*args, **(kwargs or {}))
+        return type("Recording", (mode_class,), {"seen": None, hook: record})
 
-    with Seen() as seen:
-        assert all(torch.equal(a, b) for a, b in zip(ops.run_op("forward", make_call(q, k, v)), through_op))
-    assert "attngrad.attention_forward.default" in seen.ops
-
-    class Functions(torch.overrides.TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.called = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            self.called.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Functions() as functions:
-        ops.run_op("forward", make_call(q, k, v))
-    assert "attngrad.attention_forward.default" in functions.called
+    for mode_class, hook in ((TorchDispatchMode, "__torch_dispatch__"),
+                             (torch.overrides.TorchFunctionMode, "__torch_function__")):
+        mode = recording(mode_class, hook)()
+        mode.seen = []
+        with mode:
+            assert all(torch.equal(a, b) for a, b in zip(ops.run_op("forward", make_call(q, k, v)), through_op))
+        assert "attngrad.attention_forward.default" in mode.seen, mode_class
 
     def refuse(*args):
         raise AssertionError("the dispatcher was called in plain eager code")

@@ -224,11 +224,12 @@ def kept_keys(mask: Optional[Tensor], bias: Optional[Tensor]) -> Optional[Tensor
     if kept is None:
         return None
     len_k = kept.shape[-1]
+    if len_k == 0:
+        return torch.zeros(len(kept), 2, dtype=torch.int64)
     positions = torch.arange(len_k, dtype=torch.int64)
-    first = torch.where(kept, positions, len_k).amin(-1, keepdim=True) if len_k else torch.zeros(len(kept), 1)
-    stop = torch.where(kept, positions + 1, 0).amax(-1, keepdim=True) if len_k else torch.zeros(len(kept), 1)
-    first = torch.minimum(first, stop)
-    return torch.cat([first, stop], -1).to(torch.int64)
+    stop = torch.where(kept, positions + 1, 0).amax(-1, keepdim=True)
+    first = torch.minimum(torch.where(kept, positions, len_k).amin(-1, keepdim=True), stop)
+    return torch.cat([first, stop], -1)
 
 
 def key_ranges(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[Tensor], block_rows: int,

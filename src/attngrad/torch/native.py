@@ -2,7 +2,8 @@
 attention (forward, backward, JVP, the backward's JVP, double backward) with the causal
 diagonal, a boolean mask, a float bias and its gradient, key bounds (the structured masks),
 a soft cap, dropout and GQA; float32 or float64 (float16 computed in float32, bfloat16's
-products in bfloat16 with float32 sums and softmax statistics), on the CPU; and the dropout keep-masks of `dropout` for the torch-ops kernels.
+products in bfloat16 with float32 sums and softmax statistics), on the CPU; and the dropout
+keep-masks of `dropout` for the torch-ops kernels.
 
 The torch-ops kernels (`kernels`) run any case on any device, but each of their passes is a
 separate sweep over a score tile too large for the cache. The compiled tiles fuse those

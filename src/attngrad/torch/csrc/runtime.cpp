@@ -127,8 +127,6 @@ void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, double al
     any_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
-bool bf16_blas_available() { return cblas_gemm_bf16bf16f32 != nullptr; }
-
 namespace {
 
 // float -> bfloat16, rounded to nearest even (NaN stays NaN): as c10::BFloat16 rounds.

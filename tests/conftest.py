@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-import numpy as np
+import os
+
+# The Triton backend's tests run its kernels in Triton's interpreter, on CPU tensors. The
+# switch must come before anything imports triton (PyTorch may), so it is set here, first;
+# on a GPU, TRITON_INTERPRET=0 makes the `gpu` tests compile them instead.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
 import pytest
 
 from attngrad.check.compare import error_figure

@@ -27,7 +27,7 @@ def randn(*shape, seed, grad=True):
 
 def test_backends_lists_tiles_and_torch_ops_and_says_why_one_does_not_run():
     statuses = {b.name: b for b in backends()}
-    assert list(statuses)[:2] == ["tiles", "torch-ops"]  # the order of preference
+    assert list(statuses)[:3] == ["tiles", "triton", "torch-ops"]  # the order of preference
     assert statuses["torch-ops"].available and statuses["torch-ops"].reason is None
     tiles = statuses["tiles"]
     assert tiles.available == (tiles.reason is None)

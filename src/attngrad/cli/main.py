@@ -7,7 +7,7 @@ import os
 import sys
 
 from .. import __version__
-from . import bench_cmd, check_cmd, formulas_cmd, generate_cmd, train_cmd
+from . import bench_cmd, check_cmd, formulas_cmd, generate_cmd, gpu_report_cmd, train_cmd
 
 COMMANDS = (  # (name, module, one-line help, description)
     ("check", check_cmd,
@@ -27,6 +27,11 @@ COMMANDS = (  # (name, module, one-line help, description)
      "Train the Transformer of 'Attention Is All You Need', written in NumPy with every backward pass derived by "
      "hand, on a toy task or a text. Progress bar with loss, accuracy and tokens per second; writes model.npz, "
      "history.json and curves.png."),
+    ("gpu-report", gpu_report_cmd,
+     "compile every Triton kernel variant for sm_80 and sm_90, without a GPU: registers, spills, shared memory",
+     "Compile the Triton backend's kernels ahead of time for A100 (sm_80) and H100 (sm_90) with the tiles each "
+     "pass uses, and report registers, spilled bytes and shared memory per variant (ptxas -v). Exit status 1 "
+     "if a variant does not compile, or spills at a head width up to 128 in float16, bfloat16 or float32."),
     ("generate", generate_cmd,
      "decode with a trained checkpoint: reverse/copy/sort digits, or sample text",
      "Greedy-decode a digit sequence with a toy-task checkpoint, or sample text after a prompt with a "

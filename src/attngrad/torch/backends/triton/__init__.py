@@ -1,0 +1,112 @@
+"""The "triton" backend: every pass of attention as fused Triton kernels in O(L) memory, for
+GPUs (`launch`, `kernels`, `tiles`). It takes CUDA tensors by default where triton is
+installed. CPU tensors it takes only when chosen (`use_implementation("triton")`) and under
+Triton's interpreter (TRITON_INTERPRET=1 before triton is first imported), which runs the
+same kernels on NumPy: how its numbers are tested without a GPU. `attngrad gpu-report` compiles every kernel variant for sm_80 and
+sm_90 ahead of time (`compile_report`).
+
+triton is imported on the first call, not with attngrad.torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+from typing import Optional
+
+import torch
+
+from ... import dispatch
+from ...call import AttentionCall
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_missing() -> Optional[str]:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install triton)"
+    return None
+
+
+def interpreting() -> bool:
+    """Whether the kernels run in Triton's interpreter: TRITON_INTERPRET=1 where they were
+    first imported (the kernels are made interpreted or compiled then), or now if not yet."""
+    module = sys.modules.get(f"{__name__}.kernels")
+    if module is not None:
+        return module.INTERPRETED
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _late_interpreter() -> bool:
+    """Whether TRITON_INTERPRET=1 came after triton was imported: triton's own library
+    (tl.sum, tl.cdiv, ...) was then made for compiling, and an interpreted kernel cannot
+    call it."""
+    if "triton" not in sys.modules:
+        return False
+    import triton.language as tl
+
+    return type(tl.standard.sum).__name__ != "InterpretedFunction"
+
+
+def _unavailable() -> Optional[str]:
+    missing = _triton_missing()
+    if missing is not None:
+        return missing
+    if not interpreting() and not torch.cuda.is_available():
+        return "no CUDA device (CPU tensors run in Triton's interpreter with TRITON_INTERPRET=1)"
+    return None
+
+
+def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]:
+    device = call.q.device
+    if any(t.device != device for t in call.tensors()):
+        return "its tensors are on more than one device"
+    if device.type == "cpu":
+        if "torch-ops" in dispatch.allowed():  # the interpreter is for tests: only when chosen
+            return "it takes CPU tensors only when chosen without torch-ops (use_implementation('triton'))"
+        if not interpreting():
+            return "it runs CPU tensors only in Triton's interpreter (set TRITON_INTERPRET=1 before the first call)"
+        if _late_interpreter():
+            return ("TRITON_INTERPRET=1 was set after triton was imported (PyTorch may import it): set it before "
+                    "anything imports triton")
+    elif device.type != "cuda":
+        return f"it runs on CUDA devices (and CPU tensors in Triton's interpreter); the call is on {device}"
+    too_far = [name for name, t in call.fields().items() if isinstance(t, torch.Tensor) and _last_offset(t) >= 2**31]
+    if too_far:
+        return f"its kernels index with 32-bit offsets; {', '.join(too_far)} reach 2^31 elements or more"
+    if call.q.dtype not in FLOATS:
+        return f"it takes float16, bfloat16, float32 or float64 tensors; got {call.q.dtype}"
+    if min(call.q.shape) == 0 or min(call.k.shape) == 0 or min(call.v.shape) == 0:
+        return "it takes no empty dimension"
+    from .launch import MAX_WIDTH
+
+    if max(call.q.shape[-1], call.v.shape[-1]) > MAX_WIDTH:
+        return f"it takes head widths up to {MAX_WIDTH}; got d={call.q.shape[-1]}, dv={call.v.shape[-1]}"
+    return None
+
+
+def _last_offset(t: torch.Tensor) -> int:
+    """The offset of a tensor's last element from its first, in elements."""
+    return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()) if size > 0)
+
+
+def _pass(name: str):
+    def run(call: AttentionCall, **inputs):
+        from . import launch
+
+        return getattr(launch, name)(call, **inputs)
+
+    run.__name__ = name
+    return run
+
+
+BACKEND = dispatch.register(dispatch.Backend(
+    name="triton",
+    passes={name: _pass(name) for name in ("forward", "backward", "jvp", "backward_jvp", "double_backward")},
+    unavailable=_unavailable,
+    refuses=_refuses,
+    description="fused Triton kernels: CUDA, every pass (CPU tensors in Triton's interpreter)",
+), before="torch-ops" if "torch-ops" in dispatch.registered() else None)

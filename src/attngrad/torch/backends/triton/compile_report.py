@@ -1,0 +1,253 @@
+"""Every Triton kernel variant compiled ahead of time for NVIDIA GPUs, without one: the
+launches `launch` would make for a set of calls are recorded (on small CPU stand-ins, with
+the GPU's tile sizes), specialised as Triton's JIT would specialise them, compiled to PTX
+and a cubin for each target (sm_80: A100, sm_90: H100), and the PTX assembled again by the
+wheel's ptxas with -v, which reports registers, spills and shared memory.
+
+    rows = compile_report(dtypes=("bfloat16",), widths=(128,), archs=(80, 90))
+    [r for r in rows if r.spill_bytes]   # what spills, and how much
+
+`attngrad gpu-report` prints the table; docs/gpu.md holds one. This module imports triton
+only when it compiles: its constants serve the command line's help.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import tempfile
+import time
+import types
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ...call import AttentionCall, ScoreMasks
+
+PASSES = ("forward", "backward", "jvp", "backward_jvp", "double_backward")
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+          "float32-tf32": torch.float32, "float64": torch.float64}
+WIDTHS = (64, 128, 256)
+ARCHS = (80, 90)
+# What each feature set turns on: "plain" nothing; "all" every option that adds code to a
+# kernel (boolean mask, a bias with the scores' shape and its gradient, key bounds, the
+# causal diagonal, soft cap, dropout, GQA, every tangent and cotangent); "broadcast-bias"
+# the same with a (1, H, 1, Lk) bias, whose gradient the bias-side kernel reduces.
+FEATURES = ("plain", "all", "broadcast-bias")
+# Where a spill fails the check: head widths up to 128 in float16, bfloat16 and float32.
+NO_SPILL_WIDTH = 128
+NO_SPILL_DTYPES = ("float16", "bfloat16", "float32", "float32-tf32")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One recorded kernel launch: the pass it belongs to, the kernel, its arguments in
+    order, its constexprs and launch options."""
+
+    pass_name: str
+    kernel: Any
+    args: tuple
+    constexprs: dict
+    options: dict
+
+
+@dataclass(frozen=True)
+class Row:
+    """One variant compiled for one target."""
+
+    kernel: str
+    pass_name: str
+    features: str
+    dtype: str
+    width: int
+    arch: int
+    block: str  # "BMxBN wW sS": the tile, warps and pipeline stages
+    registers: Optional[int] = None
+    spill_bytes: Optional[int] = None  # spill stores + spill loads
+    shared_bytes: Optional[int] = None
+    seconds: float = 0.0
+    error: Optional[str] = None
+
+    @property
+    def must_not_spill(self) -> bool:
+        return self.width <= NO_SPILL_WIDTH and self.dtype in NO_SPILL_DTYPES
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None or (self.must_not_spill and bool(self.spill_bytes))
+
+
+class _Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the launch, under the
+    pass named last in `into` (a list whose first item is a one-item list: the pass)."""
+
+    def __init__(self, kernel, into: list) -> None:
+        self.kernel, self.into = kernel, into
+
+    def __getitem__(self, grid) -> Callable[..., None]:
+        def record(*args, **kwargs):
+            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs}
+            self.into.append(Launch(self.into[0][0], self.kernel, args, kwargs, options))
+
+        return record
+
+
+@contextlib.contextmanager
+def _recording(into: list, tf32: bool) -> Iterator[None]:
+    """Launches recorded instead of run, with the GPU's tiles (and TF32 for float32 if asked)."""
+    from . import kernels, launch
+
+    names = ("forward", "jvp", "row_sums", "query_side", "key_side", "bias_side")
+    saved = (launch.kernels, launch.on_gpu, launch.input_precision)
+    launch.kernels = types.SimpleNamespace(**{n: _Recorder(getattr(kernels, n), into) for n in names})
+    launch.on_gpu = lambda call: True
+    if tf32:
+        launch.input_precision = lambda dtype, device: "tf32" if dtype == torch.float32 else "ieee"
+    try:
+        yield
+    finally:
+        launch.kernels, launch.on_gpu, launch.input_precision = saved
+
+
+def _call(dtype: torch.dtype, width: int, features: str) -> tuple[AttentionCall, dict]:
+    """A CPU stand-in call (its sizes matter only to the specialisation) and the pass inputs."""
+    gen = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, length = 2, 4, 2, 256
+
+    def rand(*shape, kind=dtype):
+        return torch.randn(*shape, generator=gen).to(kind)
+
+    q, k, v = rand(batch, heads, length, width), rand(batch, kv_heads, length, width), rand(batch, kv_heads, length, width)
+    if features == "plain":
+        q, k, v = q, k[:, :1].expand(batch, heads, length, width).contiguous(), v[:, :1].expand(batch, heads, length, width).contiguous()
+        return AttentionCall(q, k, v, ScoreMasks(), torch.tensor(0), width ** -0.5), {}
+    bias_shape = (batch, heads, length, length) if features == "all" else (1, heads, 1, length)
+    bounds = torch.tensor([[[0, length]] * length], dtype=torch.int64)
+    masks = ScoreMasks(mask=rand(batch, 1, length, length, kind=torch.float32) > 0, bias=rand(*bias_shape),
+                       bounds=bounds, causal=0, softcap=30.0)
+    call = AttentionCall(q, k, v, masks, torch.tensor(5), width ** -0.5, 0.1)
+    tangents = dict(tq=rand(*q.shape), tk=rand(*k.shape), tv=rand(*v.shape), tbias=rand(*bias_shape))
+    return call, tangents
+
+
+def record_launches(dtype: torch.dtype, width: int, features: str, tf32: bool = False,
+                    passes: Sequence[str] = PASSES) -> list[Launch]:
+    """The launches of the given passes of one call: forward, backward with the bias
+    gradient, JVP, the backward's JVP and the double backward (with g_dO)."""
+    from . import launch
+
+    call, t = _call(dtype, width, features)
+    rows = torch.zeros(call.q.shape[:3], dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    out = torch.zeros(*call.q.shape[:3], call.v.shape[-1], dtype=dtype)
+    stats = dict(dout=out, out=out, row_max=rows, inv_sum=rows, bias_grad=call.bias is not None)
+    tangents = dict(tq=t.get("tq"), tk=t.get("tk"), tv=t.get("tv"), tbias=t.get("tbias"))
+    runs = {
+        "forward": lambda: launch.forward(call),
+        "backward": lambda: launch.backward(call, **stats),
+        "jvp": lambda: launch.jvp(call, row_max=rows, inv_sum=rows, **tangents),
+        "backward_jvp": lambda: launch.backward_jvp(call, **stats, tdout=out if t else None, **tangents),
+        "double_backward": lambda: launch.double_backward(call, **stats, dout_grad=True, gq=t.get("tq"),
+                                                          gk=t.get("tk"), gv=t.get("tv"), gbias=t.get("tbias")),
+    }
+    into: list = [[""]]
+    with _recording(into, tf32):
+        for name in passes:
+            into[0][0] = name
+            runs[name]()
+    return into[1:]
+
+
+def _specialise(record: Launch, backend) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) as Triton's JIT makes them for these arguments."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    fn = record.kernel
+    signature, constexprs, attrs = {}, {}, {}
+    for index, (param, arg) in enumerate(zip(fn.params, record.args)):
+        if param.is_constexpr:
+            raise ValueError(f"{fn.__name__}: constexpr {param.name} passed by position")
+        kind, spec = native_specialize_impl(BaseBackend, arg, False, True, True)
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constexprs[(index,)] = arg
+        elif isinstance(spec, str):
+            attrs[(index,)] = backend.parse_attr(spec)
+    for name, value in record.constexprs.items():
+        signature[name] = "constexpr"
+        constexprs[(fn.arg_names.index(name),)] = value
+    return signature, constexprs, attrs
+
+
+_PTXAS = re.compile(r"Used (\d+) registers")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers, spill bytes) from ptxas -v on the kernel's PTX."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernel.ptx"
+        source.write_text(ptx)
+        suffix = "a" if arch == 90 else ""  # sm_90a: wgmma, as Triton compiles for Hopper
+        result = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}{suffix}", str(source), "-o",
+                                 str(Path(folder) / "kernel.cubin")], capture_output=True, text=True, check=True)
+    text = result.stdout + result.stderr
+    registers = int(_PTXAS.search(text).group(1))
+    stores, loads = (int(x) for x in _SPILLS.search(text).groups())
+    return registers, stores + loads
+
+
+def compile_launch(record: Launch, arch: int) -> tuple[int, int, int]:
+    """Compile one recorded launch for sm_<arch>: (registers, spill bytes, shared memory bytes)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    signature, constexprs, attrs = _specialise(record, backend)
+    source = ASTSource(record.kernel, signature, constexprs, attrs)
+    compiled = triton.compile(source, target=target, options=dict(record.options))
+    registers, spills = _ptxas_report(compiled.asm["ptx"], arch)
+    return registers, spills, int(compiled.metadata.shared)
+
+
+def compile_report(dtypes: Sequence[str] = tuple(DTYPES), widths: Sequence[int] = WIDTHS,
+                   archs: Sequence[int] = ARCHS, features: Sequence[str] = FEATURES,
+                   passes: Sequence[str] = PASSES, progress: Optional[Callable[[Row], None]] = None) -> list[Row]:
+    """Every distinct kernel variant of the given calls, compiled for every target."""
+    rows = []
+    for dtype_name in dtypes:
+        for width in widths:
+            seen = set()
+            for feature in features:
+                for record in record_launches(DTYPES[dtype_name], width, feature, tf32=dtype_name.endswith("tf32"),
+                                              passes=passes):
+                    key = (record.kernel.__name__, tuple(sorted((k, str(v)) for k, v in record.constexprs.items())))
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    c = record.constexprs
+                    block = f"{c['BM']}x{c['BN']} w{record.options['num_warps']} s{record.options['num_stages']}"
+                    for arch in archs:
+                        start = time.perf_counter()
+                        fields = dict(kernel=record.kernel.__name__, pass_name=record.pass_name, features=feature,
+                                      dtype=dtype_name, width=width, arch=arch, block=block)
+                        try:
+                            registers, spills, shared = compile_launch(record, arch)
+                            row = Row(**fields, registers=registers, spill_bytes=spills, shared_bytes=shared,
+                                      seconds=time.perf_counter() - start)
+                        except Exception as error:  # a variant that does not compile is a result
+                            message = str(error).strip().splitlines()
+                            row = Row(**fields, seconds=time.perf_counter() - start,
+                                      error=f"{type(error).__name__}: {message[-1] if message else ''}"[:300])
+                        rows.append(row)
+                        if progress is not None:
+                            progress(row)
+    return rows

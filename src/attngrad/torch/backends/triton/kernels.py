@@ -1,0 +1,503 @@
+"""The Triton kernels of attention: each program owns a block of outputs and walks the
+score tiles that feed it, skipping those the block map marks empty, in a fixed order, so
+nothing is reduced with atomics and the same inputs give the same bits.
+
+    forward     per query block: online softmax (FlashAttention-2), O, m and 1/l
+    jvp         per query block: O' = sum (P Z S') V + (P Z) V' - rowsum(P S') O, one pass
+    row_sums    per query block: the two row sums of the backward's JVP or the double backward
+    query_side  per query block: dQ (or its tangent, or g_Q and g_dO)
+    key_side    per key block, over the GQA group's query heads: dK, dV (or theirs)
+    bias_side   per block of the bias's own shape: dbias (or its tangent, or g_bias),
+                summed over the axes the bias broadcasts along
+
+Shapes: q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), any strides; row statistics
+(B, H, Lq) contiguous; the block map (B, H, query blocks, key blocks) int8 (1 = empty) and
+the walks' ranges (B, H, blocks, 2) [first, stop) may be expanded views (stride 0). The
+mask and bias arguments are 4-D views broadcast to (B, H, Lq, Lk) by their strides.
+fmeta (float64): [scale, cap, 1 / cap, 1 / (1 - p)]; meta (int64): `tiles.keep_scale`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .tiles import keep_scale, load_rows, load_score_like, load_tile, mm, score_form, scores, tile_terms
+
+# Whether @triton.jit made the kernels interpreted (TRITON_INTERPRET=1 at import) or compiled.
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def _floats(fmeta, ACC: tl.constexpr):
+    return (tl.load(fmeta).to(ACC), tl.load(fmeta + 1).to(ACC), tl.load(fmeta + 2).to(ACC),
+            tl.load(fmeta + 3).to(ACC))
+
+
+@triton.jit
+def forward(Q, K, V, O, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, so0, so1, so2, so3,
+            bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, meta, fmeta,
+            tmap, st0, st1, st2, st3, rng, sr0, sr1, sr2, H, G, Lq, Lk, D, DV, causal,
+            HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
+            SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+            BDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // G
+    scale, cap, inv_cap, keep_value = _floats(fmeta, ACC)
+    offs_m = qb * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    offs_dv = tl.arange(0, BDV)
+    q = load_tile(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
+    m_i = tl.full((BM,), float("-inf"), ACC)
+    l_i = tl.zeros((BM,), ACC)
+    acc = tl.zeros((BM, BDV), ACC)
+    walk = rng + b * sr0 + h * sr1 + qb * sr2
+    tiles = tmap + b * st0 + h * st1 + qb * st2
+    for kb in range(tl.load(walk), tl.load(walk + 1)):
+        if tl.load(tiles + kb * st3) == 0:
+            offs_n = kb * BN + tl.arange(0, BN)
+            k = load_tile(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
+            qk = mm(q, tl.trans(k), IP, ACC)
+            s, _ = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm, sbn,
+                          mask, smb, smh, smm, smn, bounds, sob, som, HAS_BIAS, HAS_MASK, HAS_BOUNDS, CAUSAL, SOFTCAP)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: any finite shift
+            alpha = tl.exp(m_i - shift)
+            e = tl.exp(s - shift[:, None])
+            l_i = l_i * alpha + tl.sum(e, 1)
+            if DROPOUT:
+                e = e * keep_scale(meta, b, h, offs_m, offs_n, keep_value)
+            v = load_tile(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+            acc = acc * alpha[:, None] + mm(e.to(v.dtype), v, IP, ACC)
+            m_i = m_new
+    inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)  # no 1 / 0 computed, even masked away
+    rows = (b * H + h) * Lq + offs_m
+    tl.store(M + rows, tl.where(m_i == float("-inf"), 0.0, m_i), mask=offs_m < Lq)
+    tl.store(INV + rows, inv, mask=offs_m < Lq)
+    out = O + b * so0 + h * so1 + offs_m[:, None] * so2 + offs_dv[None, :] * so3
+    tl.store(out, (acc * inv[:, None]).to(O.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3,
+        so0, so1, so2, so3, tbias, stb, sth, stm, stn,
+        bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, meta, fmeta,
+        tmap, st0, st1, st2, st3, rng, sr0, sr1, sr2, H, G, Lq, Lk, D, DV, causal,
+        HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_TBIAS: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
+        SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+        BDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+    """O' = (P' Z) V + (P Z) V' with P' = P (S' - c), c = rowsum(P S'), in one walk:
+    sum (P Z S') V - c sum (P Z) V + (P Z) V', each row's c summed on the way. The tangents
+    share q's (TQ), k's (TK) and v's (TV) strides; 1/l and m are the forward's."""
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // G
+    scale, cap, inv_cap, keep_value = _floats(fmeta, ACC)
+    offs_m = qb * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    offs_dv = tl.arange(0, BDV)
+    q = load_tile(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
+    tq = None
+    if HAS_TQ:
+        tq = load_tile(TQ + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
+    rows = (b * H + h) * Lq
+    m_row = load_rows(M + rows, offs_m, Lq)
+    inv = load_rows(INV + rows, offs_m, Lq)
+    c = tl.zeros((BM,), ACC)
+    acc_o = tl.zeros((BM, BDV), ACC)
+    acc_s = tl.zeros((BM, BDV), ACC)
+    walk = rng + b * sr0 + h * sr1 + qb * sr2
+    tiles = tmap + b * st0 + h * st1 + qb * st2
+    for kb in range(tl.load(walk), tl.load(walk + 1)):
+        if tl.load(tiles + kb * st3) == 0:
+            offs_n = kb * BN + tl.arange(0, BN)
+            k = load_tile(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
+            qk = mm(q, tl.trans(k), IP, ACC)
+            s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm, sbn,
+                           mask, smb, smh, smm, smn, bounds, sob, som, HAS_BIAS, HAS_MASK, HAS_BOUNDS, CAUSAL, SOFTCAP)
+            p = tl.exp(s - m_row[:, None]) * inv[:, None]
+            tk = None
+            if HAS_TK:
+                tk = load_tile(TK + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
+            t_bias = None
+            if HAS_TBIAS:
+                t_bias = load_score_like(tbias, b, h, offs_m, offs_n, Lq, Lk, stb, sth, stm, stn, ACC)
+            sp, _ = score_form(q, k, tq, tk, th, t_bias, scale, SOFTCAP, IP, ACC)
+            c += tl.sum(p * sp, 1)
+            if DROPOUT:
+                p = p * keep_scale(meta, b, h, offs_m, offs_n, keep_value)
+            v = load_tile(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+            acc_o += mm(p.to(v.dtype), v, IP, ACC)
+            acc_s += mm((p * sp).to(v.dtype), v, IP, ACC)
+            if HAS_TV:
+                tv = load_tile(TV + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+                acc_s += mm(p.to(tv.dtype), tv, IP, ACC)
+    out = OT + b * so0 + h * so1 + offs_m[:, None] * so2 + offs_dv[None, :] * so3
+    tl.store(out, (acc_s - c[:, None] * acc_o).to(OT.dtype.element_ty),
+             mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
+             sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3, cbias, scb, sch, scm, scn,
+             bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, meta, fmeta,
+             tmap, st0, st1, st2, st3, rng, sr0, sr1, sr2, H, G, Lq, Lk, D, DV, causal,
+             HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr, HAS_DO2: tl.constexpr,
+             HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BOUNDS: tl.constexpr,
+             CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             BD: tl.constexpr, BDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+    """The two whole-row sums the backward-type passes need before their walks, for the form
+    F (S' or T, `tiles.score_form`) and E = (dO2 V^T + dO V2^T) Z (dP~, or (dO gV^T) Z):
+        X = rowsum(P F),  Y = rowsum(P (F dP + E)) - X D
+    which are c and D~ for the backward's JVP, t and u for the double backward."""
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // G
+    scale, cap, inv_cap, keep_value = _floats(fmeta, ACC)
+    offs_m = qb * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    offs_dv = tl.arange(0, BDV)
+    q = load_tile(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
+    do = load_tile(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV)
+    q2 = None
+    if HAS_Q2:
+        q2 = load_tile(Q2 + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
+    do2 = None
+    if HAS_DO2:
+        do2 = load_tile(DO2 + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV)
+    rows = (b * H + h) * Lq
+    m_row = load_rows(M + rows, offs_m, Lq)
+    inv = load_rows(INV + rows, offs_m, Lq)
+    x = tl.zeros((BM,), ACC)
+    y = tl.zeros((BM,), ACC)
+    walk = rng + b * sr0 + h * sr1 + qb * sr2
+    tiles = tmap + b * st0 + h * st1 + qb * st2
+    for kb in range(tl.load(walk), tl.load(walk + 1)):
+        if tl.load(tiles + kb * st3) == 0:
+            offs_n = kb * BN + tl.arange(0, BN)
+            k = load_tile(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
+            v = load_tile(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+            qk = mm(q, tl.trans(k), IP, ACC)
+            s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm, sbn,
+                           mask, smb, smh, smm, smn, bounds, sob, som, HAS_BIAS, HAS_MASK, HAS_BOUNDS, CAUSAL, SOFTCAP)
+            p = tl.exp(s - m_row[:, None]) * inv[:, None]
+            k2 = None
+            if HAS_K2:
+                k2 = load_tile(K2 + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
+            c_tile = None
+            if HAS_C:
+                c_tile = load_score_like(cbias, b, h, offs_m, offs_n, Lq, Lk, scb, sch, scm, scn, ACC)
+            form, _ = score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP, IP, ACC)
+            pf = p * form
+            e = pf * mm(do, tl.trans(v), IP, ACC)
+            extra = tl.zeros((BM, BN), ACC)
+            if HAS_DO2:
+                extra += mm(do2, tl.trans(v), IP, ACC)
+            if HAS_V2:
+                v2 = load_tile(V2 + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+                extra += mm(do, tl.trans(v2), IP, ACC)
+            e += p * extra
+            if DROPOUT:
+                e = e * keep_scale(meta, b, h, offs_m, offs_n, keep_value)
+            x += tl.sum(pf, 1)
+            y += tl.sum(e, 1)
+    d_row = load_rows(DELTA + rows, offs_m, Lq)
+    tl.store(X + rows + offs_m, x, mask=offs_m < Lq)
+    tl.store(Y + rows + offs_m, y - x * d_row, mask=offs_m < Lq)
+
+
+@triton.jit
+def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_Q, OUT_DO, DBIAS,
+               sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3,
+               sgb, sgh, sgm, sgn, cbias, scb, sch, scm, scn,
+               bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, meta, fmeta,
+               tmap, st0, st1, st2, st3, rng, sr0, sr1, sr2, H, G, Lq, Lk, D, DV, causal,
+               MODE: tl.constexpr, HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr,
+               HAS_DO2: tl.constexpr, HAS_C: tl.constexpr, DOUT_GRAD: tl.constexpr, BIAS_DIRECT: tl.constexpr,
+               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
+               SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+               BDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+    """Per query block: OUT_Q = scale (A2 K + A K2) (dQ, its tangent, or g_Q; `tiles.tile_terms`);
+    with DOUT_GRAD, OUT_DO = W V + (P Z) V2 (the double backward's g_dO); with BIAS_DIRECT,
+    each tile's term to the bias stored into DBIAS, a zeroed tensor of the scores' own shape.
+    OUT_Q and OUT_DO are contiguous."""
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // G
+    scale, cap, inv_cap, keep_value = _floats(fmeta, ACC)
+    offs_m = qb * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    offs_dv = tl.arange(0, BDV)
+    q = load_tile(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
+    do = load_tile(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV)
+    q2 = None
+    if HAS_Q2:
+        q2 = load_tile(Q2 + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
+    do2 = None
+    if HAS_DO2:
+        do2 = load_tile(DO2 + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV)
+    rows = (b * H + h) * Lq
+    m_row = load_rows(M + rows, offs_m, Lq)
+    inv = load_rows(INV + rows, offs_m, Lq)
+    d_row = load_rows(DELTA + rows, offs_m, Lq)
+    x_row = d_row
+    y_row = d_row
+    if MODE != 0:
+        x_row = load_rows(X + rows, offs_m, Lq)
+        y_row = load_rows(Y + rows, offs_m, Lq)
+    acc_q = tl.zeros((BM, BD), ACC)
+    acc_do = tl.zeros((BM, BDV), ACC)
+    walk = rng + b * sr0 + h * sr1 + qb * sr2
+    tiles = tmap + b * st0 + h * st1 + qb * st2
+    for kb in range(tl.load(walk), tl.load(walk + 1)):
+        if tl.load(tiles + kb * st3) == 0:
+            offs_n = kb * BN + tl.arange(0, BN)
+            k = load_tile(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
+            v = load_tile(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+            qk = mm(q, tl.trans(k), IP, ACC)
+            s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm, sbn,
+                           mask, smb, smh, smm, smn, bounds, sob, som, HAS_BIAS, HAS_MASK, HAS_BOUNDS, CAUSAL, SOFTCAP)
+            p = tl.exp(s - m_row[:, None]) * inv[:, None]
+            z = None
+            if DROPOUT:
+                z = keep_scale(meta, b, h, offs_m, offs_n, keep_value)
+            k2 = None
+            if HAS_K2:
+                k2 = load_tile(K2 + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
+            v2 = None
+            if HAS_V2:
+                v2 = load_tile(V2 + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+            c_tile = None
+            if HAS_C:
+                c_tile = load_score_like(cbias, b, h, offs_m, offs_n, Lq, Lk, scb, sch, scm, scn, ACC)
+            pz, w, to_bias, da, da2 = tile_terms(MODE, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, th, d_row, inv,
+                                                 x_row, y_row, scale, inv_cap, SOFTCAP, DROPOUT, IP, ACC)
+            acc_q += mm(da2.to(k.dtype), k, IP, ACC)
+            if MODE != 0:
+                if HAS_K2:
+                    acc_q += mm(da.to(k2.dtype), k2, IP, ACC)
+            if DOUT_GRAD:
+                acc_do += mm(w.to(v.dtype), v, IP, ACC)
+                if HAS_V2:
+                    acc_do += mm(pz.to(v2.dtype), v2, IP, ACC)
+            if BIAS_DIRECT:
+                target = DBIAS + b * sgb + h * sgh + offs_m[:, None] * sgm + offs_n[None, :] * sgn
+                tl.store(target, to_bias.to(DBIAS.dtype.element_ty),
+                         mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk))
+    out_rows = (b * H + h) * Lq + offs_m
+    tl.store(OUT_Q + out_rows[:, None] * D + offs_d[None, :], (acc_q * scale).to(OUT_Q.dtype.element_ty),
+             mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
+    if DOUT_GRAD:
+        tl.store(OUT_DO + out_rows[:, None] * DV + offs_dv[None, :], acc_do.to(OUT_DO.dtype.element_ty),
+                 mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
+             sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3,
+             cbias, scb, sch, scm, scn,
+             bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, meta, fmeta,
+             tmap, st0, st1, st2, st3, qrng, sr0, sr1, sr2, H, G, Lq, Lk, D, DV, causal,
+             MODE: tl.constexpr, HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr,
+             HAS_DO2: tl.constexpr, HAS_C: tl.constexpr,
+             HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
+             SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+             BDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+    """Per key block of one key/value head, over the G query heads of its group in order:
+    OUT_K = scale (A2^T Q + A^T Q2) and OUT_V = W^T dO + (P Z)^T dO2 (dK and dV, their
+    tangents, or g_K and g_V; `tiles.tile_terms`). qrng holds each key block's query blocks.
+    OUT_K and OUT_V are contiguous (B, Hkv, Lk, .)."""
+    kb = tl.program_id(0)
+    bhk = tl.program_id(1)
+    hkv = H // G
+    b = (bhk // hkv).to(tl.int64)
+    hk = (bhk % hkv).to(tl.int64)
+    scale, cap, inv_cap, keep_value = _floats(fmeta, ACC)
+    offs_n = kb * BN + tl.arange(0, BN)
+    offs_d = tl.arange(0, BD)
+    offs_dv = tl.arange(0, BDV)
+    k = load_tile(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
+    v = load_tile(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+    k2 = None
+    if HAS_K2:
+        k2 = load_tile(K2 + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
+    v2 = None
+    if HAS_V2:
+        v2 = load_tile(V2 + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+    acc_k = tl.zeros((BN, BD), ACC)
+    acc_v = tl.zeros((BN, BDV), ACC)
+    for g in range(G):
+        h = hk * G + g
+        walk = qrng + b * sr0 + h * sr1 + kb * sr2
+        rows = (b * H + h) * Lq
+        for qb in range(tl.load(walk), tl.load(walk + 1)):
+            if tl.load(tmap + b * st0 + h * st1 + qb * st2 + kb * st3) == 0:
+                offs_m = qb * BM + tl.arange(0, BM)
+                q = load_tile(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
+                do = load_tile(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV)
+                m_row = load_rows(M + rows, offs_m, Lq)
+                inv = load_rows(INV + rows, offs_m, Lq)
+                d_row = load_rows(DELTA + rows, offs_m, Lq)
+                x_row = d_row
+                y_row = d_row
+                if MODE != 0:
+                    x_row = load_rows(X + rows, offs_m, Lq)
+                    y_row = load_rows(Y + rows, offs_m, Lq)
+                qk = mm(q, tl.trans(k), IP, ACC)
+                s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm,
+                               sbn, mask, smb, smh, smm, smn, bounds, sob, som, HAS_BIAS, HAS_MASK, HAS_BOUNDS, CAUSAL,
+                               SOFTCAP)
+                p = tl.exp(s - m_row[:, None]) * inv[:, None]
+                z = None
+                if DROPOUT:
+                    z = keep_scale(meta, b, h, offs_m, offs_n, keep_value)
+                q2 = None
+                if HAS_Q2:
+                    q2 = load_tile(Q2 + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
+                do2 = None
+                if HAS_DO2:
+                    do2 = load_tile(DO2 + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV)
+                c_tile = None
+                if HAS_C:
+                    c_tile = load_score_like(cbias, b, h, offs_m, offs_n, Lq, Lk, scb, sch, scm, scn, ACC)
+                pz, w, to_bias, da, da2 = tile_terms(MODE, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, th, d_row, inv,
+                                                     x_row, y_row, scale, inv_cap, SOFTCAP, DROPOUT, IP, ACC)
+                acc_k += mm(tl.trans(da2).to(q.dtype), q, IP, ACC)
+                if MODE != 0:
+                    if HAS_Q2:
+                        acc_k += mm(tl.trans(da).to(q2.dtype), q2, IP, ACC)
+                acc_v += mm(tl.trans(w).to(do.dtype), do, IP, ACC)
+                if MODE == 1:
+                    if HAS_DO2:
+                        acc_v += mm(tl.trans(pz).to(do2.dtype), do2, IP, ACC)
+    out_rows = (b * hkv + hk) * Lk + offs_n
+    tl.store(OUT_K + out_rows[:, None] * D + offs_d[None, :], (acc_k * scale).to(OUT_K.dtype.element_ty),
+             mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D))
+    tl.store(OUT_V + out_rows[:, None] * DV + offs_dv[None, :], acc_v.to(OUT_V.dtype.element_ty),
+             mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, DBIAS,
+              sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3,
+              sgb, sgh, sgm, sgn, cbias, scb, sch, scm, scn,
+              bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, meta, fmeta,
+              tmap, st0, st1, st2, st3, krng, skr0, skr1, skr2,
+              B, H, G, Lq, Lk, D, DV, causal, BIAS_H,
+              MODE: tl.constexpr, HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr,
+              HAS_DO2: tl.constexpr, HAS_C: tl.constexpr, BATCH_BROADCAST: tl.constexpr,
+              HEADS_BROADCAST: tl.constexpr, ROWS_BROADCAST: tl.constexpr, KEYS_BROADCAST: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
+              SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+              BDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+    """Per block of the bias's own (1 or B, BIAS_H = 1 or H, 1 or Lq, 1 or Lk) shape: the sum of the
+    tiles' terms to the bias (dS, dS~ or g_S) over the batch entries, heads, rows and keys
+    that the block's entries broadcast to, in a fixed order (no atomics). DBIAS is
+    contiguous in the bias's 4-D shape."""
+    rb = tl.program_id(0)
+    kb_own = tl.program_id(1)
+    entry = tl.program_id(2)
+    b_own = entry // BIAS_H
+    h_own = entry % BIAS_H
+    scale, cap, inv_cap, keep_value = _floats(fmeta, ACC)
+    offs_d = tl.arange(0, BD)
+    offs_dv = tl.arange(0, BDV)
+    acc = tl.zeros((BM, BN), ACC)
+    b_first = b_own
+    b_count = 1
+    if BATCH_BROADCAST:
+        b_first = 0
+        b_count = B
+    h_first = h_own
+    h_count = 1
+    if HEADS_BROADCAST:
+        h_first = 0
+        h_count = H
+    for b_step in range(b_count):
+        b = (b_first + b_step).to(tl.int64)
+        for h_step in range(h_count):
+            h = (h_first + h_step).to(tl.int64)
+            hk = h // G
+            rows = (b * H + h) * Lq
+            n_q = tl.cdiv(Lq, BM)
+            q_first = rb
+            q_count = 1
+            if ROWS_BROADCAST:
+                q_first = 0
+                q_count = n_q
+            for q_step in range(q_count):
+                qb = q_first + q_step
+                walk = krng + b * skr0 + h * skr1 + qb * skr2
+                if KEYS_BROADCAST:
+                    k_first = tl.load(walk).to(tl.int32)
+                    k_count = (tl.load(walk + 1) - tl.load(walk)).to(tl.int32)
+                else:
+                    k_first = kb_own
+                    k_count = 1
+                for k_step in range(k_count):
+                    kb = k_first + k_step
+                    if tl.load(tmap + b * st0 + h * st1 + qb * st2 + kb * st3) == 0:
+                        offs_m = qb * BM + tl.arange(0, BM)
+                        offs_n = kb * BN + tl.arange(0, BN)
+                        q = load_tile(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
+                        do = load_tile(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV)
+                        k = load_tile(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
+                        v = load_tile(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+                        m_row = load_rows(M + rows, offs_m, Lq)
+                        inv = load_rows(INV + rows, offs_m, Lq)
+                        d_row = load_rows(DELTA + rows, offs_m, Lq)
+                        x_row = d_row
+                        y_row = d_row
+                        if MODE != 0:
+                            x_row = load_rows(X + rows, offs_m, Lq)
+                            y_row = load_rows(Y + rows, offs_m, Lq)
+                        qk = mm(q, tl.trans(k), IP, ACC)
+                        s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh,
+                                       sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, HAS_BIAS, HAS_MASK,
+                                       HAS_BOUNDS, CAUSAL, SOFTCAP)
+                        p = tl.exp(s - m_row[:, None]) * inv[:, None]
+                        z = None
+                        if DROPOUT:
+                            z = keep_scale(meta, b, h, offs_m, offs_n, keep_value)
+                        q2 = None
+                        if HAS_Q2:
+                            q2 = load_tile(Q2 + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
+                        k2 = None
+                        if HAS_K2:
+                            k2 = load_tile(K2 + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
+                        v2 = None
+                        if HAS_V2:
+                            v2 = load_tile(V2 + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+                        do2 = None
+                        if HAS_DO2:
+                            do2 = load_tile(DO2 + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV)
+                        c_tile = None
+                        if HAS_C:
+                            c_tile = load_score_like(cbias, b, h, offs_m, offs_n, Lq, Lk, scb, sch, scm, scn, ACC)
+                        _, _, to_bias, _, _ = tile_terms(MODE, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, th, d_row,
+                                                         inv, x_row, y_row, scale, inv_cap, SOFTCAP, DROPOUT, IP, ACC)
+                        acc += to_bias
+    out = DBIAS + b_own * sgb + h_own * sgh
+    offs_r = rb * BM + tl.arange(0, BM)
+    offs_c = kb_own * BN + tl.arange(0, BN)
+    if ROWS_BROADCAST:
+        if KEYS_BROADCAST:
+            tl.store(out, tl.sum(tl.sum(acc, 1), 0).to(DBIAS.dtype.element_ty))
+        else:
+            tl.store(out + offs_c * sgn, tl.sum(acc, 0).to(DBIAS.dtype.element_ty), mask=offs_c < Lk)
+    else:
+        if KEYS_BROADCAST:
+            tl.store(out + offs_r * sgm, tl.sum(acc, 1).to(DBIAS.dtype.element_ty), mask=offs_r < Lq)
+        else:
+            tl.store(out + offs_r[:, None] * sgm + offs_c[None, :] * sgn, acc.to(DBIAS.dtype.element_ty),
+                     mask=(offs_r[:, None] < Lq) & (offs_c[None, :] < Lk))

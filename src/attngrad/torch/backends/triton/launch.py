@@ -1,0 +1,359 @@
+"""The Triton backend's host side: one `Plan` per call and block size (the tensors' pointers
+and strides, the block map, the constexpr switches), and one function per pass that
+launches the kernels of `kernels` in order.
+
+    forward          forward
+    jvp              jvp
+    backward         query_side, key_side, then bias_side where the bias gradient is
+                     reduced (a bias with the scores' own shape is written by query_side)
+    backward_jvp     row_sums (c, D~), then as backward
+    double_backward  row_sums (t, u), then as backward
+
+Every result is written whole by its own program (no zero-filled buffer is added into,
+no atomics), so the bits do not depend on the launch order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ...block_map import empty_tiles
+from ...call import AttentionCall
+from ...dropout import keep_value, threshold
+from . import kernels
+from .tiles import BACKWARD, BACKWARD_JVP, DOUBLE_BACKWARD
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A kernel's tile (rows x keys) and its launch shape on a GPU."""
+
+    rows: int
+    keys: int
+    warps: int = 4
+    stages: int = 2
+
+
+# The interpreter runs one program at a time on NumPy: the smallest tiles tl.dot takes,
+# which also cross many block boundaries at the tests' small shapes.
+INTERPRETED = Blocks(16, 16, 1, 1)
+
+# Per pass, dtype and padded head width (64 and up): the largest tiles (of 16x16 w4 up to
+# 128x64 w8) whose kernels, with every option on, compile without register spills for
+# both sm_80 and sm_90, from a sweep with Triton 3.9; where none does, the one that spills
+# least. Any other key gets 16x16 with 4 warps. `attngrad gpu-report` prints what each
+# variant uses; docs/gpu.md says why the tiles shrink with the pass.
+_TABLE: dict[tuple[str, str, int], Blocks] = {
+    ("forward", "half", 64): Blocks(128, 64, 8, 2),
+    ("forward", "half", 128): Blocks(64, 32, 4, 2),
+    ("forward", "half", 256): Blocks(64, 32, 8, 2),
+    ("forward", "float32", 64): Blocks(64, 32, 8, 2),
+    ("forward", "float32", 128): Blocks(64, 32, 8, 2),
+    ("forward", "float32", 256): Blocks(32, 32, 8, 2),
+    ("forward", "float64", 64): Blocks(64, 64, 8, 2),
+    ("forward", "float64", 128): Blocks(32, 32, 8, 2),
+    ("forward", "float64", 256): Blocks(32, 32, 8, 2),
+    ("jvp", "half", 64): Blocks(64, 32, 8, 1),
+    ("jvp", "half", 128): Blocks(32, 32, 8, 1),
+    ("jvp", "float32", 64): Blocks(16, 16, 8, 1),
+    ("jvp", "float32", 128): Blocks(16, 16, 8, 1),  # spills
+    ("backward", "half", 64): Blocks(64, 32, 8, 1),
+    ("backward", "half", 128): Blocks(32, 16, 8, 1),
+    ("backward", "float32", 64): Blocks(16, 16, 8, 1),  # spills 8 bytes
+    ("backward", "float32", 128): Blocks(16, 16, 4, 1),  # spills 12 bytes
+    ("backward_jvp", "half", 64): Blocks(32, 16, 8, 1),
+    ("backward_jvp", "half", 128): Blocks(16, 16, 4, 1),  # spills 12 bytes
+    ("backward_jvp", "float32", 64): Blocks(16, 16, 4, 1),  # spills 16 bytes
+}
+MAX_WIDTH = 256
+
+
+def padded_width(width: int) -> int:
+    """A head width as a tile's: a power of two, at least 16 (tl.dot's smallest)."""
+    return max(16, triton.next_power_of_2(width))
+
+
+def dtype_class(dtype: torch.dtype) -> str:
+    return "half" if dtype in (torch.float16, torch.bfloat16) else str(dtype).removeprefix("torch.")
+
+
+def blocks_for(pass_name: str, dtype: torch.dtype, width: int, interpreted: bool) -> Blocks:
+    """The tiles of pass `pass_name` for inputs of `dtype` and head width `width` (the
+    larger of d and dv); every kernel of a pass shares them (and so its block map)."""
+    if interpreted:
+        return INTERPRETED
+    return _TABLE.get((pass_name, dtype_class(dtype), max(64, padded_width(width))), Blocks(16, 16, 4, 1))
+
+
+def _acc(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def input_precision(dtype: torch.dtype, device: torch.device) -> str:
+    """float32 GEMMs in TF32 where PyTorch's matmul may use it (on CUDA, when
+    torch.backends.cuda.matmul.allow_tf32), else in full float32 ("ieee")."""
+    if dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _strides(t: Optional[Tensor], n: int = 4) -> list:
+    return [0] * n if t is None else list(t.stride())
+
+
+def _as_scores(t: Optional[Tensor], shape: tuple) -> Optional[Tensor]:
+    """A mask or bias-shaped tensor as a (B, H, Lq, Lk) view (broadcast axes of stride 0)."""
+    if t is None:
+        return None
+    return t[(None,) * (4 - t.dim())].expand(shape)
+
+
+def _narrowed(t: Optional[Tensor]) -> Optional[Tensor]:
+    """A 4-D mask with its broadcast (stride 0) axes narrowed to size 1, on the CPU: what
+    `block_map.empty_tiles` reads."""
+    if t is None:
+        return None
+    t = t[(None,) * (4 - t.dim())]
+    for axis in range(4):
+        if t.stride(axis) == 0 and t.shape[axis] > 1:
+            t = t.narrow(axis, 0, 1)
+    return t.cpu()
+
+
+def _walks(empty: Tensor) -> tuple[Tensor, Tensor]:
+    """From a block map (..., query blocks, key blocks) (True = empty): each query block's
+    key blocks and each key block's query blocks to walk, (..., blocks, 2) int32 [first, stop),
+    from its first to its last tile that is not empty (first = stop where there is none)."""
+    def spans(kept: Tensor) -> Tensor:
+        n = kept.shape[-1]
+        index = torch.arange(n, dtype=torch.int32)
+        stop = torch.where(kept, index + 1, 0).amax(-1)
+        first = torch.minimum(torch.where(kept, index, n).amin(-1), stop)
+        return torch.stack([first, stop], -1).to(torch.int32).contiguous()
+
+    kept = ~empty
+    return spans(kept), spans(kept.transpose(-1, -2))
+
+
+class Plan:
+    """One call's arguments for the kernels at one tile size: pointers and strides, the
+    block map (B, H, query blocks, key blocks) and its walks, the dropout's and the scalars'
+    tensors, and the constexpr switches."""
+
+    def __init__(self, call: AttentionCall, blocks: Blocks) -> None:
+        q, k, v = call.q, call.k, call.v
+        self.call, self.blocks = call, blocks
+        self.B, self.H, self.Lq, self.D = q.shape
+        self.Hkv, self.Lk, self.DV = k.shape[1], k.shape[2], v.shape[-1]
+        self.G = self.H // self.Hkv
+        self.device = q.device
+        self.acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        shape = (self.B, self.H, self.Lq, self.Lk)
+        self.scores_shape = shape
+        self.n_q, self.n_k = triton.cdiv(self.Lq, blocks.rows), triton.cdiv(self.Lk, blocks.keys)
+        mask = _as_scores(call.mask, shape)
+        mask = None if mask is None else mask.view(torch.uint8)
+        bias = _as_scores(call.bias, shape)
+        bounds = None if call.bounds is None else call.bounds.contiguous()
+        bound_strides = [0, 0] if bounds is None else [0 if bounds.shape[0] == 1 else bounds.stride(0), bounds.stride(1)]
+        placement = call.placement
+        seed = placement.seed & _MASK64
+        meta = [seed - (1 << 64) if seed >> 63 else seed, placement.row_offset, placement.key_offset,
+                placement.head_offset, threshold(call.dropout_p)]
+        self.meta = torch.tensor(meta, dtype=torch.int64, device=self.device)
+        cap = call.softcap
+        self.fmeta = torch.tensor([call.scale, cap, 1.0 / cap if cap else 0.0, keep_value(call.dropout_p)],
+                                  dtype=torch.float64, device=self.device)
+        empty = empty_tiles(self.Lq, self.Lk, call.causal, None if bounds is None else bounds.cpu(),
+                            _narrowed(call.mask), None, blocks.rows, blocks.keys)  # (1 or B, 1 or H, n_q, n_k)
+        key_walks, query_walks = _walks(empty)
+        self.tile_map = empty.to(torch.int8).to(self.device).expand(self.B, self.H, self.n_q, self.n_k)
+        self.key_walks = key_walks.to(self.device).expand(self.B, self.H, self.n_q, 2)
+        self.query_walks = query_walks.to(self.device).expand(self.B, self.H, self.n_k, 2)
+        causal = 0 if call.causal is None else int(call.causal)
+        self.masks = [bias, *_strides(bias), mask, *_strides(mask), bounds, *bound_strides, self.meta, self.fmeta,
+                      self.tile_map, *_strides(self.tile_map)]
+        self.sizes = [self.H, self.G, self.Lq, self.Lk, self.D, self.DV, causal]
+        self.switches = dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None, HAS_BOUNDS=bounds is not None,
+                             CAUSAL=call.causal is not None, SOFTCAP=bool(cap), DROPOUT=call.dropout_p > 0.0,
+                             BM=blocks.rows, BN=blocks.keys, BD=padded_width(self.D), BDV=padded_width(self.DV),
+                             IP=input_precision(q.dtype, self.device), ACC=_acc(q.dtype))
+        # FMA contraction on, stated: Triton 3.9 warns that its default changes in 3.10
+        self.launch = dict(num_warps=blocks.warps, num_stages=blocks.stages, enable_fp_fusion=True)
+
+    def walks(self, of: str) -> list:
+        walks = self.key_walks if of == "keys" else self.query_walks
+        return [walks, *_strides(walks)[:3]]
+
+    def rows(self) -> Tensor:
+        return torch.empty(self.B, self.H, self.Lq, dtype=self.acc_dtype, device=self.device)
+
+
+def on_gpu(call: AttentionCall) -> bool:
+    """Whether the call's kernels are compiled for its GPU (else Triton's interpreter runs
+    them on the CPU)."""
+    return call.q.device.type == "cuda"
+
+
+def _plan(call: AttentionCall, pass_name: str) -> Plan:
+    width = max(call.q.shape[-1], call.v.shape[-1])
+    return Plan(call, blocks_for(pass_name, call.q.dtype, width, interpreted=not on_gpu(call)))
+
+
+def _same_strides(*tensors: Optional[Tensor]) -> list:
+    """Tensors the kernels read with one set of strides (an input and its tangents or
+    cotangents): as they are where their strides agree, else each contiguous."""
+    present = [t for t in tensors if t is not None]
+    if all(t.stride() == present[0].stride() for t in present):
+        return list(tensors)
+    return [None if t is None else t.contiguous() for t in tensors]
+
+
+def forward(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
+    plan = _plan(call, "forward")
+    q, k, v = call.q, call.k, call.v
+    out = torch.empty(plan.B, plan.H, plan.Lq, plan.DV, dtype=q.dtype, device=q.device)
+    row_max, inv_sum = plan.rows(), plan.rows()
+    kernels.forward[(plan.n_q, plan.B * plan.H)](
+        q, k, v, out, row_max, inv_sum, *_strides(q), *_strides(k), *_strides(v), *_strides(out), *plan.masks,
+        *plan.walks("keys"), *plan.sizes, **plan.switches, **plan.launch)
+    return out, row_max, inv_sum
+
+
+def jvp(call: AttentionCall, *, row_max: Tensor, inv_sum: Tensor, tq: Optional[Tensor], tk: Optional[Tensor],
+        tv: Optional[Tensor], tbias: Optional[Tensor]) -> Tensor:
+    plan = _plan(call, "jvp")
+    q, tq = _same_strides(call.q, tq)
+    k, tk = _same_strides(call.k, tk)
+    v, tv = _same_strides(call.v, tv)
+    out_t = torch.empty(plan.B, plan.H, plan.Lq, plan.DV, dtype=q.dtype, device=q.device)
+    t_bias = _as_scores(tbias, plan.scores_shape)
+    kernels.jvp[(plan.n_q, plan.B * plan.H)](
+        q, k, v, tq, tk, tv, out_t, row_max.contiguous(), inv_sum.contiguous(), *_strides(q), *_strides(k),
+        *_strides(v), *_strides(out_t), t_bias, *_strides(t_bias), *plan.masks, *plan.walks("keys"), *plan.sizes,
+        HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None, HAS_TBIAS=tbias is not None,
+        **plan.switches, **plan.launch)
+    return out_t
+
+
+class _Second:
+    """The inputs of a backward-type pass as the kernels take them: Q, K, V, dO and the
+    second set (Q2, K2, V2, dO2: tangents or cotangents), each set with one set of strides,
+    the bias-shaped C (bias' or gbias), the row statistics m, 1/l, D and the row sums X, Y."""
+
+    def __init__(self, plan: Plan, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
+                 q2: Optional[Tensor] = None, k2: Optional[Tensor] = None, v2: Optional[Tensor] = None,
+                 do2: Optional[Tensor] = None, c: Optional[Tensor] = None) -> None:
+        call = plan.call
+        self.q, self.q2 = _same_strides(call.q, q2)
+        self.k, self.k2 = _same_strides(call.k, k2)
+        self.v, self.v2 = _same_strides(call.v, v2)
+        self.do, self.do2 = _same_strides(dout, do2)
+        self.c = _as_scores(c, plan.scores_shape)
+        self.row_max, self.inv_sum = row_max.contiguous(), inv_sum.contiguous()
+        work = plan.acc_dtype
+        self.delta = (dout.to(work) * out.to(work)).sum(-1).contiguous()  # D = rowsum(dO * O)
+        self.x = self.y = self.delta  # the backward reads no row sums
+
+    def tensors(self) -> list:
+        return [self.q, self.k, self.v, self.do, self.q2, self.k2, self.v2, self.do2, self.row_max, self.inv_sum,
+                self.delta, self.x, self.y]
+
+    def strides(self) -> list:
+        return [*_strides(self.q), *_strides(self.k), *_strides(self.v), *_strides(self.do)]
+
+    def c_args(self) -> list:
+        return [self.c, *_strides(self.c)]
+
+    def switches(self) -> dict:
+        return dict(HAS_Q2=self.q2 is not None, HAS_K2=self.k2 is not None, HAS_V2=self.v2 is not None,
+                    HAS_DO2=self.do2 is not None, HAS_C=self.c is not None)
+
+
+def _row_sums(plan: Plan, inputs: _Second) -> None:
+    x, y = plan.rows(), plan.rows()
+    kernels.row_sums[(plan.n_q, plan.B * plan.H)](
+        *inputs.tensors()[:11], x, y, *inputs.strides(), *inputs.c_args(), *plan.masks, *plan.walks("keys"),
+        *plan.sizes, **inputs.switches(), **plan.switches, **plan.launch)
+    inputs.x, inputs.y = x, y
+
+
+def _bias_is_direct(plan: Plan) -> bool:
+    """Whether the bias has the scores' own shape: its gradient is then each tile's term,
+    stored by the query-side walk."""
+    bias = plan.call.bias
+    return bias.dim() == 4 and tuple(bias.shape) == plan.scores_shape
+
+
+def _backward_walks(plan: Plan, inputs: _Second, mode: int, bias_grad: bool,
+                    dout_grad: bool = False) -> tuple[Optional[Tensor], Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """The walks every backward-type pass ends with: (the dO-side result or None, the Q-side,
+    the K-side, the V-side, the bias-side or None), in the inputs' dtypes."""
+    call = plan.call
+    q, k, v = call.q, call.k, call.v
+    out_q = torch.empty(plan.B, plan.H, plan.Lq, plan.D, dtype=q.dtype, device=q.device)
+    out_do = torch.empty(plan.B, plan.H, plan.Lq, plan.DV, dtype=inputs.do.dtype, device=q.device) if dout_grad else None
+    direct = bias_grad and _bias_is_direct(plan)
+    bias_out = None
+    if bias_grad:
+        bias4 = call.bias[(None,) * (4 - call.bias.dim())]
+        bias_out = (torch.zeros if direct else torch.empty)(bias4.shape, dtype=call.bias.dtype, device=q.device)
+    kernels.query_side[(plan.n_q, plan.B * plan.H)](
+        *inputs.tensors(), out_q, out_do, bias_out if direct else None, *inputs.strides(),
+        *_strides(bias_out if direct else None), *inputs.c_args(), *plan.masks, *plan.walks("keys"), *plan.sizes,
+        MODE=mode, DOUT_GRAD=dout_grad, BIAS_DIRECT=direct, **inputs.switches(), **plan.switches, **plan.launch)
+    out_k = torch.empty(plan.B, plan.Hkv, plan.Lk, plan.D, dtype=k.dtype, device=q.device)
+    out_v = torch.empty(plan.B, plan.Hkv, plan.Lk, plan.DV, dtype=v.dtype, device=q.device)
+    kernels.key_side[(plan.n_k, plan.B * plan.Hkv)](
+        *inputs.tensors(), out_k, out_v, *inputs.strides(), *inputs.c_args(), *plan.masks, *plan.walks("queries"),
+        *plan.sizes, MODE=mode, **inputs.switches(), **plan.switches, **plan.launch)
+    if bias_grad and not direct:
+        _bias_side(plan, inputs, mode, bias_out)
+    return out_do, out_q, out_k, out_v, None if bias_out is None else bias_out.view(call.bias.shape)
+
+
+def _bias_side(plan: Plan, inputs: _Second, mode: int, bias_out: Tensor) -> None:
+    """A bias gradient (or tangent) reduced to the bias's broadcast shape, one program per
+    block of it."""
+    bb, bh, br, bk = bias_out.shape
+    rows_broadcast, keys_broadcast = br == 1 and plan.Lq > 1, bk == 1 and plan.Lk > 1
+    grid = (1 if rows_broadcast else plan.n_q, 1 if keys_broadcast else plan.n_k, bb * bh)
+    kernels.bias_side[grid](
+        *inputs.tensors(), bias_out, *inputs.strides(), *_strides(bias_out), *inputs.c_args(), *plan.masks,
+        *plan.walks("keys"), plan.B, *plan.sizes, bh, MODE=mode,
+        BATCH_BROADCAST=bb == 1 and plan.B > 1, HEADS_BROADCAST=bh == 1 and plan.H > 1,
+        ROWS_BROADCAST=rows_broadcast, KEYS_BROADCAST=keys_broadcast, **inputs.switches(), **plan.switches,
+        **plan.launch)
+
+
+def backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
+             bias_grad: bool) -> tuple:
+    plan = _plan(call, "backward")
+    inputs = _Second(plan, dout, out, row_max, inv_sum)
+    return _backward_walks(plan, inputs, BACKWARD, bias_grad)[1:]
+
+
+def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor, bias_grad: bool,
+                 tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
+                 tbias: Optional[Tensor]) -> tuple:
+    plan = _plan(call, "backward_jvp")
+    inputs = _Second(plan, dout, out, row_max, inv_sum, tq, tk, tv, tdout, tbias)
+    _row_sums(plan, inputs)  # c = rowsum(P S'), D~
+    return _backward_walks(plan, inputs, BACKWARD_JVP, bias_grad)[1:]
+
+
+def double_backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
+                    bias_grad: bool, dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor],
+                    gbias: Optional[Tensor]) -> tuple:
+    plan = _plan(call, "double_backward")
+    inputs = _Second(plan, dout, out, row_max, inv_sum, gq, gk, gv, None, gbias if bias_grad else None)
+    _row_sums(plan, inputs)  # t = rowsum(P T), u
+    return _backward_walks(plan, inputs, DOUBLE_BACKWARD, bias_grad, dout_grad)

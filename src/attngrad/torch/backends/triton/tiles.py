@@ -1,0 +1,214 @@
+"""What every Triton kernel does to one (BM queries, BN keys) score tile: the scores and
+which of them take part, the dropout factor, the tangent or cotangent score form, and the
+per-tile terms of every backward-type pass. The kernels (`kernels`) differ only in which
+tiles they walk and what they accumulate.
+
+Tile legend: rows = queries offs_m (BM,), columns = keys offs_n (BN,); q (BM, BD), k (BN, BD),
+v (BN, BDV), do (BM, BDV); row statistics (BM,). ACC is the compute dtype (float64 for
+float64 inputs, else float32); the GEMMs take the inputs' own dtype and sum in ACC.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# the pass a backward-type kernel runs (a constexpr)
+BACKWARD, BACKWARD_JVP, DOUBLE_BACKWARD = 0, 1, 2
+
+# Triton 3.9's interpreter multiplies bfloat16 tiles wrongly in tl.dot (float16 is right):
+# there, bfloat16 operands are widened to float32 first, which keeps every product exact.
+# Compiled kernels multiply bfloat16 on the tensor cores.
+WIDEN_BFLOAT16 = tl.constexpr(bool(triton.knobs.runtime.interpret))
+
+
+@triton.jit
+def mm(a, b, IP: tl.constexpr, ACC: tl.constexpr):
+    """a @ b summed in ACC, the products in the operands' dtype (float32 in TF32 if IP says so)."""
+    if WIDEN_BFLOAT16 and a.dtype == tl.bfloat16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee", out_dtype=ACC)
+    return tl.dot(a, b, input_precision=IP, out_dtype=ACC)
+
+
+@triton.jit
+def mix64(z):
+    """SplitMix64's output function on uint64 lanes (`attngrad.torch.dropout`)."""
+    z = z ^ (z >> 30)
+    z = z * 0xBF58476D1CE4E5B9
+    z = z ^ (z >> 27)
+    z = z * 0x94D049BB133111EB
+    return z ^ (z >> 31)
+
+
+@triton.jit
+def keep_scale(meta, b, h, offs_m, offs_n, keep_value):
+    """Z (BM, BN): 1 / (1 - p) where score (b, h, i, j) is kept, else 0, from the seed and the
+    coordinates in the whole call alone (the same bits as `dropout.keep_scale_torch` and the
+    compiled tiles). meta: int64 [seed, row offset, key offset, head offset, threshold]."""
+    seed = tl.load(meta).to(tl.uint64, bitcast=True)
+    row_offset = tl.load(meta + 1)
+    key_offset = tl.load(meta + 2)
+    head = (h + tl.load(meta + 3)).to(tl.uint64)
+    threshold = tl.load(meta + 4).to(tl.uint64)
+    key = mix64(seed + 0x9E3779B97F4A7C15 * ((b.to(tl.uint64) << 32) + head + 1))
+    rows = (offs_m + row_offset).to(tl.uint64)
+    cols = (offs_n + key_offset).to(tl.uint64)
+    z = mix64(key + 0x9E3779B97F4A7C15 * ((rows[:, None] << 32) + cols[None, :] + 1))
+    return tl.where((z >> 32) >= threshold, keep_value, 0.0)
+
+
+@triton.jit
+def tanh(x):
+    """tanh from one exp: Triton's core language has none the interpreter also runs."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def load_tile(ptr, s_row, s_col, offs_r, offs_c, n_r, n_c):
+    """A (rows, cols) tile of a strided matrix, 0 outside [0, n_r) x [0, n_c)."""
+    inside = (offs_r[:, None] < n_r) & (offs_c[None, :] < n_c)
+    return tl.load(ptr + offs_r[:, None] * s_row + offs_c[None, :] * s_col, mask=inside, other=0.0)
+
+
+@triton.jit
+def load_rows(ptr, offs_m, Lq):
+    """A (BM,) row statistic of a contiguous (B, H, Lq) tensor, at the (b, h) of `ptr`."""
+    return tl.load(ptr + offs_m, mask=offs_m < Lq, other=0.0)
+
+
+@triton.jit
+def scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap,
+           bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som,
+           HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
+           SOFTCAP: tl.constexpr):
+    """(S, tanh(A / c)) for the product qk = Q K^T of a tile: S = scale qk (capped: c tanh(A / c)),
+    plus the bias, at -inf where the key does not take part (outside the call, past the causal
+    diagonal j <= i + causal, outside the row's key bounds [lo, hi), or masked out). Without a
+    cap the second result is A itself, unused."""
+    a = qk * scale
+    if SOFTCAP:
+        th = tanh(a * inv_cap)
+        s = cap * th
+    else:
+        th = a
+        s = a
+    inside = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
+    if HAS_BIAS:
+        s += tl.load(bias + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_n[None, :] * sbn, mask=inside,
+                     other=0.0).to(s.dtype)
+    keep = inside
+    if CAUSAL:
+        keep = keep & (offs_n[None, :] <= offs_m[:, None] + causal)
+    if HAS_BOUNDS:
+        row = bounds + b * sob + offs_m * som
+        lo = tl.load(row, mask=offs_m < Lq, other=0)
+        hi = tl.load(row + 1, mask=offs_m < Lq, other=0)
+        keep = keep & (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+    if HAS_MASK:
+        allowed = tl.load(mask + b * smb + h * smh + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=inside, other=0)
+        keep = keep & (allowed != 0)
+    return tl.where(keep, s, float("-inf")), th
+
+
+@triton.jit
+def score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+    """(F, F_raw) of the form F = slope * scale (q2 K^T + Q k2^T) + C: S' for tangents (q2 = Q',
+    k2 = K', C = bias'), T for cotangents (gQ, gK, gbias); F_raw is the products' part before
+    the cap's slope 1 - tanh^2 (its curve meets it). An absent term is None."""
+    raw = tl.zeros((q.shape[0], k.shape[0]), ACC)
+    if q2 is not None:
+        raw += mm(q2, tl.trans(k), IP, ACC)
+    if k2 is not None:
+        raw += mm(q, tl.trans(k2), IP, ACC)
+    raw = raw * scale
+    form = raw
+    if SOFTCAP:
+        form = raw * (1.0 - th * th)
+    if c_tile is not None:
+        form += c_tile
+    return form, raw
+
+
+@triton.jit
+def load_score_like(ptr, b, h, offs_m, offs_n, Lq, Lk, sb, sh, sm, sn, ACC: tl.constexpr):
+    """A (BM, BN) tile of a bias-shaped tensor (a bias tangent or cotangent), 0 outside."""
+    inside = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
+    return tl.load(ptr + b * sb + h * sh + offs_m[:, None] * sm + offs_n[None, :] * sn, mask=inside,
+                   other=0.0).to(ACC)
+
+
+@triton.jit
+def tile_terms(MODE: tl.constexpr, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, th, m_d, inv, x_row, y_row,
+               scale, inv_cap, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+    """The score-shaped terms of one tile for a backward-type pass, from P (BM, BN), Z (or
+    None without dropout), the rows' D = rowsum(dO * O) (`m_d`), 1/l and the pass's two row
+    sums (x, y; `kernels.row_sums`):
+
+      BACKWARD        dP = (dO V^T) Z,  dS = P (dP - D)
+      BACKWARD_JVP    S' (q2 = Q', k2 = K', c = bias'), P' = P (S' - x), x = rowsum(P S'),
+                      dP~ = (dO' V^T + dO V'^T) Z, y = D~ = rowsum(P' dP + P dP~),
+                      dS~ = P' (dP - D) + P (dP~ - D~)
+      DOUBLE_BACKWARD T (q2 = gQ, k2 = gK, c = gbias), x = t = rowsum(P T),
+                      g_dP = P (T - t), X = (dO gV^T) Z, g_P = (dP - D)(T - t) + X,
+                      y = u = rowsum(P g_P) (less t D), g_S = P (g_P - u)
+
+    Returns (P Z, W, to the bias, to Q and K, to Q and K with the second inputs): W = P Z, P' Z
+    or g_dP Z (what goes to V's side), "to the bias" dS, dS~ or g_S, and "to Q and K" the
+    score-side term taken back through the cap (dA = slope dS; its partner dA~ or g_A, which
+    also holds the cap's curve times S'_raw or T_raw). A row with 1/l = 1 had one key
+    alone (exp(0) = 1, the others 0 to rounding): its dP - D is rounding, and set to 0."""
+    dp = mm(do, tl.trans(v), IP, ACC)
+    if DROPOUT:
+        dp = dp * z
+        pz = p * z
+    else:
+        pz = p
+    dpd = tl.where(inv[:, None] == 1.0, 0.0, dp - m_d[:, None])
+    ds = p * dpd
+    slope = 1.0
+    if SOFTCAP:
+        slope = 1.0 - th * th
+        curve = -2.0 * th * slope * inv_cap
+    da = ds * slope
+    if MODE == 0:
+        w = pz
+        to_bias = ds
+        da2 = da
+    elif MODE == 1:
+        form, raw = score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP, IP, ACC)
+        pt = p * (form - x_row[:, None])
+        dpt = tl.zeros(dp.shape, ACC)
+        if do2 is not None:
+            dpt += mm(do2, tl.trans(v), IP, ACC)
+        if v2 is not None:
+            dpt += mm(do, tl.trans(v2), IP, ACC)
+        if DROPOUT:
+            dpt = dpt * z
+            w = pt * z
+        else:
+            w = pt
+        to_bias = pt * dpd + p * (dpt - y_row[:, None])
+        da2 = to_bias
+        if SOFTCAP:
+            da2 = slope * to_bias + curve * raw * ds
+    else:
+        form, raw = score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP, IP, ACC)
+        centred = form - x_row[:, None]
+        g_dp = p * centred
+        g_p = dpd * centred
+        if v2 is not None:
+            x = mm(do, tl.trans(v2), IP, ACC)
+            if DROPOUT:
+                x = x * z
+            g_p += x
+        if DROPOUT:
+            w = g_dp * z
+        else:
+            w = g_dp
+        to_bias = p * (g_p - y_row[:, None])
+        da2 = to_bias
+        if SOFTCAP:
+            da2 = slope * to_bias + curve * raw * ds
+    return pz, w, to_bias, da, da2

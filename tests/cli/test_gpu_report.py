@@ -1,0 +1,59 @@
+"""`attngrad gpu-report`: the Triton kernels compiled for A100 and H100 without a GPU.
+
+It runs in a fresh process without TRITON_INTERPRET (the interpreter tests set it, and it
+would make the kernels interpreted, which cannot be compiled)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+
+def gpu_report(*args, interpret=None):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = interpret
+    code = "import sys\nfrom attngrad.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
+    return subprocess.run([sys.executable, "-c", code, "gpu-report", *args], capture_output=True, text=True,
+                          timeout=600, env=env)
+
+
+def test_first_order_and_jvp_compile_for_sm80_and_sm90_without_spills():
+    """bfloat16 at d = 128 with every option (a boolean mask, a bias and its gradient, key
+    bounds, causal, soft cap, dropout, GQA): forward, backward, JVP, each kernel for both
+    targets, none spilling. (`attngrad gpu-report` with no arguments covers every pass,
+    dtype, width and feature set; docs/gpu.md holds its table.)"""
+    result = gpu_report("--dtypes", "bfloat16", "--widths", "128", "--features", "all", "--passes", "forward",
+                        "backward", "jvp", "--markdown")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ") and "kernel" not in line]
+    kernels = {(row[0].strip("| "), row[1]) for row in rows}
+    assert kernels == {("forward", "forward"), ("jvp", "jvp"), ("query_side", "backward"), ("key_side", "backward")}
+    assert {row[5] for row in rows} == {"80", "90"}
+    assert all(row[8] == "0" for row in rows), result.stdout  # spill bytes
+    assert "0 failed" in result.stdout
+
+
+def test_a_spill_where_the_bar_forbids_it_fails_the_report():
+    """The backward's JVP at d = 128 spills with Triton 3.9 (docs/gpu.md): the report says so
+    and exits 1."""
+    result = gpu_report("--dtypes", "bfloat16", "--widths", "128", "--features", "all", "--passes", "backward_jvp",
+                        "--archs", "80")
+    assert result.returncode == 1 and "0 failed" not in result.stdout
+
+
+def test_the_command_offers_what_the_report_compiles():
+    from attngrad.cli import gpu_report_cmd as cli
+    from attngrad.torch.backends.triton import compile_report as report
+
+    assert (cli.DTYPES, cli.WIDTHS, cli.ARCHS, cli.FEATURES, cli.PASSES) == (
+        tuple(report.DTYPES), report.WIDTHS, report.ARCHS, report.FEATURES, report.PASSES)
+
+
+def test_the_interpreter_is_refused_by_name():
+    result = gpu_report("--dtypes", "bfloat16", "--widths", "64", "--features", "plain", interpret="1")
+    assert result.returncode == 2 and "unset TRITON_INTERPRET" in result.stdout

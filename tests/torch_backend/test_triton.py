@@ -1,0 +1,287 @@
+"""The Triton backend, every pass and every feature, against PyTorch's math path.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1,
+which tests/conftest.py sets before anything imports triton); on a machine with CUDA,
+`TRITON_INTERPRET=0 pytest -m gpu` runs the same tests compiled, on the GPU. References are written out in PyTorch operators, float64, so
+autograd differentiates them to any order: output, gradients (with the bias or sinks),
+the JVP, the double backward and forward-over-reverse Hessian-vector products.
+"""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from attngrad.torch import attention, dispatch, dropout, use_implementation  # noqa: E402
+from attngrad.torch.backends import triton as triton_backend  # noqa: E402
+from attngrad.torch.backends.triton import launch  # noqa: E402
+
+from ..conftest import assert_all_close, rel_err  # noqa: E402
+from .conftest import op_attention  # noqa: E402
+
+B, H, HKV, LQ, LK, D, DV = 2, 2, 1, 19, 23, 16, 8
+DOUBLE = torch.float64
+INTERPRETED = triton_backend.interpreting()
+DEVICES = (["cpu"] if INTERPRETED else []) + ([pytest.param("cuda", marks=pytest.mark.gpu)]
+                                              if torch.cuda.is_available() and not INTERPRETED else [])
+# the tests on CPU tensors: they need the interpreter
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="the Triton kernels are compiled (TRITON_INTERPRET=0)")
+
+
+@pytest.fixture
+def on_triton():
+    """Only the triton backend runs; the test fails if a pass ran elsewhere."""
+    before = dict(dispatch.ran)
+    with use_implementation("triton"):
+        yield
+    ran = {name for key, count in dispatch.ran.items() if count > before.get(key, 0) for name in key[1:]}
+    assert ran <= {"triton"}, f"passes ran on {ran}"
+
+
+def randn(*shape, seed, dtype=DOUBLE, device="cpu"):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype).to(device)
+
+
+def math_attention(q, k, v, *, allowed=None, bias=None, softcap=0.0, sinks=None, keep=None, dropout_p=0.0):
+    """Softmax attention in PyTorch operators (differentiable to any order): GQA by repeating
+    K and V, the cap before the bias, a sink as one more key of value 0, dropout's keep-mask."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks[:, None, None].expand(*s.shape[:-1], 1)], -1)
+    p = torch.softmax(s, -1)
+    if sinks is not None:
+        p = p[..., :-1]
+    if keep is not None:
+        p = p * keep / (1 - dropout_p)
+    return p @ v
+
+
+def _rows(lq, lk, device):
+    return torch.arange(lq, device=device)[:, None], torch.arange(lk, device=device)[None, :]
+
+
+class Case:
+    """One configuration: primals (q, k, v and a learned bias or sinks), and the two functions."""
+
+    def __init__(self, device, *, len_q=LQ, len_k=LK, causal=False, mask=False, bias=None, softcap=0.0, sinks=False,
+                 window=None, documents=False, padding=False, dropout_p=0.0):
+        self.device = device
+        if documents:
+            len_k = len_q
+        self.q = randn(B, H, len_q, D, seed=1, device=device)
+        self.k, self.v = randn(B, HKV, len_k, D, seed=2, device=device), randn(B, HKV, len_k, DV, seed=3, device=device)
+        self.extra = None
+        if bias is not None:
+            self.extra = randn(*bias, seed=4, device=device)
+        elif sinks:
+            self.extra = randn(H, seed=4, device=device)
+        self.options = dict(is_causal=causal, softcap=softcap or None, dropout_p=dropout_p, enable_gqa=True)
+        self.softcap, self.dropout_p, self.bias_given, self.sinks = softcap, dropout_p, bias is not None, sinks
+        i, j = _rows(len_q, len_k, device)
+        allowed = torch.ones(B, 1, len_q, len_k, dtype=torch.bool, device=device)
+        offset = 0 if causal in (False, True) else len_k - len_q
+        if causal:
+            allowed &= j <= i + offset
+        if mask:
+            self.mask = randn(B, 1, len_q, len_k, seed=5, device=device) > -0.7
+            self.mask[..., 0] = True  # every row keeps a key
+            self.options["attn_mask"] = self.mask
+            allowed &= self.mask
+        if window is not None:
+            self.options["window"] = window
+            allowed &= j >= i + offset - window[0]
+        if documents:
+            ids = torch.tensor([0] * 5 + [1] * 6 + [2] * (len_q - 11), device=device)
+            self.options["document_ids"] = ids
+            allowed &= ids[:, None] == ids[None, :]
+        if padding:
+            lengths = torch.tensor([len_k - 3, len_k - 6], device=device)  # every document keeps a key
+            self.options["key_padding"] = lengths
+            allowed &= (j < lengths[:, None, None, None])
+        self.allowed = allowed
+        self.keep = None
+        if dropout_p:
+            self.seed = 20261125
+            self.keep = dropout.keep_scale_torch(torch.empty(B, H, len_q, len_k, dtype=DOUBLE), self.seed, 0,
+                                                 dropout_p).to(device) > 0
+
+    @property
+    def primals(self):
+        return (self.q, self.k, self.v) + (() if self.extra is None else (self.extra,))
+
+    def ours(self, q, k, v, extra=None):
+        options = dict(self.options)
+        if self.bias_given:
+            options["attn_bias"] = extra
+        if self.sinks:
+            options["sinks"] = extra
+        if self.dropout_p:  # the op, whose seed is given
+            causal = {False: None, True: 0, "bottom_right": k.shape[2] - q.shape[2]}[options["is_causal"]]
+            return op_attention(q, k, v, bias=extra, causal=causal, seed=torch.tensor(self.seed),
+                                dropout_p=self.dropout_p)
+        return attention(q, k, v, **options)
+
+    def theirs(self, q, k, v, extra=None):
+        return math_attention(q, k, v, allowed=self.allowed, bias=extra if self.bias_given else None,
+                              softcap=self.softcap, sinks=extra if self.sinks else None, keep=self.keep,
+                              dropout_p=self.dropout_p)
+
+
+# Each case puts several features together (the interpreter runs about 10^4 Triton
+# operations a second). `blocks`: the interpreter's tile, 16 (several blocks per row and
+# column, partly skipped) or 32 (one block: the fast cases).
+CASES = {
+    "gqa": dict(blocks=32),
+    "causal-mask-bias": dict(causal=True, mask=True, bias=(LQ, LK), blocks=16),
+    "bottom-right-softcap-bias": dict(causal="bottom_right", len_q=11, softcap=2.0, bias=(B, H, 11, LK), blocks=32),
+    "window-sinks": dict(causal=True, window=(5, None), len_q=LK, sinks=True, blocks=16),
+    "documents-padding": dict(documents=True, padding=True, blocks=16),
+    "dropout-per-key-bias": dict(dropout_p=0.3, causal=True, bias=(B, 1, 1, LK), blocks=32),
+}
+
+
+def case_of(name, tiles_of, device="cpu"):
+    options = dict(CASES[name])
+    tiles_of(options.pop("blocks"))
+    return Case(device, **options)
+
+
+def zero_gradients(name):
+    """The derivatives that are 0 in exact arithmetic: a bias constant along the keys (softmax
+    ignores a row's shift) has none; both sides hold rounding noise there."""
+    return ("dextra", "gg_extra", "hvp_extra") if CASES[name].get("bias", (1,))[-1] == 1 else ()
+
+
+@pytest.fixture
+def tiles_of(monkeypatch):
+    """Set the interpreter's tile (rows = keys)."""
+    def set_blocks(size):
+        monkeypatch.setattr(launch, "INTERPRETED", launch.Blocks(size, size, 1, 1))
+    return set_blocks
+
+
+def every_derivative(fn, primals, seed):
+    """Output, gradients, JVP, double backward (with dO's) and HVP (the backward's JVP) of
+    `fn` at `primals`: every pass, each run once or twice."""
+    like = lambda t, s: randn(*t.shape, seed=s, device=t.device).to(t.dtype)  # noqa: E731
+    tangents = tuple(like(p, seed + i) for i, p in enumerate(primals))
+    leaves = [p.clone().requires_grad_() for p in primals]
+    out = fn(*leaves)
+    dout = like(out, seed + 10).requires_grad_()
+    grads = torch.autograd.grad(out, leaves, dout, create_graph=True)
+    inner = sum((g * c).sum() for g, c in zip(grads, tangents))
+    second = torch.autograd.grad(inner, leaves + [dout])
+    _, out_t = torch.func.jvp(fn, primals, tangents)
+    vjp = lambda *x: torch.func.vjp(fn, *x[:-1])[1](x[-1])  # noqa: E731
+    _, hvp = torch.func.jvp(vjp, primals + (dout.detach(),), tangents + (like(out, seed + 20),))
+    names = ["q", "k", "v", "extra"][: len(primals)]
+    return {"out": out.detach(), **{f"d{n}": g.detach() for n, g in zip(names, grads)}, "jvp": out_t,
+            **{f"gg_{n}": g for n, g in zip(names + ["dout"], second)}, **{f"hvp_{n}": h for n, h in zip(names, hvp)}}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", CASES)
+def test_every_pass_matches_the_math_path(on_triton, tiles_of, device, name):
+    case = case_of(name, tiles_of, device)
+    ours = every_derivative(case.ours, case.primals, 30)
+    theirs = every_derivative(case.theirs, case.primals, 30)
+    assert_all_close({k: v.cpu() for k, v in ours.items()}, {k: v.cpu() for k, v in theirs.items()},
+                     zeros=set(zero_gradients(name)))
+
+
+@interpreted
+def test_dropout_mask_is_the_cpu_tiles_bit_for_bit():
+    """V = the identity and Q = 0 make every row's P = 1/Lk exactly, so O = Z / Lk recovers the
+    keep-scale Z of every score: it must be dropout.py's, entry for entry, at an offset
+    placement too (a ring step or head group of a larger call)."""
+    lk, p = 32, 0.5  # Z = 2 and P = 1/32: O = Z / 32 exactly
+    q = torch.zeros(2, 3, 21, 16, dtype=DOUBLE)
+    k = randn(2, 3, lk, 16, seed=1)
+    v = torch.eye(lk, dtype=DOUBLE).expand(2, 3, lk, lk)
+    for placement in (dropout.Placement(987654321987), dropout.Placement(-5, 7, 3, 2)):
+        with use_implementation("triton"):
+            out = op_attention(q, k, v, seed=placement.tensor(), dropout_p=p)
+        expected = dropout.keep_scale_torch(torch.empty(2, 3, 21, lk, dtype=DOUBLE), placement.seed,
+                                            placement.row_offset, p, placement.key_offset, placement.head_offset)
+        assert torch.equal(out * lk, expected)
+        with use_implementation("tiles"):
+            assert torch.equal(op_attention(q, k, v, seed=placement.tensor(), dropout_p=p), out)
+
+
+@interpreted
+@pytest.mark.parametrize("name", ["causal-mask-bias", "bottom-right-softcap-bias"])
+def test_float32_error_is_within_twice_the_cpu_tiles(tiles_of, name):
+    """IEEE float32 GEMMs: every derivative's error against float64 within 2x the compiled
+    CPU tiles' (the two sum in other orders; neither is the truth)."""
+    case = case_of(name, tiles_of)
+    truth = every_derivative(case.theirs, case.primals, 40)
+    single = tuple(p.float() for p in case.primals)
+    errors = {}
+    for implementation in ("triton", "tiles"):
+        with use_implementation(implementation):
+            ours = every_derivative(case.ours, single, 40)
+        errors[implementation] = {n: rel_err(ours[n].double(), truth[n]) for n in ours}
+    for n, error in errors["triton"].items():
+        if n in zero_gradients(name):
+            continue
+        assert error <= 2 * errors["tiles"][n] + 1e-7, f"{n}: triton {error:.2e}, tiles {errors['tiles'][n]:.2e}"
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_runs_in_its_own_type(on_triton, tiles_of, dtype):
+    """float16 and bfloat16: products in the input type, sums and softmax statistics in
+    float32, results in the inputs' dtype, within the type's rounding of float64."""
+    case = case_of("bottom-right-softcap-bias", tiles_of)
+    truth = every_derivative(case.theirs, case.primals, 50)
+    ours = every_derivative(case.ours, tuple(p.to(dtype) for p in case.primals), 50)
+    bar = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    for n in ("out", "dq", "dk", "dv", "dextra", "jvp"):
+        assert ours[n].dtype == dtype
+        assert rel_err(ours[n].double(), truth[n]) < bar, n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_inputs_same_bits(on_triton, tiles_of, device):
+    """Every result is written by one program in a fixed order: no atomics, so a second run,
+    the bias gradient reduced over batch and rows included, gives the same bits (on a GPU,
+    where programs run concurrently, this is what it guards)."""
+    case = case_of("dropout-per-key-bias", tiles_of, device)
+
+    def first_order():
+        leaves = [p.clone().requires_grad_() for p in case.primals]
+        out = case.ours(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, randn(*out.shape, seed=61, device=device)))
+
+    assert all(torch.equal(a, b) for a, b in zip(first_order(), first_order()))
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
+    monkeypatch.setattr(triton_backend, "interpreting", lambda: False)
+    q = randn(1, 1, 4, 16, seed=1)
+    with use_implementation("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        attention(q, q, q)
+
+
+@interpreted
+def test_wide_heads_are_refused_by_name():
+    q = randn(1, 1, 4, 257, seed=1)
+    with use_implementation("triton"), pytest.raises(RuntimeError, match="head widths up to 256; got d=257"):
+        attention(q, q, q)
+
+
+@interpreted
+def test_triton_is_listed_among_the_backends():
+    status = {b.name: b for b in dispatch.backends()}
+    assert status["triton"].available
+    assert dispatch.registered().index("triton") < dispatch.registered().index("torch-ops")

@@ -121,9 +121,10 @@ def _call(dtype: torch.dtype, width: int, features: str) -> tuple[AttentionCall,
     def rand(*shape, kind=dtype):
         return torch.randn(*shape, generator=gen).to(kind)
 
-    q, k, v = rand(batch, heads, length, width), rand(batch, kv_heads, length, width), rand(batch, kv_heads, length, width)
+    if features == "plain":  # no option, no GQA
+        kv_heads = heads
+    q, k, v = (rand(batch, h, length, width) for h in (heads, kv_heads, kv_heads))
     if features == "plain":
-        q, k, v = q, k[:, :1].expand(batch, heads, length, width).contiguous(), v[:, :1].expand(batch, heads, length, width).contiguous()
         return AttentionCall(q, k, v, ScoreMasks(), torch.tensor(0), width ** -0.5), {}
     bias_shape = (batch, heads, length, length) if features == "all" else (1, heads, 1, length)
     bounds = torch.tensor([[[0, length]] * length], dtype=torch.int64)

@@ -139,8 +139,36 @@ def gpt_oss():
     return transformers.GptOssForCausalLM, config, inputs
 
 
+def gemma3_images():
+    """Image tokens that see each other both ways inside a causal mask (transformers joins the
+    two with or_masks), sliding and full layers, a SigLIP vision tower, left padding."""
+    text = transformers.Gemma3TextConfig(**{**SMALL, "num_hidden_layers": 2}, num_key_value_heads=2, head_dim=8,
+                                         sliding_window=4, query_pre_attn_scalar=8)
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=7)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2)
+    ids = torch.randint(3, VOCAB - 3, (2, LENGTH), generator=torch.Generator().manual_seed(11))
+    ids[:, 4:8] = VOCAB - 1  # one image of 4 tokens each
+    pixels = torch.randn(2, 3, 28, 28, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    inputs = dict(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == VOCAB - 1).long(),
+                  attention_mask=_padding(2, LENGTH, [LENGTH - 2, LENGTH], left=True))
+    return transformers.Gemma3ForConditionalGeneration, config, inputs
+
+
+def llama4_chunked():
+    """Chunked attention (chunks of 4 keys) in alternate layers, mixture of experts, left padding.
+    Without the query/key L2 norm, which Llama 4 computes in float32: its rounding would
+    blur the float64 comparison of second derivatives."""
+    config = transformers.Llama4TextConfig(**SMALL, num_key_value_heads=2, head_dim=8, intermediate_size_mlp=48,
+                                           attention_chunk_size=4, num_local_experts=2, num_experts_per_tok=1,
+                                           interleave_moe_layer_step=1, use_qk_norm=False)
+    inputs = dict(input_ids=_ids(2, LENGTH, 13), attention_mask=_padding(2, LENGTH, [LENGTH - 3, LENGTH], left=True))
+    return transformers.Llama4ForCausalLM, config, inputs
+
+
 MODELS = dict(llama=llama, llama_packed=llama_packed, bert=bert, t5=t5, bart=bart, mistral=mistral, gemma2=gemma2,
-              gpt_oss=gpt_oss)
+              gpt_oss=gpt_oss, gemma3_images=gemma3_images, llama4_chunked=llama4_chunked)
 
 
 def build(name: str, implementation: str):
@@ -148,7 +176,7 @@ def build(name: str, implementation: str):
     model_class, config, inputs = MODELS[name]()
     torch.manual_seed(0)
     # grouped_mm, the default experts kernel, takes no float64: GPT-OSS's experts run eagerly
-    experts = dict(experts_implementation="eager") if name == "gpt_oss" else {}
+    experts = dict(experts_implementation="eager") if name in ("gpt_oss", "llama4_chunked") else {}
     model = model_class._from_config(config, attn_implementation=implementation, dtype=torch.float64, **experts)
     with torch.no_grad():  # sinks and other parameters that a config initialises to 0 get values
         for p in model.parameters():

@@ -1,8 +1,9 @@
 """attn_implementation="attngrad" in tiny random transformers models, in float64: logits,
 every parameter's gradient, a JVP and a gradient penalty's double backward through the
 whole model equal those of the exact dense reference (`models`), generate() gives the same
-tokens, masks the integration cannot serve are refused by name, and a padded Llama at
-L = 4096 makes no L x L tensor.
+tokens, mask functions it does not read (or_masks for Gemma 3's image tokens, Llama 4's
+chunks, a function of its own) are evaluated into the same mask as transformers' own, and
+a padded Llama and a chunked Llama 4 at L = 4096 make no L x L tensor.
 """
 
 import pytest
@@ -13,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 from attngrad.integrations.transformers import CompactMask, UnsupportedMask  # noqa: E402
 
 from ..conftest import assert_all_close  # noqa: E402
-from .models import MODELS, REFERENCE, build, register_both  # noqa: E402
+from .models import MODELS, REFERENCE, build, register_both, sdpa_mask  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,7 +40,9 @@ def first_and_second_order(model, inputs):
     leaves = [params[n] for n in names]
     logits = logits_of(model, inputs)
     w = weights(logits.shape, 1)
-    grads = torch.autograd.grad((logits * w).sum(), leaves, create_graph=True)
+    # allow_unused: a parameter the inputs never reach (Gemma 3's unused vision head) has none
+    grads = torch.autograd.grad((logits * w).sum(), leaves, create_graph=True, allow_unused=True)
+    grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, leaves)]
     penalty = sum((g * g).sum() for g in grads)
     second = torch.autograd.grad(penalty, leaves, allow_unused=True)
     primals = {n: p.detach() for n, p in params.items()}
@@ -90,33 +93,97 @@ def test_masks_reach_attention_compact():
     assert torch.equal(mask.key_padding, inputs["attention_mask"] == 0)
 
 
-def test_unsupported_masks_are_refused_by_name():
+def _dense(mask: CompactMask, batch: int) -> torch.Tensor:
+    """A CompactMask from evaluation written out: (B, 1, Lq, Lk) boolean."""
+    return mask.evaluated.dense().expand(batch, 1, mask.q_length, mask.kv_length)
+
+
+@pytest.mark.parametrize("entries", [7, 1 << 22])
+def test_mask_functions_it_does_not_read_are_evaluated_exactly(entries, monkeypatch):
+    """or_masks, chunks, blockwise overlays, a function of the test's own and one with holes
+    inside rows, with padding and a cache offset: equal to transformers' own SDPA mask,
+    as key bounds wherever every row is one interval."""
     from transformers import masking_utils as mu
 
     from attngrad.integrations.transformers import mask_for_attngrad
+    from attngrad.torch import mask_functions
 
+    monkeypatch.setattr(mask_functions, "ENTRIES", entries)
+    padding = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 10])
+    blocks = torch.tensor([[-1, -1, 0, 0, 0, 1, 1, -1, -1, -1], [2, 2, -1, 3, 3, 3, -1, -1, 4, 4]])
     cases = [
-        (mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function), "or_masks"),
-        (mu.and_masks(mu.causal_mask_function, mu.chunked_overlay(4, torch.zeros(2, dtype=torch.long))), "chunked"),
-        (mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(torch.zeros(2, 8, dtype=torch.long))), "or_masks"),
-        (lambda b, h, q, k: q >= k, "test_transformers"),
+        (mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function), True),
+        (mu.and_masks(mu.causal_mask_function, mu.chunked_overlay(4, torch.tensor([2, 0]))), True),
+        (mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(blocks)), True),
+        (lambda b, h, q, k: (k < 3) | (q >= k), True),
+        (lambda b, h, q, k: (q >= k) & ((q - k) % 2 == 0), False),
     ]
-    for mask_function, named in cases:
-        with pytest.raises(UnsupportedMask, match=named):
-            mask_for_attngrad(batch_size=2, q_length=8, kv_length=8, mask_function=mask_function)
+    for mask_function, intervals in cases:
+        arguments = dict(batch_size=2, q_length=8, kv_length=10, q_offset=2, kv_offset=0,
+                         mask_function=mask_function, attention_mask=padding)
+        ours = mask_for_attngrad(**arguments)
+        theirs = sdpa_mask(**arguments, allow_is_causal_skip=False, use_vmap=True)
+        assert (ours.evaluated.mask is None) == intervals
+        assert torch.equal(_dense(ours, 2), theirs)
 
 
-def test_a_padded_llama_at_4096_makes_no_l_by_l_tensor():
-    """Every tensor that any operator returns in a forward and backward of a padded Llama at
-    L = 4096, watched at PyTorch's dispatcher: none has L x L elements (a (B, 1, L, L) mask
-    would have 2 L^2, SDPA's boolean one among them)."""
+def test_models_masks_reach_attention_as_bounds(monkeypatch):
+    """Gemma 3's image tokens (or_masks) and Llama 4's chunks are evaluated, into bounds
+    (or the causal diagonal), not a mask."""
+    from attngrad.integrations import transformers as integration
+
+    made = []
+    evaluate = integration.evaluate_mask_function
+    monkeypatch.setattr(integration, "evaluate_mask_function", lambda *a, **k: made.append(evaluate(*a, **k)) or made[-1])
+    for name in ("gemma3_images", "llama4_chunked"):
+        model, inputs = build(name, "attngrad")
+        model(**inputs)
+    assert len(made) >= 2 and all(m.evaluated.mask is None for m in made)
+
+
+def test_a_mask_function_it_has_never_seen(monkeypatch):
+    """A model whose mask function is its own (here transformers' causal mask swapped for a
+    prefix-LM one, which both the model's mask interface and the reference then get):
+    logits, gradients, a JVP and a double backward equal the exact reference."""
+    from transformers import masking_utils
+
+    def prefix_lm(batch_idx, head_idx, q_idx, kv_idx):
+        return (kv_idx < 3) | (kv_idx <= q_idx)
+
+    monkeypatch.setattr(masking_utils, "causal_mask_function", prefix_lm)
+    model, inputs = build("llama", "attngrad")
+    ours = first_and_second_order(model, inputs)
+    model.set_attn_implementation(REFERENCE)
+    theirs = first_and_second_order(model, inputs)
+    zeros = {n for n in ours if "k_proj.bias" in n}
+    assert_all_close(ours, theirs, zeros=zeros)
+
+
+def _long_model(name: str, length: int):
+    if name == "llama":
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1,
+                                          max_position_embeddings=length)
+        return transformers.LlamaForCausalLM._from_config(config, attn_implementation="attngrad", dtype=torch.float32)
+    config = transformers.Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=32, intermediate_size_mlp=32,
+                                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                           head_dim=16, attention_chunk_size=512, num_local_experts=2,
+                                           num_experts_per_tok=1, max_position_embeddings=length)
+    return transformers.Llama4ForCausalLM._from_config(config, attn_implementation="attngrad", dtype=torch.float32,
+                                                       experts_implementation="eager")
+
+
+@pytest.mark.parametrize("name", ["llama", "llama4_chunked"])
+def test_a_padded_model_at_4096_makes_no_l_by_l_tensor(name):
+    """Every tensor that any operator returns in a forward and backward of a padded Llama
+    (its mask read) and a Llama 4 with chunked layers (its mask evaluated) at L = 4096,
+    watched at PyTorch's dispatcher: none has L x L elements (a (B, 1, L, L) mask would
+    have 2 L^2, SDPA's boolean one among them)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     length = 4096
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=length)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="attngrad", dtype=torch.float32)
+    model = _long_model(name, length)
     ids = torch.randint(1, 64, (2, length), generator=torch.Generator().manual_seed(0))
     padding = torch.ones(2, length, dtype=torch.long)
     padding[0, :1000] = 0

@@ -230,8 +230,9 @@ def structured_calls(draw):
     return options
 
 
+# the CPU backends: Triton's interpreter (seconds a call) has its structures in test_triton
 @settings(max_examples=40, deadline=None)
-@given(structured_calls(), st.sampled_from([b.name for b in backends() if b.available]))
+@given(structured_calls(), st.sampled_from([b.name for b in backends() if b.available and b.name != "triton"]))
 def test_random_structures_match_the_math_kernel(options, implementation_name):
     case = Case(**options)
     dout = randn(*case.q.shape[:-1], DV, seed=7)

@@ -8,14 +8,16 @@
 - a mask function (`AttentionMaskInterface`), which reads the model's mask into attngrad's
   structured masks (`transformers_masks`): causal with any cache offset, sliding windows,
   packed sequences from position ids, and padding from the 2-D attention_mask, as a
-  `CompactMask` of O(B L) memory instead of a (B, 1, L, L) tensor;
+  `CompactMask` of O(B L) memory instead of a (B, 1, L, L) tensor; any other mask function
+  (or_masks for image tokens, Llama 4's chunks, a model's own) is evaluated a few rows at
+  a time into per-row key bounds, still nothing L x L;
 - an attention function (`AttentionInterface`), which runs `attngrad.torch.attention` on
   it, with GQA without repeating heads, T5's relative position bias as a bias with its
   gradient, Gemma 2's soft cap and GPT-OSS's sinks.
 
 Every model that calls the attention interface then runs on attngrad: exact in float64,
-O(L) memory, and with forward-mode AD and double backward through the whole model. A mask
-or an option attngrad cannot serve raises `UnsupportedMask` or ValueError naming it.
+O(L) memory, and with forward-mode AD and double backward through the whole model. An
+option attngrad cannot serve raises `UnsupportedMask` or ValueError naming it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..torch import attention
-from .transformers_masks import CompactMask, UnsupportedMask, compact_mask, read_mask_function
+from .transformers_masks import CompactMask, UnsupportedMask, compact_mask, evaluate_mask_function, read_mask_function
 
 __all__ = ["NAME", "CompactMask", "UnsupportedMask", "attention_for_transformers", "mask_for_attngrad", "register"]
 
@@ -34,12 +36,18 @@ NAME = "attngrad"
 
 
 def mask_for_attngrad(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                      mask_function: Any = None, attention_mask: Optional[Tensor] = None, **_: Any) -> CompactMask:
-    """transformers' mask interface: the model's mask as a CompactMask (nothing Lq x Lk)."""
+                      mask_function: Any = None, attention_mask: Optional[Tensor] = None, use_vmap: bool = False,
+                      device: torch.device | str = "cpu", **_: Any) -> CompactMask:
+    """transformers' mask interface: the model's mask as a CompactMask, read or evaluated
+    (nothing Lq x Lk where its rows are intervals)."""
     if mask_function is None:
         raise UnsupportedMask("attn_implementation='attngrad' needs the model's mask_function")
-    pattern = read_mask_function(mask_function)
-    return compact_mask(q_length, kv_length, q_offset, kv_offset, pattern, attention_mask, batch_size)
+    try:
+        pattern = read_mask_function(mask_function)
+        return compact_mask(q_length, kv_length, q_offset, kv_offset, pattern, attention_mask, batch_size)
+    except UnsupportedMask:  # or_masks, chunks, image blocks, a model's own function: evaluated
+        return evaluate_mask_function(batch_size, q_length, kv_length, int(q_offset), int(kv_offset), mask_function,
+                                      attention_mask, use_vmap, device)
 
 
 def _needed_bias(position_bias: Optional[Tensor]) -> Optional[Tensor]:

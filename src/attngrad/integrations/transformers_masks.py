@@ -1,15 +1,18 @@
-"""transformers' mask functions read as attngrad's structured masks.
+"""transformers' mask functions as attngrad's masks.
 
 transformers describes a mask as a function of (batch, head, query, key) indices built from
-a few pieces of `transformers.masking_utils`: the causal mask, sliding windows, packed
-sequences (documents found from position ids), joined by `and_masks`. Its mask interface
-then hands that function to each attention backend's mask builder, which for SDPA or eager
-evaluates it into a (B, 1, Lq, Lk) tensor.
+the pieces of `transformers.masking_utils` (the causal mask, sliding windows, chunks,
+packed sequences, image-token blocks joined by `or_masks` and `and_masks`) or by the model
+itself. Its mask interface hands that function to each attention backend's mask builder,
+which for SDPA or eager evaluates it into a (B, 1, Lq, Lk) tensor.
 
-Here the function is read instead of evaluated: each known piece becomes an argument of
-`attngrad.torch.attention` (a causal diagonal, a window, document ids, key padding), and
-any other piece (or_masks, chunked or blockwise overlays, a model's own mask function)
-raises `UnsupportedMask` naming it, so that no model runs with a mask other than its own.
+Here the common pieces are read instead (`read_mask_function`): each becomes an argument of
+`attngrad.torch.attention` (a causal diagonal, a window, document ids, key padding), with
+no evaluation at all. Any other function is evaluated by transformers' own SDPA mask
+builder a few rows at a time and reduced to per-row key bounds where each row sees one
+interval of keys, as every mask of transformers' models does (`attngrad.torch.mask_functions`);
+only a mask with holes inside a row is written out whole. Either way the model runs with
+its own mask.
 """
 
 from __future__ import annotations
@@ -22,19 +25,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-MASKING_MODULE = "transformers.masking_utils"
+from ..torch.mask_functions import EvaluatedMask, evaluate_rows
 
-# pieces no structured mask expresses, by the name of the function that builds them
-REFUSED = {
-    "or_masks": "a union of masks (or_masks, e.g. an or_mask_function for image tokens)",
-    "chunked_overlay": "chunked attention (attention_chunk_size, as in Llama 4)",
-    "blockwise_overlay": "blockwise attention (block_sequence_ids: bidirectional blocks inside a causal mask)",
-    "add_offsets_to_mask_function": "a mask function with offsets already added",
-}
+MASKING_MODULE = "transformers.masking_utils"
 
 
 class UnsupportedMask(NotImplementedError):
-    """A transformers mask that attngrad's structured masks cannot express."""
+    """A transformers mask (or piece of one) that `read_mask_function` does not read: it is
+    evaluated instead (`evaluate_mask_function`)."""
 
 
 @dataclass
@@ -70,17 +68,12 @@ def _captured(fn: Callable) -> dict:
 
 
 def read_mask_function(fn: Callable) -> Pattern:
-    """The Pattern of a transformers mask function, or UnsupportedMask naming the piece that
-    has none."""
+    """The Pattern of a transformers mask function, or UnsupportedMask naming the piece it
+    does not read."""
     module = getattr(fn, "__module__", None)
     name = _origin(fn)
     if module != MASKING_MODULE:
-        raise UnsupportedMask(
-            f"attn_implementation='attngrad' reads transformers' own mask functions into structured masks; "
-            f"this model's mask uses {module}.{getattr(fn, '__qualname__', fn)!s}, which it cannot read. "
-            "Use attn_implementation='sdpa' or 'eager' for this model, or pass a 4-D attention_mask.")
-    if name in REFUSED:
-        raise UnsupportedMask(f"attn_implementation='attngrad' does not support {REFUSED[name]}")
+        raise UnsupportedMask(f"{module}.{getattr(fn, '__qualname__', fn)!s} is not a piece of {MASKING_MODULE}")
     if name == "causal_mask_function":
         return Pattern(causal=True)
     if name == "bidirectional_mask_function":
@@ -100,11 +93,7 @@ def read_mask_function(fn: Callable) -> Pattern:
         # the inner pieces see positions within each document; those above depend on q - k
         # alone, which within one document equals the difference of indices
         return read_mask_function(_captured(fn)["mask_function"])
-    if name == "padding_mask_function":
-        raise UnsupportedMask("attn_implementation='attngrad' takes padding from the 2-D attention_mask; "
-                              "a padding mask function inside the mask is not supported")
-    raise UnsupportedMask(f"attn_implementation='attngrad' does not support the mask piece "
-                          f"transformers.masking_utils.{name}")
+    raise UnsupportedMask(f"{MASKING_MODULE}.{name} is not read into a structured mask")
 
 
 @dataclass
@@ -118,17 +107,41 @@ class CompactMask:
     window: Optional[tuple] = None
     key_padding: Optional[Tensor] = None  # (B, Lk) boolean, True = padding
     document_ids: Optional[Tensor] = None  # (B, L)
+    evaluated: Optional[EvaluatedMask] = None  # a mask function evaluated, padding included
 
     def arguments(self) -> dict:
         """Keywords of `attngrad.torch.attention`."""
         return dict(is_causal=self.is_causal, window=self.window, key_padding=self.key_padding,
-                    document_ids=self.document_ids)
+                    document_ids=self.document_ids, block_mask=self.evaluated)
 
     @property
     def shape(self) -> tuple:
         """The shape of the dense mask this stands for (B, 1, Lq, Lk), B = 1 when shared."""
+        if self.evaluated is not None:
+            return (self.evaluated.shape[0], 1, self.q_length, self.kv_length)
         batch = next((t.shape[0] for t in (self.key_padding, self.document_ids) if t is not None), 1)
         return (batch, 1, self.q_length, self.kv_length)
+
+
+def evaluate_mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: int, kv_offset: int,
+                           mask_function: Callable, attention_mask: Optional[Tensor], use_vmap: bool,
+                           device: torch.device | str) -> CompactMask:
+    """A mask function no Pattern reads, with the padding of the 2-D `attention_mask`:
+    evaluated by transformers' `sdpa_mask` a few rows at a time (its semantics exactly),
+    as key bounds where every row sees one interval of keys."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(torch.bool)  # 0/1 as transformers' own preprocessing leaves it
+
+    def rows_of(start: int, stop: int) -> Tensor:
+        return sdpa_mask(batch_size=batch_size, q_length=stop - start, kv_length=kv_length,
+                         q_offset=q_offset + start, kv_offset=kv_offset, mask_function=mask_function,
+                         attention_mask=attention_mask, allow_is_causal_skip=False,
+                         allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
+
+    evaluated = evaluate_rows(rows_of, batch_size, 1, q_length, kv_length, device)
+    return CompactMask(q_length, kv_length, evaluated=evaluated)
 
 
 def compact_mask(q_length: int, kv_length: int, q_offset: int, kv_offset: int, pattern: Pattern,

@@ -11,6 +11,7 @@ kernels, ...), `use_implementation` chooses among them, and `ran` counts what ra
 from . import backends as _backends  # noqa: F401  (registers the backends)
 from .dispatch import backends, ran, use_implementation
 from .functional import attention, scaled_dot_product_attention
+from .mask_functions import create_block_mask
 from .mha import MultiheadAttention
 
-__all__ = ["MultiheadAttention", "attention", "backends", "ran", "scaled_dot_product_attention", "use_implementation"]
+__all__ = ["MultiheadAttention", "attention", "backends", "create_block_mask", "ran", "scaled_dot_product_attention", "use_implementation"]

@@ -9,7 +9,8 @@ generator (so `torch.manual_seed` makes runs repeat).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -17,6 +18,7 @@ from torch import Tensor
 from .autograd import attention as differentiable_attention
 from .call import AttentionCall, ScoreMasks
 from .layout import FLOATS, Layout, check_tensors, default_scale, describe_shapes
+from .mask_functions import evaluated_mask, intersect_bounds
 from .structured import structure
 
 
@@ -112,6 +114,8 @@ def attention(
     cu_seqlens: Optional[Tensor] = None,
     softcap: Optional[float] = None,
     sinks: Optional[Tensor] = None,
+    mask_mod: Optional[Callable] = None,
+    block_mask: Any = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
@@ -142,6 +146,15 @@ def attention(
     denominator, so a row may give weight to nothing. Learned: it gets its gradient, JVP and
     second derivatives like a bias. A row that sees no real key still gives 0.
 
+    mask_mod: FlexAttention's mask function, (b, h, q_idx, kv_idx) -> True where query q_idx
+    of batch entry b and head h sees key kv_idx, evaluated under vmap for every entry and
+    head of this call (query (B, H, Lq, E)). block_mask: the same made once for many calls,
+    by `attngrad.torch.create_block_mask` or FlexAttention's `create_block_mask` (whose
+    block structure counts too: FlexAttention's rule). A mask whose every row sees one
+    interval of keys (causal, windows, chunks, documents, prefix-LM, ...) becomes key
+    bounds, nothing Lq x Lk; any other is written out as a boolean mask
+    (`mask_functions`). Both combine with every other mask here.
+
     is_causal may also be an int c, the diagonal itself: key j is visible to query i when
     j <= i + c (a cache whose queries start c - Lk + Lq keys before the end).
 
@@ -153,7 +166,7 @@ def attention(
     call, layout = build_call(query, key, value, mask=attn_mask, bias=attn_bias, dropout_p=dropout_p,
                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, key_padding=key_padding,
                               window=window, document_ids=document_ids, cu_seqlens=cu_seqlens, softcap=softcap,
-                              sinks=sinks)
+                              sinks=sinks, mask_mod=mask_mod, block_mask=block_mask)
     return layout.unfold(differentiable_attention(call))
 
 
@@ -162,7 +175,8 @@ def build_call(query: Tensor, key: Tensor, value: Tensor, *, mask: Optional[Tens
                scale: Optional[float] = None, enable_gqa: bool = False, seed: Optional[Tensor] = None,
                key_padding: Optional[Tensor] = None, window: Optional[tuple] = None,
                document_ids: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
-               softcap: Optional[float] = None, sinks: Optional[Tensor] = None) -> tuple[AttentionCall, Layout]:
+               softcap: Optional[float] = None, sinks: Optional[Tensor] = None, mask_mod: Optional[Callable] = None,
+               block_mask: Any = None) -> tuple[AttentionCall, Layout]:
     """Check the public arguments and fold them into the op's call on (B, H, L, E), with the
     layout that unfolds its output. `seed` (a 0-d int64 tensor, or a `dropout.Placement`'s)
     fixes the dropout draw; by default it comes from PyTorch's generator. The rest as in
@@ -190,6 +204,17 @@ def build_call(query: Tensor, key: Tensor, value: Tensor, *, mask: Optional[Tens
         bounds, keep = structure(batch, layout.len_q, layout.len_k, causal, query.device, **structured)
         if keep is not None:  # padding with holes: a (B, 1, 1, Lk) mask beside any other
             mask = keep if mask is None else mask & keep
+    if mask_mod is not None or block_mask is not None:
+        if query.dim() != 4 or layout.flat:
+            raise ValueError(f"mask_mod and block_mask take (B, H, L, E) inputs, as FlexAttention does; got "
+                             f"{describe_shapes(query, key, value)}")
+        evaluated = evaluated_mask(mask_mod, block_mask, layout.batch[0], layout.heads, layout.len_q, layout.len_k,
+                                   query.device)
+        bounds = intersect_bounds(bounds, evaluated.bounds)
+        if evaluated.causal is not None:  # two causal diagonals: the lower one holds
+            causal = evaluated.causal if causal is None else min(causal, evaluated.causal)
+        if evaluated.mask is not None:
+            mask = evaluated.mask if mask is None else mask & evaluated.mask
     if seed is None:
         if dropout_p > 0.0:
             seed = torch.randint(0, 2**62, (), dtype=torch.int64)  # from PyTorch's default generator

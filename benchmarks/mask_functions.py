@@ -1,0 +1,88 @@
+"""Masks given as functions against the same structure given as attngrad's own arguments,
+side by side in one process, interleaved (B=1, H=8, d=64, float32, fwd+bwd at --length; the
+median of --repeats runs of each):
+
+    bounds      is_causal / window / cu_seqlens
+    block_mask  FlexAttention's BlockMask of the same mask_mod, made once (its evaluation is
+                kept with it, so calls after the first pay nothing for it)
+    mask_mod    the mask function itself, evaluated on every call
+
+for a causal mask, a causal sliding window of --window keys and 8 packed causal documents;
+then a mask of random blocks (no interval per row, so a boolean mask) as block_mask against
+the same dense boolean mask. The bar: block_mask and mask_mod <= 1.2x bounds.
+
+Prints one line per mask and the machine; `--quick` shrinks the length for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import torch
+from structured_masks import _inputs, _interleaved, _train  # the sibling benchmark's helpers
+from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+from attngrad.bench.runner import cpu_name
+from attngrad.torch import attention
+
+
+def _compare(name: str, length: int, mask_mod, bounds: dict, repeats: int) -> str:
+    q, k, v, dout = _inputs(1, length)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        block_mask = create_block_mask(mask_mod, None, None, length, length, device="cpu")
+    t = _interleaved({
+        "bounds": _train(lambda q, k, v: attention(q, k, v, **bounds), q, k, v, dout),
+        "block_mask": _train(lambda q, k, v: attention(q, k, v, block_mask=block_mask), q, k, v, dout),
+        "mask_mod": _train(lambda q, k, v: attention(q, k, v, mask_mod=mask_mod), q, k, v, dout),
+    }, repeats)
+    return (f"{name:<22} bounds {t['bounds'] * 1e3:6.0f} ms   block_mask {t['block_mask'] / t['bounds']:.2f}x   "
+            f"mask_mod {t['mask_mod'] / t['bounds']:.2f}x   (bar <= 1.2x)")
+
+
+def _random_blocks(length: int, repeats: int) -> str:
+    q, k, v, dout = _inputs(1, length)
+    blocks = torch.rand(length // 128, length // 128, generator=torch.Generator().manual_seed(1)) > 0.5
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return blocks[q_idx // 128, kv_idx // 128] | (q_idx == kv_idx)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        block_mask = create_block_mask(mask_mod, None, None, length, length, device="cpu")
+    dense = create_mask(mask_mod, None, None, length, length, device="cpu")
+    t = _interleaved({
+        "dense": _train(lambda q, k, v: attention(q, k, v, attn_mask=dense), q, k, v, dout),
+        "block_mask": _train(lambda q, k, v: attention(q, k, v, block_mask=block_mask), q, k, v, dout),
+    }, repeats)
+    return (f"{'random blocks':<22} dense  {t['dense'] * 1e3:6.0f} ms   block_mask {t['block_mask'] / t['dense']:.2f}x "
+            "(a boolean mask either way)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="a short length, one repeat: a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.length, args.repeats = 512, 1
+    length, window = args.length, args.window
+    documents = torch.arange(length) // (length // 8)
+    cuts = torch.arange(0, length + 1, length // 8)
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, L={length}")
+    print(_compare("causal", length, lambda b, h, q, kv: q >= kv, dict(is_causal=True), args.repeats))
+    print(_compare(f"sliding window {window}", length, lambda b, h, q, kv: (q >= kv) & (q - kv < window),
+                   dict(is_causal=True, window=(window - 1, None)), args.repeats))
+    print(_compare("8 causal documents", length,
+                   lambda b, h, q, kv: (q >= kv) & (documents[q] == documents[kv]),
+                   dict(is_causal=True, cu_seqlens=cuts), args.repeats))
+    print(_random_blocks(length, args.repeats))
+
+
+if __name__ == "__main__":
+    main()

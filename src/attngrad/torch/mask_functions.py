@@ -1,0 +1,277 @@
+"""Masks given as functions: FlexAttention's `mask_mod(b, h, q_idx, kv_idx) -> bool` (the
+signature transformers' mask functions share) and FlexAttention's `BlockMask`, evaluated
+into what the kernels take.
+
+A mask function is evaluated a few rows at a time (at most `ENTRIES` entries at once, so
+nothing Lq x Lk is ever held), and each row is reduced to its kept keys' first, stop and
+count. Where every row's keys form one interval [lo, hi) and the heads agree, the mask
+becomes per-row key bounds, the form the structured masks take (`structured`,
+`block_map`): O(L) memory and exact tile skipping. Causal masks, sliding windows, chunks,
+documents, prefix-LM, padding and Gemma 3's bidirectional image blocks all do. Any other
+mask (holes inside a row, heads that differ) is written out by a second pass as a boolean
+(1 or B, 1 or H, Lq, Lk) mask, entry by entry.
+
+    evaluated = create_block_mask(mask_mod, B=None, H=None, Q_LEN=L, KV_LEN=L)
+    attention(q, k, v, block_mask=evaluated)    # or block_mask=FlexAttention's BlockMask,
+                                                # or mask_mod=mask_mod, evaluated per call
+
+The reductions read the mask's values, so a call with one breaks a torch.compile graph there.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+# Entries of one evaluated chunk of rows: 4M booleans (and their int32 key indices).
+ENTRIES = 1 << 22
+
+RowsOf = Callable[[int, int], Tensor]  # (start, stop) -> kept keys of rows start:stop
+
+
+@dataclass(frozen=True)
+class EvaluatedMask:
+    """A mask function's result for one (B, H, Lq, Lk) (B, H = 1 where it is shared): a
+    causal diagonal where that is all it is (no mask at all where every key is seen), else
+    per-row key bounds where every row is one interval, else a boolean mask."""
+
+    shape: tuple
+    bounds: Optional[Tensor] = None  # (1 or B, Lq, 2) int64: row i sees keys [lo, hi)
+    mask: Optional[Tensor] = None  # (1 or B, 1 or H, Lq, Lk) boolean, True = take part
+    causal: Optional[int] = None  # key j seen by query i when j <= i + causal
+
+    def __post_init__(self) -> None:
+        if self.bounds is not None and self.mask is not None:
+            raise ValueError("an EvaluatedMask holds bounds or a mask, not both")
+
+    def dense(self) -> Tensor:
+        """The mask written out, (1 or B, 1 or H, Lq, Lk) boolean: for tests and inspection."""
+        if self.mask is not None:
+            return self.mask
+        _, _, len_q, len_k = self.shape
+        device = self.bounds.device if self.bounds is not None else "cpu"
+        keys = torch.arange(len_k, device=device)
+        if self.bounds is not None:
+            return ((keys >= self.bounds[..., :1]) & (keys < self.bounds[..., 1:]))[:, None]
+        kept = torch.ones(len_q, len_k, dtype=torch.bool, device=device)
+        if self.causal is not None:
+            kept = keys[None, :] <= torch.arange(len_q, device=device)[:, None] + self.causal
+        return kept[None, None]
+
+
+def _as_diagonal(bounds: Tensor, len_k: int) -> Optional[int]:
+    """c where bounds (1, Lq, 2) are exactly the causal diagonal's [0, min(Lk, i + c + 1)),
+    Lk where they are every key for every row, else None."""
+    lo, hi = bounds[0, :, 0], bounds[0, :, 1]
+    if bool(lo.any()):
+        return None
+    rows = torch.arange(len(hi), device=hi.device)
+    candidates = {len_k}
+    if int(hi[0]) < len_k:
+        candidates.add(int(hi[0]) - 1)
+    if int(hi[-1]) < len_k:
+        candidates.add(int(hi[-1]) - len(hi))
+    for c in sorted(candidates):
+        if torch.equal(hi, (rows + c + 1).clamp(0, len_k)):
+            return c
+    return None
+
+
+def _bhqkv(mask_mod: Callable) -> Callable:
+    """mask_mod on index vectors b (B,), h (H,), q (R,), kv (Lk,) -> (B, H, R, Lk), by
+    vmap over each argument: FlexAttention's convention for its mask functions."""
+    fn = mask_mod
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
+        fn = torch.vmap(fn, in_dims=dims, out_dims=0)
+    return fn
+
+
+def _indexable():
+    """FlexAttention's context in which `tensor[q_idx]` with a 0-d index works under vmap."""
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
+    return TransformGetItemToIndex()
+
+
+def _narrow_broadcast(kept: Tensor) -> Tensor:
+    """Axes 0 and 1 of stride 0 (a result the batch or head index did not change) at size 1."""
+    for axis in (0, 1):
+        if kept.shape[axis] > 1 and kept.stride(axis) == 0:
+            kept = kept.narrow(axis, 0, 1)
+    return kept
+
+
+def _checked(kept: Any, start: int, stop: int, batch: int, heads: int, len_k: int, device: torch.device) -> Tensor:
+    kept = torch.as_tensor(kept, device=device)
+    if kept.dtype != torch.bool:
+        raise TypeError(f"a mask function must return booleans (True = take part); got {kept.dtype}")
+    kept = kept[(None,) * max(0, 4 - kept.dim())]
+    rows = stop - start
+    ok = kept.dim() == 4 and kept.shape[0] in (1, batch) and kept.shape[1] in (1, heads) and \
+        kept.shape[2] in (1, rows) and kept.shape[3] in (1, len_k)
+    if not ok:
+        raise ValueError(f"a mask function's result for rows {start}:{stop} has shape {tuple(kept.shape)}; "
+                         f"expected one broadcastable to ({batch}, {heads}, {rows}, {len_k})")
+    return _narrow_broadcast(kept.expand(kept.shape[0], kept.shape[1], rows, len_k))
+
+
+def evaluate_rows(rows_of: RowsOf, batch: int, heads: int, len_q: int, len_k: int,
+                  device: torch.device | str = "cpu") -> EvaluatedMask:
+    """The mask whose rows start:stop `rows_of(start, stop)` gives (boolean, broadcastable
+    to (batch, heads, stop - start, len_k)), evaluated a chunk of rows at a time."""
+    keys = torch.arange(len_k, dtype=torch.int32, device=device)
+    los, his, intervals = [], [], True
+    start, width = 0, batch * heads
+    while start < len_q:
+        stop = min(len_q, start + max(1, ENTRIES // max(1, width * len_k)))
+        kept = _checked(rows_of(start, stop), start, stop, batch, heads, len_k, device)
+        width = kept.shape[0] * kept.shape[1]  # a result shared by the entries or heads: more rows at once
+        start = stop
+        count = kept.sum(-1, dtype=torch.int32)
+        lo = torch.where(kept, keys, len_k).amin(-1)
+        hi = torch.where(kept, keys + 1, 0).amax(-1)
+        intervals = intervals and bool(((count == hi - lo) | (count == 0)).all())
+        none = count == 0
+        los.append(lo.masked_fill(none, 0))
+        his.append(hi.masked_fill(none, 0))
+    lo, hi = torch.cat([_rows(t, los) for t in los], -1), torch.cat([_rows(t, his) for t in his], -1)
+    same_heads = lo.shape[1] == 1 or bool(((lo == lo[:, :1]) & (hi == hi[:, :1])).all())
+    shape = (lo.shape[0], lo.shape[1], len_q, len_k)
+    if intervals and same_heads:
+        bounds = torch.stack([lo[:, 0], hi[:, 0]], -1).to(torch.int64)
+        if bounds.shape[0] > 1 and bool((bounds == bounds[:1]).all()):  # every batch entry alike
+            bounds = bounds[:1]
+        diagonal = _as_diagonal(bounds, len_k) if bounds.shape[0] == 1 else None
+        if diagonal == len_k:  # every key for every row: no mask
+            return EvaluatedMask((1, 1, len_q, len_k))
+        if diagonal is not None:  # the causal diagonal alone: the kernels' own causal path
+            return EvaluatedMask((1, 1, len_q, len_k), causal=diagonal)
+        return EvaluatedMask((bounds.shape[0], 1, len_q, len_k), bounds=bounds)
+    mask = torch.empty(shape, dtype=torch.bool, device=device)
+    step = max(1, ENTRIES // max(1, shape[0] * shape[1] * len_k))
+    for start in range(0, len_q, step):
+        stop = min(len_q, start + step)
+        mask[:, :, start:stop] = _checked(rows_of(start, stop), start, stop, batch, heads, len_k, device)
+    return EvaluatedMask(shape, mask=mask)
+
+
+def _rows(t: Tensor, chunks: list) -> Tensor:
+    """A chunk's (b, h, R) row values broadcast to the widest (b, h) among the chunks."""
+    b = max(c.shape[0] for c in chunks)
+    h = max(c.shape[1] for c in chunks)
+    return t.expand(b, h, t.shape[2])
+
+
+def create_block_mask(mask_mod: Callable, B: Optional[int], H: Optional[int], Q_LEN: int, KV_LEN: int,
+                      device: torch.device | str = "cpu") -> EvaluatedMask:
+    """FlexAttention's `create_block_mask` for attngrad: `mask_mod` evaluated once for
+    batch entries 0..B - 1 and heads 0..H - 1 (None: shared, evaluated at index 0), to
+    pass as `attention(block_mask=...)` on every call of that shape."""
+    batch, heads = B or 1, H or 1
+    fn = _bhqkv(mask_mod)
+    b_index = torch.arange(batch, device=device)
+    h_index = torch.arange(heads, device=device)
+    k_index = torch.arange(KV_LEN, device=device)
+
+    def rows_of(start: int, stop: int) -> Tensor:
+        with _indexable():
+            return fn(b_index, h_index, torch.arange(start, stop, device=device), k_index)
+
+    return evaluate_rows(rows_of, batch, heads, Q_LEN, KV_LEN, device)
+
+
+def _dense_blocks(num_blocks: Optional[Tensor], indices: Optional[Tensor], n_k: int) -> Optional[Tensor]:
+    """(B, H, query blocks, key blocks) boolean from a BlockMask's (count, indices) pair."""
+    if num_blocks is None:
+        return None
+    listed = torch.arange(indices.shape[-1], device=indices.device) < num_blocks[..., None]
+    dense = torch.zeros(*indices.shape[:-1], n_k + 1, dtype=torch.bool, device=indices.device)
+    dense.scatter_(-1, torch.where(listed, indices.long(), n_k), True)
+    return dense[..., :n_k]
+
+
+def _flex_block_mask(block_mask: Any, batch: int, heads: int, len_q: int, len_k: int,
+                     device: torch.device) -> EvaluatedMask:
+    """FlexAttention's BlockMask: an entry takes part when its block is full, or partial and
+    mask_mod keeps it (FlexAttention's rule); mask_mod sees the call's batch and head indices."""
+    if tuple(block_mask.seq_lengths) != (len_q, len_k):
+        raise ValueError(f"block_mask was made for (Q_LEN, KV_LEN) = {tuple(block_mask.seq_lengths)}, but the call "
+                         f"has ({len_q}, {len_k})")
+    mask_batch, mask_heads = block_mask.kv_num_blocks.shape[:2]
+    if mask_batch not in (1, batch) or mask_heads not in (1, heads):
+        raise ValueError(f"block_mask of shape {tuple(block_mask.shape)} does not fit a call of batch {batch} and "
+                         f"{heads} heads")
+    block_q, block_k = block_mask.BLOCK_SIZE
+    n_k = -(-len_k // block_k)
+    partial = _dense_blocks(block_mask.kv_num_blocks, block_mask.kv_indices, n_k).to(device)
+    full = _dense_blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, n_k)
+    key_blocks = torch.arange(len_k, device=device) // block_k
+    fn = _bhqkv(block_mask.mask_mod)
+    b_index, h_index = torch.arange(batch, device=device), torch.arange(heads, device=device)
+    k_index = torch.arange(len_k, device=device)
+
+    def rows_of(start: int, stop: int) -> Tensor:
+        query_blocks = torch.arange(start, stop, device=device) // block_q
+        in_partial = partial[:, :, query_blocks][..., key_blocks]
+        with _indexable():
+            kept = in_partial & fn(b_index, h_index, torch.arange(start, stop, device=device), k_index)
+        if full is not None:
+            kept = kept | full.to(device)[:, :, query_blocks][..., key_blocks]
+        return kept
+
+    return evaluate_rows(rows_of, batch, heads, len_q, len_k, device)
+
+
+# FlexAttention BlockMasks evaluated before, per mask and call shape: a block mask is made
+# once and reused for many calls, as FlexAttention's users do.
+_EVALUATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _is_flex_block_mask(block_mask: Any) -> bool:
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:  # a PyTorch without FlexAttention
+        return False
+    return isinstance(block_mask, BlockMask)
+
+
+def evaluated_mask(mask_mod: Optional[Callable], block_mask: Any, batch: int, heads: int, len_q: int, len_k: int,
+                   device: torch.device) -> EvaluatedMask:
+    """`attention`'s mask_mod or block_mask (an EvaluatedMask or FlexAttention's BlockMask)
+    for a call of (batch, heads, len_q, len_k)."""
+    if mask_mod is not None and block_mask is not None:
+        raise ValueError("pass mask_mod or block_mask, not both (a block mask holds its mask_mod)")
+    if mask_mod is not None:
+        if not callable(mask_mod):
+            raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool; got {type(mask_mod).__name__}")
+        return create_block_mask(mask_mod, batch, heads, len_q, len_k, device)
+    if isinstance(block_mask, EvaluatedMask):
+        b, h, q, k = block_mask.shape
+        if (q, k) != (len_q, len_k) or b not in (1, batch) or h not in (1, heads):
+            raise ValueError(f"block_mask was made for (B, H, Q_LEN, KV_LEN) = {block_mask.shape}, which does not "
+                             f"fit a call of ({batch}, {heads}, {len_q}, {len_k})")
+        return block_mask
+    if not _is_flex_block_mask(block_mask):
+        raise TypeError(f"block_mask must come from attngrad.torch.create_block_mask or FlexAttention's "
+                        f"create_block_mask; got {type(block_mask).__name__}")
+    key = (batch, heads, len_q, len_k, str(device))
+    if torch.compiler.is_compiling():
+        return _flex_block_mask(block_mask, batch, heads, len_q, len_k, device)
+    seen = _EVALUATED.setdefault(block_mask, {})
+    if key not in seen:
+        seen[key] = _flex_block_mask(block_mask, batch, heads, len_q, len_k, device)
+    return seen[key]
+
+
+def intersect_bounds(a: Optional[Tensor], b: Optional[Tensor]) -> Optional[Tensor]:
+    """Two sets of key bounds (1 or B, Lq, 2) as one: each row's intervals intersected."""
+    if a is None or b is None:
+        return b if a is None else a
+    lo = torch.maximum(a[..., 0], b[..., 0])
+    hi = torch.maximum(lo, torch.minimum(a[..., 1], b[..., 1]))
+    return torch.stack([lo, hi], -1)

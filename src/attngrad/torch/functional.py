@@ -19,6 +19,7 @@ from .autograd import attention as differentiable_attention
 from .call import AttentionCall, ScoreMasks
 from .layout import FLOATS, Layout, check_tensors, default_scale, describe_shapes
 from .mask_functions import evaluated_mask, intersect_bounds
+from .nested import is_jagged, jagged_attention
 from .structured import structure
 
 
@@ -79,6 +80,12 @@ def scaled_dot_product_attention(
     Returns (..., H, Lq, Ev). Memory beyond inputs and outputs is O(Lq + Lk), apart from a
     float mask's gradient, which has the mask's own size.
     """
+    if is_jagged(query):
+        if attn_mask is not None:
+            raise ValueError("attn_mask is not taken with nested jagged inputs (nor by PyTorch); their sequences "
+                             "are the mask, with is_causal inside each")
+        return attention(query, key, value, is_causal=bool(is_causal), dropout_p=dropout_p, scale=scale,
+                         enable_gqa=enable_gqa)
     causal_bias = _causal_bias_type()
     if causal_bias is not None and isinstance(attn_mask, causal_bias):
         if is_causal:
@@ -155,6 +162,10 @@ def attention(
     bounds, nothing Lq x Lk; any other is written out as a boolean mask
     (`mask_functions`). Both combine with every other mask here.
 
+    Nested jagged query, key and value ((B, H, j, E), as PyTorch's SDPA takes them) are
+    packed sequences: each sees its own keys (causal within it with is_causal), no padding,
+    every derivative; the result is jagged too (`nested`).
+
     is_causal may also be an int c, the diagonal itself: key j is visible to query i when
     j <= i + c (a cache whose queries start c - Lk + Lq keys before the end).
 
@@ -163,6 +174,15 @@ def attention(
     kernel can skip the masked half. Here the tiles that the causal or a structured mask
     excludes are skipped whatever else is given: a window of w keys costs O(L w).
     """
+    if is_jagged(query):
+        per_token = dict(attn_mask=attn_mask, attn_bias=attn_bias, key_padding=key_padding, window=window,
+                         document_ids=document_ids, cu_seqlens=cu_seqlens, mask_mod=mask_mod, block_mask=block_mask)
+        given = [name for name, value in per_token.items() if value is not None]
+        if given or is_causal not in (False, True, "top_left"):
+            raise ValueError(f"with nested jagged inputs each sequence sees its own keys, causal or not (top-left); "
+                             f"{', '.join(given) or f'is_causal={is_causal!r}'} cannot be added to that")
+        return jagged_attention(query, key, value, attend=attention, is_causal=bool(is_causal), softcap=softcap,
+                                sinks=sinks, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
     call, layout = build_call(query, key, value, mask=attn_mask, bias=attn_bias, dropout_p=dropout_p,
                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, key_padding=key_padding,
                               window=window, document_ids=document_ids, cu_seqlens=cu_seqlens, softcap=softcap,

@@ -9,7 +9,9 @@ differences, all on purpose:
       compatibility): that costs O(Lq Lk) memory, so pass need_weights=False to keep O(L).
       As torch's, they are after dropout, with the very keep-mask the output used.
 add_bias_kv appends the learned keys bias_k and values bias_v, add_zero_attn a zero key and
-value, to every sequence, as torch's module does.
+value, to every sequence, as torch's module does. Nested jagged (N, j, E) inputs (batch_first)
+train too, each sequence attending to its own keys (torch's module takes them only in its
+inference fast path).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from torch import Tensor, nn
 
 from . import dropout as dropout_masks
 from .autograd import attention
+from .functional import attention as attention_function
 from .functional import build_call
 from .kernels import compute_dtype
+from .nested import is_jagged
 
 
 class MultiheadAttention(nn.Module):
@@ -110,6 +114,8 @@ class MultiheadAttention(nn.Module):
     ) -> tuple[Tensor, Optional[Tensor]]:
         """query (L, N, E) or (N, L, E) with batch_first, key (S, N, kdim), value (S, N, vdim);
         unbatched (L, E) inputs too. Returns (attn_output, attn_weights or None)."""
+        if is_jagged(query):
+            return self._forward_jagged(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal), None
         unbatched = query.dim() == 2
         if unbatched:  # (L, E): a batch of one, handled batch-first
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
@@ -178,6 +184,32 @@ class MultiheadAttention(nn.Module):
             out = out.squeeze(0)
             weights = None if weights is None else weights.squeeze(0)
         return out, weights
+
+    def _forward_jagged(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor],
+                        need_weights: bool, attn_mask: Optional[Tensor], is_causal: bool) -> Tensor:
+        """Nested jagged (N, j, E) query, key and value (batch-first): each sequence attends to
+        its own keys (`nested`), no padding; the output is jagged on query's sequences."""
+        if not self.batch_first:
+            raise ValueError("nested jagged inputs are batch-first (N, j, E): build the module with batch_first=True")
+        refused = dict(key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        given = [name for name, t in refused.items() if t is not None]
+        if need_weights:
+            given.append("need_weights=True (sequences of different lengths have no one weights tensor)")
+        if self.bias_k is not None or self.add_zero_attn:
+            given.append("add_bias_kv or add_zero_attn")
+        if given:
+            raise ValueError(f"with nested jagged inputs each sequence is its own mask; not taken: {', '.join(given)}")
+        w_q, w_k, w_v = self._projection_weights()
+        b_q = b_k = b_v = None
+        if self.in_proj_bias is not None:
+            b_q, b_k, b_v = self.in_proj_bias.chunk(3)
+
+        def heads(x: Tensor) -> Tensor:  # (N, j, E) -> (N, H, j, dh), jagged
+            return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+
+        q, k, v = heads(F.linear(query, w_q, b_q)), heads(F.linear(key, w_k, b_k)), heads(F.linear(value, w_v, b_v))
+        attn = attention_function(q, k, v, is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0)
+        return self.out_proj(attn.transpose(1, 2).flatten(-2))  # (N, j, E)
 
     def _merge_masks(self, key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], batch: int,
                      len_q: int, len_k: int, dtype: torch.dtype) -> tuple[Optional[Tensor], Optional[Tensor]]:

@@ -109,6 +109,13 @@ def test_interval_masks_become_bounds_whatever_the_chunks(mask_mod, entries, mon
         assert evaluated.bounds is None and evaluated.mask is not None
 
 
+def test_empty_calls_evaluate_nothing():
+    q = torch.randn(1, 2, 0, D, dtype=torch.float64)
+    k = torch.randn(1, 2, 5, D, dtype=torch.float64)
+    assert attention(q, k, k, mask_mod=causal).shape == (1, 2, 0, D)
+    assert create_block_mask(causal, None, None, 4, 0).dense().shape == (1, 1, 4, 0)
+
+
 def test_the_whole_matrix_and_diagonals_need_no_mask():
     every = create_block_mask(lambda b, h, q, kv: q >= -1, None, None, LQ, LK)
     assert (every.causal, every.bounds, every.mask) == (None, None, None)

@@ -124,6 +124,8 @@ def evaluate_rows(rows_of: RowsOf, batch: int, heads: int, len_q: int, len_k: in
                   device: torch.device | str = "cpu") -> EvaluatedMask:
     """The mask whose rows start:stop `rows_of(start, stop)` gives (boolean, broadcastable
     to (batch, heads, stop - start, len_k)), evaluated a chunk of rows at a time."""
+    if len_q == 0 or len_k == 0:  # no entry to evaluate: nothing to mask
+        return EvaluatedMask((1, 1, len_q, len_k))
     keys = torch.arange(len_k, dtype=torch.int32, device=device)
     los, his, intervals = [], [], True
     start, width = 0, batch * heads

@@ -140,17 +140,28 @@ def test_flex_block_structure_counts():
     assert_all_close(dict(out=out), dict(out=expected))
 
 
-def test_function_masks_join_the_other_masks():
-    """mask_mod's bounds intersect key_padding's and a window's; its mask joins attn_mask."""
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_function_masks_join_the_other_masks(is_causal):
+    """mask_mod's bounds intersect key_padding's and a window's (and the causal diagonal's);
+    its causal diagonal meets is_causal's (the lower holds); its mask joins attn_mask."""
     q, k, v = inputs()
     lengths = torch.tensor([40, 52])
-    out = attention(q, k, v, mask_mod=prefix_lm, key_padding=lengths, window=(4, None), is_causal=True)
-    dense = create_mask(prefix_lm, B, H, LQ, LK, device="cpu")
     rows, keys = torch.arange(LQ)[:, None], torch.arange(LK)[None, :]
-    dense = dense & (keys < lengths[:, None, None, None]) & (keys <= rows) & (keys >= rows - 4)
-    with sdpa_kernel(SDPBackend.MATH):
-        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
-    assert_all_close(dict(out=out), dict(out=expected))
+    structure = (keys < lengths[:, None, None, None]) & (keys <= rows + 4) & (keys >= rows - 4)
+    if is_causal:
+        structure = structure & (keys <= rows)
+    keep = torch.rand(LQ, LK, generator=gen) > 0.2
+    cases = [  # (arguments, the dense mask they stand for)
+        (dict(mask_mod=document, key_padding=lengths, window=(4, 4), is_causal=is_causal),
+         create_mask(document, B, H, LQ, LK, device="cpu") & structure),
+        (dict(mask_mod=causal, is_causal="bottom_right" if is_causal else False), keys <= rows),
+        (dict(mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx - 3, is_causal=is_causal), keys <= rows - 3),
+        (dict(mask_mod=dilated, attn_mask=keep), create_mask(dilated, B, H, LQ, LK, device="cpu") & keep),
+    ]
+    for arguments, dense in cases:
+        with sdpa_kernel(SDPBackend.MATH):
+            expected = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+        assert_all_close(dict(out=attention(q, k, v, **arguments)), dict(out=expected.nan_to_num(0.0)))
 
 
 def test_bad_function_masks_are_named():

@@ -18,9 +18,9 @@ from torch import Tensor
 from .autograd import attention as differentiable_attention
 from .call import AttentionCall, ScoreMasks
 from .layout import FLOATS, Layout, check_tensors, default_scale, describe_shapes
-from .mask_functions import evaluated_mask, intersect_bounds
+from .mask_functions import evaluated_mask
 from .nested import is_jagged, jagged_attention
-from .structured import structure
+from .structured import join_bounds, structure
 
 
 def _causal_bias_type() -> Optional[type]:
@@ -230,9 +230,11 @@ def build_call(query: Tensor, key: Tensor, value: Tensor, *, mask: Optional[Tens
                              f"{describe_shapes(query, key, value)}")
         evaluated = evaluated_mask(mask_mod, block_mask, layout.batch[0], layout.heads, layout.len_q, layout.len_k,
                                    query.device)
-        bounds = intersect_bounds(bounds, evaluated.bounds)
         if evaluated.causal is not None:  # two causal diagonals: the lower one holds
             causal = evaluated.causal if causal is None else min(causal, evaluated.causal)
+        if evaluated.bounds is not None:
+            parts = [evaluated.bounds] if bounds is None else [bounds, evaluated.bounds]
+            bounds = join_bounds(parts, layout.len_q, layout.len_k, causal, query.device)
         if evaluated.mask is not None:
             mask = evaluated.mask if mask is None else mask & evaluated.mask
     if seed is None:

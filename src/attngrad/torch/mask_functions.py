@@ -269,11 +269,3 @@ def evaluated_mask(mask_mod: Optional[Callable], block_mask: Any, batch: int, he
         seen[key] = _flex_block_mask(block_mask, batch, heads, len_q, len_k, device)
     return seen[key]
 
-
-def intersect_bounds(a: Optional[Tensor], b: Optional[Tensor]) -> Optional[Tensor]:
-    """Two sets of key bounds (1 or B, Lq, 2) as one: each row's intervals intersected."""
-    if a is None or b is None:
-        return b if a is None else a
-    lo = torch.maximum(a[..., 0], b[..., 0])
-    hi = torch.maximum(lo, torch.minimum(a[..., 1], b[..., 1]))
-    return torch.stack([lo, hi], -1)

@@ -159,10 +159,15 @@ def structure(
             parts.append(_cu_seqlens(cu_seqlens.to(device), len_q))
     if not parts:
         return Structure(None, keep)
+    return Structure(join_bounds(parts, len_q, len_k, causal, device), keep)
+
+
+def join_bounds(parts: list, len_q: int, len_k: int, causal: Optional[int], device: torch.device) -> Tensor:
+    """Key bounds, each (1 or B, Lq or 1, 2), as one (1 or B, Lq, 2): each row's intervals
+    intersected (lo the largest, hi the smallest), with the causal diagonal's own."""
     if causal is not None:  # the diagonal's own bound, so the bounds tell each row's real width
-        parts.append(_window((None, 0), len_q, len_k, causal, device))
+        parts = [*parts, _window((None, 0), len_q, len_k, causal, device)]
     lo = torch.stack(torch.broadcast_tensors(*(p[..., 0] for p in parts))).amax(dim=0)
     hi = torch.stack(torch.broadcast_tensors(*(p[..., 1] for p in parts))).amin(dim=0)
     lo, hi = lo.clamp(0, len_k), hi.clamp(0, len_k)
-    bounds = torch.stack([lo, torch.maximum(lo, hi)], dim=-1).expand(-1, len_q, 2).contiguous()
-    return Structure(bounds, keep)
+    return torch.stack([lo, torch.maximum(lo, hi)], dim=-1).expand(-1, len_q, 2).contiguous()

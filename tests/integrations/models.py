@@ -123,6 +123,14 @@ def mistral():
     return transformers.MistralForCausalLM, config, inputs
 
 
+def qwen2():
+    """Biased query, key and value projections; a sliding layer over a full one; right padding."""
+    config = transformers.Qwen2Config(**SMALL, num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
+                                      max_window_layers=1)
+    inputs = dict(input_ids=_ids(2, LENGTH, 14), attention_mask=_padding(2, LENGTH, [LENGTH, LENGTH - 3], left=False))
+    return transformers.Qwen2ForCausalLM, config, inputs
+
+
 def gemma2():
     """Soft-capped scores (cap 2, so that it bends them), sliding and full layers."""
     config = transformers.Gemma2Config(**{**SMALL, "num_hidden_layers": 2}, num_key_value_heads=2, head_dim=8,
@@ -167,7 +175,8 @@ def llama4_chunked():
     return transformers.Llama4ForCausalLM, config, inputs
 
 
-MODELS = dict(llama=llama, llama_packed=llama_packed, bert=bert, t5=t5, bart=bart, mistral=mistral, gemma2=gemma2,
+MODELS = dict(llama=llama, llama_packed=llama_packed, bert=bert, t5=t5, bart=bart, mistral=mistral, qwen2=qwen2,
+              gemma2=gemma2,
               gpt_oss=gpt_oss, gemma3_images=gemma3_images, llama4_chunked=llama4_chunked)
 
 

@@ -180,3 +180,24 @@ def test_bad_function_masks_are_named():
         attention(q, k, v, block_mask=flex_block_mask(causal, None, None, LQ + 1, LK, device="cpu"))
     with pytest.raises(TypeError, match="create_block_mask"):
         attention(q, k, v, block_mask=torch.ones(LQ, LK, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("mask_mod", [sliding_window, document, random_blocks, dilated], ids=lambda f: f.__name__)
+def test_function_masks_under_fullgraph_compile(mask_mod):
+    """Compiled, a mask's form follows its shapes: one shared by the heads becomes key bounds
+    (checked to be intervals when the graph runs), one whose heads differ the written-out
+    mask. No graph break (fullgraph), the same numbers as the eager call; a mask with gaps
+    inside its rows, shared by the heads, is refused when the graph runs."""
+    torch._dynamo.reset()
+    q, k, v = inputs()
+    compiled = torch.compile(lambda *t: attention(*t, mask_mod=mask_mod), fullgraph=True, backend="aot_eager")
+    if mask_mod is dilated:
+        with pytest.raises(RuntimeError, match="gap"):
+            compiled(q, k, v)
+        return
+    assert_all_close(results(compiled, q, k, v), results(lambda *t: attention(*t, mask_mod=mask_mod), q, k, v))
+    fixed = mask_functions.evaluate_rows(
+        lambda start, stop: create_mask(mask_mod, B, H, LQ, LK, device="cpu")[:, :, start:stop], B, H, LQ, LK,
+        fixed_form=True)
+    assert (fixed.mask is None) == (mask_mod is not random_blocks)
+    assert torch.equal(fixed.dense().expand(B, H, LQ, LK), create_mask(mask_mod, B, H, LQ, LK, device="cpu"))

@@ -18,6 +18,11 @@
 Every model that calls the attention interface then runs on attngrad: exact in float64,
 O(L) memory, and with forward-mode AD and double backward through the whole model. An
 option attngrad cannot serve raises `UnsupportedMask` or ValueError naming it.
+
+Under `torch.compile` (fullgraph included) every mask function is evaluated, since Dynamo
+cannot read a closure, into key bounds whose form follows the shapes alone; so are the
+masks generate() makes ahead of each forward for a static cache, so that one compiled
+graph serves every decoding step.
 """
 
 from __future__ import annotations
@@ -40,14 +45,24 @@ def mask_for_attngrad(batch_size: int, q_length: int, kv_length: int, q_offset: 
                       device: torch.device | str = "cpu", **_: Any) -> CompactMask:
     """transformers' mask interface: the model's mask as a CompactMask, read or evaluated
     (nothing Lq x Lk where its rows are intervals)."""
+    if isinstance(attention_mask, CompactMask):  # made before (generate() with a static cache): as it is
+        if (attention_mask.q_length, attention_mask.kv_length) != (q_length, kv_length):
+            raise ValueError(f"the attngrad mask passed in was made for (Lq, Lk) = ({attention_mask.q_length}, "
+                             f"{attention_mask.kv_length}), but this call has ({q_length}, {kv_length})")
+        return attention_mask
     if mask_function is None:
         raise UnsupportedMask("attn_implementation='attngrad' needs the model's mask_function")
-    try:
-        pattern = read_mask_function(mask_function)
-        return compact_mask(q_length, kv_length, q_offset, kv_offset, pattern, attention_mask, batch_size)
-    except UnsupportedMask:  # or_masks, chunks, image blocks, a model's own function: evaluated
-        return evaluate_mask_function(batch_size, q_length, kv_length, int(q_offset), int(kv_offset), mask_function,
-                                      attention_mask, use_vmap, device)
+    # Compiled, the function is evaluated: Dynamo cannot read a closure. A static cache
+    # (q_offset a tensor) asks for masks of one form at every step, so one graph serves all.
+    fixed_form = torch.compiler.is_compiling() or isinstance(q_offset, Tensor)
+    if not fixed_form:
+        try:
+            pattern = read_mask_function(mask_function)
+            return compact_mask(q_length, kv_length, q_offset, kv_offset, pattern, attention_mask, batch_size)
+        except UnsupportedMask:  # or_masks, chunks, image blocks, a model's own function: evaluated
+            pass
+    return evaluate_mask_function(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                                  attention_mask, use_vmap, device, fixed_form)
 
 
 def _needed_bias(position_bias: Optional[Tensor]) -> Optional[Tensor]:
@@ -55,6 +70,8 @@ def _needed_bias(position_bias: Optional[Tensor]) -> Optional[Tensor]:
     pass (cross-attention): adding zeros would cost a bias pass for nothing."""
     if position_bias is None:
         return None
+    if torch.compiler.is_compiling():  # whether it is all zero is a value a graph cannot branch on
+        return position_bias
     if not position_bias.requires_grad and not bool(position_bias.any()):
         return None
     return position_bias

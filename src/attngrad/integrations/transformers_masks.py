@@ -114,6 +114,13 @@ class CompactMask:
         return dict(is_causal=self.is_causal, window=self.window, key_padding=self.key_padding,
                     document_ids=self.document_ids, block_mask=self.evaluated)
 
+    # transformers' generate() makes the masks for a static cache before the forward and
+    # calls .contiguous() on them; the forward's mask interface then returns them as they are.
+    ndim = 4
+
+    def contiguous(self) -> CompactMask:
+        return self
+
     @property
     def shape(self) -> tuple:
         """The shape of the dense mask this stands for (B, 1, Lq, Lk), B = 1 when shared."""
@@ -123,12 +130,13 @@ class CompactMask:
         return (batch, 1, self.q_length, self.kv_length)
 
 
-def evaluate_mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: int, kv_offset: int,
+def evaluate_mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: int | Tensor, kv_offset: int,
                            mask_function: Callable, attention_mask: Optional[Tensor], use_vmap: bool,
-                           device: torch.device | str) -> CompactMask:
+                           device: torch.device | str, fixed_form: bool = False) -> CompactMask:
     """A mask function no Pattern reads, with the padding of the 2-D `attention_mask`:
     evaluated by transformers' `sdpa_mask` a few rows at a time (its semantics exactly),
-    as key bounds where every row sees one interval of keys."""
+    as key bounds where every row sees one interval of keys (always, with `fixed_form`:
+    `mask_functions.evaluate_rows`)."""
     from transformers.masking_utils import sdpa_mask
 
     if attention_mask is not None:
@@ -140,7 +148,7 @@ def evaluate_mask_function(batch_size: int, q_length: int, kv_length: int, q_off
                          attention_mask=attention_mask, allow_is_causal_skip=False,
                          allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
 
-    evaluated = evaluate_rows(rows_of, batch_size, 1, q_length, kv_length, device)
+    evaluated = evaluate_rows(rows_of, batch_size, 1, q_length, kv_length, device, fixed_form)
     return CompactMask(q_length, kv_length, evaluated=evaluated)
 
 

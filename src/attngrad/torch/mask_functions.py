@@ -15,7 +15,9 @@ mask (holes inside a row, heads that differ) is written out by a second pass as 
     attention(q, k, v, block_mask=evaluated)    # or block_mask=FlexAttention's BlockMask,
                                                 # or mask_mod=mask_mod, evaluated per call
 
-The reductions read the mask's values, so a call with one breaks a torch.compile graph there.
+Choosing among those forms reads the mask's values; under torch.compile, which cannot branch
+on values, a mask function shared by the heads always becomes key bounds (checked to be
+intervals when the graph runs), and the compiled graph has no break.
 """
 
 from __future__ import annotations
@@ -120,14 +122,13 @@ def _checked(kept: Any, start: int, stop: int, batch: int, heads: int, len_k: in
     return _narrow_broadcast(kept.expand(kept.shape[0], kept.shape[1], rows, len_k))
 
 
-def evaluate_rows(rows_of: RowsOf, batch: int, heads: int, len_q: int, len_k: int,
-                  device: torch.device | str = "cpu") -> EvaluatedMask:
-    """The mask whose rows start:stop `rows_of(start, stop)` gives (boolean, broadcastable
-    to (batch, heads, stop - start, len_k)), evaluated a chunk of rows at a time."""
-    if len_q == 0 or len_k == 0:  # no entry to evaluate: nothing to mask
-        return EvaluatedMask((1, 1, len_q, len_k))
+def _row_extents(rows_of: RowsOf, batch: int, heads: int, len_q: int, len_k: int,
+                 device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
+    """Each row's kept keys as (lo, hi), each (1 or batch, 1 or heads, len_q) int32 ([0, 0)
+    for a row that sees none), and whether every row's keys are the interval [lo, hi)
+    (a 0-d boolean tensor, read only by the caller: nothing here depends on the values)."""
     keys = torch.arange(len_k, dtype=torch.int32, device=device)
-    los, his, intervals = [], [], True
+    los, his, holes = [], [], []
     start, width = 0, batch * heads
     while start < len_q:
         stop = min(len_q, start + max(1, ENTRIES // max(1, width * len_k)))
@@ -137,29 +138,64 @@ def evaluate_rows(rows_of: RowsOf, batch: int, heads: int, len_q: int, len_k: in
         count = kept.sum(-1, dtype=torch.int32)
         lo = torch.where(kept, keys, len_k).amin(-1)
         hi = torch.where(kept, keys + 1, 0).amax(-1)
-        intervals = intervals and bool(((count == hi - lo) | (count == 0)).all())
         none = count == 0
+        holes.append(((count != hi - lo) & ~none).any())
         los.append(lo.masked_fill(none, 0))
         his.append(hi.masked_fill(none, 0))
     lo, hi = torch.cat([_rows(t, los) for t in los], -1), torch.cat([_rows(t, his) for t in his], -1)
-    same_heads = lo.shape[1] == 1 or bool(((lo == lo[:, :1]) & (hi == hi[:, :1])).all())
-    shape = (lo.shape[0], lo.shape[1], len_q, len_k)
-    if intervals and same_heads:
-        bounds = torch.stack([lo[:, 0], hi[:, 0]], -1).to(torch.int64)
-        if bounds.shape[0] > 1 and bool((bounds == bounds[:1]).all()):  # every batch entry alike
-            bounds = bounds[:1]
-        diagonal = _as_diagonal(bounds, len_k) if bounds.shape[0] == 1 else None
-        if diagonal == len_k:  # every key for every row: no mask
-            return EvaluatedMask((1, 1, len_q, len_k))
-        if diagonal is not None:  # the causal diagonal alone: the kernels' own causal path
-            return EvaluatedMask((1, 1, len_q, len_k), causal=diagonal)
-        return EvaluatedMask((bounds.shape[0], 1, len_q, len_k), bounds=bounds)
+    return lo, hi, ~torch.stack(holes).any()
+
+
+def _written_out(rows_of: RowsOf, shape: tuple, batch: int, heads: int, device: torch.device | str) -> EvaluatedMask:
+    """The mask entry by entry, (1 or batch, 1 or heads, Lq, Lk) boolean, a chunk of rows at a time."""
+    len_q, len_k = shape[2:]
     mask = torch.empty(shape, dtype=torch.bool, device=device)
     step = max(1, ENTRIES // max(1, shape[0] * shape[1] * len_k))
     for start in range(0, len_q, step):
         stop = min(len_q, start + step)
         mask[:, :, start:stop] = _checked(rows_of(start, stop), start, stop, batch, heads, len_k, device)
     return EvaluatedMask(shape, mask=mask)
+
+
+def evaluate_rows(rows_of: RowsOf, batch: int, heads: int, len_q: int, len_k: int,
+                  device: torch.device | str = "cpu", fixed_form: bool = False) -> EvaluatedMask:
+    """The mask whose rows start:stop `rows_of(start, stop)` gives (boolean, broadcastable
+    to (batch, heads, stop - start, len_k)), evaluated a chunk of rows at a time.
+    fixed_form: the form follows the shapes alone, as under torch.compile (for a mask
+    made outside a compiled function and passed in, so that every call meets one graph)."""
+    if len_q == 0 or len_k == 0:  # no entry to evaluate: nothing to mask
+        return EvaluatedMask((1, 1, len_q, len_k))
+    lo, hi, intervals = _row_extents(rows_of, batch, heads, len_q, len_k, device)
+    shape = (lo.shape[0], lo.shape[1], len_q, len_k)
+    if fixed_form or torch.compiler.is_compiling():
+        return _fixed_form(rows_of, lo, hi, intervals, shape, batch, heads, device)
+    same_heads = lo.shape[1] == 1 or bool(((lo == lo[:, :1]) & (hi == hi[:, :1])).all())
+    if not (bool(intervals) and same_heads):
+        return _written_out(rows_of, shape, batch, heads, device)
+    bounds = torch.stack([lo[:, 0], hi[:, 0]], -1).to(torch.int64)
+    if bounds.shape[0] > 1 and bool((bounds == bounds[:1]).all()):  # every batch entry alike
+        bounds = bounds[:1]
+    diagonal = _as_diagonal(bounds, len_k) if bounds.shape[0] == 1 else None
+    if diagonal == len_k:  # every key for every row: no mask
+        return EvaluatedMask((1, 1, len_q, len_k))
+    if diagonal is not None:  # the causal diagonal alone: the kernels' own causal path
+        return EvaluatedMask((1, 1, len_q, len_k), causal=diagonal)
+    return EvaluatedMask((bounds.shape[0], 1, len_q, len_k), bounds=bounds)
+
+
+def _fixed_form(rows_of: RowsOf, lo: Tensor, hi: Tensor, intervals: Tensor, shape: tuple, batch: int, heads: int,
+            device: torch.device | str) -> EvaluatedMask:
+    """The form of the mask from its shapes alone, as torch.compile needs (a choice made on
+    the mask's values is a graph break): key bounds where the heads share the mask, checked when
+    the graph runs to be intervals, else the mask written out. Inductor fuses the
+    evaluation into the row reductions, so the bounds cost no Lq x Lk buffer either."""
+    if shape[1] > 1:
+        return _written_out(rows_of, shape, batch, heads, device)
+    torch._assert_async(intervals, "attngrad under torch.compile: a row of this mask function sees keys with a gap "
+                        "between them, which compiled calls cannot take as key bounds; evaluate it outside the "
+                        "compiled region (attngrad.torch.create_block_mask) and pass block_mask=")
+    bounds = torch.stack([lo[:, 0], hi[:, 0]], -1).to(torch.int64)
+    return EvaluatedMask((shape[0], 1) + shape[2:], bounds=bounds)
 
 
 def _rows(t: Tensor, chunks: list) -> Tensor:

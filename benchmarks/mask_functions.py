@@ -5,11 +5,13 @@ median of --repeats runs of each):
     bounds      is_causal / window / cu_seqlens
     block_mask  FlexAttention's BlockMask of the same mask_mod, made once (its evaluation is
                 kept with it, so calls after the first pay nothing for it)
-    mask_mod    the mask function itself, evaluated on every call
+    mask_mod    the mask function itself on every call (evaluated on the first and kept
+                while what it reads stays the same: `attngrad.torch.mask_memo`)
 
 for a causal mask, a causal sliding window of --window keys and 8 packed causal documents;
 then a mask of random blocks (no interval per row, so a boolean mask) as block_mask against
-the same dense boolean mask. The bar: block_mask and mask_mod <= 1.2x bounds.
+the same dense boolean mask. The bar: block_mask and mask_mod <= 1.2x bounds. "evaluation"
+is what the first call, or a call after what the function reads has changed, pays on top.
 
 Prints one line per mask and the machine; `--quick` shrinks the length for a smoke run.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from structured_masks import _inputs, _interleaved, _train  # the sibling benchmark's helpers
@@ -26,6 +29,7 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from attngrad.bench.runner import cpu_name
 from attngrad.torch import attention
+from attngrad.torch import create_block_mask as attngrad_block_mask
 
 
 def _compare(name: str, length: int, mask_mod, bounds: dict, repeats: int) -> str:
@@ -38,8 +42,11 @@ def _compare(name: str, length: int, mask_mod, bounds: dict, repeats: int) -> st
         "block_mask": _train(lambda q, k, v: attention(q, k, v, block_mask=block_mask), q, k, v, dout),
         "mask_mod": _train(lambda q, k, v: attention(q, k, v, mask_mod=mask_mod), q, k, v, dout),
     }, repeats)
+    start = time.perf_counter()
+    attngrad_block_mask(mask_mod, 1, q.shape[1], length, length)
+    evaluation = time.perf_counter() - start
     return (f"{name:<22} bounds {t['bounds'] * 1e3:6.0f} ms   block_mask {t['block_mask'] / t['bounds']:.2f}x   "
-            f"mask_mod {t['mask_mod'] / t['bounds']:.2f}x   (bar <= 1.2x)")
+            f"mask_mod {t['mask_mod'] / t['bounds']:.2f}x   (bar <= 1.2x)   evaluation {evaluation * 1e3:.0f} ms")
 
 
 def _random_blocks(length: int, repeats: int) -> str:
@@ -67,22 +74,35 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="a short length, one repeat: a smoke run")
+    parser.add_argument("--docs", type=Path, help="also write the lines as this run's section of this page")
     args = parser.parse_args()
     if args.quick:
         args.length, args.repeats = 512, 1
     length, window = args.length, args.window
     documents = torch.arange(length) // (length // 8)
     cuts = torch.arange(0, length + 1, length // 8)
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, L={length}")
-    print(_compare("causal", length, lambda b, h, q, kv: q >= kv, dict(is_causal=True), args.repeats))
-    print(_compare(f"sliding window {window}", length, lambda b, h, q, kv: (q >= kv) & (q - kv < window),
-                   dict(is_causal=True, window=(window - 1, None)), args.repeats))
-    print(_compare("8 causal documents", length,
-                   lambda b, h, q, kv: (q >= kv) & (documents[q] == documents[kv]),
-                   dict(is_causal=True, cu_seqlens=cuts), args.repeats))
-    print(_random_blocks(length, args.repeats))
+    lines = [f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, L={length}"]
+    print(lines[-1])
+    cases = [
+        ("causal", lambda b, h, q, kv: q >= kv, dict(is_causal=True)),
+        (f"sliding window {window}", lambda b, h, q, kv: (q >= kv) & (q - kv < window),
+         dict(is_causal=True, window=(window - 1, None))),
+        ("8 causal documents", lambda b, h, q, kv: (q >= kv) & (documents[q] == documents[kv]),
+         dict(is_causal=True, cu_seqlens=cuts)),
+    ]
+    for name, mask_mod, bounds in cases:
+        lines.append(_compare(name, length, mask_mod, bounds, args.repeats))
+        print(lines[-1])
+    lines.append(_random_blocks(length, args.repeats))
+    print(lines[-1])
+    if args.docs:
+        from attngrad.docs_page import write_section
 
+        command = f"python benchmarks/mask_functions.py --length {length} --window {window} --repeats {args.repeats}"
+        body = f"`{command}`\n\nB=1, H=8, d=64, float32, forward and backward; medians of interleaved runs.\n\n```\n"
+        write_section(args.docs, "benchmarks/mask_functions.py", body + "\n".join(lines) + "\n```", "Benchmarks")
+        print(f"wrote {args.docs}")
 
 if __name__ == "__main__":
     main()

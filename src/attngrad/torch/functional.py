@@ -155,7 +155,8 @@ def attention(
 
     mask_mod: FlexAttention's mask function, (b, h, q_idx, kv_idx) -> True where query q_idx
     of batch entry b and head h sees key kv_idx, evaluated under vmap for every entry and
-    head of this call (query (B, H, Lq, E)). block_mask: the same made once for many calls,
+    head of this call (query (B, H, Lq, E)) and kept for later calls while what it reads
+    stays the same (`mask_memo`). block_mask: the same made once for many calls,
     by `attngrad.torch.create_block_mask` or FlexAttention's `create_block_mask` (whose
     block structure counts too: FlexAttention's rule). A mask whose every row sees one
     interval of keys (causal, windows, chunks, documents, prefix-LM, ...) becomes key

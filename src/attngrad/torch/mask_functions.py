@@ -13,7 +13,9 @@ mask (holes inside a row, heads that differ) is written out by a second pass as 
 
     evaluated = create_block_mask(mask_mod, B=None, H=None, Q_LEN=L, KV_LEN=L)
     attention(q, k, v, block_mask=evaluated)    # or block_mask=FlexAttention's BlockMask,
-                                                # or mask_mod=mask_mod, evaluated per call
+                                                # or mask_mod=mask_mod, evaluated on the first
+                                                # call and again when what it reads changes
+                                                # (`mask_memo`)
 
 Choosing among those forms reads the mask's values; under torch.compile, which cannot branch
 on values, a mask function shared by the heads always becomes key bounds (checked to be
@@ -29,6 +31,8 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+
+from .mask_memo import remembered
 
 # Entries of one evaluated chunk of rows: 4M booleans (and their int32 key indices).
 ENTRIES = 1 << 22
@@ -287,7 +291,11 @@ def evaluated_mask(mask_mod: Optional[Callable], block_mask: Any, batch: int, he
     if mask_mod is not None:
         if not callable(mask_mod):
             raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool; got {type(mask_mod).__name__}")
-        return create_block_mask(mask_mod, batch, heads, len_q, len_k, device)
+        # kept for the next call while what mask_mod reads stays the same; not a mask written
+        # out whole, which may be large
+        return remembered(mask_mod, (batch, heads, len_q, len_k, str(device)),
+                          lambda: create_block_mask(mask_mod, batch, heads, len_q, len_k, device),
+                          worth_keeping=lambda evaluated: evaluated.mask is None)
     if isinstance(block_mask, EvaluatedMask):
         b, h, q, k = block_mask.shape
         if (q, k) != (len_q, len_k) or b not in (1, batch) or h not in (1, heads):

@@ -1,8 +1,8 @@
 """`attention(mask_mod=fn)` evaluates fn once while what it reads stays the same
 (`mask_memo`): the evaluation is reused for fresh lambdas of the same code and values, and
 redone when a tensor it reads changes in place or is swapped, a closure variable or a
-global it names is rebound, the call's shape changes; a function reading an object's
-attributes is evaluated on every call. Each result equals the mask written out (float64).
+global it names is rebound, the call's shape changes; FlexAttention's joined masks are
+read through; a function reading an object's attributes is evaluated on every call. Each result equals the mask written out (float64).
 """
 
 import sys
@@ -57,7 +57,7 @@ def check(mask_mod, keep):
 
 def dense(fn):
     rows, keys = torch.arange(L)[:, None], torch.arange(L)[None, :]
-    return fn(0, 0, rows, keys)
+    return fn(torch.tensor(0), torch.tensor(0), rows, keys)
 
 
 def test_a_function_is_evaluated_once_and_fresh_lambdas_of_it_too(evaluations):
@@ -130,3 +130,15 @@ def test_the_memo_keeps_a_bounded_number(evaluations):
     for width in range(mask_memo.KEPT + 3):
         attention(Q, K, V, mask_mod=lambda b, h, q, kv: (q >= kv) & (q - kv <= width))
     assert len(mask_memo._KEPT) == mask_memo.KEPT
+
+
+def test_flex_attentions_joined_masks_are_read_through(evaluations):
+    """FlexAttention's and_masks makes a closure in PyTorch's code: read by its contents,
+    not taken by identity (a new one may take a freed one's id)."""
+    from torch.nn.attention.flex_attention import and_masks
+
+    for width in (3, 6, 3):
+        joined = and_masks(lambda b, h, q, kv: q >= kv, lambda b, h, q, kv, w=width: q - kv < w)
+        check(joined, dense(joined))
+        del joined
+    assert evaluations[0] == 2

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-# Evaluations kept, the most recently used first out last; each holds its mask's tensors.
+# Evaluations kept, the least recently used dropped first; each holds what its key names.
 KEPT = 8
 _BY_VALUE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device)
 _DEPTH = 6  # functions reached through functions: deeper than this, no fingerprint
@@ -35,39 +35,39 @@ class _Unreadable(Exception):
     pass
 
 
-def fingerprint(fn: Callable) -> Optional[tuple[Hashable, list[Tensor]]]:
-    """What `fn` reads, as a hashable key and the tensors it names (to keep their identity
-    from being reused while the key lives); None where some of it has no fingerprint."""
-    tensors: list[Tensor] = []
+def fingerprint(fn: Callable) -> Optional[tuple[Hashable, list]]:
+    """What `fn` reads, as a hashable key, and the objects the key names by identity (held
+    with it, so that no other object takes their id while it lives); None where some of
+    it has no fingerprint."""
+    held: list = []
     try:
-        return _value(fn, tensors, 0), tensors
+        return _value(fn, held, 0), held
     except _Unreadable:
         return None
 
 
-def _value(v: object, tensors: list, depth: int) -> Hashable:
+def _value(v: object, held: list, depth: int) -> Hashable:
     if isinstance(v, _BY_VALUE):
         return (type(v), v)
     if isinstance(v, Tensor):
         if v.is_inference():  # no version counter to tell an in-place change
             raise _Unreadable
-        tensors.append(v)
+        held.append(v)
         return ("tensor", id(v), v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape),
                 tuple(v.stride()), v.dtype, v._version)
     if isinstance(v, (tuple, list, frozenset)):
-        return (type(v), tuple(_value(x, tensors, depth) for x in v))
+        return (type(v), tuple(_value(x, held, depth) for x in v))
     if isinstance(v, dict):
-        return (dict, tuple((_value(k, tensors, depth), _value(x, tensors, depth)) for k, x in v.items()))
-    if isinstance(v, (types.ModuleType, type)):
-        return ("identity", id(v))
+        return (dict, tuple((_value(k, held, depth), _value(x, held, depth)) for k, x in v.items()))
     if isinstance(v, functools.partial):
-        return ("partial", _value(v.func, tensors, depth), _value(v.args, tensors, depth),
-                _value(v.keywords, tensors, depth))
-    if isinstance(v, (types.BuiltinFunctionType, types.BuiltinMethodType)) or (
-            isinstance(v, types.FunctionType) and (v.__module__ or "").split(".")[0] == "torch"):
-        return ("identity", id(v))  # PyTorch's own functions: fixed code
+        return ("partial", _value(v.func, held, depth), _value(v.args, held, depth),
+                _value(v.keywords, held, depth))
+    if isinstance(v, (types.ModuleType, type, types.BuiltinFunctionType, types.BuiltinMethodType)) or (
+            isinstance(v, types.FunctionType) and not v.__closure__ and (v.__module__ or "").split(".")[0] == "torch"):
+        held.append(v)  # PyTorch's own functions (not closures like its and_masks'): fixed code
+        return ("identity", id(v))
     if isinstance(v, types.FunctionType):
-        return _function(v, tensors, depth)
+        return _function(v, held, depth)
     raise _Unreadable
 
 
@@ -80,18 +80,18 @@ def _names(code: types.CodeType) -> set:
     return names
 
 
-def _function(fn: types.FunctionType, tensors: list, depth: int) -> Hashable:
+def _function(fn: types.FunctionType, held: list, depth: int) -> Hashable:
     if depth >= _DEPTH:
         raise _Unreadable
     try:
         contents = [cell.cell_contents for cell in fn.__closure__ or ()]
     except ValueError:  # a cell not yet bound
         raise _Unreadable from None
-    cells = tuple(_value(c, tensors, depth + 1) for c in contents)
-    named = tuple((name, _value(fn.__globals__[name], tensors, depth + 1))
+    cells = tuple(_value(c, held, depth + 1) for c in contents)
+    named = tuple((name, _value(fn.__globals__[name], held, depth + 1))
                   for name in sorted(_names(fn.__code__)) if name in fn.__globals__)
-    return ("function", fn.__code__, cells, named, _value(fn.__defaults__, tensors, depth + 1),
-            _value(fn.__kwdefaults__, tensors, depth + 1))
+    return ("function", fn.__code__, cells, named, _value(fn.__defaults__, held, depth + 1),
+            _value(fn.__kwdefaults__, held, depth + 1))
 
 
 _KEPT: OrderedDict = OrderedDict()
@@ -107,14 +107,14 @@ def remembered(mask_mod: Callable, shape: tuple, evaluate: Callable[[], object],
     found = fingerprint(mask_mod)
     if found is None:
         return evaluate()
-    key, tensors = (found[0], shape), found[1]
+    key, held = (found[0], shape), found[1]
     if key in _KEPT:
         _KEPT.move_to_end(key)
         return _KEPT[key][0]
     evaluated = evaluate()
     if not worth_keeping(evaluated):
         return evaluated
-    _KEPT[key] = (evaluated, tensors)
+    _KEPT[key] = (evaluated, held)
     while len(_KEPT) > KEPT:
         _KEPT.popitem(last=False)
     return evaluated

@@ -19,8 +19,9 @@ from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 from ..conftest import assert_all_close  # noqa: E402
 from .models import MODELS, register_both  # noqa: E402
 
-# float32 against float32: the compiled graph sums in another order (decompositions, fusion)
-FLOAT32_ROUNDING = 2e-5
+# float32 against float32: the compiled graph sums in another order (decompositions, fusion);
+# the largest measured is 1.7e-6 (GPT-OSS through Inductor)
+FLOAT32_ROUNDING = 5e-6
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -12,6 +12,7 @@ itself uses.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import resource
 import subprocess
@@ -34,13 +35,25 @@ def _status_bytes(field: str) -> int | None:
     return None
 
 
+def release_free_memory() -> None:
+    """Hand the allocator's free pages back to the system (glibc's malloc_trim), so that a step
+    measured after others shows its peak in the resident memory instead of reusing pages the
+    earlier ones left mapped (which read as no growth at all)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the growth may then read low
+        pass
+
+
 def reset_peak() -> int:
-    """Restart the peak-RSS count at the current RSS and return that RSS, in bytes.
+    """Restart the peak-RSS count at the current RSS and return that RSS, in bytes, after
+    handing free pages back (`release_free_memory`).
 
     getrusage's ru_maxrss would not do: a child starts with its parent's peak (a bench
     parent that just ran PyTorch's math backend holds gigabytes), so the process's own
     high-water mark VmHWM is reset through /proc/self/clear_refs instead (Linux >= 4.0).
     """
+    release_free_memory()
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
             refs.write("5")

@@ -6,6 +6,8 @@ gradient of a float attention mask; `MultiheadAttention` is a drop-in for
 a float bias and the causal mask in any combination. All run wherever the tensors are;
 `backends()` lists the backends that run the passes (the compiled tiles, the torch-ops
 kernels, ...), `use_implementation` chooses among them, and `ran` counts what ran.
+`replace_sdpa()` sends every call of PyTorch's own function inside a block to attngrad,
+in any model that makes one.
 """
 
 from . import backends as _backends  # noqa: F401  (registers the backends)
@@ -13,5 +15,7 @@ from .dispatch import backends, ran, use_implementation
 from .functional import attention, scaled_dot_product_attention
 from .mask_functions import create_block_mask
 from .mha import MultiheadAttention
+from .sdpa_mode import SDPACalls, replace_sdpa
 
-__all__ = ["MultiheadAttention", "attention", "backends", "create_block_mask", "ran", "scaled_dot_product_attention", "use_implementation"]
+__all__ = ["MultiheadAttention", "SDPACalls", "attention", "backends", "create_block_mask", "ran", "replace_sdpa",
+           "scaled_dot_product_attention", "use_implementation"]

@@ -7,6 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
+from attngrad.torch import dispatch  # noqa: E402
+
 from ..conftest import assert_all_close  # noqa: E402
 from ..replaced_sdpa import replaced_and_math  # noqa: E402
 
@@ -66,10 +68,15 @@ def test_model_matches_the_math_path_to_second_order(make):
     def forward(**tensors):
         return model(**tensors, **rest).sample
 
+    before = dispatch.ran.copy()
     ours, theirs, calls = replaced_and_math(forward, tensors, model)
+    ran = dispatch.ran - before
     # a bias on every key adds the same q.b to a query's every score: the softmax does not
     # see it, so its gradients are 0 and both sides hold rounding noise (joint attention's
     # biases each shift a part of the keys, and are not)
     zeros = {name for name in theirs if name.endswith("attn1.to_k.bias")}
     assert_all_close(ours, theirs, zeros=zeros)
     assert calls.attngrad == 2 * attention_calls and calls.pytorch == {}  # the gradients' forward and the JVP's
+    # attngrad's own count agrees: every pass of every call ran on attngrad's backends
+    assert {p: n for (p, _), n in ran.items()} == {"forward": 2 * attention_calls, "jvp": attention_calls,
+                                                   "backward": 2 * attention_calls, "double_backward": attention_calls}

@@ -94,6 +94,8 @@ def test_bad_input_raises_attngrads_error_naming_the_shapes():
     q, k, v = _inputs(0, 1, 2, 2, 4, 5, 8, 8)
     with replace_sdpa() as calls, pytest.raises(ValueError, match=r"query and key must share their last dimension"):
         F.scaled_dot_product_attention(q, k[..., :4], v)
+    with replace_sdpa() as calls, pytest.raises(TypeError, match=r"query must be a floating tensor; got torch.int64"):
+        F.scaled_dot_product_attention(*(t.long() for t in (q, k, v)))
     assert calls.attngrad == 0 and calls.pytorch == {}
 
 

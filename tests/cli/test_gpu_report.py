@@ -57,3 +57,31 @@ def test_the_command_offers_what_the_report_compiles():
 def test_the_interpreter_is_refused_by_name():
     result = gpu_report("--dtypes", "bfloat16", "--widths", "64", "--features", "plain", interpret="1")
     assert result.returncode == 2 and "unset TRITON_INTERPRET" in result.stdout
+
+
+def test_the_figures_are_those_of_tritons_own_ptxas_run():
+    """The registers and spills come from the log of the ptxas run that builds the cubin,
+    with Triton's flags; Triton skips ptxas for a kernel in its cache, so the report compiles
+    past the cache: the same variant compiled twice in one process reports twice, alike."""
+    code = (
+        "from attngrad.torch.backends.triton import compile_report as r\n"
+        "import torch\n"
+        "launch = r.record_launches(torch.bfloat16, 64, 'plain', passes=('forward',))[0]\n"
+        "print(r.compile_launch(launch, 80), r.compile_launch(launch, 80))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    first, second = result.stdout.strip().split(") (")
+    assert first + ")" == "(" + second, result.stdout
+    registers = int(first.strip("(").split(",")[0])
+    assert 16 <= registers <= 255, result.stdout
+
+
+def test_a_log_without_ptxas_figures_is_an_error():
+    from attngrad.torch.backends.triton import compile_report as report
+
+    log = "ptxas info    : Used 128 registers, used 1 barriers\nptxas info    : 0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+    assert report._ptxas_report(log) == (128, 12)
+    with pytest.raises(RuntimeError, match="no ptxas -v report"):
+        report._ptxas_report("nothing here")

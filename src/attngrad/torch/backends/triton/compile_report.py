@@ -1,8 +1,9 @@
 """Every Triton kernel variant compiled ahead of time for NVIDIA GPUs, without one: the
 launches `launch` would make for a set of calls are recorded (on small CPU stand-ins, with
-the GPU's tile sizes), specialised as Triton's JIT would specialise them, compiled to PTX
-and a cubin for each target (sm_80: A100, sm_90: H100), and the PTX assembled again by the
-wheel's ptxas with -v, which reports registers, spills and shared memory.
+the GPU's tile sizes), specialised as Triton's JIT would specialise them, and compiled to
+PTX and a cubin for each target (sm_80: A100, sm_90: H100); the registers and spills are
+those of Triton's own ptxas run (its -v log, with Triton's flags), the shared memory
+Triton's metadata.
 
     rows = compile_report(dtypes=("bfloat16",), widths=(128,), archs=(80, 90))
     [r for r in rows if r.spill_bytes]   # what spills, and how much
@@ -14,14 +15,12 @@ only when it compiles: its constants serve the command line's help.
 from __future__ import annotations
 
 import contextlib
+import io
 import re
-import subprocess
-import tempfile
 import time
 import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -188,25 +187,23 @@ _PTXAS = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
-    """(registers, spill bytes) from ptxas -v on the kernel's PTX."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as folder:
-        source = Path(folder) / "kernel.ptx"
-        source.write_text(ptx)
-        suffix = "a" if arch == 90 else ""  # sm_90a: wgmma, as Triton compiles for Hopper
-        result = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}{suffix}", str(source), "-o",
-                                 str(Path(folder) / "kernel.cubin")], capture_output=True, text=True, check=True)
-    text = result.stdout + result.stderr
-    registers = int(_PTXAS.search(text).group(1))
-    stores, loads = (int(x) for x in _SPILLS.search(text).groups())
-    return registers, stores + loads
+def _ptxas_report(log: str) -> tuple[int, int]:
+    """(registers, spill bytes) from a ptxas -v log."""
+    registers, spills = _PTXAS.search(log), _SPILLS.search(log)
+    if registers is None or spills is None:
+        raise RuntimeError(f"no ptxas -v report in Triton's compile log (has Triton stopped printing it?): {log[-300:]!r}")
+    stores, loads = (int(x) for x in spills.groups())
+    return int(registers.group(1)), stores + loads
 
 
 def compile_launch(record: Launch, arch: int) -> tuple[int, int, int]:
-    """Compile one recorded launch for sm_<arch>: (registers, spill bytes, shared memory bytes)."""
+    """Compile one recorded launch for sm_<arch>: (registers, spill bytes, shared memory bytes).
+    The figures are those of the cubin Triton builds: Triton's ptxas log, which it prints
+    when asked (`dump_ptxas_log`), read back, from a compile that skips Triton's cache (a
+    cached kernel runs no ptxas). Running ptxas again apart from Triton measured another
+    build: its flags differ from Triton's, and from one Triton release to the next."""
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
 
@@ -214,8 +211,12 @@ def compile_launch(record: Launch, arch: int) -> tuple[int, int, int]:
     backend = make_backend(target)
     signature, constexprs, attrs = _specialise(record, backend)
     source = ASTSource(record.kernel, signature, constexprs, attrs)
-    compiled = triton.compile(source, target=target, options=dict(record.options))
-    registers, spills = _ptxas_report(compiled.asm["ptx"], arch)
+    log = io.StringIO()
+    with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True
+        knobs.compilation.always_compile = True
+        compiled = triton.compile(source, target=target, options=dict(record.options))
+    registers, spills = _ptxas_report(log.getvalue())
     return registers, spills, int(compiled.metadata.shared)
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 
 from .call import AttentionCall
@@ -31,11 +32,25 @@ _Q, _K, _V, _BIAS = (CALL_NAMES.index(name) for name in ("q", "k", "v", "bias"))
 assert CALL_NAMES == ("q", "k", "v", "mask", "bias", "bounds", "seed", "causal", "scale", "softcap", "dropout_p", "sink"), \
     "the Functions' forward signatures spell out the call's fields"
 
+_BACKWARD_INPUTS = ("dout", "out", "row_max", "inv_sum", "bias_grad")  # AttentionBackward's, before the call's
+
 THIRD_ORDER = "attngrad attention has derivatives up to second order; a third was asked for"
 REVERSE_OVER_FORWARD = (
     "attngrad attention's JVP has no reverse-mode derivative; for Hessian-vector products take "
     "forward over reverse (torch.func.jvp of torch.func.grad) or reverse over reverse (double backward)"
 )
+
+
+def _untracked(tensors: Any) -> bool:
+    """Whether nothing can differentiate a pass's results: eager (no torch.compile, no
+    torch.func transform), no forward-mode level open, and autograd either off or tracking
+    none of `tensors`. There a pass runs as the op alone, without a Function's node and saved
+    tensors (a decode step, an evaluation, a backward without create_graph)."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    if forward_ad._current_level >= 0:  # dual tensors may carry tangents
+        return False
+    return not torch.is_grad_enabled() or not any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
 
 
 class _Function(torch.autograd.Function):
@@ -134,8 +149,11 @@ class Attention(_Function):
         # out and the statistics enter as caches, detached: the second derivatives are taken
         # through q, k, v and bias, and a graph edge back into this node would only make
         # autograd rerun this backward on zeros
-        dq, dk, dv, dbias = AttentionBackward.apply(
-            dout.contiguous(), out.detach(), row_max.detach(), inv_sum.detach(), bias_grad, *fields)
+        inputs = (dout.contiguous(), out.detach(), row_max.detach(), inv_sum.detach(), bias_grad)
+        if _untracked((inputs[0], *fields)):  # no create_graph: the backward pass alone
+            dq, dk, dv, dbias = _pass("backward", *fields, **dict(zip(_BACKWARD_INPUTS, inputs)))
+        else:
+            dq, dk, dv, dbias = AttentionBackward.apply(*inputs, *fields)
         grads = [None] * len(fields)
         grads[_Q], grads[_K], grads[_V], grads[_BIAS] = dq, dk, dv, dbias if bias_grad else None
         return tuple(grads)
@@ -198,6 +216,8 @@ class _AttentionTraced(Attention):
 
 def attention(call: AttentionCall) -> Tensor:
     """The differentiable attention of `call`, on (B, H, L, E) tensors: its output."""
+    if _untracked(call.tensors()):
+        return run_op("forward", call)[0]
     function = _AttentionTraced if torch.compiler.is_compiling() else Attention
     fields = call.fields()
     return function.apply(*(fields[name] for name in CALL_NAMES))[0]

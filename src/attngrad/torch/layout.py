@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -30,29 +31,67 @@ def broadcast_shapes(*shapes: tuple) -> torch.Size:
     return torch.Size(result)
 
 
+def _describe(q_shape: tuple, k_shape: tuple, v_shape: tuple) -> str:
+    return f"query {tuple(q_shape)}, key {tuple(k_shape)}, value {tuple(v_shape)}"
+
+
 def describe_shapes(query: Tensor, key: Tensor, value: Tensor) -> str:
-    return f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+    return _describe(query.shape, key.shape, value.shape)
 
 
 def check_tensors(query: Tensor, key: Tensor, value: Tensor, dropout_p: float) -> None:
-    shapes = describe_shapes(query, key, value)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
         if t.dtype not in FLOATS:
-            raise TypeError(f"{name} must be a floating tensor; got {t.dtype} ({shapes})")
+            raise TypeError(f"{name} must be a floating tensor; got {t.dtype} ({describe_shapes(query, key, value)})")
         if t.dim() < 2:
-            raise ValueError(f"query, key and value must have at least 2 dimensions (..., L, E); got {shapes}")
+            raise ValueError(f"query, key and value must have at least 2 dimensions (..., L, E); got "
+                             f"{describe_shapes(query, key, value)}")
     if not query.dtype == key.dtype == value.dtype:
         raise TypeError(f"query, key and value must share a dtype; got {query.dtype}, {key.dtype}, {value.dtype}")
     if not query.device == key.device == value.device:
         raise ValueError(f"query, key and value must be on one device; got {query.device}, {key.device}, {value.device}")
     if key.shape[-2] != value.shape[-2]:
-        raise ValueError(f"key and value must have the same length Lk (dimension -2); got {shapes}")
+        raise ValueError(f"key and value must have the same length Lk (dimension -2); got "
+                         f"{describe_shapes(query, key, value)}")
     if query.shape[-1] != key.shape[-1]:
-        raise ValueError(f"query and key must share their last dimension E; got {shapes}")
+        raise ValueError(f"query and key must share their last dimension E; got {describe_shapes(query, key, value)}")
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be in [0, 1]; got {dropout_p}")
+
+
+def _fold_plan(q_shape: tuple, k_shape: tuple, v_shape: tuple, enable_gqa: bool) -> tuple[bool, torch.Size, int, int]:
+    """(flat, batch, heads, kv_heads) of `Layout` for inputs of these shapes, or a ValueError
+    naming them."""
+    shapes = (q_shape, k_shape, v_shape)
+    flat = max(len(shape) for shape in shapes) == 2  # (L, E) inputs: no heads axis
+    h_q, h_k, h_v = (shape[-3] if len(shape) >= 3 else 1 for shape in shapes)
+    try:
+        batch = broadcast_shapes(*(shape[:-3] for shape in shapes))
+    except RuntimeError:
+        raise ValueError(f"the batch dimensions of query, key and value do not broadcast; got "
+                         f"{_describe(*shapes)}") from None
+    if enable_gqa and h_q != h_k:
+        if h_k != h_v:
+            raise ValueError(f"with enable_gqa, key and value must have the same number of heads; got "
+                             f"{_describe(*shapes)}")
+        if h_k == 0 or h_q % h_k:
+            raise ValueError(f"the number of query heads must be a multiple of key/value heads; got "
+                             f"{_describe(*shapes)}")
+        return flat, batch, h_q, h_k
+    try:
+        heads = broadcast_shapes((h_q,), (h_k,), (h_v,))[0]
+    except RuntimeError:
+        hint = "; pass enable_gqa=True" if h_k == h_v and h_k and h_q % h_k == 0 else ""
+        raise ValueError(f"query has {h_q} heads but key/value {h_k}, {h_v}{hint} ({_describe(*shapes)})") from None
+    # key and value heads broadcast over the query's: GQA with one group, no copy
+    return flat, batch, heads, 1 if h_k == h_v == 1 and h_q > 1 else heads
+
+
+# Eager calls repeat a handful of shapes (a model's layers, a decode loop's steps): each is
+# worked out once. torch.compile traces the plain function (its shapes may be symbolic).
+_cached_fold_plan = functools.lru_cache(maxsize=256)(_fold_plan)
 
 
 class Layout:
@@ -61,36 +100,23 @@ class Layout:
     heads axis (-3) broadcasts too, or groups query heads over key/value heads (GQA)."""
 
     def __init__(self, query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) -> None:
-        shapes = describe_shapes(query, key, value)
-        self.flat = max(t.dim() for t in (query, key, value)) == 2  # (L, E) inputs: no heads axis
-        heads = [t.shape[-3] if t.dim() >= 3 else 1 for t in (query, key, value)]
-        try:
-            self.batch = broadcast_shapes(*(t.shape[:-3] for t in (query, key, value)))
-        except RuntimeError:
-            raise ValueError(f"the batch dimensions of query, key and value do not broadcast; got {shapes}") from None
-        h_q, h_k, h_v = heads
-        if enable_gqa and h_q != h_k:
-            if h_k != h_v:
-                raise ValueError(f"with enable_gqa, key and value must have the same number of heads; got {shapes}")
-            if h_k == 0 or h_q % h_k:
-                raise ValueError(f"the number of query heads must be a multiple of key/value heads; got {shapes}")
-            self.heads, kv_heads = h_q, h_k
-        else:
-            try:
-                self.heads = broadcast_shapes((h_q,), (h_k,), (h_v,))[0]
-            except RuntimeError:
-                hint = "; pass enable_gqa=True" if h_k == h_v and h_k and h_q % h_k == 0 else ""
-                raise ValueError(f"query has {h_q} heads but key/value {h_k}, {h_v}{hint} ({shapes})") from None
-            # key and value heads broadcast over the query's: GQA with one group, no copy
-            kv_heads = 1 if h_k == h_v == 1 and h_q > 1 else self.heads
-        self.shapes = shapes
+        self._shapes = (tuple(query.shape), tuple(key.shape), tuple(value.shape))
+        plan = _fold_plan if torch.compiler.is_compiling() else _cached_fold_plan
+        self.flat, self.batch, self.heads, kv_heads = plan(*self._shapes, bool(enable_gqa))
         self.len_q, self.len_k = query.shape[-2], key.shape[-2]
         self.q = self._fold(query, self.heads)
         self.k = self._fold(key, kv_heads)
         self.v = self._fold(value, kv_heads)
 
+    @property
+    def shapes(self) -> str:
+        """The inputs' shapes, for messages."""
+        return _describe(*self._shapes)
+
     def _fold(self, t: Tensor, heads: int) -> Tensor:
         """t as (B, heads, L, E): broadcast to the batch and heads, batch axes flattened."""
+        if t.dim() == 4 and len(self.batch) == 1 and t.shape[0] == self.batch[0] and t.shape[1] == heads:
+            return t  # (B, H, L, E) already: no view to make
         while t.dim() < 3:
             t = t.unsqueeze(0)
         t = t.expand(*self.batch, heads, *t.shape[-2:])

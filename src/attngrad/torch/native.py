@@ -46,6 +46,12 @@ __all__ = ["attention_forward", "attention_backward", "attention_double_backward
 # 0.88, (256, 256) 0.93 / 0.85, (128, 1024) 0.97 / 1.01.
 BLOCK_ROWS = 128
 BLOCK_KEYS = 512
+# Rows of a causal call's query block below CAUSAL_SHORT rows: a block's keys end at its last
+# row, so smaller blocks skip more of the masked triangle, which matters most where a head
+# has few blocks. Fwd+bwd, causal, d=64 (time with 128-row blocks -> these): B=4, L=128,
+# 32 rows: 2084 -> 1738 us; L=256, 64 rows: 5049 -> 4664 us; B=1, L=1024, 64 rows: 15.1 ->
+# 14.6 ms; L=4096: 64 rows 197 ms against 128 rows' 193.
+CAUSAL_SHORT = 2048
 # Keys per block where every row's bounds span at most NARROW_BAND keys.
 NARROW_BAND = 1024
 NARROW_BLOCK_KEYS = 128
@@ -82,20 +88,42 @@ def _ops():
     return torch.ops.attngrad_tiles
 
 
+@functools.cache
+def _op(name: str) -> tuple:
+    """The tiles' op `name` (its overload) and its arguments' names in schema order."""
+    op = getattr(_ops(), name).default
+    return op, tuple(argument.name for argument in op._schema.arguments)
+
+
+def _run(name: str, *args: object, **kwargs: object) -> None:
+    """Run the tiles' op `name`, every argument after `args` given by name and handed over in
+    schema order: PyTorch matches a C++ op's keywords to its schema one by one, about half of
+    a small call's time in the op (torch 2.13)."""
+    op, names = _op(name)
+    op(*args, *(kwargs[n] for n in names[len(args):]))
+
+
 def _options(causal: int | None, scale: float, *, block_rows: int = 0, chunks: int = 1,
              seed: int | Placement = 0, dropout_p: float = 0.0, block_keys: int = 0, softcap: float = 0.0,
              sink: bool = False, bf16: bool = False) -> dict:
     """The options every op takes (ATTNGRAD_OPTIONS_SCHEMA in csrc/ops.cpp): the causal
     diagonal (None: none), the dropout's placement and draws, the blocks, read now (tests
     set BLOCK_ROWS, BLOCK_KEYS and VALUE_SLICE)."""
-    key = Placement.of(seed)
+    return dict(_options_of(causal, scale, block_rows or BLOCK_ROWS, chunks, Placement.of(seed), dropout_p,
+                            block_keys or BLOCK_KEYS, softcap, sink, bf16, VALUE_SLICE))
+
+
+@functools.lru_cache(maxsize=256)  # a model's calls repeat a few option sets
+def _options_of(causal: int | None, scale: float, block_rows: int, chunks: int, key: Placement, dropout_p: float,
+                block_keys: int, softcap: float, sink: bool, bf16: bool, value_slice: int) -> tuple:
     bits = key.seed & _MASK64  # the seed's 64 bits, as the int64 with the same bits
-    return dict(causal=None if causal is None else int(causal), scale=float(scale), softcap=float(softcap),
-                dropout=dropout_p > 0.0, seed=bits - (1 << 64) if bits >> 63 else bits,
-                threshold=threshold(dropout_p), keep_value=keep_value(dropout_p), row_offset=key.row_offset,
-                key_offset=key.key_offset, head_offset=key.head_offset, partial_rows=bool(key.partial_rows),
-                sink=bool(sink), block_rows=block_rows or BLOCK_ROWS, block_keys=block_keys or BLOCK_KEYS,
-                value_slice=VALUE_SLICE, chunks=chunks, bf16_products=bf16)
+    options = dict(causal=None if causal is None else int(causal), scale=float(scale), softcap=float(softcap),
+                   dropout=dropout_p > 0.0, seed=bits - (1 << 64) if bits >> 63 else bits,
+                   threshold=threshold(dropout_p), keep_value=keep_value(dropout_p), row_offset=key.row_offset,
+                   key_offset=key.key_offset, head_offset=key.head_offset, partial_rows=bool(key.partial_rows),
+                   sink=bool(sink), block_rows=block_rows, block_keys=block_keys, value_slice=value_slice,
+                   chunks=chunks, bf16_products=bf16)
+    return tuple(options.items())
 
 
 def _bias_grad_parts(bias_sizes: tuple, chunks: int, whole_rows: bool) -> int:
@@ -132,7 +160,8 @@ def _work(*tensors: Tensor | None) -> list:
     computed in float32 (float16 and bfloat16 inputs too; the ops return results in the
     inputs' own dtypes). None stays None."""
     work = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
-    return [None if t is None else t.to(work).contiguous() for t in tensors]
+    # a tensor already so is taken as it is: .to and .contiguous are a dispatcher trip each
+    return [t if t is None or (t.dtype == work and t.is_contiguous()) else t.to(work).contiguous() for t in tensors]
 
 
 def _score_masks(mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype, full_bias: bool = False,
@@ -161,6 +190,15 @@ def _mask_args(masks: dict) -> dict:
     return dict(mask=masks.get("mask"), bias=masks.get("bias"), key_bounds=masks.get("key_bounds"))
 
 
+def _block_rows(len_q: int, causal: int | None) -> int:
+    """Rows per query block of the forward and the backward (both: their tiles must be the
+    same for the backward to recompute the forward's scores bit for bit): BLOCK_ROWS, or for
+    a causal call shorter than CAUSAL_SHORT rows a quarter of them, 32 to 64."""
+    if causal is None or len_q >= CAUSAL_SHORT:
+        return BLOCK_ROWS
+    return min(BLOCK_ROWS, max(32, min(64, 1 << max(0, (len_q // 4).bit_length() - 1))))
+
+
 def _block_keys(bounds: Tensor | None) -> int:
     """Keys per block of the forward and backward: BLOCK_KEYS, or fewer where the key bounds
     leave every row a narrow band (a sliding window), whose tiles would otherwise be mostly
@@ -187,10 +225,11 @@ def _identity(t: Tensor | None) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version), weakref.ref(owner)
 
 
-def _empty_tiles(q: Tensor, k: Tensor, masks: dict, causal: int | None, block_keys: int) -> Tensor | None:
+def _empty_tiles(q: Tensor, k: Tensor, masks: dict, causal: int | None, block_rows: int,
+                 block_keys: int) -> Tensor | None:
     """The block map the forward and the backward skip tiles by (`block_map.empty_tiles`:
     (1 or B, 1 or H, query blocks, key blocks), True where no score of a tile takes part),
-    from the op's own mask, bias (in the compute dtype) and key bounds, for BLOCK_ROWS x
+    from the op's own mask, bias (in the compute dtype) and key bounds, for `block_rows` x
     `block_keys` tiles; None where there is none of them (the causal diagonal alone the
     passes keep to by their key ranges). Kept while the tensors it was made from live
     unchanged (`_identity`)."""
@@ -198,13 +237,13 @@ def _empty_tiles(q: Tensor, k: Tensor, masks: dict, causal: int | None, block_ke
     if all(t is None for t in sources):
         return None
     identities = [_identity(t) for t in sources]
-    key = (q.shape[2], k.shape[2], causal, BLOCK_ROWS, block_keys, *(part for part, _ in identities))
+    key = (q.shape[2], k.shape[2], causal, block_rows, block_keys, *(part for part, _ in identities))
     kept = _MAPS.get(key)
     if kept is not None and all(ref is None or ref() is not None for ref in kept[0]):
         _MAPS.move_to_end(key)
         return kept[1]
     mask, bias, bounds = sources
-    tiles = empty_tiles(q.shape[2], k.shape[2], causal, bounds, mask, bias, BLOCK_ROWS, block_keys)
+    tiles = empty_tiles(q.shape[2], k.shape[2], causal, bounds, mask, bias, block_rows, block_keys)
     _MAPS[key] = (tuple(ref for _, ref in identities), tiles)
     while len(_MAPS) > _MAPS_KEPT:
         _MAPS.popitem(last=False)
@@ -238,11 +277,12 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale
     out = q.new_empty(batch, heads, len_q, v.shape[-1])
     row_max, inv_sum = q.new_empty(batch, heads, len_q), q.new_empty(batch, heads, len_q)
     masks, block_keys = _score_masks(mask, bias, q.dtype, bounds=bounds), _block_keys(bounds)
-    _ops().forward(q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum,
-                   empty_tiles=_empty_tiles(q, k, masks, causal, block_keys),
-                   key_ranges=_key_ranges(q, k, causal, BLOCK_ROWS, masks, False),
-                   **_options(causal, scale, bf16=bf16, softcap=softcap, seed=seed, dropout_p=dropout_p,
-                            block_keys=block_keys))
+    rows = _block_rows(len_q, causal)
+    _run("forward", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum,
+         empty_tiles=_empty_tiles(q, k, masks, causal, rows, block_keys),
+         key_ranges=_key_ranges(q, k, causal, rows, masks, False),
+         **_options(causal, scale, bf16=bf16, softcap=softcap, seed=seed, dropout_p=dropout_p, block_rows=rows,
+                    block_keys=block_keys))
     return out, row_max, inv_sum
 
 
@@ -319,12 +359,13 @@ def attention_backward(
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     delta = q.new_empty(q.shape[:-1])
     dbias_parts = _bias_grad_buffer(masks, bias_grad, chunks, False, q.dtype)
-    _ops().backward(q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout, delta=delta,
-                    dq_parts=dq_parts, dk=dk, dv=dv, dbias_parts=dbias_parts,
-                    empty_tiles=_empty_tiles(q, k, masks, causal, block_keys),
-                    key_ranges=_key_ranges(q, k, causal, BLOCK_ROWS, masks, False),
-                    **_options(causal, scale, bf16=bf16, chunks=chunks, seed=seed, dropout_p=dropout_p, softcap=softcap,
-                               block_keys=block_keys))
+    rows = _block_rows(q.shape[2], causal)
+    _run("backward", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout, delta=delta,
+         dq_parts=dq_parts, dk=dk, dv=dv, dbias_parts=dbias_parts,
+         empty_tiles=_empty_tiles(q, k, masks, causal, rows, block_keys),
+         key_ranges=_key_ranges(q, k, causal, rows, masks, False),
+         **_options(causal, scale, bf16=bf16, chunks=chunks, seed=seed, dropout_p=dropout_p, softcap=softcap,
+                    block_rows=rows, block_keys=block_keys))
     return _sum_parts(dq_parts), dk, dv, _finish_bias_grad(dbias_parts, bias)
 
 
@@ -354,12 +395,12 @@ def attention_double_backward(
     g_q = torch.empty_like(q)
     gk_parts, gv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
     g_bias_parts = _bias_grad_buffer(masks, bias_grad, chunks, True, q.dtype)
-    _ops().double_backward(q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout,
-                           delta=q.new_empty(q.shape[:-1]), gq=gq, gk=gk, gv=gv, gbias=masks.get("gbias"),
-                           g_dout=g_dout, g_q=g_q, gk_parts=gk_parts, gv_parts=gv_parts, g_bias_parts=g_bias_parts,
-                           key_ranges=_key_ranges(q, k, causal, rows, masks, True),
-                           **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
-                                      softcap=softcap, sink=sink))
+    _run("double_backward", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout,
+         delta=q.new_empty(q.shape[:-1]), gq=gq, gk=gk, gv=gv, gbias=masks.get("gbias"),
+         g_dout=g_dout, g_q=g_q, gk_parts=gk_parts, gv_parts=gv_parts, g_bias_parts=g_bias_parts,
+         key_ranges=_key_ranges(q, k, causal, rows, masks, True),
+         **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
+                    softcap=softcap, sink=sink))
     return g_dout, g_q, _sum_parts(gk_parts), _sum_parts(gv_parts), _finish_bias_grad(g_bias_parts, bias)
 
 
@@ -383,10 +424,10 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Ten
                             tbias, q.dtype)
     out_t = q.new_empty(*q.shape[:3], v.shape[-1])
     rows, chunks = _whole_row_split(q, k, masks, False, None)  # each work item owns its rows
-    _ops().jvp(q, k, v, **_mask_args(masks), row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv,
-               tbias=masks.get("tbias"), tout=out_t, key_ranges=_key_ranges(q, k, causal, rows, masks, True),
-               **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
-                          dropout_p=dropout_p))
+    _run("jvp", q, k, v, **_mask_args(masks), row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv,
+         tbias=masks.get("tbias"), tout=out_t, key_ranges=_key_ranges(q, k, causal, rows, masks, True),
+         **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
+                    dropout_p=dropout_p))
     return out_t
 
 
@@ -410,10 +451,10 @@ def attention_backward_jvp(
     tdq = q.new_empty(q.shape)
     tdk_parts, tdv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
     tdbias_parts = _bias_grad_buffer(masks, bias_grad, chunks, True, q.dtype)
-    _ops().backward_jvp(q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout,
-                        delta=q.new_empty(q.shape[:-1]), tdout=tdout, tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"),
-                        tdq=tdq, tdk_parts=tdk_parts, tdv_parts=tdv_parts, tdbias_parts=tdbias_parts,
-                        key_ranges=_key_ranges(q, k, causal, rows, masks, True),
-                        **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
-                                   softcap=softcap))
+    _run("backward_jvp", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout,
+         delta=q.new_empty(q.shape[:-1]), tdout=tdout, tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"),
+         tdq=tdq, tdk_parts=tdk_parts, tdv_parts=tdv_parts, tdbias_parts=tdbias_parts,
+         key_ranges=_key_ranges(q, k, causal, rows, masks, True),
+         **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
+                    softcap=softcap))
     return tdq, _sum_parts(tdk_parts), _sum_parts(tdv_parts), _finish_bias_grad(tdbias_parts, bias)

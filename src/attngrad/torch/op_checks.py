@@ -24,6 +24,10 @@ def _shape(t: Tensor) -> tuple:
     return tuple(t.shape)
 
 
+def _qkv(call: AttentionCall) -> str:
+    return f"q {_shape(call.q)}, k {_shape(call.k)}, v {_shape(call.v)}"
+
+
 def _fail(message: str) -> None:
     raise ValueError(f"attngrad attention op: {message}")
 
@@ -80,21 +84,20 @@ def _check_call(call: AttentionCall) -> None:
             _fail(f"q, k, v must be 4-D (B, H, L, E); got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
         if t.dtype not in FLOATS:
             raise TypeError(f"attngrad attention op: {name} must be floating; got {t.dtype}")
-    shapes = f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"attngrad attention op: q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.device == k.device == v.device:
         _fail(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
     batch, heads, len_q, dim = q.shape
-    if k.shape[0] != batch or v.shape[0] != batch:
-        _fail(f"q, k, v must share the batch size B; got {shapes}")
-    if k.shape[:3] != v.shape[:3]:
-        _fail(f"k and v must share (B, Hkv, Lk); got {shapes}")
-    if k.shape[-1] != dim:
-        _fail(f"q and k must share their width d; got {shapes}")
     kv_heads = k.shape[1]
+    if k.shape[0] != batch or v.shape[0] != batch:
+        _fail(f"q, k, v must share the batch size B; got {_qkv(call)}")
+    if k.shape[:3] != v.shape[:3]:
+        _fail(f"k and v must share (B, Hkv, Lk); got {_qkv(call)}")
+    if k.shape[-1] != dim:
+        _fail(f"q and k must share their width d; got {_qkv(call)}")
     if (kv_heads == 0 and heads != 0) or (kv_heads != 0 and heads % kv_heads):
-        _fail(f"the query heads H must be a multiple of the key/value heads Hkv; got {shapes}")
+        _fail(f"the query heads H must be a multiple of the key/value heads Hkv; got {_qkv(call)}")
     mask, bias = call.mask, call.bias
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"attngrad attention op: mask must be boolean; got {mask.dtype}")

@@ -22,7 +22,7 @@ def _unavailable() -> Optional[str]:
 
 
 def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]:
-    if any(t.device.type != "cpu" for t in call.tensors()):
+    if not all(t.is_cpu for t in call.tensors()):
         return f"it runs on the CPU; the call is on {call.q.device}"
     if call.q.dtype not in FLOATS:
         return f"it takes floating tensors; got {call.q.dtype}"

@@ -82,16 +82,21 @@ std::vector<int64_t> expected_shape(const AttngradCall& c, int b) {
     return {};
 }
 
-// The context every message ends with: the shapes of q, k, v.
-std::string context(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    std::ostringstream text;
-    text << " (q " << q.sizes() << ", k " << k.sizes() << ", v " << v.sizes() << ")";
-    return text.str();
+// The context every message ends with: the shapes of q, k, v. Streamed only into a message
+// that is raised (TORCH_CHECK formats its message on failure alone), so a call that passes
+// every check builds no string.
+struct Context {
+    const at::Tensor *q = nullptr, *k = nullptr, *v = nullptr;
+};
+
+std::ostream& operator<<(std::ostream& os, const Context& c) {
+    if (c.q) os << " (q " << c.q->sizes() << ", k " << c.k->sizes() << ", v " << c.v->sizes() << ")";
+    return os;
 }
 
 // `t` on the CPU, of `dtype`, contiguous, and of `shape`
 void check_tensor(const char* what, const char* name, const at::Tensor& t, at::ScalarType dtype,
-                  c10::IntArrayRef shape, const std::string& ctx) {
+                  c10::IntArrayRef shape, const Context& ctx) {
     TORCH_CHECK(t.device().is_cpu(), what, ": ", name, " must be a CPU tensor, got one on ", t.device(), ctx);
     TORCH_CHECK(t.scalar_type() == dtype, what, ": ", name, " must be ", dtype, ", got ", t.scalar_type(), ctx);
     TORCH_CHECK(t.sizes() == shape, what, ": ", name, " has shape ", t.sizes(), ", expected ", shape, ctx);
@@ -101,7 +106,7 @@ void check_tensor(const char* what, const char* name, const at::Tensor& t, at::S
 
 // A mask's or bias's (b, h, i, j) sizes: 4-D, each 1 or the scores' own
 void take_broadcast(const char* what, const char* name, const at::Tensor& t, const AttngradCall& c, int64_t* sizes,
-                    const std::string& ctx) {
+                    const Context& ctx) {
     TORCH_CHECK(t.dim() == 4, what, ": ", name, " must be 4-D (b, h, i, j), got shape ", t.sizes(), ctx);
     const int64_t full[4] = {c.batch, c.heads, c.len_q, c.len_k};
     for (int d = 0; d < 4; ++d) {
@@ -115,7 +120,7 @@ struct Call {
     AttngradCall call;
     at::ScalarType dtype;
     const char* what;
-    std::string ctx;
+    Context ctx;
 
     // Buffer `b` is `t` (checked against the call's sizes), or null: absent where allowed
     void bind(int b, const OptTensor& t, bool required) {
@@ -136,8 +141,8 @@ struct Call {
 // options, every one of them checked.
 Call make_call(const char* what, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
                const OptTensor& bias, const OptTensor& key_bounds, const Options& o) {
-    Call out{AttngradCall{}, q.scalar_type(), what, context(q, k, v)};
-    const std::string& ctx = out.ctx;
+    Call out{AttngradCall{}, q.scalar_type(), what, Context{&q, &k, &v}};
+    const Context& ctx = out.ctx;
     AttngradCall& c = out.call;
     TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, what, ": q, k and v must be 4-D", ctx);
     TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, what,
@@ -401,7 +406,7 @@ void dropout_keep_scale_op(const at::Tensor& out, int64_t seed, int64_t row_star
     TORCH_CHECK(out.dim() == 4, what, ": out must be 4-D (B, H, R, keys), got shape ", out.sizes());
     TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kDouble, what,
                 ": out must be float32 or float64, got ", out.scalar_type());
-    check_tensor(what, "out", out, out.scalar_type(), out.sizes(), "");
+    check_tensor(what, "out", out, out.scalar_type(), out.sizes(), Context{});
     const int64_t sizes[6] = {out.size(0), out.size(1), row_start, out.size(2), key_start, out.size(3)};
     const char* names[6] = {"batch", "heads", "row_start", "rows", "key_start", "keys"};
     for (int i = 0; i < 6; ++i) {

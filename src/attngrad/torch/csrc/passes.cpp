@@ -21,8 +21,10 @@ void forward(const Pass<T>& pass) {
     const BlockSkips skips(pass.call);
     const KeyRanges ranges(pass.call);
     // the last query blocks first: a causal pass's heaviest work is scheduled first
+    // a tile's scratch is no larger than the call: a decode step's is one row, not 128
+    const index_t tile_rows = std::min(block_rows, s.len_q), tile_keys = std::min(block_keys, s.len_k);
     parallel_items(query_blocks * bh_count, [&](const ItemSource& source) {
-        std::vector<T> scores(block_rows * block_keys), acc(block_rows * s.dim_v), m(block_rows), l(block_rows);
+        std::vector<T> scores(tile_rows * tile_keys), acc(tile_rows * s.dim_v), m(tile_rows), l(tile_rows);
         for (index_t item; (item = source.next()) >= 0;) {
             const index_t qb = query_blocks - 1 - item / bh_count, bh = item % bh_count;
             const index_t b = bh / s.heads, h = bh % s.heads;
@@ -97,18 +99,20 @@ void backward(const Pass<T>& pass) {
     const index_t block_rows = pass.call.block_rows, block_keys = pass.call.block_keys, chunks = pass.call.chunks;
     const index_t group = s.heads / s.kv_heads;
     const index_t rows_total = s.batch * s.heads * s.len_q;
-    row_dots(dout, out, delta, rows_total, s.dim_v);  // D = rowsum(dO * O)
+    const index_t key_blocks = (s.len_k + block_keys - 1) / block_keys;
+    // D = rowsum(dO * O), read only by rows whose keys span more than one block (below)
+    if (key_blocks > 1 || pass.call.partial_rows) row_dots(dout, out, delta, rows_total, s.dim_v);
     const SingleKeyRows<T> single_key(masks, causal, s, inv_sum);
     const BlockSkips skips(pass.call);
     const KeyRanges ranges(pass.call);
-    const index_t key_blocks = (s.len_k + block_keys - 1) / block_keys;
     const KvItems items(s, chunks, dbias.shares_batch(s), dbias.shares_kv_heads(s));
     const bool dbias_direct = dbias.direct(s);  // written entry by entry; else added into zeros
     if (dbias.part(0) && !dbias_direct) dbias.zero_all();
+    const index_t tile = std::min(block_rows, s.len_q) * std::min(block_keys, s.len_k);  // no larger than the call
     parallel_items(items.count(), [&](const ItemSource& source) {
-        std::vector<T> probs(block_rows * block_keys), dscores(block_rows * block_keys);
-        std::vector<T> slopes(pass.cap.c ? block_rows * block_keys : 0);  // the cap's, per score
-        std::vector<T> keep(drop.on ? block_keys : 0);  // a row's dropout multipliers Z
+        std::vector<T> probs(tile), dscores(tile);
+        std::vector<T> slopes(pass.cap.c ? tile : 0);  // the cap's, per score
+        std::vector<T> keep(drop.on ? std::min(block_keys, s.len_k) : 0);  // a row's dropout multipliers Z
         for (index_t item; (item = source.next()) >= 0;) {
           items.visit(item, [&](const KvItem& it) {
             const index_t chunk = it.chunk, bhk = it.bhk, b = it.b, hk = it.hk;

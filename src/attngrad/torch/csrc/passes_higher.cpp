@@ -34,7 +34,7 @@ void double_backward(const Pass<T>& pass) {
     // scratch: P, then P Z; T, then g_dP Z; dP~ - D, then dS; X, then g_P, then g_S; with a
     // softcap its slope, and its curve (times the raw T)
     for_each_row_block(pass, items, 4 + CapRows<T>::tiles(pass.cap, true), [&](const RowBlock& blk, T* scratch) {
-        const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
+        const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = row_block_tile(pass);
         if (keys == 0) {  // rows that see no key: nothing flows back through them
             std::fill(g_q + first * s.dim, g_q + (first + rows) * s.dim, T(0));
             if (g_dout) std::fill(g_dout + first * s.dim_v, g_dout + (first + rows) * s.dim_v, T(0));
@@ -128,7 +128,7 @@ void jvp(const Pass<T>& pass) {
     // scratch: P; T, then P'
     for_each_row_block(pass, KvItems(s, pass.call.chunks, false, false), 2 + CapRows<T>::tiles(pass.cap, false),
                        [&](const RowBlock& blk, T* scratch) {
-        const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
+        const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = row_block_tile(pass);
         T* o_t = out_t + first * s.dim_v;
         if (keys == 0) {  // rows that see no key: output 0, tangent 0
             std::fill(o_t, o_t + rows * s.dim_v, T(0));
@@ -197,7 +197,7 @@ void backward_jvp(const Pass<T>& pass) {
     // scratch: P; T, then P'; dP~, then dS; dP~', then dS'; with a softcap its slope, and its
     // curve (times A')
     for_each_row_block(pass, items, 4 + CapRows<T>::tiles(pass.cap, true), [&](const RowBlock& blk, T* scratch) {
-        const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = pass.call.block_rows * s.len_k;
+        const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = row_block_tile(pass);
         T* dq_t = tdq + first * s.dim;
         if (keys == 0) {  // rows that see no key: nothing flows back through them
             std::fill(dq_t, dq_t + rows * s.dim, T(0));

@@ -736,6 +736,12 @@ struct RowBlock {
     index_t head_offset(index_t width) const { return (bhk * len_k + key0) * width; }
 };
 
+// The numbers in one tile of whole rows: block_rows x Lk, or fewer rows where the call has fewer
+template <typename T>
+index_t row_block_tile(const Pass<T>& pass) {
+    return std::min<index_t>(pass.call.block_rows, pass.s.len_q) * pass.s.len_k;
+}
+
 // body(block, scratch) for every query block of whole rows: the work `items` in parallel,
 // each visiting, for its (chunk of query blocks, b, key/value head)s in order, its chunk of
 // blocks for every query head of the group in order (so its sums into its own parts have a
@@ -748,7 +754,7 @@ void for_each_row_block(const Pass<T>& pass, const KvItems& items, int tiles, Bo
     const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
     const KeyRanges ranges(pass.call);
     parallel_items(items.count(), [&](const ItemSource& source) {
-        std::vector<T> scratch(tiles * block_rows * s.len_k);
+        std::vector<T> scratch(tiles * row_block_tile(pass));
         for (index_t item; (item = source.next()) >= 0;) {
             items.visit(item, [&](const KvItem& it) {
                 for (index_t h = it.hk * group; h < (it.hk + 1) * group; ++h) {

@@ -8,6 +8,7 @@ same run, so the share of it each implementation reaches is comparable across ma
 from __future__ import annotations
 
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -148,8 +149,12 @@ def run_bench(
             runs[PLAIN](inputs)  # its warm-up
             implementations.append(PLAIN)
         samples: dict[str, list[float]] = {impl: [] for impl in implementations}
+        order = random.Random(0)
         for _ in range(repeats):
-            for impl in implementations:  # interleaved, so drift hits all alike
+            # interleaved, so drift hits all alike, in an order shuffled each round: a run
+            # pays for the caches its predecessor left (a decode step 1.3x after the math
+            # path's), and a fixed order would charge that to one implementation
+            for impl in order.sample(implementations, len(implementations)):
                 samples[impl].append(_timed(lambda: runs[impl](inputs)))
         result.seconds = {impl: statistics.median(s) for impl, s in samples.items()}
         if memory:

@@ -92,13 +92,15 @@ def _inputs(batch, heads, kv_heads, len_q, len_k, dim, dim_v, dtype, seed):
 
 
 @needs_tiles
-@pytest.mark.parametrize("len_q,causal,short", [(128, 0, True), (300, -5, True), (1, 4095, True), (128, None, False),
-                                                (2048, 0, False)])
-def test_forward_and_backward_take_the_same_query_blocks(monkeypatch, len_q, causal, short):
+@pytest.mark.parametrize("len_q,causal,dtype,short", [
+    (128, 0, torch.float32, True), (300, -5, torch.float64, True), (1, 4095, torch.float32, True),
+    (128, None, torch.float32, False), (1024, 0, torch.float32, False), (128, 0, torch.bfloat16, False)])
+def test_forward_and_backward_take_the_same_query_blocks(monkeypatch, len_q, causal, dtype, short):
     """The backward recomputes the forward's scores bit for bit only where its tiles are the
     forward's: both passes take their query blocks from `_block_rows`, smaller than
-    BLOCK_ROWS for a short causal call (its blocks skip more of the masked triangle)."""
-    q, k, v, dout = _inputs(2, 2, 2, len_q, 4096 if len_q == 1 else len_q, 8, 8, torch.float32, 0)
+    BLOCK_ROWS for a short causal call (its blocks skip more of the masked triangle) unless
+    its products are bfloat16's."""
+    q, k, v, dout = _inputs(2, 2, 2, len_q, 4096 if len_q == 1 else len_q, 8, 8, dtype, 0)
     rows = {}
 
     def recording(name, *args, **kwargs):
@@ -109,7 +111,7 @@ def test_forward_and_backward_take_the_same_query_blocks(monkeypatch, len_q, cau
     monkeypatch.setattr(native, "_run", recording)
     out, row_max, inv_sum = native.attention_forward(q, k, v, causal, 0.3)
     native.attention_backward(dout, q, k, v, out, row_max, inv_sum, causal, 0.3)
-    assert rows["forward"] == rows["backward"] == native._block_rows(len_q, causal)
+    assert rows["forward"] == rows["backward"] == native._block_rows(len_q, causal, dtype == torch.bfloat16)
     assert (rows["forward"] < native.BLOCK_ROWS) is short
 
 

@@ -48,10 +48,11 @@ BLOCK_ROWS = 128
 BLOCK_KEYS = 512
 # Rows of a causal call's query block below CAUSAL_SHORT rows: a block's keys end at its last
 # row, so smaller blocks skip more of the masked triangle, which matters most where a head
-# has few blocks. Fwd+bwd, causal, d=64 (time with 128-row blocks -> these): B=4, L=128,
-# 32 rows: 2084 -> 1738 us; L=256, 64 rows: 5049 -> 4664 us; B=1, L=1024, 64 rows: 15.1 ->
-# 14.6 ms; L=4096: 64 rows 197 ms against 128 rows' 193.
-CAUSAL_SHORT = 2048
+# has few blocks. Fwd+bwd, causal, d=64, float32 (time with 128-row blocks -> these): B=4,
+# L=128, 32 rows: 2084 -> 1738 us; L=256, 64 rows: 5049 -> 4664 us; L=512, 64 rows: 16.7 ->
+# 16.1 ms; B=1, L=1024, 64 rows: 14.9 -> 15.2 ms. bfloat16's products (the matrix units)
+# lose with fewer rows at every length (B=4, L=128: 2.75 -> 2.96 ms), so they keep 128.
+CAUSAL_SHORT = 1024
 # Keys per block where every row's bounds span at most NARROW_BAND keys.
 NARROW_BAND = 1024
 NARROW_BLOCK_KEYS = 128
@@ -190,11 +191,12 @@ def _mask_args(masks: dict) -> dict:
     return dict(mask=masks.get("mask"), bias=masks.get("bias"), key_bounds=masks.get("key_bounds"))
 
 
-def _block_rows(len_q: int, causal: int | None) -> int:
+def _block_rows(len_q: int, causal: int | None, bf16: bool) -> int:
     """Rows per query block of the forward and the backward (both: their tiles must be the
     same for the backward to recompute the forward's scores bit for bit): BLOCK_ROWS, or for
-    a causal call shorter than CAUSAL_SHORT rows a quarter of them, 32 to 64."""
-    if causal is None or len_q >= CAUSAL_SHORT:
+    a causal call shorter than CAUSAL_SHORT rows a quarter of them, 32 to 64, unless its
+    products are bfloat16's."""
+    if causal is None or len_q >= CAUSAL_SHORT or bf16:
         return BLOCK_ROWS
     return min(BLOCK_ROWS, max(32, min(64, 1 << max(0, (len_q // 4).bit_length() - 1))))
 
@@ -277,7 +279,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale
     out = q.new_empty(batch, heads, len_q, v.shape[-1])
     row_max, inv_sum = q.new_empty(batch, heads, len_q), q.new_empty(batch, heads, len_q)
     masks, block_keys = _score_masks(mask, bias, q.dtype, bounds=bounds), _block_keys(bounds)
-    rows = _block_rows(len_q, causal)
+    rows = _block_rows(len_q, causal, bf16)
     _run("forward", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum,
          empty_tiles=_empty_tiles(q, k, masks, causal, rows, block_keys),
          key_ranges=_key_ranges(q, k, causal, rows, masks, False),
@@ -359,7 +361,7 @@ def attention_backward(
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     delta = q.new_empty(q.shape[:-1])
     dbias_parts = _bias_grad_buffer(masks, bias_grad, chunks, False, q.dtype)
-    rows = _block_rows(q.shape[2], causal)
+    rows = _block_rows(q.shape[2], causal, bf16)
     _run("backward", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout, delta=delta,
          dq_parts=dq_parts, dk=dk, dv=dv, dbias_parts=dbias_parts,
          empty_tiles=_empty_tiles(q, k, masks, causal, rows, block_keys),

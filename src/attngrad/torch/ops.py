@@ -103,7 +103,7 @@ attention_forward, attention_backward, attention_jvp, attention_backward_jvp, at
 def run_op(pass_name: str, call: AttentionCall, **inputs: Any) -> Any:
     """Call the op of `pass_name` on `call` and the pass's inputs (by name; handed to the op
     in schema order, which Dynamo traces where it does not trace every keyword)."""
-    if _plain_eager(call.tensors(), inputs.values()):  # the op's own work, without the dispatcher's trip
+    if _plain_eager((*call.tensors(), call.seed), inputs.values()):  # the op's own work, without the dispatcher's trip
         return run_pass(pass_name, call, inputs)
     fields = {**call.fields(), **inputs}
     return OPS[pass_name](*(fields[name] for name in ARGUMENTS[pass_name]))

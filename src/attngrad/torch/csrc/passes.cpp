@@ -20,9 +20,9 @@ void forward(const Pass<T>& pass) {
     const T neg_inf = -std::numeric_limits<T>::infinity();
     const BlockSkips skips(pass.call);
     const KeyRanges ranges(pass.call);
-    // the last query blocks first: a causal pass's heaviest work is scheduled first
     // a tile's scratch is no larger than the call: a decode step's is one row, not 128
     const index_t tile_rows = std::min(block_rows, s.len_q), tile_keys = std::min(block_keys, s.len_k);
+    // the last query blocks first: a causal pass's heaviest work is scheduled first
     parallel_items(query_blocks * bh_count, [&](const ItemSource& source) {
         std::vector<T> scores(tile_rows * tile_keys), acc(tile_rows * s.dim_v), m(tile_rows), l(tile_rows);
         for (index_t item; (item = source.next()) >= 0;) {

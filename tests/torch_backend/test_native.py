@@ -324,6 +324,37 @@ def test_tiles_run_behind_the_public_function_and_are_deterministic(monkeypatch)
 
 
 @needs_tiles
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("len_q,dim,dim_v", [(1, 64, 64), (1, 100, 72), (129, 7, 100)])
+def test_one_row_tiles_take_the_row_products(dtype, len_q, dim, dim_v):
+    """A tile of one query row (a decode step; the last row of 129 in 128-row blocks) has its
+    products from csrc/row_products.h in every pass, not the BLAS: a bias with its gradient,
+    several key blocks (700 keys, beta = 1 sums), head widths with and without a tail past
+    the vectors. float64 holds against PyTorch's math path; float32 against float64 within
+    its own rounding."""
+    q, k, v, dout = _inputs(2, 4, 2, len_q, 700, dim, dim_v, torch.float64, 17)
+    g = torch.Generator().manual_seed(3)
+    bias = torch.randn(4, len_q, 700, generator=g, dtype=torch.float64)
+    cot = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (q, k, v)]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    ref = math_sdpa(*leaves[:3], attn_mask=leaves[3], enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref, leaves, dout, create_graph=True)
+    ref_second = torch.autograd.grad(ref_grads[:3], leaves[:3], cot)
+    results = []
+    for precision in (torch.float64, dtype):
+        leaves = [t.to(precision).requires_grad_() for t in (q, k, v, bias)]
+        out = scaled_dot_product_attention(*leaves[:3], attn_mask=leaves[3], enable_gqa=True)
+        grads = torch.autograd.grad(out, leaves, dout.to(precision), create_graph=True)
+        second = torch.autograd.grad(grads[:3], leaves[:3], [c.to(precision) for c in cot])
+        results.append([t.double() for t in (out, *grads, *second)])
+    for exact, theirs in zip(results[0], (ref, *ref_grads, *ref_second)):
+        assert rel_err(exact, theirs) < EXACT
+    if dtype == torch.float32:
+        for single, exact in zip(*results):
+            assert rel_err(single, exact) < 1e-5
+
+
+@needs_tiles
 def test_key_chunks_give_the_same_gradients():
     """One head on several threads splits its keys into chunks, each with its own dQ sum."""
     q, k, v, dout = _inputs(1, 1, 1, 300, 1100, 16, 16, torch.float64, 3)

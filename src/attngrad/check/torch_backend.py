@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from ..torch import dropout as attngrad_dropout
+from ..torch.arguments import build_call
 from ..torch.autograd import attention
 from ..torch.dispatch import backends, use_implementation
-from ..torch.functional import build_call
 from .cases import Case
 from .torch_oracle import computation
 

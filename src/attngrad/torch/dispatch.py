@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
 from .call import PASSES, AttentionCall
@@ -38,6 +38,8 @@ from .call import PASSES, AttentionCall
 RING_PASSES = ("double_backward_row_sums",)
 # Why a backend refuses a pass of a call (None: it takes it).
 Refusal = Callable[[AttentionCall, str, dict], Optional[str]]
+# A pass prepared for every call like the one given (`plan`), or None where it has no such.
+Planner = Callable[[AttentionCall], Optional[Callable[..., Any]]]
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,8 @@ class Backend:
     where it runs on this machine, else why not (asked at every call, so it may build
     lazily); `refuses(call, pass_name, inputs)` is None where it takes the call, else why
     not; `row_sums`: its higher passes take a part of each row's keys given the whole rows'
-    sums (a ring step)."""
+    sums (a ring step). `plans` maps pass names to planners (`plan`), and `settings()` is
+    what its plans depend on beyond the call (the tiles' block sizes)."""
 
     name: str
     passes: dict[str, Callable[..., Any]]
@@ -54,6 +57,8 @@ class Backend:
     refuses: Refusal = lambda call, pass_name, inputs: None
     row_sums: bool = False
     description: str = ""
+    plans: dict[str, Planner] = field(default_factory=dict)
+    settings: Callable[[], tuple] = lambda: ()
 
 
 class BackendStatus(NamedTuple):
@@ -64,6 +69,7 @@ class BackendStatus(NamedTuple):
 
 
 _registry: dict[str, Backend] = {}
+_generation = 0  # bumped by every change of the registry: a plan made before it is stale
 _allowed: Optional[tuple[str, ...]] = None  # None: every registered backend
 ran: collections.Counter = collections.Counter()  # (pass, backend) -> calls
 
@@ -82,6 +88,8 @@ def register(backend: Backend, *, before: Optional[str] = None) -> Backend:
         names.insert(names.index(before), backend.name)
     elif backend.name not in names:
         names.append(backend.name)
+    global _generation
+    _generation += 1
     entries = {**_registry, backend.name: backend}
     _registry.clear()
     _registry.update((n, entries[n]) for n in names)
@@ -90,6 +98,8 @@ def register(backend: Backend, *, before: Optional[str] = None) -> Backend:
 
 def unregister(name: str) -> None:
     """Remove the backend `name` (a test's own, say)."""
+    global _generation
+    _generation += 1
     _registry.pop(name, None)
 
 
@@ -159,3 +169,28 @@ def run(pass_name: str, call: AttentionCall, **inputs: Any) -> Any:
     backend = choose(pass_name, call, inputs)
     ran[(pass_name, backend.name)] += 1
     return backend.passes[pass_name](call, **inputs)
+
+
+def state() -> tuple:
+    """What the backends' choice and their plans depend on beyond a call: the registry, the
+    backends allowed, each backend's settings."""
+    return _generation, _allowed, tuple(backend.settings() for backend in _registry.values())
+
+
+def plan(pass_name: str, call: AttentionCall) -> Optional[Callable[..., Any]]:
+    """Pass `pass_name` prepared, by the backend `choose` takes, for every call that differs
+    from `call` only in its tensors' values (the same sizes, strides, dtypes and options, the
+    same `state()`): prepared(q, k, v) runs it, counted in `ran`. None where that backend has
+    no plan for it. An eager caller keeps one per signature (`eager_plans`)."""
+    backend = choose(pass_name, call)
+    planner = backend.plans.get(pass_name)
+    prepared = planner(call) if planner is not None else None
+    if prepared is None:
+        return None
+    counted = (pass_name, backend.name)
+
+    def run(*tensors: Any) -> Any:
+        ran[counted] += 1
+        return prepared(*tensors)
+
+    return run

@@ -8,19 +8,17 @@ generator (so `torch.manual_seed` makes runs repeat).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
+from . import eager_plans
+from .arguments import build_call
 from .autograd import attention as differentiable_attention
-from .call import AttentionCall, ScoreMasks
-from .layout import FLOATS, Layout, check_tensors, default_scale, describe_shapes
-from .mask_functions import evaluated_mask
+from .layout import FLOATS, describe_shapes
 from .nested import is_jagged, jagged_attention
-from .structured import join_bounds, structure
 
 
 def _causal_bias_type() -> Optional[type]:
@@ -29,35 +27,6 @@ def _causal_bias_type() -> Optional[type]:
     except ImportError:  # older torch: no such masks exist there
         return None
     return CausalBias
-
-
-def sinks_as_bias(bias: Optional[Tensor], sinks: Tensor, layout: Layout, query: Tensor) -> Tensor:
-    """The bias less each head's sink logit: softmax over [S, s] equals softmax over
-    [S - s, 0], so the op needs only a sink of logit 0, and s gets every derivative a bias
-    gets. (H,) sinks become an (H, 1, 1) bias, or join the given one."""
-    if not isinstance(sinks, Tensor) or sinks.dtype not in FLOATS:
-        raise TypeError(f"sinks must be a floating tensor of shape (H,); got {getattr(sinks, 'dtype', type(sinks).__name__)}")
-    if sinks.shape != (layout.heads,) or layout.flat:
-        raise ValueError(f"sinks must have shape (H,) = ({layout.heads},), one logit per query head of (..., H, L, E) "
-                         f"inputs; got {tuple(sinks.shape)} ({layout.shapes})")
-    if sinks.device != query.device:
-        raise ValueError(f"sinks is on {sinks.device} but query on {query.device}")
-    shift = -sinks.to(query.dtype)[:, None, None]  # (H, 1, 1)
-    return shift if bias is None else bias + shift
-
-
-def _causal_offset(is_causal: bool | int | str, len_q: int, len_k: int) -> Optional[int]:
-    """The op's causal diagonal for `is_causal`: None, 0 (top-left), Lk - Lq (bottom-right)
-    or the int given."""
-    if isinstance(is_causal, int) and not isinstance(is_causal, bool):
-        return is_causal
-    if is_causal is False:
-        return None
-    if is_causal is True or is_causal == "top_left":
-        return 0
-    if is_causal == "bottom_right":
-        return len_k - len_q
-    raise ValueError(f"is_causal must be True, False, 'top_left', 'bottom_right' or an int diagonal; got {is_causal!r}")
 
 
 def scaled_dot_product_attention(
@@ -175,6 +144,12 @@ def attention(
     kernel can skip the masked half. Here the tiles that the causal or a structured mask
     excludes are skipped whatever else is given: a window of w keys costs O(L w).
     """
+    if (attn_mask is None and attn_bias is None and key_padding is None and window is None and document_ids is None
+            and cu_seqlens is None and softcap is None and sinks is None and mask_mod is None and block_mask is None
+            and not dropout_p):  # a repeated call that nothing differentiates runs from its plan
+        out = eager_plans.forward(query, key, value, is_causal, scale, enable_gqa)
+        if out is not None:
+            return out
     if is_jagged(query):
         per_token = dict(attn_mask=attn_mask, attn_bias=attn_bias, key_padding=key_padding, window=window,
                          document_ids=document_ids, cu_seqlens=cu_seqlens, mask_mod=mask_mod, block_mask=block_mask)
@@ -189,61 +164,3 @@ def attention(
                               window=window, document_ids=document_ids, cu_seqlens=cu_seqlens, softcap=softcap,
                               sinks=sinks, mask_mod=mask_mod, block_mask=block_mask)
     return layout.unfold(differentiable_attention(call))
-
-
-def build_call(query: Tensor, key: Tensor, value: Tensor, *, mask: Optional[Tensor] = None,
-               bias: Optional[Tensor] = None, dropout_p: float = 0.0, is_causal: bool | int | str = False,
-               scale: Optional[float] = None, enable_gqa: bool = False, seed: Optional[Tensor] = None,
-               key_padding: Optional[Tensor] = None, window: Optional[tuple] = None,
-               document_ids: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
-               softcap: Optional[float] = None, sinks: Optional[Tensor] = None, mask_mod: Optional[Callable] = None,
-               block_mask: Any = None) -> tuple[AttentionCall, Layout]:
-    """Check the public arguments and fold them into the op's call on (B, H, L, E), with the
-    layout that unfolds its output. `seed` (a 0-d int64 tensor, or a `dropout.Placement`'s)
-    fixes the dropout draw; by default it comes from PyTorch's generator. The rest as in
-    `attention` (mask: boolean, bias: float)."""
-    check_tensors(query, key, value, dropout_p)
-    if softcap is not None and not (isinstance(softcap, (int, float)) and 0.0 < softcap < math.inf):
-        raise ValueError(f"softcap must be a positive finite number (or None); got {softcap!r}")
-    if mask is not None and mask.dtype != torch.bool:
-        raise TypeError(f"attn_mask must be boolean here; pass a float mask as attn_bias (got {mask.dtype})")
-    if bias is not None and bias.dtype not in FLOATS:
-        raise TypeError(f"attn_bias must be floating; pass a boolean mask as attn_mask (got {bias.dtype})")
-    for name, t in (("attn_mask", mask), ("attn_bias", bias)):
-        if t is not None and t.device != query.device:
-            raise ValueError(f"{name} is on {t.device} but query on {query.device}")
-    layout = Layout(query, key, value, enable_gqa)
-    if sinks is not None:
-        bias = sinks_as_bias(bias, sinks, layout, query)
-    mask = None if mask is None else layout.fold_mask(mask, "attn_mask")
-    bias = None if bias is None else layout.fold_mask(bias, "attn_bias")
-    causal = _causal_offset(is_causal, layout.len_q, layout.len_k)
-    bounds = None
-    structured = dict(key_padding=key_padding, window=window, document_ids=document_ids, cu_seqlens=cu_seqlens)
-    if any(value is not None for value in structured.values()):
-        batch = () if layout.flat else tuple(layout.batch)
-        bounds, keep = structure(batch, layout.len_q, layout.len_k, causal, query.device, **structured)
-        if keep is not None:  # padding with holes: a (B, 1, 1, Lk) mask beside any other
-            mask = keep if mask is None else mask & keep
-    if mask_mod is not None or block_mask is not None:
-        if query.dim() != 4 or layout.flat:
-            raise ValueError(f"mask_mod and block_mask take (B, H, L, E) inputs, as FlexAttention does; got "
-                             f"{describe_shapes(query, key, value)}")
-        evaluated = evaluated_mask(mask_mod, block_mask, layout.batch[0], layout.heads, layout.len_q, layout.len_k,
-                                   query.device)
-        if evaluated.causal is not None:  # two causal diagonals: the lower one holds
-            causal = evaluated.causal if causal is None else min(causal, evaluated.causal)
-        if evaluated.bounds is not None:
-            parts = [evaluated.bounds] if bounds is None else [bounds, evaluated.bounds]
-            bounds = join_bounds(parts, layout.len_q, layout.len_k, causal, query.device)
-        if evaluated.mask is not None:
-            mask = evaluated.mask if mask is None else mask & evaluated.mask
-    if seed is None:
-        if dropout_p > 0.0:
-            seed = torch.randint(0, 2**62, (), dtype=torch.int64)  # from PyTorch's default generator
-        else:
-            seed = torch.zeros((), dtype=torch.int64)
-    masks = ScoreMasks(mask=mask, bias=bias, bounds=bounds, causal=causal, softcap=float(softcap or 0.0),
-                       sink=sinks is not None)
-    call = AttentionCall(layout.q, layout.k, layout.v, masks, seed, float(default_scale(query, scale)), float(dropout_p))
-    return call, layout

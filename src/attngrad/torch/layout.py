@@ -103,24 +103,16 @@ class Layout:
         self._shapes = (tuple(query.shape), tuple(key.shape), tuple(value.shape))
         plan = _fold_plan if torch.compiler.is_compiling() else _cached_fold_plan
         self.flat, self.batch, self.heads, kv_heads = plan(*self._shapes, bool(enable_gqa))
+        self.kv_heads = kv_heads
         self.len_q, self.len_k = query.shape[-2], key.shape[-2]
-        self.q = self._fold(query, self.heads)
-        self.k = self._fold(key, kv_heads)
-        self.v = self._fold(value, kv_heads)
+        self.q = fold(query, self.batch, self.heads)
+        self.k = fold(key, self.batch, kv_heads)
+        self.v = fold(value, self.batch, kv_heads)
 
     @property
     def shapes(self) -> str:
         """The inputs' shapes, for messages."""
         return _describe(*self._shapes)
-
-    def _fold(self, t: Tensor, heads: int) -> Tensor:
-        """t as (B, heads, L, E): broadcast to the batch and heads, batch axes flattened."""
-        if t.dim() == 4 and len(self.batch) == 1 and t.shape[0] == self.batch[0] and t.shape[1] == heads:
-            return t  # (B, H, L, E) already: no view to make
-        while t.dim() < 3:
-            t = t.unsqueeze(0)
-        t = t.expand(*self.batch, heads, *t.shape[-2:])
-        return t.reshape(math.prod(self.batch), *t.shape[-3:]) if len(self.batch) != 1 else t
 
     @property
     def target(self) -> tuple:
@@ -152,9 +144,28 @@ class Layout:
 
     def unfold(self, out: Tensor) -> Tensor:
         """(B, H, Lq, Ev) back to the inputs' layout (..., H, Lq, Ev)."""
-        if self.flat:
-            return out.reshape(out.shape[-2:])
-        return out.reshape(*self.batch, *out.shape[1:])
+        return unfold(out, self.batch, self.flat)
+
+
+def fold(t: Tensor, batch: torch.Size, heads: int) -> Tensor:
+    """t (..., L, E) as (B, heads, L, E): broadcast to the batch axes and heads, the batch
+    axes flattened (a Layout's folding, which depends on the shapes alone)."""
+    if t.dim() == 4 and len(batch) == 1 and t.shape[0] == batch[0] and t.shape[1] == heads:
+        return t  # (B, H, L, E) already: no view to make
+    while t.dim() < 3:
+        t = t.unsqueeze(0)
+    t = t.expand(*batch, heads, *t.shape[-2:])
+    return t.reshape(math.prod(batch), *t.shape[-3:]) if len(batch) != 1 else t
+
+
+def unfold(out: Tensor, batch: torch.Size, flat: bool) -> Tensor:
+    """The op's (B, H, Lq, Ev) output in inputs' layout (..., H, Lq, Ev), or (Lq, Ev) for
+    `flat` inputs."""
+    if flat:
+        return out.reshape(out.shape[-2:])
+    if len(batch) == 1:
+        return out  # (B, H, Lq, Ev) is the layout
+    return out.reshape(*batch, *out.shape[1:])
 
 
 def default_scale(query: Tensor, scale: Optional[float]) -> float:

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import dropout as dropout_masks
+from .arguments import build_call
 from .autograd import attention
 from .functional import attention as attention_function
-from .functional import build_call
 from .kernels import compute_dtype
 from .nested import is_jagged
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import functools
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -36,7 +37,7 @@ from .dropout import Placement, keep_value, threshold
 from .native_build import build_info, fresh_build_seconds, library
 
 __all__ = ["attention_forward", "attention_backward", "attention_double_backward", "attention_jvp",
-           "attention_backward_jvp", "dropout_keep_scale_into", "status", "available", "library",
+           "attention_backward_jvp", "forward_plan", "settings", "dropout_keep_scale_into", "status", "available", "library",
            "build_info", "fresh_build_seconds"]
 
 # Rows of a query block and keys of a key block. A (128, 512) float32 score tile is 256 KiB;
@@ -286,6 +287,46 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale
          **_options(causal, scale, bf16=bf16, softcap=softcap, seed=seed, dropout_p=dropout_p, block_rows=rows,
                     block_keys=block_keys))
     return out, row_max, inv_sum
+
+
+def settings() -> tuple:
+    """The module's block sizes, which every pass reads at its call (tests change them): a
+    prepared pass (`forward_plan`) holds while they stay."""
+    return BLOCK_ROWS, BLOCK_KEYS, VALUE_SLICE, CAUSAL_SHORT, NARROW_BAND, NARROW_BLOCK_KEYS
+
+
+def forward_plan(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float,
+                 softcap: float = 0.0) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
+    """`attention_forward` without masks or dropout, prepared for every call whose q, k, v
+    have these sizes, dtypes and layouts: the blocks, key ranges, options and the op's
+    argument list worked out once, so that a call is its allocations and the op
+    (`eager_plans`)."""
+    bf16 = _bf16(q)
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    converted = any(t.dtype != work or not t.is_contiguous() for t in (q, k, v))
+    batch, heads, len_q, _ = q.shape
+    out_shape, stats_shape = (batch, heads, len_q, v.shape[-1]), (batch, heads, len_q)
+    rows = _block_rows(len_q, causal, bf16)
+    op, names = _op("forward")
+    given = dict(mask=None, bias=None, key_bounds=None, empty_tiles=None,
+                 key_ranges=_causal_key_ranges(len_q, k.shape[2], causal, rows),
+                 **dict(_options(causal, scale, bf16=bf16, softcap=softcap, block_rows=rows)))
+    template = [given.get(name) for name in names]
+    at = {name: names.index(name) for name in ("q", "k", "v", "out", "row_max", "inv_sum")}
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if converted:
+            q, k, v = _work(q, k, v)
+        out = torch.empty(out_shape, dtype=work, device=q.device)
+        row_max = torch.empty(stats_shape, dtype=work, device=q.device)
+        inv_sum = torch.empty(stats_shape, dtype=work, device=q.device)
+        args = list(template)
+        for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("row_max", row_max), ("inv_sum", inv_sum)):
+            args[at[name]] = t
+        op(*args)
+        return out, row_max, inv_sum
+
+    return run
 
 
 # Work items a backward pass aims for. The count follows the shapes alone, never the thread

@@ -6,6 +6,7 @@ unavailable where the tiles cannot be built (`native.build_info.reason` says why
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -45,6 +46,21 @@ def _in_dtypes_of(results: tuple, inputs: tuple) -> tuple:
 def forward(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
     out, row_max, inv_sum = native.attention_forward(call.q, call.k, call.v, call.causal, call.scale, **_options(call))
     return out.to(call.q.dtype), row_max, inv_sum  # the statistics stay in the compute dtype
+
+
+def plan_forward(call: AttentionCall) -> Optional[Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]]:
+    """The forward prepared for calls like `call` (`dispatch.plan`): those without a mask, a
+    bias, key bounds, dropout or sinks."""
+    if call.mask is not None or call.bias is not None or call.bounds is not None or call.dropout_p or call.sink:
+        return None
+    prepared = native.forward_plan(call.q, call.k, call.v, call.causal, call.scale, call.softcap)
+    dtype = call.q.dtype
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        out, row_max, inv_sum = prepared(q, k, v)
+        return (out if out.dtype == dtype else out.to(dtype)), row_max, inv_sum
+
+    return run
 
 
 def backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
@@ -95,4 +111,6 @@ BACKEND = dispatch.register(dispatch.Backend(
     unavailable=_unavailable,
     refuses=_refuses,
     description="compiled C++ tiles: CPU, every pass",
+    plans=dict(forward=plan_forward),
+    settings=native.settings,
 ), before="torch-ops" if "torch-ops" in dispatch.registered() else None)

@@ -4,7 +4,8 @@
 // declared weak and resolved when the library loads, against PyTorch's CPU library, which it links;
 // where that library has no such symbols (another BLAS, macOS) they are null and ATen's
 // own CPU kernel, at::cpu::addmm_out on from_blob views, runs instead (reaching the same
-// BLAS wherever PyTorch has one).
+// BLAS wherever PyTorch has one). A tile of one query row takes neither: its products are
+// row_products.h's, the same on both paths.
 // Threads: at::parallel_for, PyTorch's pool. With PyTorch's OpenMP backend it is inline
 // code, an `omp parallel` region, so these sources are built with -fopenmp (native_build),
 // on PyTorch's own libgomp (loaded first, under the same soname): one pool in the process.
@@ -25,6 +26,7 @@
 #include <immintrin.h>
 #endif
 
+#include "row_products.h"
 #include "tiles.h"
 
 extern "C" {
@@ -105,6 +107,14 @@ template <typename T>
 void any_gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alpha, const T* a, index_t lda,
               const T* b, index_t ldb, T beta, T* c, index_t ldc) {
     if (m == 0 || n == 0) return;
+    if (m == 1 && !trans_a) {  // a tile of one row, on either path (row_products.h)
+        if (trans_b) {
+            row_dots(n, k, alpha, a, b, ldb, beta, c);
+        } else {
+            row_times(n, k, alpha, a, b, ldb, beta, c);
+        }
+        return;
+    }
     if (use_aten_gemm.load(std::memory_order_relaxed)) {
         aten_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     } else {

@@ -7,7 +7,8 @@
 //
 // The sources: tiles_math.h (SIMD exp and tanh, the row loops), this header (masks, dropout,
 // work items, the GEMM and thread-pool interface every pass uses), runtime.cpp (the GEMM and
-// the work loop on PyTorch's thread pool), passes.cpp (forward, backward), passes_higher.cpp
+// the work loop on PyTorch's thread pool), row_products.h (the GEMM of a one-row tile),
+// passes.cpp (forward, backward), passes_higher.cpp
 // (double backward, JVP, the backward's JVP) and ops.cpp (the TORCH_LIBRARY ops
 // attngrad_tiles::*, which check every tensor against the others before a pass runs).
 //

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..arguments import sinks_as_bias
 from ..autograd import REVERSE_OVER_FORWARD, THIRD_ORDER, Final
-from ..functional import sinks_as_bias
 from ..layout import Layout, default_scale
 from ..structured import structure
 from .call_checks import start_call

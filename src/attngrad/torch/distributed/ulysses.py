@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..arguments import build_call
 from ..autograd import attention
 from ..dropout import Placement
-from ..functional import build_call
 from ..layout import Layout
 from .call_checks import start_call
 from .ring_comm import waited

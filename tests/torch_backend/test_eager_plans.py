@@ -1,0 +1,173 @@
+"""Plans of repeated eager calls (attngrad.torch.eager_plans): the same bits as the full path,
+made once per signature, never where something could differentiate or see the call."""
+
+import gc
+import weakref
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from attngrad.torch import attention, dispatch, eager_plans, native, scaled_dot_product_attention, use_implementation  # noqa: E402
+
+from ..conftest import EXACT, rel_err  # noqa: E402
+from .conftest import math_sdpa  # noqa: E402
+
+needs_tiles = pytest.mark.skipif(native.library() is None, reason=f"no compiled tiles: {native.build_info.reason}")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    eager_plans.clear()
+    yield
+    eager_plans.clear()
+
+
+def _full_path(query, key, value, **options):
+    """The same call through the full path: inputs that require grad have no plan."""
+    leaves = [t.detach().requires_grad_() for t in (query, key, value)]
+    return attention(*leaves, **options).detach()
+
+
+def _count_builds(monkeypatch) -> list:
+    builds = []
+    build = eager_plans.build_call
+
+    def counting(*args, **kwargs):
+        builds.append(1)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(eager_plans, "build_call", counting)
+    return builds
+
+
+# inputs of any rank: (shape of q, of k) with v like k; broadcast batch and heads, GQA
+SHAPES = [((5, 8), (7, 8)), ((3, 5, 8), (3, 7, 8)), ((2, 4, 5, 8), (2, 2, 7, 8)), ((2, 3, 4, 5, 8), (1, 3, 1, 7, 8)),
+          ((2, 4, 1, 8), (2, 4, 300, 8))]
+
+
+@needs_tiles
+@settings(max_examples=40, deadline=None)
+@given(shapes=st.sampled_from(SHAPES), dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
+       is_causal=st.sampled_from([False, True, "bottom_right", 2, -1]), scale=st.sampled_from([None, 0.3]),
+       transposed=st.booleans(), seed=st.integers(0, 2**16))
+def test_a_plan_gives_the_full_paths_bits(shapes, dtype, is_causal, scale, transposed, seed):
+    """Across ranks, GQA, broadcast axes, dtypes, causal diagonals, scales and transposed
+    (non-contiguous) inputs: the planned call equals the full path's bit for bit, at its
+    first call and from its plan; float64 holds against PyTorch's math path."""
+    q_shape, k_shape = shapes
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in (q_shape, k_shape, k_shape))
+    if transposed:  # the same values, laid out with L and E swapped
+        q, k, v = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (q, k, v))
+    gqa = len(q_shape) >= 3 and q_shape[-3] != k_shape[-3]
+    options = dict(is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    with torch.no_grad():
+        first, planned = attention(q, k, v, **options), attention(q, k, v, **options)
+    full = _full_path(q, k, v, **options)
+    assert first.shape == full.shape and first.dtype == full.dtype
+    assert torch.equal(first, full) and torch.equal(planned, full)
+    if dtype == torch.float64 and is_causal in (False, True):
+        ref = math_sdpa(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+        assert rel_err(planned, ref) < EXACT
+
+
+@needs_tiles
+def test_a_signature_is_planned_once_and_counted(monkeypatch):
+    """The first call of a signature builds its call, later ones run the plan alone; each
+    is counted in dispatch.ran; new sizes, strides, options or dtypes are new signatures."""
+    builds = _count_builds(monkeypatch)
+    q, k, v = (torch.randn(2, 4, n, 16) for n in (1, 40, 40))
+    before = dispatch.ran[("forward", "tiles")]
+    with torch.no_grad():
+        for _ in range(3):
+            scaled_dot_product_attention(q, k, v)
+        assert len(builds) == 1
+        assert dispatch.ran[("forward", "tiles")] - before == 3
+        scaled_dot_product_attention(q, k[:, :, :30], v[:, :, :30])  # other sizes
+        scaled_dot_product_attention(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v)  # other strides
+        scaled_dot_product_attention(q, k, v, scale=0.5)
+        scaled_dot_product_attention(q.double(), k.double(), v.double())
+        attention(q, k, v, is_causal=1)  # True == 1, but another diagonal
+        attention(q, k, v, is_causal=True)
+    assert len(builds) == 7
+
+
+@needs_tiles
+def test_a_plan_follows_the_backends_and_their_settings(monkeypatch):
+    """use_implementation, a change of the registry and the tiles' block sizes make a new
+    signature: the plan never runs a backend that is not allowed, nor stale blocks."""
+    builds = _count_builds(monkeypatch)
+    q, k, v = (torch.randn(1, 2, n, 16) for n in (3, 40, 40))
+    with torch.no_grad():
+        scaled_dot_product_attention(q, k, v)
+        before = dispatch.ran[("forward", "torch-ops")]
+        with use_implementation("torch-ops"):
+            scaled_dot_product_attention(q, k, v)
+            scaled_dot_product_attention(q, k, v)
+        assert dispatch.ran[("forward", "torch-ops")] - before == 2
+        monkeypatch.setattr(native, "BLOCK_KEYS", 8)
+        recorded, original = [], native._op
+        op, names = original("forward")
+        monkeypatch.setattr(native, "_op", lambda name: (lambda *args: recorded.append(args) or op(*args), names))
+        scaled_dot_product_attention(q, k, v)
+    assert recorded and recorded[0][names.index("block_keys")] == 8
+    assert len(builds) == 3
+
+
+@needs_tiles
+def test_no_plan_where_something_could_differentiate_or_see_the_call():
+    """Inputs that require grad, a forward-mode level, torch.func transforms, a function mode,
+    masks and dropout take the full path: the plan cache stays empty."""
+    q, k, v = (torch.randn(2, 2, n, 8, dtype=torch.float64) for n in (3, 5, 5))
+    out = scaled_dot_product_attention(q.requires_grad_(), k, v)
+    assert out.grad_fn is not None
+    q = q.detach()
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(q, torch.ones_like(q))
+        tangent = torch.autograd.forward_ad.unpack_dual(scaled_dot_product_attention(dual, k, v)).tangent
+        assert tangent is not None
+    torch.func.jvp(lambda x: scaled_dot_product_attention(x, k, v), (q,), (torch.ones_like(q),))
+    torch.func.vmap(lambda x: scaled_dot_product_attention(x, k, v))(q[None].expand(3, *q.shape))
+
+    class Seen(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad():
+        with Seen():
+            scaled_dot_product_attention(q, k, v)
+        scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(3, 5, dtype=torch.bool))
+        scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        attention(q, k, v, softcap=5.0)
+    assert len(eager_plans._plans) == 0
+
+
+@needs_tiles
+def test_a_bad_call_raises_every_time_and_leaves_no_plan():
+    """A call the checks refuse raises their error at every call, not only the first."""
+    q, k, v = torch.randn(2, 3, 8), torch.randn(2, 4, 8), torch.randn(2, 5, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            with pytest.raises(ValueError, match="key and value must have the same length"):
+                scaled_dot_product_attention(q, k, v)
+    assert len(eager_plans._plans) == 0
+
+
+@needs_tiles
+def test_a_plan_holds_no_tensor_and_the_cache_is_bounded():
+    """A plan keeps sizes and options, never the tensors of the call that made it; the oldest
+    signatures go first past KEPT."""
+    q, k, v = (torch.randn(1, 2, n, 8) for n in (3, 6, 6))
+    watched = weakref.ref(q)
+    with torch.no_grad():
+        scaled_dot_product_attention(q, k, v)
+    del q
+    gc.collect()
+    assert watched() is None
+    with torch.no_grad():
+        for length in range(1, eager_plans.KEPT + 6):
+            scaled_dot_product_attention(torch.randn(1, 2, length, 8), k, v)
+    assert len(eager_plans._plans) == eager_plans.KEPT

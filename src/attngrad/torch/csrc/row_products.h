@@ -69,7 +69,7 @@ inline T scaled_sum(T alpha, T x, T beta, T y) {
 // c[j] = alpha a . b_j + beta c[j] for j < n, b_j = b + j ldb, each dot over k entries
 // (a one-row tile's scores: S = scale q K^T, dP = dO V^T)
 template <typename T>
-void row_dots(index_t n, index_t k, T alpha, const T* a, const T* b, index_t ldb, T beta, T* c) {
+void row_times_transposed(index_t n, index_t k, T alpha, const T* a, const T* b, index_t ldb, T beta, T* c) {
     using V = typename RowVector<T>::type;
     constexpr index_t lanes = sizeof(V) / sizeof(T);
     const index_t whole = k / lanes * lanes;

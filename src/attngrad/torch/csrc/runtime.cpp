@@ -109,7 +109,7 @@ void any_gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alp
     if (m == 0 || n == 0) return;
     if (m == 1 && !trans_a) {  // a tile of one row, on either path (row_products.h)
         if (trans_b) {
-            row_dots(n, k, alpha, a, b, ldb, beta, c);
+            row_times_transposed(n, k, alpha, a, b, ldb, beta, c);
         } else {
             row_times(n, k, alpha, a, b, ldb, beta, c);
         }

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attngrad.bench.cases import FAMILIES, IMPLEMENTATIONS, BenchCase, _attention, default_cases, make_inputs, step  # noqa: E402
-from attngrad.bench.memory import measure  # noqa: E402
+from attngrad.bench.memory import measure, required_bytes  # noqa: E402
 from attngrad.bench.report import COLUMNS, markdown, rows, write  # noqa: E402
 from attngrad.bench.runner import PLAIN, BenchReport, CaseResult, machine_facts  # noqa: E402
 from attngrad.cli.main import main  # noqa: E402
@@ -73,9 +73,9 @@ def test_memory_probe_in_a_fresh_process():
     result = measure("attngrad", BenchCase(128, causal=True))
     assert set(result) == {"peak_growth_bytes", "required_bytes", "extra_bytes", "process_peak_bytes"}
     assert result["process_peak_bytes"] > result["peak_growth_bytes"]
-    assert result["required_bytes"] == 4 * 8 * 128 * 64 * 4
-    assert measure("attngrad", BenchCase(128, mode="double-backward"))["required_bytes"] == 4 * 8 * 128 * 64 * 7
-    assert measure("attngrad", BenchCase(128, mode="hvp"))["required_bytes"] == 4 * 8 * 128 * 64 * 6
+    assert result["required_bytes"] == required_bytes(BenchCase(128, causal=True)) == 4 * 8 * 128 * 64 * 4
+    assert required_bytes(BenchCase(128, mode="double-backward")) == 4 * 8 * 128 * 64 * 7
+    assert required_bytes(BenchCase(128, mode="hvp")) == 4 * 8 * 128 * 64 * 6
 
 
 def test_report_files(tmp_path):

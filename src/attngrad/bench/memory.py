@@ -75,12 +75,19 @@ def measure_here(implementation: str, case: BenchCase) -> dict[str, Any]:
     baseline = reset_peak()
     step(implementation, case)(inputs)
     growth = peak_rss_bytes() - baseline
+    required = required_bytes(case)
+    return {"peak_growth_bytes": growth, "required_bytes": required, "extra_bytes": max(0, growth - required),
+            "process_peak_bytes": baseline + growth}
+
+
+def required_bytes(case: BenchCase) -> int:
+    """What a step of `case` must hold beyond its inputs whatever the implementation: its
+    outputs and gradients (and a bias gradient's L x L)."""
     element = {"float32": 4, "bfloat16": 2, "float16": 2}[case.dtype]
     required = element * case.batch * case.heads * case.length * case.dim * case.outputs
     if case.bias_grad:
         required += element * case.heads * case.length * case.length  # dbias
-    return {"peak_growth_bytes": growth, "required_bytes": required, "extra_bytes": max(0, growth - required),
-            "process_peak_bytes": baseline + growth}
+    return required
 
 
 def measure(implementation: str, case: BenchCase, timeout: float = 600.0) -> dict[str, Any]:

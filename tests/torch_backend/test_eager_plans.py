@@ -147,12 +147,15 @@ def test_no_plan_where_something_could_differentiate_or_see_the_call():
 
 @needs_tiles
 def test_a_bad_call_raises_every_time_and_leaves_no_plan():
-    """A call the checks refuse raises their error at every call, not only the first."""
+    """A call the checks refuse raises their error at every call, not only the first; an
+    option of a type no signature takes (unhashable, say) gets the full path's error."""
     q, k, v = torch.randn(2, 3, 8), torch.randn(2, 4, 8), torch.randn(2, 5, 8)
     with torch.no_grad():
         for _ in range(2):
             with pytest.raises(ValueError, match="key and value must have the same length"):
                 scaled_dot_product_attention(q, k, v)
+        with pytest.raises(ValueError, match="is_causal must be True, False"):
+            attention(q, k, k, is_causal=[1])
     assert len(eager_plans._plans) == 0
 
 

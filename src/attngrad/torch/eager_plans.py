@@ -74,6 +74,8 @@ def forward(query: Tensor, key: Tensor, value: Tensor, is_causal: Any, scale: Op
     the full path)."""
     if not _plain(query, key, value):
         return None
+    if type(is_causal) not in (bool, int, str) or not (scale is None or type(scale) in (float, int)):
+        return None  # options of other types: the full path's checks say what is wrong
     signature = (query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(), query.dtype,
                  key.dtype, value.dtype, query.device, type(is_causal), is_causal, scale, bool(enable_gqa),
                  dispatch.state())

@@ -308,11 +308,12 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: flo
     out_shape, stats_shape = (batch, heads, len_q, v.shape[-1]), (batch, heads, len_q)
     rows = _block_rows(len_q, causal, bf16)
     op, names = _op("forward")
-    given = dict(mask=None, bias=None, key_bounds=None, empty_tiles=None,
+    tensors = ("q", "k", "v", "out", "row_max", "inv_sum")  # each call's own
+    given = dict(dict.fromkeys(tensors), mask=None, bias=None, key_bounds=None, empty_tiles=None,
                  key_ranges=_causal_key_ranges(len_q, k.shape[2], causal, rows),
                  **dict(_options(causal, scale, bf16=bf16, softcap=softcap, block_rows=rows)))
-    template = [given.get(name) for name in names]
-    at = {name: names.index(name) for name in ("q", "k", "v", "out", "row_max", "inv_sum")}
+    template = [given[name] for name in names]  # a KeyError for an argument the op gains
+    at = {name: names.index(name) for name in tensors}
 
     def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if converted:
@@ -321,7 +322,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: flo
         row_max = torch.empty(stats_shape, dtype=work, device=q.device)
         inv_sum = torch.empty(stats_shape, dtype=work, device=q.device)
         args = list(template)
-        for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("row_max", row_max), ("inv_sum", inv_sum)):
+        for name, t in zip(tensors, (q, k, v, out, row_max, inv_sum)):
             args[at[name]] = t
         op(*args)
         return out, row_max, inv_sum

@@ -4,9 +4,10 @@
 // (a decode step made 40 of them per head); these stream the keys once with 64-byte vectors
 // (GCC's vector extensions, as tiles_math.h), at the memory's pace.
 //
-// Each output is computed the same way whichever group it falls in (an output's own lanes
-// in a fixed order, then a fixed tree), so the forward and the backward, which both come
-// here for a one-row tile, get the same scores bit for bit, on either GEMM path.
+// Each output's sum has an order fixed by k alone (a dot's lanes in turn, then a fixed tree;
+// a row times a block, key after key), whatever n or its position, so the forward and the
+// backward, which both come here for a one-row tile, get the same scores bit for bit, on
+// either GEMM path.
 #pragma once
 
 #include <cstring>

@@ -123,7 +123,7 @@ def test_mask_functions_it_does_not_read_are_evaluated_exactly(entries, monkeypa
                          mask_function=mask_function, attention_mask=padding)
         ours = mask_for_attngrad(**arguments)
         theirs = sdpa_mask(**arguments, allow_is_causal_skip=False, use_vmap=True)
-        assert (ours.evaluated.mask is None) == intervals
+        assert ours.evaluated.mask is None and (ours.evaluated.blocks is None) == intervals
         assert torch.equal(_dense(ours, 2), theirs)
 
 
@@ -138,7 +138,7 @@ def test_models_masks_reach_attention_as_bounds(monkeypatch):
     for name in ("gemma3_images", "llama4_chunked"):
         model, inputs = build(name, "attngrad")
         model(**inputs)
-    assert len(made) >= 2 and all(m.evaluated.mask is None for m in made)
+    assert len(made) >= 2 and all(m.evaluated.mask is None and m.evaluated.blocks is None for m in made)
 
 
 def test_a_mask_function_it_has_never_seen(monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left  # noqa: E402
 
-from attngrad.torch import attention, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch import attention, create_block_mask, scaled_dot_product_attention  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
 from .conftest import math_sdpa  # noqa: E402
@@ -198,11 +198,12 @@ def test_float32_single_key_rows_are_exact(backend, shape, is_causal):
         assert float(g_q.abs().max()) == 0.0 and float(g_k.abs().max()) == 0.0
 
 
+@pytest.mark.parametrize("given", ["attn_mask", "block_mask"])
 @pytest.mark.parametrize("small_tiles", [False, True])
-def test_float32_single_key_rows_under_a_mask(backend, small_tiles, request):
+def test_float32_single_key_rows_under_a_mask(backend, small_tiles, given, request):
     """The same through a boolean mask that leaves one key to some rows, in the first key
     block or a later one; with small tiles each row's keys span several blocks, so no block
-    holds all of a row's keys."""
+    holds all of a row's keys. The mask given whole or kept per block (`mask_blocks`)."""
     if small_tiles:
         request.getfixturevalue("many_blocks")
     g = torch.Generator().manual_seed(9)
@@ -212,13 +213,17 @@ def test_float32_single_key_rows_under_a_mask(backend, small_tiles, request):
     keep[::2] = False
     keep[0:6:2, 3] = True  # rows 0, 2, 4: key 3 alone
     keep[6::2, 41] = True  # rows 6, 8: key 41 alone
-    out = attention(q, k, v, attn_mask=keep)
+    masked = dict(attn_mask=keep)
+    if given == "block_mask":
+        masked = dict(block_mask=create_block_mask(lambda b, h, q_idx, kv_idx: keep[q_idx, kv_idx], None, None, 10, 45,
+                                                   BLOCK_SIZE=(3, 8)))
+        assert masked["block_mask"].blocks is not None
+    out = attention(q, k, v, **masked)
     dq, dk = torch.autograd.grad(out, (q, k), torch.randn(out.shape, generator=g), create_graph=True)
     assert float(dq[:, :, ::2].detach().abs().max()) == 0.0
     assert float(dq[:, :, 1::2].detach().abs().max()) > 0.0
     # forward mode: P' = 0 on those rows, so the output's tangent is the one key's tV alone
     tangents = tuple(torch.randn(t.shape, generator=g) for t in (q, k, v))
-    out_t = torch.func.jvp(lambda *a: attention(*a, attn_mask=keep), (q.detach(), k.detach(), v.detach()),
-                           tangents)[1]
+    out_t = torch.func.jvp(lambda *a: attention(*a, **masked), (q.detach(), k.detach(), v.detach()), tangents)[1]
     assert torch.equal(out_t[:, :, 0:6:2], tangents[2][:, :, 3, None].expand_as(out_t[:, :, 0:6:2]))
     assert torch.equal(out_t[:, :, 6::2], tangents[2][:, :, 41, None].expand_as(out_t[:, :, 6::2]))

@@ -2,7 +2,7 @@
 own or FlexAttention's BlockMask) equal FlexAttention's eager forward and, for gradients,
 PyTorch's math path on the dense mask FlexAttention's `create_mask` writes (float64,
 1e-12), on causal, sliding-window, prefix-LM, document, random-block and dilated masks, in every
-backend; interval masks become key bounds (nothing Lq x Lk), the rest a boolean mask; the
+backend; interval masks become key bounds (nothing Lq x Lk), the rest a mask kept per block; the
 evaluation's chunking does not change the result; bad arguments get clear errors.
 """
 
@@ -95,8 +95,8 @@ def test_function_masks_equal_flex_attention(mask_mod, given, backend):
 @pytest.mark.parametrize("mask_mod", MASKS, ids=lambda f: f.__name__)
 def test_interval_masks_become_bounds_whatever_the_chunks(mask_mod, entries, monkeypatch):
     """The causal mask as the causal diagonal, the other rows' intervals as key bounds
-    (1 or B, Lq, 2), the rest as the whole boolean mask, each equal to FlexAttention's dense
-    mask, whether one row or all are evaluated at once."""
+    (1 or B, Lq, 2), the rest kept per block, each equal to FlexAttention's dense mask,
+    whether one row or all are evaluated at once."""
     monkeypatch.setattr(mask_functions, "ENTRIES", entries)
     evaluated = create_block_mask(mask_mod, B, H, LQ, LK)
     dense = create_mask(mask_mod, B, H, LQ, LK, device="cpu")
@@ -106,7 +106,7 @@ def test_interval_masks_become_bounds_whatever_the_chunks(mask_mod, entries, mon
     elif mask_mod in INTERVALS:
         assert evaluated.mask is None and evaluated.bounds.shape[1:] == (LQ, 2)
     else:
-        assert evaluated.bounds is None and evaluated.mask is not None
+        assert evaluated.bounds is None and evaluated.mask is None and evaluated.blocks is not None
 
 
 def test_empty_calls_evaluate_nothing():

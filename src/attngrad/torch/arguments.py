@@ -73,7 +73,7 @@ def build_call(query: Tensor, key: Tensor, value: Tensor, *, mask: Optional[Tens
     mask = None if mask is None else layout.fold_mask(mask, "attn_mask")
     bias = None if bias is None else layout.fold_mask(bias, "attn_bias")
     causal = _causal_offset(is_causal, layout.len_q, layout.len_k)
-    bounds = None
+    bounds, blocks = None, None
     structured = dict(key_padding=key_padding, window=window, document_ids=document_ids, cu_seqlens=cu_seqlens)
     if any(value is not None for value in structured.values()):
         batch = () if layout.flat else tuple(layout.batch)
@@ -93,12 +93,13 @@ def build_call(query: Tensor, key: Tensor, value: Tensor, *, mask: Optional[Tens
             bounds = join_bounds(parts, layout.len_q, layout.len_k, causal, query.device)
         if evaluated.mask is not None:
             mask = evaluated.mask if mask is None else mask & evaluated.mask
+        blocks = evaluated.blocks
     if seed is None:
         if dropout_p > 0.0:
             seed = torch.randint(0, 2**62, (), dtype=torch.int64)  # from PyTorch's default generator
         else:
             seed = torch.zeros((), dtype=torch.int64)
     masks = ScoreMasks(mask=mask, bias=bias, bounds=bounds, causal=causal, softcap=float(softcap or 0.0),
-                       sink=sinks is not None)
+                       sink=sinks is not None, blocks=blocks)
     call = AttentionCall(layout.q, layout.k, layout.v, masks, seed, float(default_scale(query, scale)), float(dropout_p))
     return call, layout

@@ -29,7 +29,8 @@ from .call import AttentionCall
 from .ops import CALL_NAMES, run_op
 
 _Q, _K, _V, _BIAS = (CALL_NAMES.index(name) for name in ("q", "k", "v", "bias"))
-assert CALL_NAMES == ("q", "k", "v", "mask", "bias", "bounds", "seed", "causal", "scale", "softcap", "dropout_p", "sink"), \
+assert CALL_NAMES == ("q", "k", "v", "mask", "bias", "bounds", "seed", "causal", "scale", "softcap", "dropout_p", "sink",
+                      "mask_blocks", "mask_tiles"), \
     "the Functions' forward signatures spell out the call's fields"
 
 _BACKWARD_INPUTS = ("dout", "out", "row_max", "inv_sum", "bias_grad")  # AttentionBackward's, before the call's
@@ -131,9 +132,10 @@ class Attention(_Function):
     generate_vmap_rule = True  # vmap runs the custom ops once per batched slice
 
     @staticmethod
-    def forward(q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink):
+    def forward(q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink, mask_blocks, mask_tiles):
         # the call's fields (`CALL_NAMES`) spelled out: Dynamo traces no *args forward
-        return _pass("forward", q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink)
+        return _pass("forward", q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink, mask_blocks,
+                     mask_tiles)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -175,9 +177,9 @@ class AttentionBackward(_Function):
 
     @staticmethod
     def forward(dout, out, row_max, inv_sum, bias_grad: bool, q, k, v, mask, bias, bounds, seed, causal, scale, softcap,
-                dropout_p, sink):
-        return _pass("backward", q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink, dout=dout,
-                     out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad)
+                dropout_p, sink, mask_blocks, mask_tiles):
+        return _pass("backward", q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink, mask_blocks,
+                     mask_tiles, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:

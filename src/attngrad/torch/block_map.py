@@ -29,6 +29,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .mask_blocks import MaskBlocks, blocks_with_no_entry
+
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
@@ -142,7 +144,8 @@ def _tiles_all_minus_inf(bias: Tensor, block_rows: int, block_keys: int) -> Tens
 
 
 def empty_tiles(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[Tensor], mask: Optional[Tensor],
-                bias: Optional[Tensor], block_rows: int, block_keys: int) -> Tensor:
+                bias: Optional[Tensor], block_rows: int, block_keys: int,
+                blocks: Optional[MaskBlocks] = None) -> Tensor:
     """Which tiles of block_rows x block_keys the compiled tiles skip: (1 or B, 1 or H, query
     blocks, key blocks) boolean, contiguous, True where the tile is excluded. A tile is
     excluded where no entry (i, j) takes part by row i's interval (`row_intervals`: the
@@ -150,10 +153,13 @@ def empty_tiles(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[
     -inf on all of it (the bias is read per tile: a tile whose only finite bias entries lie
     outside its rows' intervals is computed, and gives zeros there). `mask` and `bias` 4-D,
     each size 1 or the scores' own (B, H, Lq, Lk). The batch and head axes stay 1 where none
-    of bounds, mask and bias varies along them."""
+    of bounds, mask and bias varies along them. A mask kept per block (`blocks`) excludes
+    the tiles whose blocks are all EMPTY (`mask_blocks.blocks_with_no_entry`)."""
     excluded = _excluded_by_structure_and_mask(len_q, len_k, causal, bounds, mask, block_rows, block_keys)
     if bias is not None:
         excluded = excluded | _tiles_all_minus_inf(bias, block_rows, block_keys)
+    if blocks is not None:
+        excluded = excluded | blocks_with_no_entry(blocks, len_q, len_k, block_rows, block_keys).cpu()
     return excluded.expand(*excluded.shape[:2], -(-len_q // block_rows), -(-len_k // block_keys)).contiguous()
 
 

@@ -12,7 +12,7 @@ plus its kernel code.
 
 Shape legend: q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), out (B, H, Lq, dv),
 row statistics (B, H, Lq), a bias or mask broadcastable to (B, H, Lq, Lk), key bounds
-(1 or B, Lq, 2).
+(1 or B, Lq, 2), a mask's blocks (1 or B, 1 or H, Lq / R, Lk / K) and tiles (T, R, K).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .dropout import Placement
+from .mask_blocks import MaskBlocks
 
 REQUIRED = object()  # a field without a default
 
@@ -53,6 +54,8 @@ CALL_FIELDS = (
     Field("causal", "int?"),  # the causal diagonal: key j visible to query i when j <= i + causal
     Field("scale", "float"), Field("softcap", "float"), Field("dropout_p", "float"),
     Field("sink", "bool", default=False),  # every row's softmax has one more term, exp(0)
+    Field("mask_blocks", "Tensor?", default=None),  # a boolean mask kept per block (`mask_blocks`):
+    Field("mask_tiles", "Tensor?", default=None),  # its (1 or B, 1 or H, blocks, blocks) index, its tiles
 )
 
 # The passes' own inputs: the forward's results, upstream gradients, tangents, cotangents.
@@ -120,7 +123,8 @@ def schema(pass_name: str) -> str:
 @dataclass(frozen=True)
 class ScoreMasks:
     """What decides each score and which scores take part: a boolean mask, a float bias,
-    per-row key bounds (the structured masks), the causal diagonal, a soft cap and a sink."""
+    per-row key bounds (the structured masks), the causal diagonal, a soft cap, a sink and a
+    boolean mask kept per block (an entry takes part where every one of them lets it)."""
 
     mask: Optional[Tensor] = None  # broadcastable to (B, H, Lq, Lk)
     bias: Optional[Tensor] = None  # broadcastable to (B, H, Lq, Lk)
@@ -128,6 +132,7 @@ class ScoreMasks:
     causal: Optional[int] = None
     softcap: float = 0.0
     sink: bool = False
+    blocks: Optional[MaskBlocks] = None
 
 
 @dataclass(frozen=True)
@@ -145,15 +150,22 @@ class AttentionCall:
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> AttentionCall:
         """From the ops' arguments by name (`CALL_FIELDS`)."""
+        index, tiles = fields["mask_blocks"], fields["mask_tiles"]
+        if (index is None) != (tiles is None):
+            raise ValueError("attngrad attention op: mask_blocks and mask_tiles come together (a `MaskBlocks`); got "
+                             f"{'mask_blocks' if tiles is None else 'mask_tiles'} alone")
+        blocks = None if index is None else MaskBlocks(index, tiles)
         masks = ScoreMasks(fields["mask"], fields["bias"], fields["bounds"], fields["causal"], fields["softcap"],
-                           fields["sink"])
+                           fields["sink"], blocks)
         return cls(fields["q"], fields["k"], fields["v"], masks, fields["seed"], fields["scale"], fields["dropout_p"])
 
     def fields(self) -> dict[str, Any]:
         """The ops' arguments by name (`CALL_FIELDS`)."""
         m = self.masks
         return dict(q=self.q, k=self.k, v=self.v, mask=m.mask, bias=m.bias, bounds=m.bounds, seed=self.seed,
-                    causal=m.causal, scale=self.scale, softcap=m.softcap, dropout_p=self.dropout_p, sink=m.sink)
+                    causal=m.causal, scale=self.scale, softcap=m.softcap, dropout_p=self.dropout_p, sink=m.sink,
+                    mask_blocks=None if m.blocks is None else m.blocks.index,
+                    mask_tiles=None if m.blocks is None else m.blocks.tiles)
 
     # Shorthands for the backends, which read the masks often.
     mask = property(lambda self: self.masks.mask)
@@ -162,6 +174,7 @@ class AttentionCall:
     causal = property(lambda self: self.masks.causal)
     softcap = property(lambda self: self.masks.softcap)
     sink = property(lambda self: self.masks.sink)
+    blocks = property(lambda self: self.masks.blocks)
 
     @property
     def placement(self) -> Placement:
@@ -175,7 +188,8 @@ class AttentionCall:
 
     def tensors(self) -> tuple[Tensor, ...]:
         """Every tensor of the call that is not None."""
-        return tuple(t for t in (self.q, self.k, self.v, self.mask, self.bias, self.bounds) if t is not None)
+        blocks = (None, None) if self.blocks is None else (self.blocks.index, self.blocks.tiles)
+        return tuple(t for t in (self.q, self.k, self.v, self.mask, self.bias, self.bounds, *blocks) if t is not None)
 
 
 def empty_like_field(like: str, call: AttentionCall) -> Tensor:

@@ -57,6 +57,7 @@ from torch import Tensor
 
 from .block_map import excluded, key_range
 from .dropout import keep_scale_into
+from .mask_blocks import MaskBlocks
 
 # Elements of one (B, H, R, Lk') score tile: 2^22 float32 = 16 MiB. A handful of tiles are
 # alive at once in the backward, which bounds the extra memory whatever the length.
@@ -199,11 +200,12 @@ class ScoreTiles:
 def scores_into(
     out: Tensor, q_blk: Tensor, k: Tensor, mask: Tensor | None, bias: Tensor | None, start: int, stop: int,
     causal: int | None, bounds: Tensor | None = None, first: int = 0, softcap: float = 0.0,
-    tanh_out: Tensor | None = None,
+    tanh_out: Tensor | None = None, mask_blocks: MaskBlocks | None = None,
 ) -> Tensor:
     """S = Q_blk K^T + bias into `out` (B, H, R, keys - first) for keys first:keys, excluded
     entries at -inf: by the mask, the causal diagonal, and the key `bounds` (1 or B, Lq, 2)
-    [lo, hi) of each row. q_blk carries the scale already. With `softcap` c, S = c tanh(A / c)
+    [lo, hi) of each row, and a mask kept per block (`mask_blocks`), read for this tile alone.
+    q_blk carries the scale already. With `softcap` c, S = c tanh(A / c)
     + bias for A = Q_blk K^T, and tanh(A / c) is left in `tanh_out` where given (the
     derivatives need it)."""
     keys = first + out.shape[-1]
@@ -217,6 +219,8 @@ def scores_into(
     allowed = row_slice(mask, start, stop, keys, first)
     if allowed is not None:
         out.masked_fill_(~allowed, float("-inf"))
+    if mask_blocks is not None:
+        out.masked_fill_(~mask_blocks.entries(start, stop, first, keys), float("-inf"))
     outside = excluded(start, stop, first, keys, causal, bounds, out.device)  # (1 or b, R, keys - first)
     if outside is not None:
         out.masked_fill_(outside[:, None], float("-inf"))
@@ -264,6 +268,7 @@ def _probs_times_values(e: Tensor, v: Tensor) -> Tensor:
 def attention_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, seed: int,
     causal: int | None, scale: float, softcap: float, dropout_p: float, bounds: Tensor | None = None,
+    mask_blocks: MaskBlocks | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, H, Lq, dv) in q's dtype; row max m and inverse row sum 1/l, (B, H, Lq) each,
     in the compute dtype). `bounds`: the key bounds of `scores_into`."""
@@ -281,7 +286,7 @@ def attention_forward(
             continue
         shape = (batch, heads, stop - start, keys - first)
         s = scores_into(tiles.get(0, shape), q_scaled[:, :, start:stop], k_rep, mask, bias, start, stop, causal, bounds,
-                        first, softcap)
+                        first, softcap, mask_blocks=mask_blocks)
         m = s.amax(dim=-1, keepdim=True)  # (B, H, R, 1)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # empty rows: any finite shift
         e = s.sub_(m).exp_()  # E = exp(S - m)
@@ -324,7 +329,7 @@ def add_block_to_bias(grad: Tensor, block: Tensor, start: int, stop: int, keys: 
 def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, seed: int,
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: int | None, scale: float, softcap: float, dropout_p: float, bias_grad: bool,
-    bounds: Tensor | None = None,
+    bounds: Tensor | None = None, mask_blocks: MaskBlocks | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv, dbias or None), each in its input's dtype and shape."""
     batch, heads, len_q, width = q.shape
@@ -350,7 +355,7 @@ def attention_backward(
         dbias = (torch.empty if written_once else torch.zeros)(bias.shape, dtype=work, device=q.device)
     plan = blocks(batch, heads, len_q, len_k, causal, bounds=bounds)
     tiles = ScoreTiles(2 + (dropout_p > 0.0) + bool(softcap), plan, batch, heads, work, q.device)
-    masked = mask is not None or bias is not None or causal is not None or bounds is not None
+    masked = any(t is not None for t in (mask, bias, causal, bounds, mask_blocks))
     for start, stop, first, keys in plan:
         r, width = stop - start, keys - first
         if keys == first:  # rows that see no key send nothing back
@@ -367,10 +372,10 @@ def attention_backward(
         if softcap:  # the cap comes before the shift: S - m = c tanh(A / c) + bias - m
             capped = tiles.get(len(tiles.flat) - 1, shape)  # tanh(A / c)
             e = scores_into(tiles.get(0, shape), q_scaled[:, :, start:stop], k_rep, mask, bias_work, start, stop, causal,
-                            bounds, first, softcap, capped).sub_(row_max[:, :, start:stop, None]).exp_()
+                            bounds, first, softcap, capped, mask_blocks).sub_(row_max[:, :, start:stop, None]).exp_()
         else:
             e = scores_into(tiles.get(0, shape), q_shifted[:, :, start:stop], k_ones, mask, bias_work, start, stop,
-                            causal, bounds, first).exp_()
+                            causal, bounds, first, mask_blocks=mask_blocks).exp_()
         single = single_key_rows(e, masked, inv)
         # forward: O = (E * Z) V~ / l  ->  dP l = (dO' V~^T) * Z,  dV~ += (E * Z)^T dO'
         # forward: P = softmax(S)  ->  dS = P * (dP - D) = E * (dP l - D / l)

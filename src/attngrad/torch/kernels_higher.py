@@ -61,6 +61,7 @@ from .kernels import (
     single_key_rows,
     with_column,
 )
+from .mask_blocks import MaskBlocks
 
 HIGHER_MIN_ROWS = 128
 
@@ -137,7 +138,7 @@ class _Recompute:
     than the arithmetic on them)."""
 
     def __init__(self, q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers: int,
-                 bounds: Optional[Tensor] = None):
+                 bounds: Optional[Tensor] = None, mask_blocks: Optional[MaskBlocks] = None):
         self.batch, self.heads, self.len_q, _ = q.shape
         self.len_k = k.shape[-2]
         ops = operands(q, k, v, bias, scale)
@@ -148,8 +149,8 @@ class _Recompute:
         self.q_shifted, self.k_ones = with_column(self.q_scaled, -row_max[..., None]), with_column(self.k_rep, 1.0)
         self.q_scaled, self.k_rep = self.q_shifted[..., :-1], self.k_ones[..., :-1]  # views: no second copy kept
         self.causal, self.scale, self.softcap, self.dropout_p = causal, scale, softcap, dropout_p
-        self.bounds = bounds
-        self.masked = mask is not None or bias is not None or causal is not None or bounds is not None
+        self.bounds, self.mask_blocks = bounds, mask_blocks
+        self.masked = any(t is not None for t in (mask, bias, causal, bounds, mask_blocks))
         # Long sequences get taller blocks than the first-order passes: these do 2.5-6
         # forwards' worth of GEMMs per tile, and 16-row GEMMs are thin (JVP at L=16384:
         # 10.6 s with 32-row blocks, 7.7 s with 128), for some more memory (128 rows x L
@@ -173,12 +174,14 @@ class _Recompute:
         if self.softcap:  # the cap comes before the shift: S - m = c tanh(A / c) + bias - m
             capped = self.tile(self.softcap_index, start, stop, cols)
             s = scores_into(self.tile(0, start, stop, cols), self.q_scaled[:, :, start:stop], self.k_rep, self.mask,
-                            self.bias, start, stop, self.causal, self.bounds, cols.start, self.softcap, capped)
+                            self.bias, start, stop, self.causal, self.bounds, cols.start, self.softcap, capped,
+                            self.mask_blocks)
             s.sub_(self.row_max[:, :, start:stop, None])
             self.capped = _Softcap(capped, self.tile(self.softcap_index + 1, start, stop, cols), self.softcap)
         else:
             s = scores_into(self.tile(0, start, stop, cols), self.q_shifted[:, :, start:stop], self.k_ones, self.mask,
-                            self.bias, start, stop, self.causal, self.bounds, cols.start)  # S - m
+                            self.bias, start, stop, self.causal, self.bounds, cols.start,
+                            mask_blocks=self.mask_blocks)  # S - m
         e = s.exp_()
         inv = self.inv_sum[:, :, start:stop, None]
         single = single_key_rows(e, self.masked, inv)
@@ -292,7 +295,8 @@ def attention_jvp(
     q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
     row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float,
     tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
-    bounds: Optional[Tensor] = None, centre: Optional[Tensor] = None, centre_sums: Optional[Tensor] = None,
+    bounds: Optional[Tensor] = None, mask_blocks: Optional[MaskBlocks] = None,
+    centre: Optional[Tensor] = None, centre_sums: Optional[Tensor] = None,
 ) -> Tensor:
     """O' (B, H, Lq, dv) in q's dtype; an absent tangent is zero.
 
@@ -300,7 +304,8 @@ def attention_jvp(
     with `centre` = 0, the result is this part of (P * S' * Z) V~ + (P * Z) V~', and this
     part of rowsum(P * S') is added into `centre_sums` (B, H, Lq, 1, compute dtype); the
     whole O' is then the parts' sum less rowsum(P * S') O."""
-    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=3, bounds=bounds)
+    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=3, bounds=bounds,
+                    mask_blocks=mask_blocks)
     form = r.score_form(tq, tk, tbias)
     tv_rep = _repeat(tv, r.groups, r.work)
     out_t = torch.zeros(r.batch, r.heads, r.len_q, v.shape[-1], dtype=r.work, device=q.device)
@@ -333,13 +338,15 @@ def attention_backward_jvp(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float, bias_grad: bool,
     tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
-    bounds: Optional[Tensor] = None, centre: Optional[Tensor] = None, delta_t: Optional[Tensor] = None,
+    bounds: Optional[Tensor] = None, mask_blocks: Optional[MaskBlocks] = None,
+    centre: Optional[Tensor] = None, delta_t: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Tangents of (dq, dk, dv, dbias or None), each in its input's dtype and shape.
 
     For a part of each row's keys, the whole rows' sums are given (B, H, Lq, 1, compute
     dtype): `centre` = rowsum(P * S') and `delta_t` = D~ = rowsum(dO' * O + dO * O')."""
-    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=5, bounds=bounds)
+    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=5, bounds=bounds,
+                    mask_blocks=mask_blocks)
     work = r.work
     form = r.score_form(tq, tk, tbias)
     tq_s, tk_rep, tv_rep = _to(tq, work, scale), _repeat(tk, r.groups, work), _repeat(tv, r.groups, work)
@@ -396,7 +403,8 @@ def attention_double_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float, bias_grad: bool,
     dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
-    bounds: Optional[Tensor] = None, centre: Optional[Tensor] = None, g_centre: Optional[Tensor] = None, sink: bool = False,
+    bounds: Optional[Tensor] = None, mask_blocks: Optional[MaskBlocks] = None,
+    centre: Optional[Tensor] = None, g_centre: Optional[Tensor] = None, sink: bool = False,
 ) -> tuple[Optional[Tensor], Tensor, Tensor, Tensor, Optional[Tensor]]:
     """(g_dout or None, g_q, g_k, g_v, g_bias or None): the gradients, with respect to the
     backward's inputs, of <gq, dq> + <gk, dk> + <gv, dv> + <gbias, dbias>; an absent cotangent
@@ -409,7 +417,8 @@ def attention_double_backward(
 
     With a `sink` (`ops.add_sink`) P sums to 1 - P_sink on a row, and the per-row t D left
     out of g_P returns as t D P_sink in rowsum(P * g_P), P_sink = exp(-m) / l."""
-    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=5, bounds=bounds)
+    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=5, bounds=bounds,
+                    mask_blocks=mask_blocks)
     work = r.work
     form = r.score_form(gq, gk, gbias if bias_grad else None)  # T
     gq_s, gk_rep, gv_rep = _to(gq, work, scale), _repeat(gk, r.groups, work), _repeat(gv, r.groups, work)
@@ -478,7 +487,7 @@ def double_backward_row_sums(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
     row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float, bias_grad: bool,
     gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
-    bounds: Optional[Tensor] = None,
+    bounds: Optional[Tensor] = None, mask_blocks: Optional[MaskBlocks] = None,
 ) -> tuple[Tensor, Tensor]:
     """This call's keys' part of the double backward's two row sums, for a ring step
     (B, H, Lq, 1 each, compute dtype): rowsum(P * T), and rowsum(P * (dP * T + (dO gV~^T) * Z)).
@@ -487,7 +496,8 @@ def double_backward_row_sums(
         rowsum(P * g_P) = rowsum(P * ((dP - D) (T - t) + (dO gV~^T) Z))
                         = rowsum(P * (dP T + (dO gV~^T) Z)) - t D,
     so one pass over the keys gives both, for `attention_double_backward`'s centre and g_centre."""
-    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=3, bounds=bounds)
+    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=3, bounds=bounds,
+                    mask_blocks=mask_blocks)
     form = r.score_form(gq, gk, gbias if bias_grad else None)  # T
     gv_rep = _repeat(gv, r.groups, r.work)
     do_w = dout.to(r.work)

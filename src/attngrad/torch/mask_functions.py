@@ -8,8 +8,9 @@ count. Where every row's keys form one interval [lo, hi) and the heads agree, th
 becomes per-row key bounds, the form the structured masks take (`structured`,
 `block_map`): O(L) memory and exact tile skipping. Causal masks, sliding windows, chunks,
 documents, prefix-LM, padding and Gemma 3's bidirectional image blocks all do. Any other
-mask (holes inside a row, heads that differ) is written out by a second pass as a boolean
-(1 or B, 1 or H, Lq, Lk) mask, entry by entry.
+mask (holes inside a row, heads that differ) is read again by a second pass into a mask
+kept per block (`mask_blocks`): each R x K block empty, full or its own pattern, so that
+only the partial blocks' entries are held (once per distinct pattern), never Lq x Lk.
 
     evaluated = create_block_mask(mask_mod, B=None, H=None, Q_LEN=L, KV_LEN=L)
     attention(q, k, v, block_mask=evaluated)    # or block_mask=FlexAttention's BlockMask,
@@ -19,7 +20,8 @@ mask (holes inside a row, heads that differ) is written out by a second pass as 
 
 Choosing among those forms reads the mask's values; under torch.compile, which cannot branch
 on values, a mask function shared by the heads always becomes key bounds (checked to be
-intervals when the graph runs), and the compiled graph has no break.
+intervals when the graph runs), one whose heads differ is written out whole (the number of
+partial blocks would be a shape that depends on values), and the compiled graph has no break.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from . import mask_blocks
+from .mask_blocks import MaskBlocks
 from .mask_memo import remembered
 
 # Entries of one evaluated chunk of rows: 4M booleans (and their int32 key indices).
@@ -44,22 +48,26 @@ RowsOf = Callable[[int, int], Tensor]  # (start, stop) -> kept keys of rows star
 class EvaluatedMask:
     """A mask function's result for one (B, H, Lq, Lk) (B, H = 1 where it is shared): a
     causal diagonal where that is all it is (no mask at all where every key is seen), else
-    per-row key bounds where every row is one interval, else a boolean mask."""
+    per-row key bounds where every row is one interval, else the mask kept per block (or,
+    under torch.compile with heads that differ, written out)."""
 
     shape: tuple
     bounds: Optional[Tensor] = None  # (1 or B, Lq, 2) int64: row i sees keys [lo, hi)
     mask: Optional[Tensor] = None  # (1 or B, 1 or H, Lq, Lk) boolean, True = take part
     causal: Optional[int] = None  # key j seen by query i when j <= i + causal
+    blocks: Optional[MaskBlocks] = None  # (1 or B, 1 or H, Lq / R, Lk / K) blocks of (R, K) tiles
 
     def __post_init__(self) -> None:
-        if self.bounds is not None and self.mask is not None:
-            raise ValueError("an EvaluatedMask holds bounds or a mask, not both")
+        if sum(part is not None for part in (self.bounds, self.mask, self.blocks)) > 1:
+            raise ValueError("an EvaluatedMask holds one of bounds, a mask and blocks")
 
     def dense(self) -> Tensor:
         """The mask written out, (1 or B, 1 or H, Lq, Lk) boolean: for tests and inspection."""
         if self.mask is not None:
             return self.mask
         _, _, len_q, len_k = self.shape
+        if self.blocks is not None:
+            return self.blocks.dense(len_q, len_k)
         device = self.bounds.device if self.bounds is not None else "cpu"
         keys = torch.arange(len_k, device=device)
         if self.bounds is not None:
@@ -150,6 +158,18 @@ def _row_extents(rows_of: RowsOf, batch: int, heads: int, len_q: int, len_k: int
     return lo, hi, ~torch.stack(holes).any()
 
 
+def _per_block(rows_of: RowsOf, shape: tuple, batch: int, heads: int, device: torch.device | str,
+               block: tuple[int, int]) -> EvaluatedMask:
+    """The mask kept per block of `block` (R, K) (`mask_blocks`), a chunk of rows at a time."""
+    len_q, len_k = shape[2:]
+    step = max(1, ENTRIES // max(1, shape[0] * shape[1] * len_k))
+
+    def checked(start: int, stop: int) -> Tensor:
+        return _checked(rows_of(start, stop), start, stop, batch, heads, len_k, device)
+
+    return EvaluatedMask(shape, blocks=mask_blocks.from_rows(checked, shape[:2], len_q, len_k, step, block, device))
+
+
 def _written_out(rows_of: RowsOf, shape: tuple, batch: int, heads: int, device: torch.device | str) -> EvaluatedMask:
     """The mask entry by entry, (1 or batch, 1 or heads, Lq, Lk) boolean, a chunk of rows at a time."""
     len_q, len_k = shape[2:]
@@ -162,11 +182,13 @@ def _written_out(rows_of: RowsOf, shape: tuple, batch: int, heads: int, device: 
 
 
 def evaluate_rows(rows_of: RowsOf, batch: int, heads: int, len_q: int, len_k: int,
-                  device: torch.device | str = "cpu", fixed_form: bool = False) -> EvaluatedMask:
+                  device: torch.device | str = "cpu", fixed_form: bool = False,
+                  block: Optional[tuple[int, int]] = None) -> EvaluatedMask:
     """The mask whose rows start:stop `rows_of(start, stop)` gives (boolean, broadcastable
     to (batch, heads, stop - start, len_k)), evaluated a chunk of rows at a time.
     fixed_form: the form follows the shapes alone, as under torch.compile (for a mask
-    made outside a compiled function and passed in, so that every call meets one graph)."""
+    made outside a compiled function and passed in, so that every call meets one graph).
+    block: (R, K) of a mask kept per block (default `mask_blocks.BLOCK`)."""
     if len_q == 0 or len_k == 0:  # no entry to evaluate: nothing to mask
         return EvaluatedMask((1, 1, len_q, len_k))
     lo, hi, intervals = _row_extents(rows_of, batch, heads, len_q, len_k, device)
@@ -175,7 +197,7 @@ def evaluate_rows(rows_of: RowsOf, batch: int, heads: int, len_q: int, len_k: in
         return _fixed_form(rows_of, lo, hi, intervals, shape, batch, heads, device)
     same_heads = lo.shape[1] == 1 or bool(((lo == lo[:, :1]) & (hi == hi[:, :1])).all())
     if not (bool(intervals) and same_heads):
-        return _written_out(rows_of, shape, batch, heads, device)
+        return _per_block(rows_of, shape, batch, heads, device, block or mask_blocks.BLOCK)
     bounds = torch.stack([lo[:, 0], hi[:, 0]], -1).to(torch.int64)
     if bounds.shape[0] > 1 and bool((bounds == bounds[:1]).all()):  # every batch entry alike
         bounds = bounds[:1]
@@ -210,10 +232,16 @@ def _rows(t: Tensor, chunks: list) -> Tensor:
 
 
 def create_block_mask(mask_mod: Callable, B: Optional[int], H: Optional[int], Q_LEN: int, KV_LEN: int,
-                      device: torch.device | str = "cpu") -> EvaluatedMask:
+                      device: torch.device | str = "cpu",
+                      BLOCK_SIZE: Optional[int | tuple[int, int]] = None) -> EvaluatedMask:
     """FlexAttention's `create_block_mask` for attngrad: `mask_mod` evaluated once for
     batch entries 0..B - 1 and heads 0..H - 1 (None: shared, evaluated at index 0), to
-    pass as `attention(block_mask=...)` on every call of that shape."""
+    pass as `attention(block_mask=...)` on every call of that shape. BLOCK_SIZE: the rows
+    and keys of a block where the mask is kept per block (default 128 x 128)."""
+    if isinstance(BLOCK_SIZE, int):
+        BLOCK_SIZE = (BLOCK_SIZE, BLOCK_SIZE)
+    if BLOCK_SIZE is not None and not (len(BLOCK_SIZE) == 2 and all(isinstance(n, int) and n >= 1 for n in BLOCK_SIZE)):
+        raise ValueError(f"BLOCK_SIZE must be a positive int or a pair of them; got {BLOCK_SIZE!r}")
     batch, heads = B or 1, H or 1
     fn = _bhqkv(mask_mod)
     b_index = torch.arange(batch, device=device)
@@ -224,7 +252,7 @@ def create_block_mask(mask_mod: Callable, B: Optional[int], H: Optional[int], Q_
         with _indexable():
             return fn(b_index, h_index, torch.arange(start, stop, device=device), k_index)
 
-    return evaluate_rows(rows_of, batch, heads, Q_LEN, KV_LEN, device)
+    return evaluate_rows(rows_of, batch, heads, Q_LEN, KV_LEN, device, block=BLOCK_SIZE)
 
 
 def _dense_blocks(num_blocks: Optional[Tensor], indices: Optional[Tensor], n_k: int) -> Optional[Tensor]:
@@ -266,7 +294,7 @@ def _flex_block_mask(block_mask: Any, batch: int, heads: int, len_q: int, len_k:
             kept = kept | full.to(device)[:, :, query_blocks][..., key_blocks]
         return kept
 
-    return evaluate_rows(rows_of, batch, heads, len_q, len_k, device)
+    return evaluate_rows(rows_of, batch, heads, len_q, len_k, device, block=(block_q, block_k))
 
 
 # FlexAttention BlockMasks evaluated before, per mask and call shape: a block mask is made
@@ -292,7 +320,7 @@ def evaluated_mask(mask_mod: Optional[Callable], block_mask: Any, batch: int, he
         if not callable(mask_mod):
             raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool; got {type(mask_mod).__name__}")
         # kept for the next call while what mask_mod reads stays the same; not a mask written
-        # out whole, which may be large
+        # out whole (under compile), which may be large
         return remembered(mask_mod, (batch, heads, len_q, len_k, str(device)),
                           lambda: create_block_mask(mask_mod, batch, heads, len_q, len_k, device),
                           worth_keeping=lambda evaluated: evaluated.mask is None)

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from .block_map import empty_tiles, kept_keys, key_ranges
 from .dropout import Placement, keep_value, threshold
+from .mask_blocks import MaskBlocks
 from .native_build import build_info, fresh_build_seconds, library
 
 __all__ = ["attention_forward", "attention_backward", "attention_double_backward", "attention_jvp",
@@ -167,14 +168,16 @@ def _work(*tensors: Tensor | None) -> list:
 
 
 def _score_masks(mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype, full_bias: bool = False,
-                 bounds: Tensor | None = None) -> dict:
+                 bounds: Tensor | None = None, blocks: MaskBlocks | None = None) -> dict:
     """The ops' mask and bias, each 4-D and contiguous in its own (broadcast) sizes, the
-    bias in the compute dtype, and their sizes; and the key bounds, contiguous. An expanded
-    axis (stride 0) is read as a broadcast one, except in the bias with `full_bias` (its
-    gradient or tangent is wanted, which has its shape)."""
+    bias in the compute dtype, and their sizes; the key bounds and a mask's blocks and
+    tiles, contiguous. An expanded axis (stride 0) is read as a broadcast one, except in
+    the bias with `full_bias` (its gradient or tangent is wanted, which has its shape)."""
     described = {}
     if bounds is not None:
         described["key_bounds"] = bounds.contiguous()
+    if blocks is not None:
+        described["mask_blocks"], described["mask_tiles"] = blocks.index.contiguous(), blocks.tiles.contiguous()
     for name, t, kind in (("mask", mask, torch.bool), ("bias", bias, dtype)):
         if t is None:
             continue
@@ -188,8 +191,10 @@ def _score_masks(mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype, f
 
 
 def _mask_args(masks: dict) -> dict:
-    """The ops' mask, bias and key_bounds arguments from `_score_masks`'s (None where absent)."""
-    return dict(mask=masks.get("mask"), bias=masks.get("bias"), key_bounds=masks.get("key_bounds"))
+    """The ops' mask, bias, key_bounds and mask blocks arguments from `_score_masks`'s (None
+    where absent)."""
+    return dict(mask=masks.get("mask"), bias=masks.get("bias"), key_bounds=masks.get("key_bounds"),
+                mask_blocks=masks.get("mask_blocks"), mask_tiles=masks.get("mask_tiles"))
 
 
 def _block_rows(len_q: int, causal: int | None, bf16: bool) -> int:
@@ -236,7 +241,8 @@ def _empty_tiles(q: Tensor, k: Tensor, masks: dict, causal: int | None, block_ro
     `block_keys` tiles; None where there is none of them (the causal diagonal alone the
     passes keep to by their key ranges). Kept while the tensors it was made from live
     unchanged (`_identity`)."""
-    sources = (masks.get("mask"), masks.get("bias"), masks.get("key_bounds"))
+    sources = (masks.get("mask"), masks.get("bias"), masks.get("key_bounds"), masks.get("mask_blocks"),
+               masks.get("mask_tiles"))
     if all(t is None for t in sources):
         return None
     identities = [_identity(t) for t in sources]
@@ -245,8 +251,9 @@ def _empty_tiles(q: Tensor, k: Tensor, masks: dict, causal: int | None, block_ro
     if kept is not None and all(ref is None or ref() is not None for ref in kept[0]):
         _MAPS.move_to_end(key)
         return kept[1]
-    mask, bias, bounds = sources
-    tiles = empty_tiles(q.shape[2], k.shape[2], causal, bounds, mask, bias, block_rows, block_keys)
+    mask, bias, bounds, index, mask_tiles = sources
+    blocks = None if index is None else MaskBlocks(index, mask_tiles)
+    tiles = empty_tiles(q.shape[2], k.shape[2], causal, bounds, mask, bias, block_rows, block_keys, blocks)
     _MAPS[key] = (tuple(ref for _, ref in identities), tiles)
     while len(_MAPS) > _MAPS_KEPT:
         _MAPS.popitem(last=False)
@@ -272,14 +279,15 @@ def _key_ranges(q: Tensor, k: Tensor, causal: int | None, block_rows: int, masks
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, softcap: float = 0.0,
                       mask: Tensor | None = None, bias: Tensor | None = None, seed: int | Placement = 0,
-                      dropout_p: float = 0.0, bounds: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                      dropout_p: float = 0.0, bounds: Tensor | None = None,
+                      blocks: MaskBlocks | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, H, Lq, dv), row max m, inverse row sum 1/l (B, H, Lq)): `kernels.attention_forward`'s results."""
     bf16 = _bf16(q)
     q, k, v = _work(q, k, v)
     batch, heads, len_q, _ = q.shape
     out = q.new_empty(batch, heads, len_q, v.shape[-1])
     row_max, inv_sum = q.new_empty(batch, heads, len_q), q.new_empty(batch, heads, len_q)
-    masks, block_keys = _score_masks(mask, bias, q.dtype, bounds=bounds), _block_keys(bounds)
+    masks, block_keys = _score_masks(mask, bias, q.dtype, bounds=bounds, blocks=blocks), _block_keys(bounds)
     rows = _block_rows(len_q, causal, bf16)
     _run("forward", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum,
          empty_tiles=_empty_tiles(q, k, masks, causal, rows, block_keys),
@@ -309,7 +317,8 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: flo
     rows = _block_rows(len_q, causal, bf16)
     op, names = _op("forward")
     tensors = ("q", "k", "v", "out", "row_max", "inv_sum")  # each call's own
-    given = dict(dict.fromkeys(tensors), mask=None, bias=None, key_bounds=None, empty_tiles=None,
+    given = dict(dict.fromkeys(tensors), mask=None, bias=None, key_bounds=None, empty_tiles=None, mask_blocks=None,
+                 mask_tiles=None,
                  key_ranges=_causal_key_ranges(len_q, k.shape[2], causal, rows),
                  **dict(_options(causal, scale, bf16=bf16, softcap=softcap, block_rows=rows)))
     template = [given[name] for name in names]  # a KeyError for an argument the op gains
@@ -389,13 +398,14 @@ def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
     causal: int | None, scale: float, chunks: int | None = None, mask: Tensor | None = None, bias: Tensor | None = None,
     seed: int | Placement = 0, dropout_p: float = 0.0, bias_grad: bool = False, bounds: Tensor | None = None, softcap: float = 0.0,
+    blocks: MaskBlocks | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv, dbias or None): `kernels.attention_backward`'s results for the cases
     the tiles backend takes; dbias in the bias's shape and the compute dtype. `chunks` splits
     each head's keys into that many work items (default: `_chunks`)."""
     bf16 = _bf16(q)
     dout, q, k, v, out, row_max, inv_sum = _work(dout, q, k, v, out, row_max, inv_sum)
-    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad, bounds=bounds)
+    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad, bounds=bounds, blocks=blocks)
     block_keys = _block_keys(bounds)
     if chunks is None:
         chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-k.shape[2] // block_keys))
@@ -424,7 +434,7 @@ def attention_double_backward(
     causal: int | None, scale: float, dout_grad: bool, gq: Tensor | None, gk: Tensor | None, gv: Tensor | None,
     chunks: int | None = None, mask: Tensor | None = None, bias: Tensor | None = None, gbias: Tensor | None = None,
     seed: int | Placement = 0, dropout_p: float = 0.0, bias_grad: bool = False, bounds: Tensor | None = None, softcap: float = 0.0,
-    sink: bool = False,
+    sink: bool = False, blocks: MaskBlocks | None = None,
 ) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor | None]:
     """(g_dout or None, g_q, g_k, g_v, g_bias or None): `kernels_higher.attention_double_backward`'s
     results for the cases the tiles backend takes, in the compute dtype; an absent cotangent is
@@ -432,7 +442,7 @@ def attention_double_backward(
     into that many work items (default: `_chunks`)."""
     bf16 = _bf16(q)
     dout, q, k, v, out, row_max, inv_sum, gq, gk, gv = _work(dout, q, k, v, out, row_max, inv_sum, gq, gk, gv)
-    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad, bounds=bounds)
+    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad, bounds=bounds, blocks=blocks)
     _with_bias_like(masks, "gbias", gbias if bias_grad else None, q.dtype)
     rows, chunks = _whole_row_split(q, k, masks, bias_grad, chunks)
     g_dout = torch.empty_like(dout) if dout_grad else None
@@ -459,12 +469,13 @@ def dropout_keep_scale_into(out: Tensor, seed: int, row_start: int, threshold: i
 def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Tensor, causal: int | None, scale: float,
                   tq: Tensor | None, tk: Tensor | None, tv: Tensor | None, mask: Tensor | None = None,
                   bias: Tensor | None = None, tbias: Tensor | None = None, seed: int | Placement = 0,
-                  dropout_p: float = 0.0, bounds: Tensor | None = None, softcap: float = 0.0) -> Tensor:
+                  dropout_p: float = 0.0, bounds: Tensor | None = None, softcap: float = 0.0,
+                  blocks: MaskBlocks | None = None) -> Tensor:
     """The output's tangent (B, H, Lq, dv): `kernels_higher.attention_jvp`'s result for the
     cases the tiles backend takes; an absent tangent is zero."""
     bf16 = _bf16(q)
     q, k, v, row_max, inv_sum, tq, tk, tv = _work(q, k, v, row_max, inv_sum, tq, tk, tv)
-    masks = _with_bias_like(_score_masks(mask, bias, q.dtype, full_bias=tbias is not None, bounds=bounds), "tbias",
+    masks = _with_bias_like(_score_masks(mask, bias, q.dtype, full_bias=tbias is not None, bounds=bounds, blocks=blocks), "tbias",
                             tbias, q.dtype)
     out_t = q.new_empty(*q.shape[:3], v.shape[-1])
     rows, chunks = _whole_row_split(q, k, masks, False, None)  # each work item owns its rows
@@ -480,7 +491,7 @@ def attention_backward_jvp(
     causal: int | None, scale: float, tdout: Tensor | None, tq: Tensor | None, tk: Tensor | None, tv: Tensor | None,
     mask: Tensor | None = None, bias: Tensor | None = None, tbias: Tensor | None = None, seed: int | Placement = 0,
     dropout_p: float = 0.0, bias_grad: bool = False, chunks: int | None = None, bounds: Tensor | None = None,
-    softcap: float = 0.0,
+    softcap: float = 0.0, blocks: MaskBlocks | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """The tangents of (dq, dk, dv, dbias or None): `kernels_higher.attention_backward_jvp`'s
     results for the cases the tiles backend takes, in the compute dtype; an absent tangent is
@@ -489,7 +500,7 @@ def attention_backward_jvp(
     bf16 = _bf16(q)
     dout, q, k, v, out, row_max, inv_sum, tdout, tq, tk, tv = _work(dout, q, k, v, out, row_max, inv_sum, tdout, tq,
                                                                     tk, tv)
-    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad or tbias is not None, bounds=bounds)
+    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad or tbias is not None, bounds=bounds, blocks=blocks)
     _with_bias_like(masks, "tbias", tbias, q.dtype)
     rows, chunks = _whole_row_split(q, k, masks, bias_grad, chunks)
     tdq = q.new_empty(q.shape)

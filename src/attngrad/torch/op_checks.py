@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .call import FIELDS, AttentionCall
 from .layout import broadcast_shapes
+from .mask_blocks import MaskBlocks
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -71,6 +72,46 @@ def _check_bounds(bounds: Optional[Tensor], batch: int, len_q: int, device: torc
         _fail(f"bounds is on {bounds.device} but q on {device}")
 
 
+def _check_blocks(blocks: Optional[MaskBlocks], target: tuple, device: torch.device) -> None:
+    """A mask kept per block: index int32 (1 or B, 1 or H, ceil(Lq / R), ceil(Lk / K)) for its
+    tiles (T, R, K) bool, T >= 2 (its values: `check_block_values`)."""
+    if blocks is None:
+        return
+    index, tiles = blocks.index, blocks.tiles
+    for name, t in (("mask_blocks", index), ("mask_tiles", tiles)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"attngrad attention op: {name} must be a tensor; got {type(t).__name__}")
+        if t.device != device:
+            _fail(f"{name} is on {t.device} but q on {device}")
+    if index.dtype != torch.int32 or tiles.dtype != torch.bool:
+        raise TypeError(f"attngrad attention op: mask_blocks must be int32 and mask_tiles boolean; got {index.dtype} "
+                        f"and {tiles.dtype}")
+    if tiles.dim() != 3 or tiles.shape[0] < 2 or min(tiles.shape[1:]) < 1:
+        _fail(f"mask_tiles must be (T, R, K) with T >= 2 (EMPTY and FULL first) and R, K >= 1; got {_shape(tiles)}")
+    batch, heads, len_q, len_k = target
+    r, k = tiles.shape[1:]
+    blocks_q, blocks_k = -(-len_q // r), -(-len_k // k)
+    if index.dim() != 4 or index.shape[0] not in (1, batch) or index.shape[1] not in (1, heads) or \
+            index.shape[2:] != (blocks_q, blocks_k):
+        _fail(f"mask_blocks of shape {_shape(index)} does not fit tiles of {r} x {k} on (B, H, Lq, Lk) = {target}: "
+              f"expected (1 or {batch}, 1 or {heads}, {blocks_q}, {blocks_k})")
+
+
+def check_block_values(call: AttentionCall) -> None:
+    """The values of a mask kept per block, which the kernels index by: each block's tile in
+    [0, T), tiles[0] keeping no entry and tiles[1] every one (the kernels skip reading those).
+    Read where the op runs, not in its fake."""
+    blocks = call.blocks
+    if blocks is None or blocks.index.numel() == 0:
+        return
+    count = blocks.tiles.shape[0]
+    low, high = int(blocks.index.min()), int(blocks.index.max())
+    if low < 0 or high >= count:
+        _fail(f"mask_blocks holds tile {low if low < 0 else high}, outside the {count} of mask_tiles")
+    if bool(blocks.tiles[0].any()) or not bool(blocks.tiles[1].all()):
+        _fail("mask_tiles[0] must keep no entry and mask_tiles[1] every entry (EMPTY and FULL)")
+
+
 def _check_call(call: AttentionCall) -> None:
     """q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), H a multiple of Hkv; mask
     boolean and bias floating, each broadcastable to (B, H, Lq, Lk); bounds int64
@@ -107,6 +148,7 @@ def _check_call(call: AttentionCall) -> None:
     _check_broadcast("mask", mask, target, q.device)
     _check_broadcast("bias", bias, target, q.device)
     _check_bounds(call.bounds, batch, len_q, q.device)
+    _check_blocks(call.blocks, target, q.device)
     seed = call.seed
     if not isinstance(seed, Tensor) or seed.shape not in ((), (5,)) or seed.dtype != torch.int64:
         _fail(f"seed must be a 0-d int64 tensor, or (5,): a `dropout.Placement`; got {seed!r}")

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from . import dispatch, vmap_rules
 from .call import CALL_FIELDS, PASSES, REQUIRED, AttentionCall, argument_names, empty_like_field, schema
-from .op_checks import check_fields
+from .op_checks import check_block_values, check_fields
 
 CALL_NAMES = tuple(f.name for f in CALL_FIELDS)
 ARGUMENTS = {pass_name: argument_names(pass_name) for pass_name in PASSES}  # in schema order
@@ -54,6 +54,7 @@ def run_pass(pass_name: str, call: AttentionCall, inputs: dict[str, Any]) -> Any
     """What the op of `pass_name` does: check the call and the pass's inputs, and run the pass
     on the backend the registry chooses."""
     check_fields(call, inputs)
+    check_block_values(call)
     if pass_name not in ("forward", "backward") and call.partial_rows:
         raise ValueError(f"attngrad attention op: attention_{pass_name} needs each row's whole keys; its seed says "
                          "they are a part")

@@ -6,7 +6,8 @@ Attention is already batched over B, so a vmapped axis of size N folds into it: 
 bias-like operand (a mask, a bias, or its tangent or cotangent, broadcastable to
 (B, H, Lq, Lk)) is expanded to (N B, h, lq, lk), the op runs once, and the outputs unfold to (N, B, ...). A bias gradient comes back per vmapped slice, summed to
 the bias's own shape. With dropout the fold would change the blocks' shapes and so the masks
-drawn for them, so then, as with a batched seed, the op runs once per slice.
+drawn for them, so then, as with a batched seed (or batched tiles of a mask kept per block),
+the op runs once per slice.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from torch import Tensor
 
 from .call import FIELDS, PASSES
 
-# Operands broadcastable to (B, H, Lq, Lk): the masks, and what is shaped like the bias.
-BIAS_LIKE = frozenset({"mask", "bias"} | {f.name for f in FIELDS.values() if f.like == "bias"})
+# Operands broadcastable to (B, H, Lq, Lk): the masks, and what is shaped like the bias; a
+# mask's blocks (1 or B, 1 or H, ., .) fold the same way, and its tiles are shared by all.
+BIAS_LIKE = frozenset({"mask", "bias", "mask_blocks"} | {f.name for f in FIELDS.values() if f.like == "bias"})
 
 
 def _moved(t: Tensor, dim: int | None) -> Tensor:
@@ -61,6 +63,7 @@ def make_rule(op: Callable, pass_name: str, names: Sequence[str]) -> Callable:
     own shape per slice."""
     bias_outputs = {i for i, output in enumerate(PASSES[pass_name].outputs) if output.like == "bias"}
     q_index, seed_index, dropout_index = names.index("q"), names.index("seed"), names.index("dropout_p")
+    tiles_index = names.index("mask_tiles")
 
     def per_slice(info: Any, in_dims: tuple, args: tuple) -> tuple[Any, Any]:
         results = []
@@ -72,7 +75,9 @@ def make_rule(op: Callable, pass_name: str, names: Sequence[str]) -> Callable:
         return tuple(torch.stack(parts) for parts in zip(*results)), (0,) * len(results[0])
 
     def rule(info: Any, in_dims: tuple, *args: Any) -> tuple[Any, Any]:
-        if args[dropout_index] > 0.0 or in_dims[seed_index] is not None:
+        # (the dispatcher leaves out trailing arguments at their defaults, as absent tiles are)
+        tiles_batched = len(in_dims) > tiles_index and in_dims[tiles_index] is not None
+        if args[dropout_index] > 0.0 or in_dims[seed_index] is not None or tiles_batched:
             return per_slice(info, in_dims, args)
         n = info.batch_size
         q, q_dim = args[q_index], in_dims[q_index]
@@ -80,7 +85,7 @@ def make_rule(op: Callable, pass_name: str, names: Sequence[str]) -> Callable:
         bias_shape = None
         folded = []
         for name, arg, dim in zip(names, args, in_dims):
-            if not isinstance(arg, Tensor) or name == "seed":
+            if not isinstance(arg, Tensor) or name in ("seed", "mask_tiles"):
                 folded.append(arg)
             elif name == "bounds":
                 folded.append(_fold_bounds(arg, dim, n, batch))

@@ -34,7 +34,7 @@ def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]
 
 def _options(call: AttentionCall) -> dict:
     return dict(mask=call.mask, bias=call.bias, seed=call.placement, dropout_p=call.dropout_p, bounds=call.bounds,
-                softcap=call.softcap)
+                softcap=call.softcap, blocks=call.blocks)
 
 
 def _in_dtypes_of(results: tuple, inputs: tuple) -> tuple:
@@ -51,7 +51,8 @@ def forward(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
 def plan_forward(call: AttentionCall) -> Optional[Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]]:
     """The forward prepared for calls like `call` (`dispatch.plan`): those without a mask, a
     bias, key bounds, dropout or sinks."""
-    if call.mask is not None or call.bias is not None or call.bounds is not None or call.dropout_p or call.sink:
+    if call.mask is not None or call.bias is not None or call.bounds is not None or call.blocks is not None or \
+            call.dropout_p or call.sink:
         return None
     prepared = native.forward_plan(call.q, call.k, call.v, call.causal, call.scale, call.softcap)
     dtype = call.q.dtype

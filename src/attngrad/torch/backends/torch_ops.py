@@ -16,7 +16,7 @@ from ..call import AttentionCall
 def _common(call: AttentionCall) -> dict:
     """The kernels' keywords for what every pass takes."""
     return dict(q=call.q, k=call.k, v=call.v, mask=call.mask, bias=call.bias, seed=call.placement, causal=call.causal,
-                scale=call.scale, softcap=call.softcap, dropout_p=call.dropout_p, bounds=call.bounds)
+                scale=call.scale, softcap=call.softcap, dropout_p=call.dropout_p, bounds=call.bounds, mask_blocks=call.blocks)
 
 
 def forward(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:

@@ -44,6 +44,9 @@ const char* const kBufferNames[kBufferCount] = {
     Options { causal, scale, softcap, dropout, seed, threshold, keep_value, row_offset, key_offset, head_offset,   \
               partial_rows, sink, block_rows, block_keys, value_slice, chunks, bf16_products }
 
+// A mask kept per block, every pass's last two arguments (bind_mask_blocks).
+#define MASK_BLOCKS_SCHEMA "Tensor? mask_blocks=None, Tensor? mask_tiles=None"
+
 struct Options {
     std::optional<int64_t> causal;
     double scale, softcap;
@@ -255,6 +258,44 @@ void bind_key_ranges(Call& call, const OptTensor& key_ranges) {
     c.data[buf_key_ranges] = t.data_ptr();
 }
 
+// A boolean mask kept per block (`mask_blocks.py`), where given: mask_blocks (1 or B, 1 or H,
+// ceil(Lq / R), ceil(Lk / K)) int32, each a tile of mask_tiles (T, R, K) bool, T >= 2. Every
+// index is read here and must lie in [0, T); tile 0 must keep no entry and tile 1 every
+// entry, as the passes skip reading those: nothing a pass reads by them is out of bounds.
+void bind_mask_blocks(Call& call, const OptTensor& mask_blocks, const OptTensor& mask_tiles) {
+    TORCH_CHECK(mask_blocks.has_value() == mask_tiles.has_value(), call.what,
+                ": mask_blocks and mask_tiles come together", call.ctx);
+    if (!mask_blocks) return;
+    AttngradCall& c = call.call;
+    const at::Tensor &index = *mask_blocks, &tiles = *mask_tiles;
+    TORCH_CHECK(tiles.dim() == 3 && tiles.size(0) >= 2 && tiles.size(1) >= 1 && tiles.size(2) >= 1 &&
+                    tiles.size(1) <= kIntMax && tiles.size(2) <= kIntMax && tiles.size(0) <= kIntMax,
+                call.what, ": mask_tiles has shape ", tiles.sizes(), ", expected (T >= 2, R >= 1, K >= 1)", call.ctx);
+    check_tensor(call.what, "mask_tiles", tiles, at::kBool, tiles.sizes(), call.ctx);
+    const int64_t rows = tiles.size(1), keys = tiles.size(2);
+    const int64_t query_blocks = (c.len_q + rows - 1) / rows, key_blocks = (c.len_k + keys - 1) / keys;
+    TORCH_CHECK(index.dim() == 4 && (index.size(0) == 1 || index.size(0) == c.batch) &&
+                    (index.size(1) == 1 || index.size(1) == c.heads),
+                call.what, ": mask_blocks has shape ", index.sizes(), ", expected (1 or batch ", c.batch,
+                ", 1 or heads ", c.heads, ", ", query_blocks, ", ", key_blocks, ")", call.ctx);
+    check_tensor(call.what, "mask_blocks", index, at::kInt, {index.size(0), index.size(1), query_blocks, key_blocks},
+                 call.ctx);
+    const int32_t* at_block = index.const_data_ptr<int32_t>();
+    for (int64_t r = 0; r < index.numel(); ++r) {
+        TORCH_CHECK(at_block[r] >= 0 && at_block[r] < tiles.size(0), call.what, ": mask_blocks holds tile ",
+                    at_block[r], ", expected 0 to ", tiles.size(0) - 1, call.ctx);
+    }
+    const uint8_t* entries = static_cast<const uint8_t*>(tiles.const_data_ptr());
+    for (int64_t e = 0; e < rows * keys; ++e) {
+        TORCH_CHECK(!entries[e] && entries[rows * keys + e], call.what,
+                    ": mask_tiles[0] must keep no entry and mask_tiles[1] every entry", call.ctx);
+    }
+    for (int d = 0; d < 4; ++d) c.mask_blocks_sizes[d] = index.size(d);
+    c.mask_tile_rows = rows, c.mask_tile_keys = keys;
+    c.data[buf_mask_blocks] = index.data_ptr();
+    c.data[buf_mask_tiles] = tiles.data_ptr();
+}
+
 // Runs `pass` on the checked call in its element type.
 template <typename Run>
 void run(const Call& call, Run&& pass) {
@@ -271,8 +312,9 @@ void run(const Call& call, Run&& pass) {
 void forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
                 const OptTensor& bias, const OptTensor& key_bounds, const at::Tensor& out, const at::Tensor& row_max,
                 const at::Tensor& inv_sum, ATTNGRAD_OPTIONS_PARAMS, const OptTensor& empty_tiles,
-                const OptTensor& key_ranges) {
+                const OptTensor& key_ranges, const OptTensor& mask_blocks, const OptTensor& mask_tiles) {
     Call call = make_call("attngrad_tiles.forward", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
+    bind_mask_blocks(call, mask_blocks, mask_tiles);
     bind_key_ranges(call, key_ranges);
     bind_empty_tiles(call, empty_tiles);
     call.bind(buf_out, out, true);
@@ -300,8 +342,10 @@ void backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                  const OptTensor& bias, const OptTensor& key_bounds, const at::Tensor& out, const at::Tensor& row_max,
                  const at::Tensor& inv_sum, const at::Tensor& dout, const at::Tensor& delta,
                  const at::Tensor& dq_parts, const at::Tensor& dk, const at::Tensor& dv, const OptTensor& dbias_parts,
-                 ATTNGRAD_OPTIONS_PARAMS, const OptTensor& empty_tiles, const OptTensor& key_ranges) {
+                 ATTNGRAD_OPTIONS_PARAMS, const OptTensor& empty_tiles, const OptTensor& key_ranges,
+                 const OptTensor& mask_blocks, const OptTensor& mask_tiles) {
     Call call = make_call("attngrad_tiles.backward", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
+    bind_mask_blocks(call, mask_blocks, mask_tiles);
     bind_key_ranges(call, key_ranges);
     bind_empty_tiles(call, empty_tiles);
     bind_after_forward(call, out, row_max, inv_sum, dout, delta);
@@ -322,8 +366,10 @@ void double_backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const at::Tensor& delta, const OptTensor& gq, const OptTensor& gk, const OptTensor& gv,
                         const OptTensor& gbias, const OptTensor& g_dout, const at::Tensor& g_q,
                         const at::Tensor& gk_parts, const at::Tensor& gv_parts, const OptTensor& g_bias_parts,
-                        ATTNGRAD_OPTIONS_PARAMS, const OptTensor& key_ranges) {
+                        ATTNGRAD_OPTIONS_PARAMS, const OptTensor& key_ranges, const OptTensor& mask_blocks,
+                        const OptTensor& mask_tiles) {
     Call call = make_call("attngrad_tiles.double_backward", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
+    bind_mask_blocks(call, mask_blocks, mask_tiles);
     bind_key_ranges(call, key_ranges);
     bind_after_forward(call, out, row_max, inv_sum, dout, delta);
     call.bind(buf_gq, gq, false);
@@ -344,8 +390,10 @@ void double_backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
 void jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
             const OptTensor& bias, const OptTensor& key_bounds, const at::Tensor& row_max, const at::Tensor& inv_sum,
             const OptTensor& tq, const OptTensor& tk, const OptTensor& tv, const OptTensor& tbias,
-            const at::Tensor& tout, ATTNGRAD_OPTIONS_PARAMS, const OptTensor& key_ranges) {
+            const at::Tensor& tout, ATTNGRAD_OPTIONS_PARAMS, const OptTensor& key_ranges,
+            const OptTensor& mask_blocks, const OptTensor& mask_tiles) {
     Call call = make_call("attngrad_tiles.jvp", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
+    bind_mask_blocks(call, mask_blocks, mask_tiles);
     bind_key_ranges(call, key_ranges);
     call.bind(buf_row_max, row_max, true);
     call.bind(buf_inv_sum, inv_sum, true);
@@ -367,8 +415,9 @@ void backward_jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const at::Tensor& delta, const OptTensor& tdout, const OptTensor& tq, const OptTensor& tk,
                      const OptTensor& tv, const OptTensor& tbias, const at::Tensor& tdq, const at::Tensor& tdk_parts,
                      const at::Tensor& tdv_parts, const OptTensor& tdbias_parts, ATTNGRAD_OPTIONS_PARAMS,
-                     const OptTensor& key_ranges) {
+                     const OptTensor& key_ranges, const OptTensor& mask_blocks, const OptTensor& mask_tiles) {
     Call call = make_call("attngrad_tiles.backward_jvp", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
+    bind_mask_blocks(call, mask_blocks, mask_tiles);
     bind_key_ranges(call, key_ranges);
     bind_after_forward(call, out, row_max, inv_sum, dout, delta);
     call.bind(buf_tdout, tdout, false);
@@ -453,22 +502,24 @@ int64_t bias_grad_parts_op(c10::IntArrayRef bias_sizes, int64_t chunks, bool who
 TORCH_LIBRARY(attngrad_tiles, m) {
     m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor(a!) out, "
           "Tensor(b!) row_max, Tensor(c!) inv_sum, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? empty_tiles=None, "
-          "Tensor? key_ranges=None) -> ()");
+          "Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA ") -> ()");
     m.def("backward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor out, "
           "Tensor row_max, Tensor inv_sum, Tensor dout, Tensor(a!) delta, Tensor(b!) dq_parts, Tensor(c!) dk, "
           "Tensor(d!) dv, Tensor(e!)? dbias_parts, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? empty_tiles=None, "
-          "Tensor? key_ranges=None) -> ()");
+          "Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA ") -> ()");
     m.def("double_backward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor out, "
           "Tensor row_max, Tensor inv_sum, Tensor dout, Tensor(a!) delta, Tensor? gq, Tensor? gk, Tensor? gv, "
           "Tensor? gbias, Tensor(b!)? g_dout, Tensor(c!) g_q, Tensor(d!) gk_parts, Tensor(e!) gv_parts, "
-          "Tensor(f!)? g_bias_parts, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? key_ranges=None) -> ()");
+          "Tensor(f!)? g_bias_parts, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA
+          ") -> ()");
     m.def("jvp(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor row_max, "
           "Tensor inv_sum, Tensor? tq, Tensor? tk, Tensor? tv, Tensor? tbias, Tensor(a!) tout, "
-          ATTNGRAD_OPTIONS_SCHEMA ", Tensor? key_ranges=None) -> ()");
+          ATTNGRAD_OPTIONS_SCHEMA ", Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA ") -> ()");
     m.def("backward_jvp(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor out, "
           "Tensor row_max, Tensor inv_sum, Tensor dout, Tensor(a!) delta, Tensor? tdout, Tensor? tq, Tensor? tk, "
           "Tensor? tv, Tensor? tbias, Tensor(b!) tdq, Tensor(c!) tdk_parts, Tensor(d!) tdv_parts, "
-          "Tensor(e!)? tdbias_parts, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? key_ranges=None) -> ()");
+          "Tensor(e!)? tdbias_parts, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA
+          ") -> ()");
     m.def("dropout_keep_scale(Tensor(a!) out, int seed, int row_start, int key_start, int threshold, float value) -> ()");
     m.def("gemm_path(int choose) -> int", &gemm_path_op);
     m.def("tiles_computed(bool reset=False) -> int", &tiles_computed_op);

@@ -70,7 +70,7 @@ namespace attngrad_tiles {
     X(q) X(k) X(v) X(mask) X(bias) X(out) X(row_max) X(inv_sum) X(dout) X(delta) X(dq_parts) X(dk) X(dv) \
     X(dbias_parts) X(gq) X(gk) X(gv) X(g_dout) X(g_q) X(gk_parts) X(gv_parts) X(tq) X(tk) X(tv) X(tbias) X(tout) \
     X(tdout) X(tdq) X(tdk_parts) X(tdv_parts) X(tdbias_parts) X(gbias) X(g_bias_parts) X(key_bounds) X(empty_tiles) \
-    X(key_ranges)
+    X(key_ranges) X(mask_blocks) X(mask_tiles)
 
 enum AttngradBuffer : int {
 #define ATTNGRAD_ENUM(name) buf_##name,
@@ -91,6 +91,8 @@ struct AttngradCall {
     int64_t key_ranges_batch = 1;          // key_ranges (1 or B, query blocks, 2)
     int64_t bounds_batch = 1;              // key_bounds (bounds_batch, Lq, 2): row i of batch b sees keys
                                            // [lo, hi) only; bounds_batch 1 (shared) or B
+    int64_t mask_blocks_sizes[4] = {1, 1, 1, 1};  // mask_blocks (1 or B, 1 or H, Lq / R, Lk / K) int32, each
+    int64_t mask_tile_rows = 1, mask_tile_keys = 1;  // block's tile in mask_tiles (T, R, K): `mask_blocks.py`
     double scale = 1;
     double softcap = 0;  // c > 0: scores c tanh(scale q.k / c) + bias; 0: none
     bool dropout = false;
@@ -262,8 +264,29 @@ struct ScoreMask {
     Broadcast4 bb;
     const int64_t* bounds = nullptr;  // (1 or B, Lq, 2)
     index_t bounds_sb = 0;            // 0 (shared) or 2 Lq
+    // A mask kept per block (`mask_blocks.py`): entry (i, j) of head (b, h) is
+    // tiles[index[b, h, i / R, j / K]][i % R][j % K]; tile 0 keeps none, tile 1 all (ops.cpp
+    // checks both and every index before a pass runs)
+    const int32_t* block_index = nullptr;
+    const uint8_t* block_tiles = nullptr;
+    index_t block_sb = 0, block_sh = 0, key_blocks = 0, tile_rows = 1, tile_keys = 1;
 
-    bool any() const { return mask || bias || bounds; }
+    bool any() const { return mask || bias || bounds || block_index; }
+
+    // Row i's entries of head (b, h) at keys c0..c0 + n by the mask kept per block: f(j, kept)
+    // for each run of keys within one block, kept null where that block keeps every key
+    // (tile 1) and pointing at the row's entries for key c0 + j otherwise
+    template <typename F>
+    void block_runs(index_t b, index_t h, index_t i, index_t c0, index_t n, F&& f) const {
+        const int32_t* row = block_index + b * block_sb + h * block_sh + (i / tile_rows) * key_blocks;
+        const uint8_t* tile_row = block_tiles + (i % tile_rows) * tile_keys;
+        for (index_t j = 0; j < n;) {
+            const index_t key = c0 + j, kb = key / tile_keys, stop = std::min(n, (kb + 1) * tile_keys - c0);
+            const index_t t = row[kb];
+            f(j, stop, t == 1 ? nullptr : tile_row + t * tile_rows * tile_keys + (key - kb * tile_keys));
+            j = stop;
+        }
+    }
 
     // The keys [lo, hi) row i of batch entry b may see by its bounds (all n without them)
     std::pair<index_t, index_t> range(index_t b, index_t i, index_t n) const {
@@ -297,19 +320,33 @@ struct ScoreMask {
             std::fill(s, s + first, neg_inf);
             std::fill(s + stop, s + n, neg_inf);
         }
+        if (block_index) {
+            block_runs(b, h, i, c0, n, [&](index_t j0, index_t j1, const uint8_t* kept) {
+                if (!kept) return;
+                for (index_t j = j0; j < j1; ++j) s[j] = kept[j - j0] ? s[j] : neg_inf;
+            });
+        }
     }
 
     // How many of keys 0..n of row i of head (b, h) take part: read within the row's bounds only
     index_t count(index_t b, index_t h, index_t i, index_t n) const {
         auto [lo, hi] = range(b, i, n);
         hi = std::min(hi, n);
-        if (!mask && !bias) return std::max<index_t>(0, hi - lo);
+        if (!mask && !bias && !block_index) return std::max<index_t>(0, hi - lo);
         const uint8_t* mrow = mask ? mask + m.row(b, h, i) : nullptr;
         const T* brow = bias ? bias + bb.row(b, h, i) : nullptr;
+        const auto takes_part = [&](index_t j) {
+            return (!mrow || mrow[j * m.sj]) && (!brow || brow[j * bb.sj] != -std::numeric_limits<T>::infinity());
+        };
         index_t total = 0;
-        for (index_t j = lo; j < hi; ++j) {
-            total += (!mrow || mrow[j * m.sj]) && (!brow || brow[j * bb.sj] != -std::numeric_limits<T>::infinity());
+        if (!block_index) {
+            for (index_t j = lo; j < hi; ++j) total += takes_part(j);
+            return total;
         }
+        if (lo >= hi) return 0;
+        block_runs(b, h, i, lo, hi - lo, [&](index_t j0, index_t j1, const uint8_t* kept) {
+            for (index_t j = j0; j < j1; ++j) total += (!kept || kept[j - j0]) && takes_part(lo + j);
+        });
         return total;
     }
 };
@@ -415,6 +452,15 @@ ScoreMask<T> score_mask(const AttngradCall& c) {
     if (c.data[buf_key_bounds]) {
         masks.bounds = static_cast<const int64_t*>(c.data[buf_key_bounds]);
         masks.bounds_sb = c.bounds_batch == 1 ? 0 : 2 * c.len_q;
+    }
+    if (c.data[buf_mask_blocks]) {
+        masks.block_index = static_cast<const int32_t*>(c.data[buf_mask_blocks]);
+        masks.block_tiles = static_cast<const uint8_t*>(c.data[buf_mask_tiles]);
+        const int64_t* sizes = c.mask_blocks_sizes;
+        masks.key_blocks = sizes[3];
+        masks.block_sh = sizes[1] == 1 ? 0 : sizes[2] * sizes[3];
+        masks.block_sb = sizes[0] == 1 ? 0 : sizes[1] * sizes[2] * sizes[3];
+        masks.tile_rows = c.mask_tile_rows, masks.tile_keys = c.mask_tile_keys;
     }
     return masks;
 }

@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 
+from ... import mask_blocks
 from ...call import AttentionCall, ScoreMasks
 
 PASSES = ("forward", "backward", "jvp", "backward_jvp", "double_backward")
@@ -33,8 +34,8 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 WIDTHS = (64, 128, 256)
 ARCHS = (80, 90)
 # What each feature set turns on: "plain" nothing; "all" every option that adds code to a
-# kernel (boolean mask, a bias with the scores' shape and its gradient, key bounds, the
-# causal diagonal, soft cap, dropout, GQA, every tangent and cotangent); "broadcast-bias"
+# kernel (boolean mask, a mask kept per block, a bias with the scores' shape and its gradient,
+# key bounds, the causal diagonal, soft cap, dropout, GQA, every tangent and cotangent); "broadcast-bias"
 # the same with a (1, H, 1, Lk) bias, whose gradient the bias-side kernel reduces.
 FEATURES = ("plain", "all", "broadcast-bias")
 # Where a spill fails the check: head widths up to 128 in float16, bfloat16 and float32.
@@ -127,8 +128,9 @@ def _call(dtype: torch.dtype, width: int, features: str) -> tuple[AttentionCall,
         return AttentionCall(q, k, v, ScoreMasks(), torch.tensor(0), width ** -0.5), {}
     bias_shape = (batch, heads, length, length) if features == "all" else (1, heads, 1, length)
     bounds = torch.tensor([[[0, length]] * length], dtype=torch.int64)
+    blocks = mask_blocks.from_dense(rand(1, heads, length, length, kind=torch.float32) > 0, (64, 64))
     masks = ScoreMasks(mask=rand(batch, 1, length, length, kind=torch.float32) > 0, bias=rand(*bias_shape),
-                       bounds=bounds, causal=0, softcap=30.0)
+                       bounds=bounds, causal=0, softcap=30.0, blocks=blocks)
     call = AttentionCall(q, k, v, masks, torch.tensor(5), width ** -0.5, 0.1)
     tangents = dict(tq=rand(*q.shape), tk=rand(*k.shape), tv=rand(*v.shape), tbias=rand(*bias_shape))
     return call, tangents

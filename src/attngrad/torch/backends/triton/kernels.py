@@ -36,9 +36,11 @@ def _floats(fmeta, ACC: tl.constexpr):
 
 @triton.jit
 def forward(Q, K, V, O, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, so0, so1, so2, so3,
-            bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, meta, fmeta,
+            bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles, meta,
+            fmeta,
             tmap, st0, st1, st2, st3, rng, sr0, sr1, sr2, H, G, Lq, Lk, D, DV, causal,
-            HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
+            HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
+            MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
             SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
             BDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     qb = tl.program_id(0)
@@ -62,7 +64,8 @@ def forward(Q, K, V, O, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1
             k = load_tile(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
             qk = mm(q, tl.trans(k), IP, ACC)
             s, _ = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm, sbn,
-                          mask, smb, smh, smm, smn, bounds, sob, som, HAS_BIAS, HAS_MASK, HAS_BOUNDS, CAUSAL, SOFTCAP)
+                          mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles, HAS_BIAS,
+                          HAS_MASK, HAS_BLOCKS, MR, MK, HAS_BOUNDS, CAUSAL, SOFTCAP)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: any finite shift
             alpha = tl.exp(m_i - shift)
@@ -84,10 +87,12 @@ def forward(Q, K, V, O, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1
 @triton.jit
 def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3,
         so0, so1, so2, so3, tbias, stb, sth, stm, stn,
-        bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, meta, fmeta,
+        bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles, meta,
+        fmeta,
         tmap, st0, st1, st2, st3, rng, sr0, sr1, sr2, H, G, Lq, Lk, D, DV, causal,
         HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_TBIAS: tl.constexpr,
-        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
+            MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
         SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
         BDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     """O' = (P' Z) V + (P Z) V' with P' = P (S' - c), c = rowsum(P S'), in one walk:
@@ -120,7 +125,8 @@ def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
             k = load_tile(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
             qk = mm(q, tl.trans(k), IP, ACC)
             s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm, sbn,
-                           mask, smb, smh, smm, smn, bounds, sob, som, HAS_BIAS, HAS_MASK, HAS_BOUNDS, CAUSAL, SOFTCAP)
+                           mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles, HAS_BIAS,
+                           HAS_MASK, HAS_BLOCKS, MR, MK, HAS_BOUNDS, CAUSAL, SOFTCAP)
             p = tl.exp(s - m_row[:, None]) * inv[:, None]
             tk = None
             if HAS_TK:
@@ -146,10 +152,13 @@ def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
 @triton.jit
 def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
              sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3, cbias, scb, sch, scm, scn,
-             bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, meta, fmeta,
+             bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
+             meta, fmeta,
              tmap, st0, st1, st2, st3, rng, sr0, sr1, sr2, H, G, Lq, Lk, D, DV, causal,
              HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr, HAS_DO2: tl.constexpr,
-             HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BOUNDS: tl.constexpr,
+             HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr,
+             MR: tl.constexpr,
+            MK: tl.constexpr, HAS_BOUNDS: tl.constexpr,
              CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
              BD: tl.constexpr, BDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     """The two whole-row sums the backward-type passes need before their walks, for the form
@@ -187,7 +196,8 @@ def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, sq0, sq1, sq2, s
             v = load_tile(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
             qk = mm(q, tl.trans(k), IP, ACC)
             s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm, sbn,
-                           mask, smb, smh, smm, smn, bounds, sob, som, HAS_BIAS, HAS_MASK, HAS_BOUNDS, CAUSAL, SOFTCAP)
+                           mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles, HAS_BIAS,
+                           HAS_MASK, HAS_BLOCKS, MR, MK, HAS_BOUNDS, CAUSAL, SOFTCAP)
             p = tl.exp(s - m_row[:, None]) * inv[:, None]
             k2 = None
             if HAS_K2:
@@ -218,11 +228,13 @@ def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, sq0, sq1, sq2, s
 def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_Q, OUT_DO, DBIAS,
                sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3,
                sgb, sgh, sgm, sgn, cbias, scb, sch, scm, scn,
-               bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, meta, fmeta,
+               bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
+               meta, fmeta,
                tmap, st0, st1, st2, st3, rng, sr0, sr1, sr2, H, G, Lq, Lk, D, DV, causal,
                MODE: tl.constexpr, HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr,
                HAS_DO2: tl.constexpr, HAS_C: tl.constexpr, DOUT_GRAD: tl.constexpr, BIAS_DIRECT: tl.constexpr,
-               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
+            MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
                SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                BDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     """Per query block: OUT_Q = scale (A2 K + A K2) (dQ, its tangent, or g_Q; `tiles.tile_terms`);
@@ -266,7 +278,8 @@ def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_Q, OUT_DO,
             v = load_tile(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
             qk = mm(q, tl.trans(k), IP, ACC)
             s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm, sbn,
-                           mask, smb, smh, smm, smn, bounds, sob, som, HAS_BIAS, HAS_MASK, HAS_BOUNDS, CAUSAL, SOFTCAP)
+                           mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles, HAS_BIAS,
+                           HAS_MASK, HAS_BLOCKS, MR, MK, HAS_BOUNDS, CAUSAL, SOFTCAP)
             p = tl.exp(s - m_row[:, None]) * inv[:, None]
             z = None
             if DROPOUT:
@@ -306,11 +319,13 @@ def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_Q, OUT_DO,
 def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
              sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3,
              cbias, scb, sch, scm, scn,
-             bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, meta, fmeta,
+             bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
+             meta, fmeta,
              tmap, st0, st1, st2, st3, qrng, sr0, sr1, sr2, H, G, Lq, Lk, D, DV, causal,
              MODE: tl.constexpr, HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr,
              HAS_DO2: tl.constexpr, HAS_C: tl.constexpr,
-             HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
+             HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
+            MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
              SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
              BDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     """Per key block of one key/value head, over the G query heads of its group in order:
@@ -355,7 +370,8 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
                     y_row = load_rows(Y + rows, offs_m, Lq)
                 qk = mm(q, tl.trans(k), IP, ACC)
                 s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm,
-                               sbn, mask, smb, smh, smm, smn, bounds, sob, som, HAS_BIAS, HAS_MASK, HAS_BOUNDS, CAUSAL,
+                               sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
+                               HAS_BIAS, HAS_MASK, HAS_BLOCKS, MR, MK, HAS_BOUNDS, CAUSAL,
                                SOFTCAP)
                 p = tl.exp(s - m_row[:, None]) * inv[:, None]
                 z = None
@@ -391,13 +407,15 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
 def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, DBIAS,
               sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3,
               sgb, sgh, sgm, sgn, cbias, scb, sch, scm, scn,
-              bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, meta, fmeta,
+              bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
+              meta, fmeta,
               tmap, st0, st1, st2, st3, krng, skr0, skr1, skr2,
               B, H, G, Lq, Lk, D, DV, causal, BIAS_H,
               MODE: tl.constexpr, HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr,
               HAS_DO2: tl.constexpr, HAS_C: tl.constexpr, BATCH_BROADCAST: tl.constexpr,
               HEADS_BROADCAST: tl.constexpr, ROWS_BROADCAST: tl.constexpr, KEYS_BROADCAST: tl.constexpr,
-              HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
+            MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
               SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
               BDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     """Per block of the bias's own (1 or B, BIAS_H = 1 or H, 1 or Lq, 1 or Lk) shape: the sum of the
@@ -463,8 +481,9 @@ def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, DBIAS,
                             y_row = load_rows(Y + rows, offs_m, Lq)
                         qk = mm(q, tl.trans(k), IP, ACC)
                         s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh,
-                                       sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, HAS_BIAS, HAS_MASK,
-                                       HAS_BOUNDS, CAUSAL, SOFTCAP)
+                                       sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm,
+                                       btiles, HAS_BIAS, HAS_MASK,
+                                       HAS_BLOCKS, MR, MK, HAS_BOUNDS, CAUSAL, SOFTCAP)
                         p = tl.exp(s - m_row[:, None]) * inv[:, None]
                         z = None
                         if DROPOUT:

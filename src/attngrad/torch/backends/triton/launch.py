@@ -172,17 +172,26 @@ class Plan:
         cap = call.softcap
         self.fmeta = torch.tensor([call.scale, cap, 1.0 / cap if cap else 0.0, keep_value(call.dropout_p)],
                                   dtype=torch.float64, device=self.device)
+        mask_blocks = call.blocks
         empty = empty_tiles(self.Lq, self.Lk, call.causal, None if bounds is None else bounds.cpu(),
-                            _narrowed(call.mask), None, blocks.rows, blocks.keys)  # (1 or B, 1 or H, n_q, n_k)
+                            _narrowed(call.mask), None, blocks.rows, blocks.keys,
+                            None if mask_blocks is None else mask_blocks.to("cpu"))  # (1 or B, 1 or H, n_q, n_k)
         key_walks, query_walks = _walks(empty)
         self.tile_map = empty.to(torch.int8).to(self.device).expand(self.B, self.H, self.n_q, self.n_k)
         self.key_walks = key_walks.to(self.device).expand(self.B, self.H, self.n_q, 2)
         self.query_walks = query_walks.to(self.device).expand(self.B, self.H, self.n_k, 2)
         causal = 0 if call.causal is None else int(call.causal)
-        self.masks = [bias, *_strides(bias), mask, *_strides(mask), bounds, *bound_strides, self.meta, self.fmeta,
-                      self.tile_map, *_strides(self.tile_map)]
+        block_args, block_sizes = [None, 0, 0, 0, None], (1, 1)
+        if mask_blocks is not None:  # (1 or B, 1 or H, ., .) index of (T, R, K) tiles; broadcast axes of stride 0
+            index = mask_blocks.index.contiguous()
+            block_strides = [0 if index.shape[axis] == 1 else index.stride(axis) for axis in (0, 1)]
+            block_args = [index, *block_strides, index.stride(2), mask_blocks.tiles.contiguous().view(torch.uint8)]
+            block_sizes = mask_blocks.block
+        self.masks = [bias, *_strides(bias), mask, *_strides(mask), bounds, *bound_strides, *block_args, self.meta,
+                      self.fmeta, self.tile_map, *_strides(self.tile_map)]
         self.sizes = [self.H, self.G, self.Lq, self.Lk, self.D, self.DV, causal]
-        self.switches = dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None, HAS_BOUNDS=bounds is not None,
+        self.switches = dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None, HAS_BLOCKS=mask_blocks is not None,
+                             MR=block_sizes[0], MK=block_sizes[1], HAS_BOUNDS=bounds is not None,
                              CAUSAL=call.causal is not None, SOFTCAP=bool(cap), DROPOUT=call.dropout_p > 0.0,
                              BM=blocks.rows, BN=blocks.keys, BD=padded_width(self.D), BDV=padded_width(self.DV),
                              IP=input_precision(q.dtype, self.device), ACC=_acc(q.dtype))

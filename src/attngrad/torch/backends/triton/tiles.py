@@ -80,13 +80,14 @@ def load_rows(ptr, offs_m, Lq):
 
 @triton.jit
 def scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap,
-           bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som,
-           HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
-           SOFTCAP: tl.constexpr):
+           bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
+           HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
+           MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr):
     """(S, tanh(A / c)) for the product qk = Q K^T of a tile: S = scale qk (capped: c tanh(A / c)),
     plus the bias, at -inf where the key does not take part (outside the call, past the causal
-    diagonal j <= i + causal, outside the row's key bounds [lo, hi), or masked out). Without a
-    cap the second result is A itself, unused."""
+    diagonal j <= i + causal, outside the row's key bounds [lo, hi), masked out, or left out by
+    the mask kept per block: entry (i, j) is btiles[blocks[b, h, i // MR, j // MK], i % MR, j % MK],
+    `mask_blocks`). Without a cap the second result is A itself, unused."""
     a = qk * scale
     if SOFTCAP:
         th = tanh(a * inv_cap)
@@ -109,6 +110,12 @@ def scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap,
     if HAS_MASK:
         allowed = tl.load(mask + b * smb + h * smh + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=inside, other=0)
         keep = keep & (allowed != 0)
+    if HAS_BLOCKS:
+        # 32-bit offsets, as everywhere here: the backend refuses tensors of 2^31 elements or more
+        tile = tl.load(blocks + b * sxb + h * sxh + (offs_m // MR)[:, None] * sxm + (offs_n // MK)[None, :],
+                       mask=inside, other=0)
+        entry = tile * (MR * MK) + ((offs_m % MR) * MK)[:, None] + (offs_n % MK)[None, :]
+        keep = keep & (tl.load(btiles + entry, mask=inside, other=0) != 0)
     return tl.where(keep, s, float("-inf")), th
 
 

@@ -179,7 +179,7 @@ def test_a_padded_model_at_4096_makes_no_l_by_l_tensor(name):
     (its mask read) and a Llama 4 with chunked layers (its mask evaluated) at L = 4096,
     watched at PyTorch's dispatcher: none has L x L elements (a (B, 1, L, L) mask would
     have 2 L^2, SDPA's boolean one among them)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from ..largest_tensor import LargestTensor
 
     length = 4096
     torch.manual_seed(0)
@@ -188,20 +188,10 @@ def test_a_padded_model_at_4096_makes_no_l_by_l_tensor(name):
     padding = torch.ones(2, length, dtype=torch.long)
     padding[0, :1000] = 0
 
-    class Largest(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    Largest.largest = max(Largest.largest, t.numel())
-            return out
-
-    with Largest():
+    with LargestTensor() as seen:
         loss = model(input_ids=ids, attention_mask=padding).logits.sum()
         loss.backward()
-    assert 0 < Largest.largest < length * length
+    assert 0 < seen.numel < length * length
 
 
 def test_a_window_without_a_mask_is_refused():

@@ -263,7 +263,7 @@ def test_ops_refuse_bad_blocks_by_name():
 def test_a_dilated_mask_at_4096_holds_nothing_lq_by_lk():
     """L = 4096: the evaluated mask is a few distinct tiles and the index, and no tensor of
     the forward and backward has Lq x Lk entries."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from ..largest_tensor import LargestTensor
 
     length = 4096
     evaluated = create_block_mask(lambda b, h, q, kv: (q >= kv) & ((q - kv) % 3 == 0), None, None, length, length)
@@ -271,17 +271,7 @@ def test_a_dilated_mask_at_4096_holds_nothing_lq_by_lk():
     # EMPTY, FULL, the diagonal's blocks, and below them the three phases of (q - kv) % 3
     assert len(evaluated.blocks.tiles) == 2 + 1 + 3
 
-    class Largest(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    Largest.largest = max(Largest.largest, t.numel())
-            return out
-
     q = torch.randn(1, 1, length, 16, requires_grad=True)
-    with Largest():
+    with LargestTensor() as seen:
         attention(q, q, q, block_mask=evaluated).sum().backward()
-    assert 0 < Largest.largest < length * length
+    assert 0 < seen.numel < length * length

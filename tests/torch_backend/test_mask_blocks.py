@@ -220,6 +220,20 @@ def test_vmap_folds_the_blocks_into_the_batch(backend):
     assert_all_close(dict(jacobian=jacobian), dict(jacobian=expected))
 
 
+def test_blocks_made_outside_a_fullgraph_compile_pass_in():
+    """Blocks made eagerly (their tile count is a value: no compiled graph can make them)
+    enter a fullgraph-compiled function as two tensors; out and gradients equal eager."""
+    torch._dynamo.reset()
+    case = Case(**TRITON_CASES["per-head-causal-bias"])
+    compiled = torch.compile(case.ours, fullgraph=True, backend="aot_eager")
+    results = {}
+    for who, fn in (("compiled", compiled), ("eager", case.ours)):
+        inputs = [p.clone().requires_grad_() for p in case.primals]
+        out = fn(*inputs)
+        results[who] = dict(out=out, **dict(zip("qkvb", torch.autograd.grad(out.sum(), inputs))))
+    assert_all_close(results["compiled"], results["eager"])
+
+
 def test_ops_refuse_bad_blocks_by_name():
     """Each bad block index, tile or pairing is named before a kernel reads it, by the op
     and by the compiled tiles themselves."""

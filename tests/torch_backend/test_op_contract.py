@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attngrad.torch import MultiheadAttention, native, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch import MultiheadAttention, mask_blocks, native, scaled_dot_product_attention  # noqa: E402
 from attngrad.torch import ops as op  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
@@ -36,6 +36,8 @@ VARIANTS = {
                 softcap=2.0),
     # a sink: the forward's scaled statistics, the double backward's extra row term
     "sink": dict(causal=0, bias=(H, 1, 1), bias_grad=True, kv_heads=HKV, sink=True),
+    # a mask kept per block (`mask_blocks`), per batch entry, beside a bias and its gradient
+    "blocks": dict(blocks=True, causal=LK - LQ, bias=(1, H, LQ, LK), bias_grad=True),
 }
 
 
@@ -60,20 +62,25 @@ def _call_args(variant: str, layout: str, dtype=torch.float64):
     causal, dropout_p, bias_grad = spec.get("causal"), spec.get("dropout_p", 0.0), spec.get("bias_grad", False)
     scale, softcap = D**-0.5, spec.get("softcap", 0.0)
     sink = spec.get("sink", False)
+    extra = dict(sink=sink)
+    if spec.get("blocks"):
+        kept = mask_blocks.from_dense(torch.rand(B, 1, LQ, LK, generator=g) > 0.4, (3, 4))
+        extra.update(mask_blocks=kept.index, mask_tiles=kept.tiles)
     fields = (q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p)
-    out, row_max, inv_sum = op.attention_forward(*fields, sink=sink)
+    out, row_max, inv_sum = op.attention_forward(*fields, **extra)
     dout = make(B, H, LQ, DV, g=g, dtype=dtype)
     stats = dict(out=out, row_max=row_max, inv_sum=inv_sum)
     tq, tk, tv = (torch.randn(t.shape, generator=g, dtype=dtype) for t in (q, k, v))
     tbias = None if bias is None else torch.randn(bias.shape, generator=g, dtype=dtype)
     tangents = dict(tq=tq, tk=tk, tv=tv, tbias=tbias)
     backward = dict(dout=dout, **stats, bias_grad=bias_grad)
+    blocks = {name: t for name, t in extra.items() if name != "sink"}
     return (
-        (fields, dict(sink=sink)),
-        (fields, backward),
-        (fields, dict(row_max=row_max, inv_sum=inv_sum, **tangents)),
-        (fields, dict(**backward, tdout=torch.randn(dout.shape, generator=g, dtype=dtype), **tangents)),
-        (fields, dict(**backward, dout_grad=True, gq=tq, gk=tk, gv=tv, gbias=tbias if bias_grad else None, sink=sink)),
+        (fields, extra),
+        (fields, dict(backward, **blocks)),
+        (fields, dict(row_max=row_max, inv_sum=inv_sum, **tangents, **blocks)),
+        (fields, dict(**backward, tdout=torch.randn(dout.shape, generator=g, dtype=dtype), **tangents, **blocks)),
+        (fields, dict(**backward, dout_grad=True, gq=tq, gk=tk, gv=tv, gbias=tbias if bias_grad else None, **extra)),
     )
 
 

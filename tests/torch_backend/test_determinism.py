@@ -27,8 +27,9 @@ CASES = {
 
 
 def _everything(case: str, dtype=torch.float32, len_q=150, len_k=170):
-    """out, its gradients (dq, dk, dv and dbias), the JVP, the double backward of a gradient
-    penalty, and a forward-over-reverse HVP, for one configuration."""
+    """out, its gradients (dq, dk, dv and dbias), the double backward of a gradient penalty,
+    the output and its JVP from forward mode, and a forward-over-reverse HVP, for one
+    configuration."""
     spec = CASES[case]
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 3, len_q, 24, generator=g, dtype=dtype)
@@ -56,13 +57,13 @@ def _everything(case: str, dtype=torch.float32, len_q=150, len_k=170):
     def run_fixed_bias(q, k, v):
         return run(q, k, v, bias)
 
-    _, jvp = torch.func.jvp(run_fixed_bias, tuple(primals[:3]), tuple(tangents))
+    out_fwd, jvp = torch.func.jvp(run_fixed_bias, tuple(primals[:3]), tuple(tangents))  # forward_jvp's pass
 
     def grad_q(q, k, v):
         return torch.func.grad(lambda q: (run_fixed_bias(q, k, v) * dout).sum())(q)
 
     _, hvp = torch.func.jvp(grad_q, tuple(primals[:3]), tuple(tangents))
-    return [t.detach() for t in (out, *grads, *second, jvp, hvp)]
+    return [t.detach() for t in (out, *grads, *second, out_fwd, jvp, hvp)]
 
 
 @pytest.mark.parametrize("case", list(CASES) + ["bfloat16"])

@@ -48,8 +48,9 @@ def _bounds(batch: int, g: torch.Generator) -> torch.Tensor:
 
 
 def _call_args(variant: str, layout: str, dtype=torch.float64):
-    """Arguments of every op for one variant, as (forward, backward, jvp, backward_jvp,
-    double_backward), each (the call's fields in order, the pass's inputs by name)."""
+    """Arguments of every op for one variant, as (forward, backward, jvp, forward_jvp,
+    backward_jvp, double_backward), each (the call's fields in order, the pass's inputs by
+    name)."""
     spec = VARIANTS[variant]
     g = torch.Generator().manual_seed(len(variant))
     make = _transposed if layout == "transposed" else (lambda *s, g, dtype=dtype: torch.randn(*s, generator=g, dtype=dtype))
@@ -79,13 +80,14 @@ def _call_args(variant: str, layout: str, dtype=torch.float64):
         (fields, extra),
         (fields, dict(backward, **blocks)),
         (fields, dict(row_max=row_max, inv_sum=inv_sum, **tangents, **blocks)),
+        (fields, dict(**tangents, **extra)),
         (fields, dict(**backward, tdout=torch.randn(dout.shape, generator=g, dtype=dtype), **tangents, **blocks)),
         (fields, dict(**backward, dout_grad=True, gq=tq, gk=tk, gv=tv, gbias=tbias if bias_grad else None, **extra)),
     )
 
 
-OPS = (op.attention_forward, op.attention_backward, op.attention_jvp, op.attention_backward_jvp,
-       op.attention_double_backward)
+OPS = (op.attention_forward, op.attention_backward, op.attention_jvp, op.attention_forward_jvp,
+       op.attention_backward_jvp, op.attention_double_backward)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
@@ -245,6 +247,8 @@ def _tiles_calls():
                   gk_parts=torch.zeros(1, 1, 2, 8, 8), gv_parts=torch.zeros(1, 1, 2, 8, 8), g_bias_parts=None)
     jvp = dict(q=q, k=k, v=v, **masks, row_max=row_max, inv_sum=inv_sum, tq=None, tk=None, tv=None, tbias=None,
                tout=torch.empty(1, 2, 8, 8), **options)
+    forward_jvp = dict(q=q, k=k, v=v, **masks, tq=None, tk=None, tv=None, tbias=None, out=out,
+                       tout=torch.empty(1, 2, 8, 8), **options)
     backward_jvp = dict(**after, tdout=None, tq=None, tk=None, tv=None, tbias=None, tdq=torch.empty(1, 2, 8, 8),
                         tdk_parts=torch.zeros(1, 1, 2, 8, 8), tdv_parts=torch.zeros(1, 1, 2, 8, 8), tdbias_parts=None)
     bounds = torch.tensor([[0, 8]] * 8).reshape(1, 8, 2)
@@ -319,6 +323,10 @@ def _tiles_calls():
         ("a tangent of the bias in other sizes than the bias", "jvp", jvp,
          dict(bias=torch.zeros(1, 1, 8, 8), tbias=torch.zeros(1, 2, 8, 8)), r"tbias has shape \[1, 2, 8, 8\], expected \[1, 1, 8, 8\]"),
         ("tout not contiguous", "jvp", jvp, dict(tout=torch.empty(1, 2, 8, 8).transpose(2, 3)), "tout must be contiguous"),
+        ("out of one row too few, with the tangent", "forward_jvp", forward_jvp, dict(out=out[:, :, 1:]),
+         r"out has shape \[1, 2, 7, 8\]"),
+        ("a tangent of v of another width", "forward_jvp", forward_jvp, dict(tv=torch.zeros(1, 2, 8, 4)),
+         r"tv has shape \[1, 2, 8, 4\], expected \[1, 2, 8, 8\]"),
         ("a tangent of dout over too few rows", "backward_jvp", backward_jvp, dict(tdout=dout[:, :, 1:]),
          r"tdout has shape \[1, 2, 7, 8\]"),
         ("tdk_parts of another width", "backward_jvp", backward_jvp, dict(tdk_parts=torch.zeros(1, 1, 2, 8, 4)),

@@ -3,6 +3,10 @@
     Attention          forward -> out          backward: AttentionBackward    jvp: the jvp op
     AttentionBackward  forward -> dq, dk, ...  backward: the double_backward op   jvp: the backward_jvp op
 
+Where forward mode alone differentiates a call (torch.func.jvp, or a dual level, with no
+reverse mode tracking its tensors), `attention` runs the forward_jvp op instead of the
+Function: the forward and its JVP in one pass, 6 matrix products where the two take 7.
+
 Because the first backward is itself a differentiable Function, double backward
 (create_graph=True), Hessian-vector products and torch.func.hessian work; a third
 derivative raises. (torch.library's own register_autograd would be the shorter spelling,
@@ -18,12 +22,14 @@ tracks tensors among positional arguments only) and rebuild the `AttentionCall` 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
+from torch._functorch.pyfunctorch import TransformType, retrieve_all_functorch_interpreters
 
 from .call import AttentionCall
 from .ops import CALL_NAMES, run_op
@@ -216,10 +222,47 @@ class _AttentionTraced(Attention):
     apply = torch.autograd.Function.apply  # what Dynamo knows how to trace
 
 
+def _unwrapped(t: Tensor) -> Tensor:
+    """The plain tensor under torch.func's wrappers: where outer autograd tracks it."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
+
+
+def _forward_mode_only(call: AttentionCall) -> Optional[tuple[AttentionCall, dict[str, Optional[Tensor]]]]:
+    """Where forward mode alone differentiates `call` (a dual level open in eager, or
+    torch.func.jvp the innermost transform, with only vmaps outside it), no reverse mode
+    tracks its tensors, and at least one carries a tangent: the call on the primals and the
+    tangents of q, k, v, bias (None: zero). Else None.
+
+    There the forward and its JVP run as one pass (`forward_jvp`), which a Function cannot
+    ask for: autograd runs its forward before it hands the jvp the tangents."""
+    if torch.compiler.is_compiling() or forward_ad._current_level < 0:
+        return None
+    if torch._C._are_functorch_transforms_active():
+        kinds = [interpreter.key() for interpreter in retrieve_all_functorch_interpreters()]
+        if kinds[-1] != TransformType.Jvp or any(kind != TransformType.Vmap for kind in kinds[:-1]):
+            return None
+    primals, tangents = {}, {}
+    for name in ("q", "k", "v", "bias"):
+        t = getattr(call, name)
+        primals[name], tangents["t" + name] = (None, None) if t is None else forward_ad.unpack_dual(t)
+    tracked = torch.is_grad_enabled() and any(p is not None and _unwrapped(p).requires_grad for p in primals.values())
+    if tracked or all(t is None for t in tangents.values()):
+        return None
+    masks = dataclasses.replace(call.masks, bias=primals["bias"])
+    return dataclasses.replace(call, q=primals["q"], k=primals["k"], v=primals["v"], masks=masks), tangents
+
+
 def attention(call: AttentionCall) -> Tensor:
     """The differentiable attention of `call`, on (B, H, L, E) tensors: its output."""
     if _untracked(call.tensors()):
         return run_op("forward", call)[0]
+    dual = _forward_mode_only(call)
+    if dual is not None:
+        out, out_t = run_op("forward_jvp", dual[0], **dual[1])
+        return forward_ad.make_dual(out, out_t)
     function = _AttentionTraced if torch.compiler.is_compiling() else Attention
     fields = call.fields()
     return function.apply(*(fields[name] for name in CALL_NAMES))[0]

@@ -95,6 +95,7 @@ PASSES = {
     "forward": Pass((), (Output("out", "out"), Output("row_max", "rows"), Output("inv_sum", "rows"))),
     "backward": Pass(("dout", *_STATS, "bias_grad"), _GRADS),
     "jvp": Pass(("row_max", "inv_sum", *_TANGENTS), (Output("out_t", "out"),)),
+    "forward_jvp": Pass(_TANGENTS, (Output("out", "out"), Output("out_t", "out"))),  # the two above, one pass
     "backward_jvp": Pass(("dout", *_STATS, "bias_grad", "tdout", *_TANGENTS), _GRADS),
     "double_backward": Pass(
         ("dout", *_STATS, "bias_grad", "dout_grad", "gq", "gk", "gv", "gbias"),

@@ -3,8 +3,9 @@ chosen by the user.
 
 A backend is a module that registers a `Backend`: its name, why it cannot run on this
 machine (if it cannot), which calls it refuses, and its passes (`call.PASSES`: forward,
-backward, jvp, backward_jvp, double_backward), each `pass(call, **inputs)` with the pass's
-inputs by name. The ops hand every pass to `run`, which takes the first registered backend
+backward, jvp, forward_jvp, backward_jvp, double_backward), each `pass(call, **inputs)` with
+the pass's inputs by name; forward_jvp is optional (the ops run the forward, then the jvp,
+where no backend fuses them). The ops hand every pass to `run`, which takes the first registered backend
 that is allowed, available and takes the call. The ring's steps come through `run` too;
 their higher passes carry the whole rows' sums (`inputs["row_sums"]`), which only a backend
 with `row_sums=True` takes. Registered today, in order of preference:
@@ -36,6 +37,8 @@ from .call import PASSES, AttentionCall
 
 # A pass only the ring runs: one walk for the double backward's whole-row sums.
 RING_PASSES = ("double_backward_row_sums",)
+# The passes a backend may leave out: two others fused, which the ops run in turn instead.
+OPTIONAL_PASSES = ("forward_jvp",)
 # Why a backend refuses a pass of a call (None: it takes it).
 Refusal = Callable[[AttentionCall, str, dict], Optional[str]]
 # A pass prepared for every call like the one given (`plan`), or None where it has no such.
@@ -162,6 +165,13 @@ def choose(pass_name: str, call: AttentionCall, inputs: Optional[dict] = None) -
         reasons.append(f"{name}: {reason}")
     raise RuntimeError(f"attngrad: no allowed backend runs this {pass_name} call ({call.q.dtype} on {call.q.device}); "
                        f"allowed: {allowed()}; " + "; ".join(reasons))
+
+
+def offered(pass_name: str, call: AttentionCall, inputs: Optional[dict] = None) -> bool:
+    """Whether an allowed backend runs this pass of this call (a fused pass that the ops
+    compose from two others where none does)."""
+    inputs = inputs or {}
+    return any(_refusal(_registry[name], call, pass_name, inputs) is None for name in allowed())
 
 
 def run(pass_name: str, call: AttentionCall, **inputs: Any) -> Any:

@@ -38,8 +38,8 @@ from .mask_blocks import MaskBlocks
 from .native_build import build_info, fresh_build_seconds, library
 
 __all__ = ["attention_forward", "attention_backward", "attention_double_backward", "attention_jvp",
-           "attention_backward_jvp", "forward_plan", "settings", "dropout_keep_scale_into", "status", "available", "library",
-           "build_info", "fresh_build_seconds"]
+           "attention_forward_jvp", "attention_backward_jvp", "forward_plan", "settings", "dropout_keep_scale_into",
+           "status", "available", "library", "build_info", "fresh_build_seconds"]
 
 # Rows of a query block and keys of a key block. A (128, 512) float32 score tile is 256 KiB;
 # the backward's two of them and their K, V blocks stay in a core's L2 cache. Fwd+bwd at
@@ -484,6 +484,27 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Ten
          **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
                     dropout_p=dropout_p))
     return out_t
+
+
+def attention_forward_jvp(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, tq: Tensor | None,
+                          tk: Tensor | None, tv: Tensor | None, mask: Tensor | None = None, bias: Tensor | None = None,
+                          tbias: Tensor | None = None, seed: int | Placement = 0, dropout_p: float = 0.0,
+                          bounds: Tensor | None = None, softcap: float = 0.0, sink: bool = False,
+                          blocks: MaskBlocks | None = None) -> tuple[Tensor, Tensor]:
+    """(out, its tangent), each (B, H, Lq, dv) in the compute dtype, in one pass of whole rows
+    (the JVP's, taking each row's statistics from the row): the forward's output, with a
+    sink's share (`ops.add_sink`), and `attention_jvp`'s tangent, to rounding."""
+    bf16 = _bf16(q)
+    q, k, v, tq, tk, tv = _work(q, k, v, tq, tk, tv)
+    masks = _with_bias_like(_score_masks(mask, bias, q.dtype, full_bias=tbias is not None, bounds=bounds, blocks=blocks),
+                            "tbias", tbias, q.dtype)
+    out, out_t = (q.new_empty(*q.shape[:3], v.shape[-1]) for _ in range(2))
+    rows, chunks = _whole_row_split(q, k, masks, False, None)  # each work item owns its rows
+    _run("forward_jvp", q, k, v, **_mask_args(masks), tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"), out=out,
+         tout=out_t, key_ranges=_key_ranges(q, k, causal, rows, masks, True),
+         **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
+                    dropout_p=dropout_p, sink=sink))
+    return out, out_t
 
 
 def attention_backward_jvp(

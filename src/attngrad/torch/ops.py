@@ -1,5 +1,6 @@
 """The passes of attention as PyTorch operators: `attngrad::attention_forward`,
-`..._backward`, `..._jvp`, `..._backward_jvp`, `..._double_backward`.
+`..._backward`, `..._jvp`, `..._forward_jvp` (the forward and its JVP together),
+`..._backward_jvp`, `..._double_backward`.
 
 Each is a `torch.library.custom_op` whose schema, fake implementation, argument checks and
 batching rule come from the tables of `call` (FIELDS, PASSES): one generic implementation
@@ -60,6 +61,9 @@ def run_pass(pass_name: str, call: AttentionCall, inputs: dict[str, Any]) -> Any
                          "they are a part")
     if pass_name == "forward" and call.sink and call.partial_rows:
         raise ValueError("attngrad attention op: a sink needs each row's whole keys; its seed says they are a part")
+    if pass_name == "forward_jvp" and not dispatch.offered(pass_name, call, inputs):
+        out, row_max, inv_sum = run_pass("forward", call, {})  # no backend fuses them: the two passes in turn
+        return out, run_pass("jvp", call, {"row_max": row_max, "inv_sum": inv_sum, **inputs})
     results = dispatch.run(pass_name, call, **inputs)
     if pass_name == "forward" and call.sink:
         results = add_sink(*results)
@@ -97,8 +101,9 @@ def _define(pass_name: str) -> Any:
 
 
 OPS = {pass_name: _define(pass_name) for pass_name in PASSES}
-attention_forward, attention_backward, attention_jvp, attention_backward_jvp, attention_double_backward = (
-    OPS[name] for name in ("forward", "backward", "jvp", "backward_jvp", "double_backward"))
+attention_forward, attention_backward, attention_jvp, attention_forward_jvp, attention_backward_jvp, \
+    attention_double_backward = (OPS[name] for name in ("forward", "backward", "jvp", "forward_jvp", "backward_jvp",
+                                                         "double_backward"))
 
 
 def run_op(pass_name: str, call: AttentionCall, **inputs: Any) -> Any:

@@ -78,6 +78,13 @@ def jvp(call: AttentionCall, *, row_max: Tensor, inv_sum: Tensor, tq: Optional[T
     return out_t.to(call.q.dtype)
 
 
+def forward_jvp(call: AttentionCall, *, tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
+                tbias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    out, out_t = native.attention_forward_jvp(call.q, call.k, call.v, call.causal, call.scale, tq, tk, tv, tbias=tbias,
+                                              sink=call.sink, **_options(call))
+    return out.to(call.q.dtype), out_t.to(call.q.dtype)
+
+
 def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor, bias_grad: bool,
                  tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
                  tbias: Optional[Tensor]) -> tuple:
@@ -108,7 +115,8 @@ dropout.use_compiled_fill(_fill)
 
 BACKEND = dispatch.register(dispatch.Backend(
     name="tiles",
-    passes=dict(forward=forward, backward=backward, jvp=jvp, backward_jvp=backward_jvp, double_backward=double_backward),
+    passes=dict(forward=forward, backward=backward, jvp=jvp, forward_jvp=forward_jvp, backward_jvp=backward_jvp,
+                double_backward=double_backward),
     unavailable=_unavailable,
     refuses=_refuses,
     description="compiled C++ tiles: CPU, every pass",

@@ -405,6 +405,28 @@ void jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     run(call, [](const auto& pass) { jvp(pass); });
 }
 
+// out and tout (B, H, Lq, dv) <- the output and its tangent for tangents tq, tk, tv, tbias
+// (as in jvp_op), in one pass of whole rows that makes its own statistics (the `sink` option
+// adds its term to each row's sum).
+void forward_jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
+                    const OptTensor& bias, const OptTensor& key_bounds, const OptTensor& tq, const OptTensor& tk,
+                    const OptTensor& tv, const OptTensor& tbias, const at::Tensor& out, const at::Tensor& tout,
+                    ATTNGRAD_OPTIONS_PARAMS, const OptTensor& key_ranges, const OptTensor& mask_blocks,
+                    const OptTensor& mask_tiles) {
+    TORCH_CHECK(!partial_rows, "attngrad_tiles.forward_jvp: the pass takes each row's statistics from its keys; "
+                "partial_rows says they are a part of the row's");
+    Call call = make_call("attngrad_tiles.forward_jvp", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
+    bind_mask_blocks(call, mask_blocks, mask_tiles);
+    bind_key_ranges(call, key_ranges);
+    call.bind(buf_tq, tq, false);
+    call.bind(buf_tk, tk, false);
+    call.bind(buf_tv, tv, false);
+    call.bind(buf_tbias, tbias, false);
+    call.bind(buf_out, out, true);
+    call.bind(buf_tout, tout, true);
+    run(call, [](const auto& pass) { jvp(pass); });
+}
+
 // tdq (B, H, Lq, d) and the zeroed `chunks` partial sums tdk_parts, tdv_parts (B, Hkv, Lk, .)
 // <- the tangents of the backward's dQ, dK, dV for tangents tdout, tq, tk, tv, tbias (each
 // may be absent: zero; tbias has the bias's sizes), and where given the zeroed parts
@@ -515,6 +537,9 @@ TORCH_LIBRARY(attngrad_tiles, m) {
     m.def("jvp(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor row_max, "
           "Tensor inv_sum, Tensor? tq, Tensor? tk, Tensor? tv, Tensor? tbias, Tensor(a!) tout, "
           ATTNGRAD_OPTIONS_SCHEMA ", Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA ") -> ()");
+    m.def("forward_jvp(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor? tq, "
+          "Tensor? tk, Tensor? tv, Tensor? tbias, Tensor(a!) out, Tensor(b!) tout, " ATTNGRAD_OPTIONS_SCHEMA
+          ", Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA ") -> ()");
     m.def("backward_jvp(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor out, "
           "Tensor row_max, Tensor inv_sum, Tensor dout, Tensor(a!) delta, Tensor? tdout, Tensor? tq, Tensor? tk, "
           "Tensor? tv, Tensor? tbias, Tensor(b!) tdq, Tensor(c!) tdk_parts, Tensor(d!) tdv_parts, "
@@ -531,6 +556,7 @@ TORCH_LIBRARY_IMPL(attngrad_tiles, CPU, m) {
     m.impl("backward", &backward_op);
     m.impl("double_backward", &double_backward_op);
     m.impl("jvp", &jvp_op);
+    m.impl("forward_jvp", &forward_jvp_op);
     m.impl("backward_jvp", &backward_jvp_op);
     m.impl("dropout_keep_scale", &dropout_keep_scale_op);
 }

@@ -114,24 +114,33 @@ void double_backward(const Pass<T>& pass) {
 // all of a row's keys). Each block owns its rows of O'.
 //   P = exp(S - m) / l,  T = S' = scale (tQ K^T + Q tK^T) + tbias,  t = rowsum(P * T)
 //   P' = P (T - t),  O' = (P' Z) V + (P Z) tV
+// Given an `out` buffer (the forward with its JVP), the pass is the forward too: a block
+// holds whole rows, so it takes m and l from the row itself, with no statistics read, and
+// writes O = (P Z) V beside O' (6 products where the forward and the JVP take 2 + 5):
+//   m = max S,  l = rowsum exp(S - m) (+ exp(-m): a sink's term),  O = (P Z) V
 template <typename T>
 void jvp(const Pass<T>& pass) {
     const T *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v];
     const T *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];
     const T *tq = pass[buf_tq], *tk = pass[buf_tk], *tv = pass[buf_tv];
-    T* out_t = pass[buf_tout];
+    T *out_t = pass[buf_tout], *out = pass[buf_out];
+    const bool with_forward = out != nullptr;
     const Shape& s = pass.s;
     const DropoutDraw& drop = pass.drop;
     const T scale = pass.scale;
+    const T neg_inf = -std::numeric_limits<T>::infinity();
     const ScoreMask<T> tbias{nullptr, Broadcast4(), pass[buf_tbias], Broadcast4(pass.call.bias_sizes)};
-    const SingleKeyRows<T> single_key(pass.masks, pass.causal, s, inv_sum);
+    const SingleKeyRows<T> single_key(pass.masks, pass.causal, s, inv_sum);  // asked only with statistics
+    const index_t value_slice = pass.call.value_slice;
     // scratch: P; T, then P'
     for_each_row_block(pass, KvItems(s, pass.call.chunks, false, false), 2 + CapRows<T>::tiles(pass.cap, false),
                        [&](const RowBlock& blk, T* scratch) {
         const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = row_block_tile(pass);
         T* o_t = out_t + first * s.dim_v;
+        T* o = with_forward ? out + first * s.dim_v : nullptr;
         if (keys == 0) {  // rows that see no key: output 0, tangent 0
             std::fill(o_t, o_t + rows * s.dim_v, T(0));
+            if (o) std::fill(o, o + rows * s.dim_v, T(0));
             return;
         }
         const T* q_blk = blk.block(q, s.dim);
@@ -152,8 +161,22 @@ void jvp(const Pass<T>& pass) {
             pass.score_row(pi, blk.b, blk.h, row, blk.key0, seen, sli, nullptr, ti, &tbias);  // S' = slope A' + tbias
             // forward: P = softmax(S)  ->  P' = P (S' - rowsum(P S')); a row's one key: P' = 0
             // (1/l = 1: with a sink, the one key shares the row and P < 1)
-            const bool single = single_key(blk.bh, row);
-            const T t_sum = row_probs(pi, ti, seen, row_max[first + i], inv_sum[first + i], single);
+            T t_sum;
+            if (with_forward) {
+                const T top = max_of(pi, seen);
+                if (top == neg_inf) {  // a row that sees no key: P = 0, so O = O' = 0
+                    std::fill(pi, pi + keys, T(0));
+                    std::fill(ti, ti + keys, T(0));
+                    continue;
+                }
+                T sum = exp_and_sum(pi, seen, top);  // E = exp(S - m)
+                if (pass.call.sink) sum += std::exp(-top);  // the sink's exp(0 - m); 1 / inf = 0
+                // P = E / l, t; a row's one key has E = exp(0) = 1 = l: P = 1 exactly, unlike a
+                // recomputed score's (SingleKeyRows)
+                t_sum = scale_and_dot(pi, ti, seen, T(1) / sum);
+            } else {
+                t_sum = row_probs(pi, ti, seen, row_max[first + i], inv_sum[first + i], single_key(blk.bh, row));
+            }
             centre_and_scale(pi, ti, seen, t_sum);
             if (drop.on) {  // P Z and P' Z
                 drop.scale_row(pi, blk.b, blk.h, row, blk.key0, seen);
@@ -165,6 +188,12 @@ void jvp(const Pass<T>& pass) {
         // forward: O = (P Z) V  ->  O' = (P' Z) V + (P Z) tV
         pass.gemm(false, false, rows, s.dim_v, keys, T(1), t, keys, v_head, s.dim_v, T(0), o_t, s.dim_v);
         if (tv_head) pass.gemm(false, false, rows, s.dim_v, keys, T(1), p, keys, tv_head, s.dim_v, T(1), o_t, s.dim_v);
+        // O = (P Z) V over slices of `value_slice` keys, as the forward sums it (a float32 sum's
+        // rounding grows with its length)
+        for (index_t j0 = 0; o && j0 < keys; j0 += value_slice) {
+            pass.gemm(false, false, rows, s.dim_v, std::min(value_slice, keys - j0), T(1), p + j0, keys,
+                      v_head + j0 * s.dim_v, s.dim_v, T(j0 > 0), o, s.dim_v);
+        }
     });
 }
 

@@ -358,9 +358,10 @@ struct ScoreMask {
 template <typename T>
 class SingleKeyRows {
    public:
+    // inv_sum null (a pass that makes its own statistics): nothing to ask
     SingleKeyRows(const ScoreMask<T>& masks, Causal causal, const Shape& s, const T* inv_sum)
         : causal_(causal), len_k_(s.len_k), len_q_(s.len_q), inv_sum_(inv_sum) {
-        if (!masks.any()) return;
+        if (!masks.any() || inv_sum == nullptr) return;
         single_.resize(s.batch * s.heads * s.len_q);
         parallel_range(s.batch * s.heads * s.len_q, 256, [&](index_t begin, index_t end) {
             for (index_t r = begin; r < end; ++r) {

@@ -226,6 +226,36 @@ inline float probs_and_dot(float* p, const float* t, index_t n, float m, float i
     return sum;
 }
 
+// p <- p * inv (E = exp(S - m) to P = E / l, as probs_and_dot rounds it); returns rowsum(P * t)
+template <typename T>
+T scale_and_dot_each(T* p, const T* t, index_t n, T inv) {
+    T sum = 0;
+    for (index_t j = 0; j < n; ++j) {
+        p[j] *= inv;
+        sum += p[j] * t[j];
+    }
+    return sum;
+}
+
+template <typename T>
+T scale_and_dot(T* p, const T* t, index_t n, T inv) {
+    return scale_and_dot_each(p, t, n, inv);
+}
+
+template <>
+inline float scale_and_dot(float* p, const float* t, index_t n, float inv) {
+    floatv lanes{};
+    index_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+        const floatv pj = load(p + j) * inv;
+        store(p + j, pj);
+        lanes += pj * load(t + j);
+    }
+    float sum = scale_and_dot_each(p + j, t + j, n - j, inv);
+    for (int i = 0; i < kLanes; ++i) sum += lanes[i];
+    return sum;
+}
+
 // x <- g_P = (dP - D) (T - t) + X,  t <- g_dP = P (T - t),  dp <- dS = P (dP - D);
 // returns u = rowsum(P * g_P)
 template <typename T>

@@ -1,0 +1,173 @@
+"""The forward with its JVP in one pass (`forward_jvp`): where forward mode alone
+differentiates a call (torch.func.jvp, a dual level), the output and its tangent come from
+one pass of whole rows that makes its own row statistics. It must give what the forward
+and the JVP give apart, for every option, and what PyTorch's autograd gives; and the calls
+it must not take (reverse mode tracking, nested transforms) keep the Function's path."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.autograd.forward_ad as forward_ad  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from attngrad.torch import native, ops, ran, scaled_dot_product_attention, use_implementation  # noqa: E402
+from attngrad.torch.dropout import Placement  # noqa: E402
+
+from ..conftest import EXACT, rel_err  # noqa: E402
+from .conftest import make_call, math_sdpa  # noqa: E402
+
+needs_tiles = pytest.mark.skipif(native.library() is None, reason="the compiled tiles are not built here")
+
+
+def _randn(*shape, g, transposed=False):
+    if transposed:  # the same values' layout with its last two axes swapped: non-contiguous
+        return torch.randn(*shape[:-2], shape[-1], shape[-2], generator=g, dtype=torch.float64).transpose(-1, -2)
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+@st.composite
+def calls(draw):
+    """A call with its tangents: B, H, Lq != Lk, GQA, every score option, rows that see one
+    key or none (a mask's rows), transposed inputs."""
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    b, kv_heads, group = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2]))
+    len_q, len_k, dim = draw(st.integers(1, 40)), draw(st.integers(1, 45)), draw(st.sampled_from([4, 16, 17]))
+    transposed = draw(st.booleans())
+    q = _randn(b, kv_heads * group, len_q, dim, g=g, transposed=transposed)
+    k = _randn(b, kv_heads, len_k, dim, g=g, transposed=transposed)
+    v = _randn(b, kv_heads, len_k, dim + 3, g=g)
+    mask = None
+    if draw(st.booleans()):
+        mask = torch.rand(b, 1, len_q, len_k, generator=g) > 0.3
+        mask[..., 0, :] = False  # a row that sees no key
+        if len_q > 1:
+            mask[..., 1, :] = False
+            mask[..., 1, len_k // 2] = True  # a row that sees one
+    bias = _randn(1, kv_heads * group, len_q, len_k, g=g) if draw(st.booleans()) else None
+    causal = draw(st.sampled_from([None, 0, len_k - len_q]))
+    call = make_call(q, k, v, mask=mask, bias=bias, causal=causal, seed=torch.tensor(draw(st.integers(0, 99))),
+                     softcap=draw(st.sampled_from([0.0, 2.5])), dropout_p=draw(st.sampled_from([0.0, 0.25])),
+                     sink=draw(st.booleans()))
+    tangents = dict(tq=_randn(*q.shape, g=g), tk=_randn(*k.shape, g=g), tv=_randn(*v.shape, g=g),
+                    tbias=None if bias is None else _randn(*bias.shape, g=g))
+    for name in draw(st.sets(st.sampled_from(sorted(tangents)))):  # an absent tangent is zero
+        tangents[name] = None
+    return call, tangents
+
+
+@needs_tiles
+@settings(max_examples=40, deadline=None)
+@given(calls(), st.booleans())
+def test_the_one_pass_equals_the_forward_then_the_jvp(case, small_blocks):
+    """float64, every option: out and its tangent from the fused pass of the tiles equal the
+    forward's output and the JVP's tangent, each pass the tiles' own and the torch-ops
+    kernels' (which fuse nothing: the ops run them in turn). A row that sees no key has 0.
+    Small blocks: 3 rows per block, and O = P V summed over slices of 4 keys."""
+    call, tangents = case
+    ran.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        if small_blocks:
+            patch.setattr(native, "BLOCK_ROWS", 3)
+            patch.setattr(native, "VALUE_SLICE", 4)
+        out, out_t = ops.run_pass("forward_jvp", call, tangents)
+    assert ran[("forward_jvp", "tiles")] == 1
+    for backend in ("tiles", "torch-ops"):
+        with use_implementation(backend):
+            ref_out, row_max, inv_sum = ops.run_pass("forward", call, {})
+            ref_t = ops.run_pass("jvp", call, dict(row_max=row_max, inv_sum=inv_sum, **tangents))
+            composed = ops.run_pass("forward_jvp", call, tangents) if backend == "torch-ops" else None
+        assert rel_err(out, ref_out) < EXACT, backend
+        assert rel_err(out_t, ref_t) < EXACT, backend
+        if composed is not None:  # torch-ops has no fused pass: the same two passes, bit for bit
+            assert torch.equal(composed[0], ref_out) and torch.equal(composed[1], ref_t)
+    assert torch.isfinite(out).all() and torch.isfinite(out_t).all()
+    if call.mask is not None:
+        assert not out[..., 0, :].any() and not out_t[..., 0, :].any()
+
+
+@needs_tiles
+@pytest.mark.parametrize("masked", [False, True])
+def test_forward_mode_runs_one_pass_and_matches_pytorch(masked):
+    """torch.func.jvp, a dual level in eager, and vmap over torch.func.jvp: each runs the
+    fused pass once, and out and its tangent match PyTorch's autograd through the math
+    backend (float64, a float mask with its tangent, B > 1, H > 1, Lq != Lk, transposed q)."""
+    g = torch.Generator().manual_seed(3)
+    q = _randn(2, 3, 17, 8, g=g, transposed=True)
+    k, v = _randn(2, 3, 29, 8, g=g), _randn(2, 3, 29, 8, g=g)
+    bias = _randn(3, 17, 29, g=g).masked_fill(torch.rand(17, 29, generator=g) < 0.3, float("-inf")) if masked else \
+        _randn(3, 17, 29, g=g)
+    tangents = tuple(_randn(*t.shape, g=g) for t in (q, k, v)) + (_randn(3, 17, 29, g=g).masked_fill(bias.isinf(), 0),)
+    ours = lambda q, k, v, b: scaled_dot_product_attention(q, k, v, attn_mask=b)  # noqa: E731
+    theirs = lambda q, k, v, b: math_sdpa(q, k, v, attn_mask=b)  # noqa: E731
+    ref = torch.func.jvp(theirs, (q, k, v, bias), tangents)
+
+    ran.clear()
+    got = torch.func.jvp(ours, (q, k, v, bias), tangents)
+    with forward_ad.dual_level():
+        dual = forward_ad.unpack_dual(ours(*(forward_ad.make_dual(p, t) for p, t in zip((q, k, v, bias), tangents))))
+    batched = torch.func.vmap(lambda q, t: torch.func.jvp(lambda q: ours(q, k, v, bias), (q,), (t,)))(
+        torch.stack([q, 2 * q]), torch.stack([tangents[0], tangents[0]]))
+    assert dict(ran) == {("forward_jvp", "tiles"): 3}
+    for out, out_t in (got, tuple(dual)):
+        assert rel_err(out, ref[0]) < EXACT and rel_err(out_t, ref[1]) < EXACT
+    ref_q = torch.func.jvp(lambda q: theirs(q, k, v, bias), (2 * q,), (tangents[0],))
+    assert rel_err(batched[0][1], ref_q[0]) < EXACT and rel_err(batched[1][1], ref_q[1]) < EXACT
+
+
+@needs_tiles
+def test_calls_that_reverse_mode_tracks_keep_the_functions_path():
+    """The fused pass has no reverse-mode derivative, so it is not taken where reverse mode
+    tracks a tensor (autograd under torch.func.jvp, forward over reverse) or where another
+    transform sits inside the JVP; those keep the Function's passes and its errors."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v, tq = (_randn(1, 2, 6, 4, g=g) for _ in range(4))
+    f = lambda q: scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+
+    ran.clear()
+    leaf = q.clone().requires_grad_()
+    out, out_t = torch.func.jvp(f, (leaf,), (tq,))
+    out.sum().backward()  # reverse mode through the forward: the Function's backward
+    assert leaf.grad is not None and ("forward_jvp", "tiles") not in ran
+    assert {("forward", "tiles"), ("jvp", "tiles"), ("backward", "tiles")} <= set(ran)
+    with pytest.raises(NotImplementedError, match="JVP has no reverse-mode derivative"):
+        out_t.sum().backward()
+
+    ran.clear()
+    torch.func.jvp(torch.func.grad(lambda q: f(q).sum()), (q,), (tq,))  # forward over reverse: an HVP
+    torch.func.jvp(lambda q: torch.func.vmap(f)(q), (q[None],), (tq[None],))  # vmap inside the JVP
+    assert ("forward_jvp", "tiles") not in ran and ran[("backward_jvp", "tiles")] == 1
+    with pytest.raises(NotImplementedError, match="JVP has no reverse-mode derivative"):
+        torch.func.grad(lambda q: torch.func.jvp(f, (q,), (tq,))[1].sum())(q)
+
+
+@needs_tiles
+def test_the_native_pass_refuses_a_part_of_each_rows_keys():
+    """The fused pass takes each row's statistics from its keys: a ring step's call (its
+    seed says the keys are a part of each row's) is refused by the op and by the tiles."""
+    q = torch.randn(1, 1, 4, 8, dtype=torch.float64)
+    call = make_call(q, q, q, seed=Placement(3, 0, 4, 0, 1).tensor())
+    with pytest.raises(ValueError, match="attention_forward_jvp needs each row's whole keys"):
+        ops.run_pass("forward_jvp", call, dict(tq=q, tk=None, tv=None, tbias=None))
+    out = torch.empty_like(q)
+    options = native._options(None, 0.5, block_rows=4)
+    options["partial_rows"] = True
+    with pytest.raises(RuntimeError, match="forward_jvp: the pass takes each row's statistics from its keys"):
+        native._run("forward_jvp", q, q, q, mask=None, bias=None, key_bounds=None, tq=q, tk=None, tv=None, tbias=None,
+                    out=out, tout=torch.empty_like(q), key_ranges=None, mask_blocks=None, mask_tiles=None, **options)
+
+
+@needs_tiles
+def test_a_row_with_one_key_takes_its_value_exactly_in_float32():
+    """float32, large scores: a row that sees one key has P = 1 there (its own maximum), so
+    its output is that key's value and its tangent that value's tangent, bit for bit, with
+    the key's score tangent cancelled (P' = 0)."""
+    g = torch.Generator().manual_seed(9)
+    q, k = (30 * torch.randn(2, 2, n, 16, generator=g) for n in (5, 7))
+    v, tq, tk, tv = (torch.randn(*t.shape, generator=g) for t in (k, q, k, k))
+    mask = torch.rand(2, 1, 5, 7, generator=g) > 0.4
+    mask[..., 2, :] = False
+    mask[..., 2, 4] = True
+    out, out_t = ops.run_pass("forward_jvp", make_call(q, k, v, mask=mask), dict(tq=tq, tk=tk, tv=tv, tbias=None))
+    assert torch.equal(out[..., 2, :], v[..., 4, :]) and torch.equal(out_t[..., 2, :], tv[..., 4, :])

@@ -117,6 +117,18 @@ def test_forward_mode_runs_one_pass_and_matches_pytorch(masked):
 
 
 @needs_tiles
+def test_jacfwd_runs_the_fused_pass_once_over_its_batch_of_tangents():
+    """torch.func.jacfwd (vmap over jvp): one fused call for every column of the Jacobian,
+    equal to PyTorch's (float64, causal, B > 1, H > 1, Lq != Lk)."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = _randn(2, 2, 5, 4, g=g), _randn(2, 2, 7, 4, g=g), _randn(2, 2, 7, 3, g=g)
+    ran.clear()
+    ours = torch.func.jacfwd(lambda q: scaled_dot_product_attention(q, k, v, is_causal=True))(q)
+    assert dict(ran) == {("forward_jvp", "tiles"): 1}
+    assert rel_err(ours, torch.func.jacfwd(lambda q: math_sdpa(q, k, v, is_causal=True))(q)) < EXACT
+
+
+@needs_tiles
 def test_calls_that_reverse_mode_tracks_keep_the_functions_path():
     """The fused pass has no reverse-mode derivative, so it is not taken where reverse mode
     tracks a tensor (autograd under torch.func.jvp, forward over reverse) or where another

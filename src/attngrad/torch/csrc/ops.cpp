@@ -384,6 +384,14 @@ void double_backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
     run(call, [](const auto& pass) { double_backward(pass); });
 }
 
+// The tangents tq, tk, tv, tbias of the forward-mode passes, each may be absent (zero)
+void bind_tangents(Call& call, const OptTensor& tq, const OptTensor& tk, const OptTensor& tv, const OptTensor& tbias) {
+    call.bind(buf_tq, tq, false);
+    call.bind(buf_tk, tk, false);
+    call.bind(buf_tv, tv, false);
+    call.bind(buf_tbias, tbias, false);
+}
+
 // tout (B, H, Lq, dv) <- the output's tangent for tangents tq, tk, tv, tbias (each may be
 // absent: zero; tbias has the bias's sizes), from the forward's row_max and inv_sum;
 // block_rows rows per query block, each holding whole rows of keys.
@@ -397,10 +405,7 @@ void jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     bind_key_ranges(call, key_ranges);
     call.bind(buf_row_max, row_max, true);
     call.bind(buf_inv_sum, inv_sum, true);
-    call.bind(buf_tq, tq, false);
-    call.bind(buf_tk, tk, false);
-    call.bind(buf_tv, tv, false);
-    call.bind(buf_tbias, tbias, false);
+    bind_tangents(call, tq, tk, tv, tbias);
     call.bind(buf_tout, tout, true);
     run(call, [](const auto& pass) { jvp(pass); });
 }
@@ -418,10 +423,7 @@ void forward_jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     Call call = make_call("attngrad_tiles.forward_jvp", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
     bind_mask_blocks(call, mask_blocks, mask_tiles);
     bind_key_ranges(call, key_ranges);
-    call.bind(buf_tq, tq, false);
-    call.bind(buf_tk, tk, false);
-    call.bind(buf_tv, tv, false);
-    call.bind(buf_tbias, tbias, false);
+    bind_tangents(call, tq, tk, tv, tbias);
     call.bind(buf_out, out, true);
     call.bind(buf_tout, tout, true);
     run(call, [](const auto& pass) { jvp(pass); });
@@ -443,10 +445,7 @@ void backward_jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     bind_key_ranges(call, key_ranges);
     bind_after_forward(call, out, row_max, inv_sum, dout, delta);
     call.bind(buf_tdout, tdout, false);
-    call.bind(buf_tq, tq, false);
-    call.bind(buf_tk, tk, false);
-    call.bind(buf_tv, tv, false);
-    call.bind(buf_tbias, tbias, false);
+    bind_tangents(call, tq, tk, tv, tbias);
     call.bind(buf_tdq, tdq, true);
     call.bind(buf_tdk_parts, tdk_parts, true);
     call.bind(buf_tdv_parts, tdv_parts, true);

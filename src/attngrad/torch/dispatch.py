@@ -4,9 +4,9 @@ chosen by the user.
 A backend is a module that registers a `Backend`: its name, why it cannot run on this
 machine (if it cannot), which calls it refuses, and its passes (`call.PASSES`: forward,
 backward, jvp, forward_jvp, backward_jvp, double_backward), each `pass(call, **inputs)` with
-the pass's inputs by name; forward_jvp is optional (the ops run the forward, then the jvp,
-where no backend fuses them). The ops hand every pass to `run`, which takes the first registered backend
-that is allowed, available and takes the call. The ring's steps come through `run` too;
+the pass's inputs by name; forward_jvp is optional (`OPTIONAL_PASSES`: where no backend has
+it, the ops run the forward, then the jvp). The ops hand every pass to `run`, which takes
+the first registered backend that is allowed, available and takes the call. The ring's steps come through `run` too;
 their higher passes carry the whole rows' sums (`inputs["row_sums"]`), which only a backend
 with `row_sums=True` takes. Registered today, in order of preference:
 

@@ -61,7 +61,7 @@ def run_pass(pass_name: str, call: AttentionCall, inputs: dict[str, Any]) -> Any
                          "they are a part")
     if pass_name == "forward" and call.sink and call.partial_rows:
         raise ValueError("attngrad attention op: a sink needs each row's whole keys; its seed says they are a part")
-    if pass_name == "forward_jvp" and not dispatch.offered(pass_name, call, inputs):
+    if pass_name in dispatch.OPTIONAL_PASSES and not dispatch.offered(pass_name, call, inputs):
         out, row_max, inv_sum = run_pass("forward", call, {})  # no backend fuses them: the two passes in turn
         return out, run_pass("jvp", call, {"row_max": row_max, "inv_sum": inv_sum, **inputs})
     results = dispatch.run(pass_name, call, **inputs)

@@ -65,7 +65,7 @@ class Row:
     dtype: str
     width: int
     arch: int
-    block: str  # "BMxBN wW sS": the tile, warps and pipeline stages
+    block: str  # "BMxBN wW sS /S rN": the tile, warps, pipeline stages, head-width slice, registers
     registers: Optional[int] = None
     spill_bytes: Optional[int] = None  # spill stores + spill loads
     shared_bytes: Optional[int] = None
@@ -90,7 +90,8 @@ class _Recorder:
 
     def __getitem__(self, grid) -> Callable[..., None]:
         def record(*args, **kwargs):
-            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs}
+            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg")
+                       if k in kwargs}
             self.into.append(Launch(self.into[0][0], self.kernel, args, kwargs, options))
 
         return record
@@ -222,6 +223,18 @@ def compile_launch(record: Launch, arch: int) -> tuple[int, int, int]:
     return registers, spills, int(compiled.metadata.shared)
 
 
+def _block_label(record: Launch) -> str:
+    """"BMxBN wW sS", then "/S" where the products take S columns of the head width at a
+    time, and "rN" where ptxas is allowed N registers."""
+    c, options = record.constexprs, record.options
+    label = f"{c['BM']}x{c['BN']} w{options['num_warps']} s{options['num_stages']}"
+    if c["SD"] < c["BD"] or c["SDV"] < c["BDV"]:
+        label += f" /{min(c['SD'], c['SDV'])}"
+    if options.get("maxnreg"):
+        label += f" r{options['maxnreg']}"
+    return label
+
+
 def compile_report(dtypes: Sequence[str] = tuple(DTYPES), widths: Sequence[int] = WIDTHS,
                    archs: Sequence[int] = ARCHS, features: Sequence[str] = FEATURES,
                    passes: Sequence[str] = PASSES, progress: Optional[Callable[[Row], None]] = None) -> list[Row]:
@@ -237,8 +250,7 @@ def compile_report(dtypes: Sequence[str] = tuple(DTYPES), widths: Sequence[int] 
                     if key in seen:
                         continue
                     seen.add(key)
-                    c = record.constexprs
-                    block = f"{c['BM']}x{c['BN']} w{record.options['num_warps']} s{record.options['num_stages']}"
+                    block = _block_label(record)
                     for arch in archs:
                         start = time.perf_counter()
                         fields = dict(kernel=record.kernel.__name__, pass_name=record.pass_name, features=feature,

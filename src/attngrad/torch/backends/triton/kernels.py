@@ -22,7 +22,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import keep_scale, load_rows, load_score_like, load_tile, mm, score_form, scores, tile_terms
+from .tiles import (
+    dot_nt,
+    keep_scale,
+    load_rows,
+    load_score_like,
+    load_tile,
+    mm,
+    operand,
+    score_form,
+    scores,
+    tile_terms,
+    whole,
+)
 
 # Whether @triton.jit made the kernels interpreted (TRITON_INTERPRET=1 at import) or compiled.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -42,7 +54,7 @@ def forward(Q, K, V, O, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1
             HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
             MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
             SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-            BDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+            BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -50,9 +62,8 @@ def forward(Q, K, V, O, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1
     hk = h // G
     scale, cap, inv_cap, keep_value = _floats(fmeta, ACC)
     offs_m = qb * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
-    q = load_tile(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
+    q = operand(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
     m_i = tl.full((BM,), float("-inf"), ACC)
     l_i = tl.zeros((BM,), ACC)
     acc = tl.zeros((BM, BDV), ACC)
@@ -61,8 +72,8 @@ def forward(Q, K, V, O, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1
     for kb in range(tl.load(walk), tl.load(walk + 1)):
         if tl.load(tiles + kb * st3) == 0:
             offs_n = kb * BN + tl.arange(0, BN)
-            k = load_tile(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
-            qk = mm(q, tl.trans(k), IP, ACC)
+            k = operand(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
+            qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
             s, _ = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm, sbn,
                           mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles, HAS_BIAS,
                           HAS_MASK, HAS_BLOCKS, MR, MK, HAS_BOUNDS, CAUSAL, SOFTCAP)
@@ -94,7 +105,7 @@ def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
         HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
             MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
         SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-        BDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+        BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     """O' = (P' Z) V + (P Z) V' with P' = P (S' - c), c = rowsum(P S'), in one walk:
     sum (P Z S') V - c sum (P Z) V + (P Z) V', each row's c summed on the way. The tangents
     share q's (TQ), k's (TK) and v's (TV) strides; 1/l and m are the forward's."""
@@ -105,12 +116,11 @@ def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
     hk = h // G
     scale, cap, inv_cap, keep_value = _floats(fmeta, ACC)
     offs_m = qb * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
-    q = load_tile(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
+    q = operand(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
     tq = None
     if HAS_TQ:
-        tq = load_tile(TQ + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
+        tq = operand(TQ + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
     rows = (b * H + h) * Lq
     m_row = load_rows(M + rows, offs_m, Lq)
     inv = load_rows(INV + rows, offs_m, Lq)
@@ -122,19 +132,19 @@ def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
     for kb in range(tl.load(walk), tl.load(walk + 1)):
         if tl.load(tiles + kb * st3) == 0:
             offs_n = kb * BN + tl.arange(0, BN)
-            k = load_tile(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
-            qk = mm(q, tl.trans(k), IP, ACC)
+            k = operand(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
+            qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
             s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm, sbn,
                            mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles, HAS_BIAS,
                            HAS_MASK, HAS_BLOCKS, MR, MK, HAS_BOUNDS, CAUSAL, SOFTCAP)
             p = tl.exp(s - m_row[:, None]) * inv[:, None]
             tk = None
             if HAS_TK:
-                tk = load_tile(TK + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
+                tk = operand(TK + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
             t_bias = None
             if HAS_TBIAS:
                 t_bias = load_score_like(tbias, b, h, offs_m, offs_n, Lq, Lk, stb, sth, stm, stn, ACC)
-            sp, _ = score_form(q, k, tq, tk, th, t_bias, scale, SOFTCAP, IP, ACC)
+            sp, _ = score_form(q, k, tq, tk, th, t_bias, scale, SOFTCAP, BD, SD, IP, ACC)
             c += tl.sum(p * sp, 1)
             if DROPOUT:
                 p = p * keep_scale(meta, b, h, offs_m, offs_n, keep_value)
@@ -160,7 +170,7 @@ def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, sq0, sq1, sq2, s
              MR: tl.constexpr,
             MK: tl.constexpr, HAS_BOUNDS: tl.constexpr,
              CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-             BD: tl.constexpr, BDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+             BD: tl.constexpr, BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     """The two whole-row sums the backward-type passes need before their walks, for the form
     F (S' or T, `tiles.score_form`) and E = (dO2 V^T + dO V2^T) Z (dP~, or (dO gV^T) Z):
         X = rowsum(P F),  Y = rowsum(P (F dP + E)) - X D
@@ -172,16 +182,14 @@ def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, sq0, sq1, sq2, s
     hk = h // G
     scale, cap, inv_cap, keep_value = _floats(fmeta, ACC)
     offs_m = qb * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, BD)
-    offs_dv = tl.arange(0, BDV)
-    q = load_tile(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
-    do = load_tile(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV)
+    q = operand(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
+    do = operand(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, Lq, DV, BDV, SDV)
     q2 = None
     if HAS_Q2:
-        q2 = load_tile(Q2 + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
+        q2 = operand(Q2 + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
     do2 = None
     if HAS_DO2:
-        do2 = load_tile(DO2 + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV)
+        do2 = operand(DO2 + b * sd0 + h * sd1, sd2, sd3, offs_m, Lq, DV, BDV, SDV)
     rows = (b * H + h) * Lq
     m_row = load_rows(M + rows, offs_m, Lq)
     inv = load_rows(INV + rows, offs_m, Lq)
@@ -192,28 +200,28 @@ def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, sq0, sq1, sq2, s
     for kb in range(tl.load(walk), tl.load(walk + 1)):
         if tl.load(tiles + kb * st3) == 0:
             offs_n = kb * BN + tl.arange(0, BN)
-            k = load_tile(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
-            v = load_tile(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
-            qk = mm(q, tl.trans(k), IP, ACC)
+            k = operand(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
+            v = operand(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
+            qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
             s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm, sbn,
                            mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles, HAS_BIAS,
                            HAS_MASK, HAS_BLOCKS, MR, MK, HAS_BOUNDS, CAUSAL, SOFTCAP)
             p = tl.exp(s - m_row[:, None]) * inv[:, None]
             k2 = None
             if HAS_K2:
-                k2 = load_tile(K2 + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
+                k2 = operand(K2 + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
             c_tile = None
             if HAS_C:
                 c_tile = load_score_like(cbias, b, h, offs_m, offs_n, Lq, Lk, scb, sch, scm, scn, ACC)
-            form, _ = score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP, IP, ACC)
+            form, _ = score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP, BD, SD, IP, ACC)
             pf = p * form
-            e = pf * mm(do, tl.trans(v), IP, ACC)
+            e = pf * dot_nt(do, v, tl.zeros((BM, BN), ACC), BDV, SDV, IP)
             extra = tl.zeros((BM, BN), ACC)
             if HAS_DO2:
-                extra += mm(do2, tl.trans(v), IP, ACC)
+                extra = dot_nt(do2, v, extra, BDV, SDV, IP)
             if HAS_V2:
-                v2 = load_tile(V2 + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
-                extra += mm(do, tl.trans(v2), IP, ACC)
+                v2 = operand(V2 + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
+                extra = dot_nt(do, v2, extra, BDV, SDV, IP)
             e += p * extra
             if DROPOUT:
                 e = e * keep_scale(meta, b, h, offs_m, offs_n, keep_value)
@@ -236,7 +244,7 @@ def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_Q, OUT_DO,
                HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
             MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
                SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-               BDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+               BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     """Per query block: OUT_Q = scale (A2 K + A K2) (dQ, its tangent, or g_Q; `tiles.tile_terms`);
     with DOUT_GRAD, OUT_DO = W V + (P Z) V2 (the double backward's g_dO); with BIAS_DIRECT,
     each tile's term to the bias stored into DBIAS, a zeroed tensor of the scores' own shape.
@@ -250,14 +258,14 @@ def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_Q, OUT_DO,
     offs_m = qb * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
-    q = load_tile(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
-    do = load_tile(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV)
+    q = operand(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
+    do = operand(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, Lq, DV, BDV, SDV)
     q2 = None
     if HAS_Q2:
-        q2 = load_tile(Q2 + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
+        q2 = operand(Q2 + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
     do2 = None
     if HAS_DO2:
-        do2 = load_tile(DO2 + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV)
+        do2 = operand(DO2 + b * sd0 + h * sd1, sd2, sd3, offs_m, Lq, DV, BDV, SDV)
     rows = (b * H + h) * Lq
     m_row = load_rows(M + rows, offs_m, Lq)
     inv = load_rows(INV + rows, offs_m, Lq)
@@ -274,9 +282,9 @@ def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_Q, OUT_DO,
     for kb in range(tl.load(walk), tl.load(walk + 1)):
         if tl.load(tiles + kb * st3) == 0:
             offs_n = kb * BN + tl.arange(0, BN)
-            k = load_tile(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
-            v = load_tile(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
-            qk = mm(q, tl.trans(k), IP, ACC)
+            k = operand(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
+            v = operand(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
+            qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
             s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm, sbn,
                            mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles, HAS_BIAS,
                            HAS_MASK, HAS_BLOCKS, MR, MK, HAS_BOUNDS, CAUSAL, SOFTCAP)
@@ -286,23 +294,29 @@ def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_Q, OUT_DO,
                 z = keep_scale(meta, b, h, offs_m, offs_n, keep_value)
             k2 = None
             if HAS_K2:
-                k2 = load_tile(K2 + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
+                k2 = operand(K2 + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
             v2 = None
             if HAS_V2:
-                v2 = load_tile(V2 + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+                v2 = operand(V2 + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
             c_tile = None
             if HAS_C:
                 c_tile = load_score_like(cbias, b, h, offs_m, offs_n, Lq, Lk, scb, sch, scm, scn, ACC)
             pz, w, to_bias, da, da2 = tile_terms(MODE, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, th, d_row, inv,
-                                                 x_row, y_row, scale, inv_cap, SOFTCAP, DROPOUT, IP, ACC)
-            acc_q += mm(da2.to(k.dtype), k, IP, ACC)
+                                                 x_row, y_row, scale, inv_cap, SOFTCAP, DROPOUT, BD, SD, BDV, SDV, IP,
+                                                 ACC)
+            # the products out to the head width take whole tiles, loaded only now
+            acc_q += mm(da2.to(K.dtype.element_ty), whole(k, BD, SD),
+                        IP, ACC)
             if MODE != 0:
                 if HAS_K2:
-                    acc_q += mm(da.to(k2.dtype), k2, IP, ACC)
+                    acc_q += mm(da.to(K2.dtype.element_ty),
+                                whole(k2, BD, SD), IP, ACC)
             if DOUT_GRAD:
-                acc_do += mm(w.to(v.dtype), v, IP, ACC)
+                acc_do += mm(w.to(V.dtype.element_ty),
+                             whole(v, BDV, SDV), IP, ACC)
                 if HAS_V2:
-                    acc_do += mm(pz.to(v2.dtype), v2, IP, ACC)
+                    acc_do += mm(pz.to(V2.dtype.element_ty),
+                                 whole(v2, BDV, SDV), IP, ACC)
             if BIAS_DIRECT:
                 target = DBIAS + b * sgb + h * sgh + offs_m[:, None] * sgm + offs_n[None, :] * sgn
                 tl.store(target, to_bias.to(DBIAS.dtype.element_ty),
@@ -327,7 +341,7 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
              HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
             MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
              SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-             BDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+             BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     """Per key block of one key/value head, over the G query heads of its group in order:
     OUT_K = scale (A2^T Q + A^T Q2) and OUT_V = W^T dO + (P Z)^T dO2 (dK and dV, their
     tangents, or g_K and g_V; `tiles.tile_terms`). qrng holds each key block's query blocks.
@@ -341,14 +355,14 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
     offs_n = kb * BN + tl.arange(0, BN)
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
-    k = load_tile(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
-    v = load_tile(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+    k = operand(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
+    v = operand(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
     k2 = None
     if HAS_K2:
-        k2 = load_tile(K2 + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
+        k2 = operand(K2 + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
     v2 = None
     if HAS_V2:
-        v2 = load_tile(V2 + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+        v2 = operand(V2 + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
     acc_k = tl.zeros((BN, BD), ACC)
     acc_v = tl.zeros((BN, BDV), ACC)
     for g in range(G):
@@ -358,8 +372,8 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
         for qb in range(tl.load(walk), tl.load(walk + 1)):
             if tl.load(tmap + b * st0 + h * st1 + qb * st2 + kb * st3) == 0:
                 offs_m = qb * BM + tl.arange(0, BM)
-                q = load_tile(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
-                do = load_tile(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV)
+                q = operand(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
+                do = operand(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, Lq, DV, BDV, SDV)
                 m_row = load_rows(M + rows, offs_m, Lq)
                 inv = load_rows(INV + rows, offs_m, Lq)
                 d_row = load_rows(DELTA + rows, offs_m, Lq)
@@ -368,7 +382,7 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
                 if MODE != 0:
                     x_row = load_rows(X + rows, offs_m, Lq)
                     y_row = load_rows(Y + rows, offs_m, Lq)
-                qk = mm(q, tl.trans(k), IP, ACC)
+                qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
                 s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm,
                                sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
                                HAS_BIAS, HAS_MASK, HAS_BLOCKS, MR, MK, HAS_BOUNDS, CAUSAL,
@@ -379,23 +393,29 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
                     z = keep_scale(meta, b, h, offs_m, offs_n, keep_value)
                 q2 = None
                 if HAS_Q2:
-                    q2 = load_tile(Q2 + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
+                    q2 = operand(Q2 + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
                 do2 = None
                 if HAS_DO2:
-                    do2 = load_tile(DO2 + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV)
+                    do2 = operand(DO2 + b * sd0 + h * sd1, sd2, sd3, offs_m, Lq, DV, BDV, SDV)
                 c_tile = None
                 if HAS_C:
                     c_tile = load_score_like(cbias, b, h, offs_m, offs_n, Lq, Lk, scb, sch, scm, scn, ACC)
                 pz, w, to_bias, da, da2 = tile_terms(MODE, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, th, d_row, inv,
-                                                     x_row, y_row, scale, inv_cap, SOFTCAP, DROPOUT, IP, ACC)
-                acc_k += mm(tl.trans(da2).to(q.dtype), q, IP, ACC)
+                                                     x_row, y_row, scale, inv_cap, SOFTCAP, DROPOUT, BD, SD, BDV, SDV,
+                                                     IP, ACC)
+                # the products out to the head width take whole tiles, loaded only now
+                acc_k += mm(tl.trans(da2).to(Q.dtype.element_ty),
+                            whole(q, BD, SD), IP, ACC)
                 if MODE != 0:
                     if HAS_Q2:
-                        acc_k += mm(tl.trans(da).to(q2.dtype), q2, IP, ACC)
-                acc_v += mm(tl.trans(w).to(do.dtype), do, IP, ACC)
+                        acc_k += mm(tl.trans(da).to(Q2.dtype.element_ty),
+                                    whole(q2, BD, SD), IP, ACC)
+                acc_v += mm(tl.trans(w).to(DO.dtype.element_ty),
+                            whole(do, BDV, SDV), IP, ACC)
                 if MODE == 1:
                     if HAS_DO2:
-                        acc_v += mm(tl.trans(pz).to(do2.dtype), do2, IP, ACC)
+                        acc_v += mm(tl.trans(pz).to(DO2.dtype.element_ty),
+                                    whole(do2, BDV, SDV), IP, ACC)
     out_rows = (b * hkv + hk) * Lk + offs_n
     tl.store(OUT_K + out_rows[:, None] * D + offs_d[None, :], (acc_k * scale).to(OUT_K.dtype.element_ty),
              mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D))
@@ -417,7 +437,7 @@ def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, DBIAS,
               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
             MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
               SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-              BDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+              BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     """Per block of the bias's own (1 or B, BIAS_H = 1 or H, 1 or Lq, 1 or Lk) shape: the sum of the
     tiles' terms to the bias (dS, dS~ or g_S) over the batch entries, heads, rows and keys
     that the block's entries broadcast to, in a fixed order (no atomics). DBIAS is
@@ -428,8 +448,6 @@ def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, DBIAS,
     b_own = entry // BIAS_H
     h_own = entry % BIAS_H
     scale, cap, inv_cap, keep_value = _floats(fmeta, ACC)
-    offs_d = tl.arange(0, BD)
-    offs_dv = tl.arange(0, BDV)
     acc = tl.zeros((BM, BN), ACC)
     b_first = b_own
     b_count = 1
@@ -467,10 +485,10 @@ def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, DBIAS,
                     if tl.load(tmap + b * st0 + h * st1 + qb * st2 + kb * st3) == 0:
                         offs_m = qb * BM + tl.arange(0, BM)
                         offs_n = kb * BN + tl.arange(0, BN)
-                        q = load_tile(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
-                        do = load_tile(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV)
-                        k = load_tile(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
-                        v = load_tile(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+                        q = operand(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
+                        do = operand(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, Lq, DV, BDV, SDV)
+                        k = operand(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
+                        v = operand(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
                         m_row = load_rows(M + rows, offs_m, Lq)
                         inv = load_rows(INV + rows, offs_m, Lq)
                         d_row = load_rows(DELTA + rows, offs_m, Lq)
@@ -479,7 +497,7 @@ def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, DBIAS,
                         if MODE != 0:
                             x_row = load_rows(X + rows, offs_m, Lq)
                             y_row = load_rows(Y + rows, offs_m, Lq)
-                        qk = mm(q, tl.trans(k), IP, ACC)
+                        qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
                         s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh,
                                        sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm,
                                        btiles, HAS_BIAS, HAS_MASK,
@@ -490,21 +508,22 @@ def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, DBIAS,
                             z = keep_scale(meta, b, h, offs_m, offs_n, keep_value)
                         q2 = None
                         if HAS_Q2:
-                            q2 = load_tile(Q2 + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)
+                            q2 = operand(Q2 + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
                         k2 = None
                         if HAS_K2:
-                            k2 = load_tile(K2 + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)
+                            k2 = operand(K2 + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
                         v2 = None
                         if HAS_V2:
-                            v2 = load_tile(V2 + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+                            v2 = operand(V2 + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
                         do2 = None
                         if HAS_DO2:
-                            do2 = load_tile(DO2 + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV)
+                            do2 = operand(DO2 + b * sd0 + h * sd1, sd2, sd3, offs_m, Lq, DV, BDV, SDV)
                         c_tile = None
                         if HAS_C:
                             c_tile = load_score_like(cbias, b, h, offs_m, offs_n, Lq, Lk, scb, sch, scm, scn, ACC)
                         _, _, to_bias, _, _ = tile_terms(MODE, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, th, d_row,
-                                                         inv, x_row, y_row, scale, inv_cap, SOFTCAP, DROPOUT, IP, ACC)
+                                                         inv, x_row, y_row, scale, inv_cap, SOFTCAP, DROPOUT, BD, SD,
+                                                         BDV, SDV, IP, ACC)
                         acc += to_bias
     out = DBIAS + b_own * sgb + h_own * sgh
     offs_r = rb * BM + tl.arange(0, BM)

@@ -34,45 +34,76 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class Blocks:
-    """A kernel's tile (rows x keys) and its launch shape on a GPU."""
+    """A kernel's tile (rows x keys), its launch shape on a GPU, the columns of the head width
+    its products over that width take at a time (0: the whole width at once), and the
+    registers per thread ptxas may use (0: its own choice, which can stop at 128 and spill
+    where 255 would not)."""
 
     rows: int
     keys: int
     warps: int = 4
     stages: int = 2
+    slice: int = 0
+    registers: int = 0
 
 
 # The interpreter runs one program at a time on NumPy: the smallest tiles tl.dot takes,
-# which also cross many block boundaries at the tests' small shapes.
+# which also cross many block boundaries at the tests' small shapes, over the whole width.
 INTERPRETED = Blocks(16, 16, 1, 1)
 
-# Per pass, dtype and padded head width (64 and up): the largest tiles (of 16x16 w4 up to
-# 128x64 w8) whose kernels, with every option on, compile without register spills for
-# both sm_80 and sm_90, from a sweep with Triton 3.9; where none does, the one that spills
-# least. Any other key gets 16x16 with 4 warps. `attngrad gpu-report` prints what each
-# variant uses; docs/gpu.md says why the tiles shrink with the pass.
+# Per pass, dtype class and padded head width (64 and up), for d <= 128 in half, float32
+# and TF32: the first tiles, from 64x64 w8 (128x64 for the forward) down to 16x16 w4, each
+# with its products over the whole head width, then by slices of 64, 32 and 16 columns,
+# with ptxas's choice of registers, then 255, whose kernels compile without register
+# spills for sm_80 and sm_90 in every feature set of `attngrad gpu-report` (a sweep with
+# Triton 3.9). float64 and d = 256 may spill (`gpu-report` lists it): their forward tiles
+# come from an earlier sweep of whole-width tiles, their other passes take 16x16 w4 by 16
+# columns (32 in half precision) with 255 registers, not swept (float64 at d <= 128: at
+# most 300 bytes of spills, from 18 KB over the whole width). Any other key gets 16x16
+# with 4 warps. docs/gpu.md says why the tiles shrink with the pass and why the slices.
 _TABLE: dict[tuple[str, str, int], Blocks] = {
     ("forward", "half", 64): Blocks(128, 64, 8, 2),
-    ("forward", "half", 128): Blocks(64, 32, 4, 2),
+    ("forward", "half", 128): Blocks(64, 64, 8, 2),
     ("forward", "half", 256): Blocks(64, 32, 8, 2),
     ("forward", "float32", 64): Blocks(64, 32, 8, 2),
-    ("forward", "float32", 128): Blocks(64, 32, 8, 2),
+    ("forward", "float32", 128): Blocks(64, 32, 8, 2, slice=32),
     ("forward", "float32", 256): Blocks(32, 32, 8, 2),
-    ("forward", "float64", 64): Blocks(64, 64, 8, 2),
+    ("forward", "tf32", 64): Blocks(128, 64, 8, 2, slice=32),
+    ("forward", "tf32", 128): Blocks(64, 64, 8, 2, slice=64),
+    ("forward", "tf32", 256): Blocks(32, 32, 8, 2),
+    ("forward", "float64", 64): Blocks(64, 64, 8, 2, slice=16),
     ("forward", "float64", 128): Blocks(32, 32, 8, 2),
     ("forward", "float64", 256): Blocks(32, 32, 8, 2),
-    ("jvp", "half", 64): Blocks(64, 32, 8, 1),
-    ("jvp", "half", 128): Blocks(32, 32, 8, 1),
-    ("jvp", "float32", 64): Blocks(16, 16, 8, 1),
-    ("jvp", "float32", 128): Blocks(16, 16, 8, 1),  # spills
+    ("jvp", "half", 64): Blocks(64, 64, 8, 1, slice=32),
+    ("jvp", "half", 128): Blocks(64, 32, 8, 1, slice=64),
+    ("jvp", "float32", 64): Blocks(32, 16, 8, 1, slice=32, registers=255),
+    ("jvp", "float32", 128): Blocks(32, 16, 8, 1, slice=64),
+    ("jvp", "tf32", 64): Blocks(64, 32, 8, 1, slice=32),
+    ("jvp", "tf32", 128): Blocks(32, 32, 8, 1, slice=64),
     ("backward", "half", 64): Blocks(64, 32, 8, 1),
-    ("backward", "half", 128): Blocks(32, 16, 8, 1),
-    ("backward", "float32", 64): Blocks(16, 16, 8, 1),  # spills 8 bytes
-    ("backward", "float32", 128): Blocks(16, 16, 4, 1),  # spills 12 bytes
-    ("backward_jvp", "half", 64): Blocks(32, 16, 8, 1),
-    ("backward_jvp", "half", 128): Blocks(16, 16, 4, 1),  # spills 12 bytes
-    ("backward_jvp", "float32", 64): Blocks(16, 16, 4, 1),  # spills 16 bytes
+    ("backward", "half", 128): Blocks(64, 32, 8, 1, slice=16),
+    ("backward", "float32", 64): Blocks(64, 32, 8, 1, registers=255),
+    ("backward", "float32", 128): Blocks(32, 32, 8, 1, slice=32, registers=255),
+    ("backward", "tf32", 64): Blocks(32, 32, 8, 1, slice=32, registers=255),
+    ("backward", "tf32", 128): Blocks(32, 32, 8, 1, slice=64),
+    ("backward_jvp", "half", 64): Blocks(32, 32, 8, 1, slice=32),
+    ("backward_jvp", "half", 128): Blocks(32, 32, 8, 1, slice=64),
+    ("backward_jvp", "float32", 64): Blocks(16, 16, 8, 1, slice=32, registers=255),
+    ("backward_jvp", "float32", 128): Blocks(16, 16, 4, 1, slice=64, registers=255),
+    ("backward_jvp", "tf32", 64): Blocks(32, 32, 8, 1, slice=32),
+    ("backward_jvp", "tf32", 128): Blocks(32, 16, 8, 1, slice=64),
+    ("double_backward", "half", 64): Blocks(32, 32, 8, 1, slice=32),
+    ("double_backward", "half", 128): Blocks(32, 32, 8, 1, slice=64),
+    ("double_backward", "float32", 64): Blocks(32, 16, 8, 1, slice=32, registers=255),
+    ("double_backward", "float32", 128): Blocks(32, 16, 8, 1, slice=64, registers=255),
+    ("double_backward", "tf32", 64): Blocks(32, 16, 8, 1, slice=32),
+    ("double_backward", "tf32", 128): Blocks(32, 16, 8, 1, slice=64),
 }
+# float64, and d = 256 beyond the forward: one entry for every pass, not swept
+_TABLE.update({(name, kind, width): Blocks(16, 16, 4, 1, slice=32 if kind == "half" else 16, registers=255)
+               for name in ("jvp", "backward", "backward_jvp", "double_backward")
+               for kind, width in (("float64", 64), ("float64", 128), ("float64", 256), ("half", 256),
+                                   ("float32", 256), ("tf32", 256))})
 MAX_WIDTH = 256
 
 
@@ -81,16 +112,27 @@ def padded_width(width: int) -> int:
     return max(16, triton.next_power_of_2(width))
 
 
-def dtype_class(dtype: torch.dtype) -> str:
-    return "half" if dtype in (torch.float16, torch.bfloat16) else str(dtype).removeprefix("torch.")
+def dtype_class(dtype: torch.dtype, tf32: bool = False) -> str:
+    """"half", "float32", "tf32" (float32 on the tensor cores) or "float64": the products'
+    kind, which sets how many registers a tile takes."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return "half"
+    return "tf32" if tf32 and dtype == torch.float32 else str(dtype).removeprefix("torch.")
 
 
-def blocks_for(pass_name: str, dtype: torch.dtype, width: int, interpreted: bool) -> Blocks:
+def blocks_for(pass_name: str, dtype: torch.dtype, width: int, interpreted: bool, tf32: bool = False) -> Blocks:
     """The tiles of pass `pass_name` for inputs of `dtype` and head width `width` (the
-    larger of d and dv); every kernel of a pass shares them (and so its block map)."""
+    larger of d and dv), float32 in TF32 if `tf32`; every kernel of a pass shares them (and
+    so its block map)."""
     if interpreted:
         return INTERPRETED
-    return _TABLE.get((pass_name, dtype_class(dtype), max(64, padded_width(width))), Blocks(16, 16, 4, 1))
+    return _TABLE.get((pass_name, dtype_class(dtype, tf32), max(64, padded_width(width))), Blocks(16, 16, 4, 1))
+
+
+def _slice(blocks: Blocks, width: int) -> int:
+    """The columns of a head width of `width` that its products take at a time."""
+    whole = padded_width(width)
+    return min(blocks.slice, whole) if blocks.slice else whole
 
 
 def _acc(dtype: torch.dtype):
@@ -194,9 +236,12 @@ class Plan:
                              MR=block_sizes[0], MK=block_sizes[1], HAS_BOUNDS=bounds is not None,
                              CAUSAL=call.causal is not None, SOFTCAP=bool(cap), DROPOUT=call.dropout_p > 0.0,
                              BM=blocks.rows, BN=blocks.keys, BD=padded_width(self.D), BDV=padded_width(self.DV),
+                             SD=_slice(blocks, self.D), SDV=_slice(blocks, self.DV),
                              IP=input_precision(q.dtype, self.device), ACC=_acc(q.dtype))
         # FMA contraction on, stated: Triton 3.9 warns that its default changes in 3.10
         self.launch = dict(num_warps=blocks.warps, num_stages=blocks.stages, enable_fp_fusion=True)
+        if blocks.registers:
+            self.launch["maxnreg"] = blocks.registers
 
     def walks(self, of: str) -> list:
         walks = self.key_walks if of == "keys" else self.query_walks
@@ -214,7 +259,8 @@ def on_gpu(call: AttentionCall) -> bool:
 
 def _plan(call: AttentionCall, pass_name: str) -> Plan:
     width = max(call.q.shape[-1], call.v.shape[-1])
-    return Plan(call, blocks_for(pass_name, call.q.dtype, width, interpreted=not on_gpu(call)))
+    tf32 = input_precision(call.q.dtype, call.q.device) == "tf32"
+    return Plan(call, blocks_for(pass_name, call.q.dtype, width, interpreted=not on_gpu(call), tf32=tf32))
 
 
 def _same_strides(*tensors: Optional[Tensor]) -> list:

@@ -6,6 +6,11 @@ tiles they walk and what they accumulate.
 Tile legend: rows = queries offs_m (BM,), columns = keys offs_n (BN,); q (BM, BD), k (BN, BD),
 v (BN, BDV), do (BM, BDV); row statistics (BM,). ACC is the compute dtype (float64 for
 float64 inputs, else float32); the GEMMs take the inputs' own dtype and sum in ACC.
+
+The products over the head width (S = Q K^T, dP = dO V^T and the tangent or cotangent
+forms) take their operands SD (or SDV) columns at a time (`operand`): an FMA product (IEEE
+float32, float64) holds a whole inner row of each operand per thread, so a pass with many of
+them spills unless the width is cut into slices.
 """
 
 from __future__ import annotations
@@ -28,6 +33,58 @@ def mm(a, b, IP: tl.constexpr, ACC: tl.constexpr):
     if WIDEN_BFLOAT16 and a.dtype == tl.bfloat16:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee", out_dtype=ACC)
     return tl.dot(a, b, input_precision=IP, out_dtype=ACC)
+
+
+@triton.jit
+def mm_into(a, b, acc, IP: tl.constexpr):
+    """acc + a @ b, the products in the operands' dtype, summed into acc's."""
+    if WIDEN_BFLOAT16 and a.dtype == tl.bfloat16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=IP)
+
+
+@triton.jit
+def operand(ptr, s_row, s_col, offs, n, width, BW: tl.constexpr, S: tl.constexpr):
+    """Rows `offs` (R,) of a strided (n, width) matrix as a product over the head width
+    (padded to BW) takes them S columns at a time: the whole (R, BW) tile, loaded now, where
+    S = BW; else a view (the rows' pointers and which exist (R, 1), the column stride, the
+    width) whose slices `columns` loads where each is multiplied."""
+    if S == BW:
+        return load_tile(ptr, s_row, s_col, offs, tl.arange(0, BW), n, width)
+    else:
+        return ptr + offs[:, None] * s_row, offs[:, None] < n, s_col, width
+
+
+@triton.jit
+def columns(view, c, S: tl.constexpr):
+    """Columns [c, c + S) of an `operand` view, 0 outside the matrix."""
+    ptrs, inside, s_col, width = view
+    cols = c + tl.arange(0, S)
+    return tl.load(ptrs + cols[None, :] * s_col, mask=inside & (cols[None, :] < width), other=0.0)
+
+
+@triton.jit
+def whole(op, BW: tl.constexpr, S: tl.constexpr):
+    """An `operand`'s whole (R, BW) tile, for the products out to the head width."""
+    if S == BW:
+        return op
+    else:
+        return columns(op, 0, BW)
+
+
+@triton.jit
+def dot_nt(a, b, acc, BW: tl.constexpr, S: tl.constexpr, IP: tl.constexpr):
+    """acc + A B^T over the head width for `operand`s A (R, BW) and B (C, BW): at once where
+    S = BW, else S columns at a time up to the true width, summed in order into acc. The
+    loop runs to the width given at run time, so the compiler cannot unroll it and hoist
+    every slice's loads: one slice of each operand is live at a time."""
+    if S == BW:
+        acc = mm_into(a, tl.trans(b), acc, IP)
+    else:
+        width = a[3]
+        for c in range(0, width, S):
+            acc = mm_into(columns(a, c, S), tl.trans(columns(b, c, S)), acc, IP)
+    return acc
 
 
 @triton.jit
@@ -120,15 +177,17 @@ def scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap,
 
 
 @triton.jit
-def score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+def score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP: tl.constexpr, BD: tl.constexpr, SD: tl.constexpr,
+               IP: tl.constexpr, ACC: tl.constexpr):
     """(F, F_raw) of the form F = slope * scale (q2 K^T + Q k2^T) + C: S' for tangents (q2 = Q',
     k2 = K', C = bias'), T for cotangents (gQ, gK, gbias); F_raw is the products' part before
-    the cap's slope 1 - tanh^2 (its curve meets it). An absent term is None."""
-    raw = tl.zeros((q.shape[0], k.shape[0]), ACC)
+    the cap's slope 1 - tanh^2 (its curve meets it). q, k, q2, k2 are `operand`s; an
+    absent term is None."""
+    raw = tl.zeros(th.shape, ACC)
     if q2 is not None:
-        raw += mm(q2, tl.trans(k), IP, ACC)
+        raw = dot_nt(q2, k, raw, BD, SD, IP)
     if k2 is not None:
-        raw += mm(q, tl.trans(k2), IP, ACC)
+        raw = dot_nt(q, k2, raw, BD, SD, IP)
     raw = raw * scale
     form = raw
     if SOFTCAP:
@@ -148,10 +207,11 @@ def load_score_like(ptr, b, h, offs_m, offs_n, Lq, Lk, sb, sh, sm, sn, ACC: tl.c
 
 @triton.jit
 def tile_terms(MODE: tl.constexpr, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, th, m_d, inv, x_row, y_row,
-               scale, inv_cap, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+               scale, inv_cap, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BD: tl.constexpr, SD: tl.constexpr,
+               BDV: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     """The score-shaped terms of one tile for a backward-type pass, from P (BM, BN), Z (or
     None without dropout), the rows' D = rowsum(dO * O) (`m_d`), 1/l and the pass's two row
-    sums (x, y; `kernels.row_sums`):
+    sums (x, y; `kernels.row_sums`); q, k, v, do and the second inputs are `operand`s:
 
       BACKWARD        dP = (dO V^T) Z,  dS = P (dP - D)
       BACKWARD_JVP    S' (q2 = Q', k2 = K', c = bias'), P' = P (S' - x), x = rowsum(P S'),
@@ -166,7 +226,7 @@ def tile_terms(MODE: tl.constexpr, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, t
     score-side term taken back through the cap (dA = slope dS; its partner dA~ or g_A, which
     also holds the cap's curve times S'_raw or T_raw). A row with 1/l = 1 had one key
     alone (exp(0) = 1, the others 0 to rounding): its dP - D is rounding, and set to 0."""
-    dp = mm(do, tl.trans(v), IP, ACC)
+    dp = dot_nt(do, v, tl.zeros(p.shape, ACC), BDV, SDV, IP)
     if DROPOUT:
         dp = dp * z
         pz = p * z
@@ -184,13 +244,13 @@ def tile_terms(MODE: tl.constexpr, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, t
         to_bias = ds
         da2 = da
     elif MODE == 1:
-        form, raw = score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP, IP, ACC)
+        form, raw = score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP, BD, SD, IP, ACC)
         pt = p * (form - x_row[:, None])
         dpt = tl.zeros(dp.shape, ACC)
         if do2 is not None:
-            dpt += mm(do2, tl.trans(v), IP, ACC)
+            dpt = dot_nt(do2, v, dpt, BDV, SDV, IP)
         if v2 is not None:
-            dpt += mm(do, tl.trans(v2), IP, ACC)
+            dpt = dot_nt(do, v2, dpt, BDV, SDV, IP)
         if DROPOUT:
             dpt = dpt * z
             w = pt * z
@@ -201,12 +261,12 @@ def tile_terms(MODE: tl.constexpr, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, t
         if SOFTCAP:
             da2 = slope * to_bias + curve * raw * ds
     else:
-        form, raw = score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP, IP, ACC)
+        form, raw = score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP, BD, SD, IP, ACC)
         centred = form - x_row[:, None]
         g_dp = p * centred
         g_p = dpd * centred
         if v2 is not None:
-            x = mm(do, tl.trans(v2), IP, ACC)
+            x = dot_nt(do, v2, tl.zeros(p.shape, ACC), BDV, SDV, IP)
             if DROPOUT:
                 x = x * z
             g_p += x

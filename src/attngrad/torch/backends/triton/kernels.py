@@ -170,7 +170,8 @@ def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, sq0, sq1, sq2, s
              MR: tl.constexpr,
             MK: tl.constexpr, HAS_BOUNDS: tl.constexpr,
              CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-             BD: tl.constexpr, BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+             BD: tl.constexpr, BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr,
+             ACC: tl.constexpr):
     """The two whole-row sums the backward-type passes need before their walks, for the form
     F (S' or T, `tiles.score_form`) and E = (dO2 V^T + dO V2^T) Z (dP~, or (dO gV^T) Z):
         X = rowsum(P F),  Y = rowsum(P (F dP + E)) - X D
@@ -305,18 +306,14 @@ def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_Q, OUT_DO,
                                                  x_row, y_row, scale, inv_cap, SOFTCAP, DROPOUT, BD, SD, BDV, SDV, IP,
                                                  ACC)
             # the products out to the head width take whole tiles, loaded only now
-            acc_q += mm(da2.to(K.dtype.element_ty), whole(k, BD, SD),
-                        IP, ACC)
+            acc_q += mm(da2.to(K.dtype.element_ty), whole(k, BD, SD), IP, ACC)
             if MODE != 0:
                 if HAS_K2:
-                    acc_q += mm(da.to(K2.dtype.element_ty),
-                                whole(k2, BD, SD), IP, ACC)
+                    acc_q += mm(da.to(K2.dtype.element_ty), whole(k2, BD, SD), IP, ACC)
             if DOUT_GRAD:
-                acc_do += mm(w.to(V.dtype.element_ty),
-                             whole(v, BDV, SDV), IP, ACC)
+                acc_do += mm(w.to(V.dtype.element_ty), whole(v, BDV, SDV), IP, ACC)
                 if HAS_V2:
-                    acc_do += mm(pz.to(V2.dtype.element_ty),
-                                 whole(v2, BDV, SDV), IP, ACC)
+                    acc_do += mm(pz.to(V2.dtype.element_ty), whole(v2, BDV, SDV), IP, ACC)
             if BIAS_DIRECT:
                 target = DBIAS + b * sgb + h * sgh + offs_m[:, None] * sgm + offs_n[None, :] * sgn
                 tl.store(target, to_bias.to(DBIAS.dtype.element_ty),
@@ -404,18 +401,14 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
                                                      x_row, y_row, scale, inv_cap, SOFTCAP, DROPOUT, BD, SD, BDV, SDV,
                                                      IP, ACC)
                 # the products out to the head width take whole tiles, loaded only now
-                acc_k += mm(tl.trans(da2).to(Q.dtype.element_ty),
-                            whole(q, BD, SD), IP, ACC)
+                acc_k += mm(tl.trans(da2).to(Q.dtype.element_ty), whole(q, BD, SD), IP, ACC)
                 if MODE != 0:
                     if HAS_Q2:
-                        acc_k += mm(tl.trans(da).to(Q2.dtype.element_ty),
-                                    whole(q2, BD, SD), IP, ACC)
-                acc_v += mm(tl.trans(w).to(DO.dtype.element_ty),
-                            whole(do, BDV, SDV), IP, ACC)
+                        acc_k += mm(tl.trans(da).to(Q2.dtype.element_ty), whole(q2, BD, SD), IP, ACC)
+                acc_v += mm(tl.trans(w).to(DO.dtype.element_ty), whole(do, BDV, SDV), IP, ACC)
                 if MODE == 1:
                     if HAS_DO2:
-                        acc_v += mm(tl.trans(pz).to(DO2.dtype.element_ty),
-                                    whole(do2, BDV, SDV), IP, ACC)
+                        acc_v += mm(tl.trans(pz).to(DO2.dtype.element_ty), whole(do2, BDV, SDV), IP, ACC)
     out_rows = (b * hkv + hk) * Lk + offs_n
     tl.store(OUT_K + out_rows[:, None] * D + offs_d[None, :], (acc_k * scale).to(OUT_K.dtype.element_ty),
              mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D))

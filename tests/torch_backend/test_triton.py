@@ -140,7 +140,7 @@ class Case:
 # Each case puts several features together (the interpreter runs about 10^4 Triton
 # operations a second). `blocks`: the interpreter's tile, 16 (several blocks per row and
 # column, partly skipped) or 32 (one block: the fast cases); `slice`: the columns of the head
-# width its products take at a time (0: all), here 16 of d = 40 and dv = 24 (padded to 64
+# width its products take at a time (0: all), here 16 of d = 24 and dv = 20 (padded to 32
 # and 32), so every product over the width runs its loop of slices, the last one partial.
 CASES = {
     "gqa": dict(blocks=32),
@@ -149,7 +149,7 @@ CASES = {
     "window-sinks": dict(causal=True, window=(5, None), len_q=LK, sinks=True, blocks=32),
     "documents-padding": dict(documents=True, padding=True, blocks=16),
     "dropout-per-key-bias": dict(dropout_p=0.3, causal=True, bias=(B, 1, 1, LK), blocks=32),
-    "sliced-heads": dict(d=40, dv=24, causal="bottom_right", len_q=11, softcap=2.0, bias=(1, H, 1, LK), blocks=32,
+    "sliced-heads": dict(d=24, dv=20, causal="bottom_right", len_q=11, softcap=2.0, bias=(1, H, 1, LK), blocks=32,
                          slice=16),
 }
 

@@ -102,6 +102,30 @@ def test_report_files(tmp_path):
     assert data["gemm_peak_gflops"] == 300.0
 
 
+def test_the_math_backend_times_apart_where_its_tensors_are_large(monkeypatch):
+    """Past MATH_APART numbers of scores, PyTorch's math backend runs after the interleaved
+    rounds of the others (which stay shuffled together), and the report says so."""
+    from attngrad.bench import runner
+
+    calls = []
+    small, large = BenchCase(64, mode="jvp"), BenchCase(128, mode="jvp")
+    monkeypatch.setattr(runner, "step",
+                        lambda impl, case: lambda inputs: calls.append(impl if case in (small, large) else PLAIN))
+    monkeypatch.setattr(runner, "make_inputs", lambda case: {})
+    monkeypatch.setattr(runner, "gemm_peak_gflops", lambda: 100.0)
+    monkeypatch.setattr(runner, "machine_facts", lambda: dict(processor="a CPU", torch="2.13", date="today", threads=2))
+    monkeypatch.setattr(runner, "MATH_APART", small.heads * 64**2)  # 64 keys interleave, 128 do not
+    report = runner.run_bench([small, large], repeats=4, memory=False)
+    assert [r.apart for r in report.results] == [[], ["torch-math"]]
+    timed = calls[len(calls) // 2:]  # the large case's: 4 warm-ups (one each), then 4 rounds
+    assert timed[:4] == ["attngrad", "torch-default", "torch-math", PLAIN]
+    assert timed[-4:] == ["torch-math"] * 4 and "torch-math" not in timed[4:-4]
+    assert len(set(tuple(timed[4 + 3 * i:7 + 3 * i]) for i in range(4))) > 1  # still shuffled round to round
+    assert "At L=128 the math backend ran after the interleaved rounds" in markdown(report)
+    assert "ran after the interleaved rounds" not in markdown(runner.BenchReport(report.results[:1], 100.0,
+                                                                                 report.machine))
+
+
 def test_quick_command_writes_its_files(tmp_path, capsys):
     page = tmp_path / "docs" / "bench.md"
     assert main(["bench", "--quick", "--no-memory", "--modes", "train", "double-backward", "--out", str(tmp_path),

@@ -1,5 +1,6 @@
 """The compiled tiles (attngrad.torch.native) against the torch-ops kernels and PyTorch."""
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -79,7 +80,20 @@ WHOLE_ROW_CALLS = dict(
     batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 3), len_q=st.integers(1, 50),
     len_k=st.integers(1, 50), dim=st.sampled_from([1, 5, 16]), dim_v=st.sampled_from([3, 16]), causal=CAUSAL,
     masking=MASKING, rows=st.sampled_from([3, 128]), softcap=st.sampled_from([0.0, 0.0, 0.7]),
+    transposed_keys=st.booleans(),
 )
+
+
+@contextlib.contextmanager
+def _whole_row_settings(rows: int, transposed_keys: bool):
+    """The whole-row passes' block height, and whether they take the key side transposed
+    (csrc/whole_rows.h, KeySide) or in place, for the calls inside."""
+    old = native.BLOCK_ROWS, native.TRANSPOSED_KEYS
+    native.BLOCK_ROWS, native.TRANSPOSED_KEYS = rows, (old[1] if transposed_keys else 0)
+    try:
+        yield
+    finally:
+        native.BLOCK_ROWS, native.TRANSPOSED_KEYS = old
 
 
 def _inputs(batch, heads, kv_heads, len_q, len_k, dim, dim_v, dtype, seed):
@@ -167,8 +181,8 @@ def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k
     seed=st.integers(0, 2**16),
 )
 def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal,
-                                                           masking, rows, softcap, chunks, present, dout_grad, dropout_p,
-                                                           bias_grad, seed):
+                                                           masking, rows, softcap, transposed_keys, chunks, present,
+                                                           dout_grad, dropout_p, bias_grad, seed):
     """float64, any subset of the cotangents (gQ, gK, gV, and gbias with the bias's
     gradient), with and without g_dO, dropout, every block height and split of the query
     blocks: `kernels_higher`'s results to 1e-12."""
@@ -180,14 +194,10 @@ def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, grou
     gq, gk, gv, gbias = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
                          for t, keep in zip((q, k, v, bias if bias_grad else None), present))
     out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
-    old = native.BLOCK_ROWS
-    native.BLOCK_ROWS = rows
-    try:
+    with _whole_row_settings(rows, transposed_keys):
         ours = native.attention_double_backward(dout, q, k, v, out, row_max, inv_sum, causal, scale, dout_grad,
                                                 gq, gk, gv, chunks=chunks, mask=mask, bias=bias, gbias=gbias,
                                                 seed=seed, dropout_p=dropout_p, bias_grad=bias_grad, softcap=softcap)
-    finally:
-        native.BLOCK_ROWS = old
     theirs = kernels_higher.attention_double_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal,
                                                       scale, softcap, dropout_p, bias_grad, dout_grad, gq, gk, gv,
                                                       gbias)
@@ -211,7 +221,7 @@ def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, grou
     seed=st.integers(0, 2**16),
 )
 def test_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal, masking,
-                                               rows, softcap, dropout_p, present, seed):
+                                               rows, softcap, transposed_keys, dropout_p, present, seed):
     """float64, any subset of the tangents (tQ, tK, tV, tbias), masks and a bias of any
     broadcast shape, dropout, every block height: `kernels_higher`'s output tangent to 1e-12."""
     q, k, v, _ = _inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
@@ -221,13 +231,9 @@ def test_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, l
     tq, tk, tv, tbias = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
                          for t, keep in zip((q, k, v, bias), present))
     out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
-    old = native.BLOCK_ROWS
-    native.BLOCK_ROWS = rows
-    try:
+    with _whole_row_settings(rows, transposed_keys):
         ours = native.attention_jvp(q, k, v, row_max, inv_sum, causal, scale, tq, tk, tv, mask=mask, bias=bias,
                                     tbias=tbias, seed=seed, dropout_p=dropout_p, softcap=softcap)
-    finally:
-        native.BLOCK_ROWS = old
     theirs = kernels_higher.attention_jvp(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap,
                                           dropout_p, tq, tk, tv, tbias)
     assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
@@ -244,8 +250,8 @@ def test_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, l
     seed=st.integers(0, 2**16),
 )
 def test_backward_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal,
-                                                        masking, rows, softcap, chunks, dropout_p, bias_grad, present,
-                                                        seed):
+                                                        masking, rows, softcap, transposed_keys, chunks, dropout_p,
+                                                        bias_grad, present, seed):
     """float64, any subset of the tangents (tdO, tQ, tK, tV, tbias), masks and a bias of any
     broadcast shape with and without its gradient, dropout, every block height and split of
     the query blocks: `kernels_higher`'s tangents of dq, dk, dv, dbias to 1e-12."""
@@ -257,14 +263,10 @@ def test_backward_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups,
     tangents = [torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
                 for t, keep in zip((dout, q, k, v, bias), present)]
     out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
-    old = native.BLOCK_ROWS
-    native.BLOCK_ROWS = rows
-    try:
+    with _whole_row_settings(rows, transposed_keys):
         ours = native.attention_backward_jvp(dout, q, k, v, out, row_max, inv_sum, causal, scale, *tangents[:4],
                                              mask=mask, bias=bias, tbias=tangents[4], seed=seed, dropout_p=dropout_p,
                                              bias_grad=bias_grad, chunks=chunks, softcap=softcap)
-    finally:
-        native.BLOCK_ROWS = old
     theirs = kernels_higher.attention_backward_jvp(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal,
                                                    scale, softcap, dropout_p, bias_grad, *tangents)
     assert (ours[3] is None) is (not bias_grad)

@@ -195,15 +195,35 @@ def test_double_backward_matches_the_math_kernel(backend, name):
 def test_hessian_vector_products_match_the_math_kernel(backend, name):
     """Forward over reverse: the JVP of the gradient, through the backward's JVP."""
     case = Case(**CASES[name])
-    dout = randn(*case.q.shape[:-1], DV, seed=50)
-
-    def grads(fn):
-        return lambda *p: torch.func.vjp(fn, *p)[1](dout)
-
-    tangents = tuple(randn(*p.shape, seed=60 + i) for i, p in enumerate(case.primals))
-    _, ours = torch.func.jvp(grads(case.ours), case.primals, tangents)
-    _, theirs = torch.func.jvp(grads(case.theirs), case.primals, tangents)
+    ours, theirs = (hessian_vector_products(fn, case.primals) for fn in (case.ours, case.theirs))
     names = NAMES[1:1 + len(case.primals)]
+    assert_all_close(dict(zip(names, ours)), dict(zip(names, theirs)))
+
+
+def hessian_vector_products(fn, primals):
+    """The JVP of <dO, fn>'s gradient, for fixed random dO and tangents."""
+    dout = randn(*primals[0].shape[:-1], DV, seed=50)
+    tangents = tuple(randn(*p.shape, seed=60 + i) for i, p in enumerate(primals))
+    return torch.func.jvp(lambda *p: torch.func.vjp(fn, *p)[1](dout), primals, tangents)[1]
+
+
+@pytest.mark.skipif(not native.available(), reason="the compiled tiles do not run here")
+@pytest.mark.parametrize("name", ["bottom-right-window", "everything"])
+def test_second_order_with_the_key_side_in_place(monkeypatch, name):
+    """The whole-row passes' other layout, the key side read and written in place (beyond
+    native.TRANSPOSED_KEYS; csrc/whole_rows.h, KeySide), on key ranges that start past key 0:
+    the double backward and the Hessian-vector products."""
+    monkeypatch.setattr(native, "TRANSPOSED_KEYS", 0)
+    case = Case(**CASES[name])
+    dout = randn(*case.q.shape[:-1], DV, seed=30)
+    cotangents = tuple(randn(*p.shape, seed=40 + i) for i, p in enumerate(case.primals))
+    with use_implementation("tiles"):
+        ours = (*double_backward(case.ours, case.primals, dout, cotangents),
+                *hessian_vector_products(case.ours, case.primals))
+    theirs = (*double_backward(case.theirs, case.primals, dout, cotangents),
+              *hessian_vector_products(case.theirs, case.primals))
+    names = [f"{n} {kind}" for kind in ("double backward", "hvp")
+             for n in (*NAMES[1:1 + len(case.primals)], "dout")[: len(case.primals) + (kind != "hvp")]]
     assert_all_close(dict(zip(names, ours)), dict(zip(names, theirs)))
 
 

@@ -59,7 +59,8 @@ def markdown(report: BenchReport) -> str:
         "fwd+bwd unless named jvp (forward and output tangent), double-backward (forward, backward with "
         "create_graph, backward again), hvp (forward over reverse: the JVP of the gradient) or decode (the "
         "forward of one query row against L keys, no gradient); 'refused' means "
-        "the backend raised (PyTorch's default CPU kernel has neither forward mode nor a second derivative).",
+        "the backend raised (PyTorch's default CPU kernel has neither forward mode nor a second derivative)."
+        + _apart_note(report),
         "",
         f"attngrad: {m.get('attngrad_tiles', 'torch-ops kernels')}.",
         "",
@@ -70,6 +71,15 @@ def markdown(report: BenchReport) -> str:
     if m.get("smoke_run"):
         lines = [f"**{m['smoke_run']}.**", ""] + lines
     return "\n".join(lines) + "\n"
+
+
+def _apart_note(report: BenchReport) -> str:
+    """The sentence on implementations timed after the interleaved rounds, where any were."""
+    cases = sorted({f"L={r.case.length}" for r in report.results if "torch-math" in r.apart})
+    if not cases:
+        return ""
+    return (f" At {', '.join(cases)} the math backend ran after the interleaved rounds, not among them: its "
+            "gigabytes allocated and freed each call slow whatever runs beside it (bench/runner.py, MATH_APART).")
 
 
 def write(report: BenchReport, directory: Path) -> list[Path]:

@@ -21,6 +21,12 @@ from .cases import IMPLEMENTATIONS, BenchCase, make_inputs, step
 from .memory import measure
 
 PLAIN = "attngrad-plain"  # attngrad on the case's reference, timed beside it
+# PyTorch's math backend times apart, after the interleaved rounds, where its score-sized
+# tensors (B H L^2 of them, several per call) pass this many numbers: allocating and freeing
+# gigabytes each call keeps the kernel reclaiming memory on the cores the others run on, and
+# a double backward at L=4096 (math: 5.7 GiB) took 1259 ms of ours interleaved with it
+# against 1064 ms without (our plain call: 464 against 427 ms; Intel Xeon, 2026-11-25).
+MATH_APART = 1 << 26
 
 
 def gemm_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
@@ -46,6 +52,7 @@ class CaseResult:
     memory: dict[str, dict[str, Any]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)  # implementation -> why
     ran: dict[str, str] = field(default_factory=dict)  # attngrad's pass -> implementation that ran it
+    apart: list[str] = field(default_factory=list)  # implementations timed after the interleaved rounds
 
     def over_plain(self) -> float | None:
         """Our time over our plain call's (`BenchCase.reference`), timed interleaved with it."""
@@ -86,6 +93,7 @@ class BenchReport:
                     "memory": r.memory,
                     "skipped": r.skipped,
                     "attngrad_ran": r.ran,
+                    "timed_apart": r.apart,
                 }
                 for r in self.results
             ],
@@ -105,6 +113,11 @@ def machine_facts() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+
+
+def _math_apart(case: BenchCase) -> bool:
+    """Whether PyTorch's math backend times apart from the others in `case` (MATH_APART)."""
+    return case.batch * case.heads * case.length**2 > MATH_APART
 
 
 def run_bench(
@@ -149,13 +162,18 @@ def run_bench(
             runs[PLAIN](inputs)  # its warm-up
             implementations.append(PLAIN)
         samples: dict[str, list[float]] = {impl: [] for impl in implementations}
+        apart = [i for i in implementations if i == "torch-math" and _math_apart(case)]
+        together = [i for i in implementations if i not in apart]
         order = random.Random(0)
         for _ in range(repeats):
             # interleaved, so drift hits all alike, in an order shuffled each round: a run
             # pays for the caches its predecessor left (a decode step 1.3x after the math
             # path's), and a fixed order would charge that to one implementation
-            for impl in order.sample(implementations, len(implementations)):
+            for impl in order.sample(together, len(together)):
                 samples[impl].append(_timed(lambda: runs[impl](inputs)))
+        for impl in apart:
+            samples[impl] = [_timed(lambda: runs[impl](inputs)) for _ in range(repeats)]
+        result.apart = apart
         result.seconds = {impl: statistics.median(s) for impl, s in samples.items()}
         if memory:
             for impl in (i for i in implementations if i != PLAIN):

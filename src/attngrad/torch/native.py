@@ -67,6 +67,12 @@ VALUE_SLICE = 128
 # the pass took 1033 ms with 16 rows, 817 with 32, 700 with 64 and 681 with 128 (scalar row
 # loops; 655 once they were vectorised).
 DOUBLE_TILE = 1 << 20
+# The whole-row passes (JVP, the backward's JVP, double backward) copy each work item's
+# key-side heads transposed, and sum its key-side gradients transposed, when those copies
+# take at most this many numbers per thread (32 MiB of float32, twice the whole-row tiles):
+# MKL's NN kernel runs their products 9-13% faster than the NT and TN kernels on the heads
+# as they are (csrc/whole_rows.h, KeySide). Longer keys keep the heads in place.
+TRANSPOSED_KEYS = 1 << 23
 
 _MASK64 = (1 << 64) - 1
 
@@ -108,24 +114,25 @@ def _run(name: str, *args: object, **kwargs: object) -> None:
 
 def _options(causal: int | None, scale: float, *, block_rows: int = 0, chunks: int = 1,
              seed: int | Placement = 0, dropout_p: float = 0.0, block_keys: int = 0, softcap: float = 0.0,
-             sink: bool = False, bf16: bool = False) -> dict:
+             sink: bool = False, bf16: bool = False, transposed_keys: bool = False) -> dict:
     """The options every op takes (ATTNGRAD_OPTIONS_SCHEMA in csrc/ops.cpp): the causal
     diagonal (None: none), the dropout's placement and draws, the blocks, read now (tests
     set BLOCK_ROWS, BLOCK_KEYS and VALUE_SLICE)."""
     return dict(_options_of(causal, scale, block_rows or BLOCK_ROWS, chunks, Placement.of(seed), dropout_p,
-                            block_keys or BLOCK_KEYS, softcap, sink, bf16, VALUE_SLICE))
+                            block_keys or BLOCK_KEYS, softcap, sink, bf16, VALUE_SLICE, transposed_keys))
 
 
 @functools.lru_cache(maxsize=256)  # a model's calls repeat a few option sets
 def _options_of(causal: int | None, scale: float, block_rows: int, chunks: int, key: Placement, dropout_p: float,
-                block_keys: int, softcap: float, sink: bool, bf16: bool, value_slice: int) -> tuple:
+                block_keys: int, softcap: float, sink: bool, bf16: bool, value_slice: int,
+                transposed_keys: bool) -> tuple:
     bits = key.seed & _MASK64  # the seed's 64 bits, as the int64 with the same bits
     options = dict(causal=None if causal is None else int(causal), scale=float(scale), softcap=float(softcap),
                    dropout=dropout_p > 0.0, seed=bits - (1 << 64) if bits >> 63 else bits,
                    threshold=threshold(dropout_p), keep_value=keep_value(dropout_p), row_offset=key.row_offset,
                    key_offset=key.key_offset, head_offset=key.head_offset, partial_rows=bool(key.partial_rows),
                    sink=bool(sink), block_rows=block_rows, block_keys=block_keys, value_slice=value_slice,
-                   chunks=chunks, bf16_products=bf16)
+                   chunks=chunks, bf16_products=bf16, transposed_keys=transposed_keys)
     return tuple(options.items())
 
 
@@ -423,6 +430,12 @@ def attention_backward(
     return _sum_parts(dq_parts), dk, dv, _finish_bias_grad(dbias_parts, bias)
 
 
+def _transposed_keys(k: Tensor, v: Tensor) -> bool:
+    """Whether the whole-row passes take the key side transposed (TRANSPOSED_KEYS): at most
+    three K-like and three V-like heads of Lk keys."""
+    return k.shape[2] * 3 * (k.shape[3] + v.shape[3]) <= TRANSPOSED_KEYS
+
+
 def _rows_per_block(len_k: int) -> int:
     """Query rows per block of the double backward, which holds four R x Lk' tiles of whole
     rows: at most DOUBLE_TILE numbers each, 8 (or BLOCK_ROWS if fewer) to BLOCK_ROWS rows."""
@@ -454,7 +467,7 @@ def attention_double_backward(
          g_dout=g_dout, g_q=g_q, gk_parts=gk_parts, gv_parts=gv_parts, g_bias_parts=g_bias_parts,
          key_ranges=_key_ranges(q, k, causal, rows, masks, True),
          **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
-                    softcap=softcap, sink=sink))
+                    softcap=softcap, sink=sink, transposed_keys=_transposed_keys(k, v)))
     return g_dout, g_q, _sum_parts(gk_parts), _sum_parts(gv_parts), _finish_bias_grad(g_bias_parts, bias)
 
 
@@ -482,7 +495,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Ten
     _run("jvp", q, k, v, **_mask_args(masks), row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv,
          tbias=masks.get("tbias"), tout=out_t, key_ranges=_key_ranges(q, k, causal, rows, masks, True),
          **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
-                    dropout_p=dropout_p))
+                    dropout_p=dropout_p, transposed_keys=_transposed_keys(k, v)))
     return out_t
 
 
@@ -503,7 +516,7 @@ def attention_forward_jvp(q: Tensor, k: Tensor, v: Tensor, causal: int | None, s
     _run("forward_jvp", q, k, v, **_mask_args(masks), tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"), out=out,
          tout=out_t, key_ranges=_key_ranges(q, k, causal, rows, masks, True),
          **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
-                    dropout_p=dropout_p, sink=sink))
+                    dropout_p=dropout_p, sink=sink, transposed_keys=_transposed_keys(k, v)))
     return out, out_t
 
 
@@ -532,5 +545,5 @@ def attention_backward_jvp(
          tdq=tdq, tdk_parts=tdk_parts, tdv_parts=tdv_parts, tdbias_parts=tdbias_parts,
          key_ranges=_key_ranges(q, k, causal, rows, masks, True),
          **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
-                    softcap=softcap))
+                    softcap=softcap, transposed_keys=_transposed_keys(k, v)))
     return tdq, _sum_parts(tdk_parts), _sum_parts(tdv_parts), _finish_bias_grad(tdbias_parts, bias)

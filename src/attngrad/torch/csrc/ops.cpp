@@ -35,14 +35,15 @@ const char* const kBufferNames[kBufferCount] = {
 #define ATTNGRAD_OPTIONS_SCHEMA                                                                              \
     "int? causal, float scale, float softcap, bool dropout, int seed, int threshold, float keep_value, "     \
     "int row_offset, int key_offset, int head_offset, bool partial_rows, bool sink, int block_rows, "        \
-    "int block_keys, int value_slice, int chunks, bool bf16_products=False"
+    "int block_keys, int value_slice, int chunks, bool bf16_products=False, bool transposed_keys=False"
 #define ATTNGRAD_OPTIONS_PARAMS                                                                                   \
     std::optional<int64_t> causal, double scale, double softcap, bool dropout, int64_t seed, int64_t threshold,    \
         double keep_value, int64_t row_offset, int64_t key_offset, int64_t head_offset, bool partial_rows,         \
-        bool sink, int64_t block_rows, int64_t block_keys, int64_t value_slice, int64_t chunks, bool bf16_products
+        bool sink, int64_t block_rows, int64_t block_keys, int64_t value_slice, int64_t chunks, bool bf16_products, \
+        bool transposed_keys
 #define ATTNGRAD_OPTIONS_ARGS                                                                                      \
     Options { causal, scale, softcap, dropout, seed, threshold, keep_value, row_offset, key_offset, head_offset,   \
-              partial_rows, sink, block_rows, block_keys, value_slice, chunks, bf16_products }
+              partial_rows, sink, block_rows, block_keys, value_slice, chunks, bf16_products, transposed_keys }
 
 // A mask kept per block, every pass's last two arguments (bind_mask_blocks).
 #define MASK_BLOCKS_SCHEMA "Tensor? mask_blocks=None, Tensor? mask_tiles=None"
@@ -56,7 +57,7 @@ struct Options {
     int64_t row_offset, key_offset, head_offset;
     bool partial_rows, sink;
     int64_t block_rows, block_keys, value_slice, chunks;
-    bool bf16_products;
+    bool bf16_products, transposed_keys;
 };
 
 std::vector<int64_t> sizes_of(const AttngradCall& c, std::initializer_list<int64_t> lead, const int64_t* four) {
@@ -184,6 +185,7 @@ Call make_call(const char* what, const at::Tensor& q, const at::Tensor& k, const
     c.double_precision = out.dtype == at::kDouble;
     TORCH_CHECK(!o.bf16_products || !c.double_precision, what, ": bf16_products needs float32 buffers", ctx);
     c.bf16_products = o.bf16_products;
+    c.transposed_keys = o.transposed_keys;
     c.causal = o.causal.has_value(), c.causal_offset = o.causal.value_or(0);
     c.scale = o.scale, c.softcap = o.softcap;
     c.dropout = o.dropout, c.seed = static_cast<uint64_t>(o.seed), c.threshold = static_cast<uint64_t>(o.threshold);

@@ -1,6 +1,6 @@
 // attngrad's compiled tiles: the passes on query blocks of whole rows, the double
 // backward, the JVP and the backward's JVP (see tiles.h for the design).
-#include "tiles.h"
+#include "whole_rows.h"
 
 namespace attngrad_tiles {
 
@@ -27,13 +27,16 @@ void double_backward(const Pass<T>& pass) {
     const DropoutDraw& drop = pass.drop;
     const T scale = pass.scale;
     const ScoreMask<T> gbias{nullptr, Broadcast4(), pass[buf_gbias], Broadcast4(pass.call.bias_sizes)};
-    const index_t kv_size = s.batch * s.kv_heads * s.len_k;
     row_dots(dout, out, delta, s.batch * s.heads * s.len_q, s.dim_v);  // D = rowsum(dO * O)
     const SingleKeyRows<T> single_key(pass.masks, pass.causal, s, inv_sum);
     const KvItems items(s, pass.call.chunks, g_bias.shares_batch(s), g_bias.shares_kv_heads(s));
+    enum { K, GK, V, GV };  // the key side: inputs K, gK, V, gV; gradients g_K, g_V
+    const KeySide<T> key_side(pass, {{k, s.dim}, {gk, s.dim}, {v, s.dim_v}, {gv, s.dim_v}},
+                              {{gk_parts, s.dim}, {gv_parts, s.dim_v}});
     // scratch: P, then P Z; T, then g_dP Z; dP~ - D, then dS; X, then g_P, then g_S; with a
     // softcap its slope, and its curve (times the raw T)
-    for_each_row_block(pass, items, 4 + CapRows<T>::tiles(pass.cap, true), [&](const RowBlock& blk, T* scratch) {
+    for_each_row_block(pass, items, 4 + CapRows<T>::tiles(pass.cap, true), key_side,
+                       [&](const RowBlock& blk, T* scratch, typename KeySide<T>::Local& side) {
         const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = row_block_tile(pass);
         if (keys == 0) {  // rows that see no key: nothing flows back through them
             std::fill(g_q + first * s.dim, g_q + (first + rows) * s.dim, T(0));
@@ -44,8 +47,7 @@ void double_backward(const Pass<T>& pass) {
         const T* v_head = blk.head(v, s.dim_v);
         const T* gk_head = blk.head(gk, s.dim);
         const T* gv_head = blk.head(gv, s.dim_v);
-        T* g_k = blk.part_head(gk_parts, kv_size, s.dim);
-        T* g_v = blk.part_head(gv_parts, kv_size, s.dim_v);
+        const KeyGradient<T> g_k = side.gradient(0, blk), g_v = side.gradient(1, blk);
         T* g_bias_part = g_bias.part(blk.chunk);
         const T* q_blk = blk.block(q, s.dim);
         const T* do_blk = blk.block(dout, s.dim_v);
@@ -53,10 +55,10 @@ void double_backward(const Pass<T>& pass) {
         T *p = scratch, *t = scratch + tile, *dp = scratch + 2 * tile, *x = scratch + 3 * tile;
         const CapRows<T> cap_rows(pass.cap, scratch, tile, 4, true);
         // S = scale Q K^T;  T = scale (gQ K^T + Q gK^T) (+ gbias by row);  dP = dO V^T;  X = dO gV^T (Z by row)
-        pass.gemm(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
-        products_nt(pass, rows, keys, s.dim, scale, gq_blk, k_head, q_blk, gk_head, t);
-        pass.gemm(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, v_head, s.dim_v, T(0), dp, keys);
-        products_nt<T>(pass, rows, keys, s.dim_v, T(1), do_blk, gv_head, nullptr, nullptr, x);
+        side.times_keys(pass, blk, s.dim, scale, q_blk, K, p);
+        side.times_keys(pass, blk, s.dim, scale, gq_blk, K, q_blk, GK, t);
+        side.times_keys(pass, blk, s.dim_v, T(1), do_blk, V, dp);
+        side.times_keys(pass, blk, s.dim_v, T(1), do_blk, GV, x);
         for (index_t i = 0; i < rows; ++i) {
             T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
             const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
@@ -90,7 +92,7 @@ void double_backward(const Pass<T>& pass) {
             if (sli) Softcap<T>::back_to_raw(xi, dpi, sli, cvi, seen);
         }
         // backward: dV = (P Z)^T dO  ->  g_V += (g_dP Z)^T dO
-        pass.gemm(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), g_v, s.dim_v);
+        add_keys_product(pass, rows, keys, s.dim_v, T(1), t, do_blk, g_v);
         // backward: dP~ = (dO V^T) Z, dV = (P Z)^T dO  ->  g_dO = (g_dP Z) V + (P Z) gV
         if (g_dout) {
             T* g_do = g_dout + first * s.dim_v;
@@ -104,8 +106,8 @@ void double_backward(const Pass<T>& pass) {
         T* g_q_blk = g_q + first * s.dim;
         pass.gemm(false, false, rows, s.dim, keys, scale, x, keys, k_head, s.dim, T(0), g_q_blk, s.dim);
         if (gk_head) pass.gemm(false, false, rows, s.dim, keys, scale, dp, keys, gk_head, s.dim, T(1), g_q_blk, s.dim);
-        pass.gemm(true, false, keys, s.dim, rows, scale, x, keys, q_blk, s.dim, T(1), g_k, s.dim);
-        if (gq_blk) pass.gemm(true, false, keys, s.dim, rows, scale, dp, keys, gq_blk, s.dim, T(1), g_k, s.dim);
+        add_keys_product(pass, rows, keys, s.dim, scale, x, q_blk, g_k);
+        add_keys_product(pass, rows, keys, s.dim, scale, dp, gq_blk, g_k);
     });
 }
 
@@ -132,9 +134,11 @@ void jvp(const Pass<T>& pass) {
     const ScoreMask<T> tbias{nullptr, Broadcast4(), pass[buf_tbias], Broadcast4(pass.call.bias_sizes)};
     const SingleKeyRows<T> single_key(pass.masks, pass.causal, s, inv_sum);  // asked only with statistics
     const index_t value_slice = pass.call.value_slice;
+    enum { K, TK };  // the key side: inputs K, tK
+    const KeySide<T> key_side(pass, {{k, s.dim}, {tk, s.dim}}, {});
     // scratch: P; T, then P'
     for_each_row_block(pass, KvItems(s, pass.call.chunks, false, false), 2 + CapRows<T>::tiles(pass.cap, false),
-                       [&](const RowBlock& blk, T* scratch) {
+                       key_side, [&](const RowBlock& blk, T* scratch, typename KeySide<T>::Local& side) {
         const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = row_block_tile(pass);
         T* o_t = out_t + first * s.dim_v;
         T* o = with_forward ? out + first * s.dim_v : nullptr;
@@ -145,15 +149,13 @@ void jvp(const Pass<T>& pass) {
         }
         const T* q_blk = blk.block(q, s.dim);
         const T* tq_blk = blk.block(tq, s.dim);
-        const T* k_head = blk.head(k, s.dim);
-        const T* tk_head = blk.head(tk, s.dim);
         const T* v_head = blk.head(v, s.dim_v);
         const T* tv_head = blk.head(tv, s.dim_v);
         T *p = scratch, *t = scratch + tile;
         const CapRows<T> cap_rows(pass.cap, scratch, tile, 2, false);
         // forward: S = scale Q K^T + bias  ->  S' = scale (tQ K^T + Q tK^T) + tbias
-        pass.gemm(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
-        products_nt(pass, rows, keys, s.dim, scale, tq_blk, k_head, q_blk, tk_head, t);
+        side.times_keys(pass, blk, s.dim, scale, q_blk, K, p);
+        side.times_keys(pass, blk, s.dim, scale, tq_blk, K, q_blk, TK, t);
         for (index_t i = 0; i < rows; ++i) {
             T *pi = p + i * keys, *ti = t + i * keys;
             const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
@@ -219,13 +221,16 @@ void backward_jvp(const Pass<T>& pass) {
     const DropoutDraw& drop = pass.drop;
     const T scale = pass.scale;
     const ScoreMask<T> tbias{nullptr, Broadcast4(), pass[buf_tbias], Broadcast4(pass.call.bias_sizes)};
-    const index_t kv_size = s.batch * s.kv_heads * s.len_k;
     row_dots(dout, out, delta, s.batch * s.heads * s.len_q, s.dim_v);  // D = rowsum(dO * O)
     const SingleKeyRows<T> single_key(pass.masks, pass.causal, s, inv_sum);
     const KvItems items(s, pass.call.chunks, tdbias.shares_batch(s), tdbias.shares_kv_heads(s));
     // scratch: P; T, then P'; dP~, then dS; dP~', then dS'; with a softcap its slope, and its
     // curve (times A')
-    for_each_row_block(pass, items, 4 + CapRows<T>::tiles(pass.cap, true), [&](const RowBlock& blk, T* scratch) {
+    enum { K, TK, V, TV };  // the key side: inputs K, tK, V, tV; gradients dK', dV'
+    const KeySide<T> key_side(pass, {{k, s.dim}, {tk, s.dim}, {v, s.dim_v}, {tv, s.dim_v}},
+                              {{tdk_parts, s.dim}, {tdv_parts, s.dim_v}});
+    for_each_row_block(pass, items, 4 + CapRows<T>::tiles(pass.cap, true), key_side,
+                       [&](const RowBlock& blk, T* scratch, typename KeySide<T>::Local& side) {
         const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = row_block_tile(pass);
         T* dq_t = tdq + first * s.dim;
         if (keys == 0) {  // rows that see no key: nothing flows back through them
@@ -233,11 +238,8 @@ void backward_jvp(const Pass<T>& pass) {
             return;
         }
         const T* k_head = blk.head(k, s.dim);
-        const T* v_head = blk.head(v, s.dim_v);
         const T* tk_head = blk.head(tk, s.dim);
-        const T* tv_head = blk.head(tv, s.dim_v);
-        T* dk_t = blk.part_head(tdk_parts, kv_size, s.dim);
-        T* dv_t = blk.part_head(tdv_parts, kv_size, s.dim_v);
+        const KeyGradient<T> dk_t = side.gradient(0, blk), dv_t = side.gradient(1, blk);
         T* dbias_t = tdbias.part(blk.chunk);
         const T* q_blk = blk.block(q, s.dim);
         const T* tq_blk = blk.block(tq, s.dim);
@@ -246,11 +248,11 @@ void backward_jvp(const Pass<T>& pass) {
         T *p = scratch, *t = scratch + tile, *dp = scratch + 2 * tile, *x = scratch + 3 * tile;
         const CapRows<T> cap_rows(pass.cap, scratch, tile, 4, true);
         // forward: S = scale Q K^T + bias  ->  S' = scale (tQ K^T + Q tK^T) + tbias
-        pass.gemm(false, true, rows, keys, s.dim, scale, q_blk, s.dim, k_head, s.dim, T(0), p, keys);
-        products_nt(pass, rows, keys, s.dim, scale, tq_blk, k_head, q_blk, tk_head, t);
+        side.times_keys(pass, blk, s.dim, scale, q_blk, K, p);
+        side.times_keys(pass, blk, s.dim, scale, tq_blk, K, q_blk, TK, t);
         // backward: dP = dO V^T  ->  dP' = tdO V^T + dO tV^T
-        pass.gemm(false, true, rows, keys, s.dim_v, T(1), do_blk, s.dim_v, v_head, s.dim_v, T(0), dp, keys);
-        products_nt(pass, rows, keys, s.dim_v, T(1), tdo_blk, v_head, do_blk, tv_head, x);
+        side.times_keys(pass, blk, s.dim_v, T(1), do_blk, V, dp);
+        side.times_keys(pass, blk, s.dim_v, T(1), tdo_blk, V, do_blk, TV, x);
         for (index_t i = 0; i < rows; ++i) {
             T *pi = p + i * keys, *ti = t + i * keys, *dpi = dp + i * keys, *xi = x + i * keys;
             const index_t row = blk.r0 + i, seen = pass.causal.visible(row, blk.key0, keys);
@@ -280,14 +282,14 @@ void backward_jvp(const Pass<T>& pass) {
             if (sli) Softcap<T>::back_to_raw(xi, dpi, sli, cvi, seen);
         }
         // backward: dV = (P Z)^T dO  ->  dV' += (P' Z)^T dO + (P Z)^T tdO
-        pass.gemm(true, false, keys, s.dim_v, rows, T(1), t, keys, do_blk, s.dim_v, T(1), dv_t, s.dim_v);
-        if (tdo_blk) pass.gemm(true, false, keys, s.dim_v, rows, T(1), p, keys, tdo_blk, s.dim_v, T(1), dv_t, s.dim_v);
+        add_keys_product(pass, rows, keys, s.dim_v, T(1), t, do_blk, dv_t);
+        add_keys_product(pass, rows, keys, s.dim_v, T(1), p, tdo_blk, dv_t);
         // backward: dQ = scale dS K, dK = scale dS^T Q  ->  dQ' = scale (dS' K + dS tK),
         // dK' += scale (dS'^T Q + dS^T tQ)
         pass.gemm(false, false, rows, s.dim, keys, scale, x, keys, k_head, s.dim, T(0), dq_t, s.dim);
         if (tk_head) pass.gemm(false, false, rows, s.dim, keys, scale, dp, keys, tk_head, s.dim, T(1), dq_t, s.dim);
-        pass.gemm(true, false, keys, s.dim, rows, scale, x, keys, q_blk, s.dim, T(1), dk_t, s.dim);
-        if (tq_blk) pass.gemm(true, false, keys, s.dim, rows, scale, dp, keys, tq_blk, s.dim, T(1), dk_t, s.dim);
+        add_keys_product(pass, rows, keys, s.dim, scale, x, q_blk, dk_t);
+        add_keys_product(pass, rows, keys, s.dim, scale, dp, tq_blk, dk_t);
     });
 }
 

@@ -36,6 +36,9 @@ void sgemm_(const char*, const char*, const int*, const int*, const int*, const 
 void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*, const int*,
             const double*, const int*, const double*, double*, const int*) __attribute__((weak));
 int MKL_Set_Num_Threads_Local(int) __attribute__((weak));  // MKL's C interface (its lowercase name is the Fortran one)
+// MKL's out-of-place transposes, C interface as well (row-major 'R', transposed 'T')
+void MKL_Somatcopy(char, char, size_t, size_t, float, const float*, size_t, float*, size_t) __attribute__((weak));
+void MKL_Domatcopy(char, char, size_t, size_t, double, const double*, size_t, double*, size_t) __attribute__((weak));
 // MKL's bfloat16 GEMM (bf16 x bf16 products, float32 sums and C): on the matrix units (AMX) or
 // AVX512-BF16 where the CPU has them. Layout and transposes are CBLAS's enums (ints).
 void cblas_gemm_bf16bf16f32(int layout, int trans_a, int trans_b, int m, int n, int k, float alpha, const uint16_t* a,
@@ -122,7 +125,39 @@ void any_gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alp
     }
 }
 
+// b = a^T in strips of rows, each read once from the cache (what runs without MKL)
+template <typename T>
+void transpose_loop(index_t rows, index_t cols, const T* a, index_t lda, T* b, index_t ldb) {
+    constexpr index_t kStrip = 32;
+    for (index_t r0 = 0; r0 < rows; r0 += kStrip) {
+        const index_t r1 = std::min(rows, r0 + kStrip);
+        for (index_t c = 0; c < cols; ++c) {
+            for (index_t r = r0; r < r1; ++r) b[c * ldb + r] = a[r * lda + c];
+        }
+    }
+}
+
 }  // namespace
+
+// MKL's transpose where the BLAS path runs (4x the loop's pace: 0.24 against 0.63 ns an
+// entry for ATen's copy of a 1024 x 64 transpose), else the loop: the same numbers either way
+void transpose(index_t rows, index_t cols, const float* a, index_t lda, float* b, index_t ldb) {
+    if (rows == 0 || cols == 0) return;
+    if (MKL_Somatcopy && !use_aten_gemm.load(std::memory_order_relaxed)) {
+        MKL_Somatcopy('R', 'T', rows, cols, 1.0f, a, lda, b, ldb);
+        return;
+    }
+    transpose_loop(rows, cols, a, lda, b, ldb);
+}
+
+void transpose(index_t rows, index_t cols, const double* a, index_t lda, double* b, index_t ldb) {
+    if (rows == 0 || cols == 0) return;
+    if (MKL_Domatcopy && !use_aten_gemm.load(std::memory_order_relaxed)) {
+        MKL_Domatcopy('R', 'T', rows, cols, 1.0, a, lda, b, ldb);
+        return;
+    }
+    transpose_loop(rows, cols, a, lda, b, ldb);
+}
 
 // Whether the BLAS path exists here, and switching between the two (false: the BLAS).
 bool blas_available() { return sgemm_ != nullptr && dgemm_ != nullptr; }

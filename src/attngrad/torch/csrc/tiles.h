@@ -102,6 +102,7 @@ struct AttngradCall {
                                          // rows, keys and heads sit in the whole: the draws' coordinates
     bool partial_rows = false;  // the keys are a part of each row's (a ring step): no whole-row sums
     bool sink = false;          // each row's softmax has one more term, exp(0), of a key with value 0
+    bool transposed_keys = false;  // the whole-row passes copy key-side heads transposed (whole_rows.h, KeySide)
     bool bf16_products = false;  // float32 buffers of bfloat16 inputs: every GEMM multiplies its operands rounded
                                  // to bfloat16 (gemm_bf16), as the inputs' own type, with float32 sums
     int64_t block_rows = 1, block_keys = 1, value_slice = 1;  // query rows and keys of a tile; keys per E V product
@@ -121,6 +122,10 @@ inline void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T 
                  const T* b, index_t ldb, T beta, T* c, index_t ldc) {
     gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
+
+// b (cols x rows, leading dimension ldb) = a^T for a (rows x cols, lda), row-major
+void transpose(index_t rows, index_t cols, const float* a, index_t lda, float* b, index_t ldb);
+void transpose(index_t rows, index_t cols, const double* a, index_t lda, double* b, index_t ldb);
 
 // The same with A and B rounded to bfloat16 first, multiplied by MKL's bfloat16 GEMM (the
 // matrix units where the CPU has them), sums in float32; where there is none (or ATen's path
@@ -726,100 +731,6 @@ class KvItems {
    private:
     index_t batch_, kv_heads_, chunks_, b_items_, hk_items_;
 };
-
-// out (rows x keys) = alpha (a1 b1^T + a2 b2^T), each factor `width` wide and row-major; a
-// pair with a null factor is left out, and with neither out is 0. The tangents' and
-// cotangents' score-sized products: scale (tQ K^T + Q tK^T), dO tV^T + tdO V^T, ...
-template <typename T>
-void products_nt(const Pass<T>& pass, index_t rows, index_t keys, index_t width, T alpha, const T* a1, const T* b1,
-                 const T* a2, const T* b2, T* out) {
-    const bool first = a1 && b1, second = a2 && b2;
-    if (first) pass.gemm(false, true, rows, keys, width, alpha, a1, width, b1, width, T(0), out, keys);
-    if (second) pass.gemm(false, true, rows, keys, width, alpha, a2, width, b2, width, T(first ? 1 : 0), out, keys);
-    if (!first && !second) std::fill(out, out + rows * keys, T(0));
-}
-
-// A row whose one key takes part: P = 1 there and 0 elsewhere, exactly (a recomputed score
-// can round apart from the forward's maximum); returns rowsum(P * t) = t at that key.
-template <typename T>
-T single_key_probs(T* p, const T* t, index_t n) {
-    T sum = 0;
-    for (index_t j = 0; j < n; ++j) {
-        p[j] = p[j] > T(0) ? T(1) : T(0);
-        sum += p[j] * t[j];
-    }
-    return sum;
-}
-
-// The whole-row passes' probabilities: p <- P = exp(S - m) / l over a row's n keys; returns
-// t = rowsum(P * form). A row whose one key takes part (`single`, with l = 1) has P = 1 there
-// exactly, so t is the form there.
-template <typename T>
-T row_probs(T* p, const T* form, index_t n, T m, T inv, bool single) {
-    const T t = probs_and_dot(p, form, n, m, inv);
-    return single ? single_key_probs(p, form, n) : t;
-}
-
-// A query block of whole rows, in the passes that hold them (JVP, the backward's JVP,
-// double backward), within work item (chunk of query blocks, b, key/value head hk).
-struct RowBlock {
-    index_t chunk, b, hk, bhk;  // the work item; bhk = b Hkv + hk
-    index_t h, bh;              // the query head, and bh = b H + h
-    index_t r0, rows, first;    // rows r0..r0 + rows of the head; first = bh Lq + r0
-    index_t keys;               // how many keys, from key0 on, any of the rows sees
-    index_t len_k;
-    index_t key0 = 0;           // the first of them: 0, or the smallest lower key bound of the rows
-
-    // The item's head in a key-side (B, Hkv, Lk, width) tensor from key key0 on, the block's
-    // rows in a query-side (B, H, Lq, width) one; null (an absent tangent) stays null.
-    template <typename P>
-    P* head(P* base, index_t width) const { return base ? base + head_offset(width) : nullptr; }
-    template <typename P>
-    P* block(P* base, index_t width) const { return base ? base + first * width : nullptr; }
-    // The item's head in its own chunk's part of `parts` (chunks x (B, Hkv, Lk, width))
-    template <typename P>
-    P* part_head(P* parts, index_t kv_size, index_t width) const {
-        return parts + chunk * kv_size * width + head_offset(width);
-    }
-    index_t head_offset(index_t width) const { return (bhk * len_k + key0) * width; }
-};
-
-// The numbers in one tile of whole rows: block_rows x Lk, or fewer rows where the call has fewer
-template <typename T>
-index_t row_block_tile(const Pass<T>& pass) {
-    return std::min<index_t>(pass.call.block_rows, pass.s.len_q) * pass.s.len_k;
-}
-
-// body(block, scratch) for every query block of whole rows: the work `items` in parallel,
-// each visiting, for its (chunk of query blocks, b, key/value head)s in order, its chunk of
-// blocks for every query head of the group in order (so its sums into its own parts have a
-// fixed order); `scratch` holds `tiles` tiles of block_rows x Lk per thread.
-template <typename T, typename Body>
-void for_each_row_block(const Pass<T>& pass, const KvItems& items, int tiles, Body&& body) {
-    const Shape& s = pass.s;
-    const index_t block_rows = pass.call.block_rows, chunks = pass.call.chunks;
-    const index_t group = s.heads / s.kv_heads;
-    const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
-    const KeyRanges ranges(pass.call);
-    parallel_items(items.count(), [&](const ItemSource& source) {
-        std::vector<T> scratch(tiles * row_block_tile(pass));
-        for (index_t item; (item = source.next()) >= 0;) {
-            items.visit(item, [&](const KvItem& it) {
-                for (index_t h = it.hk * group; h < (it.hk + 1) * group; ++h) {
-                    for (index_t qb = it.chunk * query_blocks / chunks; qb < (it.chunk + 1) * query_blocks / chunks;
-                         ++qb) {
-                        RowBlock blk{it.chunk, it.b, it.hk, it.bhk, h, it.b * s.heads + h, qb * block_rows, 0, 0, 0,
-                                     s.len_k};
-                        blk.rows = std::min(block_rows, s.len_q - blk.r0);
-                        blk.first = blk.bh * s.len_q + blk.r0;
-                        std::tie(blk.key0, blk.keys) = ranges(it.b, qb);  // block_map.key_ranges
-                        body(blk, scratch.data());
-                    }
-                }
-            });
-        }
-    });
-}
 
 // delta_r = rowsum(a_r * b_r) for `rows` rows of width `width`, summed in double: D enters
 // every dS = P (dP - D) of its row, and a float32 sum of d products would carry d roundings

@@ -47,7 +47,7 @@ void double_backward(const Pass<T>& pass) {
         const T* v_head = blk.head(v, s.dim_v);
         const T* gk_head = blk.head(gk, s.dim);
         const T* gv_head = blk.head(gv, s.dim_v);
-        const KeyGradient<T> g_k = side.gradient(0, blk), g_v = side.gradient(1, blk);
+        const KeyGradient<T> g_k = side.gradient(0, blk), g_v = side.gradient(1, blk);  // key_side's order
         T* g_bias_part = g_bias.part(blk.chunk);
         const T* q_blk = blk.block(q, s.dim);
         const T* do_blk = blk.block(dout, s.dim_v);
@@ -239,7 +239,7 @@ void backward_jvp(const Pass<T>& pass) {
         }
         const T* k_head = blk.head(k, s.dim);
         const T* tk_head = blk.head(tk, s.dim);
-        const KeyGradient<T> dk_t = side.gradient(0, blk), dv_t = side.gradient(1, blk);
+        const KeyGradient<T> dk_t = side.gradient(0, blk), dv_t = side.gradient(1, blk);  // key_side's order
         T* dbias_t = tdbias.part(blk.chunk);
         const T* q_blk = blk.block(q, s.dim);
         const T* tq_blk = blk.block(tq, s.dim);

@@ -115,7 +115,7 @@ index_t row_block_tile(const Pass<T>& pass) {
 // V and their tangents or cotangents, (B, Hkv, Lk, width), each may be null) and its
 // gradients (chunks x (B, Hkv, Lk, width) parts). With the call's `transposed_keys`, each
 // thread copies an item's inputs transposed (width x keys) over the keys its blocks see and
-// sums its gradients transposed, adding them into the item's parts when it ends: MKL's NN
+// sums its gradients transposed, writing them into the item's parts when it ends: MKL's NN
 // kernel runs the products by K^T and into dK^T 9-13% faster than its NT and TN kernels run
 // them on the heads as they are (128 x Lk x 64 float32 tiles, Lk 512-4096, Intel Xeon). The
 // copies hold (Lk x the widths) numbers per thread, so Python asks for them only up to a
@@ -240,11 +240,11 @@ class KeySide {
     std::vector<Gradient> grads_;
 };
 
-// body(block, scratch, keys) for every query block of whole rows: the work `items` in
+// body(block, scratch, side) for every query block of whole rows: the work `items` in
 // parallel, each visiting, for its (chunk of query blocks, b, key/value head)s in order, its
 // chunk of blocks for every query head of the group in order (so its sums into its own parts
 // have a fixed order); `scratch` holds `tiles` tiles of block_rows x Lk per thread, and
-// `keys` is the thread's KeySide::Local, begun on each (chunk, b, key/value head) over the
+// `side` is the thread's KeySide::Local, begun on each (chunk, b, key/value head) over the
 // keys its blocks see and ended after them.
 template <typename T, typename Body>
 void for_each_row_block(const Pass<T>& pass, const KvItems& items, int tiles, const KeySide<T>& key_side,
@@ -256,7 +256,7 @@ void for_each_row_block(const Pass<T>& pass, const KvItems& items, int tiles, co
     const KeyRanges ranges(pass.call);
     parallel_items(items.count(), [&](const ItemSource& source) {
         std::vector<T> scratch(tiles * row_block_tile(pass));
-        typename KeySide<T>::Local keys(key_side);
+        typename KeySide<T>::Local side(key_side);
         for (index_t item; (item = source.next()) >= 0;) {
             items.visit(item, [&](const KvItem& it) {
                 const index_t qb0 = it.chunk * query_blocks / chunks, qb1 = (it.chunk + 1) * query_blocks / chunks;
@@ -265,7 +265,7 @@ void for_each_row_block(const Pass<T>& pass, const KvItems& items, int tiles, co
                     const auto [key0, n] = ranges(it.b, qb);
                     if (n > 0) lo = std::min(lo, key0), hi = std::max(hi, key0 + n);
                 }
-                keys.begin(it, std::min(lo, hi), hi);
+                side.begin(it, std::min(lo, hi), hi);
                 for (index_t h = it.hk * group; h < (it.hk + 1) * group; ++h) {
                     for (index_t qb = qb0; qb < qb1; ++qb) {
                         RowBlock blk{it.chunk, it.b, it.hk, it.bhk, h, it.b * s.heads + h, qb * block_rows, 0, 0, 0,
@@ -273,10 +273,10 @@ void for_each_row_block(const Pass<T>& pass, const KvItems& items, int tiles, co
                         blk.rows = std::min(block_rows, s.len_q - blk.r0);
                         blk.first = blk.bh * s.len_q + blk.r0;
                         std::tie(blk.key0, blk.keys) = ranges(it.b, qb);  // block_map.key_ranges
-                        body(blk, scratch.data(), keys);
+                        body(blk, scratch.data(), side);
                     }
                 }
-                keys.end(it);
+                side.end(it);
             });
         }
     });

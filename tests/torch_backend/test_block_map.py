@@ -1,7 +1,9 @@
-"""block_map.empty_tiles, the tiles the compiled passes skip, against a dense reference
+"""block_map.empty_tiles, the tiles the compiled passes skip, and block_map.tile_map, which
+also marks the tiles they compute without the mask and bias, against a dense reference
 built by brute force: every entry's rule applied, then each tile read whole. The bias is
 read per tile (a tile excluded where it is -inf throughout), so every tile the map excludes
-is one no entry of takes part: skipping it is exact."""
+is one no entry of takes part: skipping it is exact; a tile is unmasked only where the
+mask keeps every entry and the bias is 0 on all of them: leaving them out is exact too."""
 
 import pytest
 
@@ -9,7 +11,8 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from attngrad.torch.block_map import empty_tiles, kept_keys, key_range, key_ranges, row_intervals  # noqa: E402
+from attngrad.torch import block_map  # noqa: E402
+from attngrad.torch.block_map import empty_tiles, kept_keys, key_range, key_ranges, row_intervals, tile_map  # noqa: E402
 
 
 def _reference(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys, exact=False):
@@ -49,7 +52,37 @@ def _check(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys):
     assert torch.equal(got, want)
     exact = _reference(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys, exact=True)
     assert not bool((got & ~exact).any()), "a tile with an entry that takes part was excluded"
+    ranges = key_ranges(len_q, len_k, causal, None, block_rows, kept_keys(mask, bias, len_q, block_rows))
+    kinds = tile_map(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys, ranges=ranges)
+    assert kinds.dtype == torch.uint8 and kinds.is_contiguous() and kinds.shape == got.shape
+    unmasked = _unmasked_reference(len_q, len_k, mask, bias, block_rows, block_keys, ranges).expand_as(got)
+    want_kinds = torch.where(want, block_map.SKIPPED, torch.where(unmasked, block_map.UNMASKED, block_map.COMPUTED)).to(torch.uint8)
+    assert torch.equal(kinds, want_kinds)
     return got
+
+
+def _unmasked_reference(len_q, len_k, mask, bias, block_rows, block_keys, ranges):
+    """(B', H', query blocks, key blocks): True where a mask or bias is given and, on every
+    entry of the tile up to its query block's end of keys (`ranges`), the mask keeps it and
+    the bias is 0."""
+    if mask is None and bias is None:
+        return torch.zeros(1, 1, 1, 1, dtype=torch.bool)
+    keeps = torch.ones(1, 1, len_q, len_k, dtype=torch.bool)
+    if mask is not None:
+        keeps = keeps & mask
+    if bias is not None:
+        keeps = keeps & (bias == 0)
+    keeps = keeps.expand(max(keeps.shape[0], ranges.shape[0]), *keeps.shape[1:])
+    n_q, n_k = -(-len_q // block_rows), -(-len_k // block_keys)
+    out = torch.empty(*keeps.shape[:2], n_q, n_k, dtype=torch.bool)
+    for b in range(keeps.shape[0]):
+        for i in range(n_q):
+            end = int(ranges[b % ranges.shape[0], i].sum())
+            for j in range(n_k):
+                rows = slice(i * block_rows, (i + 1) * block_rows)
+                keys = slice(j * block_keys, min((j + 1) * block_keys, max(end, j * block_keys)))
+                out[b, :, i, j] = keeps[b, :, rows, keys].flatten(1).all(1)
+    return out
 
 
 @settings(max_examples=300, deadline=None)
@@ -73,11 +106,16 @@ def test_empty_tiles_match_a_dense_reference(data, batch, heads, len_q, len_k, b
 
     mask = bias = None
     if data.draw(st.booleans()):
-        mask = torch.rand(*sizes(), generator=g) < data.draw(st.sampled_from([0.05, 0.5, 0.95]))
+        mask = torch.rand(*sizes(), generator=g) < data.draw(st.sampled_from([0.05, 0.5, 0.95, 1.0]))
     if data.draw(st.booleans()):
         dtype = data.draw(st.sampled_from([torch.float32, torch.float64]))
-        bias = torch.randn(*sizes(), generator=g, dtype=dtype)
-        bias[torch.rand(bias.shape, generator=g) < data.draw(st.sampled_from([0.1, 0.9]))] = float("-inf")
+        if data.draw(st.booleans()):
+            bias = torch.randn(*sizes(), generator=g, dtype=dtype)
+        else:  # a float mask: zeros (some -0.0), here and there another value
+            bias = torch.zeros(*sizes(), dtype=dtype)
+            bias[torch.rand(bias.shape, generator=g) < 0.3] = -0.0
+            bias[torch.rand(bias.shape, generator=g) < data.draw(st.sampled_from([0.0, 0.02]))] = 1e-30
+        bias[torch.rand(bias.shape, generator=g) < data.draw(st.sampled_from([0.0, 0.1, 0.9]))] = float("-inf")
     _check(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys)
 
 
@@ -152,35 +190,52 @@ def test_key_ranges_agree_with_key_range_and_hold_every_interval(data, batch, le
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.data(), st.integers(1, 3), st.integers(1, 3), st.integers(2, 40), st.sampled_from(["mask", "bias", "both"]))
-def test_kept_keys_span_exactly_the_keys_a_padding_mask_keeps(data, batch, heads, len_k, kind):
-    """kept_keys of a (B, H, 1, Lk) mask or -inf bias: [first, stop) holds every key some head
-    keeps, and its ends are kept (nothing narrower would do); (0, 0) where none is kept. Key
-    ranges narrowed by it still hold every kept key of every row (the causal prefix aside)."""
-    keep = torch.tensor(data.draw(st.lists(st.booleans(), min_size=batch * heads * len_k,
-                                           max_size=batch * heads * len_k))).view(batch, heads, 1, len_k)
+@given(st.data(), st.integers(1, 3), st.integers(1, 3), st.integers(1, 9), st.integers(2, 40),
+       st.sampled_from(["mask", "bias", "both"]))
+def test_kept_keys_span_exactly_the_keys_each_query_block_keeps(data, batch, heads, len_q, len_k, kind):
+    """kept_keys of a mask or -inf bias, per key (B, H, 1, Lk: padding) or per row: for each
+    query block, [first, stop) holds every key some row and head keeps, and its ends are
+    kept (nothing narrower would do); (0, 0) where none is kept; None only where every block
+    keeps its first and last key. Key ranges narrowed by it still hold every kept key of
+    every row (the causal prefix aside)."""
+    rows = data.draw(st.sampled_from([1, len_q]))
+    block_rows = data.draw(st.integers(1, 4))
+    keep = torch.tensor(data.draw(st.lists(st.booleans(), min_size=batch * heads * rows * len_k,
+                                           max_size=batch * heads * rows * len_k))).view(batch, heads, rows, len_k)
     bias = torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, float("-inf"))
     mask = keep if kind in ("mask", "both") else None
-    kept = kept_keys(mask, bias if kind in ("bias", "both") else None)
-    any_head = keep.any(1)[:, 0]  # (B, Lk)
-    assert kept.shape == (batch, 2) and kept.dtype == torch.int64
+    kept = kept_keys(mask, bias if kind in ("bias", "both") else None, len_q, block_rows)
+    n_q = -(-len_q // block_rows)
+    every_row = keep.expand(batch, heads, len_q, len_k).any(1)  # (B, Lq, Lk)
+    spans = []
     for b in range(batch):
-        first, stop = kept[b].tolist()
-        columns = any_head[b].nonzero().flatten().tolist()
-        assert (first, stop) == ((columns[0], columns[-1] + 1) if columns else (0, 0))
+        for qb in range(n_q):
+            columns = every_row[b, qb * block_rows:(qb + 1) * block_rows].any(0).nonzero().flatten().tolist()
+            spans.append((columns[0], columns[-1] + 1) if columns else (0, 0))
+    if kept is None:
+        assert all(span == (0, len_k) for span in spans)
+        return
+    assert kept.dtype == torch.int64 and kept.shape[0] == batch and kept.shape[1] in (1, n_q)
+    got = kept.expand(batch, n_q, 2).reshape(-1, 2).tolist()
+    assert [tuple(span) for span in got] == spans
     causal = data.draw(st.one_of(st.none(), st.integers(-3, len_k)))
-    ranges = key_ranges(5, len_k, causal, None, 2, kept)
+    ranges = key_ranges(len_q, len_k, causal, None, block_rows, kept)
     for b in range(batch):
-        for qb in range(3):
+        for qb in range(n_q):
             key0, keys = ranges[b, qb].tolist()
-            for row in range(qb * 2, min(5, qb * 2 + 2)):
+            for row in range(qb * block_rows, min(len_q, (qb + 1) * block_rows)):
                 end = len_k if causal is None else max(0, min(len_k, row + causal + 1))
-                seen = any_head[b, :end].nonzero().flatten().tolist()
+                seen = every_row[b, row, :end].nonzero().flatten().tolist()
                 assert all(key0 <= j < key0 + keys for j in seen)
 
 
-def test_kept_keys_leave_other_shapes_alone():
-    """A mask per query row, or one broadcast along the keys (a sink's bias), narrows nothing."""
-    assert kept_keys(torch.ones(1, 1, 4, 6, dtype=torch.bool), None) is None
-    assert kept_keys(None, torch.zeros(1, 3, 1, 1)) is None
-    assert kept_keys(None, None) is None
+def test_kept_keys_read_two_columns_where_nothing_narrows():
+    """A learned bias, a mask that keeps each block's first and last key, or one broadcast
+    along the keys (a sink's bias) narrows nothing: None."""
+    assert kept_keys(torch.ones(1, 1, 4, 6, dtype=torch.bool), None, 4, 2) is None
+    assert kept_keys(None, torch.randn(2, 3, 5, 7), 5, 2) is None
+    holes = torch.ones(1, 1, 4, 6, dtype=torch.bool)
+    holes[..., 0, 1:5] = False
+    assert kept_keys(holes, None, 4, 2) is None
+    assert kept_keys(None, torch.zeros(1, 3, 1, 1), 4, 2) is None
+    assert kept_keys(None, None, 4, 2) is None

@@ -692,6 +692,46 @@ def test_tiles_skip_what_a_padding_mask_excludes(causal):
 
 
 @needs_tiles
+@pytest.mark.parametrize("causal", [None, 3])
+def test_unmasked_tiles_give_the_bits_of_masked_ones(monkeypatch, causal):
+    """A float mask of 0 and -inf per row (a padding mask per sequence, and holes), a
+    boolean mask that keeps most tiles whole, and a soft cap, on 4 x 8 tiles: the passes
+    leave the mask and bias out on the tiles the tile map marks UNMASKED (some are), and the
+    forward's and backward's float32 results are bit for bit those of a map that marks
+    every such tile COMPUTED (adding 0 and keeping every entry change no score)."""
+    q, k, v, dout = _inputs(2, 3, 3, 21, 37, 8, 6, torch.float32, 11)
+    bias = torch.zeros(2, 1, 21, 37)
+    bias[0, ..., 29:] = float("-inf")
+    bias[1, :, 5, 9] = float("-inf")
+    mask = torch.ones(2, 3, 21, 37, dtype=torch.bool)
+    mask[1, 2, 17, 30] = False
+    monkeypatch.setattr(native, "BLOCK_ROWS", 4)
+    monkeypatch.setattr(native, "BLOCK_KEYS", 8)
+    made = []
+
+    def run():
+        native._MAPS.clear()
+        out = native.attention_forward(q, k, v, causal, 0.3, softcap=2.0, mask=mask, bias=bias)
+        grads = native.attention_backward(dout, q, k, v, *out, causal, 0.3, softcap=2.0, mask=mask, bias=bias)[:3]
+        return out + tuple(grads)
+
+    def demoted(*args, **kwargs):  # the same map, UNMASKED tiles computed with the mask and bias
+        kinds = block_map.tile_map(*args, **kwargs)
+        made.append(int((kinds == block_map.UNMASKED).sum()))
+        return kinds.masked_fill(kinds == block_map.UNMASKED, block_map.COMPUTED)
+
+    ours = run()
+    monkeypatch.setattr(native, "tile_map", demoted)
+    computed = run()
+    assert made and min(made) > 10, made
+    for name, a, b in zip(("out", "row_max", "inv_sum", "dq", "dk", "dv"), ours, computed):
+        assert torch.equal(a, b), name
+    theirs = kernels.attention_forward(q.double(), k.double(), v.double(), mask, bias.double(), 0, causal, 0.3,
+                                       2.0, 0.0)
+    assert rel_err(ours[0].double(), theirs[0]) < 1e-5
+
+
+@needs_tiles
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_tiles_skip_what_a_causal_window_excludes(with_mask):
     """A causal sliding window of 9 keys (key bounds), with or without a boolean mask that
@@ -726,21 +766,23 @@ def test_tiles_skip_what_a_causal_window_excludes(with_mask):
 
 
 @needs_tiles
-@pytest.mark.parametrize("fault", ["shape", "dtype", "layout"])
-def test_tiles_check_the_block_map(fault):
-    """The ops check the block map they are handed like every other tensor: its shape
-    against the call's blocks, bool, contiguous; the message names it."""
+@pytest.mark.parametrize("fault", ["shape", "dtype", "layout", "kind"])
+def test_tiles_check_the_tile_map(fault):
+    """The ops check the tile map they are handed like every other tensor: its shape
+    against the call's blocks, uint8, contiguous, and each entry one of the three kinds;
+    the message names it."""
     q, k, v, _ = _inputs(1, 2, 2, 9, 11, 4, 4, torch.float32, 1)
-    good = torch.zeros(1, 2, 3, 2, dtype=torch.bool)  # 9 rows of 4, 11 keys of 8
-    bad = {"shape": torch.zeros(1, 2, 3, 3, dtype=torch.bool), "dtype": good.to(torch.uint8),
-           "layout": torch.zeros(1, 2, 2, 3, dtype=torch.bool).transpose(2, 3)}[fault]
+    good = torch.tensor([0, 1, 2], dtype=torch.uint8).repeat(4)[:12].view(1, 2, 3, 2)  # 9 rows of 4, 11 keys of 8
+    bad = {"shape": torch.zeros(1, 2, 3, 3, dtype=torch.uint8), "dtype": good.to(torch.bool),
+           "layout": torch.zeros(1, 2, 2, 3, dtype=torch.uint8).transpose(2, 3),
+           "kind": good.clone().index_fill_(3, torch.tensor([1]), 3)}[fault]
     out, row_max, inv_sum = q.new_empty(1, 2, 9, 4), q.new_empty(1, 2, 9), q.new_empty(1, 2, 9)
     options = native._options(None, 0.5, block_rows=4, block_keys=8)
     torch.ops.attngrad_tiles.forward(q, k, v, None, None, None, out=out, row_max=row_max, inv_sum=inv_sum,
-                                     empty_tiles=good, **options)
-    with pytest.raises(RuntimeError, match="attngrad_tiles.forward: empty_tiles"):
+                                     tile_map=good, **options)
+    with pytest.raises(RuntimeError, match="attngrad_tiles.forward: tile_map"):
         torch.ops.attngrad_tiles.forward(q, k, v, None, None, None, out=out, row_max=row_max, inv_sum=inv_sum,
-                                         empty_tiles=bad, **options)
+                                         tile_map=bad, **options)
 
 
 @needs_tiles
@@ -770,12 +812,15 @@ def test_tiles_check_the_key_ranges(fault, op):
 
 @needs_tiles
 @pytest.mark.parametrize("is_causal", [False, True, "bottom_right"])
-def test_padding_narrows_the_tiles_and_every_derivative_holds(many_blocks, is_causal):
-    """A key padding mask with left and right padding (per batch entry) narrows every pass's
-    key ranges (block_map.kept_keys): the tiles stop where the kept keys do, the backward's
-    at the forward's width. With a full-size bias whose gradient the backward writes entry by
-    entry (the narrowed-off columns as 0): output, dq, dk, dv, dbias, a JVP and a double
-    backward equal PyTorch's math backend to 1e-12 in float64."""
+@pytest.mark.parametrize("per_row", [False, True])
+def test_padding_narrows_the_tiles_and_every_derivative_holds(many_blocks, is_causal, per_row):
+    """A key padding mask with left and right padding (per batch entry), or one whose kept
+    keys also differ between query blocks (`per_row`, as a float mask of 0 and -inf writes
+    a padded batch), narrows every pass's key ranges (block_map.kept_keys): the tiles stop
+    where the kept keys do, the backward's at the forward's width. With a full-size bias
+    whose gradient the backward writes entry by entry (the narrowed-off columns as 0):
+    output, dq, dk, dv, dbias, a JVP and a double backward equal PyTorch's math backend to
+    1e-12 in float64."""
     from attngrad.torch import attention, use_implementation
 
     g = torch.Generator().manual_seed(21)
@@ -785,6 +830,11 @@ def test_padding_narrows_the_tiles_and_every_derivative_holds(many_blocks, is_ca
     keep = torch.zeros(2, 1, 1, 43, dtype=torch.bool)
     keep[0, ..., 5:31] = True
     keep[1, ..., 22:41] = True
+    if per_row:  # rows 2, 5, 8 of the first sequence see keys 9-19 alone, rows 14 and 16 of the second none
+        keep = keep.expand(2, 1, 17, 43).clone()
+        keep[0, :, 2:9:3] = False
+        keep[0, :, 2:9:3, 9:20] = True
+        keep[1, :, 14:17:2] = False
     dout = torch.randn(2, 3, 17, 8, generator=g, dtype=torch.float64)
     offset = 43 - 17 if is_causal == "bottom_right" else 0
     allowed = keep & torch.ones(17, 43, dtype=torch.bool).tril(offset) if is_causal else keep

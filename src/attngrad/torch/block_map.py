@@ -16,9 +16,11 @@ the rules here: the torch-ops kernels' key range per block (`key_range`) and exc
 entries (`excluded`), the ring's units (`classify`), the counts the tests check.
 `key_ranges` gives the compiled tiles each query block's keys [key0, key0 + keys), the
 same ranges as `key_range`, per batch entry of the bounds. `empty_tiles` gives the
-compiled tiles' forward and backward the tiles they skip: those in
-which no entry takes part by the intervals and the mask, or whose bias is -inf throughout
-(the entries of the tiles they compute are masked one by one there).
+tiles a forward and backward may skip: those in which no entry takes part by the
+intervals and the mask, or whose bias is -inf throughout (the entries of the tiles they
+compute are masked one by one there). `tile_map`, the compiled tiles' form of it, also
+marks the tiles that the mask and bias leave as they are (kept whole, 0 throughout),
+which the passes compute without reading them.
 """
 
 from __future__ import annotations
@@ -124,43 +126,113 @@ def _blocks(t: Tensor, axis: int, size: int, block: int) -> Tensor:
     return padded
 
 
-def _tiles_all_minus_inf(bias: Tensor, block_rows: int, block_keys: int) -> Tensor:
-    """(Ba, Hb, query blocks or 1, key blocks or 1) boolean: the tiles whose bias entries are
-    all -inf. Read cheaply: a tile with a finite entry in its first key column is not (one
-    column in block_keys read), and only the others are read whole (a padding mask's padded
-    tiles; none for a dense learned bias)."""
+def _whole_tiles(t: Tensor, block_rows: int, block_keys: int) -> Tensor:
+    """(Bt, Ht, query blocks, R, key blocks, K): a 4-D mask or bias cut into tiles (along an
+    axis of size 1: blocks of 1), the last block's missing rows and keys copies of its last
+    row and key, so that a reduction over (3, 5) reads each tile's own entries alone."""
+    rows, keys = t.shape[2], t.shape[3]
+    br, bk = (block_rows if rows > 1 else 1), (block_keys if keys > 1 else 1)
+    n_q, n_k = -(-rows // br), -(-keys // bk)
+    if rows % br:
+        t = t.index_select(2, torch.arange(n_q * br).clamp(max=rows - 1))
+    if keys % bk:
+        t = t.index_select(3, torch.arange(n_k * bk).clamp(max=keys - 1))
+    return t.reshape(*t.shape[:2], n_q, br, n_k, bk)
+
+
+def _bias_tiles(bias: Tensor, block_rows: int, block_keys: int,
+                beyond: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(all -inf, all zero): (Ba, Hb, query blocks or 1, key blocks or 1) boolean each, the
+    tiles whose bias entries are all -inf, and those where they are all 0 (adding it changes
+    no score) but in the columns `beyond` marks (`_columns`). Read cheaply: a tile with
+    another value in its first key column is neither (one column in block_keys read), and
+    the whole bias is read only where some tile may be (a padding mask written as a bias;
+    never for a dense learned bias)."""
     rows_b, keys_b = bias.shape[2], bias.shape[3]
     br, bk = (block_rows if rows_b > 1 else 1), (block_keys if keys_b > 1 else 1)
-    first_column = _blocks(bias[..., ::bk] != float("-inf"), 2, rows_b, br)  # (Ba, Hb, rows, nk)
-    open_ = first_column.view(*bias.shape[:2], -1, br, first_column.shape[-1]).any(3)  # (Ba, Hb, nq, nk)
-    candidates = (~open_).nonzero(as_tuple=True)
-    if candidates[0].numel():
-        b, h, qb, kb = candidates
-        rows = (qb[:, None] * br + torch.arange(br)).clamp(max=rows_b - 1)  # (C, br): a last partial block
-        keys = (kb[:, None] * bk + torch.arange(bk)).clamp(max=keys_b - 1)  # repeats its last row and key
-        entries = bias[b[:, None, None], h[:, None, None], rows[:, :, None], keys[:, None, :]]  # (C, br, bk)
-        open_[b, h, qb, kb] = (entries != float("-inf")).flatten(1).any(1)
-    return ~open_
+    first_column = bias[..., ::bk]  # (Ba, Hb, rows, nk)
+
+    def somewhere(entries: Tensor) -> Tensor:  # (Ba, Hb, nq, nk): some row of the tile
+        return _blocks(entries, 2, rows_b, br).view(*bias.shape[:2], -1, br, entries.shape[-1]).any(3)
+
+    candidates = ~somewhere(first_column != float("-inf")) | ~somewhere(first_column != 0)
+    if bias.numel() == 0 or not bool(candidates.any()):
+        none = torch.zeros_like(candidates)
+        return none, none
+    tiles = _whole_tiles(bias, block_rows, block_keys)
+    top, bottom = tiles.amax(3), tiles.amin(3)  # each column's: (Ba, Hb, nq, nk, K)
+    return (top == float("-inf")).all(-1), _columns((top == 0) & (bottom == 0), beyond)
+
+
+def _columns(columns: Tensor, beyond: Optional[Tensor]) -> Tensor:
+    """(..., query blocks, key blocks) boolean: True where `columns` (..., key blocks, K) is
+    True in every column of the tile that `beyond` ((1 or B, 1, query blocks, key blocks,
+    K): past the keys its query block sees, which the passes do not compute) leaves."""
+    if beyond is not None and columns.shape[-1] > 1:  # K = 1: one entry for all keys
+        columns = columns | beyond
+    return columns.all(-1)
 
 
 def empty_tiles(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[Tensor], mask: Optional[Tensor],
                 bias: Optional[Tensor], block_rows: int, block_keys: int,
                 blocks: Optional[MaskBlocks] = None) -> Tensor:
-    """Which tiles of block_rows x block_keys the compiled tiles skip: (1 or B, 1 or H, query
-    blocks, key blocks) boolean, contiguous, True where the tile is excluded. A tile is
-    excluded where no entry (i, j) takes part by row i's interval (`row_intervals`: the
-    causal diagonal and the key bounds) and the boolean mask together, or where the bias is
-    -inf on all of it (the bias is read per tile: a tile whose only finite bias entries lie
-    outside its rows' intervals is computed, and gives zeros there). `mask` and `bias` 4-D,
-    each size 1 or the scores' own (B, H, Lq, Lk). The batch and head axes stay 1 where none
-    of bounds, mask and bias varies along them. A mask kept per block (`blocks`) excludes
-    the tiles whose blocks are all EMPTY (`mask_blocks.blocks_with_no_entry`)."""
+    """Which tiles of block_rows x block_keys the passes skip: (1 or B, 1 or H, query blocks,
+    key blocks) boolean, contiguous, True where the tile is excluded. A tile is excluded
+    where no entry (i, j) takes part by row i's interval (`row_intervals`: the causal
+    diagonal and the key bounds) and the boolean mask together, or where the bias is -inf on
+    all of it (the bias is read per tile: a tile whose only finite bias entries lie outside
+    its rows' intervals is computed, and gives zeros there). `mask` and `bias` 4-D, each
+    size 1 or the scores' own (B, H, Lq, Lk). The batch and head axes stay 1 where none of
+    bounds, mask and bias varies along them. A mask kept per block (`blocks`) excludes the
+    tiles whose blocks are all EMPTY (`mask_blocks.blocks_with_no_entry`)."""
+    excluded, _ = _classified(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys, blocks, None, False)
+    return excluded.expand(*excluded.shape[:2], -(-len_q // block_rows), -(-len_k // block_keys)).contiguous()
+
+
+# The kinds of tile in a tile map: the mask and bias applied entry by entry, not computed,
+# or computed without them
+COMPUTED, SKIPPED, UNMASKED = 0, 1, 2
+
+
+def tile_map(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[Tensor], mask: Optional[Tensor],
+             bias: Optional[Tensor], block_rows: int, block_keys: int, blocks: Optional[MaskBlocks] = None,
+             ranges: Optional[Tensor] = None) -> Tensor:
+    """The compiled tiles' map of their forward's and backward's tiles: `empty_tiles`'s shape,
+    uint8, contiguous, of SKIPPED where `empty_tiles` excludes the tile, UNMASKED where the
+    mask keeps every entry of it and the bias is 0 on all of them, so that the passes neither
+    read nor apply them there (a padding mask written as a float mask, 0 and -inf, costs
+    what a boolean one does), COMPUTED elsewhere. With the passes' key `ranges`
+    (`key_ranges`), a tile's entries past its query block's keys, which they do not compute,
+    do not count. The causal diagonal, the key bounds and a mask kept per block apply on
+    every tile computed; without a mask or a bias no tile is UNMASKED."""
+    excluded, unmasked = _classified(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys, blocks,
+                                     ranges, mask is not None or bias is not None)
+    kinds = torch.where(excluded, SKIPPED, torch.where(unmasked, UNMASKED, COMPUTED)).to(torch.uint8)
+    return kinds.expand(*kinds.shape[:2], -(-len_q // block_rows), -(-len_k // block_keys)).contiguous()
+
+
+def _classified(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[Tensor], mask: Optional[Tensor],
+                bias: Optional[Tensor], block_rows: int, block_keys: int, blocks: Optional[MaskBlocks],
+                ranges: Optional[Tensor], unmasked: bool) -> tuple[Tensor, Tensor]:
+    """(excluded, unmasked) per tile, 4-D boolean, each axis 1 or the map's own: what
+    `empty_tiles` excludes, and (where asked, else False throughout) the tiles where the mask
+    keeps every entry and the bias is 0, but past the ends of `ranges`."""
     excluded = _excluded_by_structure_and_mask(len_q, len_k, causal, bounds, mask, block_rows, block_keys)
+    kept = torch.full((1, 1, 1, 1), unmasked)
+    beyond = None
+    if unmasked and ranges is not None:
+        ends = ranges[..., 0] + ranges[..., 1]  # (1 or B, query blocks)
+        width = (ends[..., None] - torch.arange(-(-len_k // block_keys)) * block_keys).clamp(0, block_keys)
+        beyond = (torch.arange(block_keys) >= width[..., None])[:, None]  # (1 or B, 1, nq, nk, K)
+    if unmasked and mask is not None:
+        kept = kept & _columns(_whole_tiles(mask, block_rows, block_keys).all(3), beyond)
     if bias is not None:
-        excluded = excluded | _tiles_all_minus_inf(bias, block_rows, block_keys)
+        minus_inf, zero = _bias_tiles(bias, block_rows, block_keys, beyond)
+        excluded = excluded | minus_inf
+        kept = kept & zero
     if blocks is not None:
         excluded = excluded | blocks_with_no_entry(blocks, len_q, len_k, block_rows, block_keys).cpu()
-    return excluded.expand(*excluded.shape[:2], -(-len_q // block_rows), -(-len_k // block_keys)).contiguous()
+    return excluded, kept
 
 
 def _excluded_by_structure_and_mask(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[Tensor],
@@ -217,21 +289,38 @@ def _excluded_by_structure_and_mask(len_q: int, len_k: int, causal: Optional[int
     return ~seen
 
 
-def kept_keys(mask: Optional[Tensor], bias: Optional[Tensor]) -> Optional[Tensor]:
-    """Where a mask or bias that is the same for every query row (a key padding mask,
-    (., ., 1, Lk)) leaves keys: (1 or B, 2) int64, [first, stop) spanning every key some
-    head keeps (first = stop = 0 where none); None where neither has that shape."""
-    kept = None
-    for t, keep in ((mask, lambda m: m), (bias, lambda b: b != float("-inf"))):
-        if t is None or t.dim() != 4 or t.shape[2] != 1 or t.shape[3] == 1:  # per row, or one for all keys
-            continue
-        cols = keep(t).any(1)[:, 0]  # (1 or B, Lk)
-        kept = cols if kept is None else kept & cols
-    if kept is None:
+def kept_keys(mask: Optional[Tensor], bias: Optional[Tensor], len_q: int, block_rows: int) -> Optional[Tensor]:
+    """Where a mask or bias leaves keys to each query block of `block_rows` rows: (1 or B,
+    query blocks or 1, 2) int64, [first, stop) spanning every key some row of the block and
+    some head keeps (first = stop = 0 where none): a key padding mask's kept keys, or a float
+    mask's (0 and -inf, per row). None where every block keeps its first and last key (a
+    learned bias, a mask that narrows nothing): read from those two columns alone."""
+    given = [(t, keep) for t, keep in ((mask, lambda m: m), (bias, lambda b: b != float("-inf"))) if t is not None]
+    if not given or any(t.shape[3] == 1 for t, _ in given):  # one entry for all keys (a sink's bias)
         return None
-    len_k = kept.shape[-1]
-    if len_k == 0:
-        return torch.zeros(len(kept), 2, dtype=torch.int64)
+    len_k = given[0][0].shape[3]
+    if len_k == 0 or len_q == 0:
+        return None
+    br = 1 if all(t.shape[2] == 1 for t, _ in given) else block_rows  # rows all alike: blocks alike
+
+    def per_block(columns: list[Tensor]) -> Tensor:  # (1 or B, nq or 1, C): some row of the block, some head
+        kept = None
+        for t, keep in columns:
+            if t.shape[2] == 1:
+                top = t.amax(1)
+            else:  # the last block's missing rows: copies of its last row
+                n_q = -(-len_q // br)
+                if len_q % br:
+                    t = t.index_select(2, torch.arange(n_q * br).clamp(max=len_q - 1))
+                top = t.reshape(*t.shape[:2], n_q, br, t.shape[3]).amax((1, 3))
+            kept = keep(top) if kept is None else kept & keep(top)
+        return kept
+
+    # the max of a bias (NaN aside) is -inf where all of it is; a mask's, False where all is
+    ends = per_block([(t[..., [0, len_k - 1]], keep) for t, keep in given])  # (1 or B, nq or 1, 2)
+    if bool(ends.all()):
+        return None
+    kept = per_block(given)  # (1 or B, nq or 1, Lk)
     positions = torch.arange(len_k, dtype=torch.int64)
     stop = torch.where(kept, positions + 1, 0).amax(-1, keepdim=True)
     first = torch.minimum(torch.where(kept, positions, len_k).amin(-1, keepdim=True), stop)
@@ -243,8 +332,8 @@ def key_ranges(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[T
     """The keys each query block of `block_rows` rows may see, as the compiled tiles read
     them: (1 or B, query blocks, 2) int64, contiguous, [key0, key0 + keys) per block: the
     causal prefix of its last row (`causal_keys`), narrowed by the key bounds to between the
-    smallest lower and the largest upper bound of its rows, and to the keys a padding mask
-    keeps (`kept_keys`); key0 = the end where they see none (keys 0). `key_range` for each
+    smallest lower and the largest upper bound of its rows, and to the keys a mask or bias
+    keeps to its rows (`kept_keys`); key0 = the end where they see none (keys 0). `key_range` for each
     block of each batch entry of the bounds, at once."""
     n_q = -(-len_q // block_rows)
     stops = (torch.arange(1, n_q + 1, dtype=torch.int64) * block_rows).clamp(max=len_q)  # each block's r0 + rows
@@ -260,6 +349,6 @@ def key_ranges(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[T
         end = torch.minimum(end, hi)
         first = torch.minimum(lo, end)
     if kept is not None:
-        end = torch.minimum(end, kept[:, 1:])
-        first = torch.minimum(torch.maximum(first, kept[:, :1]), end)
+        end = torch.minimum(end, kept[..., 1])
+        first = torch.minimum(torch.maximum(first, kept[..., 0]), end)
     return torch.stack([first, end - first], -1).contiguous()

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .block_map import empty_tiles, kept_keys, key_ranges
+from .block_map import kept_keys, key_ranges, tile_map
 from .dropout import Placement, keep_value, threshold
 from .mask_blocks import MaskBlocks
 from .native_build import build_info, fresh_build_seconds, library
@@ -227,7 +227,7 @@ def _block_keys(bounds: Tensor | None) -> int:
 # The block maps of recent calls: a model's layers share their masks, and a backward its
 # forward's, so one map serves them all (about 60 us each to build for a structured mask).
 _MAPS: collections.OrderedDict = collections.OrderedDict()
-_MAPS_KEPT = 16
+_MAPS_KEPT = 32
 
 
 def _identity(t: Tensor | None) -> tuple:
@@ -240,31 +240,38 @@ def _identity(t: Tensor | None) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version), weakref.ref(owner)
 
 
-def _empty_tiles(q: Tensor, k: Tensor, masks: dict, causal: int | None, block_rows: int,
-                 block_keys: int) -> Tensor | None:
-    """The block map the forward and the backward skip tiles by (`block_map.empty_tiles`:
-    (1 or B, 1 or H, query blocks, key blocks), True where no score of a tile takes part),
-    from the op's own mask, bias (in the compute dtype) and key bounds, for `block_rows` x
-    `block_keys` tiles; None where there is none of them (the causal diagonal alone the
-    passes keep to by their key ranges). Kept while the tensors it was made from live
-    unchanged (`_identity`)."""
+def _tile_map(q: Tensor, k: Tensor, masks: dict, causal: int | None, block_rows: int, block_keys: int,
+              ranges: Tensor) -> Tensor | None:
+    """The tile map the forward and the backward read (`block_map.tile_map`: (1 or B, 1 or H,
+    query blocks, key blocks), which tiles to skip and which to compute without the mask and
+    bias), from the op's own mask, bias (in the compute dtype) and key bounds, for
+    `block_rows` x `block_keys` tiles and the passes' key `ranges`; None where there is none
+    of them (the causal diagonal alone the passes keep to by their key ranges)."""
     sources = (masks.get("mask"), masks.get("bias"), masks.get("key_bounds"), masks.get("mask_blocks"),
                masks.get("mask_tiles"))
     if all(t is None for t in sources):
         return None
+    mask, bias, bounds, index, mask_tiles = sources
+    blocks = None if index is None else MaskBlocks(index, mask_tiles)
+    return _kept("tile_map", (q.shape[2], k.shape[2], causal, block_rows, block_keys), sources,
+                 lambda: tile_map(q.shape[2], k.shape[2], causal, bounds, mask, bias, block_rows, block_keys, blocks,
+                                  ranges))
+
+
+def _kept(what: str, sizes: tuple, sources: tuple, make: Callable[[], Tensor]) -> Tensor:
+    """make()'s map, kept under `what` and `sizes` while the tensors `sources` it is made from
+    live unchanged (`_identity`)."""
     identities = [_identity(t) for t in sources]
-    key = (q.shape[2], k.shape[2], causal, block_rows, block_keys, *(part for part, _ in identities))
+    key = (what, *sizes, *(part for part, _ in identities))
     kept = _MAPS.get(key)
     if kept is not None and all(ref is None or ref() is not None for ref in kept[0]):
         _MAPS.move_to_end(key)
         return kept[1]
-    mask, bias, bounds, index, mask_tiles = sources
-    blocks = None if index is None else MaskBlocks(index, mask_tiles)
-    tiles = empty_tiles(q.shape[2], k.shape[2], causal, bounds, mask, bias, block_rows, block_keys, blocks)
-    _MAPS[key] = (tuple(ref for _, ref in identities), tiles)
+    value = make()
+    _MAPS[key] = (tuple(ref for _, ref in identities), value)
     while len(_MAPS) > _MAPS_KEPT:
         _MAPS.popitem(last=False)
-    return tiles
+    return value
 
 
 @functools.lru_cache(maxsize=64)
@@ -275,13 +282,21 @@ def _causal_key_ranges(len_q: int, len_k: int, causal: int | None, block_rows: i
 def _key_ranges(q: Tensor, k: Tensor, causal: int | None, block_rows: int, masks: dict, whole_rows: bool) -> Tensor:
     """The key range of each query block of `block_rows` rows the passes read
     (`block_map.key_ranges`: (1 or B, query blocks, 2)): the causal prefix, narrowed to the
-    keys a padding-shaped mask or bias keeps; for the passes on whole rows also by the key
+    keys a mask or bias keeps to each block (`block_map.kept_keys`); for the passes on whole rows also by the key
     bounds (the forward and the backward skip those tiles by their block map instead)."""
     bounds = masks.get("key_bounds") if whole_rows else None
-    kept = kept_keys(masks.get("mask"), masks.get("bias"))
-    if bounds is None and kept is None:
-        return _causal_key_ranges(q.shape[2], k.shape[2], causal, block_rows)
-    return key_ranges(q.shape[2], k.shape[2], causal, bounds, block_rows, kept)
+    mask, bias = masks.get("mask"), masks.get("bias")
+    len_q, len_k = q.shape[2], k.shape[2]
+    if bounds is None and mask is None and bias is None:
+        return _causal_key_ranges(len_q, len_k, causal, block_rows)
+
+    def make() -> Tensor:
+        kept = kept_keys(mask, bias, len_q, block_rows)
+        if bounds is None and kept is None:
+            return _causal_key_ranges(len_q, len_k, causal, block_rows)
+        return key_ranges(len_q, len_k, causal, bounds, block_rows, kept)
+
+    return _kept("key_ranges", (len_q, len_k, causal, block_rows), (mask, bias, bounds), make)
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, softcap: float = 0.0,
@@ -296,9 +311,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale
     row_max, inv_sum = q.new_empty(batch, heads, len_q), q.new_empty(batch, heads, len_q)
     masks, block_keys = _score_masks(mask, bias, q.dtype, bounds=bounds, blocks=blocks), _block_keys(bounds)
     rows = _block_rows(len_q, causal, bf16)
+    ranges = _key_ranges(q, k, causal, rows, masks, False)
     _run("forward", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum,
-         empty_tiles=_empty_tiles(q, k, masks, causal, rows, block_keys),
-         key_ranges=_key_ranges(q, k, causal, rows, masks, False),
+         tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges,
          **_options(causal, scale, bf16=bf16, softcap=softcap, seed=seed, dropout_p=dropout_p, block_rows=rows,
                     block_keys=block_keys))
     return out, row_max, inv_sum
@@ -324,7 +339,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: flo
     rows = _block_rows(len_q, causal, bf16)
     op, names = _op("forward")
     tensors = ("q", "k", "v", "out", "row_max", "inv_sum")  # each call's own
-    given = dict(dict.fromkeys(tensors), mask=None, bias=None, key_bounds=None, empty_tiles=None, mask_blocks=None,
+    given = dict(dict.fromkeys(tensors), mask=None, bias=None, key_bounds=None, tile_map=None, mask_blocks=None,
                  mask_tiles=None,
                  key_ranges=_causal_key_ranges(len_q, k.shape[2], causal, rows),
                  **dict(_options(causal, scale, bf16=bf16, softcap=softcap, block_rows=rows)))
@@ -421,10 +436,10 @@ def attention_backward(
     delta = q.new_empty(q.shape[:-1])
     dbias_parts = _bias_grad_buffer(masks, bias_grad, chunks, False, q.dtype)
     rows = _block_rows(q.shape[2], causal, bf16)
+    ranges = _key_ranges(q, k, causal, rows, masks, False)
     _run("backward", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout, delta=delta,
          dq_parts=dq_parts, dk=dk, dv=dv, dbias_parts=dbias_parts,
-         empty_tiles=_empty_tiles(q, k, masks, causal, rows, block_keys),
-         key_ranges=_key_ranges(q, k, causal, rows, masks, False),
+         tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges,
          **_options(causal, scale, bf16=bf16, chunks=chunks, seed=seed, dropout_p=dropout_p, softcap=softcap,
                     block_rows=rows, block_keys=block_keys))
     return _sum_parts(dq_parts), dk, dv, _finish_bias_grad(dbias_parts, bias)

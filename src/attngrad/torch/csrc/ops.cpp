@@ -221,20 +221,26 @@ Call make_call(const char* what, const at::Tensor& q, const at::Tensor& k, const
     return out;
 }
 
-// The block map of the call's tiles (`block_map.empty_tiles`), where given: (1 or B, 1 or H,
-// query blocks, key blocks) bool for the call's blocks, checked like every other tensor.
-void bind_empty_tiles(Call& call, const OptTensor& empty_tiles) {
-    if (!empty_tiles) return;
-    const at::Tensor& t = *empty_tiles;
+// The tile map of the call's tiles (`block_map.tile_map`), where given: (1 or B, 1 or H,
+// query blocks, key blocks) uint8 for the call's blocks, checked like every other tensor,
+// each entry one of TileMap's kinds.
+void bind_tile_map(Call& call, const OptTensor& tile_map) {
+    if (!tile_map) return;
+    const at::Tensor& t = *tile_map;
     AttngradCall& c = call.call;
     const int64_t query_blocks = (c.len_q + c.block_rows - 1) / c.block_rows;
     const int64_t key_blocks = (c.len_k + c.block_keys - 1) / c.block_keys;
     TORCH_CHECK(t.dim() == 4 && (t.size(0) == 1 || t.size(0) == c.batch) && (t.size(1) == 1 || t.size(1) == c.heads),
-                call.what, ": empty_tiles has shape ", t.sizes(), ", expected (1 or batch ", c.batch, ", 1 or heads ",
+                call.what, ": tile_map has shape ", t.sizes(), ", expected (1 or batch ", c.batch, ", 1 or heads ",
                 c.heads, ", query blocks ", query_blocks, ", key blocks ", key_blocks, ")", call.ctx);
-    check_tensor(call.what, "empty_tiles", t, at::kBool, {t.size(0), t.size(1), query_blocks, key_blocks}, call.ctx);
-    c.empty_tiles_sizes[0] = t.size(0), c.empty_tiles_sizes[1] = t.size(1);
-    c.data[buf_empty_tiles] = t.data_ptr();
+    check_tensor(call.what, "tile_map", t, at::kByte, {t.size(0), t.size(1), query_blocks, key_blocks}, call.ctx);
+    const uint8_t* kinds = t.data_ptr<uint8_t>();
+    for (int64_t e = 0; e < t.numel(); ++e) {
+        TORCH_CHECK(kinds[e] <= TileMap::unmasked, call.what, ": tile_map entry ", e, " is ",
+                    int(kinds[e]), ", expected 0 (computed), 1 (skipped) or 2 (unmasked)", call.ctx);
+    }
+    c.tile_map_sizes[0] = t.size(0), c.tile_map_sizes[1] = t.size(1);
+    c.data[buf_tile_map] = t.data_ptr();
 }
 
 // The key range of each query block (`block_map.key_ranges`), where given: (1 or B, query
@@ -309,16 +315,16 @@ void run(const Call& call, Run&& pass) {
 }
 
 // out (B, H, Lq, dv), row_max and inv_sum (B, H, Lq) from q, k, v; mask (bool, true = take
-// part), bias and key bounds optional; dropout in the output's E V; empty_tiles, where
-// given, the tiles to skip (bind_empty_tiles).
+// part), bias and key bounds optional; dropout in the output's E V; tile_map, where given,
+// the tiles to skip and those to compute without the mask and bias (bind_tile_map).
 void forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
                 const OptTensor& bias, const OptTensor& key_bounds, const at::Tensor& out, const at::Tensor& row_max,
-                const at::Tensor& inv_sum, ATTNGRAD_OPTIONS_PARAMS, const OptTensor& empty_tiles,
+                const at::Tensor& inv_sum, ATTNGRAD_OPTIONS_PARAMS, const OptTensor& tile_map,
                 const OptTensor& key_ranges, const OptTensor& mask_blocks, const OptTensor& mask_tiles) {
     Call call = make_call("attngrad_tiles.forward", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
     bind_mask_blocks(call, mask_blocks, mask_tiles);
     bind_key_ranges(call, key_ranges);
-    bind_empty_tiles(call, empty_tiles);
+    bind_tile_map(call, tile_map);
     call.bind(buf_out, out, true);
     call.bind(buf_row_max, row_max, true);
     call.bind(buf_inv_sum, inv_sum, true);
@@ -338,18 +344,18 @@ void bind_after_forward(Call& call, const at::Tensor& out, const at::Tensor& row
 
 // dq_parts holds `chunks` zeroed (B, H, Lq, d) partial sums of dQ, one per chunk of key
 // blocks; dk and dv are zeroed; delta is (B, H, Lq) scratch; dbias_parts, where given,
-// holds the zeroed parts of the bias's gradient (bias_grad_parts of them); empty_tiles, where
-// given, the tiles to skip (bind_empty_tiles).
+// holds the zeroed parts of the bias's gradient (bias_grad_parts of them); tile_map as the
+// forward's (bind_tile_map).
 void backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
                  const OptTensor& bias, const OptTensor& key_bounds, const at::Tensor& out, const at::Tensor& row_max,
                  const at::Tensor& inv_sum, const at::Tensor& dout, const at::Tensor& delta,
                  const at::Tensor& dq_parts, const at::Tensor& dk, const at::Tensor& dv, const OptTensor& dbias_parts,
-                 ATTNGRAD_OPTIONS_PARAMS, const OptTensor& empty_tiles, const OptTensor& key_ranges,
+                 ATTNGRAD_OPTIONS_PARAMS, const OptTensor& tile_map, const OptTensor& key_ranges,
                  const OptTensor& mask_blocks, const OptTensor& mask_tiles) {
     Call call = make_call("attngrad_tiles.backward", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
     bind_mask_blocks(call, mask_blocks, mask_tiles);
     bind_key_ranges(call, key_ranges);
-    bind_empty_tiles(call, empty_tiles);
+    bind_tile_map(call, tile_map);
     bind_after_forward(call, out, row_max, inv_sum, dout, delta);
     call.bind(buf_dq_parts, dq_parts, true);
     call.bind(buf_dk, dk, true);
@@ -524,11 +530,11 @@ int64_t bias_grad_parts_op(c10::IntArrayRef bias_sizes, int64_t chunks, bool who
 
 TORCH_LIBRARY(attngrad_tiles, m) {
     m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor(a!) out, "
-          "Tensor(b!) row_max, Tensor(c!) inv_sum, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? empty_tiles=None, "
+          "Tensor(b!) row_max, Tensor(c!) inv_sum, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? tile_map=None, "
           "Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA ") -> ()");
     m.def("backward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor out, "
           "Tensor row_max, Tensor inv_sum, Tensor dout, Tensor(a!) delta, Tensor(b!) dq_parts, Tensor(c!) dk, "
-          "Tensor(d!) dv, Tensor(e!)? dbias_parts, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? empty_tiles=None, "
+          "Tensor(d!) dv, Tensor(e!)? dbias_parts, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? tile_map=None, "
           "Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA ") -> ()");
     m.def("double_backward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor out, "
           "Tensor row_max, Tensor inv_sum, Tensor dout, Tensor(a!) delta, Tensor? gq, Tensor? gk, Tensor? gv, "

@@ -18,7 +18,7 @@ void forward(const Pass<T>& pass) {
     const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
     const index_t bh_count = s.batch * s.heads;
     const T neg_inf = -std::numeric_limits<T>::infinity();
-    const BlockSkips skips(pass.call);
+    const TileMap tile_map(pass.call);
     const KeyRanges ranges(pass.call);
     // a tile's scratch is no larger than the call: a decode step's is one row, not 128
     const index_t tile_rows = std::min(block_rows, s.len_q), tile_keys = std::min(block_keys, s.len_k);
@@ -39,7 +39,9 @@ void forward(const Pass<T>& pass) {
             std::fill(acc.begin(), acc.end(), T(0));
             index_t computed = 0;
             for (index_t c0 = key0 / block_keys * block_keys; c0 < keys; c0 += block_keys) {
-                if (skips(b, h, qb, c0 / block_keys)) continue;  // every score of the tile excluded
+                const TileMap::Kind kind = tile_map(b, h, qb, c0 / block_keys);
+                if (kind == TileMap::skipped) continue;  // every score of the tile excluded
+                const ScoreMask<T>& tile_masks = kind == TileMap::unmasked ? pass.structure : masks;
                 ++computed;
                 const index_t cols = std::min(block_keys, keys - c0);
                 // forward: S = scale Q_blk K_blk^T
@@ -48,7 +50,7 @@ void forward(const Pass<T>& pass) {
                 for (index_t i = 0; i < rows; ++i) {
                     T* row = scores.data() + i * cols;
                     const index_t seen = causal.visible(r0 + i, c0, cols);
-                    pass.score_row(row, b, h, r0 + i, c0, seen);  // S = c tanh(S / c) + bias, excluded -inf
+                    pass.score_row(tile_masks, row, b, h, r0 + i, c0, seen);  // S = c tanh(S / c) + bias, excluded -inf
                     const T m_new = std::max(m[i], max_of(row, seen));
                     // E = exp(S - m'); a row that has seen no key so far keeps E = 0
                     const T sum = m_new != neg_inf ? exp_and_sum(row, seen, m_new) : T(0);
@@ -103,7 +105,7 @@ void backward(const Pass<T>& pass) {
     // D = rowsum(dO * O), read only by rows whose keys span more than one block (below)
     if (key_blocks > 1 || pass.call.partial_rows) row_dots(dout, out, delta, rows_total, s.dim_v);
     const SingleKeyRows<T> single_key(masks, causal, s, inv_sum);
-    const BlockSkips skips(pass.call);
+    const TileMap tile_map(pass.call);
     const KeyRanges ranges(pass.call);
     const KvItems items(s, chunks, dbias.shares_batch(s), dbias.shares_kv_heads(s));
     const bool dbias_direct = dbias.direct(s);  // written entry by entry; else added into zeros
@@ -134,10 +136,12 @@ void backward(const Pass<T>& pass) {
                         const auto [key0, keys] = ranges(b, r0 / block_rows);
                         const index_t rows = std::min(block_rows, s.len_q - r0), first = bh * s.len_q + r0;
                         // skipped: beyond the block's keys, or every score of the tile excluded
-                        if (c0 >= key0 + keys || c0 + cols <= key0 || skips(b, h, r0 / block_rows, kb)) {
+                        const TileMap::Kind kind = tile_map(b, h, r0 / block_rows, kb);
+                        if (c0 >= key0 + keys || c0 + cols <= key0 || kind == TileMap::skipped) {
                             if (dbias_direct) dbias.zero_tile(dbias_part, b, h, r0, rows, c0, cols);
                             continue;
                         }
+                        const ScoreMask<T>& tile_masks = kind == TileMap::unmasked ? pass.structure : masks;
                         ++computed;
                         // the forward's tile of these rows ends where their block's keys do: the
                         // same GEMM, so the same scores, bit for bit, as the forward's
@@ -156,7 +160,7 @@ void backward(const Pass<T>& pass) {
                             const index_t seen = causal.visible(r0 + i, c0, width);
                             const T m = row_max[first + i], inv = inv_sum[first + i];
                             T* slope = pass.cap.c ? slopes.data() + i * width : nullptr;
-                            pass.score_row(p, b, h, r0 + i, c0, seen, slope);  // S = c tanh(A / c) + bias
+                            pass.score_row(tile_masks, p, b, h, r0 + i, c0, seen, slope);  // S = c tanh(A / c) + bias
                             if (drop.on) {  // Z drawn once for the row; dP = (dO V^T) Z
                                 std::fill(keep.begin(), keep.begin() + seen, T(1));
                                 drop.scale_row(keep.data(), b, h, r0 + i, c0, seen);

@@ -69,7 +69,7 @@ namespace attngrad_tiles {
 #define ATTNGRAD_BUFFERS(X) \
     X(q) X(k) X(v) X(mask) X(bias) X(out) X(row_max) X(inv_sum) X(dout) X(delta) X(dq_parts) X(dk) X(dv) \
     X(dbias_parts) X(gq) X(gk) X(gv) X(g_dout) X(g_q) X(gk_parts) X(gv_parts) X(tq) X(tk) X(tv) X(tbias) X(tout) \
-    X(tdout) X(tdq) X(tdk_parts) X(tdv_parts) X(tdbias_parts) X(gbias) X(g_bias_parts) X(key_bounds) X(empty_tiles) \
+    X(tdout) X(tdq) X(tdk_parts) X(tdv_parts) X(tdbias_parts) X(gbias) X(g_bias_parts) X(key_bounds) X(tile_map) \
     X(key_ranges) X(mask_blocks) X(mask_tiles)
 
 enum AttngradBuffer : int {
@@ -87,7 +87,7 @@ struct AttngradCall {
     bool double_precision = false;         // the element type of every float buffer
     bool causal = false;
     int64_t causal_offset = 0;             // with causal, row i sees keys j <= i + causal_offset
-    int64_t empty_tiles_sizes[2] = {1, 1};  // empty_tiles (1 or B, 1 or H, query blocks, key blocks)
+    int64_t tile_map_sizes[2] = {1, 1};    // tile_map (1 or B, 1 or H, query blocks, key blocks)
     int64_t key_ranges_batch = 1;          // key_ranges (1 or B, query blocks, 2)
     int64_t bounds_batch = 1;              // key_bounds (bounds_batch, Lq, 2): row i of batch b sees keys
                                            // [lo, hi) only; bounds_batch 1 (shared) or B
@@ -390,30 +390,33 @@ class SingleKeyRows {
     std::vector<uint8_t> single_;
 };
 
-// Which (query block, key block) tiles no score of takes part in, so that the forward and
-// the backward skip them (padding: a quarter of the keys excluded is a quarter of the work
-// saved): the map `block_map.empty_tiles` computes once per call from the causal diagonal,
-// the key bounds, the mask and the bias, (1 or B, 1 or H, query blocks, key blocks) of
-// 0 / 1, checked against the call's sizes and blocks by ops.cpp. None given: none skipped.
-// The passes read it and derive nothing; the entries of the tiles they compute are masked
-// one by one (ScoreMask::apply).
-class BlockSkips {
+// What the forward and the backward do with each (query block, key block) tile: the map
+// `block_map.tile_map` computes once per call from the causal diagonal, the key bounds, the
+// mask and the bias, (1 or B, 1 or H, query blocks, key blocks), checked against the call's
+// sizes and blocks (and its values) by ops.cpp. Skipped: no score of the tile takes part
+// (padding: a quarter of the keys excluded is a quarter of the work saved). Unmasked: the
+// mask keeps all of it and the bias is 0 there, so neither is read (a padding mask written
+// as a float mask costs what a boolean one does). Computed: the entries are masked one by
+// one (ScoreMask::apply). None given: every tile computed. The passes derive nothing.
+class TileMap {
    public:
-    explicit BlockSkips(const AttngradCall& c)
-        : skip_(static_cast<const uint8_t*>(c.data[buf_empty_tiles])),
+    enum Kind : uint8_t { computed = 0, skipped = 1, unmasked = 2 };  // block_map's COMPUTED, SKIPPED, UNMASKED
+
+    explicit TileMap(const AttngradCall& c)
+        : kinds_(static_cast<const uint8_t*>(c.data[buf_tile_map])),
           key_blocks_((c.len_k + c.block_keys - 1) / c.block_keys) {
         const index_t query_blocks = (c.len_q + c.block_rows - 1) / c.block_rows;
-        sh_ = c.empty_tiles_sizes[1] == 1 ? 0 : query_blocks * key_blocks_;
-        sb_ = c.empty_tiles_sizes[0] == 1 ? 0 : c.empty_tiles_sizes[1] * query_blocks * key_blocks_;
+        sh_ = c.tile_map_sizes[1] == 1 ? 0 : query_blocks * key_blocks_;
+        sb_ = c.tile_map_sizes[0] == 1 ? 0 : c.tile_map_sizes[1] * query_blocks * key_blocks_;
     }
 
-    // Whether tile (qb, kb) of head (b, h) is excluded entirely
-    bool operator()(index_t b, index_t h, index_t qb, index_t kb) const {
-        return skip_ && skip_[b * sb_ + h * sh_ + qb * key_blocks_ + kb];
+    // What to do with tile (qb, kb) of head (b, h)
+    Kind operator()(index_t b, index_t h, index_t qb, index_t kb) const {
+        return kinds_ ? static_cast<Kind>(kinds_[b * sb_ + h * sh_ + qb * key_blocks_ + kb]) : computed;
     }
 
    private:
-    const uint8_t* skip_;
+    const uint8_t* kinds_;
     index_t key_blocks_, sb_ = 0, sh_ = 0;
 };
 
@@ -551,6 +554,7 @@ struct Pass {
     DropoutDraw drop;
     T scale;
     Softcap<T> cap;
+    ScoreMask<T> structure;  // masks without the mask and bias: a tile the tile map leaves unmasked
 
     explicit Pass(const AttngradCall& c)
         : call(c),
@@ -560,7 +564,10 @@ struct Pass {
           drop{c.dropout != 0, c.seed, c.threshold, c.keep_value, c.dropout_row_offset, c.dropout_key_offset,
                c.dropout_head_offset},
           scale(static_cast<T>(c.scale)),
-          cap(static_cast<T>(c.softcap)) {}
+          cap(static_cast<T>(c.softcap)),
+          structure(masks) {
+        structure.mask = nullptr, structure.bias = nullptr;
+    }
 
     T* operator[](AttngradBuffer b) const { return static_cast<T*>(call.data[b]); }
 
@@ -583,6 +590,12 @@ struct Pass {
     // (tbias, gbias), where given.
     void score_row(T* s, index_t b, index_t h, index_t i, index_t c0, index_t n, T* slope = nullptr,
                    T* curve = nullptr, T* form = nullptr, const ScoreMask<T>* form_bias = nullptr) const {
+        score_row(masks, s, b, h, i, c0, n, slope, curve, form, form_bias);
+    }
+    // The same with the tile's own masks: `masks`, or `structure` on a tile the map leaves unmasked
+    void score_row(const ScoreMask<T>& tile_masks, T* s, index_t b, index_t h, index_t i, index_t c0, index_t n,
+                   T* slope = nullptr, T* curve = nullptr, T* form = nullptr,
+                   const ScoreMask<T>* form_bias = nullptr) const {
         if (cap.c != T(0)) {
             if (form) {
                 cap.apply_with_form(s, form, n, slope, curve);
@@ -590,7 +603,7 @@ struct Pass {
                 cap.apply(s, n, slope, curve);
             }
         }
-        if (masks.any()) masks.apply(s, b, h, i, c0, n);
+        if (tile_masks.any()) tile_masks.apply(s, b, h, i, c0, n);
         if (form && form_bias && form_bias->any()) form_bias->apply(form, b, h, i, c0, n);
     }
 };

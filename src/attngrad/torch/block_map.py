@@ -333,8 +333,8 @@ def key_ranges(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[T
     them: (1 or B, query blocks, 2) int64, contiguous, [key0, key0 + keys) per block: the
     causal prefix of its last row (`causal_keys`), narrowed by the key bounds to between the
     smallest lower and the largest upper bound of its rows, and to the keys a mask or bias
-    keeps to its rows (`kept_keys`); key0 = the end where they see none (keys 0). `key_range` for each
-    block of each batch entry of the bounds, at once."""
+    keeps to its rows (`kept_keys`, per block or one for all); key0 = the end where they see
+    none (keys 0). `key_range` for each block of each batch entry of the bounds, at once."""
     n_q = -(-len_q // block_rows)
     stops = (torch.arange(1, n_q + 1, dtype=torch.int64) * block_rows).clamp(max=len_q)  # each block's r0 + rows
     end = torch.full((1, n_q), len_k, dtype=torch.int64)

@@ -283,8 +283,9 @@ def _causal_key_ranges(len_q: int, len_k: int, causal: int | None, block_rows: i
 def _key_ranges(q: Tensor, k: Tensor, causal: int | None, block_rows: int, masks: dict, whole_rows: bool) -> Tensor:
     """The key range of each query block of `block_rows` rows the passes read
     (`block_map.key_ranges`: (1 or B, query blocks, 2)): the causal prefix, narrowed to the
-    keys a mask or bias keeps to each block (`block_map.kept_keys`); for the passes on whole rows also by the key
-    bounds (the forward and the backward skip those tiles by their block map instead)."""
+    keys a mask or bias keeps to each block (`block_map.kept_keys`); for the passes on whole
+    rows also by the key bounds (the forward and the backward skip those tiles by their tile
+    map instead). Kept while the tensors it is made from live unchanged (`_kept`)."""
     bounds = masks.get("key_bounds") if whole_rows else None
     mask, bias = masks.get("mask"), masks.get("bias")
     len_q, len_k = q.shape[2], k.shape[2]

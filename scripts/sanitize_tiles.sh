@@ -21,7 +21,7 @@ python -m pytest -q -p no:cacheprovider --capture=sys \
     tests/torch_backend/test_native.py tests/torch_backend/test_determinism.py \
     tests/torch_backend/test_input_range.py tests/torch_backend/test_op_contract.py \
     tests/torch_backend/test_structured.py tests/torch_backend/test_placement.py tests/torch_backend/test_sinks.py \
-    tests/torch_backend/test_mask_blocks.py tests/torch_backend/test_forward_jvp.py \
+    tests/torch_backend/test_mask_blocks.py tests/torch_backend/test_forward_jvp.py tests/torch_backend/test_buffer_cache.py \
     -k "not test_compiled_ and not in_triton" "$@"
 python - <<'PY'
 from attngrad.torch import native

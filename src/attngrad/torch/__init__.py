@@ -7,7 +7,8 @@ a float bias and the causal mask in any combination. All run wherever the tensor
 `backends()` lists the backends that run the passes (the compiled tiles, the torch-ops
 kernels, ...), `use_implementation` chooses among them, and `ran` counts what ran.
 `replace_sdpa()` sends every call of PyTorch's own function inside a block to attngrad,
-in any model that makes one.
+in any model that makes one. `buffer_cache` keeps the gradient of a bias of the scores'
+size between calls (`buffer_cache.set_limit`, `buffer_cache.empty_cache`).
 """
 
 from . import backends as _backends  # noqa: F401  (registers the backends)

@@ -150,7 +150,7 @@ def _bias_tiles(bias: Tensor, block_rows: int, block_keys: int,
     never for a dense learned bias)."""
     rows_b, keys_b = bias.shape[2], bias.shape[3]
     br, bk = (block_rows if rows_b > 1 else 1), (block_keys if keys_b > 1 else 1)
-    first_column = bias[..., ::bk]  # (Ba, Hb, rows, nk)
+    first_column = bias[..., ::bk].contiguous()  # (Ba, Hb, rows, nk): one strided read, two compares
 
     def somewhere(entries: Tensor) -> Tensor:  # (Ba, Hb, nq, nk): some row of the tile
         return _blocks(entries, 2, rows_b, br).view(*bias.shape[:2], -1, br, entries.shape[-1]).any(3)

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from . import buffer_cache
 from .block_map import kept_keys, key_ranges, tile_map
 from .dropout import Placement, keep_value, threshold
 from .mask_blocks import MaskBlocks
@@ -144,14 +145,15 @@ def _bias_grad_parts(bias_sizes: tuple, chunks: int, whole_rows: bool) -> int:
 
 
 def _bias_grad_buffer(masks: dict, wanted: bool, chunks: int, whole_rows: bool, dtype: torch.dtype) -> Tensor | None:
-    """The parts of a bias gradient (None where not wanted), in the bias's 4-D sizes: zeroed
+    """The parts of a bias gradient (None where not wanted), in the bias's 4-D sizes, from
+    `buffer_cache` (a gradient the scores' size arrives as fresh pages otherwise): zeroed
     for the whole-row passes, which add into them; uninitialised for the backward, which
     writes every entry (or zeroes them first where it adds)."""
     if not wanted:
         return None
     sizes = masks["bias_sizes"]
-    make = torch.zeros if whole_rows else torch.empty
-    return make(_bias_grad_parts(sizes, chunks, whole_rows), *sizes, dtype=dtype)
+    parts = buffer_cache.empty((_bias_grad_parts(sizes, chunks, whole_rows), *sizes), dtype)
+    return parts.zero_() if whole_rows else parts
 
 
 def _finish_bias_grad(parts: Tensor | None, bias: Tensor | None) -> Tensor | None:

@@ -44,6 +44,8 @@ void forward(const Pass<T>& pass) {
                 const ScoreMask<T>& tile_masks = kind == TileMap::unmasked ? pass.structure : masks;
                 ++computed;
                 const index_t cols = std::min(block_keys, keys - c0);
+                const bool fetch = kind == TileMap::computed;  // the mask and bias rows ahead of use
+                if (fetch) masks.prefetch(b, h, r0, std::min(kFetchAhead, rows), c0, cols);
                 // forward: S = scale Q_blk K_blk^T
                 pass.gemm(false, true, rows, cols, s.dim, scale, q_blk, s.dim, k_head + c0 * s.dim, s.dim, T(0),
                         scores.data(), cols);
@@ -51,6 +53,7 @@ void forward(const Pass<T>& pass) {
                     T* row = scores.data() + i * cols;
                     const index_t seen = causal.visible(r0 + i, c0, cols);
                     pass.score_row(tile_masks, row, b, h, r0 + i, c0, seen);  // S = c tanh(S / c) + bias, excluded -inf
+                    if (fetch && i + kFetchAhead < rows) masks.prefetch(b, h, r0 + i + kFetchAhead, 1, c0, cols);
                     const T m_new = std::max(m[i], max_of(row, seen));
                     // E = exp(S - m'); a row that has seen no key so far keeps E = 0
                     const T sum = m_new != neg_inf ? exp_and_sum(row, seen, m_new) : T(0);
@@ -149,6 +152,8 @@ void backward(const Pass<T>& pass) {
                         if (dbias_direct && width < cols) {
                             dbias.zero_tile(dbias_part, b, h, r0, rows, c0 + width, cols - width);
                         }
+                        const bool fetch = kind == TileMap::computed;  // the mask and bias rows ahead of use
+                        if (fetch) masks.prefetch(b, h, r0, std::min(kFetchAhead, rows), c0, width);
                         // forward: S = scale Q K_blk^T;  backward: dP = dO V_blk^T
                         pass.gemm(false, true, rows, width, s.dim, scale, q + first * s.dim, s.dim, k_blk, s.dim, T(0),
                                 probs.data(), width);
@@ -161,6 +166,9 @@ void backward(const Pass<T>& pass) {
                             const T m = row_max[first + i], inv = inv_sum[first + i];
                             T* slope = pass.cap.c ? slopes.data() + i * width : nullptr;
                             pass.score_row(tile_masks, p, b, h, r0 + i, c0, seen, slope);  // S = c tanh(A / c) + bias
+                            if (fetch && i + kFetchAhead < rows) {
+                                masks.prefetch(b, h, r0 + i + kFetchAhead, 1, c0, width);
+                            }
                             if (drop.on) {  // Z drawn once for the row; dP = (dO V^T) Z
                                 std::fill(keep.begin(), keep.begin() + seen, T(1));
                                 drop.scale_row(keep.data(), b, h, r0 + i, c0, seen);

@@ -31,7 +31,7 @@ __all__ = ["cached_bytes", "empty", "empty_cache", "limit", "set_limit"]
 SMALLEST = 4 << 20
 DEFAULT_LIMIT = 1 << 30
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # cached_bytes() runs both inside and outside it
 _kept: collections.OrderedDict[tuple, Tensor] = collections.OrderedDict()
 _limit = DEFAULT_LIMIT
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # private; without it nothing is kept
@@ -70,8 +70,8 @@ def empty(sizes: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         if base is None or not _free(base):
             # a buffer still held elsewhere is the holder's now: the new one takes its place
             base = _kept[key] = torch.empty(sizes, dtype=dtype)
-            _trim(_limit)
         _kept.move_to_end(key)
+        _trim(_limit)  # the least recently used go first: this one, the most recent, fits
         # a tensor of its own on the same storage: autograd may store it as `.grad`
         # without copying (it copies a gradient that other tensors reference)
         return torch.empty(0, dtype=dtype).set_(base.untyped_storage(), 0, sizes, base.stride())
@@ -84,7 +84,8 @@ def _trim(most: int) -> None:
 
 def cached_bytes() -> int:
     """The bytes the cache holds, free or handed out."""
-    return sum(t.untyped_storage().nbytes() for t in _kept.values())
+    with _lock:
+        return sum(t.untyped_storage().nbytes() for t in _kept.values())
 
 
 def limit() -> int:

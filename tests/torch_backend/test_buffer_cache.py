@@ -5,7 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attngrad.torch import buffer_cache, native, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch import attention, buffer_cache, native, scaled_dot_product_attention  # noqa: E402
 
 from ..conftest import assert_all_close  # noqa: E402
 from .conftest import math_sdpa  # noqa: E402
@@ -29,10 +29,12 @@ def test_a_buffer_is_handed_out_again_once_nothing_holds_it():
     address = first.data_ptr()
     held = buffer_cache.empty(SIZES, torch.float32)  # the first is still held: a new one
     assert held.data_ptr() != address
-    del first
-    assert buffer_cache.empty(SIZES, torch.float64).data_ptr() not in (address, held.data_ptr())  # other dtype
+    address = held.data_ptr()
+    del first  # the cache keeps `held`'s buffer in its place: the first's memory is the allocator's
     del held
+    assert buffer_cache.empty(SIZES, torch.float64).data_ptr() != address  # another dtype: a buffer of its own
     again = buffer_cache.empty(SIZES, torch.float32)
+    assert again.data_ptr() == address
     assert again.shape == SIZES and again.is_contiguous() and again._base is None
     address = again.data_ptr()
     # what still holds the memory, each alone: a view, a reshape, the storage object
@@ -69,15 +71,16 @@ def _poisoned(sizes: tuple, dtype: torch.dtype) -> None:
 
 
 @needs_tiles
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [False, True, "window"])
 def test_a_kept_buffer_never_shows_through(monkeypatch, causal):
     """A bias of the scores' own size has its gradient written entry by entry into a kept
     buffer (zeros in the tiles and keys the passes skip: where the bias is -inf, a padded
-    sequence's keys and a causal triangle), and the double backward adds into a kept one it
-    zeroes first. Each buffer filled
-    with NaN beforehand, the gradients still equal autograd's through PyTorch's math path,
-    float64, to 1e-12."""
+    sequence's keys, a causal triangle, the keys before a sliding window, whose tiles start
+    inside a key block), and the double backward adds into a kept one it zeroes first. Each
+    buffer filled with NaN beforehand, the gradients still equal autograd's through
+    PyTorch's math path, float64, to 1e-12."""
     monkeypatch.setattr(native, "BLOCK_ROWS", 4)
+    monkeypatch.setattr(native, "NARROW_BLOCK_ROWS", 3)
     monkeypatch.setattr(native, "BLOCK_KEYS", 8)
     torch.manual_seed(0)
     batch, heads, len_q, len_k = 2, 3, 13, 29
@@ -85,11 +88,19 @@ def test_a_kept_buffer_never_shows_through(monkeypatch, causal):
     k, v = (torch.randn(batch, heads, len_k, 16, dtype=torch.float64) for _ in range(2))
     bias = torch.randn(batch, heads, len_q, len_k, dtype=torch.float64)
     bias[1, :, :, 9:] = float("-inf")  # the second sequence's keys from 9 on are padding
+    offset = torch.arange(len_k)[None, :] - torch.arange(len_q)[:, None]  # j - i
     if causal:
-        bias.masked_fill_(torch.ones(len_q, len_k, dtype=torch.bool).triu(1), float("-inf"))
+        bias.masked_fill_(offset > 0, float("-inf"))
+    ours = scaled_dot_product_attention
+    if causal == "window":  # five keys a row: our passes take the window as key bounds
+        bias.masked_fill_(offset < -4, float("-inf"))
+
+        def ours(q, k, v, attn_mask):
+            return attention(q, k, v, attn_bias=attn_mask, is_causal=True, window=(4, None))
+
     dout = torch.randn(batch, heads, len_q, 16, dtype=torch.float64)
     results = {}
-    for name, run in (("ours", scaled_dot_product_attention), ("theirs", math_sdpa)):
+    for name, run in (("ours", ours), ("theirs", math_sdpa)):
         leaves = [t.detach().requires_grad_() for t in (q, k, v, bias)]
         _poisoned((1, *bias.shape), torch.float64)  # the backward's parts: one
         out = run(*leaves[:3], attn_mask=leaves[3])

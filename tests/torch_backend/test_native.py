@@ -636,9 +636,10 @@ def _tiles_not_empty(q, k, causal, mask=None, bias=None, bounds=None, block_keys
     from attngrad.torch.block_map import empty_tiles
 
     masks = native._score_masks(mask, bias, q.dtype, bounds=bounds)
-    block_keys = block_keys or native._block_keys(bounds)
+    block_keys = block_keys or native.BLOCK_KEYS
+    rows = native._block_rows(q.shape[2], causal, q.dtype == torch.bfloat16, bounds)
     empty = empty_tiles(q.shape[2], k.shape[2], causal, masks.get("key_bounds"), masks.get("mask"),
-                        masks.get("bias"), native.BLOCK_ROWS, block_keys)
+                        masks.get("bias"), rows, block_keys)
     empty = empty.expand(q.shape[0], q.shape[1], *empty.shape[2:])
     return int((~empty).sum()), int(empty.sum())
 
@@ -745,15 +746,15 @@ def test_tiles_skip_what_a_causal_window_excludes(with_mask):
     if with_mask:
         mask = torch.ones(2, 1, 37, 37, dtype=torch.bool)
         mask[0, ..., ::3] = False
-    old = native.BLOCK_ROWS, native.NARROW_BLOCK_KEYS
-    native.BLOCK_ROWS, native.NARROW_BLOCK_KEYS = 4, 5
+    old = native.BLOCK_ROWS, native.BLOCK_KEYS, native.NARROW_BLOCK_ROWS
+    native.BLOCK_ROWS, native.BLOCK_KEYS, native.NARROW_BLOCK_ROWS = 6, 5, 4
     try:
         tiles, empty = _tiles_not_empty(q, k, 0, mask, bounds=bounds)
         ours, forward_tiles = _counted(lambda: native.attention_forward(q, k, v, 0, 0.3, mask=mask, bounds=bounds))
         grads, backward_tiles = _counted(lambda: native.attention_backward(dout, q, k, v, *ours, 0, 0.3, mask=mask,
                                                                            bounds=bounds)[:3])
     finally:
-        native.BLOCK_ROWS, native.NARROW_BLOCK_KEYS = old
+        native.BLOCK_ROWS, native.BLOCK_KEYS, native.NARROW_BLOCK_ROWS = old
     all_tiles = 2 * 2 * 10 * 8
     # per head, of 10 x 8 tiles, the window and the diagonal leave 2 or 3 per query block
     assert empty >= 2 * 2 * (10 * 8 - 3 * 10)

@@ -56,9 +56,13 @@ BLOCK_KEYS = 512
 # 16.1 ms; B=1, L=1024, 64 rows: 14.9 -> 15.2 ms. bfloat16's products (the matrix units)
 # lose with fewer rows at every length (B=4, L=128: 2.75 -> 2.96 ms), so they keep 128.
 CAUSAL_SHORT = 1024
-# Keys per block where every row's bounds span at most NARROW_BAND keys.
+# Rows per query block where every row's key bounds span at most NARROW_BAND keys (a sliding
+# window): a block's tiles span its rows' bands (key ranges need not start at a key block's
+# edge), R + W - 1 keys for W useful ones a row. Fwd+bwd, causal window 256, L=4096, B=1,
+# H=8, d=64, float32 (blocks of rows x keys): 128 x 128 51.5 ms, 64 x 512 44.3, 32 x 512 44.7;
+# at L=1024: 11.7, 10.5, 10.8 ms.
 NARROW_BAND = 1024
-NARROW_BLOCK_KEYS = 128
+NARROW_BLOCK_ROWS = 64
 # The forward's E V product sums this many keys per GEMM, for float32 accuracy: at B=2,
 # H=4, L=1024 the output's normwise error against PyTorch's flash kernel's went from
 # 1.02x (one 512-key product) to below it (figures in the tests).
@@ -206,24 +210,19 @@ def _mask_args(masks: dict) -> dict:
                 mask_blocks=masks.get("mask_blocks"), mask_tiles=masks.get("mask_tiles"))
 
 
-def _block_rows(len_q: int, causal: int | None, bf16: bool) -> int:
+def _block_rows(len_q: int, causal: int | None, bf16: bool, bounds: Tensor | None = None) -> int:
     """Rows per query block of the forward and the backward (both: their tiles must be the
-    same for the backward to recompute the forward's scores bit for bit): BLOCK_ROWS, or for
-    a causal call shorter than CAUSAL_SHORT rows a quarter of them, 32 to 64, unless its
-    products are bfloat16's."""
-    if causal is None or len_q >= CAUSAL_SHORT or bf16:
+    same for the backward to recompute the forward's scores bit for bit): BLOCK_ROWS; for a
+    causal call shorter than CAUSAL_SHORT rows a quarter of them, 32 to 64; where the key
+    `bounds` leave every row a narrow band, NARROW_BLOCK_ROWS. bfloat16's products keep
+    BLOCK_ROWS."""
+    if bf16:
+        return BLOCK_ROWS
+    if bounds is not None and bounds.numel() and int((bounds[..., 1] - bounds[..., 0]).max()) <= NARROW_BAND:
+        return min(BLOCK_ROWS, NARROW_BLOCK_ROWS)
+    if causal is None or len_q >= CAUSAL_SHORT:
         return BLOCK_ROWS
     return min(BLOCK_ROWS, max(32, min(64, 1 << max(0, (len_q // 4).bit_length() - 1))))
-
-
-def _block_keys(bounds: Tensor | None) -> int:
-    """Keys per block of the forward and backward: BLOCK_KEYS, or fewer where the key bounds
-    leave every row a narrow band (a sliding window), whose tiles would otherwise be mostly
-    excluded entries computed for nothing."""
-    if bounds is None or bounds.numel() == 0:
-        return BLOCK_KEYS
-    widest = int((bounds[..., 1] - bounds[..., 0]).max())
-    return BLOCK_KEYS if widest > NARROW_BAND else NARROW_BLOCK_KEYS
 
 
 # The tile maps and key ranges of recent calls: a model's layers share their masks, and a
@@ -282,13 +281,14 @@ def _causal_key_ranges(len_q: int, len_k: int, causal: int | None, block_rows: i
     return key_ranges(len_q, len_k, causal, None, block_rows)
 
 
-def _key_ranges(q: Tensor, k: Tensor, causal: int | None, block_rows: int, masks: dict, whole_rows: bool) -> Tensor:
+def _key_ranges(q: Tensor, k: Tensor, causal: int | None, block_rows: int, masks: dict) -> Tensor:
     """The key range of each query block of `block_rows` rows the passes read
-    (`block_map.key_ranges`: (1 or B, query blocks, 2)): the causal prefix, narrowed to the
-    keys a mask or bias keeps to each block (`block_map.kept_keys`); for the passes on whole
-    rows also by the key bounds (the forward and the backward skip those tiles by their tile
-    map instead). Kept while the tensors it is made from live unchanged (`_kept`)."""
-    bounds = masks.get("key_bounds") if whole_rows else None
+    (`block_map.key_ranges`: (1 or B, query blocks, 2)): the causal prefix, narrowed by the
+    key bounds and to the keys a mask or bias keeps to each block (`block_map.kept_keys`). A
+    range need not start at a key block's edge: the forward's and the backward's tiles start
+    where it does (a sliding window's band). Kept while the tensors it is made from live
+    unchanged (`_kept`)."""
+    bounds = masks.get("key_bounds")
     mask, bias = masks.get("mask"), masks.get("bias")
     len_q, len_k = q.shape[2], k.shape[2]
     if bounds is None and mask is None and bias is None:
@@ -313,20 +313,19 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale
     batch, heads, len_q, _ = q.shape
     out = q.new_empty(batch, heads, len_q, v.shape[-1])
     row_max, inv_sum = q.new_empty(batch, heads, len_q), q.new_empty(batch, heads, len_q)
-    masks, block_keys = _score_masks(mask, bias, q.dtype, bounds=bounds, blocks=blocks), _block_keys(bounds)
-    rows = _block_rows(len_q, causal, bf16)
-    ranges = _key_ranges(q, k, causal, rows, masks, False)
+    masks = _score_masks(mask, bias, q.dtype, bounds=bounds, blocks=blocks)
+    rows = _block_rows(len_q, causal, bf16, bounds)
+    ranges = _key_ranges(q, k, causal, rows, masks)
     _run("forward", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum,
-         tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges,
-         **_options(causal, scale, bf16=bf16, softcap=softcap, seed=seed, dropout_p=dropout_p, block_rows=rows,
-                    block_keys=block_keys))
+         tile_map=_tile_map(q, k, masks, causal, rows, BLOCK_KEYS, ranges), key_ranges=ranges,
+         **_options(causal, scale, bf16=bf16, softcap=softcap, seed=seed, dropout_p=dropout_p, block_rows=rows))
     return out, row_max, inv_sum
 
 
 def settings() -> tuple:
     """The module's block sizes, which every pass reads at its call (tests change them): a
     prepared pass (`forward_plan`) holds while they stay."""
-    return BLOCK_ROWS, BLOCK_KEYS, VALUE_SLICE, CAUSAL_SHORT, NARROW_BAND, NARROW_BLOCK_KEYS
+    return BLOCK_ROWS, BLOCK_KEYS, VALUE_SLICE, CAUSAL_SHORT, NARROW_BAND, NARROW_BLOCK_ROWS
 
 
 def forward_plan(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float,
@@ -432,20 +431,19 @@ def attention_backward(
     bf16 = _bf16(q)
     dout, q, k, v, out, row_max, inv_sum = _work(dout, q, k, v, out, row_max, inv_sum)
     masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad, bounds=bounds, blocks=blocks)
-    block_keys = _block_keys(bounds)
     if chunks is None:
-        chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-k.shape[2] // block_keys))
+        chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-k.shape[2] // BLOCK_KEYS))
     dq_parts = q.new_zeros(chunks, *q.shape)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     delta = q.new_empty(q.shape[:-1])
     dbias_parts = _bias_grad_buffer(masks, bias_grad, chunks, False, q.dtype)
-    rows = _block_rows(q.shape[2], causal, bf16)
-    ranges = _key_ranges(q, k, causal, rows, masks, False)
+    rows = _block_rows(q.shape[2], causal, bf16, bounds)
+    ranges = _key_ranges(q, k, causal, rows, masks)
     _run("backward", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout, delta=delta,
          dq_parts=dq_parts, dk=dk, dv=dv, dbias_parts=dbias_parts,
-         tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges,
+         tile_map=_tile_map(q, k, masks, causal, rows, BLOCK_KEYS, ranges), key_ranges=ranges,
          **_options(causal, scale, bf16=bf16, chunks=chunks, seed=seed, dropout_p=dropout_p, softcap=softcap,
-                    block_rows=rows, block_keys=block_keys))
+                    block_rows=rows))
     return _sum_parts(dq_parts), dk, dv, _finish_bias_grad(dbias_parts, bias)
 
 
@@ -484,7 +482,7 @@ def attention_double_backward(
     _run("double_backward", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout,
          delta=q.new_empty(q.shape[:-1]), gq=gq, gk=gk, gv=gv, gbias=masks.get("gbias"),
          g_dout=g_dout, g_q=g_q, gk_parts=gk_parts, gv_parts=gv_parts, g_bias_parts=g_bias_parts,
-         key_ranges=_key_ranges(q, k, causal, rows, masks, True),
+         key_ranges=_key_ranges(q, k, causal, rows, masks),
          **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
                     softcap=softcap, sink=sink, transposed_keys=_transposed_keys(k, v)))
     return g_dout, g_q, _sum_parts(gk_parts), _sum_parts(gv_parts), _finish_bias_grad(g_bias_parts, bias)
@@ -512,7 +510,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Ten
     out_t = q.new_empty(*q.shape[:3], v.shape[-1])
     rows, chunks = _whole_row_split(q, k, masks, False, None)  # each work item owns its rows
     _run("jvp", q, k, v, **_mask_args(masks), row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv,
-         tbias=masks.get("tbias"), tout=out_t, key_ranges=_key_ranges(q, k, causal, rows, masks, True),
+         tbias=masks.get("tbias"), tout=out_t, key_ranges=_key_ranges(q, k, causal, rows, masks),
          **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
                     dropout_p=dropout_p, transposed_keys=_transposed_keys(k, v)))
     return out_t
@@ -533,7 +531,7 @@ def attention_forward_jvp(q: Tensor, k: Tensor, v: Tensor, causal: int | None, s
     out, out_t = (q.new_empty(*q.shape[:3], v.shape[-1]) for _ in range(2))
     rows, chunks = _whole_row_split(q, k, masks, False, None)  # each work item owns its rows
     _run("forward_jvp", q, k, v, **_mask_args(masks), tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"), out=out,
-         tout=out_t, key_ranges=_key_ranges(q, k, causal, rows, masks, True),
+         tout=out_t, key_ranges=_key_ranges(q, k, causal, rows, masks),
          **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
                     dropout_p=dropout_p, sink=sink, transposed_keys=_transposed_keys(k, v)))
     return out, out_t
@@ -562,7 +560,7 @@ def attention_backward_jvp(
     _run("backward_jvp", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout,
          delta=q.new_empty(q.shape[:-1]), tdout=tdout, tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"),
          tdq=tdq, tdk_parts=tdk_parts, tdv_parts=tdv_parts, tdbias_parts=tdbias_parts,
-         key_ranges=_key_ranges(q, k, causal, rows, masks, True),
+         key_ranges=_key_ranges(q, k, causal, rows, masks),
          **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
                     softcap=softcap, transposed_keys=_transposed_keys(k, v)))
     return tdq, _sum_parts(tdk_parts), _sum_parts(tdv_parts), _finish_bias_grad(tdbias_parts, bias)

@@ -24,7 +24,8 @@ void forward(const Pass<T>& pass) {
     const index_t tile_rows = std::min(block_rows, s.len_q), tile_keys = std::min(block_keys, s.len_k);
     // the last query blocks first: a causal pass's heaviest work is scheduled first
     parallel_items(query_blocks * bh_count, [&](const ItemSource& source) {
-        std::vector<T> scores(tile_rows * tile_keys), acc(tile_rows * s.dim_v), m(tile_rows), l(tile_rows);
+        std::vector<T> scores(tile_rows * tile_keys), acc(tile_rows * s.dim_v), m(tile_rows);
+        std::vector<wide_t<T>> l(tile_rows);  // the softmax sums, wide (exp_and_sum)
         for (index_t item; (item = source.next()) >= 0;) {
             const index_t qb = query_blocks - 1 - item / bh_count, bh = item % bh_count;
             const index_t b = bh / s.heads, h = bh % s.heads;
@@ -35,15 +36,17 @@ void forward(const Pass<T>& pass) {
             const auto [key0, key_count] = ranges(b, qb);  // block_map.key_ranges
             const index_t keys = key0 + key_count;
             std::fill(m.begin(), m.end(), neg_inf);
-            std::fill(l.begin(), l.end(), T(0));
+            std::fill(l.begin(), l.end(), wide_t<T>(0));
             std::fill(acc.begin(), acc.end(), T(0));
             index_t computed = 0;
-            for (index_t c0 = key0 / block_keys * block_keys; c0 < keys; c0 += block_keys) {
-                const TileMap::Kind kind = tile_map(b, h, qb, c0 / block_keys);
+            for (index_t kb0 = key0 / block_keys * block_keys; kb0 < keys; kb0 += block_keys) {
+                const TileMap::Kind kind = tile_map(b, h, qb, kb0 / block_keys);
                 if (kind == TileMap::skipped) continue;  // every score of the tile excluded
                 const ScoreMask<T>& tile_masks = kind == TileMap::unmasked ? pass.structure : masks;
                 ++computed;
-                const index_t cols = std::min(block_keys, keys - c0);
+                // the tile: the key block's keys within the query block's range, which need not
+                // start at a block's edge (a sliding window's band)
+                const index_t c0 = std::max(kb0, key0), cols = std::min(kb0 + block_keys, keys) - c0;
                 const bool fetch = kind == TileMap::computed;  // the mask and bias rows ahead of use
                 if (fetch) masks.prefetch(b, h, r0, std::min(kFetchAhead, rows), c0, cols);
                 // forward: S = scale Q_blk K_blk^T
@@ -56,7 +59,7 @@ void forward(const Pass<T>& pass) {
                     if (fetch && i + kFetchAhead < rows) masks.prefetch(b, h, r0 + i + kFetchAhead, 1, c0, cols);
                     const T m_new = std::max(m[i], max_of(row, seen));
                     // E = exp(S - m'); a row that has seen no key so far keeps E = 0
-                    const T sum = m_new != neg_inf ? exp_and_sum(row, seen, m_new) : T(0);
+                    const wide_t<T> sum = m_new != neg_inf ? exp_and_sum(row, seen, m_new) : 0;
                     std::fill(row + (m_new != neg_inf ? seen : 0), row + cols, T(0));  // the row's future
                     if (m_new != m[i]) {  // rescale what earlier key blocks summed
                         const T correction = m[i] == neg_inf ? T(0) : exp_score(m[i] - m_new);
@@ -77,8 +80,8 @@ void forward(const Pass<T>& pass) {
             }
             for (index_t i = 0; i < rows; ++i) {
                 const index_t r = bh * s.len_q + r0 + i;
-                const bool empty = !(l[i] > T(0));  // a row that saw no key: out 0, statistics 0
-                const T inv = empty ? T(0) : T(1) / l[i];
+                const bool empty = !(l[i] > 0);  // a row that saw no key: out 0, statistics 0
+                const T inv = empty ? T(0) : static_cast<T>(1 / l[i]);
                 row_max[r] = empty ? T(0) : m[i];
                 inv_sum[r] = inv;
                 const T* acc_row = acc.data() + i * s.dim_v;
@@ -129,9 +132,7 @@ void backward(const Pass<T>& pass) {
             T* dbias_part = dbias.part(chunk);
             index_t computed = 0;
             for (index_t kb = chunk * key_blocks / chunks; kb < (chunk + 1) * key_blocks / chunks; ++kb) {
-                const index_t c0 = kb * block_keys, cols = std::min(block_keys, s.len_k - c0);
-                const T* k_blk = k_head + c0 * s.dim;
-                const T* v_blk = v_head + c0 * s.dim_v;
+                const index_t kb0 = kb * block_keys, block_cols = std::min(block_keys, s.len_k - kb0);
                 for (index_t h = hk * group; h < (hk + 1) * group; ++h) {
                     const index_t bh = b * s.heads + h;
                     for (index_t r0 = 0; r0 < s.len_q; r0 += block_rows) {
@@ -140,18 +141,22 @@ void backward(const Pass<T>& pass) {
                         const index_t rows = std::min(block_rows, s.len_q - r0), first = bh * s.len_q + r0;
                         // skipped: beyond the block's keys, or every score of the tile excluded
                         const TileMap::Kind kind = tile_map(b, h, r0 / block_rows, kb);
-                        if (c0 >= key0 + keys || c0 + cols <= key0 || kind == TileMap::skipped) {
-                            if (dbias_direct) dbias.zero_tile(dbias_part, b, h, r0, rows, c0, cols);
+                        if (kb0 >= key0 + keys || kb0 + block_cols <= key0 || kind == TileMap::skipped) {
+                            if (dbias_direct) dbias.zero_tile(dbias_part, b, h, r0, rows, kb0, block_cols);
                             continue;
                         }
                         const ScoreMask<T>& tile_masks = kind == TileMap::unmasked ? pass.structure : masks;
                         ++computed;
-                        // the forward's tile of these rows ends where their block's keys do: the
-                        // same GEMM, so the same scores, bit for bit, as the forward's
-                        const index_t width = std::min(c0 + cols, key0 + keys) - c0;
-                        if (dbias_direct && width < cols) {
-                            dbias.zero_tile(dbias_part, b, h, r0, rows, c0 + width, cols - width);
+                        // the forward's tile of these rows starts and ends where their block's
+                        // keys do: the same GEMM, so the same scores, bit for bit, as the forward's
+                        const index_t c0 = std::max(kb0, key0), width = std::min(kb0 + block_cols, key0 + keys) - c0;
+                        if (dbias_direct) {
+                            if (c0 > kb0) dbias.zero_tile(dbias_part, b, h, r0, rows, kb0, c0 - kb0);
+                            const index_t end = kb0 + block_cols;
+                            if (c0 + width < end) dbias.zero_tile(dbias_part, b, h, r0, rows, c0 + width, end - c0 - width);
                         }
+                        const T* k_blk = k_head + c0 * s.dim;
+                        const T* v_blk = v_head + c0 * s.dim_v;
                         const bool fetch = kind == TileMap::computed;  // the mask and bias rows ahead of use
                         if (fetch) masks.prefetch(b, h, r0, std::min(kFetchAhead, rows), c0, width);
                         // forward: S = scale Q K_blk^T;  backward: dP = dO V_blk^T

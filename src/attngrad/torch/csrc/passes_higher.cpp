@@ -171,11 +171,11 @@ void jvp(const Pass<T>& pass) {
                     std::fill(ti, ti + keys, T(0));
                     continue;
                 }
-                T sum = exp_and_sum(pi, seen, top);  // E = exp(S - m)
+                wide_t<T> sum = exp_and_sum(pi, seen, top);  // E = exp(S - m)
                 if (pass.call.sink) sum += std::exp(-top);  // the sink's exp(0 - m); 1 / inf = 0
                 // P = E / l, t; a row's one key has E = exp(0) = 1 = l: P = 1 exactly, unlike a
                 // recomputed score's (SingleKeyRows)
-                t_sum = scale_and_dot(pi, ti, seen, T(1) / sum);
+                t_sum = scale_and_dot(pi, ti, seen, static_cast<T>(1 / sum));
             } else {
                 t_sum = row_probs(pi, ti, seen, row_max[first + i], inv_sum[first + i], single_key(blk.bh, row));
             }

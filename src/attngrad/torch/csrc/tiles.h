@@ -795,17 +795,13 @@ class KvItems {
     index_t batch_, kv_heads_, chunks_, b_items_, hk_items_;
 };
 
-// delta_r = rowsum(a_r * b_r) for `rows` rows of width `width`, summed in double: D enters
-// every dS = P (dP - D) of its row, and a float32 sum of d products would carry d roundings
-// into all of them (O(L d) work, so the wider sum costs nothing measurable)
+// delta_r = rowsum(a_r * b_r) for `rows` rows of width `width`, summed in double (wide_dot):
+// D enters every dS = P (dP - D) of its row, and a float32 sum of d products would carry d
+// roundings into all of them
 template <typename T>
 void row_dots(const T* a, const T* b, T* delta, index_t rows, index_t width) {
     parallel_range(rows, 256, [&](index_t begin, index_t end) {
-        for (index_t r = begin; r < end; ++r) {
-            double sum = 0;
-            for (index_t c = 0; c < width; ++c) sum += double(a[r * width + c]) * double(b[r * width + c]);
-            delta[r] = static_cast<T>(sum);
-        }
+        for (index_t r = begin; r < end; ++r) delta[r] = static_cast<T>(wide_dot(a + r * width, b + r * width, width));
     });
 }
 

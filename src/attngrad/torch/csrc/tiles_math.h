@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -54,6 +55,8 @@ inline F exp_score_any(F x) {
 constexpr int kLanes = 16;
 using floatv = float __attribute__((vector_size(kLanes * sizeof(float))));
 using intv = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
+using halfv = float __attribute__((vector_size(kLanes / 2 * sizeof(float))));
+using doublev = double __attribute__((vector_size(kLanes / 2 * sizeof(double))));
 
 inline float exp_score(float x) { return exp_score_any<float, int32_t>(x); }
 inline floatv exp_score(floatv x) { return exp_score_any<floatv, intv>(x); }
@@ -67,6 +70,82 @@ inline floatv load(const float* p) {
 }
 
 inline void store(float* p, floatv v) { std::memcpy(p, &v, sizeof v); }
+
+// The type a row's float32 sums are kept in: double (float64's own stays double)
+template <typename T>
+using wide_t = std::conditional_t<std::is_same_v<T, float>, double, T>;
+
+// The last n < 16 entries of a row as one vector, `pad` in the lanes past them, and back:
+// a row's tail runs the vector code (a row ending at the causal diagonal or a window's edge
+// has one in most tiles, and 15 scalar exps cost more than the vector's 16)
+inline floatv load_tail(const float* x, index_t n, float pad) {
+    float lanes[kLanes];
+    for (index_t i = 0; i < kLanes; ++i) lanes[i] = i < n ? x[i] : pad;
+    return load(lanes);
+}
+
+inline void store_tail(float* x, index_t n, floatv v) {
+    for (index_t i = 0; i < n; ++i) x[i] = v[i];
+}
+
+// The sum of 8 doubles, halves added to halves
+inline double lanes_sum(doublev v) {
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+    return v[0];
+}
+
+// A row's float32 sum over 4 x 16 lanes, each lane summed in float32 and the 64 partial sums
+// in double: a row of 512 keys leaves each lane 8 terms (against 32 in 16 lanes), and the
+// four chains hide the adds' latency. term(j) makes (and stores) the 16 summands from j on,
+// tail(j, count) the last count < 16 of them, zeros past them.
+template <typename Term, typename Tail>
+inline double wide_row_sum(index_t n, Term&& term, Tail&& tail) {
+    floatv a0{}, a1{}, a2{}, a3{};
+    index_t j = 0;
+    for (; j + 4 * kLanes <= n; j += 4 * kLanes) {
+        a0 += term(j);
+        a1 += term(j + kLanes);
+        a2 += term(j + 2 * kLanes);
+        a3 += term(j + 3 * kLanes);
+    }
+    for (; j + kLanes <= n; j += kLanes) a0 += term(j);
+    if (j < n) a1 += tail(j, n - j);
+    // the 64 partial sums as 8-double vectors, then halves added to halves (a scalar loop
+    // over them cost as much again)
+    const auto low = [](floatv x) {
+        return __builtin_convertvector(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7), doublev);
+    };
+    const auto high = [](floatv x) {
+        return __builtin_convertvector(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15), doublev);
+    };
+    return lanes_sum(((low(a0) + low(a1)) + (low(a2) + low(a3))) + ((high(a0) + high(a1)) + (high(a2) + high(a3))));
+}
+
+// rowsum(a * b) of a row of n, in double: 8 lanes of exact float products (or of doubles'),
+// the last n mod 8 one by one
+template <typename T>
+inline double wide_dot(const T* a, const T* b, index_t n) {
+    doublev lanes{};
+    index_t j = 0;
+    for (; j + kLanes / 2 <= n; j += kLanes / 2) {
+        if constexpr (std::is_same_v<T, float>) {
+            halfv x, y;
+            std::memcpy(&x, a + j, sizeof x);
+            std::memcpy(&y, b + j, sizeof y);
+            lanes += __builtin_convertvector(x, doublev) * __builtin_convertvector(y, doublev);
+        } else {
+            doublev x, y;
+            std::memcpy(&x, a + j, sizeof x);
+            std::memcpy(&y, b + j, sizeof y);
+            lanes += x * y;
+        }
+    }
+    double sum = lanes_sum(lanes);
+    for (; j < n; ++j) sum += double(a[j]) * double(b[j]);
+    return sum;
+}
 
 // tanh in float32, for the soft cap: below |x| = 0.625 the odd minimax polynomial of Cephes'
 // tanhf (x + x^3 p(x^2), about 2 ulp), above it (1 - e) / (1 + e) with e = exp(-2 |x|) from
@@ -126,21 +205,25 @@ T max_of(const T* x, index_t n) {
 
 template <>
 inline float max_of(const float* x, index_t n) {
-    floatv lanes = floatv{} - std::numeric_limits<float>::infinity();
+    constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+    floatv lanes = floatv{} + neg_inf;
+    const auto take = [&lanes](floatv v) { lanes = v > lanes ? v : lanes; };
     index_t j = 0;
-    for (; j + kLanes <= n; j += kLanes) {
-        const floatv v = load(x + j);
-        lanes = v > lanes ? v : lanes;
-    }
-    float top = max_of_each(x + j, n - j);
-    for (int t = 0; t < kLanes; ++t) top = lanes[t] > top ? lanes[t] : top;
-    return top;
+    for (; j + kLanes <= n; j += kLanes) take(load(x + j));
+    if (j < n) take(load_tail(x + j, n - j, neg_inf));
+    // halves against halves: four steps, not a chain of 16
+    take(__builtin_shufflevector(lanes, lanes, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    take(__builtin_shufflevector(lanes, lanes, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    take(__builtin_shufflevector(lanes, lanes, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    take(__builtin_shufflevector(lanes, lanes, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return lanes[0];
 }
 
-// x_j <- exp(x_j - shift); returns the sum of the new x_j
+// x_j <- exp(x_j - shift); returns the sum of the new x_j (wide_row_sum's for float32: l
+// divides every P of its row, and its rounding in 16 float lanes was most of P's own)
 template <typename T>
-T exp_and_sum_each(T* x, index_t n, T shift) {
-    T sum = 0;
+wide_t<T> exp_and_sum_each(T* x, index_t n, T shift) {
+    wide_t<T> sum = 0;
     for (index_t j = 0; j < n; ++j) {
         x[j] = exp_score(x[j] - shift);
         sum += x[j];
@@ -149,22 +232,25 @@ T exp_and_sum_each(T* x, index_t n, T shift) {
 }
 
 template <typename T>
-T exp_and_sum(T* x, index_t n, T shift) {
+wide_t<T> exp_and_sum(T* x, index_t n, T shift) {
     return exp_and_sum_each(x, n, shift);
 }
 
 template <>
-inline float exp_and_sum(float* x, index_t n, float shift) {
-    floatv lanes{};
-    index_t j = 0;
-    for (; j + kLanes <= n; j += kLanes) {
-        const floatv e = exp_score(load(x + j) - shift);
-        store(x + j, e);
-        lanes += e;
-    }
-    float sum = exp_and_sum_each(x + j, n - j, shift);
-    for (int t = 0; t < kLanes; ++t) sum += lanes[t];
-    return sum;
+inline double exp_and_sum(float* x, index_t n, float shift) {
+    constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+    return wide_row_sum(
+            n,
+            [&](index_t at) {
+                const floatv e = exp_score(load(x + at) - shift);
+                store(x + at, e);
+                return e;
+            },
+            [&](index_t at, index_t count) {
+                const floatv e = exp_score(load_tail(x + at, count, neg_inf) - shift);  // exp(-inf) = 0
+                store_tail(x + at, count, e);
+                return e;
+            });
 }
 
 // forward: P = exp(S - m) / l  ->  dS = P (dP - D); p holds S and becomes P, ds holds dP
@@ -191,15 +277,20 @@ inline void probs_and_score_grad(float* p, float* ds, index_t n, float m, float 
         store(p + j, pj);
         store(ds + j, pj * (load(ds + j) - d));
     }
-    probs_and_score_grad_each(p + j, ds + j, n - j, m, inv, d);
+    if (j < n) {
+        const floatv pj = exp_score(load_tail(p + j, n - j, 0) - m) * inv;
+        store_tail(p + j, n - j, pj);
+        store_tail(ds + j, n - j, pj * (load_tail(ds + j, n - j, 0) - d));
+    }
 }
 
 // The double backward's row work, in three sweeps over one row (in the manner of the row
 // operations above: a loop for any type, 16-float vectors for float32).
-// p <- P = exp(S - m) / l; returns t = rowsum(P * T)
+// p <- P = exp(S - m) / l; returns t = rowsum(P * T), summed as wide_row_sum does: t (the
+// backward's D) is subtracted from every entry of its row, so its rounding lands in each
 template <typename T>
-T probs_and_dot_each(T* p, const T* t, index_t n, T m, T inv) {
-    T sum = 0;
+wide_t<T> probs_and_dot_each(T* p, const T* t, index_t n, T m, T inv) {
+    wide_t<T> sum = 0;
     for (index_t j = 0; j < n; ++j) {
         p[j] = exp_score(p[j] - m) * inv;
         sum += p[j] * t[j];
@@ -214,22 +305,25 @@ T probs_and_dot(T* p, const T* t, index_t n, T m, T inv) {
 
 template <>
 inline float probs_and_dot(float* p, const float* t, index_t n, float m, float inv) {
-    floatv lanes{};
-    index_t j = 0;
-    for (; j + kLanes <= n; j += kLanes) {
-        const floatv pj = exp_score(load(p + j) - m) * inv;
-        store(p + j, pj);
-        lanes += pj * load(t + j);
-    }
-    float sum = probs_and_dot_each(p + j, t + j, n - j, m, inv);
-    for (int i = 0; i < kLanes; ++i) sum += lanes[i];
-    return sum;
+    constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+    return static_cast<float>(wide_row_sum(
+            n,
+            [&](index_t at) {
+                const floatv pj = exp_score(load(p + at) - m) * inv;
+                store(p + at, pj);
+                return pj * load(t + at);
+            },
+            [&](index_t at, index_t count) {
+                const floatv pj = exp_score(load_tail(p + at, count, neg_inf) - m) * inv;  // P = 0 past them
+                store_tail(p + at, count, pj);
+                return pj * load_tail(t + at, count, 0);
+            }));
 }
 
 // p <- p * inv (E = exp(S - m) to P = E / l, as probs_and_dot rounds it); returns rowsum(P * t)
 template <typename T>
-T scale_and_dot_each(T* p, const T* t, index_t n, T inv) {
-    T sum = 0;
+wide_t<T> scale_and_dot_each(T* p, const T* t, index_t n, T inv) {
+    wide_t<T> sum = 0;
     for (index_t j = 0; j < n; ++j) {
         p[j] *= inv;
         sum += p[j] * t[j];
@@ -244,16 +338,18 @@ T scale_and_dot(T* p, const T* t, index_t n, T inv) {
 
 template <>
 inline float scale_and_dot(float* p, const float* t, index_t n, float inv) {
-    floatv lanes{};
-    index_t j = 0;
-    for (; j + kLanes <= n; j += kLanes) {
-        const floatv pj = load(p + j) * inv;
-        store(p + j, pj);
-        lanes += pj * load(t + j);
-    }
-    float sum = scale_and_dot_each(p + j, t + j, n - j, inv);
-    for (int i = 0; i < kLanes; ++i) sum += lanes[i];
-    return sum;
+    return static_cast<float>(wide_row_sum(
+            n,
+            [&](index_t at) {
+                const floatv pj = load(p + at) * inv;
+                store(p + at, pj);
+                return pj * load(t + at);
+            },
+            [&](index_t at, index_t count) {
+                const floatv pj = load_tail(p + at, count, 0) * inv;
+                store_tail(p + at, count, pj);
+                return pj * load_tail(t + at, count, 0);
+            }));
 }
 
 // x <- g_P = (dP - D) (T - t) + X,  t <- g_dP = P (T - t),  dp <- dS = P (dP - D);

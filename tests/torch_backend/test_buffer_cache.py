@@ -80,7 +80,7 @@ def test_a_kept_buffer_never_shows_through(monkeypatch, causal):
     buffer filled with NaN beforehand, the gradients still equal autograd's through
     PyTorch's math path, float64, to 1e-12."""
     monkeypatch.setattr(native, "BLOCK_ROWS", 4)
-    monkeypatch.setattr(native, "NARROW_BLOCK_ROWS", 3)
+    monkeypatch.setattr(native, "NARROW_BLOCK_KEYS", 8)
     monkeypatch.setattr(native, "BLOCK_KEYS", 8)
     torch.manual_seed(0)
     batch, heads, len_q, len_k = 2, 3, 13, 29

@@ -125,8 +125,38 @@ def test_forward_and_backward_take_the_same_query_blocks(monkeypatch, len_q, cau
     monkeypatch.setattr(native, "_run", recording)
     out, row_max, inv_sum = native.attention_forward(q, k, v, causal, 0.3)
     native.attention_backward(dout, q, k, v, out, row_max, inv_sum, causal, 0.3)
-    assert rows["forward"] == rows["backward"] == native._block_rows(len_q, causal, dtype == torch.bfloat16)
+    assert rows["forward"] == rows["backward"] == native._block_rows(len_q, k.shape[2], causal, dtype == torch.bfloat16)
     assert (rows["forward"] < native.BLOCK_ROWS) is short
+
+
+@needs_tiles
+@pytest.mark.parametrize("band", ["window", "documents"])
+def test_bounds_take_the_query_blocks_whose_tiles_cover_least(monkeypatch, band):
+    """Under key bounds both passes take `_band_rows`'s query blocks: fewer rows for a
+    causal sliding window (a block of R rows spans R + 255 keys for 256 a row), BLOCK_ROWS
+    for documents whose rows share their bounds (a block spans its document alone)."""
+    len_q = 1024
+    rows_at = torch.arange(len_q)
+    if band == "window":
+        lo, hi = (rows_at - 255).clamp(min=0), rows_at + 1
+    else:
+        lo = rows_at // 256 * 256
+        hi = lo + 256
+    bounds = torch.stack([lo, hi], -1)[None]
+    q, k, v, dout = _inputs(1, 2, 2, len_q, len_q, 8, 8, torch.float32, 0)
+    rows = {}
+
+    def recording(name, *args, **kwargs):
+        rows[name] = kwargs["block_rows"]
+        return run(name, *args, **kwargs)
+
+    run = native._run
+    monkeypatch.setattr(native, "_run", recording)
+    causal = 0 if band == "window" else None  # a causal diagonal would cut each document's blocks too
+    out, row_max, inv_sum = native.attention_forward(q, k, v, causal, 0.3, bounds=bounds)
+    native.attention_backward(dout, q, k, v, out, row_max, inv_sum, causal, 0.3, bounds=bounds)
+    assert rows["forward"] == rows["backward"]
+    assert (rows["forward"] < native.BLOCK_ROWS) is (band == "window")
 
 
 @needs_tiles
@@ -636,8 +666,8 @@ def _tiles_not_empty(q, k, causal, mask=None, bias=None, bounds=None, block_keys
     from attngrad.torch.block_map import empty_tiles
 
     masks = native._score_masks(mask, bias, q.dtype, bounds=bounds)
-    block_keys = block_keys or native.BLOCK_KEYS
-    rows = native._block_rows(q.shape[2], causal, q.dtype == torch.bfloat16, bounds)
+    block_keys = block_keys or native._block_keys(bounds)
+    rows = native._block_rows(q.shape[2], k.shape[2], causal, q.dtype == torch.bfloat16, masks.get("key_bounds"))
     empty = empty_tiles(q.shape[2], k.shape[2], causal, masks.get("key_bounds"), masks.get("mask"),
                         masks.get("bias"), rows, block_keys)
     empty = empty.expand(q.shape[0], q.shape[1], *empty.shape[2:])
@@ -746,15 +776,15 @@ def test_tiles_skip_what_a_causal_window_excludes(with_mask):
     if with_mask:
         mask = torch.ones(2, 1, 37, 37, dtype=torch.bool)
         mask[0, ..., ::3] = False
-    old = native.BLOCK_ROWS, native.BLOCK_KEYS, native.NARROW_BLOCK_ROWS
-    native.BLOCK_ROWS, native.BLOCK_KEYS, native.NARROW_BLOCK_ROWS = 6, 5, 4
+    old = native.BLOCK_ROWS, native.NARROW_BLOCK_KEYS, native.BAND_ROW_COST
+    native.BLOCK_ROWS, native.NARROW_BLOCK_KEYS, native.BAND_ROW_COST = 4, 5, (1.0,)  # 4 rows a block, no fewer
     try:
         tiles, empty = _tiles_not_empty(q, k, 0, mask, bounds=bounds)
         ours, forward_tiles = _counted(lambda: native.attention_forward(q, k, v, 0, 0.3, mask=mask, bounds=bounds))
         grads, backward_tiles = _counted(lambda: native.attention_backward(dout, q, k, v, *ours, 0, 0.3, mask=mask,
                                                                            bounds=bounds)[:3])
     finally:
-        native.BLOCK_ROWS, native.BLOCK_KEYS, native.NARROW_BLOCK_ROWS = old
+        native.BLOCK_ROWS, native.NARROW_BLOCK_KEYS, native.BAND_ROW_COST = old
     all_tiles = 2 * 2 * 10 * 8
     # per head, of 10 x 8 tiles, the window and the diagonal leave 2 or 3 per query block
     assert empty >= 2 * 2 * (10 * 8 - 3 * 10)

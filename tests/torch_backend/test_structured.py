@@ -33,7 +33,7 @@ def small_tiles(many_blocks, monkeypatch):
     and documents cross many tile boundaries and whole tiles are skipped."""
     monkeypatch.setattr(kernels_higher, "HIGHER_MIN_ROWS", 3)
     monkeypatch.setattr(native, "BLOCK_KEYS", 8)
-    monkeypatch.setattr(native, "NARROW_BLOCK_ROWS", 2)
+    monkeypatch.setattr(native, "NARROW_BLOCK_KEYS", 4)
     monkeypatch.setattr(native, "NARROW_BAND", 6)
     monkeypatch.setattr(native, "DOUBLE_TILE", 24)
 

@@ -56,13 +56,20 @@ BLOCK_KEYS = 512
 # 16.1 ms; B=1, L=1024, 64 rows: 14.9 -> 15.2 ms. bfloat16's products (the matrix units)
 # lose with fewer rows at every length (B=4, L=128: 2.75 -> 2.96 ms), so they keep 128.
 CAUSAL_SHORT = 1024
-# Rows per query block where every row's key bounds span at most NARROW_BAND keys (a sliding
-# window): a block's tiles span its rows' bands (key ranges need not start at a key block's
-# edge), R + W - 1 keys for W useful ones a row. Fwd+bwd, causal window 256, L=4096, B=1,
-# H=8, d=64, float32 (blocks of rows x keys): 128 x 128 51.5 ms, 64 x 512 44.3, 32 x 512 44.7;
-# at L=1024: 11.7, 10.5, 10.8 ms.
+# Query blocks where every row's key bounds span at most NARROW_BAND keys (a sliding
+# window, packed documents): a block's tiles span its rows' key range (ranges need not start
+# at a key block's edge), R + W - 1 keys for a band of W sliding with the rows, W for rows
+# that share their bounds. `_band_rows` takes the rows, BLOCK_ROWS, a half or a quarter of
+# it, whose tiles cover the fewest scores, each weighted by what its smaller products cost
+# more (BAND_ROW_COST: the plain call's time per score with 128, 64 and 32 rows, in the
+# table above), and blocks of NARROW_BLOCK_KEYS keys, which a block's range rarely
+# straddles (a straddle is a second, smaller tile). Fwd+bwd, B=1, H=8, L=4096, d=64,
+# float32, one process (rows x keys): causal window 256: 128 x 128 51.3 ms, 64 x 512 46.7,
+# 32 x 512 45.8, 32 x 2048 44.9; 8 documents of 512: 128 x 128 61.5, 128 x 512 57.8, 128 x
+# 2048 58.5, 32 x 2048 63.4.
+BAND_ROW_COST = (1.0, 1.075, 1.18)
 NARROW_BAND = 1024
-NARROW_BLOCK_ROWS = 64
+NARROW_BLOCK_KEYS = 2048
 # The forward's E V product sums this many keys per GEMM, for float32 accuracy: at B=2,
 # H=4, L=1024 the output's normwise error against PyTorch's flash kernel's went from
 # 1.02x (one 512-key product) to below it (figures in the tests).
@@ -210,19 +217,48 @@ def _mask_args(masks: dict) -> dict:
                 mask_blocks=masks.get("mask_blocks"), mask_tiles=masks.get("mask_tiles"))
 
 
-def _block_rows(len_q: int, causal: int | None, bf16: bool, bounds: Tensor | None = None) -> int:
+def _block_rows(len_q: int, len_k: int, causal: int | None, bf16: bool, bounds: Tensor | None = None) -> int:
     """Rows per query block of the forward and the backward (both: their tiles must be the
     same for the backward to recompute the forward's scores bit for bit): BLOCK_ROWS; for a
     causal call shorter than CAUSAL_SHORT rows a quarter of them, 32 to 64; where the key
-    `bounds` leave every row a narrow band, NARROW_BLOCK_ROWS. bfloat16's products keep
-    BLOCK_ROWS."""
+    `bounds` leave every row a band of at most NARROW_BAND keys, `_band_rows`'s. bfloat16's
+    products keep BLOCK_ROWS."""
     if bf16:
         return BLOCK_ROWS
-    if bounds is not None and bounds.numel() and int((bounds[..., 1] - bounds[..., 0]).max()) <= NARROW_BAND:
-        return min(BLOCK_ROWS, NARROW_BLOCK_ROWS)
+    if _narrow(bounds):
+        return _band_rows(len_q, len_k, causal, bounds)
     if causal is None or len_q >= CAUSAL_SHORT:
         return BLOCK_ROWS
     return min(BLOCK_ROWS, max(32, min(64, 1 << max(0, (len_q // 4).bit_length() - 1))))
+
+
+def _band_rows(len_q: int, len_k: int, causal: int | None, bounds: Tensor) -> int:
+    """BLOCK_ROWS, a half or a quarter of it: the one whose query blocks' key ranges
+    (`block_map.key_ranges`), rows times keys, cover the fewest scores, weighted by
+    BAND_ROW_COST. Kept while the bounds live unchanged (`_kept`)."""
+
+    def make() -> Tensor:
+        costs = {}
+        for rows, weight in zip((BLOCK_ROWS, BLOCK_ROWS // 2, BLOCK_ROWS // 4), BAND_ROW_COST):
+            if rows >= 1:
+                keys = key_ranges(len_q, len_k, causal, bounds, rows)[..., 1]  # (1 or B, query blocks)
+                sizes = (torch.arange(1, keys.shape[1] + 1) * rows).clamp(max=len_q).diff(prepend=torch.zeros(1, dtype=torch.int64))
+                costs.setdefault(rows, float((keys * sizes).sum()) * weight)
+        return torch.tensor(min(costs, key=costs.get))
+
+    return int(_kept("band_rows", (len_q, len_k, causal, BLOCK_ROWS), (bounds,), make))
+
+
+def _block_keys(bounds: Tensor | None) -> int:
+    """Keys per block of the forward and backward: BLOCK_KEYS, or NARROW_BLOCK_KEYS where the
+    key bounds leave every row a narrow band (a query block's range then rarely straddles
+    two blocks, each straddle a second, smaller tile)."""
+    return NARROW_BLOCK_KEYS if _narrow(bounds) else BLOCK_KEYS
+
+
+def _narrow(bounds: Tensor | None) -> bool:
+    """Whether key `bounds` are given and leave every row at most NARROW_BAND keys."""
+    return bounds is not None and bounds.numel() > 0 and int((bounds[..., 1] - bounds[..., 0]).max()) <= NARROW_BAND
 
 
 # The tile maps and key ranges of recent calls: a model's layers share their masks, and a
@@ -313,19 +349,20 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale
     batch, heads, len_q, _ = q.shape
     out = q.new_empty(batch, heads, len_q, v.shape[-1])
     row_max, inv_sum = q.new_empty(batch, heads, len_q), q.new_empty(batch, heads, len_q)
-    masks = _score_masks(mask, bias, q.dtype, bounds=bounds, blocks=blocks)
-    rows = _block_rows(len_q, causal, bf16, bounds)
+    masks, block_keys = _score_masks(mask, bias, q.dtype, bounds=bounds, blocks=blocks), _block_keys(bounds)
+    rows = _block_rows(len_q, k.shape[2], causal, bf16, masks.get("key_bounds"))
     ranges = _key_ranges(q, k, causal, rows, masks)
     _run("forward", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum,
-         tile_map=_tile_map(q, k, masks, causal, rows, BLOCK_KEYS, ranges), key_ranges=ranges,
-         **_options(causal, scale, bf16=bf16, softcap=softcap, seed=seed, dropout_p=dropout_p, block_rows=rows))
+         tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges,
+         **_options(causal, scale, bf16=bf16, softcap=softcap, seed=seed, dropout_p=dropout_p, block_rows=rows,
+                    block_keys=block_keys))
     return out, row_max, inv_sum
 
 
 def settings() -> tuple:
     """The module's block sizes, which every pass reads at its call (tests change them): a
     prepared pass (`forward_plan`) holds while they stay."""
-    return BLOCK_ROWS, BLOCK_KEYS, VALUE_SLICE, CAUSAL_SHORT, NARROW_BAND, NARROW_BLOCK_ROWS
+    return BLOCK_ROWS, BLOCK_KEYS, VALUE_SLICE, CAUSAL_SHORT, NARROW_BAND, NARROW_BLOCK_KEYS, BAND_ROW_COST
 
 
 def forward_plan(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float,
@@ -339,7 +376,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: flo
     converted = any(t.dtype != work or not t.is_contiguous() for t in (q, k, v))
     batch, heads, len_q, _ = q.shape
     out_shape, stats_shape = (batch, heads, len_q, v.shape[-1]), (batch, heads, len_q)
-    rows = _block_rows(len_q, causal, bf16)
+    rows = _block_rows(len_q, k.shape[2], causal, bf16)
     op, names = _op("forward")
     tensors = ("q", "k", "v", "out", "row_max", "inv_sum")  # each call's own
     given = dict(dict.fromkeys(tensors), mask=None, bias=None, key_bounds=None, tile_map=None, mask_blocks=None,
@@ -431,19 +468,20 @@ def attention_backward(
     bf16 = _bf16(q)
     dout, q, k, v, out, row_max, inv_sum = _work(dout, q, k, v, out, row_max, inv_sum)
     masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad, bounds=bounds, blocks=blocks)
+    block_keys = _block_keys(bounds)
     if chunks is None:
-        chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-k.shape[2] // BLOCK_KEYS))
+        chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-k.shape[2] // block_keys))
     dq_parts = q.new_zeros(chunks, *q.shape)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     delta = q.new_empty(q.shape[:-1])
     dbias_parts = _bias_grad_buffer(masks, bias_grad, chunks, False, q.dtype)
-    rows = _block_rows(q.shape[2], causal, bf16, bounds)
+    rows = _block_rows(q.shape[2], k.shape[2], causal, bf16, masks.get("key_bounds"))
     ranges = _key_ranges(q, k, causal, rows, masks)
     _run("backward", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout, delta=delta,
          dq_parts=dq_parts, dk=dk, dv=dv, dbias_parts=dbias_parts,
-         tile_map=_tile_map(q, k, masks, causal, rows, BLOCK_KEYS, ranges), key_ranges=ranges,
+         tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges,
          **_options(causal, scale, bf16=bf16, chunks=chunks, seed=seed, dropout_p=dropout_p, softcap=softcap,
-                    block_rows=rows))
+                    block_rows=rows, block_keys=block_keys))
     return _sum_parts(dq_parts), dk, dv, _finish_bias_grad(dbias_parts, bias)
 
 

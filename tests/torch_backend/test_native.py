@@ -485,6 +485,7 @@ def test_a_compiler_without_openmp_still_builds_the_tiles(tmp_path):
         import warnings, torch
         from attngrad.torch import native, native_build
         native_build.OPENMP_FLAGS = ("-fopenmp", "-fattngrad-no-such-flag")
+        native_build.FLAGS = ("-O0", *native_build.FLAGS[1:])  # the fallback is the point here, not speed
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert native.library() is not None, native.build_info.reason
@@ -791,6 +792,33 @@ def test_tiles_skip_what_a_causal_window_excludes(with_mask):
     assert forward_tiles == backward_tiles == tiles == all_tiles - empty
     theirs = kernels.attention_forward(q, k, v, mask, None, 0, 0, 0.3, 0.0, 0.0, bounds=bounds)
     their_grads = kernels.attention_backward(dout, q, k, v, mask, None, 0, *theirs, 0, 0.3, 0.0, 0.0, False,
+                                             bounds=bounds)[:3]
+    names = ("out", "row_max", "inv_sum", "dq", "dk", "dv")
+    assert_all_close(dict(zip(names, (*ours, *grads))), dict(zip(names, (*theirs, *their_grads))))
+
+
+@needs_tiles
+def test_a_query_block_that_sees_no_key_computes_no_tile(monkeypatch):
+    """Key bounds that leave a whole query block no key, its empty range starting inside a
+    key block (where the tiles of the other blocks start too): neither pass computes a tile
+    for it (the counts equal the block map's), its rows give 0, and every result equals the
+    torch-ops kernels'."""
+    monkeypatch.setattr(native, "BLOCK_ROWS", 4)
+    monkeypatch.setattr(native, "NARROW_BLOCK_KEYS", 8)
+    monkeypatch.setattr(native, "BAND_ROW_COST", (1.0,))  # 4 rows a block
+    q, k, v, dout = _inputs(2, 2, 2, 23, 23, 8, 6, torch.float64, 6)
+    rows = torch.arange(23)
+    lo, hi = (rows - 3).clamp(min=0), rows + 1
+    lo[4:8] = hi[4:8] = 13  # rows 4..7, the second query block, see no key
+    bounds = torch.stack([lo, hi], -1)[None]
+    tiles, _ = _tiles_not_empty(q, k, None, bounds=bounds)
+    ours, forward_tiles = _counted(lambda: native.attention_forward(q, k, v, None, 0.3, bounds=bounds))
+    grads, backward_tiles = _counted(lambda: native.attention_backward(dout, q, k, v, *ours, None, 0.3,
+                                                                       bounds=bounds)[:3])
+    assert forward_tiles == backward_tiles == tiles
+    assert not ours[0][:, :, 4:8].any() and not grads[0][:, :, 4:8].any()
+    theirs = kernels.attention_forward(q, k, v, None, None, 0, None, 0.3, 0.0, 0.0, bounds=bounds)
+    their_grads = kernels.attention_backward(dout, q, k, v, None, None, 0, *theirs, None, 0.3, 0.0, 0.0, False,
                                              bounds=bounds)[:3]
     names = ("out", "row_max", "inv_sum", "dq", "dk", "dv")
     assert_all_close(dict(zip(names, (*ours, *grads))), dict(zip(names, (*theirs, *their_grads))))

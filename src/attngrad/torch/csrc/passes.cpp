@@ -39,7 +39,9 @@ void forward(const Pass<T>& pass) {
             std::fill(l.begin(), l.end(), wide_t<T>(0));
             std::fill(acc.begin(), acc.end(), T(0));
             index_t computed = 0;
-            for (index_t kb0 = key0 / block_keys * block_keys; kb0 < keys; kb0 += block_keys) {
+            // a block whose rows see no key (key_count 0, key0 anywhere) computes no tile, whatever
+            // the tile map says of its tiles
+            for (index_t kb0 = key0 / block_keys * block_keys; key_count > 0 && kb0 < keys; kb0 += block_keys) {
                 const TileMap::Kind kind = tile_map(b, h, qb, kb0 / block_keys);
                 if (kind == TileMap::skipped) continue;  // every score of the tile excluded
                 const ScoreMask<T>& tile_masks = kind == TileMap::unmasked ? pass.structure : masks;
@@ -141,7 +143,7 @@ void backward(const Pass<T>& pass) {
                         const index_t rows = std::min(block_rows, s.len_q - r0), first = bh * s.len_q + r0;
                         // skipped: beyond the block's keys, or every score of the tile excluded
                         const TileMap::Kind kind = tile_map(b, h, r0 / block_rows, kb);
-                        if (kb0 >= key0 + keys || kb0 + block_cols <= key0 || kind == TileMap::skipped) {
+                        if (keys == 0 || kb0 >= key0 + keys || kb0 + block_cols <= key0 || kind == TileMap::skipped) {
                             if (dbias_direct) dbias.zero_tile(dbias_part, b, h, r0, rows, kb0, block_cols);
                             continue;
                         }

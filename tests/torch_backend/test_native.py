@@ -105,6 +105,21 @@ def _inputs(batch, heads, kv_heads, len_q, len_k, dim, dim_v, dtype, seed):
     return q, k, v, dout
 
 
+def _query_blocks_taken(monkeypatch, q, k, v, dout, causal, **masks) -> dict:
+    """The rows per query block the compiled forward and backward took, by pass name."""
+    rows = {}
+
+    def recording(name, *args, **kwargs):
+        rows[name] = kwargs["block_rows"]
+        return run(name, *args, **kwargs)
+
+    run = native._run
+    monkeypatch.setattr(native, "_run", recording)
+    out, row_max, inv_sum = native.attention_forward(q, k, v, causal, 0.3, **masks)
+    native.attention_backward(dout, q, k, v, out, row_max, inv_sum, causal, 0.3, **masks)
+    return rows
+
+
 @needs_tiles
 @pytest.mark.parametrize("len_q,causal,dtype,short", [
     (128, 0, torch.float32, True), (300, -5, torch.float64, True), (1, 4095, torch.float32, True),
@@ -115,16 +130,7 @@ def test_forward_and_backward_take_the_same_query_blocks(monkeypatch, len_q, cau
     BLOCK_ROWS for a short causal call (its blocks skip more of the masked triangle) unless
     its products are bfloat16's."""
     q, k, v, dout = _inputs(2, 2, 2, len_q, 4096 if len_q == 1 else len_q, 8, 8, dtype, 0)
-    rows = {}
-
-    def recording(name, *args, **kwargs):
-        rows[name] = kwargs["block_rows"]
-        return run(name, *args, **kwargs)
-
-    run = native._run
-    monkeypatch.setattr(native, "_run", recording)
-    out, row_max, inv_sum = native.attention_forward(q, k, v, causal, 0.3)
-    native.attention_backward(dout, q, k, v, out, row_max, inv_sum, causal, 0.3)
+    rows = _query_blocks_taken(monkeypatch, q, k, v, dout, causal)
     assert rows["forward"] == rows["backward"] == native._block_rows(len_q, k.shape[2], causal, dtype == torch.bfloat16)
     assert (rows["forward"] < native.BLOCK_ROWS) is short
 
@@ -144,17 +150,8 @@ def test_bounds_take_the_query_blocks_whose_tiles_cover_least(monkeypatch, band)
         hi = lo + 256
     bounds = torch.stack([lo, hi], -1)[None]
     q, k, v, dout = _inputs(1, 2, 2, len_q, len_q, 8, 8, torch.float32, 0)
-    rows = {}
-
-    def recording(name, *args, **kwargs):
-        rows[name] = kwargs["block_rows"]
-        return run(name, *args, **kwargs)
-
-    run = native._run
-    monkeypatch.setattr(native, "_run", recording)
     causal = 0 if band == "window" else None  # a causal diagonal would cut each document's blocks too
-    out, row_max, inv_sum = native.attention_forward(q, k, v, causal, 0.3, bounds=bounds)
-    native.attention_backward(dout, q, k, v, out, row_max, inv_sum, causal, 0.3, bounds=bounds)
+    rows = _query_blocks_taken(monkeypatch, q, k, v, dout, causal, bounds=bounds)
     assert rows["forward"] == rows["backward"]
     assert (rows["forward"] < native.BLOCK_ROWS) is (band == "window")
 

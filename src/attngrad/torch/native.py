@@ -242,11 +242,12 @@ def _band_rows(len_q: int, len_k: int, causal: int | None, bounds: Tensor) -> in
         for rows, weight in zip((BLOCK_ROWS, BLOCK_ROWS // 2, BLOCK_ROWS // 4), BAND_ROW_COST):
             if rows >= 1:
                 keys = key_ranges(len_q, len_k, causal, bounds, rows)[..., 1]  # (1 or B, query blocks)
-                sizes = (torch.arange(1, keys.shape[1] + 1) * rows).clamp(max=len_q).diff(prepend=torch.zeros(1, dtype=torch.int64))
+                sizes = torch.full((keys.shape[1],), rows)
+                sizes[-1] = len_q - rows * (keys.shape[1] - 1)  # the last block's rows
                 costs.setdefault(rows, float((keys * sizes).sum()) * weight)
         return torch.tensor(min(costs, key=costs.get))
 
-    return int(_kept("band_rows", (len_q, len_k, causal, BLOCK_ROWS), (bounds,), make))
+    return int(_kept("band_rows", (len_q, len_k, causal, BLOCK_ROWS, BAND_ROW_COST), (bounds,), make))
 
 
 def _block_keys(bounds: Tensor | None) -> int:

@@ -61,8 +61,8 @@ def calls(draw):
 @settings(max_examples=40, deadline=None)
 @given(calls(), st.booleans())
 def test_the_one_pass_equals_the_forward_then_the_jvp(case, small_blocks):
-    """float64, every option: out and its tangent from the fused pass of the tiles equal the
-    forward's output and the JVP's tangent, each pass the tiles' own and the torch-ops
+    """float64, every option: out, the row statistics and out's tangent from the fused pass of
+    the tiles equal the forward's and the JVP's, each pass the tiles' own and the torch-ops
     kernels' (which fuse nothing: the ops run them in turn). A row that sees no key has 0.
     Small blocks: 3 rows per block, and O = P V summed over slices of 4 keys."""
     call, tangents = case
@@ -71,7 +71,7 @@ def test_the_one_pass_equals_the_forward_then_the_jvp(case, small_blocks):
         if small_blocks:
             patch.setattr(native, "BLOCK_ROWS", 3)
             patch.setattr(native, "VALUE_SLICE", 4)
-        out, out_t = ops.run_pass("forward_jvp", call, tangents)
+        out, row_max_f, inv_sum_f, out_t = ops.run_pass("forward_jvp", call, tangents)
     assert ran[("forward_jvp", "tiles")] == 1
     for backend in ("tiles", "torch-ops"):
         with use_implementation(backend):
@@ -80,8 +80,9 @@ def test_the_one_pass_equals_the_forward_then_the_jvp(case, small_blocks):
             composed = ops.run_pass("forward_jvp", call, tangents) if backend == "torch-ops" else None
         assert rel_err(out, ref_out) < EXACT, backend
         assert rel_err(out_t, ref_t) < EXACT, backend
+        assert rel_err(row_max_f, row_max) < EXACT and rel_err(inv_sum_f, inv_sum) < EXACT, backend
         if composed is not None:  # torch-ops has no fused pass: the same two passes, bit for bit
-            assert torch.equal(composed[0], ref_out) and torch.equal(composed[1], ref_t)
+            assert all(torch.equal(a, b) for a, b in zip(composed, (ref_out, row_max, inv_sum, ref_t)))
     assert torch.isfinite(out).all() and torch.isfinite(out_t).all()
     if call.mask is not None:
         assert not out[..., 0, :].any() and not out_t[..., 0, :].any()
@@ -130,9 +131,10 @@ def test_jacfwd_runs_the_fused_pass_once_over_its_batch_of_tangents():
 
 @needs_tiles
 def test_calls_that_reverse_mode_tracks_keep_the_functions_path():
-    """The fused pass has no reverse-mode derivative, so it is not taken where reverse mode
-    tracks a tensor (autograd under torch.func.jvp, forward over reverse) or where another
-    transform sits inside the JVP; those keep the Function's passes and its errors."""
+    """The fused pass has no reverse-mode derivative, so where reverse mode tracks a tensor
+    (autograd under torch.func.jvp, forward over reverse) the call keeps the Function, its
+    backward and its errors; the Function's forward waits for its jvp, which runs the fused
+    pass. Where vmap sits inside the JVP, the Function runs its forward, then its jvp."""
     g = torch.Generator().manual_seed(5)
     q, k, v, tq = (_randn(1, 2, 6, 4, g=g) for _ in range(4))
     f = lambda q: scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
@@ -141,15 +143,21 @@ def test_calls_that_reverse_mode_tracks_keep_the_functions_path():
     leaf = q.clone().requires_grad_()
     out, out_t = torch.func.jvp(f, (leaf,), (tq,))
     out.sum().backward()  # reverse mode through the forward: the Function's backward
-    assert leaf.grad is not None and ("forward_jvp", "tiles") not in ran
-    assert {("forward", "tiles"), ("jvp", "tiles"), ("backward", "tiles")} <= set(ran)
+    ref_out, ref_t = torch.func.jvp(lambda q: math_sdpa(q, k, v, is_causal=True), (q,), (tq,))
+    assert rel_err(out, ref_out) < EXACT and rel_err(out_t, ref_t) < EXACT
+    leaf_ref = q.clone().requires_grad_()
+    math_sdpa(leaf_ref, k, v, is_causal=True).sum().backward()
+    assert rel_err(leaf.grad, leaf_ref.grad) < EXACT
+    assert dict(ran) == {("forward_jvp", "tiles"): 1, ("backward", "tiles"): 1}
     with pytest.raises(NotImplementedError, match="JVP has no reverse-mode derivative"):
         out_t.sum().backward()
 
     ran.clear()
     torch.func.jvp(torch.func.grad(lambda q: f(q).sum()), (q,), (tq,))  # forward over reverse: an HVP
+    assert dict(ran) == {("forward_jvp", "tiles"): 1, ("backward_with_jvp", "tiles"): 1}
+    ran.clear()
     torch.func.jvp(lambda q: torch.func.vmap(f)(q), (q[None],), (tq[None],))  # vmap inside the JVP
-    assert ("forward_jvp", "tiles") not in ran and ran[("backward_jvp", "tiles")] == 1
+    assert dict(ran) == {("forward", "tiles"): 1, ("jvp", "tiles"): 1}
     with pytest.raises(NotImplementedError, match="JVP has no reverse-mode derivative"):
         torch.func.grad(lambda q: torch.func.jvp(f, (q,), (tq,))[1].sum())(q)
 
@@ -167,7 +175,8 @@ def test_the_native_pass_refuses_a_part_of_each_rows_keys():
     options["partial_rows"] = True
     with pytest.raises(RuntimeError, match="forward_jvp: the pass takes each row's statistics from its keys"):
         native._run("forward_jvp", q, q, q, mask=None, bias=None, key_bounds=None, tq=q, tk=None, tv=None, tbias=None,
-                    out=out, tout=torch.empty_like(q), key_ranges=None, mask_blocks=None, mask_tiles=None, **options)
+                    out=out, tout=torch.empty_like(q), row_max=q.new_empty(q.shape[:3]),
+                    inv_sum=q.new_empty(q.shape[:3]), key_ranges=None, mask_blocks=None, mask_tiles=None, **options)
 
 
 @needs_tiles
@@ -181,5 +190,5 @@ def test_a_row_with_one_key_takes_its_value_exactly_in_float32():
     mask = torch.rand(2, 1, 5, 7, generator=g) > 0.4
     mask[..., 2, :] = False
     mask[..., 2, 4] = True
-    out, out_t = ops.run_pass("forward_jvp", make_call(q, k, v, mask=mask), dict(tq=tq, tk=tk, tv=tv, tbias=None))
+    out, _, _, out_t = ops.run_pass("forward_jvp", make_call(q, k, v, mask=mask), dict(tq=tq, tk=tk, tv=tv, tbias=None))
     assert torch.equal(out[..., 2, :], v[..., 4, :]) and torch.equal(out_t[..., 2, :], tv[..., 4, :])

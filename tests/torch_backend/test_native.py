@@ -281,7 +281,9 @@ def test_backward_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups,
                                                         bias_grad, present, seed):
     """float64, any subset of the tangents (tdO, tQ, tK, tV, tbias), masks and a bias of any
     broadcast shape with and without its gradient, dropout, every block height and split of
-    the query blocks: `kernels_higher`'s tangents of dq, dk, dv, dbias to 1e-12."""
+    the query blocks: `kernels_higher`'s tangents of dq, dk, dv, dbias to 1e-12. The pass with
+    the backward (`with_backward`) gives the same tangents bit for bit, and `kernels`'
+    gradients to 1e-12."""
     q, k, v, dout = _inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
     scale, causal = dim**-0.5, _diagonal(causal, len_q, len_k)
     mask, bias = _masks(masking, batch, kv_heads * groups, len_q, len_k, torch.float64, seed)
@@ -291,9 +293,17 @@ def test_backward_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups,
                 for t, keep in zip((dout, q, k, v, bias), present)]
     out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
     with _whole_row_settings(rows, transposed_keys):
-        ours = native.attention_backward_jvp(dout, q, k, v, out, row_max, inv_sum, causal, scale, *tangents[:4],
-                                             mask=mask, bias=bias, tbias=tangents[4], seed=seed, dropout_p=dropout_p,
-                                             bias_grad=bias_grad, chunks=chunks, softcap=softcap)
+        ours, both = (native.attention_backward_jvp(dout, q, k, v, out, row_max, inv_sum, causal, scale, *tangents[:4],
+                                                    mask=mask, bias=bias, tbias=tangents[4], seed=seed,
+                                                    dropout_p=dropout_p, bias_grad=bias_grad, chunks=chunks,
+                                                    softcap=softcap, with_backward=with_backward)
+                      for with_backward in (False, True))
+    assert all(a is b is None or torch.equal(a, b) for a, b in zip(both[4:], ours))
+    grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, softcap,
+                                       dropout_p, bias_grad)
+    grad_names = ("dq", "dk", "dv", "dbias")[: 3 + bias_grad]
+    assert (both[3] is None) is (not bias_grad)
+    assert_all_close(dict(zip(grad_names, both[:4])), dict(zip(grad_names, grads)), floor_fraction=1e-3)
     theirs = kernels_higher.attention_backward_jvp(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal,
                                                    scale, softcap, dropout_p, bias_grad, *tangents)
     assert (ours[3] is None) is (not bias_grad)

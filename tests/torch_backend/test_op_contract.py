@@ -49,8 +49,8 @@ def _bounds(batch: int, g: torch.Generator) -> torch.Tensor:
 
 def _call_args(variant: str, layout: str, dtype=torch.float64):
     """Arguments of every op for one variant, as (forward, backward, jvp, forward_jvp,
-    backward_jvp, double_backward), each (the call's fields in order, the pass's inputs by
-    name)."""
+    backward_jvp, double_backward, backward_with_jvp), each (the call's fields in order, the
+    pass's inputs by name)."""
     spec = VARIANTS[variant]
     g = torch.Generator().manual_seed(len(variant))
     make = _transposed if layout == "transposed" else (lambda *s, g, dtype=dtype: torch.randn(*s, generator=g, dtype=dtype))
@@ -76,18 +76,20 @@ def _call_args(variant: str, layout: str, dtype=torch.float64):
     tangents = dict(tq=tq, tk=tk, tv=tv, tbias=tbias)
     backward = dict(dout=dout, **stats, bias_grad=bias_grad)
     blocks = {name: t for name, t in extra.items() if name != "sink"}
+    backward_jvp = dict(**backward, tdout=torch.randn(dout.shape, generator=g, dtype=dtype), **tangents, **blocks)
     return (
         (fields, extra),
         (fields, dict(backward, **blocks)),
         (fields, dict(row_max=row_max, inv_sum=inv_sum, **tangents, **blocks)),
         (fields, dict(**tangents, **extra)),
-        (fields, dict(**backward, tdout=torch.randn(dout.shape, generator=g, dtype=dtype), **tangents, **blocks)),
+        (fields, backward_jvp),
         (fields, dict(**backward, dout_grad=True, gq=tq, gk=tk, gv=tv, gbias=tbias if bias_grad else None, **extra)),
+        (fields, backward_jvp),
     )
 
 
 OPS = (op.attention_forward, op.attention_backward, op.attention_jvp, op.attention_forward_jvp,
-       op.attention_backward_jvp, op.attention_double_backward)
+       op.attention_backward_jvp, op.attention_double_backward, op.attention_backward_with_jvp)
 
 
 # Transposed views for the variants that between them hold every feature (strides are
@@ -253,9 +255,12 @@ def _tiles_calls():
     jvp = dict(q=q, k=k, v=v, **masks, row_max=row_max, inv_sum=inv_sum, tq=None, tk=None, tv=None, tbias=None,
                tout=torch.empty(1, 2, 8, 8), **options)
     forward_jvp = dict(q=q, k=k, v=v, **masks, tq=None, tk=None, tv=None, tbias=None, out=out,
-                       tout=torch.empty(1, 2, 8, 8), **options)
+                       tout=torch.empty(1, 2, 8, 8), row_max=torch.empty(1, 2, 8), inv_sum=torch.empty(1, 2, 8), **options)
     backward_jvp = dict(**after, tdout=None, tq=None, tk=None, tv=None, tbias=None, tdq=torch.empty(1, 2, 8, 8),
-                        tdk_parts=torch.zeros(1, 1, 2, 8, 8), tdv_parts=torch.zeros(1, 1, 2, 8, 8), tdbias_parts=None)
+                        tdk_parts=torch.zeros(1, 1, 2, 8, 8), tdv_parts=torch.zeros(1, 1, 2, 8, 8), tdbias_parts=None,
+                        dq=None, dk_parts=None, dv_parts=None, dbias_row_parts=None)
+    with_backward = dict(backward_jvp, dq=torch.empty(1, 2, 8, 8), dk_parts=torch.zeros(1, 1, 2, 8, 8),
+                         dv_parts=torch.zeros(1, 1, 2, 8, 8))
     bounds = torch.tensor([[0, 8]] * 8).reshape(1, 8, 2)
     keep = dict(out=torch.empty(1, 3, 8, 8), seed=7, row_start=0, key_start=0, threshold=1 << 31, value=2.0)
     return [
@@ -336,6 +341,14 @@ def _tiles_calls():
          r"tdout has shape \[1, 2, 7, 8\]"),
         ("tdk_parts of another width", "backward_jvp", backward_jvp, dict(tdk_parts=torch.zeros(1, 1, 2, 8, 4)),
          "tdk_parts has shape"),
+        ("row_max over one row too few, with the tangent", "forward_jvp", forward_jvp,
+         dict(row_max=torch.empty(1, 2, 7)), r"row_max has shape \[1, 2, 7\]"),
+        ("dq without dk_parts and dv_parts", "backward_jvp", backward_jvp, dict(dq=torch.empty(1, 2, 8, 8)),
+         "given together or not at all"),
+        ("dv_parts for 2 chunks of 1", "backward_jvp", with_backward, dict(dv_parts=torch.zeros(2, 1, 2, 8, 8)),
+         r"dv_parts has shape \[2, 1, 2, 8, 8\], expected \[1, 1, 2, 8, 8\]"),
+        ("dq of float64", "backward_jvp", with_backward, dict(dq=torch.empty(1, 2, 8, 8, dtype=torch.float64)),
+         "dq must be Float, got Double"),
         ("a keep-scale tile not contiguous", "dropout_keep_scale", keep, dict(out=torch.empty(1, 3, 8, 8).transpose(2, 3)),
          "out must be contiguous"),
         ("a keep-scale tile of float16", "dropout_keep_scale", keep, dict(out=torch.empty(1, 3, 8, 8, dtype=torch.float16)),

@@ -7,12 +7,14 @@ ops, so autograd differentiates it to any order: that is the reference here, in 
 import pytest
 
 torch = pytest.importorskip("torch")
+import torch.autograd.forward_ad as forward_ad  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from attngrad.torch import (  # noqa: E402
     MultiheadAttention,
     attention,
     ops,  # noqa: E402
+    ran,
     scaled_dot_product_attention,
 )
 
@@ -138,20 +140,69 @@ def test_vmapped_double_backward_op_without_dout_gradient(many_blocks):
             assert rel_err(batched[i], alone) < EXACT
 
 
-@pytest.mark.parametrize("name", ["causal-gqa-bias", "dropout-bias"])
+def _gradient(fn):
+    """(q, k, v[, bias], dout) -> the gradient of <dout, fn(q, k, v[, bias])>."""
+    return lambda *x: torch.func.vjp(fn, *x[:-1])[1](x[-1])
+
+
+@pytest.mark.parametrize("name", CASES)
 def test_forward_over_reverse_hvp_matches_math_kernel(many_blocks, name):
-    """jvp of the gradient: the Hessian-vector product without a second backward pass."""
+    """jvp of the gradient (dout has a tangent too): the Hessian-vector product without a
+    second backward pass. The forward waits for its jvp and the backward for its own, so each
+    runs as one fused pass and nothing else runs; the gradient and its tangent are the math
+    kernel's to 1e-12."""
     case = Case(**CASES[name])
     dout = randn(*case.q.shape[:-1], case.v.shape[-1], seed=31)
     primals, tangents = case.primals + (dout,), tangents_like(case.primals + (dout,), 50)
-
-    def gradient(fn):
-        return lambda *x: torch.func.vjp(fn, *x[:-1])[1](x[-1])
-
-    _, ours = torch.func.jvp(gradient(case.ours), primals, tangents)
-    _, theirs = torch.func.jvp(gradient(case.theirs), primals, tangents)
+    ran.clear()
+    grads, ours = torch.func.jvp(_gradient(case.ours), primals, tangents)
+    assert dict(ran) == {("forward_jvp", "tiles"): 1, ("backward_with_jvp", "tiles"): 1}
+    their_grads, theirs = torch.func.jvp(_gradient(case.theirs), primals, tangents)
     names = ["q", "k", "v", "bias"][: len(case.primals)]
     assert_all_close(dict(zip(names, ours)), dict(zip(names, theirs)))
+    assert_all_close(dict(zip(names, grads)), dict(zip(names, their_grads)))
+
+
+def test_a_call_no_tangent_reaches_runs_its_own_passes(many_blocks):
+    """Under torch.func.jvp, a gradient whose attention sees no tangent (its inputs are the
+    JVP's constants): the forward and the backward that waited for a jvp run their own
+    passes when none comes, and the gradient is the one taken outside any transform, bit for
+    bit."""
+    case = Case(**CASES["mask-bias"])
+    dout = randn(*case.q.shape[:-1], case.v.shape[-1], seed=33)
+    x, tx = randn(3, seed=34), randn(3, seed=35)
+    ran.clear()
+    grads, grads_t = torch.func.jvp(lambda x: [x * g.sum() for g in _gradient(case.ours)(*case.primals, dout)], (x,),
+                                    (tx,))
+    assert dict(ran) == {("forward", "tiles"): 1, ("backward", "tiles"): 1}
+    outside = _gradient(case.ours)(*case.primals, dout)
+    for got, got_t, want in zip(grads, grads_t, outside):
+        assert torch.equal(got, x * want.sum()) and torch.equal(got_t, tx * want.sum())
+
+
+def test_a_dual_level_over_create_graph_runs_the_fused_passes(many_blocks):
+    """Eager forward mode over autograd.grad(create_graph=True), on dual leaves that require
+    grad: both Functions run their fused passes, and the gradient's tangent (an HVP) and a
+    gradient taken through it are the math kernel's to 1e-12."""
+    case = Case(**CASES["causal-gqa-bias"])
+    dout = randn(*case.q.shape[:-1], case.v.shape[-1], seed=36)
+    tangents = tangents_like(case.primals, 60)
+    results = {}
+    for side, fn in (("ours", case.ours), ("theirs", case.theirs)):
+        ran.clear()
+        leaves = [p.clone().requires_grad_() for p in case.primals]
+        with forward_ad.dual_level():
+            duals = [forward_ad.make_dual(p, t) for p, t in zip(leaves, tangents)]
+            grads = torch.autograd.grad(fn(*duals), duals, dout, create_graph=True)
+            hvp = [forward_ad.unpack_dual(g).tangent for g in grads]
+            primal = [forward_ad.unpack_dual(g).primal for g in grads]
+        penalty = torch.autograd.grad(sum((g * g).sum() for g in primal), leaves)
+        results[side] = dict(zip(("hvp q", "hvp k", "hvp v", "hvp bias"), hvp), **dict(
+            zip(("grad q", "grad k", "grad v", "grad bias"), primal)), **dict(
+            zip(("penalty q", "penalty k", "penalty v", "penalty bias"), penalty)))
+        if side == "ours":
+            assert {p for p, _ in ran} == {"forward_jvp", "backward_with_jvp", "double_backward"}
+    assert_all_close(results["ours"], results["theirs"])
 
 
 def test_backward_jvp_is_the_transpose_of_double_backward(many_blocks):

@@ -7,6 +7,12 @@ Where forward mode alone differentiates a call (torch.func.jvp, or a dual level,
 reverse mode tracking its tensors), `attention` runs the forward_jvp op instead of the
 Function: the forward and its JVP in one pass, 6 matrix products where the two take 7.
 
+Where forward mode and reverse mode both see a Function (a Hessian-vector product,
+torch.func.jvp of torch.func.grad; a dual level over tensors that require grad), its forward
+leaves its results to its jvp, which makes them with their tangents in one pass (`_Deferred`):
+forward_jvp for `Attention`, backward_with_jvp for `AttentionBackward`, 19 matrix products
+where the four passes take 22.
+
 Because the first backward is itself a differentiable Function, double backward
 (create_graph=True), Hessian-vector products and torch.func.hessian work; a third
 derivative raises. (torch.library's own register_autograd would be the shorter spelling,
@@ -32,7 +38,7 @@ from torch import Tensor
 from torch._functorch.pyfunctorch import TransformType, retrieve_all_functorch_interpreters
 
 from .call import AttentionCall
-from .ops import CALL_NAMES, run_op
+from .ops import CALL_NAMES, empty_results, run_op
 
 _Q, _K, _V, _BIAS = (CALL_NAMES.index(name) for name in ("q", "k", "v", "bias"))
 assert CALL_NAMES == ("q", "k", "v", "mask", "bias", "bounds", "seed", "causal", "scale", "softcap", "dropout_p", "sink",
@@ -106,15 +112,76 @@ def _pass(pass_name: str, *call_fields: Any, **inputs: Any) -> Any:
     return run_op(pass_name, AttentionCall.from_fields(dict(zip(CALL_NAMES, call_fields))), **inputs)
 
 
-def _final(pass_name: str, refusal: str, fields: list, **inputs: Any) -> Any:
+def _final(pass_name: str, refusal: str, fields: list, deferred: Optional[_Deferred] = None, **inputs: Any) -> Any:
     """The op of `pass_name` as a leaf of differentiation (`Final`), every tensor handed to
-    it as an argument, so that a torch.func transform unwraps each."""
+    it as an argument, so that a torch.func transform unwraps each. With `deferred`, the op is
+    a fused pass: its primal results fill `deferred`, and the rest are returned."""
     names = tuple(inputs)
 
     def run(*args: Any) -> Any:
-        return _pass(pass_name, *args[:len(CALL_NAMES)], **dict(zip(names, args[len(CALL_NAMES):])))
+        results = _pass(pass_name, *args[:len(CALL_NAMES)], **dict(zip(names, args[len(CALL_NAMES):])))
+        if deferred is None:
+            return results
+        deferred.fill(results)
+        return deferred.rest(results)
 
     return Final.apply(run, refusal, *fields, *inputs.values())
+
+
+def _plain(t: Any) -> Any:
+    """A tensor as the bottom of torch.func's wrappers holds it, out of every graph; anything
+    else as it is."""
+    return _unwrapped(t).detach() if isinstance(t, Tensor) else t
+
+
+class _Deferred:
+    """The results a Function's forward leaves to its jvp: where forward mode will see the
+    Function, the jvp runs one fused pass for the results and their tangents, which
+    autograd's separate forward and jvp cannot ask for. The forward returns uninitialised
+    tensors (`hold`); the jvp's pass fills them (`fill`). Where no jvp ran after all (no input
+    carried a tangent), `settle` runs the plain pass (`plain`) into them.
+
+    The tensors are filled through `.data`, which leaves their version alone: autograd has
+    saved them (the forward's statistics) and the values are the ones it was promised."""
+
+    def __init__(self, plain: str) -> None:
+        self.plain = plain
+        self.results: Optional[tuple] = None
+        self.filled = False
+
+    def hold(self, call: AttentionCall, inputs: dict) -> tuple:
+        self.results = empty_results(self.plain, call, inputs)
+        return self.results
+
+    def fill(self, results: tuple) -> None:
+        with torch._C._DisableFuncTorch(), torch.no_grad():
+            for held, result in zip(self.results, results):
+                held.data.copy_(_plain(result))
+        self.filled = True
+
+    def rest(self, results: tuple) -> tuple:
+        """The fused pass's results after the primal ones: the tangents."""
+        rest = results[len(self.results):]
+        return rest[0] if len(rest) == 1 else rest
+
+    def settle(self, fields: list, **inputs: Any) -> None:
+        if self.filled:
+            return
+        with torch._C._DisableFuncTorch(), torch.no_grad():
+            plain = {name: _plain(t) for name, t in inputs.items()}
+            self.fill(_pass(self.plain, *(_plain(f) for f in fields), **plain))
+
+
+def _defers() -> bool:
+    """Whether a Function applied now may be differentiated in forward mode and leave its
+    results to its jvp (`_Deferred`): eager, a dual level open or torch.func.jvp among the
+    transforms, and no vmap (whose generated rule runs the forward on its own)."""
+    if torch.compiler.is_compiling():
+        return False
+    if torch._C._are_functorch_transforms_active():
+        kinds = [interpreter.key() for interpreter in retrieve_all_functorch_interpreters()]
+        return TransformType.Jvp in kinds and all(kind in (TransformType.Jvp, TransformType.Grad) for kind in kinds)
+    return forward_ad._current_level >= 0
 
 
 def _save(ctx: Any, fields: tuple, *extra: Tensor) -> None:
@@ -138,14 +205,18 @@ class Attention(_Function):
     generate_vmap_rule = True  # vmap runs the custom ops once per batched slice
 
     @staticmethod
-    def forward(q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink, mask_blocks, mask_tiles):
+    def forward(q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink, mask_blocks, mask_tiles,
+                deferred):
         # the call's fields (`CALL_NAMES`) spelled out: Dynamo traces no *args forward
-        return _pass("forward", q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink, mask_blocks,
-                     mask_tiles)
+        fields = (q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink, mask_blocks, mask_tiles)
+        if deferred is not None:
+            return deferred.hold(AttentionCall.from_fields(dict(zip(CALL_NAMES, fields))), {})
+        return _pass("forward", *fields)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        _save(ctx, inputs, *output)
+        ctx.deferred = inputs[-1]
+        _save(ctx, inputs[:-1], *output)
         # row_max and inv_sum are not marked non-differentiable: under vmap, torch.func's
         # generated rule loses that mark and then refuses the None tangent (torch 2.13).
         # They get zero tangents, and their incoming gradients are ignored.
@@ -161,17 +232,24 @@ class Attention(_Function):
         if _untracked((inputs[0], *fields)):  # no create_graph: the backward pass alone
             dq, dk, dv, dbias = _pass("backward", *fields, **dict(zip(_BACKWARD_INPUTS, inputs)))
         else:
-            dq, dk, dv, dbias = AttentionBackward.apply(*inputs, *fields)
+            deferred = _Deferred("backward") if _defers() else None
+            dq, dk, dv, dbias = AttentionBackward.apply(*inputs, *fields, deferred)
+            if deferred is not None:
+                deferred.settle(fields, **dict(zip(_BACKWARD_INPUTS, inputs)))
         grads = [None] * len(fields)
         grads[_Q], grads[_K], grads[_V], grads[_BIAS] = dq, dk, dv, dbias if bias_grad else None
-        return tuple(grads)
+        return (*grads, None)  # and none for `deferred`
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any):
         fields, (_out, row_max, inv_sum) = _saved(ctx)
         tbias = tangents[_BIAS] if fields[_BIAS] is not None else None
-        out_t = _final("jvp", REVERSE_OVER_FORWARD, fields, row_max=row_max, inv_sum=inv_sum, tq=tangents[_Q],
-                       tk=tangents[_K], tv=tangents[_V], tbias=tbias)
+        if ctx.deferred is not None:  # the forward's results with the tangent, one pass
+            out_t = _final("forward_jvp", REVERSE_OVER_FORWARD, fields, ctx.deferred, tq=tangents[_Q], tk=tangents[_K],
+                           tv=tangents[_V], tbias=tbias)
+        else:
+            out_t = _final("jvp", REVERSE_OVER_FORWARD, fields, row_max=row_max, inv_sum=inv_sum, tq=tangents[_Q],
+                           tk=tangents[_K], tv=tangents[_V], tbias=tbias)
         return out_t, torch.zeros_like(row_max), torch.zeros_like(inv_sum)
 
 
@@ -183,15 +261,17 @@ class AttentionBackward(_Function):
 
     @staticmethod
     def forward(dout, out, row_max, inv_sum, bias_grad: bool, q, k, v, mask, bias, bounds, seed, causal, scale, softcap,
-                dropout_p, sink, mask_blocks, mask_tiles):
-        return _pass("backward", q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink, mask_blocks,
-                     mask_tiles, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad)
+                dropout_p, sink, mask_blocks, mask_tiles, deferred):
+        fields = (q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink, mask_blocks, mask_tiles)
+        if deferred is not None:
+            return deferred.hold(AttentionCall.from_fields(dict(zip(CALL_NAMES, fields))), {"bias_grad": bias_grad})
+        return _pass("backward", *fields, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        dout, out, row_max, inv_sum, bias_grad, *fields = inputs
+        dout, out, row_max, inv_sum, bias_grad, *fields, deferred = inputs
         _save(ctx, tuple(fields), dout, out, row_max, inv_sum)
-        ctx.bias_grad = bias_grad
+        ctx.bias_grad, ctx.deferred = bias_grad, deferred
         ctx.set_materialize_grads(False)  # a gradient nobody used arrives as None: no work for it
 
     @staticmethod
@@ -203,15 +283,18 @@ class AttentionBackward(_Function):
             bias_grad=ctx.bias_grad, dout_grad=dout_grad, gq=gq, gk=gk, gv=gv, gbias=gbias if ctx.bias_grad else None)
         grads = [None] * len(fields)
         grads[_Q], grads[_K], grads[_V], grads[_BIAS] = g_q, g_k, g_v, g_bias if ctx.bias_grad else None
-        return (g_dout if dout_grad else None, None, None, None, None, *grads)
+        return (g_dout if dout_grad else None, None, None, None, None, *grads, None)
 
     @staticmethod
     def jvp(ctx: Any, tdout, _tout, _tmax, _tinv, _tbias_grad, *tangents: Any):
         fields, (dout, out, row_max, inv_sum) = _saved(ctx)
         tbias = tangents[_BIAS] if fields[_BIAS] is not None else None
-        # without a bias gradient, the last result is the empty placeholder
-        return _final("backward_jvp", THIRD_ORDER, fields, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum,
-                      bias_grad=ctx.bias_grad, tdout=tdout, tq=tangents[_Q], tk=tangents[_K], tv=tangents[_V], tbias=tbias)
+        # without a bias gradient, the last result is the empty placeholder; a deferred forward's
+        # results come from the same pass (backward_with_jvp)
+        pass_name = "backward_jvp" if ctx.deferred is None else "backward_with_jvp"
+        return _final(pass_name, THIRD_ORDER, fields, ctx.deferred, dout=dout, out=out, row_max=row_max,
+                      inv_sum=inv_sum, bias_grad=ctx.bias_grad, tdout=tdout, tq=tangents[_Q], tk=tangents[_K],
+                      tv=tangents[_V], tbias=tbias)
 
 
 class _AttentionTraced(Attention):
@@ -261,8 +344,12 @@ def attention(call: AttentionCall) -> Tensor:
         return run_op("forward", call)[0]
     dual = _forward_mode_only(call)
     if dual is not None:
-        out, out_t = run_op("forward_jvp", dual[0], **dual[1])
+        out, _row_max, _inv_sum, out_t = run_op("forward_jvp", dual[0], **dual[1])
         return forward_ad.make_dual(out, out_t)
     function = _AttentionTraced if torch.compiler.is_compiling() else Attention
-    fields = call.fields()
-    return function.apply(*(fields[name] for name in CALL_NAMES))[0]
+    fields = [call.fields()[name] for name in CALL_NAMES]
+    deferred = _Deferred("forward") if _defers() else None
+    out = function.apply(*fields, deferred)[0]
+    if deferred is not None:
+        deferred.settle(fields)
+    return out

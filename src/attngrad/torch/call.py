@@ -90,13 +90,18 @@ class Pass:
 _STATS = ("out", "row_max", "inv_sum")
 _TANGENTS = ("tq", "tk", "tv", "tbias")
 _GRADS = (Output("dq", "q"), Output("dk", "k"), Output("dv", "v"), Output("dbias", "bias", "bias_grad"))
+_GRAD_TANGENTS = (Output("tdq", "q"), Output("tdk", "k"), Output("tdv", "v"), Output("tdbias", "bias", "bias_grad"))
 
 PASSES = {
     "forward": Pass((), (Output("out", "out"), Output("row_max", "rows"), Output("inv_sum", "rows"))),
     "backward": Pass(("dout", *_STATS, "bias_grad"), _GRADS),
     "jvp": Pass(("row_max", "inv_sum", *_TANGENTS), (Output("out_t", "out"),)),
-    "forward_jvp": Pass(_TANGENTS, (Output("out", "out"), Output("out_t", "out"))),  # the two above, one pass
-    "backward_jvp": Pass(("dout", *_STATS, "bias_grad", "tdout", *_TANGENTS), _GRADS),
+    # the forward and the jvp, one pass
+    "forward_jvp": Pass(_TANGENTS, (Output("out", "out"), Output("row_max", "rows"), Output("inv_sum", "rows"),
+                                    Output("out_t", "out"))),
+    "backward_jvp": Pass(("dout", *_STATS, "bias_grad", "tdout", *_TANGENTS), _GRAD_TANGENTS),
+    # the backward and the backward_jvp, one pass
+    "backward_with_jvp": Pass(("dout", *_STATS, "bias_grad", "tdout", *_TANGENTS), _GRADS + _GRAD_TANGENTS),
     "double_backward": Pass(
         ("dout", *_STATS, "bias_grad", "dout_grad", "gq", "gk", "gv", "gbias"),
         (Output("g_dout", "out", "dout_grad"), Output("g_q", "q"), Output("g_k", "k"), Output("g_v", "v"),

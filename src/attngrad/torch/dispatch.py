@@ -3,9 +3,10 @@ chosen by the user.
 
 A backend is a module that registers a `Backend`: its name, why it cannot run on this
 machine (if it cannot), which calls it refuses, and its passes (`call.PASSES`: forward,
-backward, jvp, forward_jvp, backward_jvp, double_backward), each `pass(call, **inputs)` with
-the pass's inputs by name; forward_jvp is optional (`OPTIONAL_PASSES`: where no backend has
-it, the ops run the forward, then the jvp). The ops hand every pass to `run`, which takes
+backward, jvp, forward_jvp, backward_jvp, backward_with_jvp, double_backward), each
+`pass(call, **inputs)` with the pass's inputs by name; the fused passes forward_jvp and
+backward_with_jvp are optional (`OPTIONAL_PASSES`: where no backend has one, the ops run its
+two passes in turn). The ops hand every pass to `run`, which takes
 the first registered backend that is allowed, available and takes the call. The ring's steps come through `run` too;
 their higher passes carry the whole rows' sums (`inputs["row_sums"]`), which only a backend
 with `row_sums=True` takes. Registered today, in order of preference:
@@ -38,7 +39,7 @@ from .call import PASSES, AttentionCall
 # A pass only the ring runs: one walk for the double backward's whole-row sums.
 RING_PASSES = ("double_backward_row_sums",)
 # The passes a backend may leave out: two others fused, which the ops run in turn instead.
-OPTIONAL_PASSES = ("forward_jvp",)
+OPTIONAL_PASSES = ("forward_jvp", "backward_with_jvp")
 # Why a backend refuses a pass of a call (None: it takes it).
 Refusal = Callable[[AttentionCall, str, dict], Optional[str]]
 # A pass prepared for every call like the one given (`plan`), or None where it has no such.

@@ -559,21 +559,22 @@ def attention_forward_jvp(q: Tensor, k: Tensor, v: Tensor, causal: int | None, s
                           tk: Tensor | None, tv: Tensor | None, mask: Tensor | None = None, bias: Tensor | None = None,
                           tbias: Tensor | None = None, seed: int | Placement = 0, dropout_p: float = 0.0,
                           bounds: Tensor | None = None, softcap: float = 0.0, sink: bool = False,
-                          blocks: MaskBlocks | None = None) -> tuple[Tensor, Tensor]:
-    """(out, its tangent), each (B, H, Lq, dv) in the compute dtype, in one pass of whole rows
-    (the JVP's, taking each row's statistics from the row): the forward's output, with a
-    sink's share (`ops.add_sink`), and `attention_jvp`'s tangent, to rounding."""
+                          blocks: MaskBlocks | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, row_max, inv_sum, out's tangent) in the compute dtype, in one pass of whole rows (the
+    JVP's, taking each row's statistics from the row): the forward's output and statistics,
+    with a sink's share (`ops.add_sink`), and `attention_jvp`'s tangent, to rounding."""
     bf16 = _bf16(q)
     q, k, v, tq, tk, tv = _work(q, k, v, tq, tk, tv)
     masks = _with_bias_like(_score_masks(mask, bias, q.dtype, full_bias=tbias is not None, bounds=bounds, blocks=blocks),
                             "tbias", tbias, q.dtype)
     out, out_t = (q.new_empty(*q.shape[:3], v.shape[-1]) for _ in range(2))
+    row_max, inv_sum = q.new_empty(q.shape[:3]), q.new_empty(q.shape[:3])
     rows, chunks = _whole_row_split(q, k, masks, False, None)  # each work item owns its rows
     _run("forward_jvp", q, k, v, **_mask_args(masks), tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"), out=out,
-         tout=out_t, key_ranges=_key_ranges(q, k, causal, rows, masks),
+         tout=out_t, row_max=row_max, inv_sum=inv_sum, key_ranges=_key_ranges(q, k, causal, rows, masks),
          **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
                     dropout_p=dropout_p, sink=sink, transposed_keys=_transposed_keys(k, v)))
-    return out, out_t
+    return out, row_max, inv_sum, out_t
 
 
 def attention_backward_jvp(
@@ -581,12 +582,13 @@ def attention_backward_jvp(
     causal: int | None, scale: float, tdout: Tensor | None, tq: Tensor | None, tk: Tensor | None, tv: Tensor | None,
     mask: Tensor | None = None, bias: Tensor | None = None, tbias: Tensor | None = None, seed: int | Placement = 0,
     dropout_p: float = 0.0, bias_grad: bool = False, chunks: int | None = None, bounds: Tensor | None = None,
-    softcap: float = 0.0, blocks: MaskBlocks | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    softcap: float = 0.0, blocks: MaskBlocks | None = None, with_backward: bool = False,
+) -> tuple[Tensor | None, ...]:
     """The tangents of (dq, dk, dv, dbias or None): `kernels_higher.attention_backward_jvp`'s
     results for the cases the tiles backend takes, in the compute dtype; an absent tangent is
     zero. `chunks` splits each head's query blocks into that many work items (default:
-    `_chunks`)."""
+    `_chunks`). `with_backward`: the backward's (dq, dk, dv, dbias or None) first, then the
+    tangents, from the one pass (the backward's P and dS are the JVP's too)."""
     bf16 = _bf16(q)
     dout, q, k, v, out, row_max, inv_sum, tdout, tq, tk, tv = _work(dout, q, k, v, out, row_max, inv_sum, tdout, tq,
                                                                     tk, tv)
@@ -596,10 +598,19 @@ def attention_backward_jvp(
     tdq = q.new_empty(q.shape)
     tdk_parts, tdv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
     tdbias_parts = _bias_grad_buffer(masks, bias_grad, chunks, True, q.dtype)
+    grads = dict.fromkeys(("dq", "dk_parts", "dv_parts", "dbias_row_parts"))
+    if with_backward:
+        grads = dict(dq=q.new_empty(q.shape), dk_parts=k.new_zeros(chunks, *k.shape),
+                     dv_parts=v.new_zeros(chunks, *v.shape),
+                     dbias_row_parts=_bias_grad_buffer(masks, bias_grad, chunks, True, q.dtype))
     _run("backward_jvp", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout,
          delta=q.new_empty(q.shape[:-1]), tdout=tdout, tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"),
-         tdq=tdq, tdk_parts=tdk_parts, tdv_parts=tdv_parts, tdbias_parts=tdbias_parts,
+         tdq=tdq, tdk_parts=tdk_parts, tdv_parts=tdv_parts, tdbias_parts=tdbias_parts, **grads,
          key_ranges=_key_ranges(q, k, causal, rows, masks),
          **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
                     softcap=softcap, transposed_keys=_transposed_keys(k, v)))
-    return tdq, _sum_parts(tdk_parts), _sum_parts(tdv_parts), _finish_bias_grad(tdbias_parts, bias)
+    tangents = tdq, _sum_parts(tdk_parts), _sum_parts(tdv_parts), _finish_bias_grad(tdbias_parts, bias)
+    if not with_backward:
+        return tangents
+    return (grads["dq"], _sum_parts(grads["dk_parts"]), _sum_parts(grads["dv_parts"]),
+            _finish_bias_grad(grads["dbias_row_parts"], bias), *tangents)

@@ -1,6 +1,7 @@
 """The passes of attention as PyTorch operators: `attngrad::attention_forward`,
 `..._backward`, `..._jvp`, `..._forward_jvp` (the forward and its JVP together),
-`..._backward_jvp`, `..._double_backward`.
+`..._backward_jvp`, `..._backward_with_jvp` (the backward and its JVP together),
+`..._double_backward`.
 
 Each is a `torch.library.custom_op` whose schema, fake implementation, argument checks and
 batching rule come from the tables of `call` (FIELDS, PASSES): one generic implementation
@@ -62,14 +63,22 @@ def run_pass(pass_name: str, call: AttentionCall, inputs: dict[str, Any]) -> Any
     if pass_name == "forward" and call.sink and call.partial_rows:
         raise ValueError("attngrad attention op: a sink needs each row's whole keys; its seed says they are a part")
     if pass_name in dispatch.OPTIONAL_PASSES and not dispatch.offered(pass_name, call, inputs):
-        out, row_max, inv_sum = run_pass("forward", call, {})  # no backend fuses them: the two passes in turn
-        return out, run_pass("jvp", call, {"row_max": row_max, "inv_sum": inv_sum, **inputs})
+        return _composed(pass_name, call, inputs)
     results = dispatch.run(pass_name, call, **inputs)
     if pass_name == "forward" and call.sink:
         results = add_sink(*results)
     if isinstance(results, Tensor):
         return results
     return tuple(call.q.new_empty(0) if r is None else r for r in results)  # ops return tensors, not None
+
+
+def _composed(pass_name: str, call: AttentionCall, inputs: dict[str, Any]) -> tuple:
+    """A fused pass that no allowed backend runs, as its two passes in turn."""
+    if pass_name == "forward_jvp":
+        out, row_max, inv_sum = run_pass("forward", call, {})
+        return out, row_max, inv_sum, run_pass("jvp", call, {"row_max": row_max, "inv_sum": inv_sum, **inputs})
+    grads = run_pass("backward", call, {name: inputs[name] for name in PASSES["backward"].inputs})
+    return (*grads, *run_pass("backward_jvp", call, inputs))
 
 
 def _implementation(pass_name: str) -> Callable[..., Any]:
@@ -79,14 +88,19 @@ def _implementation(pass_name: str) -> Callable[..., Any]:
     return run
 
 
+def empty_results(pass_name: str, call: AttentionCall, inputs: dict[str, Any]) -> tuple[Tensor, ...]:
+    """Uninitialised results of the pass, as its op returns them (its fake's)."""
+    return tuple(
+        empty_like_field(output.like, call) if output.when is None or inputs[output.when] else call.q.new_empty(0)
+        for output in PASSES[pass_name].outputs
+    )
+
+
 def _fake(pass_name: str) -> Callable[..., Any]:
     def fake(*args: Any, **kwargs: Any) -> Any:
         call, inputs = split_fields(pass_name, args, kwargs)
         check_fields(call, inputs)
-        results = tuple(
-            empty_like_field(output.like, call) if output.when is None or inputs[output.when] else call.q.new_empty(0)
-            for output in PASSES[pass_name].outputs
-        )
+        results = empty_results(pass_name, call, inputs)
         return results[0] if len(results) == 1 else results
 
     return fake
@@ -102,8 +116,9 @@ def _define(pass_name: str) -> Any:
 
 OPS = {pass_name: _define(pass_name) for pass_name in PASSES}
 attention_forward, attention_backward, attention_jvp, attention_forward_jvp, attention_backward_jvp, \
-    attention_double_backward = (OPS[name] for name in ("forward", "backward", "jvp", "forward_jvp", "backward_jvp",
-                                                         "double_backward"))
+    attention_backward_with_jvp, attention_double_backward = (
+        OPS[name] for name in ("forward", "backward", "jvp", "forward_jvp", "backward_jvp", "backward_with_jvp",
+                               "double_backward"))
 
 
 def run_op(pass_name: str, call: AttentionCall, **inputs: Any) -> Any:

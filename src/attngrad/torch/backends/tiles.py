@@ -79,10 +79,10 @@ def jvp(call: AttentionCall, *, row_max: Tensor, inv_sum: Tensor, tq: Optional[T
 
 
 def forward_jvp(call: AttentionCall, *, tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
-                tbias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    out, out_t = native.attention_forward_jvp(call.q, call.k, call.v, call.causal, call.scale, tq, tk, tv, tbias=tbias,
-                                              sink=call.sink, **_options(call))
-    return out.to(call.q.dtype), out_t.to(call.q.dtype)
+                tbias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    out, row_max, inv_sum, out_t = native.attention_forward_jvp(call.q, call.k, call.v, call.causal, call.scale, tq,
+                                                                tk, tv, tbias=tbias, sink=call.sink, **_options(call))
+    return out.to(call.q.dtype), row_max, inv_sum, out_t.to(call.q.dtype)  # the statistics in the compute dtype
 
 
 def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor, bias_grad: bool,
@@ -91,6 +91,15 @@ def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Ten
     results = native.attention_backward_jvp(dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal, call.scale,
                                             tdout, tq, tk, tv, tbias=tbias, bias_grad=bias_grad, **_options(call))
     return _in_dtypes_of(results, (call.q, call.k, call.v, call.bias))
+
+
+def backward_with_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
+                      bias_grad: bool, tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor],
+                      tv: Optional[Tensor], tbias: Optional[Tensor]) -> tuple:
+    results = native.attention_backward_jvp(dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal, call.scale,
+                                            tdout, tq, tk, tv, tbias=tbias, bias_grad=bias_grad, with_backward=True,
+                                            **_options(call))
+    return _in_dtypes_of(results, (call.q, call.k, call.v, call.bias) * 2)
 
 
 def double_backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
@@ -116,7 +125,7 @@ dropout.use_compiled_fill(_fill)
 BACKEND = dispatch.register(dispatch.Backend(
     name="tiles",
     passes=dict(forward=forward, backward=backward, jvp=jvp, forward_jvp=forward_jvp, backward_jvp=backward_jvp,
-                double_backward=double_backward),
+                backward_with_jvp=backward_with_jvp, double_backward=double_backward),
     unavailable=_unavailable,
     refuses=_refuses,
     description="compiled C++ tiles: CPU, every pass",

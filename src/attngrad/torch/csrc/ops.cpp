@@ -70,17 +70,17 @@ std::vector<int64_t> sizes_of(const AttngradCall& c, std::initializer_list<int64
 std::vector<int64_t> expected_shape(const AttngradCall& c, int b) {
     const int64_t B = c.batch, H = c.heads, Hkv = c.kv_heads, Lq = c.len_q, Lk = c.len_k;
     switch (b) {
-        case buf_q: case buf_gq: case buf_g_q: case buf_tq: case buf_tdq: return {B, H, Lq, c.dim};
+        case buf_q: case buf_gq: case buf_g_q: case buf_tq: case buf_tdq: case buf_dq: return {B, H, Lq, c.dim};
         case buf_k: case buf_dk: case buf_gk: case buf_tk: return {B, Hkv, Lk, c.dim};
         case buf_v: case buf_dv: case buf_gv: case buf_tv: return {B, Hkv, Lk, c.dim_v};
         case buf_out: case buf_dout: case buf_g_dout: case buf_tout: case buf_tdout: return {B, H, Lq, c.dim_v};
         case buf_row_max: case buf_inv_sum: case buf_delta: return {B, H, Lq};
         case buf_bias: case buf_tbias: case buf_gbias: return sizes_of(c, {}, c.bias_sizes);  // the bias's own
         case buf_dq_parts: return {c.chunks, B, H, Lq, c.dim};
-        case buf_gk_parts: case buf_tdk_parts: return {c.chunks, B, Hkv, Lk, c.dim};
-        case buf_gv_parts: case buf_tdv_parts: return {c.chunks, B, Hkv, Lk, c.dim_v};
+        case buf_gk_parts: case buf_tdk_parts: case buf_dk_parts: return {c.chunks, B, Hkv, Lk, c.dim};
+        case buf_gv_parts: case buf_tdv_parts: case buf_dv_parts: return {c.chunks, B, Hkv, Lk, c.dim_v};
         case buf_dbias_parts: return sizes_of(c, {bias_grad_parts(c, 3)}, c.bias_sizes);
-        case buf_tdbias_parts: case buf_g_bias_parts: return sizes_of(c, {bias_grad_parts(c, 2)}, c.bias_sizes);
+        case buf_tdbias_parts: case buf_g_bias_parts: case buf_dbias_row_parts: return sizes_of(c, {bias_grad_parts(c, 2)}, c.bias_sizes);
         default: TORCH_CHECK(false, "attngrad_tiles: no shape for buffer ", kBufferNames[b]);
     }
     return {};
@@ -134,7 +134,7 @@ struct Call {
             return;
         }
         const bool bias_like = b == buf_tbias || b == buf_gbias || b == buf_dbias_parts || b == buf_tdbias_parts ||
-                               b == buf_g_bias_parts;
+                               b == buf_g_bias_parts || b == buf_dbias_row_parts;
         TORCH_CHECK(!bias_like || call.data[buf_bias], what, ": ", name, " was given without a bias", ctx);
         check_tensor(what, name, *t, dtype, expected_shape(call, b), ctx);
         call.data[b] = t->data_ptr();
@@ -419,12 +419,13 @@ void jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
 }
 
 // out and tout (B, H, Lq, dv) <- the output and its tangent for tangents tq, tk, tv, tbias
-// (as in jvp_op), in one pass of whole rows that makes its own statistics (the `sink` option
-// adds its term to each row's sum).
+// (as in jvp_op), in one pass of whole rows that makes its own statistics and writes them to
+// row_max and inv_sum (B, H, Lq) as the forward does (the `sink` option adds its term to each
+// row's sum).
 void forward_jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
                     const OptTensor& bias, const OptTensor& key_bounds, const OptTensor& tq, const OptTensor& tk,
                     const OptTensor& tv, const OptTensor& tbias, const at::Tensor& out, const at::Tensor& tout,
-                    ATTNGRAD_OPTIONS_PARAMS, const OptTensor& key_ranges, const OptTensor& mask_blocks,
+                    const at::Tensor& row_max, const at::Tensor& inv_sum, ATTNGRAD_OPTIONS_PARAMS, const OptTensor& key_ranges, const OptTensor& mask_blocks,
                     const OptTensor& mask_tiles) {
     TORCH_CHECK(!partial_rows, "attngrad_tiles.forward_jvp: the pass takes each row's statistics from its keys; "
                 "partial_rows says they are a part of the row's");
@@ -434,19 +435,25 @@ void forward_jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     bind_tangents(call, tq, tk, tv, tbias);
     call.bind(buf_out, out, true);
     call.bind(buf_tout, tout, true);
+    call.bind(buf_row_max, row_max, true);
+    call.bind(buf_inv_sum, inv_sum, true);
     run(call, [](const auto& pass) { jvp(pass); });
 }
 
 // tdq (B, H, Lq, d) and the zeroed `chunks` partial sums tdk_parts, tdv_parts (B, Hkv, Lk, .)
 // <- the tangents of the backward's dQ, dK, dV for tangents tdout, tq, tk, tv, tbias (each
 // may be absent: zero; tbias has the bias's sizes), and where given the zeroed parts
-// tdbias_parts of dbias's; delta is (B, H, Lq) scratch.
+// tdbias_parts of dbias's; delta is (B, H, Lq) scratch. Given dq (B, H, Lq, d), the zeroed
+// dk_parts and dv_parts (as tdk_parts, tdv_parts) and, with tdbias_parts, the zeroed
+// dbias_row_parts, the pass is the backward too and writes dQ, dK, dV and dbias there.
 void backward_jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
                      const OptTensor& bias, const OptTensor& key_bounds, const at::Tensor& out,
                      const at::Tensor& row_max, const at::Tensor& inv_sum, const at::Tensor& dout,
                      const at::Tensor& delta, const OptTensor& tdout, const OptTensor& tq, const OptTensor& tk,
                      const OptTensor& tv, const OptTensor& tbias, const at::Tensor& tdq, const at::Tensor& tdk_parts,
-                     const at::Tensor& tdv_parts, const OptTensor& tdbias_parts, ATTNGRAD_OPTIONS_PARAMS,
+                     const at::Tensor& tdv_parts, const OptTensor& tdbias_parts, const OptTensor& dq,
+                     const OptTensor& dk_parts, const OptTensor& dv_parts, const OptTensor& dbias_row_parts,
+                     ATTNGRAD_OPTIONS_PARAMS,
                      const OptTensor& key_ranges, const OptTensor& mask_blocks, const OptTensor& mask_tiles) {
     Call call = make_call("attngrad_tiles.backward_jvp", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
     bind_mask_blocks(call, mask_blocks, mask_tiles);
@@ -458,6 +465,15 @@ void backward_jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     call.bind(buf_tdk_parts, tdk_parts, true);
     call.bind(buf_tdv_parts, tdv_parts, true);
     call.bind(buf_tdbias_parts, tdbias_parts, false);
+    const bool with_backward = dq.has_value();
+    TORCH_CHECK(dk_parts.has_value() == with_backward && dv_parts.has_value() == with_backward &&
+                dbias_row_parts.has_value() == (with_backward && tdbias_parts.has_value()),
+                "attngrad_tiles.backward_jvp: dq, dk_parts, dv_parts (and dbias_row_parts with tdbias_parts) are "
+                "given together or not at all", call.ctx);
+    call.bind(buf_dq, dq, false);
+    call.bind(buf_dk_parts, dk_parts, false);
+    call.bind(buf_dv_parts, dv_parts, false);
+    call.bind(buf_dbias_row_parts, dbias_row_parts, false);
     run(call, [](const auto& pass) { backward_jvp(pass); });
 }
 
@@ -545,12 +561,14 @@ TORCH_LIBRARY(attngrad_tiles, m) {
           "Tensor inv_sum, Tensor? tq, Tensor? tk, Tensor? tv, Tensor? tbias, Tensor(a!) tout, "
           ATTNGRAD_OPTIONS_SCHEMA ", Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA ") -> ()");
     m.def("forward_jvp(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor? tq, "
-          "Tensor? tk, Tensor? tv, Tensor? tbias, Tensor(a!) out, Tensor(b!) tout, " ATTNGRAD_OPTIONS_SCHEMA
+          "Tensor? tk, Tensor? tv, Tensor? tbias, Tensor(a!) out, Tensor(b!) tout, Tensor(c!) row_max, "
+          "Tensor(d!) inv_sum, " ATTNGRAD_OPTIONS_SCHEMA
           ", Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA ") -> ()");
     m.def("backward_jvp(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor out, "
           "Tensor row_max, Tensor inv_sum, Tensor dout, Tensor(a!) delta, Tensor? tdout, Tensor? tq, Tensor? tk, "
           "Tensor? tv, Tensor? tbias, Tensor(b!) tdq, Tensor(c!) tdk_parts, Tensor(d!) tdv_parts, "
-          "Tensor(e!)? tdbias_parts, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA
+          "Tensor(e!)? tdbias_parts, Tensor(f!)? dq, Tensor(g!)? dk_parts, Tensor(h!)? dv_parts, "
+          "Tensor(i!)? dbias_row_parts, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA
           ") -> ()");
     m.def("dropout_keep_scale(Tensor(a!) out, int seed, int row_start, int key_start, int threshold, float value) -> ()");
     m.def("gemm_path(int choose) -> int", &gemm_path_op);

@@ -118,12 +118,13 @@ void double_backward(const Pass<T>& pass) {
 //   P' = P (T - t),  O' = (P' Z) V + (P Z) tV
 // Given an `out` buffer (the forward with its JVP), the pass is the forward too: a block
 // holds whole rows, so it takes m and l from the row itself, with no statistics read, and
-// writes O = (P Z) V beside O' (6 products where the forward and the JVP take 2 + 5):
+// writes O = (P Z) V beside O' (6 products where the forward and the JVP take 2 + 5), and
+// the statistics as the forward writes them (0 and 0 for a row that sees no key):
 //   m = max S,  l = rowsum exp(S - m) (+ exp(-m): a sink's term),  O = (P Z) V
 template <typename T>
 void jvp(const Pass<T>& pass) {
     const T *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v];
-    const T *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];
+    T *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];  // written with the forward, else read
     const T *tq = pass[buf_tq], *tk = pass[buf_tk], *tv = pass[buf_tv];
     T *out_t = pass[buf_tout], *out = pass[buf_out];
     const bool with_forward = out != nullptr;
@@ -132,7 +133,8 @@ void jvp(const Pass<T>& pass) {
     const T scale = pass.scale;
     const T neg_inf = -std::numeric_limits<T>::infinity();
     const ScoreMask<T> tbias{nullptr, Broadcast4(), pass[buf_tbias], Broadcast4(pass.call.bias_sizes)};
-    const SingleKeyRows<T> single_key(pass.masks, pass.causal, s, inv_sum);  // asked only with statistics
+    const SingleKeyRows<T> single_key(pass.masks, pass.causal, s, with_forward ? nullptr : inv_sum);  // asked only
+                                                                                                        // when read
     const index_t value_slice = pass.call.value_slice;
     enum { K, TK };  // the key side: inputs K, tK
     const KeySide<T> key_side(pass, {{k, s.dim}, {tk, s.dim}}, {});
@@ -142,6 +144,10 @@ void jvp(const Pass<T>& pass) {
         const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = row_block_tile(pass);
         T* o_t = out_t + first * s.dim_v;
         T* o = with_forward ? out + first * s.dim_v : nullptr;
+        if (with_forward) {  // a row that sees no key keeps statistics 0 (set below for the others)
+            std::fill(row_max + first, row_max + first + rows, T(0));
+            std::fill(inv_sum + first, inv_sum + first + rows, T(0));
+        }
         if (keys == 0) {  // rows that see no key: output 0, tangent 0
             std::fill(o_t, o_t + rows * s.dim_v, T(0));
             if (o) std::fill(o, o + rows * s.dim_v, T(0));
@@ -175,7 +181,9 @@ void jvp(const Pass<T>& pass) {
                 if (pass.call.sink) sum += std::exp(-top);  // the sink's exp(0 - m); 1 / inf = 0
                 // P = E / l, t; a row's one key has E = exp(0) = 1 = l: P = 1 exactly, unlike a
                 // recomputed score's (SingleKeyRows)
-                t_sum = scale_and_dot(pi, ti, seen, static_cast<T>(1 / sum));
+                const T inv = static_cast<T>(1 / sum);
+                row_max[first + i] = top, inv_sum[first + i] = inv;
+                t_sum = scale_and_dot(pi, ti, seen, inv);
             } else {
                 t_sum = row_probs(pi, ti, seen, row_max[first + i], inv_sum[first + i], single_key(blk.bh, row));
             }
@@ -209,6 +217,8 @@ void jvp(const Pass<T>& pass) {
 //   dV' += (P' Z)^T dO + (P Z)^T tdO,  dQ' = scale (dS' K + dS tK),
 //   dK' += scale (dS'^T Q + dS^T tQ),  dbias' = dS' summed over the bias's broadcast axes
 // A work item adds into its own parts of dK', dV' (one per chunk) and dbias' (BiasGradient).
+// Given a dq buffer, the pass is the backward too (13 products where the two take 5 + 10),
+// from the same P and dS:  dV += (P Z)^T dO,  dQ = scale dS K,  dK += scale dS^T Q,  dbias = dS.
 template <typename T>
 void backward_jvp(const Pass<T>& pass) {
     const T *dout = pass[buf_dout], *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v], *out = pass[buf_out];
@@ -216,7 +226,9 @@ void backward_jvp(const Pass<T>& pass) {
     const T *tdout = pass[buf_tdout], *tq = pass[buf_tq], *tk = pass[buf_tk], *tv = pass[buf_tv];
     T *delta = pass[buf_delta], *tdq = pass[buf_tdq];
     T *tdk_parts = pass[buf_tdk_parts], *tdv_parts = pass[buf_tdv_parts];
-    const BiasGradient<T> tdbias(pass, buf_tdbias_parts, 2);
+    T *dq = pass[buf_dq], *dk_parts = pass[buf_dk_parts], *dv_parts = pass[buf_dv_parts];
+    const bool with_backward = dq != nullptr;
+    const BiasGradient<T> tdbias(pass, buf_tdbias_parts, 2), dbias(pass, buf_dbias_row_parts, 2);
     const Shape& s = pass.s;
     const DropoutDraw& drop = pass.drop;
     const T scale = pass.scale;
@@ -226,21 +238,27 @@ void backward_jvp(const Pass<T>& pass) {
     const KvItems items(s, pass.call.chunks, tdbias.shares_batch(s), tdbias.shares_kv_heads(s));
     // scratch: P; T, then P'; dP~, then dS; dP~', then dS'; with a softcap its slope, and its
     // curve (times A')
-    enum { K, TK, V, TV };  // the key side: inputs K, tK, V, tV; gradients dK', dV'
-    const KeySide<T> key_side(pass, {{k, s.dim}, {tk, s.dim}, {v, s.dim_v}, {tv, s.dim_v}},
-                              {{tdk_parts, s.dim}, {tdv_parts, s.dim_v}});
+    enum { K, TK, V, TV };  // the key side: inputs K, tK, V, tV; gradients dK', dV' (and dK, dV)
+    std::vector<typename KeySide<T>::Gradient> key_grads = {{tdk_parts, s.dim}, {tdv_parts, s.dim_v}};
+    if (with_backward) key_grads.insert(key_grads.end(), {{dk_parts, s.dim}, {dv_parts, s.dim_v}});
+    const KeySide<T> key_side(pass, {{k, s.dim}, {tk, s.dim}, {v, s.dim_v}, {tv, s.dim_v}}, key_grads);
     for_each_row_block(pass, items, 4 + CapRows<T>::tiles(pass.cap, true), key_side,
                        [&](const RowBlock& blk, T* scratch, typename KeySide<T>::Local& side) {
         const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = row_block_tile(pass);
         T* dq_t = tdq + first * s.dim;
+        T* dq_blk = with_backward ? dq + first * s.dim : nullptr;
         if (keys == 0) {  // rows that see no key: nothing flows back through them
             std::fill(dq_t, dq_t + rows * s.dim, T(0));
+            if (dq_blk) std::fill(dq_blk, dq_blk + rows * s.dim, T(0));
             return;
         }
         const T* k_head = blk.head(k, s.dim);
         const T* tk_head = blk.head(tk, s.dim);
         const KeyGradient<T> dk_t = side.gradient(0, blk), dv_t = side.gradient(1, blk);  // key_side's order
         T* dbias_t = tdbias.part(blk.chunk);
+        KeyGradient<T> dk_g, dv_g;
+        T* dbias_part = nullptr;
+        if (with_backward) dk_g = side.gradient(2, blk), dv_g = side.gradient(3, blk), dbias_part = dbias.part(blk.chunk);
         const T* q_blk = blk.block(q, s.dim);
         const T* tq_blk = blk.block(tq, s.dim);
         const T* do_blk = blk.block(dout, s.dim_v);
@@ -278,6 +296,7 @@ void backward_jvp(const Pass<T>& pass) {
             }
             for (T* r : {pi, ti, dpi, xi}) std::fill(r + seen, r + keys, T(0));
             if (dbias_t) tdbias.add_row(dbias_t, xi, blk.b, blk.h, row, blk.key0, seen);  // dbias' = dS'
+            if (dbias_part) dbias.add_row(dbias_part, dpi, blk.b, blk.h, row, blk.key0, seen);  // dbias = dS
             // backward: dA = slope dS  ->  dA' = slope dS' + (curve A') dS
             if (sli) Softcap<T>::back_to_raw(xi, dpi, sli, cvi, seen);
         }
@@ -290,6 +309,11 @@ void backward_jvp(const Pass<T>& pass) {
         if (tk_head) pass.gemm(false, false, rows, s.dim, keys, scale, dp, keys, tk_head, s.dim, T(1), dq_t, s.dim);
         add_keys_product(pass, rows, keys, s.dim, scale, x, q_blk, dk_t);
         add_keys_product(pass, rows, keys, s.dim, scale, dp, tq_blk, dk_t);
+        if (with_backward) {  // dV += (P Z)^T dO,  dQ = scale dS K,  dK += scale dS^T Q
+            add_keys_product(pass, rows, keys, s.dim_v, T(1), p, do_blk, dv_g);
+            pass.gemm(false, false, rows, s.dim, keys, scale, dp, keys, k_head, s.dim, T(0), dq_blk, s.dim);
+            add_keys_product(pass, rows, keys, s.dim, scale, dp, q_blk, dk_g);
+        }
     });
 }
 

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from attngrad.torch import block_map, dispatch, kernels, kernels_higher, native, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch import block_map, dispatch, kept, kernels, kernels_higher, native, scaled_dot_product_attention  # noqa: E402
 
 from ..conftest import EXACT, assert_all_close, rel_err  # noqa: E402
 from .conftest import make_call  # noqa: E402
@@ -749,7 +749,7 @@ def test_unmasked_tiles_give_the_bits_of_masked_ones(monkeypatch, causal):
     made = []
 
     def run():
-        native._MAPS.clear()
+        kept.clear()
         out = native.attention_forward(q, k, v, causal, 0.3, softcap=2.0, mask=mask, bias=bias)
         grads = native.attention_backward(dout, q, k, v, *out, causal, 0.3, softcap=2.0, mask=mask, bias=bias)[:3]
         return out + tuple(grads)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from attngrad.torch import attention, backends, kernels, kernels_higher, native, use_implementation  # noqa: E402
-from attngrad.torch.structured import structure  # noqa: E402
+from attngrad.torch.structured import _structure, structure  # noqa: E402
 
 from ..conftest import assert_all_close  # noqa: E402
 
@@ -363,3 +363,58 @@ def test_vmap_folds_the_bounds_into_the_batch(backend):
     grads = torch.func.vmap(torch.func.grad(lambda q: call(q).square().sum()))(q)
     looped = torch.stack([torch.func.grad(lambda q: call(q).square().sum())(x) for x in q])
     assert_all_close({"dq": grads}, {"dq": looped})
+
+
+def test_a_structure_is_kept_while_its_tensors_live_unchanged():
+    """A model's layers share their masks: the second call with the same window, lengths or
+    document ids gets the same bounds tensor (whose block maps the tiles keep), an in-place
+    write to a source gets bounds of its new values, and so does a source of the same
+    values in other memory."""
+    cpu = torch.device("cpu")
+    lengths = torch.tensor([L, 9])
+    first, _ = structure((B,), L, L, 0, cpu, key_padding=lengths, window=(4, None))
+    again, _ = structure((B,), L, L, 0, cpu, key_padding=lengths, window=[4, None])
+    assert again is first
+    assert structure((B,), L, L, 0, cpu, key_padding=lengths, window=(5, None))[0] is not first
+    assert structure((B,), L, L, None, cpu, key_padding=lengths, window=(4, None))[0] is not first
+    lengths[1] = 12  # in place: the version counter moves
+    written, _ = structure((B,), L, L, 0, cpu, key_padding=lengths, window=(4, None))
+    made = _structure((B,), L, L, 0, cpu, lengths, (4, None), None, None).bounds
+    assert written is not first and torch.equal(written, made) and not torch.equal(first, made)
+    copied, _ = structure((B,), L, L, 0, cpu, key_padding=lengths.clone(), window=(4, None))
+    assert copied is not written and torch.equal(copied, written)
+    ids = torch.arange(L) // 5
+    assert structure((1,), L, L, None, cpu, document_ids=ids)[0] is structure((1,), L, L, None, cpu,
+                                                                              document_ids=ids)[0]
+
+
+def test_a_structure_made_where_it_cannot_serve_later_calls_is_not_kept():
+    """Bounds made under inference mode would be inference tensors, which a later training
+    call cannot save for its backward; under a fake-tensor mode, fakes: neither is kept, and
+    training after them runs (and equals the math kernel's gradients)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        made = structure((1,), L, L, 0, cpu, window=(3, None))[0]
+    assert made.is_inference() and structure((1,), L, L, 0, cpu, window=(3, None))[0] is not made
+    with FakeTensorMode():
+        fake = structure((1,), L, L, 0, cpu, window=(3, None))[0]
+    assert structure((1,), L, L, 0, cpu, window=(3, None))[0] is not fake
+    q, k, v = (randn(B, H, L, D, seed=s) for s in (1, 2, 3))
+    with torch.inference_mode():  # inference tensors as bounds, masks and biases: made anew, never kept
+        attention(q, k, v, is_causal=True, window=(3, None))
+        mask, bias = torch.rand(L, L) > 0.3, torch.randn(L, L, dtype=DOUBLE)
+        for _ in range(2):
+            assert_all_close({"masked": attention(q, k, v, attn_mask=mask, attn_bias=bias)},
+                             {"masked": kernels.attention_forward(q, k, v, mask, bias, 0, None, D ** -0.5, 0.0,
+                                                                  0.0)[0]})
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    dout = randn(B, H, L, D, seed=4)
+    grads = torch.autograd.grad(attention(*leaves, is_causal=True, window=(3, None)), leaves, dout)
+    dense = torch.ones(L, L, dtype=torch.bool).tril().triu(-3)
+    math_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(
+            *math_leaves, attn_mask=dense), math_leaves, dout)
+    assert_all_close(dict(zip(("dq", "dk", "dv"), grads)), dict(zip(("dq", "dk", "dv"), expected)))

@@ -24,15 +24,13 @@ the work is split into items depends on the shapes alone.
 
 from __future__ import annotations
 
-import collections
 import functools
-import weakref
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from . import buffer_cache
+from . import buffer_cache, kept
 from .block_map import kept_keys, key_ranges, tile_map
 from .dropout import Placement, keep_value, threshold
 from .mask_blocks import MaskBlocks
@@ -235,7 +233,7 @@ def _block_rows(len_q: int, len_k: int, causal: int | None, bf16: bool, bounds: 
 def _band_rows(len_q: int, len_k: int, causal: int | None, bounds: Tensor) -> int:
     """BLOCK_ROWS, a half or a quarter of it: the one whose query blocks' key ranges
     (`block_map.key_ranges`), rows times keys, cover the fewest scores, weighted by
-    BAND_ROW_COST. Kept while the bounds live unchanged (`_kept`)."""
+    BAND_ROW_COST. Kept while the bounds live unchanged (`kept.value`)."""
 
     def make() -> Tensor:
         costs = {}
@@ -247,7 +245,7 @@ def _band_rows(len_q: int, len_k: int, causal: int | None, bounds: Tensor) -> in
                 costs.setdefault(rows, float((keys * sizes).sum()) * weight)
         return torch.tensor(min(costs, key=costs.get))
 
-    return int(_kept("band_rows", (len_q, len_k, causal, BLOCK_ROWS, BAND_ROW_COST), (bounds,), make))
+    return int(kept.value("band_rows", (len_q, len_k, causal, BLOCK_ROWS, BAND_ROW_COST), (bounds,), make))
 
 
 def _block_keys(bounds: Tensor | None) -> int:
@@ -260,23 +258,6 @@ def _block_keys(bounds: Tensor | None) -> int:
 def _narrow(bounds: Tensor | None) -> bool:
     """Whether key `bounds` are given and leave every row at most NARROW_BAND keys."""
     return bounds is not None and bounds.numel() > 0 and int((bounds[..., 1] - bounds[..., 0]).max()) <= NARROW_BAND
-
-
-# The tile maps and key ranges of recent calls: a model's layers share their masks, and a
-# backward its forward's, so one of each serves them all (about 60 us each to build for a
-# structured mask, 11 ms for a (1, 1, 4096, 4096) float mask).
-_MAPS: collections.OrderedDict = collections.OrderedDict()
-_MAPS_KEPT = 32  # entries: a map and key ranges per mask
-
-
-def _identity(t: Tensor | None) -> tuple:
-    """What a kept map is keyed by: the memory a tensor views and its version counter (bumped
-    by in-place writes), with a weak reference to the tensor that owns the memory, so that
-    the key holds only while that memory cannot have been reused."""
-    if t is None:
-        return (None,), None
-    owner = t._base if t._base is not None else t
-    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version), weakref.ref(owner)
 
 
 def _tile_map(q: Tensor, k: Tensor, masks: dict, causal: int | None, block_rows: int, block_keys: int,
@@ -292,25 +273,9 @@ def _tile_map(q: Tensor, k: Tensor, masks: dict, causal: int | None, block_rows:
         return None
     mask, bias, bounds, index, mask_tiles = sources
     blocks = None if index is None else MaskBlocks(index, mask_tiles)
-    return _kept("tile_map", (q.shape[2], k.shape[2], causal, block_rows, block_keys), sources,
+    return kept.value("tile_map", (q.shape[2], k.shape[2], causal, block_rows, block_keys), sources,
                  lambda: tile_map(q.shape[2], k.shape[2], causal, bounds, mask, bias, block_rows, block_keys, blocks,
                                   ranges))
-
-
-def _kept(what: str, sizes: tuple, sources: tuple, make: Callable[[], Tensor]) -> Tensor:
-    """make()'s map, kept under `what` and `sizes` while the tensors `sources` it is made from
-    live unchanged (`_identity`)."""
-    identities = [_identity(t) for t in sources]
-    key = (what, *sizes, *(part for part, _ in identities))
-    kept = _MAPS.get(key)
-    if kept is not None and all(ref is None or ref() is not None for ref in kept[0]):
-        _MAPS.move_to_end(key)
-        return kept[1]
-    value = make()
-    _MAPS[key] = (tuple(ref for _, ref in identities), value)
-    while len(_MAPS) > _MAPS_KEPT:
-        _MAPS.popitem(last=False)
-    return value
 
 
 @functools.lru_cache(maxsize=64)
@@ -324,7 +289,7 @@ def _key_ranges(q: Tensor, k: Tensor, causal: int | None, block_rows: int, masks
     key bounds and to the keys a mask or bias keeps to each block (`block_map.kept_keys`). A
     range need not start at a key block's edge: the forward's and the backward's tiles start
     where it does (a sliding window's band). Kept while the tensors it is made from live
-    unchanged (`_kept`)."""
+    unchanged (`kept.value`)."""
     bounds = masks.get("key_bounds")
     mask, bias = masks.get("mask"), masks.get("bias")
     len_q, len_k = q.shape[2], k.shape[2]
@@ -332,12 +297,12 @@ def _key_ranges(q: Tensor, k: Tensor, causal: int | None, block_rows: int, masks
         return _causal_key_ranges(len_q, len_k, causal, block_rows)
 
     def make() -> Tensor:
-        kept = kept_keys(mask, bias, len_q, block_rows)
-        if bounds is None and kept is None:
+        kept_by_masks = kept_keys(mask, bias, len_q, block_rows)
+        if bounds is None and kept_by_masks is None:
             return _causal_key_ranges(len_q, len_k, causal, block_rows)
-        return key_ranges(len_q, len_k, causal, bounds, block_rows, kept)
+        return key_ranges(len_q, len_k, causal, bounds, block_rows, kept_by_masks)
 
-    return _kept("key_ranges", (len_q, len_k, causal, block_rows), (mask, bias, bounds), make)
+    return kept.value("key_ranges", (len_q, len_k, causal, block_rows), (mask, bias, bounds), make)
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, softcap: float = 0.0,

@@ -32,6 +32,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from . import kept
 from .layout import broadcast_shapes
 
 
@@ -87,13 +88,18 @@ def _padding(key_padding: Tensor, batch: tuple, len_k: int) -> tuple[Optional[Te
     return torch.stack([torch.zeros_like(lengths), lengths], dim=-1)[:, None, :], None
 
 
-def _window(window: tuple, len_q: int, len_k: int, offset: int, device: torch.device) -> Tensor:
-    """(1, Lq, 2) bounds of a band around the diagonal j = i + offset."""
+def _checked_window(window: object) -> tuple:
+    """`window` as a (left, right) tuple, each side a number of keys >= 0 or None."""
     if not (isinstance(window, (tuple, list)) and len(window) == 2) or any(
         side is not None and (isinstance(side, bool) or not isinstance(side, int) or side < 0) for side in window
     ):
         raise ValueError(f"window must be (left, right), each a number of keys >= 0 or None; got {window!r}")
-    left, right = window
+    return tuple(window)
+
+
+def _window(window: tuple, len_q: int, len_k: int, offset: int, device: torch.device) -> Tensor:
+    """(1, Lq, 2) bounds of a band around the diagonal j = i + offset."""
+    left, right = _checked_window(window)
     row = torch.arange(len_q, device=device, dtype=torch.int64) + offset
     lo = row - left if left is not None else torch.zeros_like(row)
     hi = row + right + 1 if right is not None else torch.full_like(row, len_k)
@@ -139,7 +145,23 @@ def structure(
     cu_seqlens: Optional[Tensor] = None,
 ) -> Structure:
     """The key bounds (and, for padding with holes, a keep-mask) of the structured masks
-    given, for a call with batch dimensions `batch` and causal diagonal `causal`."""
+    given, for a call with batch dimensions `batch` and causal diagonal `causal`. Kept while
+    the tensors given live unchanged (`kept.value`): a model's layers share one structure,
+    and the tiles then find the block maps they keep for its bounds."""
+    window = None if window is None else _checked_window(window)
+    sources = (key_padding, document_ids, cu_seqlens)
+
+    def make() -> Structure:
+        return _structure(batch, len_q, len_k, causal, device, key_padding, window, document_ids, cu_seqlens)
+
+    if not kept.keepable(*sources):
+        return make()
+    return kept.value("structure", (tuple(batch), len_q, len_k, causal, device, window), sources, make)
+
+
+def _structure(batch: tuple, len_q: int, len_k: int, causal: Optional[int], device: torch.device,
+               key_padding: Optional[Tensor], window: Optional[tuple], document_ids: Optional[Tensor],
+               cu_seqlens: Optional[Tensor]) -> Structure:
     parts: list[Tensor] = []
     keep = None
     if key_padding is not None:

@@ -116,16 +116,22 @@ def _final(pass_name: str, refusal: str, fields: list, deferred: Optional[_Defer
     """The op of `pass_name` as a leaf of differentiation (`Final`), every tensor handed to
     it as an argument, so that a torch.func transform unwraps each. With `deferred`, the op is
     a fused pass: its primal results fill `deferred`, and the rest are returned."""
-    names = tuple(inputs)
+    names, values = tuple(inputs), [*fields, *inputs.values()]
+    # only the tensors pass through apply: torch.func's Function calls walk every argument at
+    # every level, and the options and absent inputs ride in the closure
+    at = [i for i, value in enumerate(values) if isinstance(value, Tensor)]
 
-    def run(*args: Any) -> Any:
+    def run(*tensors: Tensor) -> Any:
+        args = list(values)
+        for i, t in zip(at, tensors):
+            args[i] = t
         results = _pass(pass_name, *args[:len(CALL_NAMES)], **dict(zip(names, args[len(CALL_NAMES):])))
         if deferred is None:
             return results
         deferred.fill(results)
         return deferred.rest(results)
 
-    return Final.apply(run, refusal, *fields, *inputs.values())
+    return Final.apply(run, refusal, *(values[i] for i in at))
 
 
 def _plain(t: Any) -> Any:

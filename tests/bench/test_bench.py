@@ -102,6 +102,19 @@ def test_report_files(tmp_path):
     assert data["gemm_peak_gflops"] == 300.0
 
 
+def test_ratios_pair_the_times_of_one_round():
+    """A ratio is the median over the rounds of the two times within a round, so a round on a
+    slower machine moves both; the medians' ratio stands in only for a backend timed apart."""
+    rounds = [{"attngrad": 1.0, PLAIN: 1.0, "torch-default": 2.0}, {"attngrad": 4.0, PLAIN: 2.0, "torch-default": 8.0},
+              {"attngrad": 3.0, PLAIN: 3.0, "torch-default": 6.0}]
+    result = CaseResult(BenchCase(256), {"attngrad": 3.0, PLAIN: 2.0, "torch-default": 6.0, "torch-math": 4.0},
+                        apart=["torch-math"], rounds=rounds)
+    assert result.over_plain() == 1.0  # the rounds' ratios 1, 2, 1; the medians' would be 1.5
+    assert result.ratio("torch-default") == 0.5
+    assert result.ratio("torch-math") == 0.75  # timed apart: the medians'
+    assert CaseResult(BenchCase(256), {"attngrad": 3.0}).ratio("torch-default") is None
+
+
 def test_the_math_backend_times_apart_where_its_tensors_are_large(monkeypatch):
     """Past MATH_APART numbers of scores, PyTorch's math backend runs after the interleaved
     rounds of the others (which stay shuffled together), and the report says so."""

@@ -1,8 +1,9 @@
 """Timing side by side: every implementation on identical inputs, alternating, median of runs.
 
 Absolute times drift on a shared machine; ratios measured in one process, with the
-implementations interleaved run by run, do not. The float32 GEMM peak is measured in the
-same run, so the share of it each implementation reaches is comparable across machines.
+implementations interleaved run by run, do not: each ratio is the median, over the rounds,
+of the two implementations' times within one round. The float32 GEMM peak is measured in
+the same run, so the share of it each implementation reaches is comparable across machines.
 """
 
 from __future__ import annotations
@@ -53,17 +54,20 @@ class CaseResult:
     skipped: dict[str, str] = field(default_factory=dict)  # implementation -> why
     ran: dict[str, str] = field(default_factory=dict)  # attngrad's pass -> implementation that ran it
     apart: list[str] = field(default_factory=list)  # implementations timed after the interleaved rounds
+    rounds: list[dict[str, float]] = field(default_factory=list)  # each round's times, interleaved
 
     def over_plain(self) -> float | None:
         """Our time over our plain call's (`BenchCase.reference`), timed interleaved with it."""
-        if "attngrad" in self.seconds and PLAIN in self.seconds:
-            return self.seconds["attngrad"] / self.seconds[PLAIN]
-        return None
+        return self.ratio(PLAIN)
 
     def ratio(self, other: str) -> float | None:
-        if "attngrad" in self.seconds and other in self.seconds:
-            return self.seconds["attngrad"] / self.seconds[other]
-        return None
+        """Our time over `other`'s: the median over the rounds of the two times within a round,
+        where both ran in the rounds (a drift of the machine's speed between rounds then
+        cancels); else the medians' ratio (an implementation timed apart)."""
+        if "attngrad" not in self.seconds or other not in self.seconds:
+            return None
+        paired = [r["attngrad"] / r[other] for r in self.rounds if "attngrad" in r and other in r]
+        return statistics.median(paired) if paired else self.seconds["attngrad"] / self.seconds[other]
 
     def gflops(self, implementation: str) -> float | None:
         seconds = self.seconds.get(implementation)
@@ -85,6 +89,7 @@ class BenchReport:
                     "case": r.case.as_dict(),
                     "flops": r.case.flops,
                     "seconds": r.seconds,
+                    "rounds": r.rounds,
                     "gflops": {impl: r.gflops(impl) for impl in r.seconds},
                     "ratio_to_torch_default": r.ratio("torch-default"),
                     "ratio_to_torch_math": r.ratio("torch-math"),
@@ -161,7 +166,6 @@ def run_bench(
         if reference is not None:
             runs[PLAIN](inputs)  # its warm-up
             implementations.append(PLAIN)
-        samples: dict[str, list[float]] = {impl: [] for impl in implementations}
         apart = [i for i in implementations if i == "torch-math" and _math_apart(case)]
         together = [i for i in implementations if i not in apart]
         order = random.Random(0)
@@ -169,8 +173,9 @@ def run_bench(
             # interleaved, so drift hits all alike, in an order shuffled each round: a run
             # pays for the caches its predecessor left (a decode step 1.3x after the math
             # path's), and a fixed order would charge that to one implementation
-            for impl in order.sample(together, len(together)):
-                samples[impl].append(_timed(lambda: runs[impl](inputs)))
+            result.rounds.append({impl: _timed(lambda: runs[impl](inputs))
+                                  for impl in order.sample(together, len(together))})
+        samples = {impl: [r[impl] for r in result.rounds] for impl in together}
         for impl in apart:
             samples[impl] = [_timed(lambda: runs[impl](inputs)) for _ in range(repeats)]
         result.apart = apart

@@ -209,14 +209,15 @@ def _attention(implementation: str, case: BenchCase) -> Callable[..., Any]:
 
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown implementation {implementation!r}; choose from {IMPLEMENTATIONS}")
+    keywords = structured(case)  # made once, as PyTorch's dense mask is (make_inputs), for every step
 
     def forward(q: Any, k: Any, v: Any, bias: Any = None) -> Any:
         if case.softcap:
             if implementation == "attngrad":
                 return attention(q, k, v, is_causal=case.causal, softcap=case.softcap, dropout_p=case.dropout)
             return _capped_in_pytorch(implementation, case, q, k, v)
-        if implementation == "attngrad" and structured(case):  # no dense mask: the structure alone
-            return attention(q, k, v, is_causal=case.causal, dropout_p=case.dropout, **structured(case))
+        if implementation == "attngrad" and keywords:  # no dense mask: the structure alone
+            return attention(q, k, v, is_causal=case.causal, dropout_p=case.dropout, **keywords)
         if case.mask in ("window", "documents"):  # the causal band is spelled into PyTorch's mask
             return _pytorch(implementation, q, k, v, dict(attn_mask=bias, dropout_p=case.dropout))
         # a bias with gradient, or a mask without (no case has both)

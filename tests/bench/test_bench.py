@@ -115,6 +115,22 @@ def test_ratios_pair_the_times_of_one_round():
     assert CaseResult(BenchCase(256), {"attngrad": 3.0}).ratio("torch-default") is None
 
 
+def test_the_share_of_the_gemm_pairs_each_round_with_its_gemm():
+    """% peak is our speed over the GEMM's of the same round, the median over the rounds: a
+    round on a slower machine slows both."""
+    from attngrad.bench.runner import GEMM, GEMM_SIZE
+
+    case = BenchCase(256)
+    gemm = 2.0 * GEMM_SIZE**3 / 100e9  # 100 GFLOP/s
+    ours = case.flops / 50e9  # 50 GFLOP/s
+    rounds = [{"attngrad": ours, GEMM: gemm}, {"attngrad": 2 * ours, GEMM: 2 * gemm}, {"attngrad": ours, GEMM: 4 * gemm}]
+    result = CaseResult(case, {"attngrad": ours, GEMM: 2 * gemm}, rounds=rounds)
+    assert result.share_of_gemm() == pytest.approx(0.5)  # the rounds' 0.5, 0.5, 2.0
+    report = BenchReport([result], 400.0, machine_facts())
+    assert rows(report)[0][9] == "50%"  # not 50 / 400
+    assert rows(BenchReport([CaseResult(case, {"attngrad": ours})], 400.0, machine_facts()))[0][9] == "12%"
+
+
 def test_the_math_backend_times_apart_where_its_tensors_are_large(monkeypatch):
     """Past MATH_APART numbers of scores, PyTorch's math backend runs after the interleaved
     rounds of the others (which stay shuffled together), and the report says so."""

@@ -38,11 +38,17 @@ def rows(report: BenchReport) -> list[list[str]]:
             r.case.name, str(r.case.length), ms["attngrad"], ms["torch-default"], ms["torch-math"],
             "-" if vs_default is None else f"{vs_default:.2f}x", "-" if vs_math is None else f"{vs_math:.2f}x",
             "-" if over_plain is None else f"{over_plain:.2f}x",
-            "-" if gflops is None else f"{gflops:.0f}", "-" if gflops is None else f"{100 * gflops / report.gemm_peak_gflops:.0f}%",
+            "-" if gflops is None else f"{gflops:.0f}", "-" if gflops is None else f"{100 * _share(r, report):.0f}%",
             _mib(r, "attngrad"), _mib(r, "torch-default"), _mib(r, "torch-math"),
             "+".join(dict.fromkeys(RAN_SHORT[choice] for choice in r.ran.values())) or "-",
         ])
     return out
+
+
+def _share(result: CaseResult, report: BenchReport) -> float:
+    """Our share of the GEMM's speed: against the GEMM of the same rounds, else the run's peak."""
+    share = result.share_of_gemm()
+    return share if share is not None else result.gflops("attngrad") / report.gemm_peak_gflops
 
 
 def markdown(report: BenchReport) -> str:
@@ -54,8 +60,8 @@ def markdown(report: BenchReport) -> str:
         "interleaved runs, in an order shuffled each round, and each ratio is the median over the rounds of the two times within a round; ours = attngrad, default / math = PyTorch's default and math SDPA backends; 'vs' is our "
         "time over theirs (below 1 is faster); 'over plain' is our time over our own fwd+bwd call without mask, "
         "bias, dropout or cap at the same L, causality, dtype and batch, timed in the same interleaving; "
-        "% peak is our GFLOP/s (FlashAttention's convention) over the GEMM "
-        "peak; MiB is peak memory beyond inputs, outputs and gradients, each case in a fresh process; 'ours ran' is the implementation of attngrad's passes (compiled tiles, torch-ops kernels). Cases are "
+        "% peak is our GFLOP/s (FlashAttention's convention) over the GEMM's, timed once in every round "
+        "(the median over the rounds); MiB is peak memory beyond inputs, outputs and gradients, each case in a fresh process; 'ours ran' is the implementation of attngrad's passes (compiled tiles, torch-ops kernels). Cases are "
         "fwd+bwd unless named jvp (forward and output tangent), double-backward (forward, backward with "
         "create_graph, backward again), hvp (forward over reverse: the JVP of the gradient) or decode (the "
         "forward of one query row against L keys, no gradient); 'refused' means "

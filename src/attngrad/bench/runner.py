@@ -2,8 +2,9 @@
 
 Absolute times drift on a shared machine; ratios measured in one process, with the
 implementations interleaved run by run, do not: each ratio is the median, over the rounds,
-of the two implementations' times within one round. The float32 GEMM peak is measured in
-the same run, so the share of it each implementation reaches is comparable across machines.
+of the two implementations' times within one round. A float32 GEMM runs in every round too,
+so the share of its speed each implementation reaches is comparable across machines and
+across the minutes of a run.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from .cases import IMPLEMENTATIONS, BenchCase, make_inputs, step
 from .memory import measure
 
 PLAIN = "attngrad-plain"  # attngrad on the case's reference, timed beside it
+GEMM = "gemm"  # the float32 GEMM of gemm_peak_gflops, once in every round
+GEMM_SIZE = 2048
 # PyTorch's math backend times apart, after the interleaved rounds, where its score-sized
 # tensors (B H L^2 of them, several per call) pass this many numbers: allocating and freeing
 # gigabytes each call keeps the kernel reclaiming memory on the cores the others run on, and
@@ -30,14 +33,19 @@ PLAIN = "attngrad-plain"  # attngrad on the case's reference, timed beside it
 MATH_APART = 1 << 26
 
 
-def gemm_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
+def gemm_peak_gflops(size: int = GEMM_SIZE, repeats: int = 5) -> float:
     """float32 matmul throughput of this machine, best of `repeats` (2 n^3 flops each)."""
+    run = _gemm(size)
+    run()
+    best = min(_timed(run) for _ in range(repeats))
+    return 2.0 * size**3 / best / 1e9
+
+
+def _gemm(size: int = GEMM_SIZE) -> Callable[[], Any]:
     import torch
 
     a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.matmul(a, b)
-    best = min(_timed(lambda: torch.matmul(a, b)) for _ in range(repeats))
-    return 2.0 * size**3 / best / 1e9
+    return lambda: torch.matmul(a, b)
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -73,6 +81,13 @@ class CaseResult:
         seconds = self.seconds.get(implementation)
         return None if seconds is None else self.case.flops / seconds / 1e9
 
+    def share_of_gemm(self, implementation: str = "attngrad") -> float | None:
+        """Our GFLOP/s over the GEMM's in the same round, the median over the rounds (None
+        where no round timed the GEMM)."""
+        shares = [self.case.flops / r[implementation] / (2.0 * GEMM_SIZE**3 / r[GEMM])
+                  for r in self.rounds if implementation in r and GEMM in r]
+        return statistics.median(shares) if shares else None
+
 
 @dataclass
 class BenchReport:
@@ -90,7 +105,8 @@ class BenchReport:
                     "flops": r.case.flops,
                     "seconds": r.seconds,
                     "rounds": r.rounds,
-                    "gflops": {impl: r.gflops(impl) for impl in r.seconds},
+                    "gflops": {impl: r.gflops(impl) for impl in r.seconds if impl != GEMM},
+                    "share_of_gemm": r.share_of_gemm(),
                     "ratio_to_torch_default": r.ratio("torch-default"),
                     "ratio_to_torch_math": r.ratio("torch-math"),
                     "ratio_to_plain": r.over_plain(),
@@ -166,6 +182,9 @@ def run_bench(
         if reference is not None:
             runs[PLAIN](inputs)  # its warm-up
             implementations.append(PLAIN)
+        gemm = _gemm()
+        runs[GEMM] = lambda _inputs: gemm()
+        implementations.append(GEMM)
         apart = [i for i in implementations if i == "torch-math" and _math_apart(case)]
         together = [i for i in implementations if i not in apart]
         order = random.Random(0)
@@ -181,7 +200,7 @@ def run_bench(
         result.apart = apart
         result.seconds = {impl: statistics.median(s) for impl, s in samples.items()}
         if memory:
-            for impl in (i for i in implementations if i != PLAIN):
+            for impl in (i for i in implementations if i not in (PLAIN, GEMM)):
                 if progress:
                     progress(f"{case.name} L={case.length}: memory of {impl}")
                 result.memory[impl] = measure(impl, case)

@@ -18,7 +18,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from attngrad.torch import attention, backends, kernels, kernels_higher, native, use_implementation  # noqa: E402
+from attngrad.torch import attention, backends, kept, kernels, kernels_higher, native, use_implementation  # noqa: E402
 from attngrad.torch.structured import _structure, structure  # noqa: E402
 
 from ..conftest import assert_all_close  # noqa: E402
@@ -386,6 +386,9 @@ def test_a_structure_is_kept_while_its_tensors_live_unchanged():
     ids = torch.arange(L) // 5
     assert structure((1,), L, L, None, cpu, document_ids=ids)[0] is structure((1,), L, L, None, cpu,
                                                                               document_ids=ids)[0]
+    entries = len(kept._VALUES)
+    del ids  # freed: its entry goes with it
+    assert len(kept._VALUES) == entries - 1
 
 
 def test_a_structure_made_where_it_cannot_serve_later_calls_is_not_kept():

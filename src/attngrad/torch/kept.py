@@ -8,8 +8,9 @@ float mask's tile map 11 ms).
 
 A value is keyed by what it is, its sizes and options, and the identity of each tensor it
 is made from: the memory the tensor views, its layout and its version counter (bumped by
-in-place writes), with a weak reference to the tensor that owns that memory, so that an
-entry holds only while that memory cannot have been reused by another tensor.
+in-place writes). A weak reference to the tensor that owns that memory drops the entry when
+that tensor is freed: it then neither holds a dead mask's bounds nor answers for another
+tensor given the same memory.
 """
 
 from __future__ import annotations
@@ -27,31 +28,34 @@ _VALUES: collections.OrderedDict = collections.OrderedDict()
 
 
 def identity(t: Optional[Tensor]) -> tuple:
-    """(what a kept value is keyed by for `t`, a weak reference to the tensor owning its
-    memory, or None for None)."""
+    """What a kept value is keyed by for `t` (None for None)."""
     if t is None:
-        return (None,), None
-    owner = t._base if t._base is not None else t
-    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version), weakref.ref(owner)
+        return (None,)
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
 
 
 def value(what: str, sizes: tuple, sources: tuple, make: Callable[[], Any]) -> Any:
     """make()'s value, kept under `what` and `sizes` (hashable) while the tensors `sources`
-    it is made from live unchanged; made anew from inference tensors (made under
-    torch.inference_mode), whose in-place writes no version counter records."""
+    it is made from live unchanged, and dropped when one of them is freed; made anew from
+    inference tensors (made under torch.inference_mode), whose in-place writes no version
+    counter records."""
     if any(t is not None and t.is_inference() for t in sources):
         return make()
-    identities = [identity(t) for t in sources]
-    key = (what, *sizes, *(part for part, _ in identities))
+    key = (what, *sizes, *(identity(t) for t in sources))
     entry = _VALUES.get(key)
-    if entry is not None and all(ref is None or ref() is not None for ref in entry[0]):
+    if entry is not None and all(ref() is not None for ref in entry[0]):
         _VALUES.move_to_end(key)
         return entry[1]
-    value = make()
-    _VALUES[key] = (tuple(ref for _, ref in identities), value)
+    made = make()
+
+    def forget(_ref: weakref.ref, values: collections.OrderedDict = _VALUES) -> None:
+        values.pop(key, None)  # the dict itself, which outlives the module's globals at exit
+
+    owners = (t._base if t._base is not None else t for t in sources if t is not None)
+    _VALUES[key] = (tuple(weakref.ref(owner, forget) for owner in owners), made)
     while len(_VALUES) > KEPT:
         _VALUES.popitem(last=False)
-    return value
+    return made
 
 
 def keepable(*sources: Optional[Tensor]) -> bool:

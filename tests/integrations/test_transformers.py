@@ -1,7 +1,7 @@
 """attn_implementation="attngrad" in tiny random transformers models, in float64: logits,
 every parameter's gradient, a JVP and a gradient penalty's double backward through the
 whole model equal those of the exact dense reference (`models`), generate() gives the same
-tokens, mask functions it does not read (or_masks for Gemma 3's image tokens, Llama 4's
+tokens (under torch.inference_mode too), mask functions it does not read (or_masks for Gemma 3's image tokens, Llama 4's
 chunks, a function of its own) are evaluated into the same mask as transformers' own, and
 a padded Llama and a chunked Llama 4 at L = 4096 make no L x L tensor.
 """
@@ -78,6 +78,28 @@ def test_generate_gives_the_reference_tokens(name):
     model.set_attn_implementation(REFERENCE)
     theirs = model.generate(**inputs, max_new_tokens=6, do_sample=False, min_new_tokens=6)
     assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_inference_mode_generates_the_reference_tokens_and_training_follows(name):
+    """Under torch.inference_mode (pipelines, serving), the masks and their bounds are
+    inference tensors, which have no version counter: the tiles make their block maps anew
+    each call instead of keeping them (every masked call raised before), and a training
+    step after it runs and matches the reference's gradients."""
+    model, inputs = build(name, "attngrad")
+    with torch.inference_mode():
+        ours = model.generate(**inputs, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+    model.set_attn_implementation(REFERENCE)
+    with torch.inference_mode():
+        theirs = model.generate(**inputs, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+    assert torch.equal(ours, theirs)
+    grads = {}
+    for implementation in ("attngrad", REFERENCE):
+        model.set_attn_implementation(implementation)
+        model.zero_grad()
+        model(**inputs).logits.square().sum().backward()
+        grads[implementation] = {n: p.grad.clone() for n, p in model.named_parameters() if "q_proj" in n}
+    assert_all_close(grads["attngrad"], grads[REFERENCE])
 
 
 def test_masks_reach_attention_compact():

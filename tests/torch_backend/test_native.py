@@ -831,6 +831,113 @@ def test_a_query_block_that_sees_no_key_computes_no_tile(monkeypatch):
     assert_all_close(dict(zip(names, (*ours, *grads))), dict(zip(names, (*theirs, *their_grads))))
 
 
+# Key bounds of a narrow band (each a (B or 1, Lq, 2) tensor of [lo, hi) per row): a causal
+# window of `width` keys, packed documents of `width` keys, or random bounds (empty rows
+# too, but not only)
+BANDS = st.sampled_from(["window", "documents", "random"])
+
+
+def _band_bounds(band, batch, len_q, len_k, width, seed):
+    rows = torch.arange(len_q)
+    if band == "window":
+        lo, hi = (rows - width + 1).clamp(0, len_k), (rows + 1).clamp(max=len_k)
+    elif band == "documents":
+        lo = (rows // width * width).clamp(max=len_k)
+        hi = (lo + width).clamp(max=len_k)
+    else:
+        g = torch.Generator().manual_seed(seed + 3)
+        lo = torch.randint(0, len_k + 1, (batch, len_q), generator=g)
+        hi = (lo + torch.randint(0, width + 1, (batch, len_q), generator=g)).clamp(max=len_k)
+        lo[:, 0], hi[:, 0] = 0, min(width, len_k)  # some row sees a key: else every block height costs nothing
+        return torch.stack([lo, hi], -1)
+    return torch.stack([lo, hi], -1)[None]
+
+
+@needs_tiles
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 2), len_q=st.integers(1, 90),
+    len_k=st.integers(1, 90), dim=st.sampled_from([5, 16]), dim_v=st.sampled_from([3, 16]), causal=CAUSAL,
+    masking=MASKING, band=BANDS, width=st.integers(1, 20), block_keys=st.sampled_from([7, 16, 2048]),
+    chunks=st.integers(1, 3), dropout_p=st.sampled_from([0.0, 0.3]), softcap=st.sampled_from([0.0, 0.7]),
+    bias_grad=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_narrow_band_tiles_from_transposed_keys_match_the_torch_ops_kernels(
+        batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal, masking, band, width, block_keys, chunks,
+        dropout_p, softcap, bias_grad, seed):
+    """A narrow band's forward and backward on query blocks of a quarter of BLOCK_ROWS take
+    S and dP from transposed copies of K and V (csrc/tiles.h, BandKeys): a copy per run of
+    query blocks in the forward, per key block in the backward (blocks of 7 and 16 keys
+    split the runs' ranges), with masks, a bias and its gradient, dropout, a softcap, GQA and
+    any causal diagonal: float64 results equal the torch-ops kernels' to 1e-12."""
+    heads = kv_heads * groups
+    q, k, v, dout = _inputs(batch, heads, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
+    scale, causal = dim**-0.5, _diagonal(causal, len_q, len_k)
+    mask, bias = _masks(masking, batch, heads, len_q, len_k, torch.float64, seed)
+    bias_grad = bias_grad and bias is not None
+    bounds = _band_bounds(band, batch, len_q, len_k, width, seed)
+    options = dict(mask=mask, bias=bias, seed=seed, dropout_p=dropout_p, softcap=softcap, bounds=bounds)
+    taken = {}
+    run = native._run
+
+    def recording(name, *args, **kwargs):
+        taken[name] = kwargs["transposed_keys"], kwargs["block_rows"]
+        return run(name, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "BLOCK_ROWS", 16)
+        patch.setattr(native, "BAND_ROW_COST", (1e9, 1e9, 1.0))  # always a quarter: 4 rows a block
+        patch.setattr(native, "NARROW_BLOCK_KEYS", block_keys)
+        patch.setattr(native, "BAND_TRANSPOSE_ROWS", 1)
+        patch.setattr(native, "_run", recording)
+        ours = native.attention_forward(q, k, v, causal, scale, **options)
+        grads = native.attention_backward(dout, q, k, v, *ours, causal, scale, chunks=chunks, bias_grad=bias_grad,
+                                          **options)
+    # a quarter of BLOCK_ROWS wherever the blocks cover any score (else the cost ties at 0)
+    assert taken["forward"] == taken["backward"] == (taken["forward"][1] <= 4, taken["forward"][1])
+    theirs = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p, bounds=bounds)
+    their_grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, *theirs, causal, scale, softcap,
+                                             dropout_p, bias_grad, bounds=bounds)
+    grads, their_grads = grads[: 3 + bias_grad], their_grads[: 3 + bias_grad]
+    names = ("out", "row_max", "inv_sum", "dq", "dk", "dv", "dbias")
+    keys = torch.arange(len_k)
+    in_bounds = (keys >= bounds[..., :1]) & (keys < bounds[..., 1:])  # (B or 1, Lq, Lk)
+    allowed = in_bounds[:, None] if mask is None else in_bounds[:, None] & mask
+    zeros = {"dq", "dk"} if _at_most_one_key(causal, len_q, len_k, allowed, bias) else set()
+    assert_all_close(dict(zip(names, (*ours, *grads))), dict(zip(names, (*theirs, *their_grads))), zeros=zeros,
+                     floor_fraction=1e-3)
+
+
+@needs_tiles
+@pytest.mark.parametrize("case,transposed", [
+    ("window", True), ("documents", False), ("bfloat16", False), ("decode", False), ("no bounds", False)])
+def test_which_calls_take_transposed_keys(monkeypatch, case, transposed):
+    """Transposed copies pay where a band's query blocks are narrow (a causal window of 256:
+    32 rows): not for documents of 512 (64 or 128 rows, whose NT products are as fast), nor
+    bfloat16 products, nor a decode step (one row, its own product), nor without bounds."""
+    taken = {}
+    run = native._run
+
+    def recording(name, *args, **kwargs):
+        taken[name] = kwargs["transposed_keys"]
+        return run(name, *args, **kwargs)
+
+    monkeypatch.setattr(native, "_run", recording)
+    len_q = 1 if case == "decode" else 1024
+    rows = torch.arange(1024)[-len_q:]
+    window = torch.stack([(rows - 255).clamp(min=0), rows + 1], -1)[None]
+    documents = torch.stack([rows // 512 * 512, rows // 512 * 512 + 512], -1)[None]
+    bounds = {"documents": documents, "no bounds": None}.get(case, window)
+    dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
+    q, k, v, dout = _inputs(1, 2, 2, len_q, 1024, 16, 16, dtype, 0)
+    causal = 1024 - len_q
+    out = native.attention_forward(q, k, v, causal, 0.25, bounds=bounds)
+    assert taken["forward"] is transposed
+    if case != "decode":
+        native.attention_backward(dout, q, k, v, *out, causal, 0.25, bounds=bounds)
+        assert taken["backward"] is transposed
+
+
 @needs_tiles
 @pytest.mark.parametrize("fault", ["shape", "dtype", "layout", "kind"])
 def test_tiles_check_the_tile_map(fault):

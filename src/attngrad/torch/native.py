@@ -68,6 +68,9 @@ CAUSAL_SHORT = 1024
 BAND_ROW_COST = (1.0, 1.075, 1.18)
 NARROW_BAND = 1024
 NARROW_BLOCK_KEYS = 2048
+# Query rows from which a narrow band's forward and backward copy K and V transposed for
+# their score products (`_band_keys_transposed`)
+BAND_TRANSPOSE_ROWS = 128
 # The forward's E V product sums this many keys per GEMM, for float32 accuracy: at B=2,
 # H=4, L=1024 the output's normwise error against PyTorch's flash kernel's went from
 # 1.02x (one 512-key product) to below it (figures in the tests).
@@ -255,6 +258,16 @@ def _block_keys(bounds: Tensor | None) -> int:
     return NARROW_BLOCK_KEYS if _narrow(bounds) else BLOCK_KEYS
 
 
+def _band_keys_transposed(len_q: int, rows: int, bounds: Tensor | None, bf16: bool) -> bool:
+    """Whether the forward and the backward take S and dP from transposed copies of K and V
+    (csrc/tiles.h, BandKeys): on a narrow band's query blocks of fewer than BLOCK_ROWS rows,
+    whose NT products run slowest, for float32 and float64 products over at least
+    BAND_TRANSPOSE_ROWS query rows, which share the copies (a decode step's one row keeps
+    its own one-row product). Both passes decide from the same sizes and bounds: the
+    backward recomputes the forward's scores with the same product."""
+    return not bf16 and rows <= BLOCK_ROWS // 4 and len_q >= BAND_TRANSPOSE_ROWS and _narrow(bounds)
+
+
 def _narrow(bounds: Tensor | None) -> bool:
     """Whether key `bounds` are given and leave every row at most NARROW_BAND keys."""
     return bounds is not None and bounds.numel() > 0 and int((bounds[..., 1] - bounds[..., 0]).max()) <= NARROW_BAND
@@ -321,7 +334,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale
     _run("forward", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum,
          tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges,
          **_options(causal, scale, bf16=bf16, softcap=softcap, seed=seed, dropout_p=dropout_p, block_rows=rows,
-                    block_keys=block_keys))
+                    block_keys=block_keys, transposed_keys=_band_keys_transposed(len_q, rows, bounds, bf16)))
     return out, row_max, inv_sum
 
 
@@ -447,7 +460,8 @@ def attention_backward(
          dq_parts=dq_parts, dk=dk, dv=dv, dbias_parts=dbias_parts,
          tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges,
          **_options(causal, scale, bf16=bf16, chunks=chunks, seed=seed, dropout_p=dropout_p, softcap=softcap,
-                    block_rows=rows, block_keys=block_keys))
+                    block_rows=rows, block_keys=block_keys,
+                    transposed_keys=_band_keys_transposed(q.shape[2], rows, bounds, bf16)))
     return _sum_parts(dq_parts), dk, dv, _finish_bias_grad(dbias_parts, bias)
 
 

@@ -22,17 +22,33 @@ void forward(const Pass<T>& pass) {
     const KeyRanges ranges(pass.call);
     // a tile's scratch is no larger than the call: a decode step's is one row, not 128
     const index_t tile_rows = std::min(block_rows, s.len_q), tile_keys = std::min(block_keys, s.len_k);
+    // A work item is a run of query blocks of one head: one block, or with the call's
+    // transposed_keys (a narrow band) kBandRun blocks, which copy the keys they see
+    // transposed once and take S = Q (K^T) from the copy (BandKeys)
+    const index_t run_blocks = pass.call.transposed_keys ? kBandRun : 1;
+    const index_t runs = (query_blocks + run_blocks - 1) / run_blocks;
     // the last query blocks first: a causal pass's heaviest work is scheduled first
-    parallel_items(query_blocks * bh_count, [&](const ItemSource& source) {
+    parallel_items(runs * bh_count, [&](const ItemSource& source) {
         std::vector<T> scores(tile_rows * tile_keys), acc(tile_rows * s.dim_v), m(tile_rows);
         std::vector<wide_t<T>> l(tile_rows);  // the softmax sums, wide (exp_and_sum)
+        BandKeys<T> keys_t(pass.call.transposed_keys);
         for (index_t item; (item = source.next()) >= 0;) {
-            const index_t qb = query_blocks - 1 - item / bh_count, bh = item % bh_count;
-            const index_t b = bh / s.heads, h = bh % s.heads;
+          const index_t run = runs - 1 - item / bh_count, bh = item % bh_count;
+          const index_t b = bh / s.heads, h = bh % s.heads;
+          const T* k_head = k + (b * s.kv_heads + h / group) * s.len_k * s.dim;
+          const T* v_head = v + (b * s.kv_heads + h / group) * s.len_k * s.dim_v;
+          const index_t qb0 = run * run_blocks, qb1 = std::min(query_blocks, qb0 + run_blocks);
+          if (keys_t.on()) {  // the keys any block of the run sees
+              index_t lo = s.len_k, hi = 0;
+              for (index_t qb = qb0; qb < qb1; ++qb) {
+                  const auto [key0, n] = ranges(b, qb);
+                  if (n > 0) lo = std::min(lo, key0), hi = std::max(hi, key0 + n);
+              }
+              keys_t.copy(k_head, s.dim, std::min(lo, hi), hi);
+          }
+          for (index_t qb = qb0; qb < qb1; ++qb) {
             const index_t r0 = qb * block_rows, rows = std::min(block_rows, s.len_q - r0);
             const T* q_blk = q + (bh * s.len_q + r0) * s.dim;
-            const T* k_head = k + (b * s.kv_heads + h / group) * s.len_k * s.dim;
-            const T* v_head = v + (b * s.kv_heads + h / group) * s.len_k * s.dim_v;
             const auto [key0, key_count] = ranges(b, qb);  // block_map.key_ranges
             const index_t keys = key0 + key_count;
             std::fill(m.begin(), m.end(), neg_inf);
@@ -52,8 +68,7 @@ void forward(const Pass<T>& pass) {
                 const bool fetch = kind == TileMap::computed;  // the mask and bias rows ahead of use
                 if (fetch) masks.prefetch(b, h, r0, std::min(kFetchAhead, rows), c0, cols);
                 // forward: S = scale Q_blk K_blk^T
-                pass.gemm(false, true, rows, cols, s.dim, scale, q_blk, s.dim, k_head + c0 * s.dim, s.dim, T(0),
-                        scores.data(), cols);
+                keys_t.scores(pass, rows, cols, s.dim, scale, q_blk, k_head, c0, scores.data());
                 for (index_t i = 0; i < rows; ++i) {
                     T* row = scores.data() + i * cols;
                     const index_t seen = causal.visible(r0 + i, c0, cols);
@@ -91,6 +106,7 @@ void forward(const Pass<T>& pass) {
                 for (index_t c = 0; c < s.dim_v; ++c) out_row[c] = acc_row[c] * inv;
             }
             tiles_computed.fetch_add(computed, std::memory_order_relaxed);
+          }
         }
     });
 }
@@ -123,6 +139,7 @@ void backward(const Pass<T>& pass) {
         std::vector<T> probs(tile), dscores(tile);
         std::vector<T> slopes(pass.cap.c ? tile : 0);  // the cap's, per score
         std::vector<T> keep(drop.on ? std::min(block_keys, s.len_k) : 0);  // a row's dropout multipliers Z
+        BandKeys<T> keys_t(pass.call.transposed_keys), values_t(pass.call.transposed_keys);
         for (index_t item; (item = source.next()) >= 0;) {
           items.visit(item, [&](const KvItem& it) {
             const index_t chunk = it.chunk, bhk = it.bhk, b = it.b, hk = it.hk;
@@ -135,6 +152,17 @@ void backward(const Pass<T>& pass) {
             index_t computed = 0;
             for (index_t kb = chunk * key_blocks / chunks; kb < (chunk + 1) * key_blocks / chunks; ++kb) {
                 const index_t kb0 = kb * block_keys, block_cols = std::min(block_keys, s.len_k - kb0);
+                if (keys_t.on()) {  // K and V over the block's keys that any query block sees, transposed
+                    index_t lo = kb0 + block_cols, hi = kb0;
+                    for (index_t qb = 0; qb * block_rows < s.len_q; ++qb) {
+                        const auto [key0, keys] = ranges(b, qb);
+                        if (keys == 0 || key0 >= kb0 + block_cols || key0 + keys <= kb0) continue;
+                        lo = std::min(lo, std::max(key0, kb0));
+                        hi = std::max(hi, std::min(key0 + keys, kb0 + block_cols));
+                    }
+                    keys_t.copy(k_head, s.dim, std::min(lo, hi), hi);
+                    values_t.copy(v_head, s.dim_v, std::min(lo, hi), hi);
+                }
                 for (index_t h = hk * group; h < (hk + 1) * group; ++h) {
                     const index_t bh = b * s.heads + h;
                     for (index_t r0 = 0; r0 < s.len_q; r0 += block_rows) {
@@ -158,14 +186,12 @@ void backward(const Pass<T>& pass) {
                             if (c0 + width < end) dbias.zero_tile(dbias_part, b, h, r0, rows, c0 + width, end - c0 - width);
                         }
                         const T* k_blk = k_head + c0 * s.dim;
-                        const T* v_blk = v_head + c0 * s.dim_v;
                         const bool fetch = kind == TileMap::computed;  // the mask and bias rows ahead of use
                         if (fetch) masks.prefetch(b, h, r0, std::min(kFetchAhead, rows), c0, width);
                         // forward: S = scale Q K_blk^T;  backward: dP = dO V_blk^T
-                        pass.gemm(false, true, rows, width, s.dim, scale, q + first * s.dim, s.dim, k_blk, s.dim, T(0),
-                                probs.data(), width);
-                        pass.gemm(false, true, rows, width, s.dim_v, T(1), dout + first * s.dim_v, s.dim_v, v_blk,
-                                s.dim_v, T(0), dscores.data(), width);
+                        keys_t.scores(pass, rows, width, s.dim, scale, q + first * s.dim, k_head, c0, probs.data());
+                        values_t.scores(pass, rows, width, s.dim_v, T(1), dout + first * s.dim_v, v_head, c0,
+                                        dscores.data());
                         for (index_t i = 0; i < rows; ++i) {
                             T* p = probs.data() + i * width;
                             T* ds = dscores.data() + i * width;

@@ -55,6 +55,7 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -639,6 +640,54 @@ struct Pass {
         if (tile_masks.any()) tile_masks.apply(s, b, h, i, c0, n);
         if (form && form_bias && form_bias->any()) form_bias->apply(form, b, h, i, c0, n);
     }
+};
+
+// Query blocks per work item of the forward on a narrow band (the call's transposed_keys):
+// a run shares one transposed copy of the keys its blocks see (BandKeys), which is then
+// about (kBandRun R + band) keys, against R + band for each block alone.
+constexpr index_t kBandRun = 16;
+
+// One operand of the score-sized products S = scale Q K^T and dP = dO V^T: the key-side head
+// (keys x width) as it is, or, with the call's transposed_keys (a narrow band), a copy of
+// its keys [lo, hi) transposed, made once for the tiles of a run of query blocks (forward)
+// or of a key block (backward). MKL's NT product repacks K at every call: on a band's
+// 32 x 287 x 64 tiles it ran at 118 GFLOP/s, against 167 for the NN product from a copy
+// (one core, Intel Xeon). Forward and backward take S from the same NN product (of the same
+// sizes), so the backward still recomputes the forward's scores bit for bit.
+template <typename T>
+class BandKeys {
+   public:
+    explicit BandKeys(bool on) : on_(on) {}
+    bool on() const { return on_; }
+
+    // Copies keys [lo, hi) of `head` (keys x width) transposed (width x (hi - lo))
+    void copy(const T* head, index_t width, index_t lo, index_t hi) {
+        lo_ = lo;
+        // rows of the copy a whole number of cache lines apart, and not a multiple of 4 KiB
+        // apart: a key block's 2048 keys would put the product's 64 rows in one L1 set
+        constexpr index_t line = 64 / sizeof(T), page = 4096 / sizeof(T);
+        ld_ = (hi - lo + line - 1) / line * line;
+        if (ld_ % page == 0) ld_ += line;
+        copy_.resize(width * ld_);
+        transpose(hi - lo, width, head + lo * width, width, copy_.data(), ld_);
+    }
+
+    // out (rows x cols) = alpha a K^T over keys [c0, c0 + cols) of `head`, for a (rows x
+    // width): from the copy when on (its keys must hold those), else from the head
+    void scores(const Pass<T>& pass, index_t rows, index_t cols, index_t width, T alpha, const T* a, const T* head,
+                index_t c0, T* out) const {
+        if (on_) {
+            pass.gemm(false, false, rows, cols, width, alpha, a, width, copy_.data() + (c0 - lo_), ld_, T(0), out,
+                      cols);
+        } else {
+            pass.gemm(false, true, rows, cols, width, alpha, a, width, head + c0 * width, width, T(0), out, cols);
+        }
+    }
+
+   private:
+    bool on_;
+    std::vector<T> copy_;
+    index_t lo_ = 0, ld_ = 0;
 };
 
 // The bias gradient: dS summed over the axes the bias broadcasts along. The batch entries

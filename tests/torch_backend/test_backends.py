@@ -78,6 +78,35 @@ def test_a_call_no_allowed_backend_takes_raises_with_each_ones_reason():
             pass
 
 
+def test_which_rows_sums_the_tiles_take():
+    """Of the passes given rows' sums (a ring step's, or an HVP's from the forward's JVP), the
+    tiles take the backward's JVP given the centre and D' without a bias gradient, and the
+    forward's JVP asked for the centre; everything else goes to a backend that takes it all
+    (torch-ops), as do sums held by a torch.func transform's tensors."""
+    if dict((b.name, b.available) for b in backends())["tiles"] is not True:
+        pytest.skip("the compiled tiles are not built here")
+    q = randn(1, 2, 5, 4, seed=2, grad=False)
+    call = make_call(q, q, q, bias=randn(5, 5, seed=3, grad=False))
+    centre, delta_t = q.new_zeros(1, 2, 5, 1), q.new_zeros(1, 2, 5, 1)
+    given = {"row_sums": {"centre": centre, "delta_t": delta_t}}
+    assert dispatch.choose("backward_jvp", call, {**given, "bias_grad": False}).name == "tiles"
+    assert dispatch.choose("backward_with_jvp", call, {**given, "bias_grad": False}).name == "tiles"
+    assert dispatch.choose("backward_jvp", call, {**given, "bias_grad": True}).name == "torch-ops"
+    assert dispatch.choose("forward_jvp", call, {"row_sums": {"centre_sums": centre}}).name == "tiles"
+    assert dispatch.choose("jvp", call, {"row_sums": {"centre": centre, "centre_sums": centre}}).name == "torch-ops"
+    assert dispatch.choose("double_backward", call, {"row_sums": {"centre": centre, "g_centre": centre}}).name == \
+        "torch-ops"
+    seen = {}
+
+    def choose(delta_t):
+        seen["name"] = dispatch.choose("backward_jvp", call, {"row_sums": {"centre": centre, "delta_t": delta_t},
+                                                               "bias_grad": False}).name
+        return delta_t
+
+    torch.func.grad(lambda x: choose(x * 2).sum())(delta_t)  # a transform's tensor among the sums
+    assert seen["name"] == "torch-ops"
+
+
 def test_registering_checks_the_passes_and_the_order():
     with pytest.raises(ValueError, match="unknown passes"):
         dispatch.register(dispatch.Backend(name="odd", passes=dict(sideways=lambda call: None)))

@@ -176,7 +176,8 @@ def test_the_native_pass_refuses_a_part_of_each_rows_keys():
     with pytest.raises(RuntimeError, match="forward_jvp: the pass takes each row's statistics from its keys"):
         native._run("forward_jvp", q, q, q, mask=None, bias=None, key_bounds=None, tq=q, tk=None, tv=None, tbias=None,
                     out=out, tout=torch.empty_like(q), row_max=q.new_empty(q.shape[:3]),
-                    inv_sum=q.new_empty(q.shape[:3]), key_ranges=None, mask_blocks=None, mask_tiles=None, **options)
+                    inv_sum=q.new_empty(q.shape[:3]), key_ranges=None, mask_blocks=None, mask_tiles=None,
+                    centre=None, **options)
 
 
 @needs_tiles

@@ -320,6 +320,119 @@ def test_backward_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups,
     assert_all_close(dict(zip(names, ours)), dict(zip(names, theirs)), floor_fraction=1e-3)
 
 
+def _row_sums(dout, q, k, v, out, row_max, inv_sum, mask, bias, seed, causal, scale, softcap, dropout_p, tangents):
+    """The torch-ops kernels' whole-row sums (B, H, Lq, 1) for tangents (tdO, tQ, tK, tV,
+    tbias): the centre rowsum(P * S') and D' = rowsum(tdO * O + dO * O')."""
+    tdout, tq, tk, tv, tbias = tangents
+    centre = torch.zeros(*q.shape[:3], 1, dtype=q.dtype)
+    args = (q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, tq, tk, tv, tbias)
+    kernels_higher.attention_jvp(*args, centre=torch.zeros_like(centre), centre_sums=centre)  # adds rowsum(P * S')
+    delta_t = (dout * kernels_higher.attention_jvp(*args)).sum(-1, keepdim=True)
+    if tdout is not None:
+        delta_t += (tdout * out).sum(-1, keepdim=True)
+    return centre, delta_t
+
+
+@needs_tiles
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.integers(1, 3), len_q=st.integers(1, 60),
+    len_k=st.integers(1, 60), dim=st.sampled_from([1, 5, 16]), dim_v=st.sampled_from([3, 16]), causal=CAUSAL,
+    masking=MASKING, blocks=st.sampled_from([(128, 512), (3, 5), (7, 20), (16, 33)]), chunks=st.integers(1, 4),
+    softcap=st.sampled_from([0.0, 0.0, 0.7]), dropout_p=st.sampled_from([0.0, 0.0, 0.3]),
+    present=st.sampled_from([(1, 1, 1, 1, 1), (1, 0, 0, 0, 0), (0, 1, 0, 0, 0), (0, 0, 1, 0, 0), (0, 0, 0, 1, 0),
+                             (0, 0, 0, 0, 1), (0, 1, 1, 1, 0)]),
+    seed=st.integers(0, 2**16),
+)
+def test_backward_jvp_given_sums_matches_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v,
+                                                               causal, masking, blocks, chunks, softcap, dropout_p,
+                                                               present, seed):
+    """The backward's JVP on the backward's tiles, given each row's centre and D' (the
+    torch-ops kernels' sums): float64, any subset of the tangents, masks and a bias of any
+    broadcast shape, dropout, a soft cap, GQA, every tile size and split of the keys:
+    `kernels_higher`'s tangents of dq, dk, dv to 1e-12; with the backward, `kernels`'
+    gradients to 1e-12 and the same tangents bit for bit."""
+    q, k, v, dout = _inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
+    scale, causal = dim**-0.5, _diagonal(causal, len_q, len_k)
+    mask, bias = _masks(masking, batch, kv_heads * groups, len_q, len_k, torch.float64, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    tangents = [torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
+                for t, keep in zip((dout, q, k, v, bias), present)]
+    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
+    centre, delta_t = _row_sums(dout, q, k, v, out, row_max, inv_sum, mask, bias, seed, causal, scale, softcap,
+                                dropout_p, tangents)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "BLOCK_ROWS", blocks[0])
+        patch.setattr(native, "BLOCK_KEYS", blocks[1])
+        ours, both = (native.attention_backward_jvp_given_sums(
+            dout, q, k, v, out, row_max, inv_sum, causal, scale, *tangents[:4], centre, delta_t, mask=mask, bias=bias,
+            tbias=tangents[4], seed=seed, dropout_p=dropout_p, chunks=chunks, softcap=softcap,
+            with_backward=with_backward) for with_backward in (False, True))
+    assert all(torch.equal(a, b) for a, b in zip(both[3:], ours))
+    grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, softcap,
+                                       dropout_p, False)
+    assert_all_close(dict(zip(("dq", "dk", "dv"), both[:3])), dict(zip(("dq", "dk", "dv"), grads[:3])),
+                     floor_fraction=1e-3)
+    theirs = kernels_higher.attention_backward_jvp(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal,
+                                                   scale, softcap, dropout_p, False, *tangents)[:3]
+    names = ("dq_t", "dk_t", "dv_t")
+    if _at_most_one_key(causal, len_q, len_k, mask, bias):
+        # P is 1 or 0 whatever the scores: dq and dk do not move (rounding noise on both sides)
+        for i in (0, 1):
+            assert float(ours[i].abs().max()) < EXACT and float(theirs[i].abs().max()) < EXACT, names[i]
+        names, ours, theirs = ("dv_t",), ours[2:3], theirs[2:3]
+    assert_all_close(dict(zip(names, ours)), dict(zip(names, theirs)), floor_fraction=1e-3)
+
+
+@needs_tiles
+@pytest.mark.parametrize("causal,dropout_p", [(None, 0.0), (0, 0.0), (0, 0.3), (-3, 0.3)])
+def test_backward_jvp_given_sums_on_a_part_of_the_keys(causal, dropout_p):
+    """A ring step's backward JVP: the keys split in two calls whose placement says they are
+    a part of each row's (dropout drawn at the whole's coordinates), each given the whole
+    rows' statistics and sums. dQ' is the parts' sum, dK' and dV' the parts side by side:
+    the whole call's, to 1e-12."""
+    q, k, v, dout = _inputs(2, 4, 2, 23, 31, 8, 6, torch.float64, 4)
+    g = torch.Generator().manual_seed(5)
+    tangents = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (dout, q, k, v)] + [None]
+    scale, seed, split = 0.3, 11, 13
+    out, row_max, inv_sum = kernels.attention_forward(q, k, v, None, None, seed, causal, scale, 0.0, dropout_p)
+    centre, delta_t = _row_sums(dout, q, k, v, out, row_max, inv_sum, None, None, seed, causal, scale, 0.0,
+                                dropout_p, tangents)
+    whole = native.attention_backward_jvp_given_sums(dout, q, k, v, out, row_max, inv_sum, causal, scale,
+                                                     *tangents[:4], centre, delta_t, seed=seed, dropout_p=dropout_p)
+    parts = []
+    for lo, hi in ((0, split), (split, 31)):
+        part_causal = None if causal is None else causal - lo
+        tk, tv = tangents[2][:, :, lo:hi], tangents[3][:, :, lo:hi]
+        parts.append(native.attention_backward_jvp_given_sums(
+            dout, q, k[:, :, lo:hi], v[:, :, lo:hi], out, row_max, inv_sum, part_causal, scale, tangents[0],
+            tangents[1], tk, tv, centre, delta_t, seed=native.Placement(seed, 0, lo, 0, 1), dropout_p=dropout_p))
+    joined = (parts[0][0] + parts[1][0], torch.cat([parts[0][1], parts[1][1]], 2),
+              torch.cat([parts[0][2], parts[1][2]], 2))
+    theirs = kernels_higher.attention_backward_jvp(dout, q, k, v, None, None, seed, out, row_max, inv_sum, causal,
+                                                   scale, 0.0, dropout_p, False, *tangents)[:3]
+    names = ("dq_t", "dk_t", "dv_t")
+    assert_all_close(dict(zip(names, whole)), dict(zip(names, theirs)))
+    assert_all_close(dict(zip(names, joined)), dict(zip(names, theirs)))
+
+
+@needs_tiles
+def test_forward_jvp_writes_each_rows_centre():
+    """Given a buffer, the forward's JVP writes each row's centre rowsum(P * S') there: the
+    torch-ops kernels' to 1e-12 (0 for a row that sees no key)."""
+    q, k, v, dout = _inputs(2, 4, 2, 37, 29, 8, 6, torch.float64, 6)
+    mask = torch.rand(2, 1, 37, 29, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask[0, :, 5] = False  # a row that sees no key
+    g = torch.Generator().manual_seed(7)
+    tq, tk, tv = (torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (q, k, v))
+    centre = torch.full((2, 4, 37), float("nan"), dtype=torch.float64)
+    out, row_max, inv_sum, _ = native.attention_forward_jvp(q, k, v, 0, 0.3, tq, tk, tv, mask=mask, centre=centre)
+    theirs, _ = _row_sums(dout, q, k, v, out, row_max, inv_sum, mask, None, 0, 0, 0.3, 0.0, 0.0,
+                          (None, tq, tk, tv, None))
+    assert float(centre[0, :, 5].abs().max()) == 0.0
+    assert_all_close({"centre": centre}, {"centre": theirs[..., 0]})
+
+
 @needs_tiles
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_float32_tiles_agree_with_float64(is_causal):

@@ -163,6 +163,38 @@ def test_forward_over_reverse_hvp_matches_math_kernel(many_blocks, name):
     assert_all_close(dict(zip(names, grads)), dict(zip(names, their_grads)))
 
 
+@pytest.mark.parametrize("name,dual_level", [("causal-long-queries", False), ("dropout-causal-gqa", False),
+                                             ("dropout-causal-gqa", True), ("causal-gqa-bias", False)])
+def test_an_hvp_runs_the_backwards_jvp_on_its_tiles_from_the_forwards_row_sums(monkeypatch, many_blocks, name,
+                                                                              dual_level):
+    """The forward's fused pass leaves each row's centre rowsum(P * S') and O'; the backward's,
+    along the same tangents, takes them with D' (dout's tangent too, under torch.func) and runs
+    on the backward's tiles (`native.attention_backward_jvp_given_sums`; 5-key blocks, so that
+    rows take the given sums rather than their own), under torch.func or a dual level. With a
+    bias gradient the whole-row pass runs instead. Either way the HVP is the math kernel's."""
+    from attngrad.torch import native
+
+    monkeypatch.setattr(native, "BLOCK_KEYS", 5)
+    case = Case(**CASES[name])
+    given = []
+    passes = native.attention_backward_jvp_given_sums
+    monkeypatch.setattr(native, "attention_backward_jvp_given_sums", lambda *a, **k: given.append(1) or passes(*a, **k))
+    dout = randn(*case.q.shape[:-1], case.v.shape[-1], seed=37)
+    tangents = tangents_like(case.primals, 70)
+    results = {}
+    for side, fn in (("ours", case.ours), ("theirs", case.theirs)):
+        if dual_level:
+            with forward_ad.dual_level():
+                leaves = [forward_ad.make_dual(p.clone().requires_grad_(), t) for p, t in zip(case.primals, tangents)]
+                grads = torch.autograd.grad(fn(*leaves), leaves, dout, create_graph=True)
+                results[side] = [forward_ad.unpack_dual(g).tangent for g in grads]
+        else:
+            results[side] = torch.func.jvp(_gradient(fn), case.primals + (dout,), tangents + (randn(*dout.shape, seed=79),))[1]
+    assert len(given) == (case.bias is None)
+    names = ["q", "k", "v", "bias"][: len(case.primals)]
+    assert_all_close(dict(zip(names, results["ours"])), dict(zip(names, results["theirs"])))
+
+
 def test_a_call_no_tangent_reaches_runs_its_own_passes(many_blocks):
     """Under torch.func.jvp, a gradient whose attention sees no tangent (its inputs are the
     JVP's constants): the forward and the backward that waited for a jvp run their own

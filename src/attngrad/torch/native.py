@@ -37,8 +37,8 @@ from .mask_blocks import MaskBlocks
 from .native_build import build_info, fresh_build_seconds, library
 
 __all__ = ["attention_forward", "attention_backward", "attention_double_backward", "attention_jvp",
-           "attention_forward_jvp", "attention_backward_jvp", "forward_plan", "settings", "dropout_keep_scale_into",
-           "status", "available", "library", "build_info", "fresh_build_seconds"]
+           "attention_forward_jvp", "attention_backward_jvp", "attention_backward_jvp_given_sums", "forward_plan",
+           "settings", "dropout_keep_scale_into", "status", "available", "library", "build_info", "fresh_build_seconds"]
 
 # Rows of a query block and keys of a key block. A (128, 512) float32 score tile is 256 KiB;
 # the backward's two of them and their K, V blocks stay in a core's L2 cache. Fwd+bwd at
@@ -538,10 +538,13 @@ def attention_forward_jvp(q: Tensor, k: Tensor, v: Tensor, causal: int | None, s
                           tk: Tensor | None, tv: Tensor | None, mask: Tensor | None = None, bias: Tensor | None = None,
                           tbias: Tensor | None = None, seed: int | Placement = 0, dropout_p: float = 0.0,
                           bounds: Tensor | None = None, softcap: float = 0.0, sink: bool = False,
-                          blocks: MaskBlocks | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                          blocks: MaskBlocks | None = None,
+                          centre: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, row_max, inv_sum, out's tangent) in the compute dtype, in one pass of whole rows (the
     JVP's, taking each row's statistics from the row): the forward's output and statistics,
-    with a sink's share (`ops.add_sink`), and `attention_jvp`'s tangent, to rounding."""
+    with a sink's share (`ops.add_sink`), and `attention_jvp`'s tangent, to rounding. Given
+    `centre` ((B, H, Lq), compute dtype, contiguous), each row's t = rowsum(P * S') goes there
+    (what `attention_backward_jvp_given_sums` takes)."""
     bf16 = _bf16(q)
     q, k, v, tq, tk, tv = _work(q, k, v, tq, tk, tv)
     masks = _with_bias_like(_score_masks(mask, bias, q.dtype, full_bias=tbias is not None, bounds=bounds, blocks=blocks),
@@ -551,9 +554,50 @@ def attention_forward_jvp(q: Tensor, k: Tensor, v: Tensor, causal: int | None, s
     rows, chunks = _whole_row_split(q, k, masks, False, None)  # each work item owns its rows
     _run("forward_jvp", q, k, v, **_mask_args(masks), tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"), out=out,
          tout=out_t, row_max=row_max, inv_sum=inv_sum, key_ranges=_key_ranges(q, k, causal, rows, masks),
+         centre=centre,
          **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
                     dropout_p=dropout_p, sink=sink, transposed_keys=_transposed_keys(k, v)))
     return out, row_max, inv_sum, out_t
+
+
+def attention_backward_jvp_given_sums(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
+    causal: int | None, scale: float, tdout: Tensor | None, tq: Tensor | None, tk: Tensor | None, tv: Tensor | None,
+    centre: Tensor, delta_t: Tensor, mask: Tensor | None = None, bias: Tensor | None = None,
+    tbias: Tensor | None = None, seed: int | Placement = 0, dropout_p: float = 0.0, chunks: int | None = None,
+    bounds: Tensor | None = None, softcap: float = 0.0, blocks: MaskBlocks | None = None, with_backward: bool = False,
+) -> tuple[Tensor, ...]:
+    """`attention_backward_jvp`'s tangents of (dq, dk, dv), without a bias gradient, on the
+    backward's tiles, given each row's sums over its keys (B, H, Lq): `centre` t = rowsum(P *
+    S') and `delta_t` D' = rowsum(tdout * out + dout * tout). The keys may be a part of each
+    row's (a ring step: its seed's placement says so), the sums the whole row's. In the
+    compute dtype; `with_backward`: the backward's (dq, dk, dv) first, from the same pass."""
+    bf16 = _bf16(q)
+    dout, q, k, v, out, row_max, inv_sum, tdout, tq, tk, tv, centre, delta_t = _work(
+        dout, q, k, v, out, row_max, inv_sum, tdout, tq, tk, tv, centre, delta_t)
+    masks = _score_masks(mask, bias, q.dtype, full_bias=tbias is not None, bounds=bounds, blocks=blocks)
+    _with_bias_like(masks, "tbias", tbias, q.dtype)
+    block_keys = _block_keys(bounds)
+    if chunks is None:
+        chunks = _chunks(_independent(k, None), -(-k.shape[2] // block_keys))
+    tdq_parts = q.new_zeros(chunks, *q.shape)
+    tdk, tdv = torch.zeros_like(k), torch.zeros_like(v)
+    grads = dict(dq_parts=None, dk=None, dv=None)
+    if with_backward:
+        grads = dict(dq_parts=q.new_zeros(chunks, *q.shape), dk=torch.zeros_like(k), dv=torch.zeros_like(v))
+    rows = _block_rows(q.shape[2], k.shape[2], causal, bf16, masks.get("key_bounds"))
+    ranges = _key_ranges(q, k, causal, rows, masks)
+    _run("backward_jvp_given_sums", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum,
+         dout=dout, delta=q.new_empty(q.shape[:-1]), tdout=tdout, tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"),
+         centre=centre.reshape(q.shape[:-1]).contiguous(), delta_t=delta_t.reshape(q.shape[:-1]).contiguous(),
+         tdq_parts=tdq_parts, tdk=tdk, tdv=tdv, **grads,
+         tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges,
+         **_options(causal, scale, bf16=bf16, chunks=chunks, seed=seed, dropout_p=dropout_p, softcap=softcap,
+                    block_rows=rows, block_keys=block_keys))
+    tangents = _sum_parts(tdq_parts), tdk, tdv
+    if not with_backward:
+        return tangents
+    return (_sum_parts(grads["dq_parts"]), grads["dk"], grads["dv"], *tangents)
 
 
 def attention_backward_jvp(

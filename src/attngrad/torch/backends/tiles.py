@@ -1,8 +1,11 @@
 """The "tiles" backend: the compiled C++ tiles (`native`), every pass on the CPU in float32
 or float64 (float16 computed in float32, bfloat16's products in bfloat16 with float32 sums;
 results returned in the inputs' dtypes). Registered first: where it takes a call, it is the fast one. It refuses tensors on
-other devices, an empty dimension, and a ring step's higher passes (`row_sums`); it is
-unavailable where the tiles cannot be built (`native.build_info.reason` says why)."""
+other devices, an empty dimension, and of the passes given rows' sums (`row_sums`) all but
+two: the backward's JVP given each row's centre and D' (a ring step's, or a Hessian-vector
+product's with the forward's JVP's centre: `native.attention_backward_jvp_given_sums`,
+without a bias gradient), and the forward's JVP asked for each row's centre (`centre_sums`);
+it is unavailable where the tiles cannot be built (`native.build_info.reason` says why)."""
 
 from __future__ import annotations
 
@@ -29,6 +32,19 @@ def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]
         return f"it takes floating tensors; got {call.q.dtype}"
     if min(call.q.shape) == 0 or min(call.k.shape) == 0 or min(call.v.shape) == 0:
         return "it takes no empty dimension"
+    row_sums = inputs.get("row_sums")
+    if row_sums is not None:
+        # a ring step under torch.func may hold a transform's tensors, which the compiled
+        # tiles cannot read (the ops hand them plain ones)
+        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+        given = (*call.tensors(), *(t for t in (*inputs.values(), *row_sums.values()) if isinstance(t, Tensor)))
+        if any(wrapped(t) for t in given):
+            return "it reads plain tensors; this ring step holds a torch.func transform's"
+        if pass_name in ("backward_jvp", "backward_with_jvp") and set(row_sums) == {"centre", "delta_t"}:
+            return "it takes a bias gradient on whole rows alone" if inputs.get("bias_grad") else None
+        if pass_name == "forward_jvp" and set(row_sums) == {"centre_sums"}:
+            return None
+        return f"it takes no rows' sums {sorted(row_sums)} in its {pass_name} pass"
     return None
 
 
@@ -79,26 +95,49 @@ def jvp(call: AttentionCall, *, row_max: Tensor, inv_sum: Tensor, tq: Optional[T
 
 
 def forward_jvp(call: AttentionCall, *, tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
-                tbias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                tbias: Optional[Tensor], row_sums: Optional[dict] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """With row_sums {"centre_sums": (B, H, Lq, 1) compute dtype}, each row's centre
+    rowsum(P * S') is written there too."""
+    centre = None if row_sums is None else row_sums["centre_sums"].view(call.q.shape[:3])
     out, row_max, inv_sum, out_t = native.attention_forward_jvp(call.q, call.k, call.v, call.causal, call.scale, tq,
-                                                                tk, tv, tbias=tbias, sink=call.sink, **_options(call))
+                                                                tk, tv, tbias=tbias, sink=call.sink, centre=centre,
+                                                                **_options(call))
     return out.to(call.q.dtype), row_max, inv_sum, out_t.to(call.q.dtype)  # the statistics in the compute dtype
+
+
+def _given_sums(call: AttentionCall, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
+                tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
+                tbias: Optional[Tensor], row_sums: dict, with_backward: bool) -> tuple:
+    """The backward's JVP (and the backward) on the backward's tiles, given the rows' sums
+    {"centre", "delta_t"} ((B, H, Lq, 1), as a ring step has them): no bias gradient."""
+    results = native.attention_backward_jvp_given_sums(
+        dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal, call.scale, tdout, tq, tk, tv,
+        row_sums["centre"], row_sums["delta_t"], tbias=tbias, with_backward=with_backward, **_options(call))
+    tangents = (*results[-3:], None)  # no bias gradient, nor its tangent
+    return (*results[:3], None, *tangents) if with_backward else tangents
 
 
 def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor, bias_grad: bool,
                  tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
-                 tbias: Optional[Tensor]) -> tuple:
-    results = native.attention_backward_jvp(dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal, call.scale,
-                                            tdout, tq, tk, tv, tbias=tbias, bias_grad=bias_grad, **_options(call))
+                 tbias: Optional[Tensor], row_sums: Optional[dict] = None) -> tuple:
+    if row_sums is not None:
+        results = _given_sums(call, dout, out, row_max, inv_sum, tdout, tq, tk, tv, tbias, row_sums, False)
+    else:
+        results = native.attention_backward_jvp(dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal,
+                                                call.scale, tdout, tq, tk, tv, tbias=tbias, bias_grad=bias_grad,
+                                                **_options(call))
     return _in_dtypes_of(results, (call.q, call.k, call.v, call.bias))
 
 
 def backward_with_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
                       bias_grad: bool, tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor],
-                      tv: Optional[Tensor], tbias: Optional[Tensor]) -> tuple:
-    results = native.attention_backward_jvp(dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal, call.scale,
-                                            tdout, tq, tk, tv, tbias=tbias, bias_grad=bias_grad, with_backward=True,
-                                            **_options(call))
+                      tv: Optional[Tensor], tbias: Optional[Tensor], row_sums: Optional[dict] = None) -> tuple:
+    if row_sums is not None:
+        results = _given_sums(call, dout, out, row_max, inv_sum, tdout, tq, tk, tv, tbias, row_sums, True)
+    else:
+        results = native.attention_backward_jvp(dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal,
+                                                call.scale, tdout, tq, tk, tv, tbias=tbias, bias_grad=bias_grad,
+                                                with_backward=True, **_options(call))
     return _in_dtypes_of(results, (call.q, call.k, call.v, call.bias) * 2)
 
 
@@ -128,6 +167,7 @@ BACKEND = dispatch.register(dispatch.Backend(
                 backward_with_jvp=backward_with_jvp, double_backward=double_backward),
     unavailable=_unavailable,
     refuses=_refuses,
+    row_sums=True,  # the backward's JVP's, and the forward's JVP's centre (`_refuses`)
     description="compiled C++ tiles: CPU, every pass",
     plans=dict(forward=plan_forward),
     settings=native.settings,

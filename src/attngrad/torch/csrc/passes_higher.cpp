@@ -121,12 +121,15 @@ void double_backward(const Pass<T>& pass) {
 // writes O = (P Z) V beside O' (6 products where the forward and the JVP take 2 + 5), and
 // the statistics as the forward writes them (0 and 0 for a row that sees no key):
 //   m = max S,  l = rowsum exp(S - m) (+ exp(-m): a sink's term),  O = (P Z) V
+// Given a `centre` buffer, each row's t goes there (the tangent of its log-sum-exp, which
+// backward_jvp_given_sums takes).
 template <typename T>
 void jvp(const Pass<T>& pass) {
     const T *q = pass[buf_q], *k = pass[buf_k], *v = pass[buf_v];
     T *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];  // written with the forward, else read
     const T *tq = pass[buf_tq], *tk = pass[buf_tk], *tv = pass[buf_tv];
     T *out_t = pass[buf_tout], *out = pass[buf_out];
+    T* centre = pass[buf_centre];  // where given: each row's t (0 for a row that sees no key)
     const bool with_forward = out != nullptr;
     const Shape& s = pass.s;
     const DropoutDraw& drop = pass.drop;
@@ -148,6 +151,7 @@ void jvp(const Pass<T>& pass) {
             std::fill(row_max + first, row_max + first + rows, T(0));
             std::fill(inv_sum + first, inv_sum + first + rows, T(0));
         }
+        if (centre) std::fill(centre + first, centre + first + rows, T(0));
         if (keys == 0) {  // rows that see no key: output 0, tangent 0
             std::fill(o_t, o_t + rows * s.dim_v, T(0));
             if (o) std::fill(o, o + rows * s.dim_v, T(0));
@@ -187,6 +191,7 @@ void jvp(const Pass<T>& pass) {
             } else {
                 t_sum = row_probs(pi, ti, seen, row_max[first + i], inv_sum[first + i], single_key(blk.bh, row));
             }
+            if (centre) centre[first + i] = t_sum;
             centre_and_scale(pi, ti, seen, t_sum);
             if (drop.on) {  // P Z and P' Z
                 drop.scale_row(pi, blk.b, blk.h, row, blk.key0, seen);

@@ -9,7 +9,8 @@
 // work items, the GEMM and thread-pool interface every pass uses), runtime.cpp (the GEMM and
 // the work loop on PyTorch's thread pool), row_products.h (the GEMM of a one-row tile),
 // passes.cpp (forward, backward), passes_higher.cpp
-// (double backward, JVP, the backward's JVP) and ops.cpp (the TORCH_LIBRARY ops
+// (double backward, JVP, the backward's JVP), passes_given_sums.cpp (the backward's JVP on the
+// backward's tiles, given each row's sums) and ops.cpp (the TORCH_LIBRARY ops
 // attngrad_tiles::*, which check every tensor against the others before a pass runs).
 //
 // Shape legend (row-major, contiguous)
@@ -27,7 +28,7 @@
 //   rowsum(P * dP) where the block holds all of the row's keys (the same in exact arithmetic)
 //   dV_blk += P^T dO,  dK_blk += scale dS^T Q,  dQ += scale dS K_blk,  dbias += dS
 // jvp, backward_jvp, double_backward: see each in passes_higher.cpp; they take query blocks
-// of whole rows.
+// of whole rows. backward_jvp_given_sums (passes_given_sums.cpp) takes the backward's tiles.
 // A work item owns its dK and dV rows, and its own copy of dQ when the keys are split into
 // chunks (the double backward and the backward's JVP: their dQ-shaped rows, and their own
 // dK, dV-shaped sums when the query blocks are split; a bias gradient: the batch entries
@@ -55,7 +56,6 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
-#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -71,7 +71,8 @@ namespace attngrad_tiles {
     X(q) X(k) X(v) X(mask) X(bias) X(out) X(row_max) X(inv_sum) X(dout) X(delta) X(dq_parts) X(dk) X(dv) \
     X(dbias_parts) X(gq) X(gk) X(gv) X(g_dout) X(g_q) X(gk_parts) X(gv_parts) X(tq) X(tk) X(tv) X(tbias) X(tout) \
     X(tdout) X(tdq) X(tdk_parts) X(tdv_parts) X(tdbias_parts) X(gbias) X(g_bias_parts) X(key_bounds) X(tile_map) \
-    X(key_ranges) X(mask_blocks) X(mask_tiles) X(dq) X(dk_parts) X(dv_parts) X(dbias_row_parts)
+    X(key_ranges) X(mask_blocks) X(mask_tiles) X(dq) X(dk_parts) X(dv_parts) X(dbias_row_parts) X(centre) \
+    X(delta_t) X(tdq_parts) X(tdk) X(tdv)
 
 enum AttngradBuffer : int {
 #define ATTNGRAD_ENUM(name) buf_##name,
@@ -653,7 +654,8 @@ constexpr index_t kBandRun = 16;
 // or of a key block (backward). MKL's NT product repacks K at every call: on a band's
 // 32 x 287 x 64 tiles it ran at 118 GFLOP/s, against 167 for the NN product from a copy
 // (one core, Intel Xeon). Forward and backward take S from the same NN product (of the same
-// sizes), so the backward still recomputes the forward's scores bit for bit.
+// sizes), so the backward still recomputes the forward's scores bit for bit: MKL's results
+// did not depend on the copy's leading dimension or offset (3000 random shapes, depth to 256).
 template <typename T>
 class BandKeys {
    public:
@@ -860,5 +862,6 @@ template <typename T> void backward(const Pass<T>& pass);
 template <typename T> void double_backward(const Pass<T>& pass);
 template <typename T> void jvp(const Pass<T>& pass);
 template <typename T> void backward_jvp(const Pass<T>& pass);
+template <typename T> void backward_jvp_given_sums(const Pass<T>& pass);
 
 }  // namespace attngrad_tiles

@@ -141,7 +141,7 @@ def test_the_math_backend_times_apart_where_its_tensors_are_large(monkeypatch):
     monkeypatch.setattr(runner, "step",
                         lambda impl, case: lambda inputs: calls.append(impl if case in (small, large) else PLAIN))
     monkeypatch.setattr(runner, "make_inputs", lambda case: {})
-    monkeypatch.setattr(runner, "gemm_peak_gflops", lambda: 100.0)
+    monkeypatch.setattr(runner, "gemm_peak_gflops", lambda size: 100.0)
     monkeypatch.setattr(runner, "machine_facts", lambda: dict(processor="a CPU", torch="2.13", date="today", threads=2))
     monkeypatch.setattr(runner, "MATH_APART", small.heads * 64**2)  # 64 keys interleave, 128 do not
     report = runner.run_bench([small, large], repeats=4, memory=False)

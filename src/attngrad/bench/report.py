@@ -56,7 +56,8 @@ def markdown(report: BenchReport) -> str:
     lines = [
         f"float32 unless named bf16 or fp16, B=1 unless named b4, H=8, d=64; {m['date']}; {m['processor']}, "
         f"{m['threads']} threads, torch {m['torch']}; "
-        f"float32 GEMM peak {report.gemm_peak_gflops:.0f} GFLOP/s (2048x2048, same run). Times are medians of "
+        f"float32 GEMM peak {report.gemm_peak_gflops:.0f} GFLOP/s ({report.gemm_size}x{report.gemm_size}, same run). "
+        "Times are medians of "
         "interleaved runs, in an order shuffled each round, and each ratio is the median over the rounds of the two times within a round; ours = attngrad, default / math = PyTorch's default and math SDPA backends; 'vs' is our "
         "time over theirs (below 1 is faster); 'over plain' is our time over our own fwd+bwd call without mask, "
         "bias, dropout or cap at the same L, causality, dtype and batch, timed in the same interleaving; "

@@ -63,6 +63,7 @@ class CaseResult:
     ran: dict[str, str] = field(default_factory=dict)  # attngrad's pass -> implementation that ran it
     apart: list[str] = field(default_factory=list)  # implementations timed after the interleaved rounds
     rounds: list[dict[str, float]] = field(default_factory=list)  # each round's times, interleaved
+    gemm_size: int = GEMM_SIZE  # the n of the n^3 GEMM timed in each round
 
     def over_plain(self) -> float | None:
         """Our time over our plain call's (`BenchCase.reference`), timed interleaved with it."""
@@ -84,7 +85,7 @@ class CaseResult:
     def share_of_gemm(self, implementation: str = "attngrad") -> float | None:
         """Our GFLOP/s over the GEMM's in the same round, the median over the rounds (None
         where no round timed the GEMM)."""
-        shares = [self.case.flops / r[implementation] / (2.0 * GEMM_SIZE**3 / r[GEMM])
+        shares = [self.case.flops / r[implementation] / (2.0 * self.gemm_size**3 / r[GEMM])
                   for r in self.rounds if implementation in r and GEMM in r]
         return statistics.median(shares) if shares else None
 
@@ -94,11 +95,13 @@ class BenchReport:
     results: list[CaseResult]
     gemm_peak_gflops: float
     machine: dict[str, Any]
+    gemm_size: int = GEMM_SIZE
 
     def to_json(self) -> dict[str, Any]:
         return {
             "machine": self.machine,
             "gemm_peak_gflops": self.gemm_peak_gflops,
+            "gemm_size": self.gemm_size,
             "results": [
                 {
                     "case": r.case.as_dict(),
@@ -148,14 +151,16 @@ def run_bench(
     max_math_length: int = 4096,
     memory: bool = True,
     progress: Callable[[str], None] | None = None,
+    gemm_size: int = GEMM_SIZE,
 ) -> BenchReport:
-    """Time (and measure the memory of) every implementation on every case."""
+    """Time (and measure the memory of) every implementation on every case, beside a
+    `gemm_size`^3 float32 GEMM in every round (a smoke run takes a small one)."""
     from ..torch.dispatch import ran  # counts what attngrad's passes ran on
 
-    peak = gemm_peak_gflops()
+    peak = gemm_peak_gflops(gemm_size)
     results = []
     for case in cases:
-        result = CaseResult(case)
+        result = CaseResult(case, gemm_size=gemm_size)
         implementations = list(IMPLEMENTATIONS)
         if case.length > max_math_length:
             implementations.remove("torch-math")
@@ -182,7 +187,7 @@ def run_bench(
         if reference is not None:
             runs[PLAIN](inputs)  # its warm-up
             implementations.append(PLAIN)
-        gemm = _gemm()
+        gemm = _gemm(gemm_size)
         runs[GEMM] = lambda _inputs: gemm()
         implementations.append(GEMM)
         apart = [i for i in implementations if i == "torch-math" and _math_apart(case)]
@@ -205,4 +210,4 @@ def run_bench(
                     progress(f"{case.name} L={case.length}: memory of {impl}")
                 result.memory[impl] = measure(impl, case)
         results.append(result)
-    return BenchReport(results, peak, machine_facts())
+    return BenchReport(results, peak, machine_facts(), gemm_size)

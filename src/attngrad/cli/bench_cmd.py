@@ -15,6 +15,7 @@ from .arg_types import positive_int
 TIME_COLUMNS = (0, 1, 2, 3, 4, 5, 6, 7, 9)
 MEMORY_COLUMNS = (0, 1, 10, 11, 12, 13)
 QUICK_LENGTHS, QUICK_REPEATS = (128, 256), 3
+QUICK_GEMM_SIZE = 512  # a smoke run's GEMM in every round: 2048^3 took half of its time
 DEFAULT_LENGTHS, DISTRIBUTED_LENGTH = (1024, 2048, 4096), 8192
 DOCS_PAGE = Path("docs/bench.md")
 DOCS_TITLE = "Benchmarks"
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_distributed(args)
     from ..bench.cases import default_cases
     from ..bench.report import COLUMNS, rows, write
-    from ..bench.runner import run_bench
+    from ..bench.runner import GEMM_SIZE, run_bench
 
     lengths = QUICK_LENGTHS if args.quick else tuple(args.lengths or DEFAULT_LENGTHS)
     repeats = QUICK_REPEATS if args.quick else args.repeats
@@ -75,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
                   console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("measuring the float32 GEMM peak")
         report = run_bench(cases, repeats=repeats, max_math_length=args.max_math_length, memory=not args.no_memory,
-                           progress=lambda text: progress.update(task, description=text))
+                           progress=lambda text: progress.update(task, description=text),
+                           gemm_size=QUICK_GEMM_SIZE if args.quick else GEMM_SIZE)
     console = Console(width=None if sys.stdout.isatty() else 100)
     table_rows = rows(report)
     title = (f"attngrad bench: float32 unless named bf16 or fp16, B=1 unless named b4, H=8 d=64; GEMM peak "

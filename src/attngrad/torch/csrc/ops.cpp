@@ -400,6 +400,16 @@ void bind_tangents(Call& call, const OptTensor& tq, const OptTensor& tk, const O
     call.bind(buf_tbias, tbias, false);
 }
 
+// The inputs of the backward's JVP: the forward's results, dout, delta scratch, and the
+// tangents of dout, q, k, v and the bias (each may be absent: zero)
+void bind_backward_jvp_inputs(Call& call, const at::Tensor& out, const at::Tensor& row_max, const at::Tensor& inv_sum,
+                              const at::Tensor& dout, const at::Tensor& delta, const OptTensor& tdout,
+                              const OptTensor& tq, const OptTensor& tk, const OptTensor& tv, const OptTensor& tbias) {
+    bind_after_forward(call, out, row_max, inv_sum, dout, delta);
+    call.bind(buf_tdout, tdout, false);
+    bind_tangents(call, tq, tk, tv, tbias);
+}
+
 // tout (B, H, Lq, dv) <- the output's tangent for tangents tq, tk, tv, tbias (each may be
 // absent: zero; tbias has the bias's sizes), from the forward's row_max and inv_sum;
 // block_rows rows per query block, each holding whole rows of keys.
@@ -460,9 +470,7 @@ void backward_jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     Call call = make_call("attngrad_tiles.backward_jvp", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
     bind_mask_blocks(call, mask_blocks, mask_tiles);
     bind_key_ranges(call, key_ranges);
-    bind_after_forward(call, out, row_max, inv_sum, dout, delta);
-    call.bind(buf_tdout, tdout, false);
-    bind_tangents(call, tq, tk, tv, tbias);
+    bind_backward_jvp_inputs(call, out, row_max, inv_sum, dout, delta, tdout, tq, tk, tv, tbias);
     call.bind(buf_tdq, tdq, true);
     call.bind(buf_tdk_parts, tdk_parts, true);
     call.bind(buf_tdv_parts, tdv_parts, true);
@@ -499,9 +507,7 @@ void backward_jvp_given_sums_op(const at::Tensor& q, const at::Tensor& k, const 
     bind_mask_blocks(call, mask_blocks, mask_tiles);
     bind_key_ranges(call, key_ranges);
     bind_tile_map(call, tile_map);
-    bind_after_forward(call, out, row_max, inv_sum, dout, delta);
-    call.bind(buf_tdout, tdout, false);
-    bind_tangents(call, tq, tk, tv, tbias);
+    bind_backward_jvp_inputs(call, out, row_max, inv_sum, dout, delta, tdout, tq, tk, tv, tbias);
     call.bind(buf_centre, centre, true);
     call.bind(buf_delta_t, delta_t, true);
     call.bind(buf_tdq_parts, tdq_parts, true);

@@ -80,6 +80,12 @@ VALUE_SLICE = 128
 # the pass took 1033 ms with 16 rows, 817 with 32, 700 with 64 and 681 with 128 (scalar row
 # loops; 655 once they were vectorised).
 DOUBLE_TILE = 1 << 20
+# Rows of the double backward's causal blocks, for queries up to each length: a causal block
+# spans the keys of its last row, about R/2 more than its rows see on average, a share of
+# R / Lq of the work. The op alone, B=1, H=8, d=64, float32, 128 -> 64 -> 32 rows: L=256
+# 2.58 -> 2.30 -> 2.19 ms, 512 7.81 -> 7.20 -> 7.19, 1024 27.7 -> 26.9 -> 28.5, 2048
+# 98.7 -> 97.3, 4096 357 -> 361 (Intel Xeon, 2 cores).
+DOUBLE_CAUSAL_ROWS = ((256, 32), (2048, 64))
 # The whole-row passes (JVP, the backward's JVP, double backward) copy each work item's
 # key-side heads transposed, and sum its key-side gradients transposed, when those copies
 # take at most this many numbers per thread (32 MiB of float32, twice the whole-row tiles):
@@ -409,10 +415,15 @@ def _independent(k: Tensor, bias_sizes: tuple | None) -> int:
     return (1 if bias_sizes[0] == 1 else batch) * (1 if bias_sizes[1] == 1 else kv_heads)
 
 
-def _whole_row_split(q: Tensor, k: Tensor, masks: dict, bias_grad: bool, chunks: int | None) -> tuple[int, int]:
+def _whole_row_split(q: Tensor, k: Tensor, masks: dict, bias_grad: bool, chunks: int | None,
+                     causal_rows: bool = False) -> tuple[int, int]:
     """(rows per query block, chunks) of a pass on whole rows (JVP, the backward's JVP,
-    double backward): `chunks` as given, or enough for its independent work items."""
+    double backward): `chunks` as given, or enough for its independent work items. With
+    `causal_rows` (the double backward of a causal call), short calls take fewer rows
+    (DOUBLE_CAUSAL_ROWS)."""
     rows = _rows_per_block(k.shape[2])
+    if causal_rows:
+        rows = min([rows] + [r for longest, r in DOUBLE_CAUSAL_ROWS if q.shape[2] <= longest])
     if chunks is None:
         chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-q.shape[2] // rows))
     return rows, chunks
@@ -493,7 +504,7 @@ def attention_double_backward(
     dout, q, k, v, out, row_max, inv_sum, gq, gk, gv = _work(dout, q, k, v, out, row_max, inv_sum, gq, gk, gv)
     masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad, bounds=bounds, blocks=blocks)
     _with_bias_like(masks, "gbias", gbias if bias_grad else None, q.dtype)
-    rows, chunks = _whole_row_split(q, k, masks, bias_grad, chunks)
+    rows, chunks = _whole_row_split(q, k, masks, bias_grad, chunks, causal_rows=causal is not None)
     g_dout = torch.empty_like(dout) if dout_grad else None
     g_q = torch.empty_like(q)
     gk_parts, gv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)

@@ -39,6 +39,11 @@ import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 from torch._functorch.pyfunctorch import TransformType, retrieve_all_functorch_interpreters
 
+try:  # private: where a torch version moves it, PyTorch's own apply runs instead
+    from torch._functorch.autograd_function import custom_function_call
+except ImportError:  # pragma: no cover
+    custom_function_call = None
+
 from . import dispatch
 from .call import AttentionCall
 from .ops import CALL_NAMES, empty_results, run_op, run_pass
@@ -70,15 +75,18 @@ def _untracked(tensors: Any) -> bool:
 
 
 class _Function(torch.autograd.Function):
-    """A Function whose eager apply skips `torch.autograd.Function.apply`'s binding of default
+    """A Function whose apply skips `torch.autograd.Function.apply`'s binding of default
     arguments (inspect.signature on every call: about a third of a small call's time, torch
-    2.13); these forwards have none to bind. Under torch.func transforms and torch.compile,
-    PyTorch's own apply runs."""
+    2.13); these forwards have none to bind. Under torch.func transforms it goes straight to
+    what PyTorch's apply calls there (`custom_function_call`); under torch.compile, PyTorch's
+    own apply runs."""
 
     @classmethod
     def apply(cls, *args: Any) -> Any:
-        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or custom_function_call is None:
             return super().apply(*args)
+        if torch._C._are_functorch_transforms_active():
+            return custom_function_call(cls, *args)
         args = torch._functorch.utils.unwrap_dead_wrappers(args)
         return super(torch.autograd.Function, cls).apply(*args)  # autograd's own node, no binding
 

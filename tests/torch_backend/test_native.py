@@ -454,6 +454,33 @@ def test_forward_jvp_writes_each_rows_centre():
 
 
 @needs_tiles
+@pytest.mark.parametrize("chunks", [None, 3])
+def test_fused_passes_write_their_primal_results_into_the_given_tensors(chunks):
+    """Given `results`, the forward's JVP writes out and its statistics there, and the
+    backward's JVP given sums the gradient (over stale contents: dq, dk, dv are sums), the
+    same numbers as into new tensors; a tensor of another shape or dtype is refused by name."""
+    q, k, v, dout = _inputs(2, 4, 2, 37, 29, 8, 6, torch.float64, 8)
+    g = torch.Generator().manual_seed(9)
+    tq, tk, tv = (torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (q, k, v))
+    fresh = native.attention_forward_jvp(q, k, v, 0, 0.3, tq, tk, tv)
+    held = [torch.full_like(t, float("nan")) for t in fresh[:3]]
+    given = native.attention_forward_jvp(q, k, v, 0, 0.3, tq, tk, tv, results=held)
+    assert all(a is b for a, b in zip(given[:3], held))
+    assert all(torch.equal(a, b) for a, b in zip(given, fresh))
+    out, row_max, inv_sum, out_t = fresh
+    centre, delta_t = torch.randn(2, 4, 37, 1, generator=g, dtype=torch.float64), torch.randn(2, 4, 37, 1, generator=g,
+                                                                                                dtype=torch.float64)
+    args = (dout, q, k, v, out, row_max, inv_sum, 0, 0.3, None, tq, tk, tv, centre, delta_t)
+    fresh = native.attention_backward_jvp_given_sums(*args, with_backward=True, chunks=chunks)
+    held = [torch.full_like(t, 7.0) for t in (q, k, v)]
+    given = native.attention_backward_jvp_given_sums(*args, with_backward=True, chunks=chunks, results=held)
+    assert all(a is b for a, b in zip(given[:3], held))
+    assert all(torch.equal(a, b) for a, b in zip(given, fresh))
+    with pytest.raises(ValueError, match=r"results\[1\] is \(2, 2, 29, 8\) torch.float32"):
+        native.attention_backward_jvp_given_sums(*args, with_backward=True, results=[held[0], held[1].float(), held[2]])
+
+
+@needs_tiles
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_float32_tiles_agree_with_float64(is_causal):
     """float32 through the vectorised exp and the explicit SIMD loops, in all three passes:

@@ -171,28 +171,39 @@ def test_an_hvp_runs_the_backwards_jvp_on_its_tiles_from_the_forwards_row_sums(m
     along the same tangents, takes them with D' (dout's tangent too, under torch.func) and runs
     on the backward's tiles (`native.attention_backward_jvp_given_sums`; 5-key blocks, so that
     rows take the given sums rather than their own), under torch.func or a dual level. With a
-    bias gradient the whole-row pass runs instead. Either way the HVP is the math kernel's."""
-    from attngrad.torch import native
+    bias gradient the whole-row pass runs instead. Either way the HVP is the math kernel's.
+    Both fused passes given sums write their primal results (out and its statistics; the
+    gradient) straight into the tensors the Functions returned: nothing is copied there."""
+    from attngrad.torch import autograd, native
 
     monkeypatch.setattr(native, "BLOCK_KEYS", 5)
     case = Case(**CASES[name])
-    given = []
-    passes = native.attention_backward_jvp_given_sums
+    given, copies = [], []
+    passes, fill = native.attention_backward_jvp_given_sums, autograd._Deferred.fill
     monkeypatch.setattr(native, "attention_backward_jvp_given_sums", lambda *a, **k: given.append(1) or passes(*a, **k))
+
+    def counted_fill(deferred, results):
+        copies.append(sum(h.numel() > 0 and h.data_ptr() != autograd._plain(r).data_ptr()
+                          for h, r in zip(deferred.results, results)))
+        return fill(deferred, results)
+
     dout = randn(*case.q.shape[:-1], case.v.shape[-1], seed=37)
     tangents = tangents_like(case.primals, 70)
     results = {}
     for side, fn in (("ours", case.ours), ("theirs", case.theirs)):
+        monkeypatch.setattr(autograd._Deferred, "fill", counted_fill if side == "ours" else fill)
         if dual_level:
             with forward_ad.dual_level():
                 leaves = [forward_ad.make_dual(p.clone().requires_grad_(), t) for p, t in zip(case.primals, tangents)]
                 grads = torch.autograd.grad(fn(*leaves), leaves, dout, create_graph=True)
-                results[side] = [forward_ad.unpack_dual(g).tangent for g in grads]
+                results[side] = [[forward_ad.unpack_dual(g)[i] for g in grads] for i in (0, 1)]
         else:
-            results[side] = torch.func.jvp(_gradient(fn), case.primals + (dout,), tangents + (randn(*dout.shape, seed=79),))[1]
+            results[side] = torch.func.jvp(_gradient(fn), case.primals + (dout,), tangents + (randn(*dout.shape, seed=79),))
     assert len(given) == (case.bias is None)
+    assert copies == [0, 0 if case.bias is None else len(case.primals)]  # the forward's, then the backward's
     names = ["q", "k", "v", "bias"][: len(case.primals)]
-    assert_all_close(dict(zip(names, results["ours"])), dict(zip(names, results["theirs"])))
+    for i in (0, 1):  # the gradient, then its tangent (the HVP)
+        assert_all_close(dict(zip(names, results["ours"][i])), dict(zip(names, results["theirs"][i])))
 
 
 def test_a_call_no_tangent_reaches_runs_its_own_passes(many_blocks):

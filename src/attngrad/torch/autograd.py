@@ -142,12 +142,13 @@ class _ForwardSums:
         the same tensors)."""
         return self.centre is not None and all(a is b for a, b in zip(self.tangents, tangents))
 
-    def centre_sums(self, call: AttentionCall, inputs: dict) -> Optional[dict]:
-        """The row sums to ask of the forward's pass, where a backend makes them; else None."""
+    def centre_sums(self, call: AttentionCall, inputs: dict, results: tuple) -> Optional[dict]:
+        """The row sums to ask of the forward's pass, where a backend makes them; else None.
+        The pass writes its primal results into `results`, the forward's held ones."""
         if call.q.dtype not in (torch.float32, torch.float64):
             return None
         buffer = call.q.new_empty(*call.q.shape[:3], 1)
-        row_sums = {"centre_sums": buffer}
+        row_sums = {"centre_sums": buffer, "results": results}
         return row_sums if dispatch.offered("forward_jvp", call, {**inputs, "row_sums": row_sums}) else None
 
     def delta_t(self, dout: Tensor, out: Tensor, tdout: Optional[Tensor]) -> Tensor:
@@ -165,7 +166,8 @@ def _final(pass_name: str, refusal: str, fields: list, deferred: Optional[_Defer
     it as an argument, so that a torch.func transform unwraps each. With `deferred`, the op is
     a fused pass: its primal results fill `deferred`, and the rest are returned. With `sums`,
     forward_jvp makes them where a backend can, and backward_with_jvp takes them (then the
-    pass runs through `ops.run_pass`, the op's own work, which takes the rows' sums)."""
+    pass runs through `ops.run_pass`, the op's own work, which takes the rows' sums, and
+    writes its primal results straight into `deferred`'s)."""
     names, values = tuple(inputs), [*fields, *inputs.values()]
     # only the tensors pass through apply: torch.func's Function calls walk every argument at
     # every level, and the options and absent inputs ride in the closure
@@ -180,12 +182,13 @@ def _final(pass_name: str, refusal: str, fields: list, deferred: Optional[_Defer
         if sums is not None:
             call = AttentionCall.from_fields(dict(zip(CALL_NAMES, call_fields)))
             if pass_name == "forward_jvp":
-                row_sums = sums.centre_sums(call, given)
+                row_sums = sums.centre_sums(call, given, deferred.results)
                 if row_sums is not None:
                     results = run_pass(pass_name, call, {**given, "row_sums": row_sums})
                     sums.centre, sums.out_t = row_sums["centre_sums"], results[-1]
             else:
-                row_sums = {"centre": sums.centre, "delta_t": sums.delta_t(given["dout"], given["out"], given["tdout"])}
+                row_sums = {"centre": sums.centre, "delta_t": sums.delta_t(given["dout"], given["out"], given["tdout"]),
+                            "results": deferred.results[:3]}  # dq, dk, dv: no bias gradient here
                 results = run_pass(pass_name, call, {**given, "row_sums": row_sums})
         if results is None:
             results = _pass(pass_name, *call_fields, **given)
@@ -226,7 +229,10 @@ class _Deferred:
     def fill(self, results: tuple) -> None:
         with torch._C._DisableFuncTorch(), torch.no_grad():
             for held, result in zip(self.results, results):
-                held.data.copy_(_plain(result))
+                result = _plain(result)
+                if result.numel() and result.data_ptr() == held.data_ptr() and result.shape == held.shape:
+                    continue  # the pass wrote this one in place (`_final` with sums)
+                held.data.copy_(result)
         self.filled = True
 
     def rest(self, results: tuple) -> tuple:

@@ -25,7 +25,7 @@ the work is split into items depends on the shapes alone.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -437,14 +437,29 @@ def _with_bias_like(masks: dict, name: str, t: Tensor | None, dtype: torch.dtype
     return masks
 
 
-def _sum_parts(parts: Tensor) -> Tensor:
-    """parts[0] + parts[1] + ... in that order (a reduction kernel might pair them otherwise)."""
+def _sum_parts(parts: Tensor, out: Tensor | None = None) -> Tensor:
+    """parts[0] + parts[1] + ... in that order (a reduction kernel might pair them
+    otherwise), into `out` where given."""
     if len(parts) == 1:
-        return parts[0]
-    total = parts[0] + parts[1]
+        return parts[0] if out is None else out.copy_(parts[0])
+    total = torch.add(parts[0], parts[1], out=out) if out is not None else parts[0] + parts[1]
     for part in parts[2:]:
         total += part
     return total
+
+
+def _results_into(results: Sequence[Tensor] | None, shapes: tuple, dtype: torch.dtype, pass_name: str) -> list:
+    """The tensors a fused pass writes its primal results into: `results` (the ones a
+    Function's forward returned before the pass ran, `autograd._Deferred`), each checked
+    to be contiguous, on the CPU, of its shape and in the compute dtype; else new ones."""
+    if results is None:
+        return [torch.empty(shape, dtype=dtype) for shape in shapes]
+    for i, (r, shape) in enumerate(zip(results, shapes)):
+        if tuple(r.shape) != tuple(shape) or r.dtype != dtype or not r.is_contiguous() or r.device.type != "cpu":
+            raise ValueError(f"attngrad tiles {pass_name}: results[{i}] is {tuple(r.shape)} {r.dtype} on {r.device} "
+                             f"(contiguous: {r.is_contiguous()}); the pass writes contiguous {tuple(shape)} {dtype} on "
+                             "the CPU")
+    return list(results)
 
 
 def attention_backward(
@@ -550,8 +565,8 @@ def attention_forward_jvp(q: Tensor, k: Tensor, v: Tensor, causal: int | None, s
                           tk: Tensor | None, tv: Tensor | None, mask: Tensor | None = None, bias: Tensor | None = None,
                           tbias: Tensor | None = None, seed: int | Placement = 0, dropout_p: float = 0.0,
                           bounds: Tensor | None = None, softcap: float = 0.0, sink: bool = False,
-                          blocks: MaskBlocks | None = None,
-                          centre: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                          blocks: MaskBlocks | None = None, centre: Tensor | None = None,
+                          results: Sequence[Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, row_max, inv_sum, out's tangent) in the compute dtype, in one pass of whole rows (the
     JVP's, taking each row's statistics from the row): the forward's output and statistics,
     with a sink's share (`ops.add_sink`), and `attention_jvp`'s tangent, to rounding. Given
@@ -561,8 +576,9 @@ def attention_forward_jvp(q: Tensor, k: Tensor, v: Tensor, causal: int | None, s
     q, k, v, tq, tk, tv = _work(q, k, v, tq, tk, tv)
     masks = _with_bias_like(_score_masks(mask, bias, q.dtype, full_bias=tbias is not None, bounds=bounds, blocks=blocks),
                             "tbias", tbias, q.dtype)
-    out, out_t = (q.new_empty(*q.shape[:3], v.shape[-1]) for _ in range(2))
-    row_max, inv_sum = q.new_empty(q.shape[:3]), q.new_empty(q.shape[:3])
+    out_shape = (*q.shape[:3], v.shape[-1])
+    out, row_max, inv_sum = _results_into(results, (out_shape, q.shape[:3], q.shape[:3]), q.dtype, "forward_jvp")
+    out_t = q.new_empty(out_shape)
     rows, chunks = _whole_row_split(q, k, masks, False, None)  # each work item owns its rows
     _run("forward_jvp", q, k, v, **_mask_args(masks), tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"), out=out,
          tout=out_t, row_max=row_max, inv_sum=inv_sum, key_ranges=_key_ranges(q, k, causal, rows, masks),
@@ -578,12 +594,14 @@ def attention_backward_jvp_given_sums(
     centre: Tensor, delta_t: Tensor, mask: Tensor | None = None, bias: Tensor | None = None,
     tbias: Tensor | None = None, seed: int | Placement = 0, dropout_p: float = 0.0, chunks: int | None = None,
     bounds: Tensor | None = None, softcap: float = 0.0, blocks: MaskBlocks | None = None, with_backward: bool = False,
+    results: Sequence[Tensor] | None = None,
 ) -> tuple[Tensor, ...]:
     """`attention_backward_jvp`'s tangents of (dq, dk, dv), without a bias gradient, on the
     backward's tiles, given each row's sums over its keys (B, H, Lq): `centre` t = rowsum(P *
     S') and `delta_t` D' = rowsum(tdout * out + dout * tout). The keys may be a part of each
     row's (a ring step: its seed's placement says so), the sums the whole row's. In the
-    compute dtype; `with_backward`: the backward's (dq, dk, dv) first, from the same pass."""
+    compute dtype; `with_backward`: the backward's (dq, dk, dv) first, from the same pass,
+    written into `results` where given (`_results_into`)."""
     bf16 = _bf16(q)
     dout, q, k, v, out, row_max, inv_sum, tdout, tq, tk, tv, centre, delta_t = _work(
         dout, q, k, v, out, row_max, inv_sum, tdout, tq, tk, tv, centre, delta_t)
@@ -596,7 +614,9 @@ def attention_backward_jvp_given_sums(
     tdk, tdv = torch.zeros_like(k), torch.zeros_like(v)
     grads = dict(dq_parts=None, dk=None, dv=None)
     if with_backward:
-        grads = dict(dq_parts=q.new_zeros(chunks, *q.shape), dk=torch.zeros_like(k), dv=torch.zeros_like(v))
+        dq, dk, dv = _results_into(results, (q.shape, k.shape, v.shape), q.dtype, "backward_jvp_given_sums")
+        dq_parts = dq[None] if chunks == 1 else q.new_empty(chunks, *q.shape)  # one part: dq itself
+        grads = dict(dq_parts=dq_parts.zero_(), dk=dk.zero_(), dv=dv.zero_())
     rows = _block_rows(q.shape[2], k.shape[2], causal, bf16, masks.get("key_bounds"))
     ranges = _key_ranges(q, k, causal, rows, masks)
     _run("backward_jvp_given_sums", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum,
@@ -609,7 +629,9 @@ def attention_backward_jvp_given_sums(
     tangents = _sum_parts(tdq_parts), tdk, tdv
     if not with_backward:
         return tangents
-    return (_sum_parts(grads["dq_parts"]), grads["dk"], grads["dv"], *tangents)
+    if chunks > 1:
+        _sum_parts(grads["dq_parts"], out=dq)
+    return (dq, dk, dv, *tangents)
 
 
 def attention_backward_jvp(

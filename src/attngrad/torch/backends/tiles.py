@@ -5,7 +5,10 @@ other devices, an empty dimension, and of the passes given rows' sums (`row_sums
 two: the backward's JVP given each row's centre and D' (a ring step's, or a Hessian-vector
 product's with the forward's JVP's centre: `native.attention_backward_jvp_given_sums`,
 without a bias gradient), and the forward's JVP asked for each row's centre (`centre_sums`);
-it is unavailable where the tiles cannot be built (`native.build_info.reason` says why)."""
+there the fused passes (forward_jvp, backward_with_jvp) also take the tensors to write their
+primal results into (`results`: a Hessian-vector product's Functions returned them before
+the pass ran). It is unavailable where the tiles cannot be built (`native.build_info.reason`
+says why)."""
 
 from __future__ import annotations
 
@@ -37,12 +40,15 @@ def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]
         # a ring step under torch.func may hold a transform's tensors, which the compiled
         # tiles cannot read (the ops hand them plain ones)
         wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-        given = (*call.tensors(), *(t for t in (*inputs.values(), *row_sums.values()) if isinstance(t, Tensor)))
+        held = row_sums.get("results", ())  # a fused pass's primal results, written in place
+        given = (*call.tensors(),
+                 *(t for t in (*inputs.values(), *row_sums.values(), *held) if isinstance(t, Tensor)))
         if any(wrapped(t) for t in given):
             return "it reads plain tensors; this ring step holds a torch.func transform's"
-        if pass_name in ("backward_jvp", "backward_with_jvp") and set(row_sums) == {"centre", "delta_t"}:
+        sums = set(row_sums) - ({"results"} if pass_name in ("forward_jvp", "backward_with_jvp") else set())
+        if pass_name in ("backward_jvp", "backward_with_jvp") and sums == {"centre", "delta_t"}:
             return "it takes a bias gradient on whole rows alone" if inputs.get("bias_grad") else None
-        if pass_name == "forward_jvp" and set(row_sums) == {"centre_sums"}:
+        if pass_name == "forward_jvp" and sums == {"centre_sums"}:
             return None
         return f"it takes no rows' sums {sorted(row_sums)} in its {pass_name} pass"
     return None
@@ -97,11 +103,13 @@ def jvp(call: AttentionCall, *, row_max: Tensor, inv_sum: Tensor, tq: Optional[T
 def forward_jvp(call: AttentionCall, *, tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
                 tbias: Optional[Tensor], row_sums: Optional[dict] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """With row_sums {"centre_sums": (B, H, Lq, 1) compute dtype}, each row's centre
-    rowsum(P * S') is written there too."""
-    centre = None if row_sums is None else row_sums["centre_sums"].view(call.q.shape[:3])
+    rowsum(P * S') is written there too, and with its "results" (out, row_max, inv_sum) the
+    primal results are written into those."""
+    row_sums = row_sums or {}
+    centre = row_sums["centre_sums"].view(call.q.shape[:3]) if "centre_sums" in row_sums else None
     out, row_max, inv_sum, out_t = native.attention_forward_jvp(call.q, call.k, call.v, call.causal, call.scale, tq,
                                                                 tk, tv, tbias=tbias, sink=call.sink, centre=centre,
-                                                                **_options(call))
+                                                                results=row_sums.get("results"), **_options(call))
     return out.to(call.q.dtype), row_max, inv_sum, out_t.to(call.q.dtype)  # the statistics in the compute dtype
 
 
@@ -109,10 +117,12 @@ def _given_sums(call: AttentionCall, dout: Tensor, out: Tensor, row_max: Tensor,
                 tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
                 tbias: Optional[Tensor], row_sums: dict, with_backward: bool) -> tuple:
     """The backward's JVP (and the backward) on the backward's tiles, given the rows' sums
-    {"centre", "delta_t"} ((B, H, Lq, 1), as a ring step has them): no bias gradient."""
+    {"centre", "delta_t"} ((B, H, Lq, 1), as a ring step has them): no bias gradient. With
+    the backward, row_sums' "results" (dq, dk, dv) take its results where given."""
     results = native.attention_backward_jvp_given_sums(
         dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal, call.scale, tdout, tq, tk, tv,
-        row_sums["centre"], row_sums["delta_t"], tbias=tbias, with_backward=with_backward, **_options(call))
+        row_sums["centre"], row_sums["delta_t"], tbias=tbias, with_backward=with_backward,
+        results=row_sums.get("results") if with_backward else None, **_options(call))
     tangents = (*results[-3:], None)  # no bias gradient, nor its tangent
     return (*results[:3], None, *tangents) if with_backward else tangents
 

@@ -201,23 +201,39 @@ def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k
 
 
 @needs_tiles
-@pytest.mark.parametrize("len_q, len_k, rows", [(200, 200, 32), (300, 340, 64)])
-def test_causal_double_backward_at_its_own_block_heights(len_q, len_k, rows):
-    """A causal call's double backward takes fewer rows per block where the queries are few
-    (native.DOUBLE_CAUSAL_ROWS): at the library's own settings, bottom-right causal, several
-    blocks and a short last one, float64, `kernels_higher`'s results to 1e-12."""
-    assert native._whole_row_split(torch.empty(1, 1, len_q, 1), torch.empty(1, 1, len_k, 1), {}, False, 1,
-                                   causal_rows=True)[0] == rows
+@pytest.mark.parametrize("len_q, len_k, causal, rows", [(200, 200, True, 32), (300, 340, True, 64),
+                                                        (300, 340, False, 256)])
+def test_double_backward_at_its_own_block_heights(len_q, len_k, causal, rows):
+    """The whole-row passes take blocks of 2 BLOCK_ROWS rows, a causal call's BLOCK_ROWS, and a
+    short causal call's double backward fewer (native.WHOLE_ROWS, DOUBLE_CAUSAL_ROWS). At the
+    library's own settings, several blocks and a short last one (bottom-right where causal),
+    float64: `kernels_higher`'s results to 1e-12."""
+    causal = len_k - len_q if causal else None
+    assert native._whole_row_split(torch.empty(1, 1, len_q, 1), torch.empty(1, 1, len_k, 1), {}, False, 1, causal,
+                                   double_backward=True)[0] == rows
     q, k, v, dout = _inputs(2, 4, 2, len_q, len_k, 24, 16, torch.float64, 5)
     g = torch.Generator().manual_seed(6)
     gq, gk, gv = (torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (q, k, v))
-    causal, scale = len_k - len_q, 24**-0.5
+    scale = 24**-0.5
     out, row_max, inv_sum = kernels.attention_forward(q, k, v, None, None, 0, causal, scale, 0.0, 0.0)
     ours = native.attention_double_backward(dout, q, k, v, out, row_max, inv_sum, causal, scale, True, gq, gk, gv)
     theirs = kernels_higher.attention_double_backward(dout, q, k, v, None, None, 0, out, row_max, inv_sum, causal,
                                                       scale, 0.0, 0.0, False, True, gq, gk, gv, None)
     names = ("g_dout", "g_q", "g_k", "g_v")
     assert_all_close(dict(zip(names, ours[:4])), dict(zip(names, theirs[:4])))
+
+
+def test_whole_row_blocks_are_taller_where_nothing_bands_the_keys():
+    """2 BLOCK_ROWS rows per block for a full call, up to DOUBLE_TILE numbers a tile; BLOCK_ROWS
+    for a causal call, key bounds (a window) or a block mask, whose taller blocks would span
+    keys their rows do not see."""
+    q = torch.empty(1, 1, 4096, 1)
+
+    def rows(len_k, causal=None, **masks):
+        return native._whole_row_split(q, torch.empty(1, 1, len_k, 1), masks, False, 1, causal)[0]
+
+    assert rows(4096) == 2 * native.BLOCK_ROWS == 256 and rows(8192) == native.DOUBLE_TILE // 8192 == 128
+    assert rows(4096, 0) == rows(4096, key_bounds=torch.zeros(1)) == rows(4096, mask_blocks=object()) == 128
 
 @needs_tiles
 @settings(max_examples=60, deadline=None)

@@ -86,6 +86,15 @@ DOUBLE_TILE = 1 << 20
 # 2.58 -> 2.30 -> 2.19 ms, 512 7.81 -> 7.20 -> 7.19, 1024 27.7 -> 26.9 -> 28.5, 2048
 # 98.7 -> 97.3, 4096 357 -> 361 (Intel Xeon, 2 cores).
 DOUBLE_CAUSAL_ROWS = ((256, 32), (2048, 64))
+# Rows of the whole-row passes' blocks, in BLOCK_ROWS, where no causal mask or band makes
+# taller blocks span more keys than their rows see: their key-side products grow deeper,
+# and each copy of the key side serves more rows. B=1, H=8, d=64, float32, full, the op
+# alone, 128 -> 256 rows: L=4096 double backward 628 -> 606 ms, forward's JVP 377 -> 354
+# (355 -> 332 in a second run), JVP 287 -> 275, backward's JVP 578 -> 574; L=1024 42.1 ->
+# 41.3, 23.2 -> 22.7, 19.0 -> 18.4, 42.4 -> 41.2 (Intel Xeon, 2 threads). Causal calls lose
+# with them (the forward's JVP at L=1024 12.9 -> 13.9 ms, the double backward at 4096 324
+# -> 341).
+WHOLE_ROWS = 2
 # The whole-row passes (JVP, the backward's JVP, double backward) copy each work item's
 # key-side heads transposed, and sum its key-side gradients transposed, when those copies
 # take at most this many numbers per thread (32 MiB of float32, twice the whole-row tiles):
@@ -415,14 +424,15 @@ def _independent(k: Tensor, bias_sizes: tuple | None) -> int:
     return (1 if bias_sizes[0] == 1 else batch) * (1 if bias_sizes[1] == 1 else kv_heads)
 
 
-def _whole_row_split(q: Tensor, k: Tensor, masks: dict, bias_grad: bool, chunks: int | None,
-                     causal_rows: bool = False) -> tuple[int, int]:
+def _whole_row_split(q: Tensor, k: Tensor, masks: dict, bias_grad: bool, chunks: int | None, causal: int | None,
+                     double_backward: bool = False) -> tuple[int, int]:
     """(rows per query block, chunks) of a pass on whole rows (JVP, the backward's JVP,
-    double backward): `chunks` as given, or enough for its independent work items. With
-    `causal_rows` (the double backward of a causal call), short calls take fewer rows
-    (DOUBLE_CAUSAL_ROWS)."""
-    rows = _rows_per_block(k.shape[2])
-    if causal_rows:
+    double backward): `chunks` as given, or enough for its independent work items. Blocks
+    take up to twice BLOCK_ROWS rows (WHOLE_ROWS); a causal call's, or a band's, BLOCK_ROWS,
+    and a short causal call's double backward fewer (DOUBLE_CAUSAL_ROWS)."""
+    banded = causal is not None or masks.get("key_bounds") is not None or masks.get("mask_blocks") is not None
+    rows = _rows_per_block(k.shape[2], BLOCK_ROWS if banded else WHOLE_ROWS * BLOCK_ROWS)
+    if double_backward and causal is not None:
         rows = min([rows] + [r for longest, r in DOUBLE_CAUSAL_ROWS if q.shape[2] <= longest])
     if chunks is None:
         chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-q.shape[2] // rows))
@@ -498,10 +508,11 @@ def _transposed_keys(k: Tensor, v: Tensor) -> bool:
     return k.shape[2] * 3 * (k.shape[3] + v.shape[3]) <= TRANSPOSED_KEYS
 
 
-def _rows_per_block(len_k: int) -> int:
-    """Query rows per block of the double backward, which holds four R x Lk' tiles of whole
-    rows: at most DOUBLE_TILE numbers each, 8 (or BLOCK_ROWS if fewer) to BLOCK_ROWS rows."""
-    return max(min(8, BLOCK_ROWS), min(BLOCK_ROWS, DOUBLE_TILE // max(1, len_k)))
+def _rows_per_block(len_k: int, most: int) -> int:
+    """Query rows per block of a whole-row pass (the double backward holds four R x Lk'
+    tiles of whole rows): at most DOUBLE_TILE numbers each, 8 (or `most` if fewer) to `most`
+    rows."""
+    return max(min(8, most), min(most, DOUBLE_TILE // max(1, len_k)))
 
 
 def attention_double_backward(
@@ -519,7 +530,7 @@ def attention_double_backward(
     dout, q, k, v, out, row_max, inv_sum, gq, gk, gv = _work(dout, q, k, v, out, row_max, inv_sum, gq, gk, gv)
     masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad, bounds=bounds, blocks=blocks)
     _with_bias_like(masks, "gbias", gbias if bias_grad else None, q.dtype)
-    rows, chunks = _whole_row_split(q, k, masks, bias_grad, chunks, causal_rows=causal is not None)
+    rows, chunks = _whole_row_split(q, k, masks, bias_grad, chunks, causal, double_backward=True)
     g_dout = torch.empty_like(dout) if dout_grad else None
     g_q = torch.empty_like(q)
     gk_parts, gv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
@@ -553,7 +564,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Ten
     masks = _with_bias_like(_score_masks(mask, bias, q.dtype, full_bias=tbias is not None, bounds=bounds, blocks=blocks), "tbias",
                             tbias, q.dtype)
     out_t = q.new_empty(*q.shape[:3], v.shape[-1])
-    rows, chunks = _whole_row_split(q, k, masks, False, None)  # each work item owns its rows
+    rows, chunks = _whole_row_split(q, k, masks, False, None, causal)  # each work item owns its rows
     _run("jvp", q, k, v, **_mask_args(masks), row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv,
          tbias=masks.get("tbias"), tout=out_t, key_ranges=_key_ranges(q, k, causal, rows, masks),
          **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
@@ -579,7 +590,7 @@ def attention_forward_jvp(q: Tensor, k: Tensor, v: Tensor, causal: int | None, s
     out_shape = (*q.shape[:3], v.shape[-1])
     out, row_max, inv_sum = _results_into(results, (out_shape, q.shape[:3], q.shape[:3]), q.dtype, "forward_jvp")
     out_t = q.new_empty(out_shape)
-    rows, chunks = _whole_row_split(q, k, masks, False, None)  # each work item owns its rows
+    rows, chunks = _whole_row_split(q, k, masks, False, None, causal)  # each work item owns its rows
     _run("forward_jvp", q, k, v, **_mask_args(masks), tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"), out=out,
          tout=out_t, row_max=row_max, inv_sum=inv_sum, key_ranges=_key_ranges(q, k, causal, rows, masks),
          centre=centre,
@@ -651,7 +662,7 @@ def attention_backward_jvp(
                                                                     tk, tv)
     masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad or tbias is not None, bounds=bounds, blocks=blocks)
     _with_bias_like(masks, "tbias", tbias, q.dtype)
-    rows, chunks = _whole_row_split(q, k, masks, bias_grad, chunks)
+    rows, chunks = _whole_row_split(q, k, masks, bias_grad, chunks, causal)
     tdq = q.new_empty(q.shape)
     tdk_parts, tdv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
     tdbias_parts = _bias_grad_buffer(masks, bias_grad, chunks, True, q.dtype)

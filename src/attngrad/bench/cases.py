@@ -9,12 +9,12 @@ case names bf16 or fp16):
                      or MAML runs
     hvp              forward over reverse: torch.func.jvp of the VJP of out at dO (the
                      gradient of <dO, out>), the Hessian-vector product for tangents of q, k, v
+    decode           the forward of one query row against L keys, without gradient (a
+                     generation step over a cache of L)
 Every mode takes its cotangents as the train mode does, handed to the backward
 (out.backward(dO)), not through a scalar loss <dO, out>: under torch.func the loss's product,
 sum and their derivatives are elementwise passes over (B, H, L, d) that time no attention
 (4 ms of a causal HVP at L=1024, B=1, H=8, d=64: 0.2x of the train step, Intel Xeon).
-    decode           the forward of one query row against L keys, without gradient (a
-                     generation step over a cache of L)
 PyTorch's default CPU backend refuses jvp, double backward and hvp; the runner records
 its error in the table instead of a time. `--modes` picks families of cases (FAMILIES):
 the modes, and "half" (bfloat16 and float16 causal fwd+bwd), "small" (fwd+bwd at B=4,

@@ -199,7 +199,6 @@ def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k
                      floor_fraction=1e-3)
 
 
-
 @needs_tiles
 @pytest.mark.parametrize("len_q, len_k, causal, rows", [(200, 200, True, 32), (300, 340, True, 64),
                                                         (300, 340, False, 256)])
@@ -234,6 +233,7 @@ def test_whole_row_blocks_are_taller_where_nothing_bands_the_keys():
 
     assert rows(4096) == 2 * native.BLOCK_ROWS == 256 and rows(8192) == native.DOUBLE_TILE // 8192 == 128
     assert rows(4096, 0) == rows(4096, key_bounds=torch.zeros(1)) == rows(4096, mask_blocks=object()) == 128
+
 
 @needs_tiles
 @settings(max_examples=60, deadline=None)
@@ -484,8 +484,7 @@ def test_fused_passes_write_their_primal_results_into_the_given_tensors(chunks):
     assert all(a is b for a, b in zip(given[:3], held))
     assert all(torch.equal(a, b) for a, b in zip(given, fresh))
     out, row_max, inv_sum, out_t = fresh
-    centre, delta_t = torch.randn(2, 4, 37, 1, generator=g, dtype=torch.float64), torch.randn(2, 4, 37, 1, generator=g,
-                                                                                                dtype=torch.float64)
+    centre, delta_t = (torch.randn(2, 4, 37, 1, generator=g, dtype=torch.float64) for _ in range(2))
     args = (dout, q, k, v, out, row_max, inv_sum, 0, 0.3, None, tq, tk, tv, centre, delta_t)
     fresh = native.attention_backward_jvp_given_sums(*args, with_backward=True, chunks=chunks)
     held = [torch.full_like(t, 7.0) for t in (q, k, v)]

@@ -1,6 +1,8 @@
-"""Ring and all-to-all attention on 2, 3 and 4 local processes (gloo on 127.0.0.1), each
-world size one spawn that runs every case of `cases`: every derivative equals one-process
-attngrad on the whole sequence to 1e-12 relative in float64."""
+"""Ring and all-to-all attention on 2 and 3 local processes (gloo on 127.0.0.1), each world
+size one spawn that runs every case of `cases`: every derivative equals one-process attngrad
+on the whole sequence to 1e-12 relative in float64. (A spawn of 4 on the 2 cores CI has took
+8-11 s of the suite's 3 minutes for no path that 2 and 3 leave untried: the ring's steps are
+the same at every size, and 3 is the odd one.)"""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from attngrad.torch.distributed.launch import spawn
 
 from . import cases
 
-WORLDS = (2, 3, 4)
+WORLDS = (2, 3)
 DERIVATIVES = ("forward", "backward", "jvp", "double_backward", "hvp")
 
 
@@ -38,7 +40,7 @@ def test_shard_and_gather_invert_each_other(world: int, layout: str) -> None:
 
 
 def test_float32_error_does_not_grow_with_the_world() -> None:
-    for result in _results(4):
+    for result in _results(3):
         errors = result["float32"]
         assert 0 < errors["ring"] <= 1.5 * errors["single"], errors
 

@@ -40,6 +40,19 @@ def test_the_backward_jvp_compiles_for_sm80_without_spills():
     assert "0 failed" in result.stdout
 
 
+def test_light_calls_compile_for_sm90_with_hoppers_tiles_without_spills():
+    """A light call (causal, key bounds, GQA) in bfloat16 at d = 128: its backward takes
+    sm_90's own 128 x 64 tiles over the whole head width (launch._HOPPER_LIGHT), 3.5x as
+    fast on an H100 as the general table's, and compiles for sm_90 without a spill."""
+    result = gpu_report("--dtypes", "bfloat16", "--widths", "128", "--features", "light", "--archs", "90",
+                        "--passes", "backward", "--markdown")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ") and "kernel" not in line]
+    assert {row[0].strip("| ") for row in rows} == {"query_side", "key_side"}
+    assert {row[6] for row in rows} == {"128x64 w8 s1"}, result.stdout  # the tile
+    assert all(row[8] == "0" for row in rows), result.stdout  # spill bytes
+
+
 def test_a_spill_where_the_bar_forbids_it_fails_the_report():
     """The JVP in IEEE float32 at d = 128 with its products over the whole head width at
     once (no slices) spills about 1 KB: the report says so and exits 1."""
@@ -75,7 +88,7 @@ def test_the_figures_are_those_of_tritons_own_ptxas_run():
     code = (
         "from attngrad.torch.backends.triton import compile_report as r\n"
         "import torch\n"
-        "launch = r.record_launches(torch.bfloat16, 64, 'plain', passes=('forward',))[0]\n"
+        "launch = r.record_launches(torch.bfloat16, 64, 'plain', passes=('forward',), arch=80)[0]\n"
         "print(r.compile_launch(launch, 80), r.compile_launch(launch, 80))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from attngrad.check.torch_backend import every_derivative  # noqa: E402
 from attngrad.torch import attention, dispatch, dropout, use_implementation  # noqa: E402
 from attngrad.torch.backends import triton as triton_backend  # noqa: E402
 from attngrad.torch.backends.triton import launch  # noqa: E402
@@ -24,8 +25,10 @@ from .conftest import op_attention  # noqa: E402
 B, H, HKV, LQ, LK, D, DV = 2, 2, 1, 19, 23, 16, 8
 DOUBLE = torch.float64
 INTERPRETED = triton_backend.interpreting()
-DEVICES = (["cpu"] if INTERPRETED else []) + ([pytest.param("cuda", marks=pytest.mark.gpu)]
-                                              if torch.cuda.is_available() and not INTERPRETED else [])
+# the tests are float64, which Triton compiles for a GPU from 3.9 on (the backend refuses it before)
+DEVICES = (["cpu"] if INTERPRETED else []) + ([pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    triton_backend._old_triton(), reason="float64 on a GPU needs Triton 3.9 or later")])]
+    if torch.cuda.is_available() and not INTERPRETED else [])
 # the tests on CPU tensors: they need the interpreter
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="the Triton kernels are compiled (TRITON_INTERPRET=0)")
 
@@ -174,25 +177,6 @@ def tiles_of(monkeypatch):
     return set_blocks
 
 
-def every_derivative(fn, primals, seed):
-    """Output, gradients, JVP, double backward (with dO's) and HVP (the backward's JVP) of
-    `fn` at `primals`: every pass, each run once or twice."""
-    like = lambda t, s: randn(*t.shape, seed=s, device=t.device).to(t.dtype)  # noqa: E731
-    tangents = tuple(like(p, seed + i) for i, p in enumerate(primals))
-    leaves = [p.clone().requires_grad_() for p in primals]
-    out = fn(*leaves)
-    dout = like(out, seed + 10).requires_grad_()
-    grads = torch.autograd.grad(out, leaves, dout, create_graph=True)
-    inner = sum((g * c).sum() for g, c in zip(grads, tangents))
-    second = torch.autograd.grad(inner, leaves + [dout])
-    _, out_t = torch.func.jvp(fn, primals, tangents)
-    vjp = lambda *x: torch.func.vjp(fn, *x[:-1])[1](x[-1])  # noqa: E731
-    _, hvp = torch.func.jvp(vjp, primals + (dout.detach(),), tangents + (like(out, seed + 20),))
-    names = ["q", "k", "v", "extra"][: len(primals)]
-    return {"out": out.detach(), **{f"d{n}": g.detach() for n, g in zip(names, grads)}, "jvp": out_t,
-            **{f"gg_{n}": g for n, g in zip(names + ["dout"], second)}, **{f"hvp_{n}": h for n, h in zip(names, hvp)}}
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", CASES)
 def test_every_pass_matches_the_math_path(on_triton, tiles_of, device, name):
@@ -289,3 +273,69 @@ def test_triton_is_listed_among_the_backends():
     status = {b.name: b for b in dispatch.backends()}
     assert status["triton"].available
     assert dispatch.registered().index("triton") < dispatch.registered().index("torch-ops")
+
+
+def test_light_calls_on_sm90_take_hoppers_tiles():
+    """sm_90 gives light calls in half precision tiles of their own; another GPU, a call with
+    a per-score operand or option, a dtype without an entry keep the general table."""
+    half, light = torch.bfloat16, launch._HOPPER_LIGHT[("backward", "half", 128)]
+    assert launch.blocks_for("backward", half, 128, False, arch=90, light=True) == light
+    assert launch.blocks_for("backward", half, 100, False, arch=90, light=True) == light  # padded to 128
+    general = launch._TABLE[("backward", "half", 128)]
+    assert general != light
+    assert launch.blocks_for("backward", half, 128, False, arch=80, light=True) == general
+    assert launch.blocks_for("backward", half, 128, False, arch=90, light=False) == general
+    assert launch.blocks_for("backward", torch.float32, 128, False, arch=90, light=True) == \
+        launch._TABLE[("backward", "float32", 128)]
+    assert launch.blocks_for("backward", half, 128, True, arch=90, light=True) == launch.INTERPRETED
+
+
+@interpreted
+@pytest.mark.parametrize("option, light", [
+    ({}, True), (dict(is_causal=True), True), (dict(key_padding=torch.tensor([5, 9])), True),
+    (dict(window=(3, None), is_causal=True), True), (dict(attn_mask=torch.ones(9, 9, dtype=torch.bool)), False),
+    (dict(attn_bias=torch.zeros(9, 9)), False), (dict(softcap=5.0), False), (dict(sinks=torch.zeros(2)), False),
+    (dict(dropout_p=0.1), False)])
+def test_a_light_call_has_no_per_score_operand_or_option(monkeypatch, option, light):
+    seen = []
+    monkeypatch.setattr(launch, "blocks_for", lambda *args, **kwargs: seen.append(kwargs["light"]) or launch.INTERPRETED)
+    monkeypatch.setattr(launch, "Plan", lambda call, blocks: (_ for _ in ()).throw(RuntimeError("planned")))
+    q = randn(2, 2, 9, 16, seed=1)
+    with use_implementation("triton"), pytest.raises(RuntimeError, match="planned"):
+        attention(q, q, q, **option)
+    assert seen == [light]
+
+
+def test_float64_on_a_gpu_needs_triton_39(monkeypatch):
+    """Triton 3.6's compiler stops on the kernels' float64 products (seen on an H100): the
+    backend refuses float64 there by name, and the torch-ops kernels take the call."""
+    monkeypatch.setattr(triton_backend, "_triton_version", lambda: "3.6.0")
+    assert "needs Triton 3.9 or later (Triton 3.6.0's" in triton_backend._float64_needs_newer_triton(DOUBLE)
+    assert triton_backend._float64_needs_newer_triton(torch.float32) is None
+    monkeypatch.setattr(triton_backend, "_triton_version", lambda: "3.10.1")
+    assert triton_backend._float64_needs_newer_triton(DOUBLE) is None
+
+
+@interpreted
+def test_the_block_map_is_kept_while_its_mask_lives_unchanged(on_triton, tiles_of, monkeypatch):
+    """The tile map and walks are made once per mask, bounds and tile size, not per call
+    (milliseconds of host time at long L); a write into the mask makes them anew."""
+    from attngrad.torch import kept
+
+    kept.clear()
+    made = []
+    real = launch.empty_tiles
+    monkeypatch.setattr(launch, "empty_tiles", lambda *args: made.append(args[:2]) or real(*args))
+    tiles_of(16)
+    q, k, v = randn(2, 2, 37, 16, seed=1), randn(2, 2, 41, 16, seed=2), randn(2, 2, 41, 16, seed=3)
+    mask = randn(2, 1, 37, 41, seed=4) > 0
+    mask[..., 0] = True
+    mask[..., 16:32] = False  # a whole key block of every row: skipped
+    first = attention(q, k, v, attn_mask=mask)
+    assert torch.equal(attention(q, k, v, attn_mask=mask), first) and len(made) == 1
+    mask[..., 16:32] = True  # a stale map would skip it still
+    after = attention(q, k, v, attn_mask=mask)
+    assert len(made) == 2
+    assert rel_err(after, math_attention(q, k, v, allowed=mask)) < 1e-12
+    attention(q, k, v, is_causal=True), attention(q, k, v, is_causal=True)
+    assert len(made) == 3  # no mask: one per shape and diagonal

@@ -84,6 +84,30 @@ def _derivatives(fn: Callable, primals: list[torch.Tensor], dout: torch.Tensor, 
     return {"gradient": numpy([out, *grads]), "jvp": numpy([out_t]), "double backward": numpy(second)}
 
 
+def every_derivative(fn: Callable, primals: tuple, seed: int) -> dict[str, torch.Tensor]:
+    """Output, gradients, JVP, double backward (dO's too) and forward-over-reverse HVP of `fn`
+    at `primals` (q, k, v and an optional fourth, "extra"), each pass run once or twice.
+    Tangents, dO and the HVP's dO' are drawn in float64 from `seed` on the CPU, then cast to
+    each primal's dtype and device, so every dtype and device sees the same numbers."""
+    def like(t: torch.Tensor, s: int) -> torch.Tensor:
+        draw = torch.randn(*t.shape, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+        return draw.to(device=t.device, dtype=t.dtype)
+
+    tangents = tuple(like(p, seed + i) for i, p in enumerate(primals))
+    leaves = [p.clone().requires_grad_() for p in primals]
+    out = fn(*leaves)
+    dout = like(out, seed + 10).requires_grad_()
+    grads = torch.autograd.grad(out, leaves, dout, create_graph=True)
+    inner = sum((g * c).sum() for g, c in zip(grads, tangents))
+    second = torch.autograd.grad(inner, leaves + [dout])
+    _, out_t = torch.func.jvp(fn, primals, tangents)
+    vjp = lambda *x: torch.func.vjp(fn, *x[:-1])[1](x[-1])  # noqa: E731
+    _, hvp = torch.func.jvp(vjp, primals + (dout.detach(),), tangents + (like(out, seed + 20),))
+    names = ["q", "k", "v", "extra"][: len(primals)]
+    return {"out": out.detach(), **{f"d{n}": g.detach() for n, g in zip(names, grads)}, "jvp": out_t.detach(),
+            **{f"gg_{n}": g for n, g in zip(names + ["dout"], second)}, **{f"hvp_{n}": h for n, h in zip(names, hvp)}}
+
+
 def check_backend(case: Case, tol: float) -> list[BackendRow]:
     """Judge attngrad.torch on one case (float64), each implementation and derivative."""
     case = _with_attngrad_dropout(case)

@@ -13,7 +13,7 @@ from .arg_types import positive_int
 DTYPES = ("float16", "bfloat16", "float32", "float32-tf32", "float64")
 WIDTHS = (64, 128, 256)
 ARCHS = (80, 90)
-FEATURES = ("plain", "all", "broadcast-bias")
+FEATURES = ("plain", "all", "broadcast-bias", "light")
 PASSES = ("forward", "backward", "jvp", "backward_jvp", "double_backward")
 
 
@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compute capabilities to compile for: 80 (A100), 90 (H100) (default: both)")
     parser.add_argument("--features", nargs="+", choices=FEATURES, default=list(FEATURES), metavar="SET",
                         help="plain (no option), all (every option, a bias of the scores' shape), broadcast-bias "
-                        "(every option, a (1, H, 1, Lk) bias) (default: all three)")
+                        "(every option, a (1, H, 1, Lk) bias), light (causal, key bounds and GQA alone, which take "
+                        "sm_90's own tiles in half precision) (default: all four)")
     parser.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES), metavar="PASS",
                         help=f"passes whose kernels to compile: {', '.join(PASSES)} (default: all)")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/gpu.md's)")

@@ -31,6 +31,28 @@ def _triton_missing() -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=1)
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def _old_triton() -> bool:
+    """Whether the installed Triton is older than 3.9, whose compiler takes the float64
+    products this backend's kernels use (3.6's asserts on them; seen on an H100)."""
+    major, minor = (int(part) for part in _triton_version().split(".")[:2])
+    return (major, minor) < (3, 9)
+
+
+def _float64_needs_newer_triton(dtype: torch.dtype) -> Optional[str]:
+    """Why a float64 call cannot be compiled for a GPU by the installed Triton, or None."""
+    if dtype == torch.float64 and _old_triton():
+        return (f"float64 on a GPU needs Triton 3.9 or later (Triton {_triton_version()}'s compiler stops on the "
+                "kernels' float64 matrix products)")
+    return None
+
+
 def interpreting() -> bool:
     """Whether the kernels run in Triton's interpreter: TRITON_INTERPRET=1 where they were
     first imported (the kernels are made interpreted or compiled then), or now if not yet."""
@@ -79,6 +101,10 @@ def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]
         return f"its kernels index with 32-bit offsets; {', '.join(too_far)} reach 2^31 elements or more"
     if call.q.dtype not in FLOATS:
         return f"it takes float16, bfloat16, float32 or float64 tensors; got {call.q.dtype}"
+    if device.type == "cuda":
+        too_old = _float64_needs_newer_triton(call.q.dtype)
+        if too_old:
+            return too_old
     if min(call.q.shape) == 0 or min(call.k.shape) == 0 or min(call.v.shape) == 0:
         return "it takes no empty dimension"
     from .launch import MAX_WIDTH

@@ -36,8 +36,10 @@ ARCHS = (80, 90)
 # What each feature set turns on: "plain" nothing; "all" every option that adds code to a
 # kernel (boolean mask, a mask kept per block, a bias with the scores' shape and its gradient,
 # key bounds, the causal diagonal, soft cap, dropout, GQA, every tangent and cotangent); "broadcast-bias"
-# the same with a (1, H, 1, Lk) bias, whose gradient the bias-side kernel reduces.
-FEATURES = ("plain", "all", "broadcast-bias")
+# the same with a (1, H, 1, Lk) bias, whose gradient the bias-side kernel reduces; "light"
+# the options a light call may have (`launch.is_light`: key bounds, the causal diagonal, GQA),
+# which take sm_90's own tiles in half precision.
+FEATURES = ("plain", "all", "broadcast-bias", "light")
 # Where a spill fails the check: head widths up to 128 in float16, bfloat16 and float32.
 NO_SPILL_WIDTH = 128
 NO_SPILL_DTYPES = ("float16", "bfloat16", "float32", "float32-tf32")
@@ -98,20 +100,22 @@ class _Recorder:
 
 
 @contextlib.contextmanager
-def _recording(into: list, tf32: bool) -> Iterator[None]:
-    """Launches recorded instead of run, with the GPU's tiles (and TF32 for float32 if asked)."""
+def _recording(into: list, tf32: bool, arch: int) -> Iterator[None]:
+    """Launches recorded instead of run, with the tiles of a GPU of compute capability
+    `arch` (and TF32 for float32 if asked)."""
     from . import kernels, launch
 
     names = ("forward", "jvp", "row_sums", "query_side", "key_side", "bias_side")
-    saved = (launch.kernels, launch.on_gpu, launch.input_precision)
+    saved = (launch.kernels, launch.on_gpu, launch.input_precision, launch.arch_of)
     launch.kernels = types.SimpleNamespace(**{n: _Recorder(getattr(kernels, n), into) for n in names})
     launch.on_gpu = lambda call: True
+    launch.arch_of = lambda device: arch
     if tf32:
         launch.input_precision = lambda dtype, device: "tf32" if dtype == torch.float32 else "ieee"
     try:
         yield
     finally:
-        launch.kernels, launch.on_gpu, launch.input_precision = saved
+        launch.kernels, launch.on_gpu, launch.input_precision, launch.arch_of = saved
 
 
 def _call(dtype: torch.dtype, width: int, features: str) -> tuple[AttentionCall, dict]:
@@ -127,8 +131,11 @@ def _call(dtype: torch.dtype, width: int, features: str) -> tuple[AttentionCall,
     q, k, v = (rand(batch, h, length, width) for h in (heads, kv_heads, kv_heads))
     if features == "plain":
         return AttentionCall(q, k, v, ScoreMasks(), torch.tensor(0), width ** -0.5), {}
-    bias_shape = (batch, heads, length, length) if features == "all" else (1, heads, 1, length)
     bounds = torch.tensor([[[0, length]] * length], dtype=torch.int64)
+    if features == "light":
+        tangents = dict(tq=rand(*q.shape), tk=rand(*k.shape), tv=rand(*v.shape))
+        return AttentionCall(q, k, v, ScoreMasks(bounds=bounds, causal=0), torch.tensor(0), width ** -0.5), tangents
+    bias_shape = (batch, heads, length, length) if features == "all" else (1, heads, 1, length)
     blocks = mask_blocks.from_dense(rand(1, heads, length, length, kind=torch.float32) > 0, (64, 64))
     masks = ScoreMasks(mask=rand(batch, 1, length, length, kind=torch.float32) > 0, bias=rand(*bias_shape),
                        bounds=bounds, causal=0, softcap=30.0, blocks=blocks)
@@ -138,9 +145,10 @@ def _call(dtype: torch.dtype, width: int, features: str) -> tuple[AttentionCall,
 
 
 def record_launches(dtype: torch.dtype, width: int, features: str, tf32: bool = False,
-                    passes: Sequence[str] = PASSES) -> list[Launch]:
-    """The launches of the given passes of one call: forward, backward with the bias
-    gradient, JVP, the backward's JVP and the double backward (with g_dO)."""
+                    passes: Sequence[str] = PASSES, arch: int = 90) -> list[Launch]:
+    """The launches of the given passes of one call on a GPU of compute capability `arch`:
+    forward, backward with the bias gradient, JVP, the backward's JVP and the double
+    backward (with g_dO)."""
     from . import launch
 
     call, t = _call(dtype, width, features)
@@ -157,7 +165,7 @@ def record_launches(dtype: torch.dtype, width: int, features: str, tf32: bool = 
                                                           gk=t.get("tk"), gv=t.get("tv"), gbias=t.get("tbias")),
     }
     into: list = [[""]]
-    with _recording(into, tf32):
+    with _recording(into, tf32, arch):
         for name in passes:
             into[0][0] = name
             runs[name]()
@@ -238,20 +246,22 @@ def _block_label(record: Launch) -> str:
 def compile_report(dtypes: Sequence[str] = tuple(DTYPES), widths: Sequence[int] = WIDTHS,
                    archs: Sequence[int] = ARCHS, features: Sequence[str] = FEATURES,
                    passes: Sequence[str] = PASSES, progress: Optional[Callable[[Row], None]] = None) -> list[Row]:
-    """Every distinct kernel variant of the given calls, compiled for every target."""
+    """Every distinct kernel variant of the given calls, compiled for every target with the
+    target's tiles."""
     rows = []
     for dtype_name in dtypes:
         for width in widths:
             seen = set()
             for feature in features:
-                for record in record_launches(DTYPES[dtype_name], width, feature, tf32=dtype_name.endswith("tf32"),
-                                              passes=passes):
-                    key = (record.kernel.__name__, tuple(sorted((k, str(v)) for k, v in record.constexprs.items())))
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    block = _block_label(record)
-                    for arch in archs:
+                for arch in archs:
+                    for record in record_launches(DTYPES[dtype_name], width, feature,
+                                                  tf32=dtype_name.endswith("tf32"), passes=passes, arch=arch):
+                        key = (arch, record.kernel.__name__, str(record.options),
+                               tuple(sorted((k, str(v)) for k, v in record.constexprs.items())))
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                        block = _block_label(record)
                         start = time.perf_counter()
                         fields = dict(kernel=record.kernel.__name__, pass_name=record.pass_name, features=feature,
                                       dtype=dtype_name, width=width, arch=arch, block=block)

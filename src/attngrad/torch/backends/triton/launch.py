@@ -15,6 +15,7 @@ no atomics), so the bits do not depend on the launch order.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,6 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ... import kept
 from ...block_map import empty_tiles
 from ...call import AttentionCall
 from ...dropout import keep_value, threshold
@@ -85,14 +87,14 @@ _TABLE: dict[tuple[str, str, int], Blocks] = {
     ("backward", "float32", 64): Blocks(64, 32, 8, 1, registers=255),
     ("backward", "float32", 128): Blocks(32, 32, 8, 1, slice=32, registers=255),
     ("backward", "tf32", 64): Blocks(32, 32, 8, 1, slice=32, registers=255),
-    ("backward", "tf32", 128): Blocks(32, 32, 8, 1, slice=64),
+    ("backward", "tf32", 128): Blocks(32, 32, 8, 1, slice=64, registers=255),
     ("backward_jvp", "half", 64): Blocks(32, 32, 8, 1, slice=32),
-    ("backward_jvp", "half", 128): Blocks(32, 32, 8, 1, slice=64),
+    ("backward_jvp", "half", 128): Blocks(32, 32, 8, 1, slice=64, registers=255),
     ("backward_jvp", "float32", 64): Blocks(16, 16, 8, 1, slice=32, registers=255),
     ("backward_jvp", "float32", 128): Blocks(16, 16, 4, 1, slice=64, registers=255),
-    ("backward_jvp", "tf32", 64): Blocks(32, 32, 8, 1, slice=32),
+    ("backward_jvp", "tf32", 64): Blocks(32, 32, 8, 1, slice=32, registers=255),
     ("backward_jvp", "tf32", 128): Blocks(32, 16, 8, 1, slice=64),
-    ("double_backward", "half", 64): Blocks(32, 32, 8, 1, slice=32),
+    ("double_backward", "half", 64): Blocks(32, 32, 8, 1, slice=32, registers=255),
     ("double_backward", "half", 128): Blocks(32, 32, 8, 1, slice=64),
     ("double_backward", "float32", 64): Blocks(32, 16, 8, 1, slice=32, registers=255),
     ("double_backward", "float32", 128): Blocks(32, 16, 8, 1, slice=64, registers=255),
@@ -105,6 +107,20 @@ _TABLE.update({(name, kind, width): Blocks(16, 16, 4, 1, slice=32 if kind == "ha
                for kind, width in (("float64", 64), ("float64", 128), ("float64", 256), ("half", 256),
                                    ("float32", 256), ("tf32", 256))})
 MAX_WIDTH = 256
+
+# Hopper (sm_90) tiles for light calls: no bias, boolean mask, block mask, softcap or
+# dropout (causal, key bounds and GQA allowed). Such a call keeps fewer values per score,
+# so larger tiles fit 255 registers; these were the fastest of a sweep on an H100 (Triton
+# 3.6; `benchmarks/gpu_tiles.py`) among those that compile for sm_90 without spills (Triton
+# 3.9, `attngrad gpu-report --features light`). Products over the whole head width: a
+# slice of the width costs the tensor cores more than the registers it frees here. Other
+# GPUs and heavier calls keep `_TABLE`; sm_80 spills at these tiles.
+_HOPPER_LIGHT: dict[tuple[str, str, int], Blocks] = {
+    ("forward", "half", 64): Blocks(64, 128, 4, 2),
+    ("forward", "half", 128): Blocks(64, 64, 4, 2),
+    ("backward", "half", 64): Blocks(64, 64, 4, 1),
+    ("backward", "half", 128): Blocks(128, 64, 8, 1),
+}
 
 
 def padded_width(width: int) -> int:
@@ -120,13 +136,36 @@ def dtype_class(dtype: torch.dtype, tf32: bool = False) -> str:
     return "tf32" if tf32 and dtype == torch.float32 else str(dtype).removeprefix("torch.")
 
 
-def blocks_for(pass_name: str, dtype: torch.dtype, width: int, interpreted: bool, tf32: bool = False) -> Blocks:
+def blocks_for(pass_name: str, dtype: torch.dtype, width: int, interpreted: bool, tf32: bool = False,
+               arch: int = 0, light: bool = False) -> Blocks:
     """The tiles of pass `pass_name` for inputs of `dtype` and head width `width` (the
-    larger of d and dv), float32 in TF32 if `tf32`; every kernel of a pass shares them (and
-    so its block map)."""
+    larger of d and dv), float32 in TF32 if `tf32`, on a GPU of compute capability `arch`
+    (90 for sm_90), for a light call (`is_light`) or not; every kernel of a pass shares them
+    (and so its block map)."""
     if interpreted:
         return INTERPRETED
-    return _TABLE.get((pass_name, dtype_class(dtype, tf32), max(64, padded_width(width))), Blocks(16, 16, 4, 1))
+    key = (pass_name, dtype_class(dtype, tf32), max(64, padded_width(width)))
+    if light and arch == 90 and key in _HOPPER_LIGHT:
+        return _HOPPER_LIGHT[key]
+    return _TABLE.get(key, Blocks(16, 16, 4, 1))
+
+
+def is_light(call: AttentionCall) -> bool:
+    """Whether a call has none of the per-score operands and options that cost registers: a
+    bias, a boolean mask, a block mask, a softcap, dropout."""
+    return (call.bias is None and call.mask is None and call.blocks is None and not call.softcap
+            and call.dropout_p == 0.0)
+
+
+@functools.cache
+def _capability(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
+
+
+def arch_of(device: torch.device) -> int:
+    """The compute capability of a CUDA device as one number (90 for an H100)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _slice(blocks: Blocks, width: int) -> int:
@@ -185,6 +224,34 @@ def _walks(empty: Tensor) -> tuple[Tensor, Tensor]:
     return spans(kept), spans(kept.transpose(-1, -2))
 
 
+@functools.lru_cache(maxsize=64)
+def _on_device(values: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A few scalars as a tensor on `device`, made once per value (the kernels only read it):
+    no host-to-device copy for each launch."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _block_map(call: AttentionCall, blocks: Blocks) -> tuple[Tensor, Tensor, Tensor]:
+    """The tile map (1 or B, 1 or H, n_q, n_k) int8 (1: skipped) and its walks (`_walks`), on
+    the call's device, for tiles of `blocks`. Made on the CPU (a mask and key bounds are
+    copied there), which costs milliseconds of host time a call (20 ms for a plain call at
+    L = 4096 on 2 cores), so they are kept while the mask, the bounds and the mask kept per
+    block live unchanged (`kept`); a call with none of them keeps one per shape."""
+    mask_blocks = call.blocks
+    sources = (call.mask, call.bounds, None if mask_blocks is None else mask_blocks.index,
+               None if mask_blocks is None else mask_blocks.tiles)
+    len_q, len_k, device = call.q.shape[2], call.k.shape[2], call.q.device
+
+    def make() -> tuple[Tensor, Tensor, Tensor]:
+        bounds = None if call.bounds is None else call.bounds.contiguous().cpu()
+        empty = empty_tiles(len_q, len_k, call.causal, bounds, _narrowed(call.mask), None, blocks.rows, blocks.keys,
+                            None if mask_blocks is None else mask_blocks.to("cpu"))  # (1 or B, 1 or H, n_q, n_k)
+        key_walks, query_walks = _walks(empty)
+        return empty.to(torch.int8).to(device), key_walks.to(device), query_walks.to(device)
+
+    return kept.value("triton_block_map", (len_q, len_k, call.causal, blocks.rows, blocks.keys, device), sources, make)
+
+
 class Plan:
     """One call's arguments for the kernels at one tile size: pointers and strides, the
     block map (B, H, query blocks, key blocks) and its walks, the dropout's and the scalars'
@@ -210,18 +277,15 @@ class Plan:
         seed = placement.seed & _MASK64
         meta = [seed - (1 << 64) if seed >> 63 else seed, placement.row_offset, placement.key_offset,
                 placement.head_offset, threshold(call.dropout_p)]
-        self.meta = torch.tensor(meta, dtype=torch.int64, device=self.device)
+        self.meta = _on_device(tuple(meta), torch.int64, self.device)
         cap = call.softcap
-        self.fmeta = torch.tensor([call.scale, cap, 1.0 / cap if cap else 0.0, keep_value(call.dropout_p)],
-                                  dtype=torch.float64, device=self.device)
+        self.fmeta = _on_device((call.scale, cap, 1.0 / cap if cap else 0.0, keep_value(call.dropout_p)),
+                                torch.float64, self.device)
         mask_blocks = call.blocks
-        empty = empty_tiles(self.Lq, self.Lk, call.causal, None if bounds is None else bounds.cpu(),
-                            _narrowed(call.mask), None, blocks.rows, blocks.keys,
-                            None if mask_blocks is None else mask_blocks.to("cpu"))  # (1 or B, 1 or H, n_q, n_k)
-        key_walks, query_walks = _walks(empty)
-        self.tile_map = empty.to(torch.int8).to(self.device).expand(self.B, self.H, self.n_q, self.n_k)
-        self.key_walks = key_walks.to(self.device).expand(self.B, self.H, self.n_q, 2)
-        self.query_walks = query_walks.to(self.device).expand(self.B, self.H, self.n_k, 2)
+        tile_map, key_walks, query_walks = _block_map(call, blocks)
+        self.tile_map = tile_map.expand(self.B, self.H, self.n_q, self.n_k)
+        self.key_walks = key_walks.expand(self.B, self.H, self.n_q, 2)
+        self.query_walks = query_walks.expand(self.B, self.H, self.n_k, 2)
         causal = 0 if call.causal is None else int(call.causal)
         block_args, block_sizes = [None, 0, 0, 0, None], (1, 1)
         if mask_blocks is not None:  # (1 or B, 1 or H, ., .) index of (T, R, K) tiles; broadcast axes of stride 0
@@ -260,7 +324,9 @@ def on_gpu(call: AttentionCall) -> bool:
 def _plan(call: AttentionCall, pass_name: str) -> Plan:
     width = max(call.q.shape[-1], call.v.shape[-1])
     tf32 = input_precision(call.q.dtype, call.q.device) == "tf32"
-    return Plan(call, blocks_for(pass_name, call.q.dtype, width, interpreted=not on_gpu(call), tf32=tf32))
+    gpu = on_gpu(call)
+    return Plan(call, blocks_for(pass_name, call.q.dtype, width, interpreted=not gpu, tf32=tf32,
+                                 arch=arch_of(call.q.device) if gpu else 0, light=is_light(call)))
 
 
 def _same_strides(*tensors: Optional[Tensor]) -> list:

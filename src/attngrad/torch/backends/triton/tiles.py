@@ -39,8 +39,9 @@ def mm(a, b, IP: tl.constexpr, ACC: tl.constexpr):
 def mm_into(a, b, acc, IP: tl.constexpr):
     """acc + a @ b, the products in the operands' dtype, summed into acc's."""
     if WIDEN_BFLOAT16 and a.dtype == tl.bfloat16:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision=IP)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee", out_dtype=acc.dtype)
+    # out_dtype stated: Triton before 3.9 takes float32 for it even where acc is float64
+    return tl.dot(a, b, acc, input_precision=IP, out_dtype=acc.dtype)
 
 
 @triton.jit

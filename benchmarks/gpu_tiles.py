@@ -1,0 +1,144 @@
+"""The Triton backend's tiles, timed on a GPU: for the forward and the backward of a light
+call (`launch.is_light`) in bfloat16, each candidate (rows x keys, warps, pipeline stages,
+head-width slice) takes the place of sm_90's entry in turn and is timed on one call, B=4,
+L=4096, H = 2048 / d. A program for a lent GPU; it prints every candidate's time, best
+first per pass, width and mask, to choose `launch._HOPPER_LIGHT` from (each then checked
+for spills by `attngrad gpu-report --features light plain`).
+
+    python benchmarks/gpu_tiles.py --workers 12              # the sweep
+    python benchmarks/gpu_tiles.py --final --out DIR         # the table now against the old one
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+import sys
+import traceback
+from typing import Optional
+
+# (rows, keys, warps, stages[, slice]); stages change nothing today (the walks' loops are not
+# pipelined), so the sweep takes 2 for the forward and 1 for the backward
+FORWARD = [(r, k, w, 2) for r, k in ((64, 64), (128, 64), (128, 128), (64, 128)) for w in (4, 8)]
+BACKWARD = [(r, k, w, 1) for r, k in ((32, 32), (64, 32), (32, 64), (64, 64), (128, 32), (32, 128), (128, 64),
+                                      (64, 128)) for w in (4, 8)]
+# `_TABLE`'s entries, which light calls on sm_90 took before `_HOPPER_LIGHT`
+BEFORE = {("forward", 64): (128, 64, 8, 2), ("forward", 128): (64, 64, 8, 2), ("backward", 64): (64, 32, 8, 1),
+          ("backward", 128): (64, 32, 8, 1, 16)}
+B, L = 4, 4096
+
+
+def _setup(name: str, d: int, candidate: Optional[tuple], causal: bool):
+    """One call's step with `candidate` as sm_90's light tile (None: the table's own)."""
+    import torch
+
+    from attngrad.torch import scaled_dot_product_attention, use_implementation
+    from attngrad.torch.backends.triton import launch
+
+    if candidate is not None:
+        launch._HOPPER_LIGHT[(name, "half", d)] = launch.Blocks(*candidate)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    H = 2048 // d
+    q, k, v, dout = (torch.randn(B, H, L, d, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def forward():
+        with torch.no_grad(), use_implementation("triton"):
+            return scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    if name == "forward":
+        return forward
+    with use_implementation("triton"):
+        out = scaled_dot_product_attention(*leaves, is_causal=causal)
+
+    def backward():
+        with use_implementation("triton"):
+            torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+    return backward
+
+
+def compile_one(job: tuple) -> str:
+    try:
+        _setup(*job)()
+        return ""
+    except Exception:  # noqa: BLE001
+        return f"{job}: {traceback.format_exc(limit=2).splitlines()[-1]}"
+
+
+def sweep_jobs(widths) -> list:
+    return [(name, d, c, False) for d in widths for name, cands in (("forward", FORWARD), ("backward", BACKWARD))
+            for c in cands]
+
+
+def final_jobs(widths) -> list:
+    """The table now (None) against the old entry, causal and not; and for the forward at
+    d = 128 the spill-free alternatives."""
+    jobs = []
+    for (name, d), causal in itertools.product(BEFORE, (False, True)):
+        if d in widths:
+            jobs += [(name, d, None, causal), (name, d, BEFORE[(name, d)], causal)]
+            if (name, d) == ("forward", 128):
+                jobs += [(name, d, c, causal) for c in ((64, 128, 4, 2), (64, 64, 4, 2), (64, 128, 8, 2))]
+    return jobs
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    parser.add_argument("--widths", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--final", action="store_true", help="the table against the old entries")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of each job (median)")
+    parser.add_argument("--out", default=None, help="a folder for tiles.jsonl")
+    args = parser.parse_args(argv)
+    import torch
+    import triton.testing
+
+    from attngrad.torch.backends.triton import launch
+
+    todo = final_jobs(args.widths) if args.final else sweep_jobs(args.widths)
+    with multiprocessing.get_context("spawn").Pool(args.workers) as pool:  # compile in parallel
+        for line in pool.imap_unordered(compile_one, todo):
+            if line:
+                print("compile failed", line, flush=True)
+    table = dict(launch._HOPPER_LIGHT)
+    times: dict = {job: [] for job in todo}
+    for _ in range(args.rounds):
+        for job in todo:
+            launch._HOPPER_LIGHT.clear()
+            launch._HOPPER_LIGHT.update(table)
+            try:
+                step = _setup(*job)
+                step()
+                times[job].append(triton.testing.do_bench(step, warmup=10, rep=40, return_mode="median"))
+            except Exception:  # noqa: BLE001
+                pass
+            torch.cuda.empty_cache()
+    launch._HOPPER_LIGHT.update(table)
+    print(f"\n{torch.cuda.get_device_name()}, triton {triton.__version__}, bfloat16, B={B}, L={L}, H=2048/d, "
+          f"median of {args.rounds} interleaved rounds")
+    results = []
+    for job, ts in times.items():
+        if not ts:
+            continue
+        name, d, candidate, causal = job
+        ms = sorted(ts)[len(ts) // 2]
+        flops = 4 * B * (2048 // d) * L * L * d * (0.5 if causal else 1.0) * (1.0 if name == "forward" else 2.5)
+        label = "table " + str(tuple(vars(table[(name, "half", d)]).values())) if candidate is None else str(candidate)
+        results.append(dict(name=name, d=d, causal=causal, tile=label, ms=ms, tflops=flops / ms / 1e9, rounds=ts))
+    results.sort(key=lambda r: (r["name"], r["d"], r["causal"], r["ms"]))
+    for r in results:
+        print(f"{r['name']:9s} d={r['d']:3d} causal={r['causal']!s:5s} {r['tile']:34s} {r['ms']:7.2f} ms "
+              f"{r['tflops']:5.0f} TF/s", flush=True)
+    if args.out:
+        with open(os.path.join(args.out, "tiles.jsonl"), "w") as fh:
+            for r in results:
+                fh.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

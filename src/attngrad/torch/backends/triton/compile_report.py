@@ -1,7 +1,7 @@
 """Every Triton kernel variant compiled ahead of time for NVIDIA GPUs, without one: the
 launches `launch` would make for a set of calls are recorded (on small CPU stand-ins, with
-the GPU's tile sizes), specialised as Triton's JIT would specialise them, and compiled to
-PTX and a cubin for each target (sm_80: A100, sm_90: H100); the registers and spills are
+each target's tile sizes), specialised as Triton's JIT would specialise them, and compiled
+to PTX and a cubin for that target (sm_80: A100, sm_90: H100); the registers and spills are
 those of Triton's own ptxas run (its -v log, with Triton's flags), the shared memory
 Triton's metadata.
 

@@ -297,6 +297,8 @@ def test_light_calls_on_sm90_take_hoppers_tiles():
     (dict(attn_bias=torch.zeros(9, 9)), False), (dict(softcap=5.0), False), (dict(sinks=torch.zeros(2)), False),
     (dict(dropout_p=0.1), False)])
 def test_a_light_call_has_no_per_score_operand_or_option(monkeypatch, option, light):
+    """What the plan asks the table for: light (sm_90's own tiles) for the causal diagonal,
+    key bounds and nothing; not with a mask, a bias, soft cap, sinks (a bias) or dropout."""
     seen = []
     monkeypatch.setattr(launch, "blocks_for", lambda *args, **kwargs: seen.append(kwargs["light"]) or launch.INTERPRETED)
     monkeypatch.setattr(launch, "Plan", lambda call, blocks: (_ for _ in ()).throw(RuntimeError("planned")))
@@ -308,7 +310,7 @@ def test_a_light_call_has_no_per_score_operand_or_option(monkeypatch, option, li
 
 def test_float64_on_a_gpu_needs_triton_39(monkeypatch):
     """Triton 3.6's compiler stops on the kernels' float64 products (seen on an H100): the
-    backend refuses float64 there by name, and the torch-ops kernels take the call."""
+    backend's refusal names the cause there (the torch-ops kernels then take the call)."""
     monkeypatch.setattr(triton_backend, "_triton_version", lambda: "3.6.0")
     assert "needs Triton 3.9 or later (Triton 3.6.0's" in triton_backend._float64_needs_newer_triton(DOUBLE)
     assert triton_backend._float64_needs_newer_triton(torch.float32) is None

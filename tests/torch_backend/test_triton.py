@@ -8,6 +8,7 @@ the JVP, the double backward and forward-over-reverse Hessian-vector products.
 """
 
 import math
+import types
 
 import pytest
 
@@ -314,8 +315,12 @@ def test_float64_on_a_gpu_needs_triton_39(monkeypatch):
     monkeypatch.setattr(triton_backend, "_triton_version", lambda: "3.6.0")
     assert "needs Triton 3.9 or later (Triton 3.6.0's" in triton_backend._float64_needs_newer_triton(DOUBLE)
     assert triton_backend._float64_needs_newer_triton(torch.float32) is None
+    cuda = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=DOUBLE, shape=(1, 1, 4, 16))
+    call = types.SimpleNamespace(q=cuda, k=cuda, v=cuda, tensors=lambda: [cuda], fields=lambda: {})
+    assert "needs Triton 3.9" in triton_backend._refuses(call, "forward", {})  # what the registry reads
     monkeypatch.setattr(triton_backend, "_triton_version", lambda: "3.10.1")
     assert triton_backend._float64_needs_newer_triton(DOUBLE) is None
+    assert triton_backend._refuses(call, "forward", {}) is None
 
 
 @interpreted

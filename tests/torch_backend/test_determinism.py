@@ -23,6 +23,9 @@ CASES = {
         window=(40, None), key_padding=torch.tensor([150]), softcap=2.0)),
     # sinks: the forward's scaled statistics, and the double backward's t D P_sink per row
     "sinks": dict(bias=True, is_causal=True, structured=dict(window=(40, None), sinks=torch.tensor([0.5, -0.3, 1.0]))),
+    # a bias constant along the keys with sinks: its gradient in closed form, summed over rows
+    # by halves (key_constant_bias.fixed_order_sum)
+    "sinks-per-head-bias": dict(bias="per-head", structured=dict(sinks=torch.tensor([0.5, -0.3, 1.0]))),
 }
 
 
@@ -36,7 +39,7 @@ def _everything(case: str, dtype=torch.float32, len_q=150, len_k=170):
     k = torch.randn(1, 3, len_k, 24, generator=g, dtype=dtype)
     v = torch.randn(1, 3, len_k, 16, generator=g, dtype=dtype)
     dout = torch.randn(1, 3, len_q, 16, generator=g, dtype=dtype)
-    bias_shape = (1, len_k) if spec.get("bias") == "per-key" else (3, len_q, len_k)
+    bias_shape = {"per-key": (1, len_k), "per-head": (3, 1, 1)}.get(spec.get("bias"), (3, len_q, len_k))
     bias = torch.randn(bias_shape, generator=g, dtype=dtype) if spec.get("bias") else None
     mask = torch.rand(1, 1, len_q, len_k, generator=g) > 0.25 if spec.get("mask") else None
     tangents = [torch.randn(t.shape, generator=g, dtype=dtype) for t in (q, k, v)]

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from . import dispatch, vmap_rules
 from .call import CALL_FIELDS, PASSES, REQUIRED, AttentionCall, argument_names, empty_like_field, schema
+from .key_constant_bias import is_key_constant, key_constant_bias_grad
 from .op_checks import check_block_values, check_fields
 
 CALL_NAMES = tuple(f.name for f in CALL_FIELDS)
@@ -67,6 +68,11 @@ def run_pass(pass_name: str, call: AttentionCall, inputs: dict[str, Any]) -> Any
     results = dispatch.run(pass_name, call, **inputs)
     if pass_name == "forward" and call.sink:
         results = add_sink(*results)
+    if pass_name in ("backward", "backward_with_jvp") and inputs["bias_grad"] and is_key_constant(call.bias) \
+            and not call.partial_rows:  # the bias gradient in closed form, without the backends' cancellation
+        results = list(results)
+        results[3] = key_constant_bias_grad(call.bias, call.sink, inputs["dout"], inputs["out"], inputs["row_max"],
+                                            inputs["inv_sum"], results[3])
     if isinstance(results, Tensor):
         return results
     return tuple(call.q.new_empty(0) if r is None else r for r in results)  # ops return tensors, not None

@@ -8,9 +8,16 @@ HVP it is its math backend, which runs them.
     bias-grad  fwd+bwd with a learned (H, L, L) bias: out, dq, dk, dv, dbias
     jvp        torch.func.jvp for tangents of q, k, v: the output's tangent
     hvp        torch.func.jvp of torch.func.grad of <dO, out>: the tangents of dq, dk, dv
+    sinks      fwd+bwd with a learned logit per head (GPT-OSS's sinks): out, dq, dk, dv, dsinks
+    sinks-hvp  the HVP with the sinks among the primals: the tangents of dq, dk, dv, dsinks
+
+PyTorch's SDPA has no sinks: there its side is autograd of the definition in PyTorch
+operators (softmax over the scores and one more column of the sink's logit, that column
+dropped before multiplying by V).
 
     python benchmarks/float32_error.py            # B=2, H=4, L=1024, d=64, 4 seeds
     python benchmarks/float32_error.py --quick    # L=256, 2 seeds
+    python benchmarks/float32_error.py --cases sinks sinks-hvp
 
 Prints, per case and result, the smallest and largest ratio over the seeds.
 """
@@ -68,16 +75,44 @@ def tangent_results(sdpa: Callable, inputs: dict, causal: bool, dtype: torch.dty
     return torch.func.jvp(torch.func.grad(loss, argnums=(0, 1, 2)), primals, tangents)[1]
 
 
+def with_sinks(q, k, v, sinks, causal: bool):
+    """softmax([S | s_h]) without its last column, times V: the definition of sinks."""
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        length = q.shape[-2]
+        scores = scores.masked_fill(~torch.ones(length, length, dtype=torch.bool).tril(), float("-inf"))
+    column = sinks[:, None, None].expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1] @ v
+
+
+def sink_results(inputs: dict, causal: bool, dtype: torch.dtype, ours: bool, hvp: bool) -> tuple:
+    """(out, dq, dk, dv, dsinks), or with `hvp` the tangents of (dq, dk, dv, dsinks), in `dtype`."""
+    def forward(q, k, v, sinks):
+        return attention(q, k, v, sinks=sinks, is_causal=causal) if ours else with_sinks(q, k, v, sinks, causal)
+
+    primals = tuple(inputs[n].to(dtype) for n in ("q", "k", "v", "sinks"))
+    dout = inputs["dout"].to(dtype)
+    if hvp:
+        tangents = tuple(inputs[n].to(dtype) for n in ("tq", "tk", "tv", "tsinks"))
+        return torch.func.jvp(lambda *p: torch.func.vjp(forward, *p)[1](dout), primals, tangents)[1]
+    leaves = [p.requires_grad_() for p in primals]
+    out = forward(*leaves)
+    return (out, *torch.autograd.grad(out, leaves, dout))
+
+
 CASES = {
     "bias-grad": ("out", "dq", "dk", "dv", "dbias"),
     "jvp": ("out_t",),
     "hvp": ("dq_t", "dk_t", "dv_t"),
+    "sinks": ("out", "dq", "dk", "dv", "dsinks"),
+    "sinks-hvp": ("dq_t", "dk_t", "dv_t", "dsinks_t"),
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="L=256 and 2 seeds")
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help="what to measure")
     args = parser.parse_args()
     length, seeds = (256, 2) if args.quick else (1024, 4)
     from attngrad.torch import scaled_dot_product_attention as ours_sdpa
@@ -85,7 +120,8 @@ def main() -> None:
     start = time.perf_counter()
     print(f"B=2, H=4, L={length}, d=64, {seeds} seeds; {torch.get_num_threads()} threads; "
           "attngrad's float32 error over PyTorch's (min-max over the seeds)")
-    for case, names in CASES.items():
+    for case in args.cases:
+        names = CASES[case]
         for causal in (False, True):
             ratios: dict[str, list[float]] = {name: [] for name in names}
             for seed in range(seeds):
@@ -93,7 +129,13 @@ def main() -> None:
                 inputs = {n: torch.randn(2, 4, length, 64, generator=g, dtype=torch.float64)
                           for n in ("q", "k", "v", "dout", "tq", "tk", "tv")}
                 inputs["bias"] = torch.randn(4, length, length, generator=g, dtype=torch.float64)
-                if case == "bias-grad":
+                inputs["sinks"], inputs["tsinks"] = 2 * torch.randn(2, 4, generator=g, dtype=torch.float64)
+                if case.startswith("sinks"):
+                    hvp = case == "sinks-hvp"
+                    truth = sink_results(inputs, causal, torch.float64, ours=False, hvp=hvp)
+                    mine = sink_results(inputs, causal, torch.float32, ours=True, hvp=hvp)
+                    theirs = sink_results(inputs, causal, torch.float32, ours=False, hvp=hvp)
+                elif case == "bias-grad":
                     truth = bias_grad_results(math_sdpa, inputs, causal, torch.float64, ours=False)
                     mine = bias_grad_results(ours_sdpa, inputs, causal, torch.float32, ours=True)
                     theirs = bias_grad_results(F.scaled_dot_product_attention, inputs, causal, torch.float32,
@@ -105,7 +147,7 @@ def main() -> None:
                     theirs = tangent_results(math_sdpa, inputs, causal, torch.float32, hvp)
                 for name, a, b, t in zip(names, mine, theirs, truth):
                     ratios[name].append(error(a, t) / error(b, t))
-            against = "default" if case == "bias-grad" else "math"
+            against = {"bias-grad": "default", "sinks": "definition", "sinks-hvp": "definition"}.get(case, "math")
             line = ", ".join(f"{name} {min(r):.2f}-{max(r):.2f}" for name, r in ratios.items())
             print(f"{case:9s} {'causal' if causal else 'full':6s} (vs PyTorch {against}): {line}", flush=True)
     print(f"{time.perf_counter() - start:.0f} s")

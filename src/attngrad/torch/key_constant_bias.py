@@ -7,7 +7,7 @@ sink's fixed exp(0). So with dS = P (dP - D), D = rowsum(dO * O),
     sum_j dS_ij = D_i (1 - sum_j P_ij) = D_i P_sink,i,    P_sink,i = exp(-m_i) / l_i,
 
 and 0 without a sink. The backends sum the row's dS instead, terms of size P dP whose sum
-cancels down to D P_sink: in float32 that left a sink's gradient 10-2000x less accurate than
+cancels down to D P_sink: in float32 that left a sink's gradient 7-2700x less accurate than
 PyTorch's on the same inputs (the smaller the sink's share, the worse). The closed form has
 no such cancellation. It holds with masks, a soft cap and dropout (O is the dropped output),
 and needs each row's whole keys (a ring step's rows are parts).

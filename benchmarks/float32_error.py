@@ -18,6 +18,7 @@ dropped before multiplying by V).
     python benchmarks/float32_error.py            # B=2, H=4, L=1024, d=64, 4 seeds
     python benchmarks/float32_error.py --quick    # L=256, 2 seeds
     python benchmarks/float32_error.py --cases sinks sinks-hvp
+    TRITON_INTERPRET=1 python benchmarks/float32_error.py --implementation triton --quick --cases sinks-hvp
 
 Prints, per case and result, the smallest and largest ratio over the seeds.
 """
@@ -25,6 +26,7 @@ Prints, per case and result, the smallest and largest ratio over the seeds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attngrad.torch import attention
+from attngrad.torch import attention, use_implementation
 
 
 def math_sdpa(*args, **kwargs):
@@ -113,12 +115,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="L=256 and 2 seeds")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help="what to measure")
+    parser.add_argument("--implementation", choices=("tiles", "torch-ops", "triton"),
+                        help="attngrad's backend (default: the one its registry picks; triton on CPU tensors needs "
+                             "TRITON_INTERPRET=1)")
     args = parser.parse_args()
+
+    def allowed() -> contextlib.AbstractContextManager:
+        return use_implementation(args.implementation) if args.implementation else contextlib.nullcontext()
+
     length, seeds = (256, 2) if args.quick else (1024, 4)
     from attngrad.torch import scaled_dot_product_attention as ours_sdpa
 
     start = time.perf_counter()
     print(f"B=2, H=4, L={length}, d=64, {seeds} seeds; {torch.get_num_threads()} threads; "
+          f"{args.implementation or 'the backend attngrad picks'}; "
           "attngrad's float32 error over PyTorch's (min-max over the seeds)")
     for case in args.cases:
         names = CASES[case]
@@ -133,17 +143,20 @@ def main() -> None:
                 if case.startswith("sinks"):
                     hvp = case == "sinks-hvp"
                     truth = sink_results(inputs, causal, torch.float64, ours=False, hvp=hvp)
-                    mine = sink_results(inputs, causal, torch.float32, ours=True, hvp=hvp)
+                    with allowed():
+                        mine = sink_results(inputs, causal, torch.float32, ours=True, hvp=hvp)
                     theirs = sink_results(inputs, causal, torch.float32, ours=False, hvp=hvp)
                 elif case == "bias-grad":
                     truth = bias_grad_results(math_sdpa, inputs, causal, torch.float64, ours=False)
-                    mine = bias_grad_results(ours_sdpa, inputs, causal, torch.float32, ours=True)
+                    with allowed():
+                        mine = bias_grad_results(ours_sdpa, inputs, causal, torch.float32, ours=True)
                     theirs = bias_grad_results(F.scaled_dot_product_attention, inputs, causal, torch.float32,
                                                ours=False)
                 else:
                     hvp = case == "hvp"
                     truth = tangent_results(math_sdpa, inputs, causal, torch.float64, hvp)
-                    mine = tangent_results(ours_sdpa, inputs, causal, torch.float32, hvp)
+                    with allowed():
+                        mine = tangent_results(ours_sdpa, inputs, causal, torch.float32, hvp)
                     theirs = tangent_results(math_sdpa, inputs, causal, torch.float32, hvp)
                 for name, a, b, t in zip(names, mine, theirs, truth):
                     ratios[name].append(error(a, t) / error(b, t))

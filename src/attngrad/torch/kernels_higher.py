@@ -329,6 +329,13 @@ def _sink_share(r: _Recompute, rows: slice) -> Tensor:
     return torch.where(seen, torch.exp(torch.log(torch.where(seen, inv, 1.0)) - m), 0.0)
 
 
+def _rows_give_the_bias(bias_grad: bool, bias: Optional[Tensor], centre: Optional[Tensor]) -> bool:
+    """Whether the second-order passes add a bias's gradient per row in closed form: a bias
+    constant along the keys, on whole rows (no `centre` given: a ring step's rows are parts,
+    whose sums do not simplify)."""
+    return bias_grad and bias is not None and bias.shape[-1] == 1 and centre is None
+
+
 def _delta(dout: Tensor, out: Tensor, work: torch.dtype) -> Tensor:
     """D = rowsum(dO * O), (B, H, Lq, 1)."""
     return (dout.to(work) * out.to(work)).sum(dim=-1, keepdim=True)
@@ -339,12 +346,15 @@ def attention_backward_jvp(
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float, bias_grad: bool,
     tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
     bounds: Optional[Tensor] = None, mask_blocks: Optional[MaskBlocks] = None,
-    centre: Optional[Tensor] = None, delta_t: Optional[Tensor] = None,
+    centre: Optional[Tensor] = None, delta_t: Optional[Tensor] = None, sink: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Tangents of (dq, dk, dv, dbias or None), each in its input's dtype and shape.
 
     For a part of each row's keys, the whole rows' sums are given (B, H, Lq, 1, compute
-    dtype): `centre` = rowsum(P * S') and `delta_t` = D~ = rowsum(dO' * O + dO * O')."""
+    dtype): `centre` = rowsum(P * S') and `delta_t` = D~ = rowsum(dO' * O + dO * O').
+
+    A bias constant along the keys gets each whole row's sum of dS~ in closed form, the
+    tangent of D P_sink (`key_constant_bias`): P_sink (D~ - t D), and 0 without a `sink`."""
     r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=5, bounds=bounds,
                     mask_blocks=mask_blocks)
     work = r.work
@@ -353,11 +363,15 @@ def attention_backward_jvp(
     do_w, tdo_w = dout.to(work), _to(tdout, work)
     delta = _delta(dout, out, work)
     dq_t, dk_t, dv_t, dbias_t = r.gradient_accumulators(bias_grad)
+    row_constant = _rows_give_the_bias(bias_grad, bias, centre)
     for start, stop, cols, p, z, single in r.each_block():
         rows = slice(start, stop)
         do_blk, v_blk = do_w[:, :, rows], r.v_rep[..., cols, :]
         s_t = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols, r.capped)  # S'
-        p_t = _softmax_jacobian_times(p, s_t, r.tile(4, start, stop, cols), _rows(centre, start, stop))  # P'
+        t_row = _rows(centre, start, stop)
+        if row_constant:  # t = rowsum(P * S'), for the bias's closed form below
+            t_row = torch.mul(p, s_t, out=r.tile(4, start, stop, cols)).sum(dim=-1, keepdim=True)
+        p_t = _softmax_jacobian_times(p, s_t, r.tile(4, start, stop, cols), t_row)  # P'
         scratch = s_t  # S' is spent
         # backward: dP = (dO V~^T) * Z, and its tangent dP~ = (dO' V~^T + dO V~'^T) * Z
         dp = torch.matmul(do_blk, v_blk.transpose(-1, -2), out=r.tile(2, start, stop, cols))
@@ -390,7 +404,10 @@ def attention_backward_jvp(
             ds_t = cap.curve.mul_(ds).addcmul_(cap.slope, ds_t)
             ds = cap.slope.mul_(ds)
         # backward: dQ = scale dS K~, dK~ = scale dS^T Q, dbias = dS  ->  product rule on each
-        _back_through_scores(r, ds_t, ds, tk_rep, tq_s, dq_t, dk_t, dbias_t, start, stop, cols, ds_bias)
+        _back_through_scores(r, ds_t, ds, tk_rep, tq_s, dq_t, dk_t, None if row_constant else dbias_t, start, stop,
+                             cols, ds_bias)
+        if row_constant and sink:  # rowsum(dS~) = the tangent of D P_sink = P_sink (D~ - t D)
+            add_block_to_bias(dbias_t, _sink_share(r, rows) * (delta_t_blk - t_row * delta[:, :, rows]), start, stop, 1)
     return (
         dq_t.to(q.dtype),
         dk_t.total(r.groups).to(k.dtype),
@@ -416,7 +433,9 @@ def attention_double_backward(
     rowsum(P * g_P).
 
     With a `sink` (`ops.add_sink`) P sums to 1 - P_sink on a row, and the per-row t D left
-    out of g_P returns as t D P_sink in rowsum(P * g_P), P_sink = exp(-m) / l."""
+    out of g_P returns as t D P_sink in rowsum(P * g_P), P_sink = exp(-m) / l. A bias
+    constant along the keys gets each whole row's sum of g_S in closed form, P_sink (u - t D)
+    with u that row sum, and 0 without a sink: summing g_S would cancel down to it."""
     r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=5, bounds=bounds,
                     mask_blocks=mask_blocks)
     work = r.work
@@ -428,6 +447,7 @@ def attention_double_backward(
     v_ones = r.values_with_ones() if dropout_p == 0.0 else None
     g_do = torch.zeros(*dout.shape, dtype=work, device=dout.device) if dout_grad else None
     g_q, g_k, g_v, g_bias = r.gradient_accumulators(bias_grad)
+    row_constant = _rows_give_the_bias(bias_grad, bias, centre)
     for start, stop, cols, p, z, single in r.each_block():
         rows = slice(start, stop)
         do_rows, v_blk = with_column(do_w[:, :, rows], -delta[:, :, rows]), r.v_rep[..., cols, :]  # [dO | -D]
@@ -471,7 +491,10 @@ def attention_double_backward(
             g_s_bias, cap = g_s, r.capped
             g_s = cap.curve.mul_(ds).addcmul_(cap.slope, g_s)
             ds = cap.slope.mul_(ds)
-        _back_through_scores(r, g_s, ds, gk_rep, gq_s, g_q, g_k, g_bias, start, stop, cols, g_s_bias)
+        _back_through_scores(r, g_s, ds, gk_rep, gq_s, g_q, g_k, None if row_constant else g_bias, start, stop, cols,
+                             g_s_bias)
+        if row_constant and sink:  # rowsum(g_S) = rowsum(P * g_P) - u rowsum(P) = P_sink (u - t D)
+            add_block_to_bias(g_bias, _sink_share(r, rows) * (u_row - t_row * delta[:, :, rows]), start, stop, 1)
     return (
         None if g_do is None else g_do.to(dout.dtype),
         g_q.to(q.dtype),

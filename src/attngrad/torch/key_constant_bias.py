@@ -34,23 +34,33 @@ def fixed_order_sum(x: Tensor) -> Tensor:
     return x[..., 0]
 
 
-def key_constant_bias_grad(bias: Tensor, sink: bool, dout: Tensor, out: Tensor, row_max: Tensor,
-                           inv_sum: Tensor, like: Tensor) -> Tensor:
-    """d bias for a `bias` constant along the keys, in the dtype of `like` (the backend's
-    result): sum over the axes the bias broadcasts along of D P_sink, from the forward's
-    output and row statistics (B, H, Lq) (with a sink, inv_sum includes its term)."""
-    if not sink:
-        return torch.zeros_like(like)
-    seen = inv_sum > 0  # a row that saw no key: O = 0 and D = 0
-    p_sink = torch.where(seen, torch.exp(torch.log(torch.where(seen, inv_sum, 1).double()) - row_max.double()), 0.0)
-    # D = rowsum(dO * O), summed in float64 from products in float32 (exact for half inputs;
-    # for float32 one more rounding of each product, beside O's own): no float64 copies of
-    # (B, H, Lq, dv) tensors, which cost 4-14 ms at B=1, H=8, L=4096, d=64 (a 256 ms step)
-    wide = [t if t.dtype in (torch.float32, torch.float64) else t.float() for t in (dout, out)]
-    per_row = torch.mul(*wide).sum(dim=-1, dtype=torch.float64) * p_sink  # (B, H, Lq)
+def sink_share(row_max: Tensor, inv_sum: Tensor) -> Tensor:
+    """(B, H, Lq) each row's P_sink = exp(-m) / l in float64, from the forward's statistics
+    (with a sink, inv_sum includes its term); 0 on a row that saw no key."""
+    seen = inv_sum > 0
+    return torch.where(seen, torch.exp(torch.log(torch.where(seen, inv_sum, 1).double()) - row_max.double()), 0.0)
+
+
+def rows_to_bias(per_row: Tensor, bias: Tensor, dtype: torch.dtype) -> Tensor:
+    """A (B, H, Lq) per-row quantity summed over the axes along which `bias` (constant along
+    the keys) broadcasts, by halves (`fixed_order_sum`), in the bias's shape and `dtype`."""
     target = (1,) * (4 - bias.dim()) + tuple(bias.shape)
     summed = [axis for axis in range(3) if target[axis] == 1 and per_row.shape[axis] > 1]
     kept = [axis for axis in range(3) if axis not in summed]
     grouped = per_row.permute(*kept, *summed).reshape(*(per_row.shape[a] for a in kept), -1)
-    grad = fixed_order_sum(grouped).reshape(target[:3])
-    return grad.reshape(bias.shape).to(like.dtype)
+    return fixed_order_sum(grouped).reshape(bias.shape).to(dtype)
+
+
+def key_constant_bias_grad(bias: Tensor, sink: bool, dout: Tensor, out: Tensor, row_max: Tensor,
+                           inv_sum: Tensor, like: Tensor) -> Tensor:
+    """d bias for a `bias` constant along the keys, in the dtype of `like` (the backend's
+    result): sum over the axes the bias broadcasts along of D P_sink, from the forward's
+    output and row statistics (B, H, Lq)."""
+    if not sink:
+        return torch.zeros_like(like)
+    # D = rowsum(dO * O), summed in float64 from products in float32 (exact for half inputs;
+    # for float32 one more rounding of each product, beside O's own): no float64 copies of
+    # (B, H, Lq, dv) tensors, which cost 4-14 ms at B=1, H=8, L=4096, d=64 (a 256 ms step)
+    wide = [t if t.dtype in (torch.float32, torch.float64) else t.float() for t in (dout, out)]
+    per_row = torch.mul(*wide).sum(dim=-1, dtype=torch.float64) * sink_share(row_max, inv_sum)
+    return rows_to_bias(per_row, bias, like.dtype)

@@ -650,11 +650,12 @@ def attention_backward_jvp(
     causal: int | None, scale: float, tdout: Tensor | None, tq: Tensor | None, tk: Tensor | None, tv: Tensor | None,
     mask: Tensor | None = None, bias: Tensor | None = None, tbias: Tensor | None = None, seed: int | Placement = 0,
     dropout_p: float = 0.0, bias_grad: bool = False, chunks: int | None = None, bounds: Tensor | None = None,
-    softcap: float = 0.0, blocks: MaskBlocks | None = None, with_backward: bool = False,
+    softcap: float = 0.0, blocks: MaskBlocks | None = None, with_backward: bool = False, sink: bool = False,
 ) -> tuple[Tensor | None, ...]:
     """The tangents of (dq, dk, dv, dbias or None): `kernels_higher.attention_backward_jvp`'s
     results for the cases the tiles backend takes, in the compute dtype; an absent tangent is
-    zero. `chunks` splits each head's query blocks into that many work items (default:
+    zero. `sink` says the statistics hold a sink's term, which a bias constant along the keys
+    needs for its gradient's tangent in closed form. `chunks` splits each head's query blocks into that many work items (default:
     `_chunks`). `with_backward`: the backward's (dq, dk, dv, dbias or None) first, then the
     tangents, from the one pass (the backward's P and dS are the JVP's too)."""
     bf16 = _bf16(q)
@@ -676,7 +677,7 @@ def attention_backward_jvp(
          tdq=tdq, tdk_parts=tdk_parts, tdv_parts=tdv_parts, tdbias_parts=tdbias_parts, **grads,
          key_ranges=_key_ranges(q, k, causal, rows, masks),
          **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
-                    softcap=softcap, transposed_keys=_transposed_keys(k, v)))
+                    softcap=softcap, sink=sink, transposed_keys=_transposed_keys(k, v)))
     tangents = tdq, _sum_parts(tdk_parts), _sum_parts(tdv_parts), _finish_bias_grad(tdbias_parts, bias)
     if not with_backward:
         return tangents

@@ -135,7 +135,7 @@ def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Ten
     else:
         results = native.attention_backward_jvp(dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal,
                                                 call.scale, tdout, tq, tk, tv, tbias=tbias, bias_grad=bias_grad,
-                                                **_options(call))
+                                                sink=call.sink, **_options(call))
     return _in_dtypes_of(results, (call.q, call.k, call.v, call.bias))
 
 
@@ -147,7 +147,7 @@ def backward_with_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max
     else:
         results = native.attention_backward_jvp(dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal,
                                                 call.scale, tdout, tq, tk, tv, tbias=tbias, bias_grad=bias_grad,
-                                                with_backward=True, **_options(call))
+                                                with_backward=True, sink=call.sink, **_options(call))
     return _in_dtypes_of(results, (call.q, call.k, call.v, call.bias) * 2)
 
 

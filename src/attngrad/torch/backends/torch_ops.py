@@ -40,7 +40,7 @@ def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Ten
                  tbias: Optional[Tensor], row_sums: Optional[dict] = None) -> tuple:
     return kernels_higher.attention_backward_jvp(
         dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad, tdout=tdout, tq=tq, tk=tk, tv=tv,
-        tbias=tbias, **_common(call), **(row_sums or {}))
+        tbias=tbias, sink=call.sink, **_common(call), **(row_sums or {}))
 
 
 def double_backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,

@@ -80,14 +80,21 @@ void double_backward(const Pass<T>& pass) {
             T u_sum = second_order_terms(pi, ti, dpi, xi, seen, t_sum, d_row);
             // with a sink, rowsum(P) = 1 - P_sink: the per-row t D that g_P leaves out (the softmax
             // ignores it only when P sums to 1) comes back as t D P_sink, P_sink = exp(-m) / l
-            if (pass.call.sink && inv > T(0)) u_sum += t_sum * d_row * std::exp(std::log(inv) - m);
+            const T p_sink = pass.call.sink && inv > T(0) ? std::exp(std::log(inv) - m) : T(0);
+            if (pass.call.sink && inv > T(0)) u_sum += t_sum * d_row * p_sink;
             centre_and_scale(pi, xi, seen, u_sum);  // g_S = P (g_P - u)
             if (drop.on) {  // g_dP Z and P Z, for g_V and g_dO
                 drop.scale_row(ti, blk.b, blk.h, row, blk.key0, seen);
                 drop.scale_row(pi, blk.b, blk.h, row, blk.key0, seen);
             }
             for (T* r : {pi, ti, dpi, xi}) std::fill(r + seen, r + keys, T(0));
-            if (g_bias_part) g_bias.add_row(g_bias_part, xi, blk.b, blk.h, row, blk.key0, seen);  // g_bias += g_S
+            // g_bias += g_S; a bias constant along the keys takes the row's sum in closed form,
+            // rowsum(g_S) = rowsum(P g_P) - u rowsum(P) = P_sink (u - t D), where summing g_S cancels
+            if (g_bias_part && g_bias.key_constant()) {
+                g_bias.add_value(g_bias_part, p_sink * (u_sum - t_sum * d_row), blk.b, blk.h, row);
+            } else if (g_bias_part) {
+                g_bias.add_row(g_bias_part, xi, blk.b, blk.h, row, blk.key0, seen);
+            }
             // through dA = slope dS and S = c tanh(A / c): g_A = slope g_S + (curve T_raw) dS
             if (sli) Softcap<T>::back_to_raw(xi, dpi, sli, cvi, seen);
         }
@@ -282,8 +289,10 @@ void backward_jvp(const Pass<T>& pass) {
             const auto [sli, cvi] = cap_rows.row(i, keys);
             pass.score_row(pi, blk.b, blk.h, row, blk.key0, seen, sli, cvi, ti, &tbias);  // S' = slope A' + tbias, curve A'
             const bool single = single_key(blk.bh, row);  // then P' = 0 and dS = dS' = 0
-            const T t_sum = row_probs(pi, ti, seen, row_max[first + i], inv_sum[first + i], single);  // P, t = rowsum(P * T)
+            const T m = row_max[first + i], inv = inv_sum[first + i];
+            const T t_sum = row_probs(pi, ti, seen, m, inv, single);  // P, t = rowsum(P * T)
             centre_and_scale(pi, ti, seen, t_sum);  // P' = P (T - t)
+            T d_t = T(0);
             if (drop.on) {  // dP~ = dP Z, dP~' = dP' Z
                 drop.scale_row(dpi, blk.b, blk.h, row, blk.key0, seen);
                 drop.scale_row(xi, blk.b, blk.h, row, blk.key0, seen);
@@ -292,7 +301,7 @@ void backward_jvp(const Pass<T>& pass) {
                 std::fill(dpi, dpi + seen, T(0));
                 std::fill(xi, xi + seen, T(0));
             } else {
-                const T d_t = tangent_delta(pi, ti, dpi, xi, seen);  // D'
+                d_t = tangent_delta(pi, ti, dpi, xi, seen);  // D'
                 score_grad_tangents(pi, ti, dpi, xi, seen, delta[first + i], d_t);  // dS, dS'
             }
             if (drop.on) {  // P Z and P' Z, for dV'
@@ -300,7 +309,14 @@ void backward_jvp(const Pass<T>& pass) {
                 drop.scale_row(ti, blk.b, blk.h, row, blk.key0, seen);
             }
             for (T* r : {pi, ti, dpi, xi}) std::fill(r + seen, r + keys, T(0));
-            if (dbias_t) tdbias.add_row(dbias_t, xi, blk.b, blk.h, row, blk.key0, seen);  // dbias' = dS'
+            // dbias' = dS'; a bias constant along the keys takes the row's sum in closed form, the
+            // tangent of D P_sink: P_sink (D' - t D), where the sum of dS' would cancel
+            if (dbias_t && tdbias.key_constant()) {
+                const T p_sink = pass.call.sink && inv > T(0) ? std::exp(std::log(inv) - m) : T(0);
+                tdbias.add_value(dbias_t, p_sink * (d_t - t_sum * delta[first + i]), blk.b, blk.h, row);
+            } else if (dbias_t) {
+                tdbias.add_row(dbias_t, xi, blk.b, blk.h, row, blk.key0, seen);
+            }
             if (dbias_part) dbias.add_row(dbias_part, dpi, blk.b, blk.h, row, blk.key0, seen);  // dbias = dS
             // backward: dA = slope dS  ->  dA' = slope dS' + (curve A') dS
             if (sli) Softcap<T>::back_to_raw(xi, dpi, sli, cvi, seen);

@@ -794,6 +794,13 @@ class BiasGradient {
         for (index_t i = r0; i < r0 + rows; ++i) stream_zero(part + bb_.row(b, h, i) + c0 * bb_.sj, n);
     }
 
+    // Whether the bias is constant along the keys (a sink's): then a row adds one number
+    bool key_constant() const { return parts_ && bb_.sj == 0; }
+
+    // part += value for row i of head (b, h) of a key_constant bias: a row's whole sum of its
+    // scores' gradients, given in closed form where summing them would cancel
+    void add_value(T* part, T value, index_t b, index_t h, index_t i) const { part[bb_.row(b, h, i)] += value; }
+
     // part += dS for keys c0..c0 + n of row i of head (b, h)
     void add_row(T* part, const T* ds, index_t b, index_t h, index_t i, index_t c0, index_t n) const {
         T* row = part + bb_.row(b, h, i);

@@ -654,10 +654,11 @@ def attention_backward_jvp(
 ) -> tuple[Tensor | None, ...]:
     """The tangents of (dq, dk, dv, dbias or None): `kernels_higher.attention_backward_jvp`'s
     results for the cases the tiles backend takes, in the compute dtype; an absent tangent is
-    zero. `sink` says the statistics hold a sink's term, which a bias constant along the keys
-    needs for its gradient's tangent in closed form. `chunks` splits each head's query blocks into that many work items (default:
+    zero. `chunks` splits each head's query blocks into that many work items (default:
     `_chunks`). `with_backward`: the backward's (dq, dk, dv, dbias or None) first, then the
-    tangents, from the one pass (the backward's P and dS are the JVP's too)."""
+    tangents, from the one pass (the backward's P and dS are the JVP's too). `sink` says the
+    statistics hold a sink's term, which a bias constant along the keys needs for its
+    gradient's tangent in closed form."""
     bf16 = _bf16(q)
     dout, q, k, v, out, row_max, inv_sum, tdout, tq, tk, tv = _work(dout, q, k, v, out, row_max, inv_sum, tdout, tq,
                                                                     tk, tv)

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 from attngrad.torch import attention  # noqa: E402
 
 from ..conftest import assert_all_close  # noqa: E402
+from .conftest import op_attention  # noqa: E402
 from .test_structured import DV, HKV, B, D, H, L, dense_keep, randn, small_tiles, transposed  # noqa: E402, F401
 
 
@@ -183,3 +184,21 @@ def test_the_sinks_second_derivatives_in_float32_are_near_pytorchs(backend, orde
     truth = sinks_part(theirs, torch.float64)
     errors = [float((sinks_part(fn, torch.float32).double() - truth).norm() / truth.norm()) for fn in (ours, theirs)]
     assert errors[0] <= 10 * errors[1], f"the sinks' {order} error {errors[0]:.1e}, PyTorch's {errors[1]:.1e}"
+
+
+def test_a_sinks_bias_with_dropout_and_a_cap_passes_gradcheck_to_second_order(backend):  # noqa: F811
+    """The closed forms of a bias constant along the keys (first order, the double backward's
+    and the backward JVP's) assume nothing of dropout or the cap: D = rowsum(dO * O) with O the
+    dropped output. The op with a fixed dropout seed, a causal mask, a sink and an (H, 1, 1)
+    bias, against finite differences in q and the bias: gradcheck, and gradgradcheck with
+    forward over reverse."""
+    q, k, v = (randn(1, 2, 7, 3, seed=s) for s in range(3))
+    bias = randn(2, 1, 1, seed=3)
+
+    def run(q, bias):
+        return op_attention(q, k, v, bias=bias, causal=0, softcap=0.7, dropout_p=0.3, sink=True,
+                            seed=torch.tensor(1234))
+
+    leaves = [t.requires_grad_() for t in (q, bias)]
+    assert torch.autograd.gradcheck(run, leaves, atol=1e-9)
+    assert torch.autograd.gradgradcheck(run, leaves, atol=1e-8, check_fwd_over_rev=True)

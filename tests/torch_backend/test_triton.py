@@ -346,3 +346,28 @@ def test_the_block_map_is_kept_while_its_mask_lives_unchanged(on_triton, tiles_o
     assert rel_err(after, math_attention(q, k, v, allowed=mask)) < 1e-12
     attention(q, k, v, is_causal=True), attention(q, k, v, is_causal=True)
     assert len(made) == 3  # no mask: one per shape and diagonal
+
+
+@interpreted
+def test_the_backward_gives_a_sinks_bias_its_closed_form_without_the_bias_side_walk(on_triton, monkeypatch):
+    """Triton's own backward (before `ops` replaces it) gives a bias constant along the keys
+    sum_i D_i P_sink,i from its row statistics, where `bias_side` would walk every score of a
+    head in one program: float64 against autograd of the definition, and no bias-side launch."""
+    from attngrad.torch import ops
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("bias_side ran for a bias constant along the keys")
+
+    monkeypatch.setattr(launch, "_bias_side", refuse)
+    q, k, v, dout = (randn(B, H, n, e, seed=s) for s, (n, e) in enumerate(((LQ, D), (LK, D), (LK, DV), (LQ, DV))))
+    bias = randn(H, 1, 1, seed=4)
+    fields = dict(q=q, k=k, v=v, mask=None, bias=bias, bounds=None, seed=torch.tensor(0), causal=LK - LQ,
+                  scale=D**-0.5, softcap=0.0, dropout_p=0.0, sink=True)
+    out, row_max, inv_sum = ops.attention_forward(**fields)
+    call = ops.AttentionCall.from_fields({**ops.DEFAULTS, **fields})
+    dbias = launch.backward(call, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=True)[3]
+    leaf = bias.clone().requires_grad_()
+    allowed = torch.ones(LQ, LK, dtype=torch.bool).tril(LK - LQ)
+    reference = math_attention(q, k, v, allowed=allowed, bias=leaf, sinks=torch.zeros(H, dtype=DOUBLE))
+    expected = torch.autograd.grad(reference, leaf, dout)[0]
+    assert rel_err(dbias, expected) < 1e-12

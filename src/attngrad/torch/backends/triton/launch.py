@@ -437,23 +437,26 @@ def _backward_walks(plan: Plan, inputs: _Second, mode: int, bias_grad: bool,
     kernels.key_side[(plan.n_k, plan.B * plan.Hkv)](
         *inputs.tensors(), out_k, out_v, *inputs.strides(), *inputs.c_args(), *plan.masks, *plan.walks("queries"),
         *plan.sizes, MODE=mode, **inputs.switches(), **plan.switches, **plan.launch)
-    if bias_grad and not direct and mode != BACKWARD and is_key_constant(call.bias):
-        bias_out = _row_constant_bias(plan, inputs)
+    if bias_grad and not direct and is_key_constant(call.bias) and not call.partial_rows:
+        bias_out = _row_constant_bias(plan, inputs, mode)
     elif bias_grad and not direct:
         _bias_side(plan, inputs, mode, bias_out)
     return out_do, out_q, out_k, out_v, None if bias_out is None else bias_out.view(call.bias.shape)
 
 
-def _row_constant_bias(plan: Plan, inputs: _Second) -> Tensor:
-    """The second-order passes' result for a bias constant along the keys (a sink's): each
-    row's sum of g_S (double backward) or dS~ (backward's JVP) in closed form, P_sink (Y - X D)
-    with the row sums X, Y (`kernels.row_sums`: t and u, or c and D~), 0 without a sink
-    (`key_constant_bias`): the kernels' sum of the row's terms would cancel down to it."""
+def _row_constant_bias(plan: Plan, inputs: _Second, mode: int) -> Tensor:
+    """The result for a bias constant along the keys (a sink's) on whole rows: each row's sum
+    of dS (backward), g_S (double backward) or dS~ (backward's JVP) in closed form, D P_sink,
+    or P_sink (Y - X D) with the row sums X, Y (`kernels.row_sums`: t and u, or c and D~); 0
+    without a sink (`key_constant_bias`). The kernels' sum of the row's terms would cancel
+    down to it, and bias_side walks every score of a head in one program."""
     call = plan.call
     if not call.sink:
         return torch.zeros(call.bias.shape, dtype=call.bias.dtype, device=call.q.device)
-    centred = inputs.y.double() - inputs.x.double() * inputs.delta.double()
-    return rows_to_bias(sink_share(inputs.row_max, inputs.inv_sum) * centred.view(plan.B, plan.H, plan.Lq),
+    per_row = inputs.delta.double()
+    if mode != BACKWARD:
+        per_row = inputs.y.double() - inputs.x.double() * per_row
+    return rows_to_bias(sink_share(inputs.row_max, inputs.inv_sum) * per_row.view(plan.B, plan.H, plan.Lq),
                         call.bias, call.bias.dtype)
 
 

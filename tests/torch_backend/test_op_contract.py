@@ -336,6 +336,12 @@ def _tiles_calls():
          r"gv_parts has shape \[1, 1, 2, 8, 8\], expected \[2, 1, 2, 8, 8\]"),
         ("a cotangent of the bias without a bias", "double_backward", double, dict(gbias=torch.zeros(1, 1, 1, 1)),
          "gbias was given without a bias"),
+        # whole-row passes on a ring step's part of each row: their row sums (and a bias constant
+        # along the keys, whose rows they sum in closed form) need all of it
+        ("the double backward on a part of each row", "double_backward", double, dict(partial_rows=True),
+         "the pass sums each row over its keys; partial_rows says"),
+        ("the backward's JVP on a part of each row", "backward_jvp", backward_jvp, dict(partial_rows=True),
+         "the pass sums each row over its keys; partial_rows says"),
         ("a tangent of q of float64", "jvp", jvp, dict(tq=torch.zeros(1, 2, 8, 8, dtype=torch.float64)),
          "tq must be Float, got Double"),
         ("a tangent of the bias in other sizes than the bias", "jvp", jvp,

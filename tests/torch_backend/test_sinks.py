@@ -202,3 +202,14 @@ def test_a_sinks_bias_with_dropout_and_a_cap_passes_gradcheck_to_second_order(ba
     leaves = [t.requires_grad_() for t in (q, bias)]
     assert torch.autograd.gradcheck(run, leaves, atol=1e-9)
     assert torch.autograd.gradgradcheck(run, leaves, atol=1e-8, check_fwd_over_rev=True)
+
+
+@pytest.mark.parametrize("shapes", [((2, H, 0, D), (2, H, 5, D)), ((0, H, 4, D), (0, H, 5, D))], ids=["Lq=0", "B=0"])
+def test_sinks_over_no_rows_get_a_zero_gradient(shapes):
+    """No row sees the sinks: their gradient is 0 (the closed form sums an empty set of rows)."""
+    q_shape, k_shape = shapes
+    q, k, v = (randn(*shape, seed=s).requires_grad_() for s, shape in enumerate((q_shape, k_shape, k_shape)))
+    sinks = randn(H, seed=3).requires_grad_()
+    out = attention(q, k, v, sinks=sinks)
+    (dsinks,) = torch.autograd.grad(out, sinks, torch.ones_like(out), allow_unused=True)
+    assert dsinks is not None and torch.equal(dsinks, torch.zeros(H, dtype=torch.float64))

@@ -260,8 +260,9 @@ def _probs_times_values(e: Tensor, v: Tensor) -> Tensor:
     bh = e.shape[0] * e.shape[1]
     acc = out.view(bh, *out.shape[2:])
     for first in range(VALUE_SLICE, keys, VALUE_SLICE):
-        last = first + VALUE_SLICE
-        acc.baddbmm_(e[..., first:last].reshape(bh, e.shape[2], -1), v[..., first:last, :].reshape(bh, -1, v.shape[-1]))
+        last = min(first + VALUE_SLICE, keys)  # sizes spelled out: with B or H 0 a -1 is ambiguous
+        acc.baddbmm_(e[..., first:last].reshape(bh, e.shape[2], last - first),
+                     v[..., first:last, :].reshape(bh, last - first, v.shape[-1]))
     return out
 
 

@@ -44,6 +44,8 @@ def sink_share(row_max: Tensor, inv_sum: Tensor) -> Tensor:
 def rows_to_bias(per_row: Tensor, bias: Tensor, dtype: torch.dtype) -> Tensor:
     """A (B, H, Lq) per-row quantity summed over the axes along which `bias` (constant along
     the keys) broadcasts, by halves (`fixed_order_sum`), in the bias's shape and `dtype`."""
+    if per_row.numel() == 0:  # no row (an empty batch, head or query axis): nothing to sum
+        return torch.zeros(bias.shape, dtype=dtype, device=per_row.device)
     target = (1,) * (4 - bias.dim()) + tuple(bias.shape)
     summed = [axis for axis in range(3) if target[axis] == 1 and per_row.shape[axis] > 1]
     kept = [axis for axis in range(3) if axis not in summed]
@@ -58,9 +60,10 @@ def key_constant_bias_grad(bias: Tensor, sink: bool, dout: Tensor, out: Tensor, 
     output and row statistics (B, H, Lq)."""
     if not sink:
         return torch.zeros_like(like)
-    # D = rowsum(dO * O), summed in float64 from products in float32 (exact for half inputs;
-    # for float32 one more rounding of each product, beside O's own): no float64 copies of
-    # (B, H, Lq, dv) tensors, which cost 4-14 ms at B=1, H=8, L=4096, d=64 (a 256 ms step)
+    # D = rowsum(dO * O), summed in float64 from products in the inputs' precision, at least
+    # float32 (exact for half inputs; for float32 one more rounding of each product, beside O's
+    # own): no float64 copies of (B, H, Lq, dv) tensors, which cost 4-14 ms at B=1, H=8,
+    # L=4096, d=64 (a 256 ms step)
     wide = [t if t.dtype in (torch.float32, torch.float64) else t.float() for t in (dout, out)]
     per_row = torch.mul(*wide).sum(dim=-1, dtype=torch.float64) * sink_share(row_max, inv_sum)
     return rows_to_bias(per_row, bias, like.dtype)

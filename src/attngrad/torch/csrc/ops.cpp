@@ -376,6 +376,8 @@ void double_backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const at::Tensor& gk_parts, const at::Tensor& gv_parts, const OptTensor& g_bias_parts,
                         ATTNGRAD_OPTIONS_PARAMS, const OptTensor& key_ranges, const OptTensor& mask_blocks,
                         const OptTensor& mask_tiles) {
+    TORCH_CHECK(!partial_rows, "attngrad_tiles.double_backward: the pass sums each row over its keys; "
+                "partial_rows says they are a part of the row's");
     Call call = make_call("attngrad_tiles.double_backward", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
     bind_mask_blocks(call, mask_blocks, mask_tiles);
     bind_key_ranges(call, key_ranges);
@@ -467,6 +469,8 @@ void backward_jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const OptTensor& dk_parts, const OptTensor& dv_parts, const OptTensor& dbias_row_parts,
                      ATTNGRAD_OPTIONS_PARAMS,
                      const OptTensor& key_ranges, const OptTensor& mask_blocks, const OptTensor& mask_tiles) {
+    TORCH_CHECK(!partial_rows, "attngrad_tiles.backward_jvp: the pass sums each row over its keys; "
+                "partial_rows says they are a part of the row's (backward_jvp_given_sums takes a ring step's)");
     Call call = make_call("attngrad_tiles.backward_jvp", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
     bind_mask_blocks(call, mask_blocks, mask_tiles);
     bind_key_ranges(call, key_ranges);

@@ -423,9 +423,12 @@ def _backward_walks(plan: Plan, inputs: _Second, mode: int, bias_grad: bool,
     q, k, v = call.q, call.k, call.v
     out_q = torch.empty(plan.B, plan.H, plan.Lq, plan.D, dtype=q.dtype, device=q.device)
     out_do = torch.empty(plan.B, plan.H, plan.Lq, plan.DV, dtype=inputs.do.dtype, device=q.device) if dout_grad else None
-    direct = bias_grad and _bias_is_direct(plan)
+    # a bias constant along the keys takes its closed form (even with the scores' own shape,
+    # one key: each term alone cancels as the sum does)
+    row_constant = bias_grad and is_key_constant(call.bias) and not call.partial_rows
+    direct = bias_grad and not row_constant and _bias_is_direct(plan)
     bias_out = None
-    if bias_grad:
+    if bias_grad and not row_constant:
         bias4 = call.bias[(None,) * (4 - call.bias.dim())]
         bias_out = (torch.zeros if direct else torch.empty)(bias4.shape, dtype=call.bias.dtype, device=q.device)
     kernels.query_side[(plan.n_q, plan.B * plan.H)](
@@ -437,7 +440,7 @@ def _backward_walks(plan: Plan, inputs: _Second, mode: int, bias_grad: bool,
     kernels.key_side[(plan.n_k, plan.B * plan.Hkv)](
         *inputs.tensors(), out_k, out_v, *inputs.strides(), *inputs.c_args(), *plan.masks, *plan.walks("queries"),
         *plan.sizes, MODE=mode, **inputs.switches(), **plan.switches, **plan.launch)
-    if bias_grad and not direct and is_key_constant(call.bias) and not call.partial_rows:
+    if row_constant:
         bias_out = _row_constant_bias(plan, inputs, mode)
     elif bias_grad and not direct:
         _bias_side(plan, inputs, mode, bias_out)

@@ -213,3 +213,28 @@ def test_sinks_over_no_rows_get_a_zero_gradient(shapes):
     out = attention(q, k, v, sinks=sinks)
     (dsinks,) = torch.autograd.grad(out, sinks, torch.ones_like(out), allow_unused=True)
     assert dsinks is not None and torch.equal(dsinks, torch.zeros(H, dtype=torch.float64))
+
+
+def test_the_backward_is_asked_for_no_sum_of_a_key_constant_bias(backend, monkeypatch):  # noqa: F811 (the fixture)
+    """A key-constant bias (the sinks' included) takes its gradient from the closed form
+    alone: the backend's backward runs without a bias gradient, skipping the sum over every
+    score that would be discarded; a bias that varies along the keys still asks for one."""
+    from attngrad.torch import dispatch
+
+    asked = []
+    run = dispatch.run
+
+    def recording(pass_name, call, **inputs):
+        if pass_name == "backward":
+            asked.append(inputs["bias_grad"])
+        return run(pass_name, call, **inputs)
+
+    monkeypatch.setattr(dispatch, "run", recording)
+    case = SinkCase(is_causal=True, bias=(B, 1, L, 1))
+    dout = randn(*case.q.shape[:-1], DV, seed=5)
+    for bias in (case.bias, randn(B, 1, L, L, seed=4)):
+        q, k, v, b, sinks = (p.detach().clone().requires_grad_() for p in (case.q, case.k, case.v, bias, case.sinks))
+        ours = torch.autograd.grad(attention(q, k, v, attn_bias=b, sinks=sinks, is_causal=True), (b, sinks), dout)
+        theirs = torch.autograd.grad(with_sinks_by_definition(q, k, v, b, sinks, case.keep, None), (b, sinks), dout)
+        assert_all_close(dict(zip(("dbias", "dsinks"), ours)), dict(zip(("dbias", "dsinks"), theirs)))
+    assert asked == [False, True]

@@ -6,11 +6,13 @@ sink's fixed exp(0). So with dS = P (dP - D), D = rowsum(dO * O),
 
     sum_j dS_ij = D_i (1 - sum_j P_ij) = D_i P_sink,i,    P_sink,i = exp(-m_i) / l_i,
 
-and 0 without a sink. The backends sum the row's dS instead, terms of size P dP whose sum
-cancels down to D P_sink: in float32 that left a sink's gradient 7-2700x less accurate than
-PyTorch's on the same inputs (the smaller the sink's share, the worse). The closed form has
-no such cancellation. It holds with masks, a soft cap and dropout (O is the dropped output),
-and needs each row's whole keys (a ring step's rows are parts).
+and 0 without a sink. Summing the row's dS instead, as the backends do for any other bias,
+adds terms of size P dP whose sum cancels down to D P_sink: in float32 that left a sink's
+gradient 7-2700x less accurate than PyTorch's on the same inputs (the smaller the sink's
+share, the worse), and it is a pass over every score. The closed form has no such
+cancellation. It holds with masks, a soft cap and dropout (O is the dropped output), and
+needs each row's whole keys (a ring step's rows are parts). `ops.run_pass` asks the backward
+for no bias gradient where it applies and computes this one.
 """
 
 from __future__ import annotations
@@ -55,9 +57,9 @@ def rows_to_bias(per_row: Tensor, bias: Tensor, dtype: torch.dtype) -> Tensor:
 
 def key_constant_bias_grad(bias: Tensor, sink: bool, dout: Tensor, out: Tensor, row_max: Tensor,
                            inv_sum: Tensor, like: Tensor) -> Tensor:
-    """d bias for a `bias` constant along the keys, in the dtype of `like` (the backend's
-    result): sum over the axes the bias broadcasts along of D P_sink, from the forward's
-    output and row statistics (B, H, Lq)."""
+    """d bias for a `bias` constant along the keys, in the shape and dtype of `like` (the
+    op's result): sum over the axes the bias broadcasts along of D P_sink, from the
+    forward's output and row statistics (B, H, Lq)."""
     if not sink:
         return torch.zeros_like(like)
     # D = rowsum(dO * O), summed in float64 from products in the inputs' precision, at least

@@ -65,14 +65,19 @@ def run_pass(pass_name: str, call: AttentionCall, inputs: dict[str, Any]) -> Any
         raise ValueError("attngrad attention op: a sink needs each row's whole keys; its seed says they are a part")
     if pass_name in dispatch.OPTIONAL_PASSES and not dispatch.offered(pass_name, call, inputs):
         return _composed(pass_name, call, inputs)
-    results = dispatch.run(pass_name, call, **inputs)
+    # a bias constant along the keys takes its gradient in closed form (key_constant_bias):
+    # the backward is not asked for the backends' sum over every score, which cancels; the
+    # fused backward and JVP still is, for the tangent of that gradient it gives in closed form
+    closed_form = pass_name in ("backward", "backward_with_jvp") and inputs["bias_grad"] \
+        and is_key_constant(call.bias) and not call.partial_rows
+    asked = {**inputs, "bias_grad": False} if closed_form and pass_name == "backward" else inputs
+    results = dispatch.run(pass_name, call, **asked)
     if pass_name == "forward" and call.sink:
         results = add_sink(*results)
-    if pass_name in ("backward", "backward_with_jvp") and inputs["bias_grad"] and is_key_constant(call.bias) \
-            and not call.partial_rows:  # the bias gradient in closed form, without the backends' cancellation
+    if closed_form:
         results = list(results)
         results[3] = key_constant_bias_grad(call.bias, call.sink, inputs["dout"], inputs["out"], inputs["row_max"],
-                                            inputs["inv_sum"], results[3])
+                                            inputs["inv_sum"], empty_like_field("bias", call))
     if isinstance(results, Tensor):
         return results
     return tuple(call.q.new_empty(0) if r is None else r for r in results)  # ops return tensors, not None

@@ -88,6 +88,26 @@ def test_bits_do_not_depend_on_the_thread_count(many_blocks, case):
             assert torch.equal(a, b), f"{case}: result {i} differs between 1 and {count} threads"
 
 
+def test_a_key_constant_bias_sums_its_rows_alike_on_any_thread_count():
+    """The closed-form gradient of a bias constant along the keys sums a value per row over
+    the rows a bias entry covers (`key_constant_bias.rows_to_bias`): for one scalar over
+    2^17 rows, a reduction kernel splits the sum between threads (torch.sum's bits differed
+    between 1 and 2 threads, Intel Xeon, torch 2.13); the sum by halves does not."""
+    from attngrad.torch.key_constant_bias import rows_to_bias
+
+    per_row = torch.randn(2, 4, 1 << 14, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    threads = torch.get_num_threads()
+    sums = []
+    try:
+        for count in (1, 2, 3, 4):
+            torch.set_num_threads(count)
+            sums.append(rows_to_bias(per_row, torch.empty(1, 1, 1, 1), torch.float64))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(sums[0], s) for s in sums[1:])
+    assert rel_err(sums[0].flatten(), per_row.sum().reshape(1)) < 1e-14
+
+
 def test_a_ring_steps_bits_do_not_depend_on_the_thread_count(many_blocks):
     """A call on a part of each row's keys (a ring step: `dropout.Placement` with partial
     rows, row and key offsets), forward and backward with dropout, a bias gradient and a

@@ -8,7 +8,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attngrad.bench.cases import FAMILIES, IMPLEMENTATIONS, BenchCase, _attention, default_cases, make_inputs, step  # noqa: E402
+from attngrad.bench.cases import (  # noqa: E402
+    FAMILIES,
+    IMPLEMENTATIONS,
+    BenchCase,
+    _attention,
+    default_cases,
+    make_inputs,
+    select_cases,
+    step,
+)
 from attngrad.bench.memory import measure, required_bytes  # noqa: E402
 from attngrad.bench.report import COLUMNS, markdown, rows, write  # noqa: E402
 from attngrad.bench.runner import PLAIN, BenchReport, CaseResult, machine_facts  # noqa: E402
@@ -247,3 +256,17 @@ def test_the_distributed_report_is_a_table_of_every_method(tmp_path, monkeypatch
     section = docs_section(report, "attngrad bench --distributed", header, lines)
     assert section.startswith("`attngrad bench --distributed`\n\na CPU, ")
     assert section.endswith("- P=2 L=8192 ring-zigzag: efficiency 60%, waiting 10% of the step.")
+
+
+def test_cases_are_chosen_by_the_names_the_table_shows(capsys):
+    cases = default_cases((1024, 4096), ("train", "double-backward"))
+    chosen = select_cases(cases, ["causal+window", "double-backward+full"])
+    assert [(c.name, c.length) for c in chosen] == [("causal+window", 1024), ("causal+window", 4096),
+                                                     ("double-backward+full", 1024), ("double-backward+full", 4096)]
+    assert all(c.reference is not None for c in chosen)  # each still timed beside its plain call
+    with pytest.raises(ValueError, match="no case named window among .*causal\\+window"):
+        select_cases(cases, ["window"])
+    assert main(["bench", "--modes", "train", "--cases", "window"]) == 2
+    assert "no case named window" in capsys.readouterr().err
+    assert main(["bench", "--cases", "causal+window", "--docs"]) == 2
+    assert "cannot take --cases" in capsys.readouterr().err

@@ -160,6 +160,16 @@ def default_cases(lengths: tuple[int, ...], modes: tuple[str, ...] = ("train",))
     return cases
 
 
+def select_cases(cases: list[BenchCase], names: list[str]) -> list[BenchCase]:
+    """The cases whose name (the table's, e.g. causal+window) is one of `names`, in their
+    order; a name that no case has raises ValueError listing the names there are."""
+    known = list(dict.fromkeys(case.name for case in cases))
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"no case named {', '.join(unknown)} among these modes' cases: {', '.join(known)}")
+    return [case for case in cases if case.name in names]
+
+
 def make_inputs(case: BenchCase, seed: int = 0) -> dict[str, Any]:
     """Identical float32 inputs for every implementation (and a random upstream gradient)."""
     import torch

@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"what to time: {', '.join(FAMILIES)} (fwd+bwd with every mask; forward mode; backward "
                         "of a backward; forward over reverse; bfloat16 and float16 causal fwd+bwd; fwd+bwd at B=4; "
                         "one query row against L keys at B=4, no gradient) (default: train)")
+    parser.add_argument("--cases", nargs="+", default=None, metavar="NAME",
+                        help="only these cases of --modes, by the names the table shows (for example causal+window "
+                        "or double-backward+full); each is still timed beside its plain call (default: every case)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per implementation, median taken (default %(default)s)")
     parser.add_argument("--max-math-length", type=int, default=4096,
                         help="skip PyTorch's O(L^2) math backend above this length (default %(default)s)")
@@ -63,15 +66,25 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    if args.cases and (args.distributed or args.docs is not None):
+        why = "--distributed times its own cases" if args.distributed else "--docs writes its modes' whole section"
+        print(f"attngrad bench: error: {why}; it cannot take --cases", file=sys.stderr)
+        return 2
     if args.distributed:
         return _run_distributed(args)
-    from ..bench.cases import default_cases
+    from ..bench.cases import default_cases, select_cases
     from ..bench.report import COLUMNS, rows, write
     from ..bench.runner import GEMM_SIZE, run_bench
 
     lengths = QUICK_LENGTHS if args.quick else tuple(args.lengths or DEFAULT_LENGTHS)
     repeats = QUICK_REPEATS if args.quick else args.repeats
     cases = default_cases(lengths, tuple(dict.fromkeys(args.modes)))
+    if args.cases:
+        try:
+            cases = select_cases(cases, args.cases)
+        except ValueError as e:
+            print(f"attngrad bench: error: {e}", file=sys.stderr)
+            return 2
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("measuring the float32 GEMM peak")

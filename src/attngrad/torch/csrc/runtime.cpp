@@ -216,23 +216,45 @@ const float* rounded_float(const uint16_t* a, index_t count, std::vector<float>&
 
 }  // namespace
 
+RoundedInputs::RoundedInputs(const AttngradCall& c) {
+    const index_t q_like = c.batch * c.heads * c.len_q, k_like = c.batch * c.kv_heads * c.len_k;
+    const std::pair<AttngradBuffer, index_t> inputs[] = {
+        {buf_q, q_like * c.dim},  {buf_k, k_like * c.dim},  {buf_v, k_like * c.dim_v},  {buf_dout, q_like * c.dim_v},
+        {buf_tq, q_like * c.dim}, {buf_tk, k_like * c.dim}, {buf_tv, k_like * c.dim_v}, {buf_tdout, q_like * c.dim_v},
+        {buf_gq, q_like * c.dim}, {buf_gk, k_like * c.dim}, {buf_gv, k_like * c.dim_v},
+    };
+    for (const auto& [buffer, count] : inputs) {
+        const float* base = static_cast<const float*>(c.data[buffer]);
+        if (!base || count == 0) continue;
+        Input& in = inputs_.emplace_back(Input{base, count, std::vector<uint16_t>(count)});
+        uint16_t* out = in.rounded.data();
+        parallel_range(count, 1 << 16,
+                       [&](index_t begin, index_t end) { round_row(base + begin, end - begin, out + begin); });
+    }
+}
+
 void gemm_bf16(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, float alpha, const float* a, index_t lda,
-               const float* b, index_t ldb, float beta, float* c, index_t ldc) {
+               const float* b, index_t ldb, float beta, float* c, index_t ldc, const RoundedInputs& inputs) {
     if (m == 0 || n == 0) return;
     // per thread: the operands rounded to bfloat16, contiguous (op(A) stored m x k or k x m)
     thread_local std::vector<uint16_t> a16, b16;
     const index_t a_rows = trans_a ? k : m, a_cols = trans_a ? m : k;
     const index_t b_rows = trans_b ? n : k, b_cols = trans_b ? k : n;
-    const uint16_t* a_bf = rounded(a, a_rows, a_cols, lda, a16);
-    const uint16_t* b_bf = rounded(b, b_rows, b_cols, ldb, b16);
     if (cblas_gemm_bf16bf16f32 && !use_aten_gemm.load(std::memory_order_relaxed)) {
+        // an input's rounded copy, in its own layout (leading dimension lda or ldb)
+        const uint16_t* a_in = inputs.find(a);
+        const uint16_t* b_in = inputs.find(b);
+        const uint16_t* a_bf = a_in ? a_in : rounded(a, a_rows, a_cols, lda, a16);
+        const uint16_t* b_bf = b_in ? b_in : rounded(b, b_rows, b_cols, ldb, b16);
         constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
         cblas_gemm_bf16bf16f32(kRowMajor, trans_a ? kTrans : kNoTrans, trans_b ? kTrans : kNoTrans,
                                static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, a_bf,
-                               static_cast<int>(a_cols), b_bf, static_cast<int>(b_cols), beta, c,
-                               static_cast<int>(ldc));
+                               static_cast<int>(a_in ? lda : a_cols), b_bf, static_cast<int>(b_in ? ldb : b_cols), beta,
+                               c, static_cast<int>(ldc));
         return;
     }
+    const uint16_t* a_bf = rounded(a, a_rows, a_cols, lda, a16);
+    const uint16_t* b_bf = rounded(b, b_rows, b_cols, ldb, b16);
     // no bfloat16 GEMM here: the same rounded operands multiplied in float32 (exact products,
     // float32 sums, in the float32 GEMM's order)
     thread_local std::vector<float> a32, b32;

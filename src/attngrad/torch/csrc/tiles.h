@@ -129,11 +129,37 @@ inline void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T 
 void transpose(index_t rows, index_t cols, const float* a, index_t lda, float* b, index_t ldb);
 void transpose(index_t rows, index_t cols, const double* a, index_t lda, double* b, index_t ldb);
 
+// A pass's input buffers (Q, K, V, dO and their tangents or cotangents) rounded to bfloat16
+// once, for the GEMMs of a call with bf16_products: each GEMM would otherwise round its
+// operands anew, K and V once per query block.
+class RoundedInputs {
+   public:
+    RoundedInputs() = default;
+    explicit RoundedInputs(const AttngradCall& c);
+    // The rounded copy of `a` where `a` lies in an input buffer (the copy keeps its layout,
+    // so `a`'s leading dimension holds), else null
+    const uint16_t* find(const float* a) const {
+        for (const Input& in : inputs_) {
+            if (a >= in.base && a < in.base + in.count) return in.rounded.data() + (a - in.base);
+        }
+        return nullptr;
+    }
+
+   private:
+    struct Input {
+        const float* base;
+        index_t count;
+        std::vector<uint16_t> rounded;
+    };
+    std::vector<Input> inputs_;
+};
+
 // The same with A and B rounded to bfloat16 first, multiplied by MKL's bfloat16 GEMM (the
 // matrix units where the CPU has them), sums in float32; where there is none (or ATen's path
-// is chosen), the rounded operands go through the float32 GEMM: the same products.
+// is chosen), the rounded operands go through the float32 GEMM: the same products. An operand
+// in `inputs` takes its rounded copy there.
 void gemm_bf16(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, float alpha, const float* a, index_t lda,
-               const float* b, index_t ldb, float beta, float* c, index_t ldc);
+               const float* b, index_t ldb, float beta, float* c, index_t ldc, const RoundedInputs& inputs);
 
 // Hands out work items 0, 1, ..., count - 1, each once, in that order, to whichever worker
 // asks first; -1 when none is left.
@@ -590,6 +616,7 @@ struct Pass {
     T scale;
     Softcap<T> cap;
     ScoreMask<T> structure;  // masks without the mask and bias: a tile the tile map leaves unmasked
+    RoundedInputs rounded;   // with bf16_products
 
     explicit Pass(const AttngradCall& c)
         : call(c),
@@ -600,7 +627,8 @@ struct Pass {
                c.dropout_head_offset},
           scale(static_cast<T>(c.scale)),
           cap(static_cast<T>(c.softcap)),
-          structure(masks) {
+          structure(masks),
+          rounded(std::is_same_v<T, float> && c.bf16_products ? RoundedInputs(c) : RoundedInputs()) {
         structure.mask = nullptr, structure.bias = nullptr;
     }
 
@@ -611,7 +639,7 @@ struct Pass {
               const T* b, index_t ldb, T beta, T* c, index_t ldc) const {
         if constexpr (std::is_same_v<T, float>) {
             if (call.bf16_products) {
-                gemm_bf16(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+                gemm_bf16(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, rounded);
                 return;
             }
         }

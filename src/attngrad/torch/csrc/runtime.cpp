@@ -217,11 +217,10 @@ const float* rounded_float(const uint16_t* a, index_t count, std::vector<float>&
 }  // namespace
 
 RoundedInputs::RoundedInputs(const AttngradCall& c) {
-    const index_t q_like = c.batch * c.heads * c.len_q, k_like = c.batch * c.kv_heads * c.len_k;
+    const index_t heads = c.batch * c.kv_heads * c.len_k;
     const std::pair<AttngradBuffer, index_t> inputs[] = {
-        {buf_q, q_like * c.dim},  {buf_k, k_like * c.dim},  {buf_v, k_like * c.dim_v},  {buf_dout, q_like * c.dim_v},
-        {buf_tq, q_like * c.dim}, {buf_tk, k_like * c.dim}, {buf_tv, k_like * c.dim_v}, {buf_tdout, q_like * c.dim_v},
-        {buf_gq, q_like * c.dim}, {buf_gk, k_like * c.dim}, {buf_gv, k_like * c.dim_v},
+        {buf_k, heads * c.dim},  {buf_v, heads * c.dim_v}, {buf_tk, heads * c.dim},
+        {buf_tv, heads * c.dim_v}, {buf_gk, heads * c.dim}, {buf_gv, heads * c.dim_v},
     };
     for (const auto& [buffer, count] : inputs) {
         const float* base = static_cast<const float*>(c.data[buffer]);

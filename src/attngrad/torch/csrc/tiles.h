@@ -129,9 +129,10 @@ inline void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T 
 void transpose(index_t rows, index_t cols, const float* a, index_t lda, float* b, index_t ldb);
 void transpose(index_t rows, index_t cols, const double* a, index_t lda, double* b, index_t ldb);
 
-// A pass's input buffers (Q, K, V, dO and their tangents or cotangents) rounded to bfloat16
-// once, for the GEMMs of a call with bf16_products: each GEMM would otherwise round its
-// operands anew, K and V once per query block.
+// A pass's key-side inputs (K, V and their tangents or cotangents) rounded to bfloat16 once,
+// for the GEMMs of a call with bf16_products: each GEMM would otherwise round its operands
+// anew, K and V once per query block that sees them (a query block's own rows are rounded
+// by the few products of its tiles, and a copy of them would cost as much memory).
 class RoundedInputs {
    public:
     RoundedInputs() = default;

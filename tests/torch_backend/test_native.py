@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 torch = pytest.importorskip("torch")
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from attngrad.torch import block_map, dispatch, kept, kernels, kernels_higher, native, scaled_dot_product_attention  # noqa: E402
@@ -380,6 +380,10 @@ def _row_sums(dout, q, k, v, out, row_max, inv_sum, mask, bias, seed, causal, sc
                              (0, 0, 0, 0, 1), (0, 1, 1, 1, 0)]),
     seed=st.integers(0, 2**16),
 )
+# two keys, one wide: dq' = scale dS'_1 (K_1 - K_2), O(1) terms cancelling to 3e-4 (a draw that failed)
+@example(batch=2, kv_heads=2, groups=1, len_q=14, len_k=2, dim=1, dim_v=3, causal="bottom-right",
+         masking=("mask", (0, 0, 0, 0)), blocks=(128, 512), chunks=1, softcap=0.0, dropout_p=0.0,
+         present=(0, 1, 0, 0, 0), seed=14)
 def test_backward_jvp_given_sums_matches_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v,
                                                                causal, masking, blocks, chunks, softcap, dropout_p,
                                                                present, seed):
@@ -417,7 +421,9 @@ def test_backward_jvp_given_sums_matches_the_torch_ops_kernels(batch, kv_heads, 
         for i in (0, 1):
             assert float(ours[i].abs().max()) < EXACT and float(theirs[i].abs().max()) < EXACT, names[i]
         names, ours, theirs = ("dv_t",), ours[2:3], theirs[2:3]
-    assert_all_close(dict(zip(names, ours)), dict(zip(names, theirs)), floor_fraction=1e-3)
+    # a floor of 1e-2 of the largest tangent, not 1e-3: a tangent can be the difference of the
+    # products over a row's few keys (the example above: errors of 5e-16, 1.8e-12 of its size)
+    assert_all_close(dict(zip(names, ours)), dict(zip(names, theirs)), floor_fraction=1e-2)
 
 
 @needs_tiles

@@ -407,7 +407,8 @@ def attention_backward_jvp(
         _back_through_scores(r, ds_t, ds, tk_rep, tq_s, dq_t, dk_t, None if row_constant else dbias_t, start, stop,
                              cols, ds_bias)
         if row_constant and sink:  # rowsum(dS~) = the tangent of D P_sink = P_sink (D~ - t D)
-            add_block_to_bias(dbias_t, _sink_share(r, rows, delta_t_blk.dtype) * (delta_t_blk - t_row * delta[:, :, rows]), start, stop, 1)
+            share = _sink_share(r, rows, delta_t_blk.dtype)
+            add_block_to_bias(dbias_t, share * (delta_t_blk - t_row * delta[:, :, rows]), start, stop, 1)
     return (
         dq_t.to(q.dtype),
         dk_t.total(r.groups).to(k.dtype),
@@ -483,7 +484,8 @@ def attention_double_backward(
         # through P = softmax(S), then S = scale Q K~^T + bias; dQ, dK~ also hold K~, Q directly
         u_row = _rows(g_centre, start, stop)
         if sink:
-            u_row = torch.mul(p, g_p, out=scratch).sum(dim=-1, keepdim=True) + t_row * delta[:, :, rows] * _sink_share(r, rows, t_row.dtype)
+            share = _sink_share(r, rows, t_row.dtype)
+            u_row = torch.mul(p, g_p, out=scratch).sum(dim=-1, keepdim=True) + t_row * delta[:, :, rows] * share
         g_s = _softmax_jacobian_times(p, g_p, scratch, u_row)  # g_S = P * (g_P - rowsum(P * g_P))
         ds = p.mul_(dp)  # dS = P * (dP - D), in P's buffer
         g_s_bias = None
@@ -494,7 +496,7 @@ def attention_double_backward(
         _back_through_scores(r, g_s, ds, gk_rep, gq_s, g_q, g_k, None if row_constant else g_bias, start, stop, cols,
                              g_s_bias)
         if row_constant and sink:  # rowsum(g_S) = rowsum(P * g_P) - u rowsum(P) = P_sink (u - t D)
-            add_block_to_bias(g_bias, _sink_share(r, rows, u_row.dtype) * (u_row - t_row * delta[:, :, rows]), start, stop, 1)
+            add_block_to_bias(g_bias, share * (u_row - t_row * delta[:, :, rows]), start, stop, 1)
     return (
         None if g_do is None else g_do.to(dout.dtype),
         g_q.to(q.dtype),

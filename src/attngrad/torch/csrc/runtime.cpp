@@ -217,6 +217,8 @@ const float* rounded_float(const uint16_t* a, index_t count, std::vector<float>&
 }  // namespace
 
 RoundedInputs::RoundedInputs(const AttngradCall& c) {
+    // only the bfloat16 GEMM reads them (the fallback rounds each product's operands itself)
+    if (!cblas_gemm_bf16bf16f32 || use_aten_gemm.load(std::memory_order_relaxed)) return;
     const index_t heads = c.batch * c.kv_heads * c.len_k;
     const std::pair<AttngradBuffer, index_t> inputs[] = {
         {buf_k, heads * c.dim},  {buf_v, heads * c.dim_v}, {buf_tk, heads * c.dim},

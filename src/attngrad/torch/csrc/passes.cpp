@@ -31,6 +31,7 @@ void forward(const Pass<T>& pass) {
     parallel_items(runs * bh_count, [&](const ItemSource& source) {
         std::vector<T> scores(tile_rows * tile_keys), acc(tile_rows * s.dim_v), m(tile_rows);
         std::vector<wide_t<T>> l(tile_rows);  // the softmax sums, wide (exp_and_sum)
+        RoundedTile scores_bf16(pass.call.bf16_products, tile_rows * tile_keys);  // E, for E V
         BandKeys<T> keys_t(pass.call.transposed_keys);
         for (index_t item; (item = source.next()) >= 0;) {
           const index_t run = runs - 1 - item / bh_count, bh = item % bh_count;
@@ -87,12 +88,14 @@ void forward(const Pass<T>& pass) {
                     }
                     l[i] += sum;
                     if (drop.on) drop.scale_row(row, b, h, r0 + i, c0, seen);  // E Z: l keeps E alone
+                    scores_bf16.round(row, i * cols, cols);
                 }
                 // forward: acc += E V_blk, over slices of `value_slice` keys: a float32 sum's
                 // rounding grows with its length, and blocked sums keep each part short
                 for (index_t j0 = 0; j0 < cols; j0 += value_slice) {
                     pass.gemm(false, false, rows, s.dim_v, std::min(value_slice, cols - j0), T(1), scores.data() + j0,
-                            cols, v_head + (c0 + j0) * s.dim_v, s.dim_v, T(1), acc.data(), s.dim_v);
+                            cols, v_head + (c0 + j0) * s.dim_v, s.dim_v, T(1), acc.data(), s.dim_v,
+                            scores_bf16.at(j0));
                 }
             }
             for (index_t i = 0; i < rows; ++i) {
@@ -137,6 +140,7 @@ void backward(const Pass<T>& pass) {
     const index_t tile = std::min(block_rows, s.len_q) * std::min(block_keys, s.len_k);  // no larger than the call
     parallel_items(items.count(), [&](const ItemSource& source) {
         std::vector<T> probs(tile), dscores(tile);
+        RoundedTile probs_bf16(pass.call.bf16_products, tile), dscores_bf16(pass.call.bf16_products, tile);
         std::vector<T> slopes(pass.cap.c ? tile : 0);  // the cap's, per score
         std::vector<T> keep(drop.on ? std::min(block_keys, s.len_k) : 0);  // a row's dropout multipliers Z
         BandKeys<T> keys_t(pass.call.transposed_keys), values_t(pass.call.transposed_keys);
@@ -236,15 +240,17 @@ void backward(const Pass<T>& pass) {
                             }
                             // forward: S = c tanh(A / c) + bias  ->  dA = dS (1 - tanh^2)
                             if (slope) for (index_t j = 0; j < seen; ++j) ds[j] *= slope[j];
+                            probs_bf16.round(p, i * width, width);
+                            dscores_bf16.round(ds, i * width, width);
                         }
                         // forward: O = (P Z) V  ->  dV_blk += (P Z)^T dO
                         pass.gemm(true, false, width, s.dim_v, rows, T(1), probs.data(), width, dout + first * s.dim_v,
-                                s.dim_v, T(1), dv_head + c0 * s.dim_v, s.dim_v);
+                                s.dim_v, T(1), dv_head + c0 * s.dim_v, s.dim_v, probs_bf16.at(0));
                         // forward: S = scale Q K^T  ->  dK_blk += scale dS^T Q,  dQ += scale dS K_blk
                         pass.gemm(true, false, width, s.dim, rows, scale, dscores.data(), width, q + first * s.dim, s.dim,
-                                T(1), dk_head + c0 * s.dim, s.dim);
+                                T(1), dk_head + c0 * s.dim, s.dim, dscores_bf16.at(0));
                         pass.gemm(false, false, rows, s.dim, width, scale, dscores.data(), width, k_blk, s.dim, T(1),
-                                dq + first * s.dim, s.dim);
+                                dq + first * s.dim, s.dim, dscores_bf16.at(0));
                     }
                 }
             }

@@ -216,9 +216,13 @@ const float* rounded_float(const uint16_t* a, index_t count, std::vector<float>&
 
 }  // namespace
 
+bool bf16_gemm_reads_copies() { return cblas_gemm_bf16bf16f32 && !use_aten_gemm.load(std::memory_order_relaxed); }
+
+void round_to_bf16(const float* x, index_t n, uint16_t* out) { round_row(x, n, out); }
+
 RoundedInputs::RoundedInputs(const AttngradCall& c) {
     // only the bfloat16 GEMM reads them (the fallback rounds each product's operands itself)
-    if (!cblas_gemm_bf16bf16f32 || use_aten_gemm.load(std::memory_order_relaxed)) return;
+    if (!bf16_gemm_reads_copies()) return;
     const index_t heads = c.batch * c.kv_heads * c.len_k;
     const std::pair<AttngradBuffer, index_t> inputs[] = {
         {buf_k, heads * c.dim},  {buf_v, heads * c.dim_v}, {buf_tk, heads * c.dim},
@@ -235,15 +239,16 @@ RoundedInputs::RoundedInputs(const AttngradCall& c) {
 }
 
 void gemm_bf16(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, float alpha, const float* a, index_t lda,
-               const float* b, index_t ldb, float beta, float* c, index_t ldc, const RoundedInputs& inputs) {
+               const float* b, index_t ldb, float beta, float* c, index_t ldc, const RoundedInputs& inputs,
+               const uint16_t* a_rounded) {
     if (m == 0 || n == 0) return;
     // per thread: the operands rounded to bfloat16, contiguous (op(A) stored m x k or k x m)
     thread_local std::vector<uint16_t> a16, b16;
     const index_t a_rows = trans_a ? k : m, a_cols = trans_a ? m : k;
     const index_t b_rows = trans_b ? n : k, b_cols = trans_b ? k : n;
-    if (cblas_gemm_bf16bf16f32 && !use_aten_gemm.load(std::memory_order_relaxed)) {
-        // an input's rounded copy, in its own layout (leading dimension lda or ldb)
-        const uint16_t* a_in = inputs.find(a);
+    if (bf16_gemm_reads_copies()) {
+        // an input's or a tile's rounded copy, in its own layout (leading dimension lda or ldb)
+        const uint16_t* a_in = a_rounded ? a_rounded : inputs.find(a);
         const uint16_t* b_in = inputs.find(b);
         const uint16_t* a_bf = a_in ? a_in : rounded(a, a_rows, a_cols, lda, a16);
         const uint16_t* b_bf = b_in ? b_in : rounded(b, b_rows, b_cols, ldb, b16);

@@ -158,9 +158,40 @@ class RoundedInputs {
 // The same with A and B rounded to bfloat16 first, multiplied by MKL's bfloat16 GEMM (the
 // matrix units where the CPU has them), sums in float32; where there is none (or ATen's path
 // is chosen), the rounded operands go through the float32 GEMM: the same products. An operand
-// in `inputs` takes its rounded copy there.
+// in `inputs` takes its rounded copy there, and A takes `a_rounded` where given (A rounded
+// already, in its own layout: a RoundedTile's).
 void gemm_bf16(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, float alpha, const float* a, index_t lda,
-               const float* b, index_t ldb, float beta, float* c, index_t ldc, const RoundedInputs& inputs);
+               const float* b, index_t ldb, float beta, float* c, index_t ldc, const RoundedInputs& inputs,
+               const uint16_t* a_rounded = nullptr);
+
+// Whether gemm_bf16 runs MKL's bfloat16 GEMM (the one that reads rounded copies)
+bool bf16_gemm_reads_copies();
+
+// x[0, n) rounded to bfloat16 into out, as gemm_bf16 rounds its operands
+void round_to_bf16(const float* x, index_t n, uint16_t* out);
+
+// A score-sized tile (E, P, dS) rounded to bfloat16 row by row as a pass finishes each row,
+// while the row is in the cache, for the products that read it (dS feeds two): on where the
+// call has bf16_products and the bfloat16 GEMM reads copies, else empty and never read.
+class RoundedTile {
+   public:
+    RoundedTile(bool bf16_products, index_t size) : on_(bf16_products && bf16_gemm_reads_copies()) {
+        if (on_) bits_.resize(size);
+    }
+    // x[0, n), the tile's entries from `offset` on, rounded (float32 only: float64 never rounds)
+    template <typename T>
+    void round(const T* x, index_t offset, index_t n) {
+        if constexpr (std::is_same_v<T, float>) {
+            if (on_) round_to_bf16(x, n, bits_.data() + offset);
+        }
+    }
+    // The rounded entries from `offset` on, or null where off (the GEMM then rounds them)
+    const uint16_t* at(index_t offset) const { return on_ ? bits_.data() + offset : nullptr; }
+
+   private:
+    bool on_;
+    std::vector<uint16_t> bits_;
+};
 
 // Hands out work items 0, 1, ..., count - 1, each once, in that order, to whichever worker
 // asks first; -1 when none is left.
@@ -635,12 +666,13 @@ struct Pass {
 
     T* operator[](AttngradBuffer b) const { return static_cast<T*>(call.data[b]); }
 
-    // Every GEMM of a pass: in T, or with bfloat16 products for bfloat16 inputs
+    // Every GEMM of a pass: in T, or with bfloat16 products for bfloat16 inputs (A from
+    // `a_rounded`, where given: a RoundedTile's copy of `a`)
     void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T alpha, const T* a, index_t lda,
-              const T* b, index_t ldb, T beta, T* c, index_t ldc) const {
+              const T* b, index_t ldb, T beta, T* c, index_t ldc, const uint16_t* a_rounded = nullptr) const {
         if constexpr (std::is_same_v<T, float>) {
             if (call.bf16_products) {
-                gemm_bf16(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, rounded);
+                gemm_bf16(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, rounded, a_rounded);
                 return;
             }
         }

@@ -79,13 +79,28 @@ using wide_t = std::conditional_t<std::is_same_v<T, float>, double, T>;
 // a row's tail runs the vector code (a row ending at the causal diagonal or a window's edge
 // has one in most tiles, and 15 scalar exps cost more than the vector's 16)
 inline floatv load_tail(const float* x, index_t n, float pad) {
+#if defined(__AVX512F__)
+    // one masked load, which reads nothing past x + n (the portable lane loop costs a short
+    // row's tail up to 15 scalar loads and a trip through the stack)
+    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(pad), static_cast<__mmask16>((1u << n) - 1), x);
+    floatv out;
+    std::memcpy(&out, &v, sizeof out);
+    return out;
+#else
     float lanes[kLanes];
     for (index_t i = 0; i < kLanes; ++i) lanes[i] = i < n ? x[i] : pad;
     return load(lanes);
+#endif
 }
 
 inline void store_tail(float* x, index_t n, floatv v) {
+#if defined(__AVX512F__)
+    __m512 w;
+    std::memcpy(&w, &v, sizeof w);
+    _mm512_mask_storeu_ps(x, static_cast<__mmask16>((1u << n) - 1), w);
+#else
     for (index_t i = 0; i < n; ++i) x[i] = v[i];
+#endif
 }
 
 // The sum of 8 doubles, halves added to halves

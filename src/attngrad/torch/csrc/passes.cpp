@@ -75,10 +75,12 @@ void forward(const Pass<T>& pass) {
                     const index_t seen = causal.visible(r0 + i, c0, cols);
                     pass.score_row(tile_masks, row, b, h, r0 + i, c0, seen);  // S = c tanh(S / c) + bias, excluded -inf
                     if (fetch && i + kFetchAhead < rows) masks.prefetch(b, h, r0 + i + kFetchAhead, 1, c0, cols);
-                    const T m_new = std::max(m[i], max_of(row, seen));
+                    const index_t start = tile_masks.before_bounds(b, r0 + i, c0, seen);  // E = 0 before it
+                    const T m_new = std::max(m[i], max_of(row + start, seen - start));
                     // E = exp(S - m'); a row that has seen no key so far keeps E = 0
-                    const wide_t<T> sum = m_new != neg_inf ? exp_and_sum(row, seen, m_new) : 0;
-                    std::fill(row + (m_new != neg_inf ? seen : 0), row + cols, T(0));  // the row's future
+                    const wide_t<T> sum = m_new != neg_inf ? exp_and_sum(row + start, seen - start, m_new) : 0;
+                    std::fill(row, row + (m_new != neg_inf ? start : cols), T(0));
+                    std::fill(row + seen, row + cols, T(0));  // the row's future
                     if (m_new != m[i]) {  // rescale what earlier key blocks summed
                         const T correction = m[i] == neg_inf ? T(0) : exp_score(m[i] - m_new);
                         l[i] *= correction;
@@ -129,11 +131,15 @@ void backward(const Pass<T>& pass) {
     const index_t group = s.heads / s.kv_heads;
     const index_t rows_total = s.batch * s.heads * s.len_q;
     const index_t key_blocks = (s.len_k + block_keys - 1) / block_keys;
-    // D = rowsum(dO * O), read only by rows whose keys span more than one block (below)
-    if (key_blocks > 1 || pass.call.partial_rows) row_dots(dout, out, delta, rows_total, s.dim_v);
     const SingleKeyRows<T> single_key(masks, causal, s, inv_sum);
     const TileMap tile_map(pass.call);
     const KeyRanges ranges(pass.call);
+    // D = rowsum(dO * O), read only by rows whose keys span more than one block (below)
+    if (pass.call.partial_rows) {
+        row_dots(dout, out, delta, rows_total, s.dim_v);
+    } else if (key_blocks > 1) {
+        row_dots_of_spanning_blocks(dout, out, delta, s, ranges, block_rows, block_keys);
+    }
     const KvItems items(s, chunks, dbias.shares_batch(s), dbias.shares_kv_heads(s));
     const bool dbias_direct = dbias.direct(s);  // written entry by entry; else added into zeros
     if (dbias.part(0) && !dbias_direct) dbias.zero_all();
@@ -211,15 +217,19 @@ void backward(const Pass<T>& pass) {
                                 drop.scale_row(keep.data(), b, h, r0 + i, c0, seen);
                                 for (index_t j = 0; j < seen; ++j) ds[j] *= keep[j];
                             }
+                            // P = dS = 0 before the row's bounds, and the sweeps start past them
+                            const index_t start = tile_masks.before_bounds(b, r0 + i, c0, seen);
+                            std::fill(p, p + start, T(0));
+                            std::fill(ds, ds + start, T(0));
                             const index_t row_end = std::min(causal.visible(r0 + i, 0, s.len_k), key0 + keys);
                             if (!pass.call.partial_rows && c0 <= key0 && row_end <= c0 + width) {
                                 // every key of the row is in this block: D = rowsum(P dP) from
                                 // the very dP it is subtracted from, whose rounding then cancels
                                 // (rowsum(dO O) carries O's; few-key rows showed it in float32)
-                                const T d_row = probs_and_dot(p, ds, seen, m, inv);
-                                centre_and_scale(p, ds, seen, d_row);
+                                const T d_row = probs_and_dot(p + start, ds + start, seen - start, m, inv);
+                                centre_and_scale(p + start, ds + start, seen - start, d_row);
                             } else {
-                                probs_and_score_grad(p, ds, seen, m, inv, delta[first + i]);
+                                probs_and_score_grad(p + start, ds + start, seen - start, m, inv, delta[first + i]);
                             }
                             // the row's one key, if in this block: P = 1, dS = 0 (with l = 1: a ring
                             // step's row may have more keys than this call's, each with weight)

@@ -378,6 +378,13 @@ struct ScoreMask {
         return {row[0], row[1]};
     }
 
+    // Keys of [c0, c0 + n) before row i's bounds (excluded by them, -inf once applied): the
+    // keys a row sweep can start past (a sliding window's tile begins with up to R - 1 of them)
+    index_t before_bounds(index_t b, index_t i, index_t c0, index_t n) const {
+        if (!bounds) return 0;
+        return std::clamp<index_t>(range(b, i, 0).first - c0, 0, n);
+    }
+
     // Rows i0..i0 + count's bias and mask entries of head (b, h) at keys c0..c0 + n fetched
     // into the L2 cache ahead of use: a bias of the scores' size is read once per pass, from
     // memory, in rows a tile's width long, and the hardware does not fetch ahead across rows.
@@ -921,6 +928,24 @@ template <typename T>
 void row_dots(const T* a, const T* b, T* delta, index_t rows, index_t width) {
     parallel_range(rows, 256, [&](index_t begin, index_t end) {
         for (index_t r = begin; r < end; ++r) delta[r] = static_cast<T>(wide_dot(a + r * width, b + r * width, width));
+    });
+}
+
+// delta (as row_dots) for the rows of the query blocks whose key range spans two key blocks
+// or more: the only rows the backward reads it for (a row whose keys all lie in one block
+// sums its own D there), none of a narrow band's blocks but those that meet a block's edge
+template <typename T>
+void row_dots_of_spanning_blocks(const T* a, const T* b, T* delta, const Shape& s, const KeyRanges& ranges,
+                                 index_t block_rows, index_t block_keys) {
+    const index_t query_blocks = (s.len_q + block_rows - 1) / block_rows;
+    parallel_range(s.batch * s.heads * query_blocks, 1, [&](index_t begin, index_t end) {
+        for (index_t item = begin; item < end; ++item) {
+            const index_t bh = item / query_blocks, qb = item % query_blocks;
+            const auto [key0, keys] = ranges(bh / s.heads, qb);
+            if (keys == 0 || key0 / block_keys == (key0 + keys - 1) / block_keys) continue;
+            const index_t r0 = bh * s.len_q + qb * block_rows, r1 = bh * s.len_q + std::min(s.len_q, (qb + 1) * block_rows);
+            for (index_t r = r0; r < r1; ++r) delta[r] = static_cast<T>(wide_dot(a + r * s.dim_v, b + r * s.dim_v, s.dim_v));
+        }
     });
 }
 

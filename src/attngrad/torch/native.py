@@ -285,8 +285,15 @@ def _band_keys_transposed(len_q: int, rows: int, bounds: Tensor | None, bf16: bo
 
 
 def _narrow(bounds: Tensor | None) -> bool:
-    """Whether key `bounds` are given and leave every row at most NARROW_BAND keys."""
-    return bounds is not None and bounds.numel() > 0 and int((bounds[..., 1] - bounds[..., 0]).max()) <= NARROW_BAND
+    """Whether key `bounds` are given and leave every row at most NARROW_BAND keys. Kept while
+    the bounds live unchanged (`kept.value`): a pass asks three times, a reduction each."""
+    if bounds is None or bounds.numel() == 0:
+        return False
+
+    def make() -> bool:
+        return int((bounds[..., 1] - bounds[..., 0]).max()) <= NARROW_BAND
+
+    return kept.value("narrow", (NARROW_BAND,), (bounds,), make)
 
 
 def _tile_map(q: Tensor, k: Tensor, masks: dict, causal: int | None, block_rows: int, block_keys: int,

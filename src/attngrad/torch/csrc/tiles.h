@@ -595,6 +595,14 @@ struct Softcap {
                 if (slope) store(slope + j, 1.0f - t * t);
                 if (curve) store(curve + j, (t * -2.0f) * (1.0f - t * t) * inv);
             }
+            if (j < n) {  // the row's last n mod 16 as one vector too (tanh(0) in the lanes past them)
+                const index_t rest = n - j;
+                const floatv t = tanh_cap(load_tail(a + j, rest, 0.0f) * inv);
+                store_tail(a + j, rest, t * c);
+                if (slope) store_tail(slope + j, rest, 1.0f - t * t);
+                if (curve) store_tail(curve + j, rest, (t * -2.0f) * (1.0f - t * t) * inv);
+                return;
+            }
         }
         for (; j < n; ++j) {
             const T t = tanh_cap(a[j] * inv);

@@ -695,8 +695,8 @@ def test_a_compiler_without_openmp_still_builds_the_tiles(tmp_path):
 @needs_tiles
 def test_the_tiles_are_cached_and_keyed(monkeypatch, tmp_path):
     """The library sits in the cache folder, in a folder of its own key (sources, flags,
-    compiler, CPU): a sanitizer build or another compiler gets another folder, and a
-    process that finds the build loads it without compiling."""
+    compiler, CPU): a sanitizer build, another target CPU or another compiler gets another
+    folder, and a process that finds the build loads it without compiling."""
     from attngrad.torch import native_build
 
     path = native.build_info.path
@@ -708,6 +708,11 @@ def test_the_tiles_are_cached_and_keyed(monkeypatch, tmp_path):
     monkeypatch.setenv("ATTNGRAD_SANITIZE", "1")
     assert native_build._machine_key() != key and "-fsanitize=address,undefined" in native_build.flags()
     monkeypatch.setenv("ATTNGRAD_SANITIZE", "0")
+    monkeypatch.setenv("ATTNGRAD_MARCH", "x86-64-v3")  # a portable build (scripts/portable_tiles.sh)
+    assert "-march=x86-64-v3" in native_build.flags() and "-march=native" not in native_build.flags()
+    assert native_build._machine_key() != key
+    monkeypatch.delenv("ATTNGRAD_MARCH")
+    assert native_build._machine_key() == key
     monkeypatch.setenv("CXX", "g++-other")
     assert native_build._machine_key() != key
 

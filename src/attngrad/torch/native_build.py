@@ -10,7 +10,10 @@ ATTNGRAD_NATIVE=0 turns the tiles off; ATTNGRAD_CACHE names the cache folder (de
 $XDG_CACHE_HOME/attngrad or ~/.cache/attngrad); CXX names the compiler (default c++).
 ATTNGRAD_SANITIZE=1 builds them with AddressSanitizer and UndefinedBehaviorSanitizer
 instead, into a folder of its own (for `scripts/sanitize_tiles.sh`, which preloads the
-sanitizer runtimes that a Python process needs for such a library).
+sanitizer runtimes that a Python process needs for such a library). ATTNGRAD_MARCH names
+the CPU the build targets (-march; default native, the building machine's own): x86-64-v3
+leaves out AVX-512, for older CPUs sharing a cache, and to test the code paths written for
+them (`scripts/portable_tiles.sh`).
 """
 
 from __future__ import annotations
@@ -67,7 +70,9 @@ def _openmp(openmp: bool = True) -> tuple[str, ...]:
 
 
 def flags(openmp: bool = True) -> tuple[str, ...]:
-    return FLAGS + _openmp(openmp) + (SANITIZE_FLAGS if sanitized() else ())
+    march = f"-march={os.environ.get('ATTNGRAD_MARCH') or 'native'}"
+    base = tuple(march if flag == "-march=native" else flag for flag in FLAGS)
+    return base + _openmp(openmp) + (SANITIZE_FLAGS if sanitized() else ())
 
 
 def _cache_dir() -> Path:

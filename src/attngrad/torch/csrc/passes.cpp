@@ -147,7 +147,8 @@ void backward(const Pass<T>& pass) {
     parallel_items(items.count(), [&](const ItemSource& source) {
         std::vector<T> probs(tile), dscores(tile);
         RoundedTile probs_bf16(pass.call.bf16_products, tile), dscores_bf16(pass.call.bf16_products, tile);
-        std::vector<T> slopes(pass.cap.c ? tile : 0);  // the cap's, per score
+        // the cap's slope at a row's scores, made and used within the row's own sweep
+        std::vector<T> slope_row(pass.cap.c ? std::min(block_keys, s.len_k) : 0);
         std::vector<T> keep(drop.on ? std::min(block_keys, s.len_k) : 0);  // a row's dropout multipliers Z
         BandKeys<T> keys_t(pass.call.transposed_keys), values_t(pass.call.transposed_keys);
         for (index_t item; (item = source.next()) >= 0;) {
@@ -207,7 +208,7 @@ void backward(const Pass<T>& pass) {
                             T* ds = dscores.data() + i * width;
                             const index_t seen = causal.visible(r0 + i, c0, width);
                             const T m = row_max[first + i], inv = inv_sum[first + i];
-                            T* slope = pass.cap.c ? slopes.data() + i * width : nullptr;
+                            T* slope = pass.cap.c ? slope_row.data() : nullptr;
                             pass.score_row(tile_masks, p, b, h, r0 + i, c0, seen, slope);  // S = c tanh(A / c) + bias
                             if (fetch && i + kFetchAhead < rows) {
                                 masks.prefetch(b, h, r0 + i + kFetchAhead, 1, c0, width);

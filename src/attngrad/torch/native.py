@@ -494,8 +494,8 @@ def attention_backward(
     block_keys = _block_keys(bounds)
     if chunks is None:
         chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-k.shape[2] // block_keys))
-    dq_parts = q.new_zeros(chunks, *q.shape)
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    dq_parts = q.new_empty(chunks, *q.shape)  # the pass zeroes its parts, dk and dv itself
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     delta = q.new_empty(q.shape[:-1])
     dbias_parts = _bias_grad_buffer(masks, bias_grad, chunks, False, q.dtype)
     rows = _block_rows(q.shape[2], k.shape[2], causal, bf16, masks.get("key_bounds"))

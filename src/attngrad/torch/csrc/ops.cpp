@@ -342,8 +342,8 @@ void bind_after_forward(Call& call, const at::Tensor& out, const at::Tensor& row
     call.bind(buf_delta, delta, true);
 }
 
-// dq_parts holds `chunks` zeroed (B, H, Lq, d) partial sums of dQ, one per chunk of key
-// blocks; dk and dv are zeroed; delta is (B, H, Lq) scratch; dbias_parts, where given,
+// dq_parts holds `chunks` (B, H, Lq, d) partial sums of dQ, one per chunk of key blocks;
+// the pass writes every entry of them, of dk and of dv, reading none first; delta is (B, H, Lq) scratch; dbias_parts, where given,
 // holds the zeroed parts of the bias's gradient (bias_grad_parts of them); tile_map as the
 // forward's (bind_tile_map).
 void backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,

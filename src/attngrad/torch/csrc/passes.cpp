@@ -160,9 +160,16 @@ void backward(const Pass<T>& pass) {
             T* dv_head = dv + bhk * s.len_k * s.dim_v;
             T* dq = dq_parts + chunk * rows_total * s.dim;
             T* dbias_part = dbias.part(chunk);
+            // The item zeroes what it alone sums into, its chunk's dQ rows of its heads and
+            // (below) each key block's dK and dV rows, just before its products add into them:
+            // the caller's buffers come unzeroed, and the zeros land in this core's cache
+            T* dq_rows = dq + (b * s.heads + hk * group) * s.len_q * s.dim;
+            std::fill(dq_rows, dq_rows + group * s.len_q * s.dim, T(0));
             index_t computed = 0;
             for (index_t kb = chunk * key_blocks / chunks; kb < (chunk + 1) * key_blocks / chunks; ++kb) {
                 const index_t kb0 = kb * block_keys, block_cols = std::min(block_keys, s.len_k - kb0);
+                std::fill(dk_head + kb0 * s.dim, dk_head + (kb0 + block_cols) * s.dim, T(0));
+                std::fill(dv_head + kb0 * s.dim_v, dv_head + (kb0 + block_cols) * s.dim_v, T(0));
                 if (keys_t.on()) {  // K and V over the block's keys that any query block sees, transposed
                     index_t lo = kb0 + block_cols, hi = kb0;
                     for (index_t qb = 0; qb * block_rows < s.len_q; ++qb) {

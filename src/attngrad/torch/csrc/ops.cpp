@@ -343,9 +343,9 @@ void bind_after_forward(Call& call, const at::Tensor& out, const at::Tensor& row
 }
 
 // dq_parts holds `chunks` (B, H, Lq, d) partial sums of dQ, one per chunk of key blocks;
-// the pass writes every entry of them, of dk and of dv, reading none first; delta is (B, H, Lq) scratch; dbias_parts, where given,
-// holds the zeroed parts of the bias's gradient (bias_grad_parts of them); tile_map as the
-// forward's (bind_tile_map).
+// the pass writes every entry of them, of dk and of dv, reading none first; delta is
+// (B, H, Lq) scratch; dbias_parts, where given, holds the zeroed parts of the bias's
+// gradient (bias_grad_parts of them); tile_map as the forward's (bind_tile_map).
 void backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
                  const OptTensor& bias, const OptTensor& key_bounds, const at::Tensor& out, const at::Tensor& row_max,
                  const at::Tensor& inv_sum, const at::Tensor& dout, const at::Tensor& delta,

@@ -951,8 +951,11 @@ void row_dots_of_spanning_blocks(const T* a, const T* b, T* delta, const Shape& 
             const index_t bh = item / query_blocks, qb = item % query_blocks;
             const auto [key0, keys] = ranges(bh / s.heads, qb);
             if (keys == 0 || key0 / block_keys == (key0 + keys - 1) / block_keys) continue;
-            const index_t r0 = bh * s.len_q + qb * block_rows, r1 = bh * s.len_q + std::min(s.len_q, (qb + 1) * block_rows);
-            for (index_t r = r0; r < r1; ++r) delta[r] = static_cast<T>(wide_dot(a + r * s.dim_v, b + r * s.dim_v, s.dim_v));
+            const index_t r0 = bh * s.len_q + qb * block_rows;
+            const index_t r1 = bh * s.len_q + std::min(s.len_q, (qb + 1) * block_rows);
+            for (index_t r = r0; r < r1; ++r) {
+                delta[r] = static_cast<T>(wide_dot(a + r * s.dim_v, b + r * s.dim_v, s.dim_v));
+            }
         }
     });
 }

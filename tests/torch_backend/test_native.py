@@ -637,8 +637,11 @@ def test_bias_gradient_parts_add_up(shape, expanded):
 
 
 def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
+    from attngrad.torch import native_build
+
     monkeypatch.setenv("ATTNGRAD_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a compiler that always fails
+    monkeypatch.setattr(native_build, "_loaded", None)  # as a fresh process, which loaded no build yet
     native.library.cache_clear()
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -662,6 +665,29 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
         monkeypatch.undo()
         native.library.cache_clear()
         native.library()
+
+
+@needs_tiles
+def test_a_second_build_in_one_process_is_refused_not_loaded(monkeypatch):
+    """PyTorch takes one TORCH_LIBRARY per namespace and process: where the build's key
+    changes under a process that has loaded the tiles (sources edited, another target CPU),
+    the tiles fall back with a warning that says why, and nothing is built or loaded (a
+    second library's registration would end the process)."""
+    from attngrad.torch import native_build
+
+    loaded = native.library()
+    monkeypatch.setenv("ATTNGRAD_MARCH", "x86-64-v2")  # another key, not built in this cache
+    monkeypatch.setattr(native_build, "_build", lambda *args: pytest.fail("a second build was made"))
+    native.library.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert native.library() is None
+        assert len(caught) == 1 and "another build of the tiles is loaded" in native.build_info.reason
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+    assert native.library() == loaded and native.available()
 
 
 @needs_tiles

@@ -128,8 +128,12 @@ def _load_or_build(openmp: bool) -> Path:
     # the marker is written after a build has finished: a library mid-build is never loaded
     built = (folder / "build_seconds").exists()
     if _loaded != target:
-        if _loaded is not None and built:
-            raise RuntimeError(f"another build of the tiles is loaded in this process already ({_loaded})")
+        if _loaded is not None:
+            # PyTorch takes one TORCH_LIBRARY per namespace and process: loading a second
+            # build (its sources, flags or compiler changed under a running process) would
+            # end the process in std::terminate
+            raise RuntimeError(f"another build of the tiles is loaded in this process already ({_loaded}); a new "
+                               "process loads this one")
         if built:
             torch.ops.load_library(str(target))
         else:

@@ -3,8 +3,9 @@
 # row tails' lane loops, plain copies where streaming stores would go, bfloat16 rounded in
 # software): a build for x86-64-v3 (AVX2 and FMA, ATTNGRAD_MARCH) in a fresh cache runs the
 # tile tests, then every pass of scripts/tile_bits.py's grid, whose results must equal the
-# native build's bit for bit. Run it, as sanitize_tiles.sh, before any change to
-# src/attngrad/torch/csrc lands:
+# native build's bit for bit; and a build without OpenMP (the suite leaves that 10 s build
+# to this script). Run it, as sanitize_tiles.sh, before any change to
+# src/attngrad/torch/csrc or native_build.py lands:
 #     scripts/portable_tiles.sh [extra pytest arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,3 +24,4 @@ python -m pytest -q -p no:cacheprovider \
     tests/torch_backend/test_structured.py tests/torch_backend/test_sinks.py tests/torch_backend/test_forward_jvp.py \
     -k "not test_compiled_ and not in_triton" "$@"
 python scripts/tile_bits.py compare "$cache/native.pt"
+ATTNGRAD_BUILD_TESTS=1 python -m pytest -q -p no:cacheprovider tests/torch_backend/test_native.py -k without_openmp

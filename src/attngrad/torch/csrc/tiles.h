@@ -601,10 +601,10 @@ struct Softcap {
                 store_tail(a + j, rest, t * c);
                 if (slope) store_tail(slope + j, rest, 1.0f - t * t);
                 if (curve) store_tail(curve + j, rest, (t * -2.0f) * (1.0f - t * t) * inv);
-                return;
+                j = n;
             }
         }
-        for (; j < n; ++j) {
+        for (; j < n; ++j) {  // float64
             const T t = tanh_cap(a[j] * inv);
             a[j] = c * t;
             if (slope) slope[j] = T(1) - t * t;

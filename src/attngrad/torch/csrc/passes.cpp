@@ -23,9 +23,9 @@ void forward(const Pass<T>& pass) {
     // a tile's scratch is no larger than the call: a decode step's is one row, not 128
     const index_t tile_rows = std::min(block_rows, s.len_q), tile_keys = std::min(block_keys, s.len_k);
     // A work item is a run of query blocks of one head: one block, or with the call's
-    // transposed_keys (a narrow band) kBandRun blocks, which copy the keys they see
-    // transposed once and take S = Q (K^T) from the copy (BandKeys)
-    const index_t run_blocks = pass.call.transposed_keys ? kBandRun : 1;
+    // transposed_keys (a narrow band) a run of blocks (band_run_blocks), which copy the keys
+    // they see transposed once and take S = Q (K^T) from the copy (BandKeys)
+    const index_t run_blocks = pass.call.transposed_keys ? band_run_blocks(query_blocks, bh_count) : 1;
     const index_t runs = (query_blocks + run_blocks - 1) / run_blocks;
     // the last query blocks first: a causal pass's heaviest work is scheduled first
     parallel_items(runs * bh_count, [&](const ItemSource& source) {
@@ -92,10 +92,10 @@ void forward(const Pass<T>& pass) {
                     if (drop.on) drop.scale_row(row, b, h, r0 + i, c0, seen);  // E Z: l keeps E alone
                     scores_bf16.round(row, i * cols, cols);
                 }
-                // forward: acc += E V_blk, over slices of `value_slice` keys: a float32 sum's
-                // rounding grows with its length, and blocked sums keep each part short
-                for (index_t j0 = 0; j0 < cols; j0 += value_slice) {
-                    pass.gemm(false, false, rows, s.dim_v, std::min(value_slice, cols - j0), T(1), scores.data() + j0,
+                // forward: acc += E V_blk, over slices of about `value_slice` keys
+                for (index_t j0 = 0, n; j0 < cols; j0 += n) {
+                    n = value_slice_keys(j0, cols, value_slice);
+                    pass.gemm(false, false, rows, s.dim_v, n, T(1), scores.data() + j0,
                             cols, v_head + (c0 + j0) * s.dim_v, s.dim_v, T(1), acc.data(), s.dim_v,
                             scores_bf16.at(j0));
                 }

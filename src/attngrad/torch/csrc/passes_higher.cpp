@@ -210,10 +210,10 @@ void jvp(const Pass<T>& pass) {
         // forward: O = (P Z) V  ->  O' = (P' Z) V + (P Z) tV
         pass.gemm(false, false, rows, s.dim_v, keys, T(1), t, keys, v_head, s.dim_v, T(0), o_t, s.dim_v);
         if (tv_head) pass.gemm(false, false, rows, s.dim_v, keys, T(1), p, keys, tv_head, s.dim_v, T(1), o_t, s.dim_v);
-        // O = (P Z) V over slices of `value_slice` keys, as the forward sums it (a float32 sum's
-        // rounding grows with its length)
-        for (index_t j0 = 0; o && j0 < keys; j0 += value_slice) {
-            pass.gemm(false, false, rows, s.dim_v, std::min(value_slice, keys - j0), T(1), p + j0, keys,
+        // O = (P Z) V over slices of about `value_slice` keys, as the forward sums it
+        for (index_t j0 = 0, n; o && j0 < keys; j0 += n) {
+            n = value_slice_keys(j0, keys, value_slice);
+            pass.gemm(false, false, rows, s.dim_v, n, T(1), p + j0, keys,
                       v_head + j0 * s.dim_v, s.dim_v, T(j0 > 0), o, s.dim_v);
         }
     });

@@ -273,10 +273,12 @@ index_t ItemSource::next() const {
     return item < count_ ? item : -1;
 }
 
+index_t pool_threads() { return std::max(1, at::get_num_threads()); }
+
 void parallel_items(index_t count, const std::function<void(const ItemSource&)>& worker) {
     if (count <= 0) return;
     const ItemSource items(count);
-    const index_t workers = std::min<index_t>(count, std::max(1, at::get_num_threads()));
+    const index_t workers = std::min<index_t>(count, pool_threads());
     // grain 1 over `workers` indices: one index, so one worker, per thread of the pool
     at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
         const SingleThreadedBlas blas_guard;

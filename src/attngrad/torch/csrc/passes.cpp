@@ -151,6 +151,7 @@ void backward(const Pass<T>& pass) {
         std::vector<T> slope_row(pass.cap.c ? std::min(block_keys, s.len_k) : 0);
         std::vector<T> keep(drop.on ? std::min(block_keys, s.len_k) : 0);  // a row's dropout multipliers Z
         BandKeys<T> keys_t(pass.call.transposed_keys), values_t(pass.call.transposed_keys);
+        std::vector<ZeroedRows<T>> dq_zeroed;  // the dQ rows of an item's heads
         for (index_t item; (item = source.next()) >= 0;) {
           items.visit(item, [&](const KvItem& it) {
             const index_t chunk = it.chunk, bhk = it.bhk, b = it.b, hk = it.hk;
@@ -161,15 +162,17 @@ void backward(const Pass<T>& pass) {
             T* dq = dq_parts + chunk * rows_total * s.dim;
             T* dbias_part = dbias.part(chunk);
             // The item zeroes what it alone sums into, its chunk's dQ rows of its heads and
-            // (below) each key block's dK and dV rows, just before its products add into them:
+            // each key block's dK and dV rows, as its products first reach them (ZeroedRows):
             // the caller's buffers come unzeroed, and the zeros land in this core's cache
-            T* dq_rows = dq + (b * s.heads + hk * group) * s.len_q * s.dim;
-            std::fill(dq_rows, dq_rows + group * s.len_q * s.dim, T(0));
+            dq_zeroed.clear();
+            for (index_t h = hk * group; h < (hk + 1) * group; ++h) {
+                dq_zeroed.emplace_back(dq + (b * s.heads + h) * s.len_q * s.dim, s.dim, s.len_q);
+            }
             index_t computed = 0;
             for (index_t kb = chunk * key_blocks / chunks; kb < (chunk + 1) * key_blocks / chunks; ++kb) {
                 const index_t kb0 = kb * block_keys, block_cols = std::min(block_keys, s.len_k - kb0);
-                std::fill(dk_head + kb0 * s.dim, dk_head + (kb0 + block_cols) * s.dim, T(0));
-                std::fill(dv_head + kb0 * s.dim_v, dv_head + (kb0 + block_cols) * s.dim_v, T(0));
+                ZeroedRows<T> dk_zeroed(dk_head + kb0 * s.dim, s.dim, block_cols);
+                ZeroedRows<T> dv_zeroed(dv_head + kb0 * s.dim_v, s.dim_v, block_cols);
                 if (keys_t.on()) {  // K and V over the block's keys that any query block sees, transposed
                     index_t lo = kb0 + block_cols, hi = kb0;
                     for (index_t qb = 0; qb * block_rows < s.len_q; ++qb) {
@@ -261,6 +264,9 @@ void backward(const Pass<T>& pass) {
                             probs_bf16.round(p, i * width, width);
                             dscores_bf16.round(ds, i * width, width);
                         }
+                        dv_zeroed.reach(c0 + width - kb0);
+                        dk_zeroed.reach(c0 + width - kb0);
+                        dq_zeroed[h - hk * group].reach(r0 + rows);
                         // forward: O = (P Z) V  ->  dV_blk += (P Z)^T dO
                         pass.gemm(true, false, width, s.dim_v, rows, T(1), probs.data(), width, dout + first * s.dim_v,
                                 s.dim_v, T(1), dv_head + c0 * s.dim_v, s.dim_v, probs_bf16.at(0));
@@ -271,7 +277,10 @@ void backward(const Pass<T>& pass) {
                                 dq + first * s.dim, s.dim, dscores_bf16.at(0));
                     }
                 }
+                dk_zeroed.finish();
+                dv_zeroed.finish();
             }
+            for (ZeroedRows<T>& rows : dq_zeroed) rows.finish();
             tiles_computed.fetch_add(computed, std::memory_order_relaxed);
           });
         }

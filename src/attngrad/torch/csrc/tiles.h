@@ -790,6 +790,25 @@ class BandKeys {
     index_t lo_ = 0, ld_ = 0;
 };
 
+// Rows [0, end) of a row-major accumulator (`width` numbers a row) that a work item alone
+// adds into, zeroed up to a mark as its products first reach them (`reach`), the rest at
+// its end (`finish`): the zeros are still in cache when the products add into them.
+template <typename T>
+class ZeroedRows {
+   public:
+    ZeroedRows(T* rows, index_t width, index_t end) : rows_(rows), width_(width), end_(end) {}
+    void reach(index_t hi) {  // rows [0, hi) zeroed (or added into since)
+        if (hi <= hi_) return;
+        std::fill(rows_ + hi_ * width_, rows_ + hi * width_, T(0));
+        hi_ = hi;
+    }
+    void finish() { reach(end_); }
+
+   private:
+    T* rows_;
+    index_t width_, end_, hi_ = 0;
+};
+
 // The bias gradient: dS summed over the axes the bias broadcasts along. The batch entries
 // and key/value heads a broadcast bias shares are visited by one work item (KvItems), in
 // order; chunks of one (b, key/value head) would still add into the same entries where the

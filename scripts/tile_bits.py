@@ -37,22 +37,26 @@ def _cases() -> list[tuple[str, dict]]:
         ("window", dict(is_causal=True, window=(37, None))),
         ("documents", dict(cu_seqlens=torch.tensor([0, 61, 150, 203]))),
         ("sinks", dict(is_causal=True, sinks=True)),
+        # lengths and an even width on which bfloat16's products run on oneDNN's brgemm (where
+        # PyTorch packs bfloat16: runtime.cpp, use_brgemm), Lq odd
+        ("long", dict(is_causal=True, long=True)),
     ]
 
 
 def _results(seed: int, options: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    len_q = 203 if "cu_seqlens" in options else 150
-    shapes = dict(q=(2, 4, len_q, 59), k=(2, 2, 203, 59), v=(2, 2, 203, 59))
+    len_q = 203 if "cu_seqlens" in options else 261 if options.get("long") else 150
+    len_k, dim = (300, 64) if options.get("long") else (203, 59)
+    shapes = dict(q=(2, 4, len_q, dim), k=(2, 2, len_k, dim), v=(2, 2, len_k, dim))
     inputs = {n: torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) for n, shape in shapes.items()}
-    dout = torch.randn(2, 4, len_q, 59, generator=g, dtype=torch.float64).to(dtype)
+    dout = torch.randn(2, 4, len_q, dim, generator=g, dtype=torch.float64).to(dtype)
     tangents = [torch.randn(t.shape, generator=g, dtype=torch.float64).to(dtype) for t in inputs.values()]
-    kwargs = {k: v for k, v in options.items() if k not in ("mask", "bias", "sinks")}
+    kwargs = {k: v for k, v in options.items() if k not in ("mask", "bias", "sinks", "long")}
     if options.get("mask"):
-        kwargs["attn_mask"] = torch.rand(2, 1, len_q, 203, generator=g) > 0.3
+        kwargs["attn_mask"] = torch.rand(2, 1, len_q, len_k, generator=g) > 0.3
     leaves = [t.clone().requires_grad_() for t in inputs.values()]
     if options.get("bias"):
-        leaves.append(torch.randn(4, len_q, 203, generator=g, dtype=torch.float64).to(dtype).requires_grad_())
+        leaves.append(torch.randn(4, len_q, len_k, generator=g, dtype=torch.float64).to(dtype).requires_grad_())
     if options.get("sinks"):
         leaves.append(torch.randn(4, generator=g, dtype=torch.float64).to(dtype).requires_grad_())
 

@@ -852,6 +852,55 @@ def test_half_precision_runs_on_the_tiles(dtype, is_causal):
         assert rel_err(a.float(), b.float()) < eps, i
 
 
+@needs_tiles
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_bfloat16_products_on_either_route(is_causal):
+    """bfloat16 products whose B is a pass input (K, V and their tangents) run on oneDNN's
+    brgemm from VNNI copies where PyTorch packs bfloat16 (the matrix units), the others on
+    MKL's bfloat16 GEMM: every pass (forward, backward with a learned bias, double backward,
+    JVP), on lengths the route takes (>= 256; Lq odd, so one block's rows are odd; GQA; a
+    mask), agrees with MKL's alone to far below bfloat16's rounding (their float32 sums round
+    apart, which moves a few bfloat16 results by an ulp: 0 to 6.3e-4 measured, eps 7.8e-3), and
+    is the same bit for bit on 1 and 2 threads."""
+    from attngrad.torch import attention
+
+    ops = torch.ops.attngrad_tiles
+    before = ops.brgemm_path(-1)
+    try:
+        ops.brgemm_path(1)
+    except RuntimeError as error:
+        pytest.skip(str(error))
+    g = torch.Generator().manual_seed(7)
+    q, dout, tq = (torch.randn(1, 4, 261, 32, generator=g).bfloat16() for _ in range(3))
+    k, v, tk, tv = (torch.randn(1, 2, 300, 32, generator=g).bfloat16() for _ in range(4))
+    bias = torch.randn(4, 261, 300, generator=g).bfloat16()
+    keep = torch.rand(1, 1, 261, 300, generator=g) > 0.2
+
+    def everything():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        out = attention(*leaves[:3], attn_mask=keep, attn_bias=leaves[3], is_causal=is_causal, enable_gqa=True)
+        grads = torch.autograd.grad(out, leaves, dout, create_graph=True)
+        second = torch.autograd.grad(sum((gr.float() ** 2).sum() for gr in grads[:3]), leaves[:3])
+        out_t = torch.func.jvp(lambda q, k, v: attention(q, k, v, attn_mask=keep, is_causal=is_causal, enable_gqa=True),
+                               (q, k, v), (tq, tk, tv))[1]
+        return [t.detach().float() for t in (out, *grads, *second, out_t)]
+
+    threads = torch.get_num_threads()
+    try:
+        results = {}
+        for route, count in ((1, 1), (1, 2), (0, 2)):
+            ops.brgemm_path(route)
+            torch.set_num_threads(count)
+            results[route, count] = everything()
+    finally:
+        torch.set_num_threads(threads)
+        ops.brgemm_path(before)
+    eps = torch.finfo(torch.bfloat16).eps
+    for i, (one, two, mkl) in enumerate(zip(results[1, 1], results[1, 2], results[0, 2])):
+        assert torch.equal(one, two), i
+        assert rel_err(two, mkl) < eps / 8, i
+
+
 def test_what_the_tiles_take():
     """The tiles backend takes CPU calls in any float dtype (half computed in float32), with
     masks and a bias, and refuses an empty axis and other devices, saying why."""

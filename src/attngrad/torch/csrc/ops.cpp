@@ -18,6 +18,7 @@
 namespace attngrad_tiles {
 
 extern std::atomic<bool> use_aten_gemm;  // runtime.cpp
+extern std::atomic<int> brgemm_route;    // runtime.cpp
 bool blas_available();
 
 namespace {
@@ -322,6 +323,7 @@ void forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
                 const at::Tensor& inv_sum, ATTNGRAD_OPTIONS_PARAMS, const OptTensor& tile_map,
                 const OptTensor& key_ranges, const OptTensor& mask_blocks, const OptTensor& mask_tiles) {
     Call call = make_call("attngrad_tiles.forward", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
+    call.call.key_readers = AttngradCall::KeyReaders::forward;
     bind_mask_blocks(call, mask_blocks, mask_tiles);
     bind_key_ranges(call, key_ranges);
     bind_tile_map(call, tile_map);
@@ -353,6 +355,7 @@ void backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                  ATTNGRAD_OPTIONS_PARAMS, const OptTensor& tile_map, const OptTensor& key_ranges,
                  const OptTensor& mask_blocks, const OptTensor& mask_tiles) {
     Call call = make_call("attngrad_tiles.backward", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
+    call.call.key_readers = AttngradCall::KeyReaders::backward;
     bind_mask_blocks(call, mask_blocks, mask_tiles);
     bind_key_ranges(call, key_ranges);
     bind_tile_map(call, tile_map);
@@ -576,6 +579,18 @@ int64_t gemm_path_op(int64_t choose) {
     return use_aten_gemm.load() ? 1 : 0;
 }
 
+// Whether bfloat16 products whose B is a pass input run on oneDNN's brgemm (use_brgemm):
+// choose -1 asks, 0 turns it off (MKL's bfloat16 GEMM for all), 1 on where PyTorch packs
+// bfloat16 on this CPU; returns the route in effect after the call (0 or 1).
+int64_t brgemm_path_op(int64_t choose) {
+    TORCH_CHECK(choose >= -1 && choose <= 1, "attngrad_tiles.brgemm_path: choose is ", choose,
+                ", expected -1, 0 or 1");
+    if (choose >= 0) brgemm_route.store(choose == 1 ? -1 : 0);
+    TORCH_CHECK(choose != 1 || use_brgemm(), "attngrad_tiles.brgemm_path: PyTorch's cpublas does not pack bfloat16 "
+                "on this CPU, or MKL's bfloat16 GEMM is not in this process");
+    return use_brgemm() ? 1 : 0;
+}
+
 // The number of parts a bias gradient's buffer holds: 1, or `chunks` where the bias is
 // constant along the chunked axis (keys in the backward, whole_rows false; query rows in
 // the whole-row passes).
@@ -626,6 +641,7 @@ TORCH_LIBRARY(attngrad_tiles, m) {
           ", Tensor? tile_map=None, Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA ") -> ()");
     m.def("dropout_keep_scale(Tensor(a!) out, int seed, int row_start, int key_start, int threshold, float value) -> ()");
     m.def("gemm_path(int choose) -> int", &gemm_path_op);
+    m.def("brgemm_path(int choose) -> int", &brgemm_path_op);
     m.def("tiles_computed(bool reset=False) -> int", &tiles_computed_op);
     m.def("bias_grad_parts(int[] bias_sizes, int chunks, bool whole_rows) -> int", &bias_grad_parts_op);
 }

@@ -144,9 +144,17 @@ void backward(const Pass<T>& pass) {
     const bool dbias_direct = dbias.direct(s);  // written entry by entry; else added into zeros
     if (dbias.part(0) && !dbias_direct) dbias.zero_all();
     const index_t tile = std::min(block_rows, s.len_q) * std::min(block_keys, s.len_k);  // no larger than the call
+    // bfloat16 products on brgemm: each key block's dK and dV summed transposed
+    std::optional<TransposedKeyGrads> keys_t_grads;
+    if constexpr (std::is_same_v<T, float>) {
+        if (pass.rounded.vnni() && s.dim % 2 == 0 && s.dim_v % 2 == 0) {
+            keys_t_grads.emplace(q, dout, s.batch * s.heads, s.len_q, s.dim, s.dim_v);
+        }
+    }
     parallel_items(items.count(), [&](const ItemSource& source) {
         std::vector<T> probs(tile), dscores(tile);
         RoundedTile probs_bf16(pass.call.bf16_products, tile), dscores_bf16(pass.call.bf16_products, tile);
+        TransposedKeyGrads::Scratch key_sums;  // keys_t_grads's
         // the cap's slope at a row's scores, made and used within the row's own sweep
         std::vector<T> slope_row(pass.cap.c ? std::min(block_keys, s.len_k) : 0);
         std::vector<T> keep(drop.on ? std::min(block_keys, s.len_k) : 0);  // a row's dropout multipliers Z
@@ -173,6 +181,7 @@ void backward(const Pass<T>& pass) {
                 const index_t kb0 = kb * block_keys, block_cols = std::min(block_keys, s.len_k - kb0);
                 ZeroedRows<T> dk_zeroed(dk_head + kb0 * s.dim, s.dim, block_cols);
                 ZeroedRows<T> dv_zeroed(dv_head + kb0 * s.dim_v, s.dim_v, block_cols);
+                if (keys_t_grads) keys_t_grads->start(key_sums, block_cols);
                 if (keys_t.on()) {  // K and V over the block's keys that any query block sees, transposed
                     index_t lo = kb0 + block_cols, hi = kb0;
                     for (index_t qb = 0; qb * block_rows < s.len_q; ++qb) {
@@ -264,17 +273,31 @@ void backward(const Pass<T>& pass) {
                             probs_bf16.round(p, i * width, width);
                             dscores_bf16.round(ds, i * width, width);
                         }
-                        dv_zeroed.reach(c0 + width - kb0);
-                        dk_zeroed.reach(c0 + width - kb0);
                         dq_zeroed[h - hk * group].reach(r0 + rows);
-                        // forward: O = (P Z) V  ->  dV_blk += (P Z)^T dO
-                        pass.gemm(true, false, width, s.dim_v, rows, T(1), probs.data(), width, dout + first * s.dim_v,
-                                s.dim_v, T(1), dv_head + c0 * s.dim_v, s.dim_v, probs_bf16.at(0));
-                        // forward: S = scale Q K^T  ->  dK_blk += scale dS^T Q,  dQ += scale dS K_blk
-                        pass.gemm(true, false, width, s.dim, rows, scale, dscores.data(), width, q + first * s.dim, s.dim,
-                                T(1), dk_head + c0 * s.dim, s.dim, dscores_bf16.at(0));
+                        if (keys_t_grads) {  // dV_blk^T += dO^T (P Z), dK_blk^T += Q^T dS (scale at the end)
+                            keys_t_grads->add(key_sums, bh, r0, rows, c0 - kb0, width, block_cols, probs_bf16.at(0),
+                                              dscores_bf16.at(0));
+                        } else {
+                            dv_zeroed.reach(c0 + width - kb0);
+                            dk_zeroed.reach(c0 + width - kb0);
+                            // forward: O = (P Z) V  ->  dV_blk += (P Z)^T dO
+                            pass.gemm(true, false, width, s.dim_v, rows, T(1), probs.data(), width,
+                                      dout + first * s.dim_v, s.dim_v, T(1), dv_head + c0 * s.dim_v, s.dim_v,
+                                      probs_bf16.at(0));
+                            // forward: S = scale Q K^T  ->  dK_blk += scale dS^T Q
+                            pass.gemm(true, false, width, s.dim, rows, scale, dscores.data(), width, q + first * s.dim,
+                                      s.dim, T(1), dk_head + c0 * s.dim, s.dim, dscores_bf16.at(0));
+                        }
+                        // forward: S = scale Q K^T  ->  dQ += scale dS K_blk
                         pass.gemm(false, false, rows, s.dim, width, scale, dscores.data(), width, k_blk, s.dim, T(1),
                                 dq + first * s.dim, s.dim, dscores_bf16.at(0));
+                    }
+                }
+                if constexpr (std::is_same_v<T, float>) {
+                    if (keys_t_grads) {
+                        keys_t_grads->finish(key_sums, block_cols, scale, dk_head + kb0 * s.dim,
+                                             dv_head + kb0 * s.dim_v);
+                        continue;
                     }
                 }
                 dk_zeroed.finish();

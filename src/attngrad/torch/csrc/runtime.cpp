@@ -22,10 +22,6 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
-
 #include "row_products.h"
 #include "tiles.h"
 
@@ -39,10 +35,6 @@ int MKL_Set_Num_Threads_Local(int) __attribute__((weak));  // MKL's C interface 
 // MKL's out-of-place transposes, C interface as well (row-major 'R', transposed 'T')
 void MKL_Somatcopy(char, char, size_t, size_t, float, const float*, size_t, float*, size_t) __attribute__((weak));
 void MKL_Domatcopy(char, char, size_t, size_t, double, const double*, size_t, double*, size_t) __attribute__((weak));
-// MKL's bfloat16 GEMM (bf16 x bf16 products, float32 sums and C): on the matrix units (AMX) or
-// AVX512-BF16 where the CPU has them. Layout and transposes are CBLAS's enums (ints).
-void cblas_gemm_bf16bf16f32(int layout, int trans_a, int trans_b, int m, int n, int k, float alpha, const uint16_t* a,
-                            int lda, const uint16_t* b, int ldb, float beta, float* c, int ldc) __attribute__((weak));
 }
 
 namespace attngrad_tiles {
@@ -104,6 +96,15 @@ class SingleThreadedBlas {
 
    private:
     int previous_;
+};
+
+// When it goes, this thread's brgemm configuration is let go (release_brgemm)
+class BrgemmReleased {
+   public:
+    BrgemmReleased() = default;
+    ~BrgemmReleased() { release_brgemm(); }
+    BrgemmReleased(const BrgemmReleased&) = delete;
+    BrgemmReleased& operator=(const BrgemmReleased&) = delete;
 };
 
 template <typename T>
@@ -173,101 +174,6 @@ void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, double al
     any_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
-namespace {
-
-// float -> bfloat16, rounded to nearest even (NaN stays NaN): as c10::BFloat16 rounds.
-// Branch-free, so that the loops below vectorise (AVX512-BF16's vcvtneps2bf16 rounds alike).
-inline uint16_t to_bf16(float x) {
-    uint32_t u;
-    std::memcpy(&u, &x, sizeof u);
-    const uint32_t even = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t quiet_nan = (u >> 16) | 0x40u;
-    return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : even);
-}
-
-// x[0, n) as bfloat16 into out
-inline void round_row(const float* x, index_t n, uint16_t* out) {
-    index_t j = 0;
-#if defined(__AVX512BF16__)
-    for (; j + 16 <= n; j += 16) {
-        const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + j));
-        std::memcpy(out + j, &h, sizeof h);
-    }
-#endif
-    for (; j < n; ++j) out[j] = to_bf16(x[j]);
-}
-
-// The stored rows x cols of a (leading dimension ld) as bfloat16, contiguous
-const uint16_t* rounded(const float* a, index_t rows, index_t cols, index_t ld, std::vector<uint16_t>& buffer) {
-    buffer.resize(rows * cols);
-    for (index_t r = 0; r < rows; ++r) round_row(a + r * ld, cols, buffer.data() + r * cols);
-    return buffer.data();
-}
-
-// The same rounded values, as float32 again (the fallback's operands)
-const float* rounded_float(const uint16_t* a, index_t count, std::vector<float>& buffer) {
-    buffer.resize(count);
-    for (index_t i = 0; i < count; ++i) {
-        const uint32_t u = static_cast<uint32_t>(a[i]) << 16;
-        std::memcpy(&buffer[i], &u, sizeof(float));
-    }
-    return buffer.data();
-}
-
-}  // namespace
-
-bool bf16_gemm_reads_copies() { return cblas_gemm_bf16bf16f32 && !use_aten_gemm.load(std::memory_order_relaxed); }
-
-void round_to_bf16(const float* x, index_t n, uint16_t* out) { round_row(x, n, out); }
-
-RoundedInputs::RoundedInputs(const AttngradCall& c) {
-    // only the bfloat16 GEMM reads them (the fallback rounds each product's operands itself)
-    if (!bf16_gemm_reads_copies()) return;
-    const index_t heads = c.batch * c.kv_heads * c.len_k;
-    const std::pair<AttngradBuffer, index_t> inputs[] = {
-        {buf_k, heads * c.dim},  {buf_v, heads * c.dim_v}, {buf_tk, heads * c.dim},
-        {buf_tv, heads * c.dim_v}, {buf_gk, heads * c.dim}, {buf_gv, heads * c.dim_v},
-    };
-    for (const auto& [buffer, count] : inputs) {
-        const float* base = static_cast<const float*>(c.data[buffer]);
-        if (!base || count == 0) continue;
-        Input& in = inputs_.emplace_back(Input{base, count, std::vector<uint16_t>(count)});
-        uint16_t* out = in.rounded.data();
-        parallel_range(count, 1 << 16,
-                       [&](index_t begin, index_t end) { round_row(base + begin, end - begin, out + begin); });
-    }
-}
-
-void gemm_bf16(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, float alpha, const float* a, index_t lda,
-               const float* b, index_t ldb, float beta, float* c, index_t ldc, const RoundedInputs& inputs,
-               const uint16_t* a_rounded) {
-    if (m == 0 || n == 0) return;
-    // per thread: the operands rounded to bfloat16, contiguous (op(A) stored m x k or k x m)
-    thread_local std::vector<uint16_t> a16, b16;
-    const index_t a_rows = trans_a ? k : m, a_cols = trans_a ? m : k;
-    const index_t b_rows = trans_b ? n : k, b_cols = trans_b ? k : n;
-    if (bf16_gemm_reads_copies()) {
-        // an input's or a tile's rounded copy, in its own layout (leading dimension lda or ldb)
-        const uint16_t* a_in = a_rounded ? a_rounded : inputs.find(a);
-        const uint16_t* b_in = inputs.find(b);
-        const uint16_t* a_bf = a_in ? a_in : rounded(a, a_rows, a_cols, lda, a16);
-        const uint16_t* b_bf = b_in ? b_in : rounded(b, b_rows, b_cols, ldb, b16);
-        constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
-        cblas_gemm_bf16bf16f32(kRowMajor, trans_a ? kTrans : kNoTrans, trans_b ? kTrans : kNoTrans,
-                               static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, a_bf,
-                               static_cast<int>(a_in ? lda : a_cols), b_bf, static_cast<int>(b_in ? ldb : b_cols), beta,
-                               c, static_cast<int>(ldc));
-        return;
-    }
-    const uint16_t* a_bf = rounded(a, a_rows, a_cols, lda, a16);
-    const uint16_t* b_bf = rounded(b, b_rows, b_cols, ldb, b16);
-    // no bfloat16 GEMM here: the same rounded operands multiplied in float32 (exact products,
-    // float32 sums, in the float32 GEMM's order)
-    thread_local std::vector<float> a32, b32;
-    gemm(trans_a, trans_b, m, n, k, alpha, rounded_float(a_bf, a_rows * a_cols, a32), a_cols,
-         rounded_float(b_bf, b_rows * b_cols, b32), b_cols, beta, c, ldc);
-}
-
 index_t ItemSource::next() const {
     const index_t item = next_.fetch_add(1, std::memory_order_relaxed);
     return item < count_ ? item : -1;
@@ -282,6 +188,7 @@ void parallel_items(index_t count, const std::function<void(const ItemSource&)>&
     // grain 1 over `workers` indices: one index, so one worker, per thread of the pool
     at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
         const SingleThreadedBlas blas_guard;
+        const BrgemmReleased brgemm_guard;
         for (int64_t w = begin; w < end; ++w) worker(items);
     });
 }

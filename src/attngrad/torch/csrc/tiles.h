@@ -52,6 +52,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -107,6 +108,9 @@ struct AttngradCall {
     bool transposed_keys = false;  // the whole-row passes copy key-side heads transposed (whole_rows.h, KeySide)
     bool bf16_products = false;  // float32 buffers of bfloat16 inputs: every GEMM multiplies its operands rounded
                                  // to bfloat16 (gemm_bf16), as the inputs' own type, with float32 sums
+    // which pass reads K and V, so which of their layouts RoundedInputs keeps for brgemm:
+    // the forward's K^T (S) and V (E V), the backward's K^T, V^T (dP) and K (dS K), or any
+    enum class KeyReaders : int8_t { any, forward, backward } key_readers = KeyReaders::any;
     int64_t block_rows = 1, block_keys = 1, value_slice = 1;  // query rows and keys of a tile; keys per E V product
     int64_t chunks = 1;                                       // work items per (b, key/value head)
     void* data[kBufferCount] = {};
@@ -129,69 +133,7 @@ inline void gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, T 
 void transpose(index_t rows, index_t cols, const float* a, index_t lda, float* b, index_t ldb);
 void transpose(index_t rows, index_t cols, const double* a, index_t lda, double* b, index_t ldb);
 
-// A pass's key-side inputs (K, V and their tangents or cotangents) rounded to bfloat16 once,
-// for the GEMMs of a call with bf16_products: each GEMM would otherwise round its operands
-// anew, K and V once per query block that sees them (a query block's own rows are rounded
-// by the few products of its tiles, and a copy of them would cost as much memory).
-class RoundedInputs {
-   public:
-    RoundedInputs() = default;
-    explicit RoundedInputs(const AttngradCall& c);
-    // The rounded copy of `a` where `a` lies in an input buffer (the copy keeps its layout,
-    // so `a`'s leading dimension holds), else null
-    const uint16_t* find(const float* a) const {
-        for (const Input& in : inputs_) {
-            if (a >= in.base && a < in.base + in.count) return in.rounded.data() + (a - in.base);
-        }
-        return nullptr;
-    }
-
-   private:
-    struct Input {
-        const float* base;
-        index_t count;
-        std::vector<uint16_t> rounded;
-    };
-    std::vector<Input> inputs_;
-};
-
-// The same with A and B rounded to bfloat16 first, multiplied by MKL's bfloat16 GEMM (the
-// matrix units where the CPU has them), sums in float32; where there is none (or ATen's path
-// is chosen), the rounded operands go through the float32 GEMM: the same products. An operand
-// in `inputs` takes its rounded copy there, and A takes `a_rounded` where given (A rounded
-// already, in its own layout: a RoundedTile's).
-void gemm_bf16(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, float alpha, const float* a, index_t lda,
-               const float* b, index_t ldb, float beta, float* c, index_t ldc, const RoundedInputs& inputs,
-               const uint16_t* a_rounded = nullptr);
-
-// Whether gemm_bf16 runs MKL's bfloat16 GEMM (the one that reads rounded copies)
-bool bf16_gemm_reads_copies();
-
-// x[0, n) rounded to bfloat16 into out, as gemm_bf16 rounds its operands
-void round_to_bf16(const float* x, index_t n, uint16_t* out);
-
-// A score-sized tile (E, P, dS) rounded to bfloat16 row by row as a pass finishes each row,
-// while the row is in the cache, for the products that read it (dS feeds two): on where the
-// call has bf16_products and the bfloat16 GEMM reads copies, else empty and never read.
-class RoundedTile {
-   public:
-    RoundedTile(bool bf16_products, index_t size) : on_(bf16_products && bf16_gemm_reads_copies()) {
-        if (on_) bits_.resize(size);
-    }
-    // x[0, n), the tile's entries from `offset` on, rounded (float32 only: float64 never rounds)
-    template <typename T>
-    void round(const T* x, index_t offset, index_t n) {
-        if constexpr (std::is_same_v<T, float>) {
-            if (on_) round_to_bf16(x, n, bits_.data() + offset);
-        }
-    }
-    // The rounded entries from `offset` on, or null where off (the GEMM then rounds them)
-    const uint16_t* at(index_t offset) const { return on_ ? bits_.data() + offset : nullptr; }
-
-   private:
-    bool on_;
-    std::vector<uint16_t> bits_;
-};
+#include "bf16_products.h"  // bfloat16's products: RoundedInputs, gemm_bf16, RoundedTile
 
 // Hands out work items 0, 1, ..., count - 1, each once, in that order, to whichever worker
 // asks first; -1 when none is left.

@@ -38,7 +38,7 @@ def _cases() -> list[tuple[str, dict]]:
         ("documents", dict(cu_seqlens=torch.tensor([0, 61, 150, 203]))),
         ("sinks", dict(is_causal=True, sinks=True)),
         # lengths and an even width on which bfloat16's products run on oneDNN's brgemm (where
-        # PyTorch packs bfloat16: runtime.cpp, use_brgemm), Lq odd
+        # PyTorch packs bfloat16: bf16_products.cpp, use_brgemm), Lq odd
         ("long", dict(is_causal=True, long=True)),
     ]
 

@@ -872,9 +872,9 @@ def test_bfloat16_products_on_either_route(is_causal):
         pytest.skip(str(error))
     g = torch.Generator().manual_seed(7)
     q, dout, tq = (torch.randn(1, 4, 261, 32, generator=g).bfloat16() for _ in range(3))
-    k, v, tk, tv = (torch.randn(1, 2, 300, 32, generator=g).bfloat16() for _ in range(4))
-    bias = torch.randn(4, 261, 300, generator=g).bfloat16()
-    keep = torch.rand(1, 1, 261, 300, generator=g) > 0.2
+    k, v, tk, tv = (torch.randn(1, 2, 320, 32, generator=g).bfloat16() for _ in range(4))
+    bias = torch.randn(4, 261, 320, generator=g).bfloat16()
+    keep = torch.rand(1, 1, 261, 320, generator=g) > 0.2
 
     def everything():
         leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
@@ -899,6 +899,44 @@ def test_bfloat16_products_on_either_route(is_causal):
     for i, (one, two, mkl) in enumerate(zip(results[1, 1], results[1, 2], results[0, 2])):
         assert torch.equal(one, two), i
         assert rel_err(two, mkl) < eps / 8, i
+
+
+@needs_tiles
+def test_bfloat16_products_follow_torch_backends_mkldnn():
+    """PyTorch's brgemm refuses while torch.backends.mkldnn is off: a bfloat16 call that the
+    brgemm route took before runs on MKL's GEMM alone then (the backward raised, the forward
+    threw and caught an error in every product), and the route comes back with it on."""
+    ops = torch.ops.attngrad_tiles
+    before = ops.brgemm_path(-1)
+    try:
+        ops.brgemm_path(1)
+    except RuntimeError as error:
+        pytest.skip(str(error))
+    g = torch.Generator().manual_seed(8)
+    q, k, v, dout = (torch.randn(1, 2, 256, 32, generator=g).bfloat16() for _ in range(4))
+
+    def step():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = scaled_dot_product_attention(*leaves, is_causal=True)
+        return [t.float() for t in (out.detach(), *torch.autograd.grad(out, leaves, dout))]
+
+    try:
+        on = step()
+        enabled = torch.backends.mkldnn.enabled
+        torch.backends.mkldnn.enabled = False  # its flags() context also sets oneDNN's TF32, with a warning
+        try:
+            assert ops.brgemm_path(-1) == 0
+            off = step()
+        finally:
+            torch.backends.mkldnn.enabled = enabled
+        assert ops.brgemm_path(-1) == 1
+        ops.brgemm_path(0)
+        mkl = step()
+    finally:
+        ops.brgemm_path(before)
+    for a, b, c in zip(on, off, mkl):
+        assert torch.equal(b, c)
+        assert rel_err(a, c) < torch.finfo(torch.bfloat16).eps / 8
 
 
 def test_what_the_tiles_take():

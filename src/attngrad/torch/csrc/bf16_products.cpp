@@ -1,5 +1,6 @@
 // attngrad's compiled tiles: bfloat16's products (bf16_products.h): MKL's bfloat16 GEMM,
 // and oneDNN's batch-reduce GEMM through PyTorch's cpublas where it packs bfloat16.
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/Utils.h>
 #include <ATen/native/CPUBlas.h>
@@ -118,6 +119,9 @@ bool bf16_gemm_reads_copies() { return cblas_gemm_bf16bf16f32 && !use_aten_gemm.
 std::atomic<int> brgemm_route{-1};
 
 bool use_brgemm() {
+    // cpublas's brgemm refuses while torch.backends.mkldnn is off: asked at every call, and
+    // the CPU's answer kept only once asked with it on
+    if (!bf16_gemm_reads_copies() || !at::globalContext().userEnabledMkldnn()) return false;
     int route = brgemm_route.load(std::memory_order_relaxed);
     if (route < 0) {
         bool can = false;
@@ -131,7 +135,7 @@ bool use_brgemm() {
         route = can ? 1 : 0;
         brgemm_route.store(route, std::memory_order_relaxed);
     }
-    return route == 1 && bf16_gemm_reads_copies();
+    return route == 1;
 }
 
 void round_to_bf16(const float* x, index_t n, uint16_t* out) { round_row(x, n, out); }
@@ -150,31 +154,35 @@ index_t odd_lines(index_t n, index_t bytes) {
 // The 32-bit word of two bfloat16, `lo` in the low half: a VNNI pair
 inline uint32_t vnni_word(uint16_t lo, uint16_t hi) { return static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16; }
 
-// `in`'s by_width and by_rows (RoundedInputs), where asked, from its float32 rows, a strip
-// of rows at a time across the pool: each row rounded once into the strip
-void pack_vnni(RoundedInputs::Input& in, bool by_width, bool by_rows) {
-    const index_t rows = in.rows(), width = in.width, half = width / 2, head_rows = in.head_rows;
-    in.head_ld = odd_lines(head_rows, 4);
-    if (by_width) in.by_width.assign(rows / head_rows * half * in.head_ld, 0);
-    if (by_rows) in.by_rows.assign((rows + 1) / 2 * width, 0);
+// `in`'s by_width (panels of `block_keys` keys, `panel_ld` words a pair) and by_rows
+// (RoundedInputs), where asked, from its float32 rows, a strip of a head's rows at a time
+// across the pool: each row rounded once into the strip
+void pack_vnni(RoundedInputs::Input& in, bool by_width, bool by_rows, index_t block_keys, index_t panel_ld) {
+    const index_t width = in.width, half = width / 2, head_rows = in.head_rows, heads = in.rows() / head_rows;
+    const index_t panels = (head_rows + block_keys - 1) / block_keys, pairs = (head_rows + 1) / 2;
+    if (by_width) in.by_width.assign(heads * panels * half * panel_ld, 0);
+    if (by_rows) in.by_rows.assign(heads * pairs * width, 0);
     constexpr index_t strip = 64;  // rows of a task: an even number, so that pairs of rows stay in one task
-    parallel_range((rows + strip - 1) / strip, 1, [&](index_t begin, index_t end) {
+    const index_t strips = (head_rows + strip - 1) / strip;
+    parallel_range(heads * strips, 1, [&](index_t begin, index_t end) {
         std::vector<uint16_t> bits(strip * width);
         for (index_t t = begin; t < end; ++t) {
-            const index_t r0 = t * strip, n = std::min(strip, rows - r0);
-            for (index_t r = 0; r < n; ++r) round_row(in.base + (r0 + r) * width, width, bits.data() + r * width);
-            // by_width: word (p, row) = (x[row][2p], x[row][2p + 1]), by head
+            const index_t head = t / strips, r0 = t % strips * strip, n = std::min(strip, head_rows - r0);
+            const float* x = in.base + (head * head_rows + r0) * width;
+            for (index_t r = 0; r < n; ++r) round_row(x + r * width, width, bits.data() + r * width);
+            // by_width: word (p, row) = (x[row][2p], x[row][2p + 1]), in the row's key block's panel
             for (index_t r = 0; by_width && r < n; ++r) {
-                const index_t head = (r0 + r) / head_rows, row = (r0 + r) % head_rows;
-                uint32_t* out = in.by_width.data() + head * half * in.head_ld + row;
+                const index_t row = r0 + r;
+                uint32_t* out = in.by_width.data() + ((head * panels + row / block_keys) * half) * panel_ld +
+                                row % block_keys;
                 for (index_t p = 0; p < half; ++p) {
-                    out[p * in.head_ld] = vnni_word(bits[r * width + 2 * p], bits[r * width + 2 * p + 1]);
+                    out[p * panel_ld] = vnni_word(bits[r * width + 2 * p], bits[r * width + 2 * p + 1]);
                 }
             }
-            // by_rows: word (row / 2, c) = (x[row][c], x[row + 1][c]) for even rows
+            // by_rows: word (row / 2, c) = (x[row][c], x[row + 1][c]) for the head's even rows
             for (index_t r = 0; by_rows && r < n; r += 2) {
                 const uint16_t* lo = bits.data() + r * width;
-                uint32_t* out = in.by_rows.data() + (r0 + r) / 2 * width;
+                uint32_t* out = in.by_rows.data() + (head * pairs + (r0 + r) / 2) * width;
                 if (r + 1 < n) {
                     const uint16_t* hi = lo + width;
                     for (index_t c = 0; c < width; ++c) out[c] = vnni_word(lo[c], hi[c]);
@@ -192,9 +200,14 @@ RoundedInputs::RoundedInputs(const AttngradCall& c) {
     // only the bfloat16 GEMM reads them (the fallback rounds each product's operands itself)
     if (!bf16_gemm_reads_copies()) return;
     // the layouts cost a sweep over K and V per pass: short calls run MKL's GEMM alone (bf16
-    // causal fwd+bwd, brgemm over MKL: B=4 L=128 1.02x, L=256 0.99x; B=1 L=512 0.98x, 1024 0.92x)
+    // causal fwd+bwd, brgemm over MKL: B=4 L=128 1.02x, L=256 0.99x; B=1 L=512 0.98x, 1024 0.92x);
+    // the whole-row passes (their products span whole rows of keys) as well
     constexpr int64_t kBrgemmMinLength = 256;
-    const bool vnni = use_brgemm() && c.len_q >= kBrgemmMinLength && c.len_k >= kBrgemmMinLength;
+    using Readers = AttngradCall::KeyReaders;
+    const Readers readers = c.key_readers;
+    const bool vnni = readers != Readers::any && use_brgemm() && c.len_q >= kBrgemmMinLength &&
+                      c.len_k >= kBrgemmMinLength && c.block_rows % 2 == 0;
+    block_rows_ = c.block_rows, block_keys_ = c.block_keys, panel_ld_ = odd_lines(c.block_keys, 4);
     const index_t heads = c.batch * c.kv_heads * c.len_k;
     const std::tuple<AttngradBuffer, index_t> inputs[] = {
         {buf_k, c.dim}, {buf_v, c.dim_v}, {buf_tk, c.dim}, {buf_tv, c.dim_v}, {buf_gk, c.dim}, {buf_gv, c.dim_v},
@@ -203,14 +216,12 @@ RoundedInputs::RoundedInputs(const AttngradCall& c) {
         const float* base = static_cast<const float*>(c.data[buffer]);
         const index_t count = heads * width;
         if (!base || count == 0) continue;
-        Input& in = inputs_.emplace_back(Input{base, count, width, c.len_k, 0, {}, {}, {}});
+        Input& in = inputs_.emplace_back(Input{base, count, width, c.len_k, {}, {}, {}});
         if (vnni && width % 2 == 0) {  // the brgemm route pairs entries along the width
             // the forward reads K transposed (S = Q K^T) and V as it is (E V) alone, the
             // backward K transposed and as it is (dS K) and V transposed (dP = dO V^T)
-            using Readers = AttngradCall::KeyReaders;
-            const Readers readers = c.key_readers;
-            pack_vnni(in, readers != Readers::forward || buffer == buf_k,
-                      readers == Readers::any || (readers == Readers::forward) == (buffer == buf_v));
+            const bool forward = readers == Readers::forward;
+            pack_vnni(in, !forward || buffer == buf_k, forward == (buffer == buf_v), block_keys_, panel_ld_);
             vnni_ = true;
             continue;
         }
@@ -262,29 +273,36 @@ bool brgemm_product(index_t m, index_t n, index_t k, float alpha, const uint16_t
 }
 
 // gemm_bf16 on oneDNN's brgemm where B is a pass input kept in VNNI words (RoundedInputs)
-// and the product reads whole rows of it: B = X^T over rows [g, g + n) of X (by_width), or
-// B = X's rows [g, g + k) with g and k even (by_rows); false where it does not apply
+// and the product has a shape of the bounded set (a block's rows by a multiple of 64 keys
+// within one key block): B = X^T over rows [g, g + n) of X (by_width), or B = X's rows [g,
+// g + k) from an even row of a head (by_rows); false where it does not apply
 bool brgemm_gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, float alpha, const float* a,
                  index_t lda, const float* b, index_t ldb, float beta, float* c, index_t ldc,
                  const RoundedInputs& inputs, const uint16_t* a_rounded) {
-    if (trans_a || !use_brgemm()) return false;
+    if (trans_a || !inputs.vnni() || m != inputs.block_rows() || ldc != n || !use_brgemm()) return false;
     const RoundedInputs::Input* in = inputs.holding(b);
     if (!in || ldb != in->width || (trans_b ? in->by_width : in->by_rows).empty()) return false;
     const index_t offset = b - in->base;
     if (offset % in->width != 0) return false;
-    const index_t g = offset / in->width;  // the first row of the input B reads
+    const index_t g = offset / in->width, head = g / in->head_rows, row = g % in->head_rows;  // B's first row
+    const index_t block_keys = inputs.block_keys(), half = in->width / 2;
     const uint32_t* words;
     index_t ld_words;
-    if (trans_b) {  // op(B) = X[g, g + n)^T: k = width, the rows in one head
-        const index_t head = g / in->head_rows, row = g % in->head_rows;
-        if (k != in->width || row + n > in->head_rows) return false;
-        words = in->by_width.data() + head * (in->width / 2) * in->head_ld + row, ld_words = in->head_ld;
-    } else {  // op(B) = X[g, g + k): n = width
-        if (n != in->width || g % 2 != 0 || k % 2 != 0 || g + k > in->rows()) return false;
-        words = in->by_rows.data() + g / 2 * in->width, ld_words = in->width;
+    if (trans_b) {  // op(B) = X[g, g + n)^T: k = width, the rows in one key block
+        const index_t panels = (in->head_rows + block_keys - 1) / block_keys, off = row % block_keys;
+        if (k != in->width || !brgemm_keys_shape(n, block_keys) || off + n > block_keys) return false;
+        words = in->by_width.data() + ((head * panels + row / block_keys) * half) * inputs.panel_ld() + off;
+        ld_words = inputs.panel_ld();
+    } else {  // op(B) = X[g, g + k): n = width, from an even row of the head
+        if (n != in->width || row % 2 != 0 || !brgemm_keys_shape(k, block_keys) || row + k > in->head_rows) {
+            return false;
+        }
+        words = in->by_rows.data() + (head * ((in->head_rows + 1) / 2) + row / 2) * in->width;
+        ld_words = in->width;
     }
     const uint16_t* a_bf = a_rounded ? a_rounded : inputs.find(a);
     index_t a_ld = lda;
+    if (a_bf && a_ld != k && !brgemm_keys_shape(a_ld, block_keys)) return false;  // a bounded set of A's too
     thread_local std::vector<uint16_t> a16;
     if (!a_bf) {
         // C = alpha A B with alpha a power of two (the scale of a head width 4^j): A's
@@ -312,57 +330,60 @@ void brgemm_bf16(index_t m, index_t n, index_t k, const uint16_t* a, index_t lda
 }
 
 TransposedKeyGrads::TransposedKeyGrads(const float* q, const float* dout, index_t heads, index_t rows, index_t dim,
-                                       index_t dim_v)
-    : heads_(heads), rows_(rows), rows_pad_((rows + 1) / 2 * 2), ld_(odd_lines(rows_pad_, 2)), dim_(dim),
-      dim_v_(dim_v), q_t_(heads * dim * ld_, 0), dout_t_(heads * dim_v * ld_, 0) {
-    constexpr index_t strip = 64;  // rows rounded at a time, then written out by column
-    const index_t strips = (rows + strip - 1) / strip;
-    parallel_range(heads * strips, 1, [&](index_t begin, index_t end) {
-        std::vector<uint16_t> bits(strip * std::max(dim, dim_v));
+                                       index_t dim_v, index_t block_rows, index_t block_keys)
+    : heads_(heads), rows_(rows), dim_(dim), dim_v_(dim_v), block_rows_(block_rows), block_keys_(block_keys),
+      blocks_((rows + block_rows - 1) / block_rows), ld_(odd_lines(block_rows, 2)),
+      q_t_(heads * blocks_ * dim * ld_, 0), dout_t_(heads * blocks_ * dim_v * ld_, 0) {
+    parallel_range(heads * blocks_, 1, [&](index_t begin, index_t end) {
+        std::vector<uint16_t> bits(block_rows_ * std::max(dim_, dim_v_));
         for (index_t t = begin; t < end; ++t) {
-            const index_t bh = t / strips, r0 = t % strips * strip, n = std::min(strip, rows - r0);
-            for (auto [src, width, dst] : {std::tuple{q, dim, q_t_.data()}, std::tuple{dout, dim_v, dout_t_.data()}}) {
-                for (index_t r = 0; r < n; ++r) round_row(src + (bh * rows + r0 + r) * width, width, bits.data() + r * width);
+            const index_t bh = t / blocks_, r0 = t % blocks_ * block_rows_, n = std::min(block_rows_, rows_ - r0);
+            for (auto [src, width, dst] : {std::tuple{q, dim_, q_t_.data()}, std::tuple{dout, dim_v_, dout_t_.data()}}) {
+                for (index_t r = 0; r < n; ++r) round_row(src + (bh * rows_ + r0 + r) * width, width, bits.data() + r * width);
+                uint16_t* block = dst + t * width * ld_;
                 for (index_t c = 0; c < width; ++c) {
-                    uint16_t* out = dst + (bh * width + c) * ld_ + r0;
-                    for (index_t r = 0; r < n; ++r) out[r] = bits[r * width + c];
+                    for (index_t r = 0; r < n; ++r) block[c * ld_ + r] = bits[r * width + c];
                 }
             }
         }
     });
 }
 
-void TransposedKeyGrads::start(Scratch& w, index_t keys) const {
-    w.dk_t.assign(dim_ * keys, 0.0f);
-    w.dv_t.assign(dim_v_ * keys, 0.0f);
+void TransposedKeyGrads::start(Scratch& w) const {
+    w.dk_t.assign(dim_ * block_keys_, 0.0f);
+    w.dv_t.assign(dim_v_ * block_keys_, 0.0f);
 }
 
 void TransposedKeyGrads::add(Scratch& w, index_t bh, index_t r0, index_t rows, index_t j0, index_t width,
-                             index_t keys, const uint16_t* p16, const uint16_t* ds16) const {
-    const index_t pairs = (rows + 1) / 2;
-    w.pairs.resize(pairs * width);
-    for (auto [tile, a, out, width_out] : {std::tuple{p16, dout_t_.data() + bh * dim_v_ * ld_, w.dv_t.data(), dim_v_},
-                                           std::tuple{ds16, q_t_.data() + bh * dim_ * ld_, w.dk_t.data(), dim_}}) {
-        // the tile's rows in pairs: word (r / 2, j) = (x[r][j], x[r + 1][j]), an odd last row with 0
-        for (index_t r = 0; r < rows; r += 2) {
-            const uint16_t* lo = tile + r * width;
-            uint32_t* words = w.pairs.data() + r / 2 * width;
-            if (r + 1 < rows) {
-                const uint16_t* hi = lo + width;
-                for (index_t j = 0; j < width; ++j) words[j] = vnni_word(lo[j], hi[j]);
-            } else {
-                for (index_t j = 0; j < width; ++j) words[j] = vnni_word(lo[j], 0);
-            }
+                             const float* p, const float* ds, const uint16_t* p16, const uint16_t* ds16,
+                             const float* q, const float* dout, const RoundedInputs& inputs) const {
+    const index_t t = bh * blocks_ + r0 / block_rows_;  // the query block
+    const bool shape = rows == block_rows_ && brgemm_keys_shape(width, block_keys_) && p16 && ds16 && use_brgemm();
+    for (auto [tile, tile16, a_t, a, out, width_out] :
+         {std::tuple{p, p16, dout_t_.data() + t * dim_v_ * ld_, dout + (bh * rows_ + r0) * dim_v_, w.dv_t.data(), dim_v_},
+          std::tuple{ds, ds16, q_t_.data() + t * dim_ * ld_, q + (bh * rows_ + r0) * dim_, w.dk_t.data(), dim_}}) {
+        if (!shape) {  // the sum untransposed on MKL's GEMM: (width_out x width) += A^T tile
+            gemm_bf16(true, false, width_out, width, rows, 1.0f, a, width_out, tile, width, 1.0f, out + j0,
+                      block_keys_, inputs);
+            continue;
         }
-        // (width_out x 2 pairs) += A (width_out x rows, the head's transposed rows) B
-        brgemm_bf16(width_out, width, 2 * pairs, a + r0, ld_, w.pairs.data(), width, true, out + j0, keys);
+        // the tile's rows in pairs: word (r / 2, j) = (x[r][j], x[r + 1][j]) (rows even here)
+        w.pairs.resize(rows / 2 * width);
+        for (index_t r = 0; r < rows; r += 2) {
+            const uint16_t* lo = tile16 + r * width;
+            const uint16_t* hi = lo + width;
+            uint32_t* words = w.pairs.data() + r / 2 * width;
+            for (index_t j = 0; j < width; ++j) words[j] = vnni_word(lo[j], hi[j]);
+        }
+        // (width_out x width) += A (width_out x rows: the block's rows transposed) B
+        brgemm_bf16(width_out, width, rows, a_t, ld_, w.pairs.data(), width, true, out + j0, block_keys_);
     }
 }
 
 void TransposedKeyGrads::finish(const Scratch& w, index_t keys, float scale, float* dk, float* dv) const {
     for (index_t j = 0; j < keys; ++j) {
-        for (index_t c = 0; c < dim_; ++c) dk[j * dim_ + c] = scale * w.dk_t[c * keys + j];
-        for (index_t c = 0; c < dim_v_; ++c) dv[j * dim_v_ + c] = w.dv_t[c * keys + j];
+        for (index_t c = 0; c < dim_; ++c) dk[j * dim_ + c] = scale * w.dk_t[c * block_keys_ + j];
+        for (index_t c = 0; c < dim_v_; ++c) dv[j * dim_v_ + c] = w.dv_t[c * block_keys_ + j];
     }
 }
 

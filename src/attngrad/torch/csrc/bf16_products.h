@@ -7,12 +7,16 @@
 // anew, K and V once per query block that sees them (a query block's own rows are rounded
 // by the few products of its tiles, and a copy of them would cost as much memory).
 //
-// Where the matrix units take oneDNN's batch-reduce GEMM (use_brgemm), each input is kept
-// instead in the two layouts that GEMM reads as its B operand, pairs of bfloat16 along the
-// summed axis in one 32-bit word (VNNI): `by_width` [width/2][rows][2] for products with
-// the input transposed (S = Q K^T, dP = dO V^T: summed over the head width; per head, its
-// rows an odd number of cache lines apart, as in TransposedKeyGrads), `by_rows`
-// [rows/2][width][2] for products with it as it is (E V, dS K: summed over keys).
+// Where the matrix units take oneDNN's batch-reduce GEMM (use_brgemm), the forward's and
+// the backward's K and V are kept instead in the layouts that GEMM reads as its B operand,
+// pairs of bfloat16 along the summed axis in one 32-bit word (VNNI): `by_width`, per key
+// block of each head [width/2][panel_ld], for products with the input transposed (S = Q K^T,
+// dP = dO V^T: summed over the head width), `by_rows`, per head [rows/2][width] (a last odd
+// row paired with 0), for products with it as it is (E V, dS K: summed over keys).
+//
+// PyTorch keeps every brgemm kernel it builds, one per shape and leading dimensions, for the
+// thread's life: brgemm takes only the shapes of a bounded set (BrgemmShapes), whatever the
+// call's lengths (300 bfloat16 calls at lengths 256 to 555 otherwise held 149 MiB more).
 class RoundedInputs {
    public:
     RoundedInputs() = default;
@@ -21,10 +25,10 @@ class RoundedInputs {
     struct Input {
         const float* base;
         index_t count, width;             // count = rows x width, row-major
-        index_t head_rows = 0, head_ld = 0;  // rows of a head; by_width's words per pair of a head
+        index_t head_rows = 0;            // rows of a head
         std::vector<uint16_t> rounded;    // as the input's own layout (MKL's bfloat16 GEMM)
-        std::vector<uint32_t> by_width;   // per head [width/2][head_ld] words (use_brgemm)
-        std::vector<uint32_t> by_rows;    // [ceil(rows/2)][width] words, a last odd row paired with 0 (use_brgemm)
+        std::vector<uint32_t> by_width;   // per head and key block [width/2][panel_ld] words (use_brgemm)
+        std::vector<uint32_t> by_rows;    // per head [ceil(head_rows/2)][width] words (use_brgemm)
         index_t rows() const { return count / width; }
     };
 
@@ -43,11 +47,21 @@ class RoundedInputs {
     }
     // Whether the inputs are kept in VNNI words: the pass's products run on brgemm
     bool vnni() const { return vnni_; }
+    // The tiles' query rows and key block, by which brgemm's shapes are bounded
+    index_t block_rows() const { return block_rows_; }
+    index_t block_keys() const { return block_keys_; }
+    index_t panel_ld() const { return panel_ld_; }  // by_width's words per pair of a key block
 
    private:
     std::vector<Input> inputs_;
     bool vnni_ = false;
+    index_t block_rows_ = 0, block_keys_ = 0, panel_ld_ = 0;
 };
+
+// The shapes brgemm takes (a bounded set: each new one builds a kernel PyTorch keeps): a
+// block of `block_rows` rows (or a head width) by a multiple of 64 keys up to a key block,
+// leading dimensions among those and the widths. Other products run on MKL's GEMM.
+inline bool brgemm_keys_shape(index_t n, index_t block_keys) { return n % 64 == 0 && n > 0 && n <= block_keys; }
 
 // The same with A and B rounded to bfloat16 first, multiplied by MKL's bfloat16 GEMM (the
 // matrix units where the CPU has them), sums in float32; where there is none (or ATen's path
@@ -81,28 +95,30 @@ void brgemm_bf16(index_t m, index_t n, index_t k, const uint16_t* a, index_t lda
 // would repack P^T, dS^T and the query rows at every product.
 class TransposedKeyGrads {
    public:
-    // Q^T and dO^T of every head, rounded to bfloat16
-    TransposedKeyGrads(const float* q, const float* dout, index_t heads, index_t rows, index_t dim, index_t dim_v);
+    // Q^T and dO^T of every query block of every head, rounded to bfloat16
+    TransposedKeyGrads(const float* q, const float* dout, index_t heads, index_t rows, index_t dim, index_t dim_v,
+                       index_t block_rows, index_t block_keys);
 
     // Per worker: a key block's dK^T and dV^T sums (f32) and a tile's pairs of rows
     struct Scratch {
-        std::vector<float> dk_t, dv_t;  // (dim, block keys), (dim_v, block keys)
-        std::vector<uint32_t> pairs;    // (rows_pad / 2, width) words
+        std::vector<float> dk_t, dv_t;  // (dim, block_keys), (dim_v, block_keys)
+        std::vector<uint32_t> pairs;    // (block_rows / 2, width) words
     };
-    void start(Scratch& w, index_t keys) const;  // the sums zeroed for a block of `keys` keys
+    void start(Scratch& w) const;  // the sums zeroed
 
-    // dK^T[:, j0, j0 + width) += Q^T P dS and dV^T += dO^T P for query rows [first, first
-    // + rows) of head bh (first counted in the head's rows), from the tile's bfloat16 rows
-    // p16, ds16 (rows x width, row-major)
-    void add(Scratch& w, index_t bh, index_t r0, index_t rows, index_t j0, index_t width, index_t keys,
-             const uint16_t* p16, const uint16_t* ds16) const;
+    // dK^T[:, j0, j0 + width) += Q^T dS and dV^T += dO^T P for query rows [r0, r0 + rows)
+    // of head bh, from the tile's rows p, ds (rows x width, row-major) and, where brgemm
+    // takes the shape, their bfloat16 copies p16, ds16 (else MKL's GEMM from q and dout)
+    void add(Scratch& w, index_t bh, index_t r0, index_t rows, index_t j0, index_t width, const float* p,
+             const float* ds, const uint16_t* p16, const uint16_t* ds16, const float* q, const float* dout,
+             const RoundedInputs& inputs) const;
 
-    // dk (keys x dim) = scale dK^T^T and dv = dV^T^T for the block's keys
+    // dk (keys x dim) = scale dK^T^T and dv = dV^T^T for the block's first `keys` keys
     void finish(const Scratch& w, index_t keys, float scale, float* dk, float* dv) const;
 
    private:
-    index_t heads_, rows_, rows_pad_, ld_, dim_, dim_v_;
-    std::vector<uint16_t> q_t_, dout_t_;  // (B H, width, ld_): a head's transposed rows, padded
+    index_t heads_, rows_, dim_, dim_v_, block_rows_, block_keys_, blocks_, ld_;
+    std::vector<uint16_t> q_t_, dout_t_;  // (B H, query block, width, ld_): a block's rows transposed
 };
 
 // A score-sized tile (E, P, dS) rounded to bfloat16 row by row as a pass finishes each row,

@@ -18,7 +18,7 @@
 namespace attngrad_tiles {
 
 extern std::atomic<bool> use_aten_gemm;  // runtime.cpp
-extern std::atomic<int> brgemm_route;    // runtime.cpp
+extern std::atomic<int> brgemm_route;    // bf16_products.cpp
 bool blas_available();
 
 namespace {
@@ -586,8 +586,9 @@ int64_t brgemm_path_op(int64_t choose) {
     TORCH_CHECK(choose >= -1 && choose <= 1, "attngrad_tiles.brgemm_path: choose is ", choose,
                 ", expected -1, 0 or 1");
     if (choose >= 0) brgemm_route.store(choose == 1 ? -1 : 0);
-    TORCH_CHECK(choose != 1 || use_brgemm(), "attngrad_tiles.brgemm_path: PyTorch's cpublas does not pack bfloat16 "
-                "on this CPU, or MKL's bfloat16 GEMM is not in this process");
+    TORCH_CHECK(choose != 1 || use_brgemm(), "attngrad_tiles.brgemm_path: no brgemm route here: the CPU lacks "
+                "AMX-BF16, PyTorch's cpublas does not pack bfloat16, torch.backends.mkldnn is off, or MKL's "
+                "bfloat16 GEMM is not in this process");
     return use_brgemm() ? 1 : 0;
 }
 

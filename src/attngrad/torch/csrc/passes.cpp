@@ -148,7 +148,7 @@ void backward(const Pass<T>& pass) {
     std::optional<TransposedKeyGrads> keys_t_grads;
     if constexpr (std::is_same_v<T, float>) {
         if (pass.rounded.vnni() && s.dim % 2 == 0 && s.dim_v % 2 == 0) {
-            keys_t_grads.emplace(q, dout, s.batch * s.heads, s.len_q, s.dim, s.dim_v);
+            keys_t_grads.emplace(q, dout, s.batch * s.heads, s.len_q, s.dim, s.dim_v, block_rows, block_keys);
         }
     }
     parallel_items(items.count(), [&](const ItemSource& source) {
@@ -181,7 +181,7 @@ void backward(const Pass<T>& pass) {
                 const index_t kb0 = kb * block_keys, block_cols = std::min(block_keys, s.len_k - kb0);
                 ZeroedRows<T> dk_zeroed(dk_head + kb0 * s.dim, s.dim, block_cols);
                 ZeroedRows<T> dv_zeroed(dv_head + kb0 * s.dim_v, s.dim_v, block_cols);
-                if (keys_t_grads) keys_t_grads->start(key_sums, block_cols);
+                if (keys_t_grads) keys_t_grads->start(key_sums);
                 if (keys_t.on()) {  // K and V over the block's keys that any query block sees, transposed
                     index_t lo = kb0 + block_cols, hi = kb0;
                     for (index_t qb = 0; qb * block_rows < s.len_q; ++qb) {
@@ -275,8 +275,10 @@ void backward(const Pass<T>& pass) {
                         }
                         dq_zeroed[h - hk * group].reach(r0 + rows);
                         if (keys_t_grads) {  // dV_blk^T += dO^T (P Z), dK_blk^T += Q^T dS (scale at the end)
-                            keys_t_grads->add(key_sums, bh, r0, rows, c0 - kb0, width, block_cols, probs_bf16.at(0),
-                                              dscores_bf16.at(0));
+                            if constexpr (std::is_same_v<T, float>) {
+                                keys_t_grads->add(key_sums, bh, r0, rows, c0 - kb0, width, probs.data(), dscores.data(),
+                                                  probs_bf16.at(0), dscores_bf16.at(0), q, dout, pass.rounded);
+                            }
                         } else {
                             dv_zeroed.reach(c0 + width - kb0);
                             dk_zeroed.reach(c0 + width - kb0);

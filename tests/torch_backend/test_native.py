@@ -852,6 +852,17 @@ def test_half_precision_runs_on_the_tiles(dtype, is_causal):
         assert rel_err(a.float(), b.float()) < eps, i
 
 
+def _brgemm_route_on() -> int:
+    """Turns bfloat16's brgemm route on and returns the route before; skips where there is none."""
+    ops = torch.ops.attngrad_tiles
+    before = ops.brgemm_path(-1)
+    try:
+        ops.brgemm_path(1)
+    except RuntimeError as error:
+        pytest.skip(str(error))
+    return before
+
+
 @needs_tiles
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_bfloat16_products_on_either_route(is_causal):
@@ -865,11 +876,7 @@ def test_bfloat16_products_on_either_route(is_causal):
     from attngrad.torch import attention
 
     ops = torch.ops.attngrad_tiles
-    before = ops.brgemm_path(-1)
-    try:
-        ops.brgemm_path(1)
-    except RuntimeError as error:
-        pytest.skip(str(error))
+    before = _brgemm_route_on()
     g = torch.Generator().manual_seed(7)
     q, dout, tq = (torch.randn(1, 4, 261, 32, generator=g).bfloat16() for _ in range(3))
     k, v, tk, tv = (torch.randn(1, 2, 320, 32, generator=g).bfloat16() for _ in range(4))
@@ -907,11 +914,7 @@ def test_bfloat16_products_follow_torch_backends_mkldnn():
     brgemm route took before runs on MKL's GEMM alone then (the backward raised, the forward
     threw and caught an error in every product), and the route comes back with it on."""
     ops = torch.ops.attngrad_tiles
-    before = ops.brgemm_path(-1)
-    try:
-        ops.brgemm_path(1)
-    except RuntimeError as error:
-        pytest.skip(str(error))
+    before = _brgemm_route_on()
     g = torch.Generator().manual_seed(8)
     q, k, v, dout = (torch.randn(1, 2, 256, 32, generator=g).bfloat16() for _ in range(4))
 

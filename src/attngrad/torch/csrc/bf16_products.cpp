@@ -44,7 +44,6 @@ void release_brgemm() {
     at::native::cpublas::brgemm_release(true);
 }
 
-
 namespace {
 
 // float -> bfloat16, rounded to nearest even (NaN stays NaN): as c10::BFloat16 rounds.
@@ -57,44 +56,26 @@ inline uint16_t to_bf16(float x) {
     return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : even);
 }
 
-// x[0, n) as bfloat16 into out
-inline void round_row(const float* x, index_t n, uint16_t* out) {
+// x[0, n) times `power` as bfloat16 into out: a power of two (1 by default) scales exactly,
+// in bfloat16's normal range, so the same as the rounded entries times `power`
+inline void round_row(const float* x, index_t n, uint16_t* out, float power = 1.0f) {
     index_t j = 0;
 #if defined(__AVX512BF16__)
+    const __m512 times = _mm512_set1_ps(power);
     for (; j + 16 <= n; j += 16) {
-        const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + j));
+        const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + j), times));
         std::memcpy(out + j, &h, sizeof h);
     }
 #endif
-    for (; j < n; ++j) out[j] = to_bf16(x[j]);
+    for (; j < n; ++j) out[j] = to_bf16(x[j] * power);
 }
 
-// The stored rows x cols of a (leading dimension ld) as bfloat16, contiguous
-const uint16_t* rounded(const float* a, index_t rows, index_t cols, index_t ld, std::vector<uint16_t>& buffer) {
+// The stored rows x cols of a (leading dimension ld) times `power` as bfloat16 (round_row),
+// contiguous
+const uint16_t* rounded(const float* a, index_t rows, index_t cols, index_t ld, std::vector<uint16_t>& buffer,
+                        float power = 1.0f) {
     buffer.resize(rows * cols);
-    for (index_t r = 0; r < rows; ++r) round_row(a + r * ld, cols, buffer.data() + r * cols);
-    return buffer.data();
-}
-
-// The stored rows x cols of a (leading dimension ld) times `power`, a power of two, as
-// bfloat16: the same as the rounded entries times `power` (a power of two scales exactly,
-// in bfloat16's normal range), contiguous
-const uint16_t* rounded_times(const float* a, index_t rows, index_t cols, index_t ld, float power,
-                              std::vector<uint16_t>& buffer) {
-    buffer.resize(rows * cols);
-    for (index_t r = 0; r < rows; ++r) {
-        const float* x = a + r * ld;
-        uint16_t* out = buffer.data() + r * cols;
-        index_t j = 0;
-#if defined(__AVX512BF16__)
-        const __m512 times = _mm512_set1_ps(power);
-        for (; j + 16 <= cols; j += 16) {
-            const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + j), times));
-            std::memcpy(out + j, &h, sizeof h);
-        }
-#endif
-        for (; j < cols; ++j) out[j] = to_bf16(x[j] * power);
-    }
+    for (index_t r = 0; r < rows; ++r) round_row(a + r * ld, cols, buffer.data() + r * cols, power);
     return buffer.data();
 }
 
@@ -250,10 +231,7 @@ bool brgemm_product(index_t m, index_t n, index_t k, float alpha, const uint16_t
         out = scratch.data(), ldo = n;
     }
     try {
-        brgemm_configured = true;
-        at::native::cpublas::brgemm(m, n, k, lda, ldb, ldo, direct && beta == 1.0f,
-                                    reinterpret_cast<const at::BFloat16*>(a), reinterpret_cast<const at::BFloat16*>(b),
-                                    out, true);
+        brgemm_bf16(m, n, k, a, lda, b, ldb, direct && beta == 1.0f, out, ldo);
     } catch (const std::exception&) {
         release_brgemm();
         return false;
@@ -308,12 +286,9 @@ bool brgemm_gemm(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, fl
         // C = alpha A B with alpha a power of two (the scale of a head width 4^j): A's
         // entries rounded, then times alpha, exactly, rather than a second sweep over C
         int exponent = 0;
-        if (beta == 0.0f && std::frexp(alpha, &exponent) == 0.5f && exponent > -100 && exponent < 100) {
-            a_bf = rounded_times(a, m, k, lda, alpha, a16);
-            alpha = 1.0f;
-        } else {
-            a_bf = rounded(a, m, k, lda, a16);
-        }
+        const bool fold = beta == 0.0f && std::frexp(alpha, &exponent) == 0.5f && exponent > -100 && exponent < 100;
+        a_bf = rounded(a, m, k, lda, a16, fold ? alpha : 1.0f);
+        if (fold) alpha = 1.0f;
         a_ld = k;
     }
     return brgemm_product(m, n, k, alpha, a_bf, a_ld, words, ld_words, beta, c, ldc);

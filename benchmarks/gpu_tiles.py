@@ -7,6 +7,11 @@ for spills by `attngrad gpu-report --features light plain`).
 
     python benchmarks/gpu_tiles.py --workers 12              # the sweep
     python benchmarks/gpu_tiles.py --final --out DIR         # the table now against the old one
+    python benchmarks/gpu_tiles.py --dense --out DIR         # pipelined walks against the branching ones
+
+`--dense` times the table's tiles with the walks' branch on the tile map (`launch.DENSE_WALKS`
+False) against the branch-free walks that Triton pipelines, at 1 to 3 stages, and a few
+other tiles at 2 and 3 stages.
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ import sys
 import traceback
 from typing import Optional
 
-# (rows, keys, warps, stages[, slice]); stages change nothing today (the walks' loops are not
-# pipelined), so the sweep takes 2 for the forward and 1 for the backward
+# (rows, keys, warps, stages[, slice]); stages changed nothing while the walks' loops branched
+# on the tile map (not pipelined), so the sweep takes 2 for the forward and 1 for the backward
 FORWARD = [(r, k, w, 2) for r, k in ((64, 64), (128, 64), (128, 128), (64, 128)) for w in (4, 8)]
 BACKWARD = [(r, k, w, 1) for r, k in ((32, 32), (64, 32), (32, 64), (64, 64), (128, 32), (32, 128), (128, 64),
                                       (64, 128)) for w in (4, 8)]
@@ -31,13 +36,15 @@ BEFORE = {("forward", 64): (128, 64, 8, 2), ("forward", 128): (64, 64, 8, 2), ("
 B, L = 4, 4096
 
 
-def _setup(name: str, d: int, candidate: Optional[tuple], causal: bool):
-    """One call's step with `candidate` as sm_90's light tile (None: the table's own)."""
+def _setup(name: str, d: int, candidate: Optional[tuple], causal: bool, dense: bool = True):
+    """One call's step with `candidate` as sm_90's light tile (None: the table's own), its
+    walks branch-free (`dense`) or reading the tile map."""
     import torch
 
     from attngrad.torch import scaled_dot_product_attention, use_implementation
     from attngrad.torch.backends.triton import launch
 
+    launch.DENSE_WALKS = dense
     if candidate is not None:
         launch._HOPPER_LIGHT[(name, "half", d)] = launch.Blocks(*candidate)
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -86,11 +93,29 @@ def final_jobs(widths) -> list:
     return jobs
 
 
+def dense_jobs(widths) -> list:
+    """The table's tiles with branching walks, against branch-free walks at 1 to 3 stages,
+    and other tiles pipelined, causal and not."""
+    from attngrad.torch.backends.triton import launch
+
+    more = {"forward": [(128, 64, 4), (128, 128, 4), (128, 128, 8)],
+            "backward": [(64, 64, 4), (128, 64, 8), (64, 128, 4)]}
+    jobs = []
+    for name, d, causal in itertools.product(("forward", "backward"), widths, (False, True)):
+        table = tuple(vars(launch._HOPPER_LIGHT[(name, "half", d)]).values())[:4]
+        jobs.append((name, d, None, causal, False))
+        jobs += [(name, d, table[:3] + (stages,), causal, True) for stages in (1, 2, 3)]
+        jobs += [(name, d, tile + (stages,), causal, True) for tile in more[name] if tile != table[:3]
+                 for stages in (2, 3)]
+    return jobs
+
+
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     parser.add_argument("--widths", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--final", action="store_true", help="the table against the old entries")
+    parser.add_argument("--dense", action="store_true", help="pipelined walks against branching ones")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of each job (median)")
     parser.add_argument("--out", default=None, help="a folder for tiles.jsonl")
     args = parser.parse_args(argv)
@@ -99,7 +124,7 @@ def main(argv: Optional[list] = None) -> int:
 
     from attngrad.torch.backends.triton import launch
 
-    todo = final_jobs(args.widths) if args.final else sweep_jobs(args.widths)
+    todo = dense_jobs(args.widths) if args.dense else final_jobs(args.widths) if args.final else sweep_jobs(args.widths)
     with multiprocessing.get_context("spawn").Pool(args.workers) as pool:  # compile in parallel
         for line in pool.imap_unordered(compile_one, todo):
             if line:
@@ -124,11 +149,13 @@ def main(argv: Optional[list] = None) -> int:
     for job, ts in times.items():
         if not ts:
             continue
-        name, d, candidate, causal = job
+        name, d, candidate, causal, dense = (*job, True)[:5]
         ms = sorted(ts)[len(ts) // 2]
         flops = 4 * B * (2048 // d) * L * L * d * (0.5 if causal else 1.0) * (1.0 if name == "forward" else 2.5)
         label = "table " + str(tuple(vars(table[(name, "half", d)]).values())) if candidate is None else str(candidate)
-        results.append(dict(name=name, d=d, causal=causal, tile=label, ms=ms, tflops=flops / ms / 1e9, rounds=ts))
+        label += "" if dense else " branching"
+        results.append(dict(name=name, d=d, causal=causal, tile=label, dense=dense, ms=ms, tflops=flops / ms / 1e9,
+                            rounds=ts))
     results.sort(key=lambda r: (r["name"], r["d"], r["causal"], r["ms"]))
     for r in results:
         print(f"{r['name']:9s} d={r['d']:3d} causal={r['causal']!s:5s} {r['tile']:34s} {r['ms']:7.2f} ms "

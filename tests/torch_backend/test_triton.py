@@ -371,3 +371,53 @@ def test_the_backward_gives_a_sinks_bias_its_closed_form_without_the_bias_side_w
     reference = math_attention(q, k, v, allowed=allowed, bias=leaf, sinks=torch.zeros(H, dtype=DOUBLE))
     expected = torch.autograd.grad(reference, leaf, dout)[0]
     assert rel_err(dbias, expected) < 1e-12
+
+
+def test_walks_with_a_hole_are_not_dense():
+    """`launch._dense`: walks are dense when the tiles from each one's first to its stop are
+    all kept (a causal map's rows and columns), not where a row keeps tiles on both sides of
+    an empty one (a mask's hole)."""
+    causal = torch.ones(3, 3, dtype=torch.bool).triu(1)[None, None]  # True: empty
+    holed = causal.clone()
+    holed[..., 2, 1] = True
+    for empty, dense in ((causal, True), (holed, False)):
+        key_walks, query_walks = launch._walks(empty)
+        assert (launch._dense(empty, key_walks) and launch._dense(empty, query_walks)) == dense
+    assert launch._dense(holed, launch._walks(holed)[1])  # its columns have no hole: its row has
+
+
+@interpreted
+def test_light_half_calls_walk_without_the_tile_map_to_the_same_bits(on_triton, tiles_of, monkeypatch):
+    """A light call in half precision (causal, key bounds, GQA) walks dense: its loops read no
+    tile map (DENSE), which lets Triton pipeline them on a GPU. Walks that read the map
+    (`launch.DENSE_WALKS` False) give the same bits, and a call with a mask reads it."""
+    switches = []
+    made = launch.Plan.__init__
+
+    def spy(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        switches.append(self.switches["DENSE"])
+
+    monkeypatch.setattr(launch.Plan, "__init__", spy)
+    tiles_of(16)
+    q = randn(1, 2, 37, 16, seed=1, dtype=torch.float16)
+    k, v = randn(1, 1, 41, 16, seed=2, dtype=torch.float16), randn(1, 1, 41, 16, seed=3, dtype=torch.float16)
+    dout = randn(1, 2, 37, 16, seed=4, dtype=torch.float16)
+
+    def step(dense: bool, **options) -> tuple:
+        monkeypatch.setattr(launch, "DENSE_WALKS", dense)
+        switches.clear()
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attention(*leaves, enable_gqa=True, **options)
+        return (out, *torch.autograd.grad(out, leaves, dout))
+
+    window = dict(is_causal=True, window=(9, None))  # rows of 10 keys: tiles of 16 keep 1 or 2
+    dense = step(True, **window)
+    assert switches and all(switches)
+    branching = step(False, **window)
+    assert switches and not any(switches)
+    assert all(torch.equal(a, b) for a, b in zip(dense, branching))
+    mask = randn(1, 1, 37, 41, seed=5) > -0.5
+    mask[..., 0] = True
+    step(True, attn_mask=mask)
+    assert switches and not any(switches)

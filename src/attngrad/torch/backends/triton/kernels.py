@@ -53,7 +53,8 @@ def forward(Q, K, V, O, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1
             tmap, st0, st1, st2, st3, rng, sr0, sr1, sr2, H, G, Lq, Lk, D, DV, causal,
             HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
             MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
-            SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+            SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DENSE: tl.constexpr,
+            BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
             BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     qb = tl.program_id(0)
     bh = tl.program_id(1)
@@ -70,7 +71,7 @@ def forward(Q, K, V, O, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1
     walk = rng + b * sr0 + h * sr1 + qb * sr2
     tiles = tmap + b * st0 + h * st1 + qb * st2
     for kb in range(tl.load(walk), tl.load(walk + 1)):
-        if tl.load(tiles + kb * st3) == 0:
+        if DENSE or tl.load(tiles + kb * st3) == 0:
             offs_n = kb * BN + tl.arange(0, BN)
             k = operand(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
             qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
@@ -104,7 +105,8 @@ def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
         HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_TBIAS: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
             MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
-        SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+        SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DENSE: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
         BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     """O' = (P' Z) V + (P Z) V' with P' = P (S' - c), c = rowsum(P S'), in one walk:
     sum (P Z S') V - c sum (P Z) V + (P Z) V', each row's c summed on the way. The tangents
@@ -130,7 +132,7 @@ def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
     walk = rng + b * sr0 + h * sr1 + qb * sr2
     tiles = tmap + b * st0 + h * st1 + qb * st2
     for kb in range(tl.load(walk), tl.load(walk + 1)):
-        if tl.load(tiles + kb * st3) == 0:
+        if DENSE or tl.load(tiles + kb * st3) == 0:
             offs_n = kb * BN + tl.arange(0, BN)
             k = operand(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
             qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
@@ -169,7 +171,8 @@ def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, sq0, sq1, sq2, s
              HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr,
              MR: tl.constexpr,
             MK: tl.constexpr, HAS_BOUNDS: tl.constexpr,
-             CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DENSE: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr,
              BD: tl.constexpr, BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr,
              ACC: tl.constexpr):
     """The two whole-row sums the backward-type passes need before their walks, for the form
@@ -199,7 +202,7 @@ def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, sq0, sq1, sq2, s
     walk = rng + b * sr0 + h * sr1 + qb * sr2
     tiles = tmap + b * st0 + h * st1 + qb * st2
     for kb in range(tl.load(walk), tl.load(walk + 1)):
-        if tl.load(tiles + kb * st3) == 0:
+        if DENSE or tl.load(tiles + kb * st3) == 0:
             offs_n = kb * BN + tl.arange(0, BN)
             k = operand(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
             v = operand(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
@@ -244,7 +247,8 @@ def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_Q, OUT_DO,
                HAS_DO2: tl.constexpr, HAS_C: tl.constexpr, DOUT_GRAD: tl.constexpr, BIAS_DIRECT: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
             MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
-               SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+               SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DENSE: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     """Per query block: OUT_Q = scale (A2 K + A K2) (dQ, its tangent, or g_Q; `tiles.tile_terms`);
     with DOUT_GRAD, OUT_DO = W V + (P Z) V2 (the double backward's g_dO); with BIAS_DIRECT,
@@ -281,7 +285,7 @@ def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_Q, OUT_DO,
     walk = rng + b * sr0 + h * sr1 + qb * sr2
     tiles = tmap + b * st0 + h * st1 + qb * st2
     for kb in range(tl.load(walk), tl.load(walk + 1)):
-        if tl.load(tiles + kb * st3) == 0:
+        if DENSE or tl.load(tiles + kb * st3) == 0:
             offs_n = kb * BN + tl.arange(0, BN)
             k = operand(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
             v = operand(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
@@ -337,7 +341,8 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
              HAS_DO2: tl.constexpr, HAS_C: tl.constexpr,
              HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
             MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
-             SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+             SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DENSE: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
              BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     """Per key block of one key/value head, over the G query heads of its group in order:
     OUT_K = scale (A2^T Q + A^T Q2) and OUT_V = W^T dO + (P Z)^T dO2 (dK and dV, their
@@ -367,7 +372,7 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
         walk = qrng + b * sr0 + h * sr1 + kb * sr2
         rows = (b * H + h) * Lq
         for qb in range(tl.load(walk), tl.load(walk + 1)):
-            if tl.load(tmap + b * st0 + h * st1 + qb * st2 + kb * st3) == 0:
+            if DENSE or tl.load(tmap + b * st0 + h * st1 + qb * st2 + kb * st3) == 0:
                 offs_m = qb * BM + tl.arange(0, BM)
                 q = operand(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
                 do = operand(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, Lq, DV, BDV, SDV)
@@ -429,7 +434,8 @@ def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, DBIAS,
               HEADS_BROADCAST: tl.constexpr, ROWS_BROADCAST: tl.constexpr, KEYS_BROADCAST: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
             MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
-              SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+              SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DENSE: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
               BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     """Per block of the bias's own (1 or B, BIAS_H = 1 or H, 1 or Lq, 1 or Lk) shape: the sum of the
     tiles' terms to the bias (dS, dS~ or g_S) over the batch entries, heads, rows and keys
@@ -475,7 +481,7 @@ def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, DBIAS,
                     k_count = 1
                 for k_step in range(k_count):
                     kb = k_first + k_step
-                    if tl.load(tmap + b * st0 + h * st1 + qb * st2 + kb * st3) == 0:
+                    if tl.load(tmap + b * st0 + h * st1 + qb * st2 + kb * st3) == 0:  # kb_own may lie off the walk
                         offs_m = qb * BM + tl.arange(0, BM)
                         offs_n = kb * BN + tl.arange(0, BN)
                         q = operand(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)

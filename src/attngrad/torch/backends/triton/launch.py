@@ -108,17 +108,24 @@ _TABLE.update({(name, kind, width): Blocks(16, 16, 4, 1, slice=32 if kind == "ha
                for kind, width in (("float64", 64), ("float64", 128), ("float64", 256), ("half", 256),
                                    ("float32", 256), ("tf32", 256))})
 MAX_WIDTH = 256
+# A light call's walks in half precision (`is_light`: causal and key bounds leave no hole in
+# them) leave the tile map unread (DENSE), so their loops carry no branch and Triton
+# pipelines them (sm_90: the forward's shared memory 24 -> 104 KiB at 3 stages). Other calls
+# read it: their tiles were chosen without pipelining, and float32's key_side then spills
+# (28 bytes at 64x32 on sm_90). False: every call reads it (benchmarks/gpu_tiles.py --dense)
+DENSE_WALKS = True
 
 # Hopper (sm_90) tiles for light calls: no bias, boolean mask, block mask, softcap or
 # dropout (causal, key bounds and GQA allowed). Such a call keeps fewer values per score,
-# so larger tiles fit 255 registers; these were the fastest of a sweep on an H100 (Triton
-# 3.6; `benchmarks/gpu_tiles.py`) among those that compile for sm_90 without spills (Triton
-# 3.9, `attngrad gpu-report --features light`). Products over the whole head width: a
+# so larger tiles fit 255 registers; these were the fastest, on an H200 with the walks
+# pipelined (Triton 3.6; `benchmarks/gpu_tiles.py --dense`), among those that compile for
+# sm_90 without spills (Triton 3.9, `attngrad gpu-report --features light`): a second stage
+# spills the backward's key_side at d = 128. Products over the whole head width: a
 # slice of the width costs the tensor cores more than the registers it frees here. Other
 # GPUs and heavier calls keep `_TABLE`; sm_80 spills at these tiles.
 _HOPPER_LIGHT: dict[tuple[str, str, int], Blocks] = {
-    ("forward", "half", 64): Blocks(64, 128, 4, 2),
-    ("forward", "half", 128): Blocks(64, 64, 4, 2),
+    ("forward", "half", 64): Blocks(128, 64, 4, 2),
+    ("forward", "half", 128): Blocks(64, 64, 4, 3),
     ("backward", "half", 64): Blocks(64, 64, 4, 1),
     ("backward", "half", 128): Blocks(128, 64, 8, 1),
 }
@@ -225,6 +232,12 @@ def _walks(empty: Tensor) -> tuple[Tensor, Tensor]:
     return spans(kept), spans(kept.transpose(-1, -2))
 
 
+def _dense(empty: Tensor, walks: Tensor) -> bool:
+    """Whether `walks` (from `_walks(empty)`) pass no empty tile: the tiles they span are all
+    the map's kept ones."""
+    return int((walks[..., 1] - walks[..., 0]).sum()) == int((~empty).sum())
+
+
 @functools.lru_cache(maxsize=64)
 def _on_device(values: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A few scalars as a tensor on `device`, made once per value (the kernels only read it):
@@ -232,9 +245,11 @@ def _on_device(values: tuple, dtype: torch.dtype, device: torch.device) -> Tenso
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def _block_map(call: AttentionCall, blocks: Blocks) -> tuple[Tensor, Tensor, Tensor]:
-    """The tile map (1 or B, 1 or H, n_q, n_k) int8 (1: skipped) and its walks (`_walks`), on
-    the call's device, for tiles of `blocks`. Made on the CPU (a mask and key bounds are
+def _block_map(call: AttentionCall, blocks: Blocks) -> tuple[Tensor, Tensor, Tensor, bool]:
+    """The tile map (1 or B, 1 or H, n_q, n_k) int8 (1: skipped), its walks (`_walks`), on
+    the call's device, for tiles of `blocks`, and whether every walk is dense (no skipped
+    tile between its first and its stop: then the kernels' DENSE leaves the map unread, and
+    their loops carry no branch, which Triton's pipeliner needs). Made on the CPU (a mask and key bounds are
     copied there), which costs milliseconds of host time a call (20 ms for a plain call at
     L = 4096 on 2 cores), so they are kept while the mask, the bounds and the mask kept per
     block live unchanged (`kept`); a call with none of them keeps one per shape."""
@@ -243,12 +258,13 @@ def _block_map(call: AttentionCall, blocks: Blocks) -> tuple[Tensor, Tensor, Ten
                None if mask_blocks is None else mask_blocks.tiles)
     len_q, len_k, device = call.q.shape[2], call.k.shape[2], call.q.device
 
-    def make() -> tuple[Tensor, Tensor, Tensor]:
+    def make() -> tuple[Tensor, Tensor, Tensor, bool]:
         bounds = None if call.bounds is None else call.bounds.contiguous().cpu()
         empty = empty_tiles(len_q, len_k, call.causal, bounds, _narrowed(call.mask), None, blocks.rows, blocks.keys,
                             None if mask_blocks is None else mask_blocks.to("cpu"))  # (1 or B, 1 or H, n_q, n_k)
         key_walks, query_walks = _walks(empty)
-        return empty.to(torch.int8).to(device), key_walks.to(device), query_walks.to(device)
+        dense = _dense(empty, key_walks) and _dense(empty, query_walks)
+        return empty.to(torch.int8).to(device), key_walks.to(device), query_walks.to(device), dense
 
     return kept.value("triton_block_map", (len_q, len_k, call.causal, blocks.rows, blocks.keys, device), sources, make)
 
@@ -283,7 +299,7 @@ class Plan:
         self.fmeta = _on_device((call.scale, cap, 1.0 / cap if cap else 0.0, keep_value(call.dropout_p)),
                                 torch.float64, self.device)
         mask_blocks = call.blocks
-        tile_map, key_walks, query_walks = _block_map(call, blocks)
+        tile_map, key_walks, query_walks, dense = _block_map(call, blocks)
         self.tile_map = tile_map.expand(self.B, self.H, self.n_q, self.n_k)
         self.key_walks = key_walks.expand(self.B, self.H, self.n_q, 2)
         self.query_walks = query_walks.expand(self.B, self.H, self.n_k, 2)
@@ -300,6 +316,7 @@ class Plan:
         self.switches = dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None, HAS_BLOCKS=mask_blocks is not None,
                              MR=block_sizes[0], MK=block_sizes[1], HAS_BOUNDS=bounds is not None,
                              CAUSAL=call.causal is not None, SOFTCAP=bool(cap), DROPOUT=call.dropout_p > 0.0,
+                             DENSE=dense and DENSE_WALKS and is_light(call) and dtype_class(q.dtype) == "half",
                              BM=blocks.rows, BN=blocks.keys, BD=padded_width(self.D), BDV=padded_width(self.DV),
                              SD=_slice(blocks, self.D), SDV=_slice(blocks, self.DV),
                              IP=input_precision(q.dtype, self.device), ACC=_acc(q.dtype))

@@ -400,9 +400,9 @@ def test_light_half_calls_walk_without_the_tile_map_to_the_same_bits(on_triton, 
 
     monkeypatch.setattr(launch.Plan, "__init__", spy)
     tiles_of(16)
-    q = randn(1, 2, 37, 16, seed=1, dtype=torch.float16)
-    k, v = randn(1, 1, 41, 16, seed=2, dtype=torch.float16), randn(1, 1, 41, 16, seed=3, dtype=torch.float16)
-    dout = randn(1, 2, 37, 16, seed=4, dtype=torch.float16)
+    q = randn(2, 2, 37, 16, seed=1, dtype=torch.float16)
+    k, v = randn(2, 1, 41, 16, seed=2, dtype=torch.float16), randn(2, 1, 41, 16, seed=3, dtype=torch.float16)
+    dout = randn(2, 2, 37, 16, seed=4, dtype=torch.float16)
 
     def step(dense: bool, **options) -> tuple:
         monkeypatch.setattr(launch, "DENSE_WALKS", dense)
@@ -411,13 +411,14 @@ def test_light_half_calls_walk_without_the_tile_map_to_the_same_bits(on_triton, 
         out = attention(*leaves, enable_gqa=True, **options)
         return (out, *torch.autograd.grad(out, leaves, dout))
 
-    window = dict(is_causal=True, window=(9, None))  # rows of 10 keys: tiles of 16 keep 1 or 2
+    # rows of up to 10 keys (tiles of 16 keep 1 or 2), the second batch entry's last 11 keys padding
+    window = dict(is_causal=True, window=(9, None), key_padding=torch.tensor([41, 30]))
     dense = step(True, **window)
     assert switches and all(switches)
     branching = step(False, **window)
     assert switches and not any(switches)
     assert all(torch.equal(a, b) for a, b in zip(dense, branching))
-    mask = randn(1, 1, 37, 41, seed=5) > -0.5
+    mask = randn(2, 1, 37, 41, seed=5) > -0.5
     mask[..., 0] = True
     step(True, attn_mask=mask)
     assert switches and not any(switches)

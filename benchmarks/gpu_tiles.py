@@ -143,6 +143,7 @@ def main(argv: Optional[list] = None) -> int:
                 pass
             torch.cuda.empty_cache()
     launch._HOPPER_LIGHT.update(table)
+    launch.DENSE_WALKS = True
     print(f"\n{torch.cuda.get_device_name()}, triton {triton.__version__}, bfloat16, B={B}, L={L}, H=2048/d, "
           f"median of {args.rounds} interleaved rounds")
     results = []

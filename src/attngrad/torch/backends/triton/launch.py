@@ -108,11 +108,13 @@ _TABLE.update({(name, kind, width): Blocks(16, 16, 4, 1, slice=32 if kind == "ha
                for kind, width in (("float64", 64), ("float64", 128), ("float64", 256), ("half", 256),
                                    ("float32", 256), ("tf32", 256))})
 MAX_WIDTH = 256
-# A light call's walks in half precision (`is_light`: causal and key bounds leave no hole in
-# them) leave the tile map unread (DENSE), so their loops carry no branch and Triton
-# pipelines them (sm_90: the forward's shared memory 24 -> 104 KiB at 3 stages). Other calls
-# read it: their tiles were chosen without pipelining, and float32's key_side then spills
-# (28 bytes at 64x32 on sm_90). False: every call reads it (benchmarks/gpu_tiles.py --dense)
+# A light call's walks in half precision (`is_light`: the causal diagonal, windows,
+# documents and padding keep every row's and column's tiles contiguous; `_dense` checks it,
+# since key bounds in general need not) leave the tile map unread (DENSE), so their loops
+# carry no branch and Triton pipelines them (sm_90: the forward's shared memory 24 -> 104
+# KiB at 3 stages). Other calls read it: their tiles were chosen without pipelining, and
+# float32's key_side then spills (28 bytes at 64x32 on sm_90). False: every call reads it
+# (benchmarks/gpu_tiles.py --dense)
 DENSE_WALKS = True
 
 # Hopper (sm_90) tiles for light calls: no bias, boolean mask, block mask, softcap or

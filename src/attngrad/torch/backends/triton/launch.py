@@ -124,7 +124,7 @@ DENSE_WALKS = True
 # sm_90 without spills (Triton 3.9, `attngrad gpu-report --features light`): a second stage
 # spills the backward's key_side at d = 128. Products over the whole head width: a
 # slice of the width costs the tensor cores more than the registers it frees here. Other
-# GPUs and heavier calls keep `_TABLE`; sm_80 spills at these tiles.
+# GPUs and heavier calls keep `_TABLE` (sm_80 spilled at the earlier entries).
 _HOPPER_LIGHT: dict[tuple[str, str, int], Blocks] = {
     ("forward", "half", 64): Blocks(128, 64, 4, 2),
     ("forward", "half", 128): Blocks(64, 64, 4, 3),

@@ -14,6 +14,52 @@ import pytest
 
 from attngrad.check.compare import error_figure
 
+
+def _nested_interpreted_calls_share_the_launchs_patch() -> None:
+    """Triton's interpreter patches `triton.language` for each launch (and restores it after),
+    and patches again at every call of a nested @triton.jit function: a scan of the language's
+    members that took a third of the Triton tests' time, and repeats what the launch's patch or
+    an earlier nested call's (never restored, by Triton's design) already did to the same
+    module objects. Here a nested call within a launch patches only modules not yet patched
+    during that launch. Only the tests install this; a Triton without these internals runs
+    unchanged."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch, executor = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "GridExecutor", None)
+    if patch is None or executor is None or not hasattr(interpreter, "_LangPatchScope") or \
+            getattr(patch, "once_per_launch", False):
+        return
+    import triton.language as tl
+
+    launches: list[set[int]] = []  # per launch in progress: the language modules patched during it
+    run_grid = executor.__call__
+
+    def run_grid_patching_once(self, *args, **kwargs):
+        launches.append(set())
+        try:
+            return run_grid(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    def patch_once(fn):
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if launches and langs and langs <= launches[-1]:
+            return interpreter._LangPatchScope()  # nothing to restore
+        if launches:
+            launches[-1] |= langs
+        return patch(fn)
+
+    patch_once.once_per_launch = True
+    interpreter._patch_lang = patch_once
+    executor.__call__ = run_grid_patching_once
+
+
+if os.environ["TRITON_INTERPRET"] == "1":
+    _nested_interpreted_calls_share_the_launchs_patch()
+
+
 # float64 bar against PyTorch autograd: max|ours - ref| / max|ref| (README, `attngrad check`).
 EXACT = 1e-12
 

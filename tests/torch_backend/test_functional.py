@@ -256,6 +256,10 @@ def test_torch_func_grad_and_vjp():
         (dict(attn_mask=torch.zeros(13, 21), is_causal=True), ValueError, "not both"),
         (dict(dropout_p=1.5), ValueError, "dropout_p"),
         (dict(attn_mask=torch.zeros(1, 2, 4, 13, 21)), ValueError, "does not broadcast"),
+        (dict(attn_mask=[[True] * 21] * 13), TypeError, "attn_mask must be a torch.Tensor or a CausalBias"),
+        (dict(is_causal="bottom_right"), TypeError, "is_causal must be a bool"),  # was read as top-left
+        (dict(is_causal=1), TypeError, "is_causal must be a bool"),
+        (dict(is_causal=None), TypeError, "is_causal must be a bool"),
     ],
 )
 def test_bad_input(kwargs, exc, fragment):

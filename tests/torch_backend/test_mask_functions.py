@@ -180,6 +180,9 @@ def test_bad_function_masks_are_named():
         attention(q, k, v, block_mask=flex_block_mask(causal, None, None, LQ + 1, LK, device="cpu"))
     with pytest.raises(TypeError, match="create_block_mask"):
         attention(q, k, v, block_mask=torch.ones(LQ, LK, dtype=torch.bool))
+    for sizes in ((None, None, -1, LK), (None, None, LQ, -2), (-1, None, LQ, LK), (None, 1.5, LQ, LK)):
+        with pytest.raises(ValueError, match=r"(B|H|Q_LEN|KV_LEN) must be an int >= 0"):
+            create_block_mask(causal, *sizes)
 
 
 @pytest.mark.parametrize("mask_mod", [sliding_window, document, random_blocks, dilated], ids=lambda f: f.__name__)

@@ -100,6 +100,11 @@ def test_bad_configuration_and_input():
         ours(x, x, x, attn_mask=torch.zeros(2, 5, 5))
     with pytest.raises(ValueError, match="expected widths"):
         ours(x[..., :10], x, x)
+    # as torch: an integer mask is neither kind (a uint8 padding mask was added as +1)
+    with pytest.raises(TypeError, match="key_padding_mask must be boolean .* or floating .*; got torch.uint8"):
+        ours(x, x, x, key_padding_mask=torch.zeros(2, 5, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="attn_mask must be boolean .* or floating .*; got torch.int64"):
+        ours(x, x, x, attn_mask=torch.zeros(5, 5, dtype=torch.int64))
 
 
 def test_causal_with_a_learned_bias_and_padding():

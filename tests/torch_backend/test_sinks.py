@@ -116,6 +116,11 @@ def test_sinks_of_the_wrong_shape_are_refused():
         attention(case.q, case.k, case.v, sinks=torch.zeros(2, dtype=torch.float64))
     with pytest.raises(TypeError, match="sinks must be a floating tensor"):
         attention(case.q, case.k, case.v, sinks=torch.zeros(H, dtype=torch.int64))
+    for bad in (-math.inf, math.inf, math.nan):  # they shift the scores: -inf made every output NaN
+        sinks = torch.zeros(H, dtype=torch.float64)
+        sinks[1] = bad
+        with pytest.raises(ValueError, match="sinks must be finite logits"):
+            attention(case.q, case.k, case.v, sinks=sinks)
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -10,6 +10,7 @@ against autograd of its formula, S = c tanh(scale Q K^T / c) + bias, masked the 
 """
 
 import math
+import sys
 
 import pytest
 
@@ -18,7 +19,16 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from attngrad.torch import attention, backends, kept, kernels, kernels_higher, native, use_implementation  # noqa: E402
+from attngrad.torch import (  # noqa: E402
+    attention,
+    backends,
+    forget_masks,
+    kept,
+    kernels,
+    kernels_higher,
+    native,
+    use_implementation,
+)
 from attngrad.torch.structured import _structure, structure  # noqa: E402
 
 from ..conftest import assert_all_close  # noqa: E402
@@ -306,11 +316,35 @@ def test_no_dense_mask_is_built(counting_backend):
     (dict(cu_seqlens=torch.tensor([0, L]), document_ids=torch.zeros(B, L, dtype=torch.int64)), ValueError, "either"),
     (dict(softcap=0.0), ValueError, "softcap must be a positive"),
     (dict(softcap=float("inf")), ValueError, "softcap must be a positive"),
+    (dict(softcap=True), ValueError, "softcap must be a positive"),
+    (dict(key_padding=[3, 5]), TypeError, "key_padding must be a torch.Tensor"),
+    (dict(document_ids=[[0] * L] * B), TypeError, "document_ids must be a torch.Tensor"),
+    (dict(cu_seqlens=[0, L]), TypeError, "cu_seqlens must be a torch.Tensor"),
+    (dict(attn_mask=[[True] * L] * L), TypeError, "attn_mask must be a torch.Tensor"),
+    (dict(attn_bias=[[0.0] * L] * L), TypeError, "attn_bias must be a torch.Tensor"),
+    (dict(dropout_p="0.1"), TypeError, "dropout_p must be a number"),
+    (dict(scale="x"), TypeError, "scale must be a number"),
 ])
 def test_bad_structures_raise_clearly(kwargs, exc, fragment):
     q = randn(B, H, L, D, seed=1)
     with pytest.raises(exc, match=fragment):
         attention(q, q, q, **kwargs)
+
+
+@pytest.mark.parametrize("implementation", ["tiles", "torch-ops"])
+def test_sides_and_diagonals_past_every_key_are_the_open_ones(implementation):
+    """A window side or a causal diagonal as large as int64 allows sees what None or no
+    causal mask sees (the bounds are clamped before int64 arithmetic could wrap them);
+    a diagonal below every row sees nothing."""
+    q, k = randn(B, H, 9, D, seed=1), randn(B, H, 13, D, seed=2)
+    huge = sys.maxsize
+    with use_implementation(implementation):
+        for window, open_window in (((2, huge), (2, None)), ((huge, 1), (None, 1)), ((10**30, 0), (None, 0))):
+            assert torch.equal(attention(q, k, k, window=window), attention(q, k, k, window=open_window)), window
+        plain = dict(out=attention(q, k, k))  # a causal pass sums in its own order: equal to 1e-12
+        assert_all_close(dict(out=attention(q, k, k, is_causal=huge)), plain)
+        assert_all_close(dict(out=attention(q, k, k, is_causal=2**70)), plain)
+        assert not attention(q, k, k, is_causal=-(2**70)).any()
 
 
 def test_documents_need_as_many_queries_as_keys():
@@ -389,6 +423,21 @@ def test_a_structure_is_kept_while_its_tensors_live_unchanged():
     entries = len(kept._VALUES)
     del ids  # freed: its entry goes with it
     assert len(kept._VALUES) == entries - 1
+
+
+def test_forget_masks_sees_a_write_past_the_version_counter():
+    """A write through .data (or to NumPy's shared memory) leaves the version counter, so
+    the bounds made from the old lengths answer, as autograd too would not see it; after
+    forget_masks() the call reads the new lengths."""
+    q = randn(B, H, L, D, seed=1)
+    lengths = torch.tensor([L, 9])
+    before = attention(q, q, q, key_padding=lengths)
+    lengths.data[1] = 4
+    assert torch.equal(attention(q, q, q, key_padding=lengths), before)  # the documented limit
+    forget_masks()
+    after = attention(q, q, q, key_padding=lengths)
+    assert torch.equal(after, attention(q, q, q, key_padding=torch.tensor([L, 4])))
+    assert not torch.equal(after, before)
 
 
 def test_a_structure_made_where_it_cannot_serve_later_calls_is_not_kept():

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .call import AttentionCall, ScoreMasks
-from .layout import FLOATS, Layout, check_tensors, default_scale, describe_shapes
+from .layout import FLOATS, Layout, check_optional_tensors, check_tensors, default_scale, describe_shapes, is_number
 from .mask_functions import evaluated_mask
 from .structured import join_bounds, structure
 
@@ -28,15 +28,20 @@ def sinks_as_bias(bias: Optional[Tensor], sinks: Tensor, layout: Layout, query: 
                          f"inputs; got {tuple(sinks.shape)} ({layout.shapes})")
     if sinks.device != query.device:
         raise ValueError(f"sinks is on {sinks.device} but query on {query.device}")
+    readable = (type(sinks) is Tensor and sinks.device.type != "meta" and not torch.compiler.is_compiling()
+                and not torch._C._are_functorch_transforms_active())
+    if readable and not bool(torch.isfinite(sinks).all()):  # -inf would shift the scores by +inf: NaN
+        raise ValueError(f"sinks must be finite logits; got {sinks.tolist()}")
     shift = -sinks.to(query.dtype)[:, None, None]  # (H, 1, 1)
     return shift if bias is None else bias + shift
 
 
 def _causal_offset(is_causal: bool | int | str, len_q: int, len_k: int) -> Optional[int]:
     """The op's causal diagonal for `is_causal`: None, 0 (top-left), Lk - Lq (bottom-right)
-    or the int given."""
+    or the int given, clamped to [-Lq, Lk] (a diagonal past those sees the same keys: none
+    or all)."""
     if isinstance(is_causal, int) and not isinstance(is_causal, bool):
-        return is_causal
+        return max(-len_q, min(len_k, is_causal))
     if is_causal is False:
         return None
     if is_causal is True or is_causal == "top_left":
@@ -58,7 +63,9 @@ def build_call(query: Tensor, key: Tensor, value: Tensor, *, mask: Optional[Tens
     fixes the dropout draw; by default it comes from PyTorch's generator. The rest as in
     `attention` (mask: boolean, bias: float)."""
     check_tensors(query, key, value, dropout_p)
-    if softcap is not None and not (isinstance(softcap, (int, float)) and 0.0 < softcap < math.inf):
+    check_optional_tensors(attn_mask=mask, attn_bias=bias, key_padding=key_padding, document_ids=document_ids,
+                           cu_seqlens=cu_seqlens)
+    if softcap is not None and not (is_number(softcap) and 0.0 < softcap < math.inf):
         raise ValueError(f"softcap must be a positive finite number (or None); got {softcap!r}")
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"attn_mask must be boolean here; pass a float mask as attn_bias (got {mask.dtype})")

@@ -49,13 +49,19 @@ def scaled_dot_product_attention(
     Returns (..., H, Lq, Ev). Memory beyond inputs and outputs is O(Lq + Lk), apart from a
     float mask's gradient, which has the mask's own size.
     """
+    if not isinstance(is_causal, (bool, torch.SymBool)):  # as PyTorch: a truthy string is no alignment
+        raise TypeError(f"is_causal must be a bool, as in PyTorch; got {is_causal!r}. A bottom-right causal mask: "
+                        f"attn_mask=torch.nn.attention.bias.causal_lower_right(Lq, Lk), or attngrad.torch.attention("
+                        f"..., is_causal='bottom_right')")
+    causal_bias = _causal_bias_type()
+    if attn_mask is not None and not isinstance(attn_mask, (Tensor, *(() if causal_bias is None else (causal_bias,)))):
+        raise TypeError(f"attn_mask must be a torch.Tensor or a CausalBias (or None); got {type(attn_mask).__name__}")
     if is_jagged(query):
         if attn_mask is not None:
             raise ValueError("attn_mask is not taken with nested jagged inputs (nor by PyTorch); their sequences "
                              "are the mask, with is_causal inside each")
         return attention(query, key, value, is_causal=bool(is_causal), dropout_p=dropout_p, scale=scale,
                          enable_gqa=enable_gqa)
-    causal_bias = _causal_bias_type()
     if causal_bias is not None and isinstance(attn_mask, causal_bias):
         if is_causal:
             raise ValueError("pass either a CausalBias attn_mask or is_causal=True, not both (as in PyTorch)")
@@ -120,7 +126,9 @@ def attention(
     sinks: (H,) logits, one per query head, of an extra key that every query sees and whose
     value is 0 (GPT-OSS's attention sinks): each row's softmax gains exp(s_h) in its
     denominator, so a row may give weight to nothing. Learned: it gets its gradient, JVP and
-    second derivatives like a bias. A row that sees no real key still gives 0.
+    second derivatives like a bias. A row that sees no real key still gives 0. The logits
+    must be finite; they shift the scores (S - s_h), so in float32 a sink far below the
+    scores (-1e4) costs their precision.
 
     mask_mod: FlexAttention's mask function, (b, h, q_idx, kv_idx) -> True where query q_idx
     of batch entry b and head h sees key kv_idx, evaluated under vmap for every entry and

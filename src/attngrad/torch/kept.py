@@ -11,6 +11,10 @@ is made from: the memory the tensor views, its layout and its version counter (b
 in-place writes). A weak reference to the tensor that owns that memory drops the entry when
 that tensor is freed: it then neither holds a dead mask's bounds nor answers for another
 tensor given the same memory.
+
+As with autograd's check of the tensors it saves, a write that bypasses the version counter
+(through `.data`, or to memory shared with NumPy by `torch.from_numpy`) is not seen: after
+one, `attngrad.torch.forget_masks()` drops what was made from the old values.
 """
 
 from __future__ import annotations
@@ -71,3 +75,12 @@ def keepable(*sources: Optional[Tensor]) -> bool:
 def clear() -> None:
     """Forget every kept value."""
     _VALUES.clear()
+
+
+def forget_masks() -> None:
+    """Forget everything made from masks and mask functions for later calls (the kept values
+    here and the evaluations of `mask_memo`): for masks written past their version counter."""
+    from . import mask_memo
+
+    clear()
+    mask_memo._KEPT.clear()

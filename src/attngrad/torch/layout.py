@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Optional
 
 import torch
@@ -57,8 +58,23 @@ def check_tensors(query: Tensor, key: Tensor, value: Tensor, dropout_p: float) -
                          f"{describe_shapes(query, key, value)}")
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(f"query and key must share their last dimension E; got {describe_shapes(query, key, value)}")
+    if not is_number(dropout_p):
+        raise TypeError(f"dropout_p must be a number; got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be in [0, 1]; got {dropout_p}")
+
+
+def is_number(x: object) -> bool:
+    """Whether `x` is a real number an option takes: a Python or NumPy one, or torch.compile's
+    symbolic one; not a bool, a string or a tensor."""
+    return isinstance(x, (numbers.Real, torch.SymInt, torch.SymFloat)) and not isinstance(x, bool)
+
+
+def check_optional_tensors(**given: object) -> None:
+    """A TypeError naming each argument given that is not a tensor (a list, a NumPy array)."""
+    for name, t in given.items():
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (or None); got {type(t).__name__}")
 
 
 def _fold_plan(q_shape: tuple, k_shape: tuple, v_shape: tuple, enable_gqa: bool) -> tuple[bool, torch.Size, int, int]:
@@ -171,5 +187,7 @@ def unfold(out: Tensor, batch: torch.Size, flat: bool) -> Tensor:
 def default_scale(query: Tensor, scale: Optional[float]) -> float:
     """`scale`, or PyTorch's default 1 / sqrt(E) (with E = 0 every score is 0 whatever the scale)."""
     if scale is not None:
+        if not is_number(scale):
+            raise TypeError(f"scale must be a number (or None); got {type(scale).__name__}")
         return float(scale)
     return 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0

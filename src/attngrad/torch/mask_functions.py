@@ -242,6 +242,10 @@ def create_block_mask(mask_mod: Callable, B: Optional[int], H: Optional[int], Q_
         BLOCK_SIZE = (BLOCK_SIZE, BLOCK_SIZE)
     if BLOCK_SIZE is not None and not (len(BLOCK_SIZE) == 2 and all(isinstance(n, int) and n >= 1 for n in BLOCK_SIZE)):
         raise ValueError(f"BLOCK_SIZE must be a positive int or a pair of them; got {BLOCK_SIZE!r}")
+    sizes = dict(B=B, H=H, Q_LEN=Q_LEN, KV_LEN=KV_LEN)
+    for name, n in sizes.items():
+        if not (n is None and name in ("B", "H")) and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ValueError(f"{name} must be an int >= 0{' or None' if name in ('B', 'H') else ''}; got {n!r}")
     batch, heads = B or 1, H or 1
     fn = _bhqkv(mask_mod)
     b_index = torch.arange(batch, device=device)

@@ -216,6 +216,10 @@ class MultiheadAttention(nn.Module):
         """torch's mask conventions (boolean True = NOT allowed; float = added) as attngrad's
         (boolean mask, True = attend; float bias), each broadcastable to (N, H, L, S)."""
         mask = bias = None
+        for name, given in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+            if given is not None and given.dtype != torch.bool and not given.is_floating_point():
+                # as torch: an integer mask is neither (a uint8 padding mask would be added, not masked)
+                raise TypeError(f"{name} must be boolean (True = not allowed) or floating (added); got {given.dtype}")
         if attn_mask is not None:
             if attn_mask.dim() == 3:
                 if attn_mask.shape != (batch * self.num_heads, len_q, len_k):

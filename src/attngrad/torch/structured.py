@@ -100,6 +100,9 @@ def _checked_window(window: object) -> tuple:
 def _window(window: tuple, len_q: int, len_k: int, offset: int, device: torch.device) -> Tensor:
     """(1, Lq, 2) bounds of a band around the diagonal j = i + offset."""
     left, right = _checked_window(window)
+    # a side past every key is the open side: clamped, the bounds stay far from int64's limits
+    reach = len_q + len_k + abs(offset)
+    left, right = (None if side is None else min(side, reach) for side in (left, right))
     row = torch.arange(len_q, device=device, dtype=torch.int64) + offset
     lo = row - left if left is not None else torch.zeros_like(row)
     hi = row + right + 1 if right is not None else torch.full_like(row, len_k)

@@ -345,6 +345,12 @@ def test_sides_and_diagonals_past_every_key_are_the_open_ones(implementation):
         assert_all_close(dict(out=attention(q, k, k, is_causal=huge)), plain)
         assert_all_close(dict(out=attention(q, k, k, is_causal=2**70)), plain)
         assert not attention(q, k, k, is_causal=-(2**70)).any()
+        # the diagonal also aligns the window, unclamped: 10^20 - (10^20 - 1) leaves row i keys
+        # i + 1 onwards, and 4 - 2 leaves a 3 x 2 call's rows none
+        i, j = torch.arange(9)[:, None], torch.arange(13)[None]
+        far = attention(q, k, k, is_causal=10**20, window=(10**20 - 1, None))
+        assert_all_close(dict(out=far), dict(out=attention(q, k, k, attn_mask=j >= i + 1)))
+        assert not attention(q[:, :, :3], k[:, :, :2], k[:, :, :2], is_causal=4, window=(2, None)).any()
 
 
 def test_documents_need_as_many_queries_as_keys():

@@ -37,11 +37,10 @@ def sinks_as_bias(bias: Optional[Tensor], sinks: Tensor, layout: Layout, query: 
 
 
 def _causal_offset(is_causal: bool | int | str, len_q: int, len_k: int) -> Optional[int]:
-    """The op's causal diagonal for `is_causal`: None, 0 (top-left), Lk - Lq (bottom-right)
-    or the int given, clamped to [-Lq, Lk] (a diagonal past those sees the same keys: none
-    or all)."""
+    """The causal diagonal for `is_causal`: None, 0 (top-left), Lk - Lq (bottom-right) or
+    the int given (which also aligns a window: see `_op_diagonal` for the op's)."""
     if isinstance(is_causal, int) and not isinstance(is_causal, bool):
-        return max(-len_q, min(len_k, is_causal))
+        return is_causal
     if is_causal is False:
         return None
     if is_causal is True or is_causal == "top_left":
@@ -49,6 +48,12 @@ def _causal_offset(is_causal: bool | int | str, len_q: int, len_k: int) -> Optio
     if is_causal == "bottom_right":
         return len_k - len_q
     raise ValueError(f"is_causal must be True, False, 'top_left', 'bottom_right' or an int diagonal; got {is_causal!r}")
+
+
+def _op_diagonal(causal: Optional[int], len_q: int, len_k: int) -> Optional[int]:
+    """The causal diagonal as the op takes it: clamped to [-Lq, Lk], past which a diagonal
+    sees the same keys (none, or all), so that no arithmetic on it nears int64's limits."""
+    return None if causal is None else max(-len_q, min(len_k, causal))
 
 
 def build_call(query: Tensor, key: Tensor, value: Tensor, *, mask: Optional[Tensor] = None,
@@ -87,6 +92,7 @@ def build_call(query: Tensor, key: Tensor, value: Tensor, *, mask: Optional[Tens
         bounds, keep = structure(batch, layout.len_q, layout.len_k, causal, query.device, **structured)
         if keep is not None:  # padding with holes: a (B, 1, 1, Lk) mask beside any other
             mask = keep if mask is None else mask & keep
+    causal = _op_diagonal(causal, layout.len_q, layout.len_k)  # the window's alignment is done with it
     if mask_mod is not None or block_mask is not None:
         if query.dim() != 4 or layout.flat:
             raise ValueError(f"mask_mod and block_mask take (B, H, L, E) inputs, as FlexAttention does; got "

@@ -100,13 +100,13 @@ def _checked_window(window: object) -> tuple:
 def _window(window: tuple, len_q: int, len_k: int, offset: int, device: torch.device) -> Tensor:
     """(1, Lq, 2) bounds of a band around the diagonal j = i + offset."""
     left, right = _checked_window(window)
-    # a side past every key is the open side: clamped, the bounds stay far from int64's limits
-    reach = len_q + len_k + abs(offset)
-    left, right = (None if side is None else min(side, reach) for side in (left, right))
-    row = torch.arange(len_q, device=device, dtype=torch.int64) + offset
-    lo = row - left if left is not None else torch.zeros_like(row)
-    hi = row + right + 1 if right is not None else torch.full_like(row, len_k)
-    return torch.stack([lo, hi], dim=-1)[None]
+    # row i's bounds are i + first and i + stop, the offsets exact in Python's integers and
+    # clamped to [-Lq, Lk], which moves no row's bound across 0 or Lk (an offset near int64's
+    # limits would wrap in the tensor's arithmetic)
+    first = -len_q if left is None else max(-len_q, min(len_k, offset - left))
+    stop = len_q + len_k if right is None else max(-len_q, min(len_k, offset + right + 1))
+    row = torch.arange(len_q, device=device, dtype=torch.int64)
+    return torch.stack([(row + first).clamp(min=0), (row + stop).clamp(max=len_k)], dim=-1)[None]
 
 
 def _documents(document_ids: Tensor, batch: tuple, length: int) -> Tensor:

@@ -353,6 +353,26 @@ def test_sides_and_diagonals_past_every_key_are_the_open_ones(implementation):
         assert not attention(q[:, :, :3], k[:, :, :2], k[:, :, :2], is_causal=4, window=(2, None)).any()
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(window=(3, None), is_causal=True),
+    dict(key_padding=torch.tensor([5, L], device="meta")),
+    dict(key_padding=torch.zeros(B, L, dtype=torch.bool, device="meta")),
+    dict(document_ids=torch.zeros(B, L, dtype=torch.int64, device="meta")),
+    dict(cu_seqlens=torch.tensor([0, 10, L], device="meta")),
+    dict(mask_mod=lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (h == 0)),
+    dict(attn_mask=torch.ones(L, L, dtype=torch.bool, device="meta"), attn_bias=torch.zeros(L, L, device="meta")),
+], ids=["window", "lengths", "padding", "documents", "cu_seqlens", "mask_mod", "mask-bias"])
+def test_meta_tensors_take_every_mask_by_its_shapes(kwargs):
+    """On the meta device (a model built without memory, shapes worked out) no value can be
+    read: the masks' checks and choices that read values are the real call's, and the
+    output and gradients come out with their shapes."""
+    q = torch.empty(B, H, L, D, device="meta", requires_grad=True)
+    kv = torch.empty(B, H, L, D, device="meta", requires_grad=True)
+    out = attention(q, kv, kv, **kwargs)
+    dq, dkv = torch.autograd.grad(out, (q, kv), torch.empty_like(out))
+    assert out.device.type == dq.device.type == "meta" and out.shape == dq.shape == dkv.shape == (B, H, L, D)
+
+
 def test_documents_need_as_many_queries_as_keys():
     q, k = randn(B, H, 5, D, seed=1), randn(B, H, 7, D, seed=2)
     with pytest.raises(ValueError, match="as many queries as keys"):

@@ -87,7 +87,7 @@ def blocks(batch: int, heads: int, len_q: int, len_k: int, causal: int | None, m
     window's block computes its band, not the whole prefix. first = keys: no key at all.
     """
     lows = highs = None
-    if bounds is not None:  # per row, over the batch
+    if bounds is not None and bounds.device.type != "meta":  # per row, over the batch (meta: no values, shapes alone)
         lows, highs = bounds[..., 0].amin(dim=0).tolist(), bounds[..., 1].amax(dim=0).tolist()
     min_rows = MIN_ROWS if min_rows is None else min_rows
     out = []
@@ -235,6 +235,8 @@ def single_key_rows(e: Tensor, masked: bool, inv: Tensor) -> Tensor | None:
     the causal diagonal can exclude keys (otherwise only a single-key call has such rows);
     `inv` (B, H, R, 1) the rows' 1/l: such a row had l = 1 exactly, so only rows with
     1/l = 1 are counted (a pass over the whole tile would cost a quarter of the backward)."""
+    if e.device.type == "meta":  # shapes alone: no row to set
+        return None
     if not masked:
         if e.shape[-1] != 1:
             return None

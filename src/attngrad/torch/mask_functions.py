@@ -193,7 +193,7 @@ def evaluate_rows(rows_of: RowsOf, batch: int, heads: int, len_q: int, len_k: in
         return EvaluatedMask((1, 1, len_q, len_k))
     lo, hi, intervals = _row_extents(rows_of, batch, heads, len_q, len_k, device)
     shape = (lo.shape[0], lo.shape[1], len_q, len_k)
-    if fixed_form or torch.compiler.is_compiling():
+    if fixed_form or torch.compiler.is_compiling() or torch.device(device).type == "meta":  # no values to choose by
         return _fixed_form(rows_of, lo, hi, intervals, shape, batch, heads, device)
     same_heads = lo.shape[1] == 1 or bool(((lo == lo[:, :1]) & (hi == hi[:, :1])).all())
     if not (bool(intervals) and same_heads):

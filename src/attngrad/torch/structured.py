@@ -59,9 +59,10 @@ def _fold_batch(t: Tensor, batch: tuple, tail: tuple, name: str) -> Tensor:
     return t.expand(full).reshape(math.prod(batch), *tail)
 
 
-def _eager() -> bool:
-    """Whether values may be read: not while torch.compile traces a graph."""
-    return not torch.compiler.is_compiling()
+def _eager(t: Tensor) -> bool:
+    """Whether `t`'s values may be read: not while torch.compile traces a graph, nor on the
+    meta device (shapes alone: the checks of values are the real call's)."""
+    return not torch.compiler.is_compiling() and t.device.type != "meta"
 
 
 def _padding(key_padding: Tensor, batch: tuple, len_k: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
@@ -69,7 +70,7 @@ def _padding(key_padding: Tensor, batch: tuple, len_k: int) -> tuple[Optional[Te
     (None, (b, 1, 1, Lk) keep-mask) for any other boolean pattern."""
     if key_padding.dtype == torch.bool:
         kept = ~_fold_batch(key_padding, batch, (len_k,), "key_padding")  # (b, Lk)
-        if not _eager():
+        if not _eager(kept):
             return None, kept[:, None, None, :]
         count = kept.sum(dim=-1)
         position = torch.arange(len_k, device=kept.device)
@@ -82,7 +83,7 @@ def _padding(key_padding: Tensor, batch: tuple, len_k: int) -> tuple[Optional[Te
     if key_padding.is_floating_point() or key_padding.is_complex():
         raise TypeError(f"key_padding must be boolean (True = padding) or integer lengths; got {key_padding.dtype}")
     lengths = _fold_batch(key_padding, batch, (), "key_padding lengths")  # (b,)
-    if _eager() and bool(((lengths < 0) | (lengths > len_k)).any()):
+    if _eager(lengths) and bool(((lengths < 0) | (lengths > len_k)).any()):
         raise ValueError(f"key_padding lengths must lie in [0, Lk = {len_k}]; got {lengths.tolist()}")
     lengths = lengths.to(torch.int64)
     return torch.stack([torch.zeros_like(lengths), lengths], dim=-1)[:, None, :], None
@@ -120,7 +121,7 @@ def _documents(document_ids: Tensor, batch: tuple, length: int) -> Tensor:
     distinct = torch.ones_like(new_run)
     ordered = ids.sort(dim=-1).values
     distinct[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
-    if _eager() and not bool((new_run.sum(dim=-1) == distinct.sum(dim=-1)).all()):
+    if _eager(ids) and not bool((new_run.sum(dim=-1) == distinct.sum(dim=-1)).all()):
         raise ValueError("document_ids: each document's tokens must be contiguous (packed sequences)")
     lo = torch.where(new_run, position, 0).cummax(dim=-1).values
     ends_run = torch.ones_like(new_run)
@@ -135,7 +136,7 @@ def _cu_seqlens(cu_seqlens: Tensor, length: int) -> Tensor:
         raise TypeError(f"cu_seqlens must be a 1-D integer tensor; got {cu_seqlens.dtype} of shape "
                         f"{tuple(cu_seqlens.shape)}")
     cu = cu_seqlens.to(torch.int64)
-    if cu.numel() < 2 or (_eager() and (int(cu[0]) != 0 or int(cu[-1]) != length or bool((cu[1:] < cu[:-1]).any()))):
+    if cu.numel() < 2 or (_eager(cu) and (int(cu[0]) != 0 or int(cu[-1]) != length or bool((cu[1:] < cu[:-1]).any()))):
         raise ValueError(f"cu_seqlens must rise from 0 to the sequence length {length}; got {cu_seqlens.tolist()}")
     position = torch.arange(length, device=cu.device)
     document = torch.searchsorted(cu, position, right=True) - 1

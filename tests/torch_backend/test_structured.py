@@ -12,6 +12,7 @@ against autograd of its formula, S = c tanh(scale Q K^T / c) + bias, masked the 
 import math
 import sys
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -329,6 +330,14 @@ def test_bad_structures_raise_clearly(kwargs, exc, fragment):
     q = randn(B, H, L, D, seed=1)
     with pytest.raises(exc, match=fragment):
         attention(q, q, q, **kwargs)
+
+
+def test_options_take_any_real_number():
+    """NumPy's float32 is a number too (it was refused as a cap while NumPy's float64, a
+    float subclass, was taken)."""
+    q = randn(B, H, L, D, seed=1)
+    expected = attention(q, q, q, softcap=2.0, scale=0.5)
+    assert torch.equal(attention(q, q, q, softcap=np.float32(2.0), scale=np.float32(0.5)), expected)
 
 
 @pytest.mark.parametrize("implementation", ["tiles", "torch-ops"])

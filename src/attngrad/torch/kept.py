@@ -83,4 +83,4 @@ def forget_masks() -> None:
     from . import mask_memo
 
     clear()
-    mask_memo._KEPT.clear()
+    mask_memo.clear()

@@ -118,3 +118,8 @@ def remembered(mask_mod: Callable, shape: tuple, evaluate: Callable[[], object],
     while len(_KEPT) > KEPT:
         _KEPT.popitem(last=False)
     return evaluated
+
+
+def clear() -> None:
+    """Forget every kept evaluation."""
+    _KEPT.clear()

@@ -473,6 +473,21 @@ def test_forget_masks_sees_a_write_past_the_version_counter():
     after = attention(q, q, q, key_padding=lengths)
     assert torch.equal(after, attention(q, q, q, key_padding=torch.tensor([L, 4])))
     assert not torch.equal(after, before)
+    # a mask function's evaluation (here one with holes, kept per block), kept while what it
+    # reads keeps its version counter
+    limit = torch.tensor(L)
+    q4 = randn(1, H, L, D, seed=2)
+
+    def even_keys_below_the_limit(b, h, q_idx, kv_idx):
+        return (kv_idx % 2 == 0) & (kv_idx < limit)
+
+    before = attention(q4, q4, q4, mask_mod=even_keys_below_the_limit)
+    limit.data.fill_(6)
+    forget_masks()
+    after = attention(q4, q4, q4, mask_mod=even_keys_below_the_limit)
+    keys = torch.arange(L)
+    assert_all_close(dict(out=after), dict(out=attention(q4, q4, q4, attn_mask=(keys % 2 == 0) & (keys < 6))))
+    assert not torch.equal(after, before)
 
 
 def test_a_structure_made_where_it_cannot_serve_later_calls_is_not_kept():

@@ -105,7 +105,7 @@ def _window(window: tuple, len_q: int, len_k: int, offset: int, device: torch.de
     # clamped to [-Lq, Lk], which moves no row's bound across 0 or Lk (an offset near int64's
     # limits would wrap in the tensor's arithmetic)
     first = -len_q if left is None else max(-len_q, min(len_k, offset - left))
-    stop = len_q + len_k if right is None else max(-len_q, min(len_k, offset + right + 1))
+    stop = len_k if right is None else max(-len_q, min(len_k, offset + right + 1))
     row = torch.arange(len_q, device=device, dtype=torch.int64)
     return torch.stack([(row + first).clamp(min=0), (row + stop).clamp(max=len_k)], dim=-1)[None]
 

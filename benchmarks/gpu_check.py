@@ -199,7 +199,7 @@ class Row:
 
 def _zero_gradients(f: Features) -> set:
     """0 in exact arithmetic (a bias constant along the keys): rounding noise on both sides."""
-    return {"dextra", "gg_extra", "hvp_extra"} if f.bias == "keys" else set()
+    return {"dextra", "gg_extra", "hvp_extra", "rof_extra", "rof_textra"} if f.bias == "keys" else set()
 
 
 def check_one(job: tuple) -> Row:
@@ -334,7 +334,8 @@ def _summary(rows: list) -> None:
     print("\nworst error per dtype and result kind (ours / PyTorch math in the same dtype):")
     kinds = {"out": ("out",), "grad": ("dq", "dk", "dv", "dextra"), "jvp": ("jvp",),
              "double backward": tuple(f"gg_{n}" for n in ("q", "k", "v", "extra", "dout")),
-             "hvp": tuple(f"hvp_{n}" for n in ("q", "k", "v", "extra"))}
+             "hvp": tuple(f"hvp_{n}" for n in ("q", "k", "v", "extra")),
+             "reverse over forward": tuple(f"rof_{n}" for n in ("q", "k", "v", "extra", "tq", "tk", "tv", "textra"))}
     for dtype in DTYPES:
         cells = []
         for kind, names in kinds.items():

@@ -316,8 +316,100 @@ def test_third_derivatives_and_reverse_over_forward_raise():
     (gg,) = torch.autograd.grad(g.sum(), leaf, create_graph=True)
     with pytest.raises(NotImplementedError, match="up to second order"):
         gg.sum().backward()
-    with pytest.raises(NotImplementedError, match="forward over reverse"):
-        torch.func.grad(lambda q: torch.func.jvp(lambda q: case.ours(q, k, v), (q,), (torch.ones_like(q),))[1].sum())(q)
+    tangent = randn(*q.shape, seed=5)
+
+    def jvp_loss(q):
+        return torch.func.jvp(lambda q: case.ours(q, k, v), (q,), (tangent,))[1].square().sum()
+
+    with pytest.raises(NotImplementedError, match="up to second order"):  # reverse over reverse over forward
+        torch.func.grad(lambda q: torch.func.grad(jvp_loss)(q).sum())(q)
+    with pytest.raises(NotImplementedError, match="up to second order"):  # forward over reverse over forward
+        torch.func.jvp(torch.func.grad(jvp_loss), (q,), (tangent,))
+
+
+def reverse_over_forward(fn, primals, tangents, cotangent):
+    """The gradient of <cotangent, J t> (J the Jacobian of fn at the primals, t the tangents)
+    with respect to the primals and the tangents: torch.func.vjp of torch.func.jvp."""
+    def weighted_jvp(*xs):
+        n = len(primals)
+        return (torch.func.jvp(fn, xs[:n], xs[n:])[1] * cotangent).sum()
+
+    return torch.func.grad(weighted_jvp, argnums=tuple(range(2 * len(primals))))(*primals, *tangents)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_reverse_over_forward_matches_math_kernel(many_blocks, backend, name):
+    """The gradient through a JVP, with respect to the primals (the backward's JVP along t)
+    and the tangents (the backward of the cotangent), by torch.func and by autograd over a
+    forward_ad dual level, each taking the fused forward + JVP pass, and a cotangent that
+    reaches the tangent of the output alone."""
+    case = Case(**CASES[name])
+    tangents = tangents_like(case.primals, 110)
+    cotangent = randn(*case.q.shape[:-1], case.v.shape[-1], seed=120)
+    theirs = reverse_over_forward(case.theirs, case.primals, tangents, cotangent)
+    names = [f"{prefix}{n}" for prefix in ("", "t") for n in ("q", "k", "v", "bias")[: len(case.primals)]]
+    ran.clear()
+    ours = reverse_over_forward(case.ours, case.primals, tangents, cotangent)
+    # the tiles fuse each pair; torch-ops runs each pass of a pair in turn
+    assert {name for name, _ in ran} <= {"forward_jvp", "backward_with_jvp", "forward", "jvp", "backward", "backward_jvp"}
+    assert ("backward_with_jvp", "tiles") in ran or ("backward_jvp", "torch-ops") in ran
+    assert_all_close(dict(zip(names, ours)), dict(zip(names, theirs)))
+    leaves = [t.clone().requires_grad_() for t in case.primals + tangents]
+    n = len(case.primals)
+    with forward_ad.dual_level():
+        duals = [forward_ad.make_dual(p, t) for p, t in zip(leaves[:n], leaves[n:])]
+        out_t = forward_ad.unpack_dual(case.ours(*duals)).tangent
+        (out_t * cotangent).sum().backward()  # inside the level: the gradients get no third-order tangents
+    assert_all_close(dict(zip(names, [leaf.grad for leaf in leaves])), dict(zip(names, theirs)))
+
+
+def test_reverse_over_forward_of_a_tangent_alone_and_a_loss_of_both():
+    """A tangent on q alone still gives k, v and the bias gradients (J depends on them), and a
+    loss of the output and its tangent together (MeanFlow keeping du/dt's gradient) sums the
+    backward's and the Tangent's parts."""
+    case = Case(**CASES["causal-gqa-bias"])
+    tq = randn(*case.q.shape, seed=130)
+    w, c = randn(*case.q.shape[:-1], 6, seed=131), randn(*case.q.shape[:-1], 6, seed=132)
+
+    def loss(fn):
+        def of(q, k, v, bias):
+            out, out_t = torch.func.jvp(lambda q: fn(q, k, v, bias), (q,), (tq,))
+            return (out * w).sum() + (out_t * c).sum()
+        return torch.func.grad(of, argnums=(0, 1, 2, 3))(*case.primals)
+
+    assert_all_close(dict(zip("qkvb", loss(case.ours))), dict(zip("qkvb", loss(case.theirs))))
+
+
+def test_a_tangent_that_reverse_mode_tracks_over_constant_primals(backend):
+    """Forward mode alone sees the primals, but reverse mode tracks the tangent: the call
+    takes the Functions' path, not the untracked fused op, and the tangent gets J^T c."""
+    case = Case(mask=CASES["mask-bias"]["mask"])
+    q, k, v = case.primals
+    cotangent = randn(*q.shape[:-1], 6, seed=150)
+
+    def gradient_of_tangent(fn):
+        tq = randn(*q.shape, seed=151).requires_grad_()
+        with forward_ad.dual_level():
+            out_t = forward_ad.unpack_dual(fn(forward_ad.make_dual(q, tq), k, v)).tangent
+        return torch.autograd.grad((out_t * cotangent).sum(), tq)[0]
+
+    assert rel_err(gradient_of_tangent(case.ours), gradient_of_tangent(case.theirs)) < EXACT
+
+
+def test_jacrev_of_jacfwd_is_the_math_kernels_hessian(many_blocks, backend):
+    """torch.func.jacrev(torch.func.jacfwd(f)): reverse over forward under vmap on both sides,
+    which takes the plain jvp pass (no fused forward under vmap)."""
+    case = Case(is_causal=True, len_q=3, len_k=5, gqa=True)
+    q, k, v = (t[:1] for t in case.primals)
+    w = randn(1, H, 3, 6, seed=140)
+
+    def scalar(fn):
+        return lambda k: (fn(q, k, v) * w).sum()
+
+    ours = torch.func.jacrev(torch.func.jacfwd(scalar(case.ours)))(k)
+    theirs = torch.func.jacrev(torch.func.jacfwd(scalar(case.theirs)))(k)
+    assert ours.shape == (*k.shape, *k.shape)
+    assert rel_err(ours, theirs) < EXACT
 
 
 def test_float32_second_order_against_float64():

@@ -167,7 +167,8 @@ def case_of(name, tiles_of, device="cpu"):
 def zero_gradients(name):
     """The derivatives that are 0 in exact arithmetic: a bias constant along the keys (softmax
     ignores a row's shift) has none; both sides hold rounding noise there."""
-    return ("dextra", "gg_extra", "hvp_extra") if CASES[name].get("bias", (1,))[-1] == 1 else ()
+    return ("dextra", "gg_extra", "hvp_extra", "rof_extra", "rof_textra") if CASES[name].get("bias", (1,))[-1] == 1 \
+        else ()
 
 
 @pytest.fixture

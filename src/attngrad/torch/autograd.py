@@ -1,7 +1,8 @@
-"""Attention as a differentiable function: two autograd.Functions over the ops of `ops`.
+"""Attention as a differentiable function: three autograd.Functions over the ops of `ops`.
 
-    Attention          forward -> out          backward: AttentionBackward    jvp: the jvp op
-    AttentionBackward  forward -> dq, dk, ...  backward: the double_backward op   jvp: the backward_jvp op
+    Attention          forward -> out          backward: AttentionBackward       jvp: Tangent
+    AttentionBackward  forward -> dq, dk, ...  backward: the double_backward op  jvp: the backward_jvp op
+    Tangent            forward -> out_t = J t  backward: the backward_with_jvp op (the gradient through a JVP)
 
 Where forward mode alone differentiates a call (torch.func.jvp, or a dual level, with no
 reverse mode tracking its tensors), `attention` runs the forward_jvp op instead of the
@@ -15,9 +16,13 @@ where the four passes take 22. The forward's pass also leaves each row's centre
 rowsum(P * S') and the output's tangent (`_ForwardSums`), from which the backward's pass, for
 the same tangents, runs on the backward's tiles rather than on whole rows.
 
-Because the first backward is itself a differentiable Function, double backward
-(create_graph=True), Hessian-vector products and torch.func.hessian work; a third
-derivative raises. (torch.library's own register_autograd would be the shorter spelling,
+Because the first backward and the JVP are themselves differentiable Functions, double
+backward (create_graph=True), Hessian-vector products, torch.func.hessian, and reverse mode
+over forward mode (torch.func.vjp of torch.func.jvp, jacrev(jacfwd(f))) work; a third
+derivative raises.
+
+No ctx keeps a tensor that holds its own Function's outputs: autograd's graph is C++, and a
+cycle through it is one Python's collector cannot free (`_Deferred.settle`). (torch.library's own register_autograd would be the shorter spelling,
 but the wrapper it generates in torch 2.13 has no setup_context, and torch.func refuses
 it: pytorch#170834.)
 
@@ -31,6 +36,7 @@ tracks tensors among positional arguments only) and rebuild the `AttentionCall` 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -133,14 +139,26 @@ class _ForwardSums:
     matrix product than on whole rows at L=1024-4096."""
 
     def __init__(self, tangents: tuple) -> None:
-        self.tangents = tangents
+        # weak: the tangents and O' are the forward-mode level's, and the sums serve only a
+        # backward run inside that level (an HVP); a training step's graph must not keep them
+        self._tangents = tuple(None if t is None else weakref.ref(t) for t in tangents)
         self.centre: Optional[Tensor] = None  # with out_t, set once the forward's pass has made them
-        self.out_t: Optional[Tensor] = None
+        self._out_t: Optional[weakref.ref] = None
+
+    @property
+    def out_t(self) -> Optional[Tensor]:
+        return None if self._out_t is None else self._out_t()
+
+    @out_t.setter
+    def out_t(self, out_t: Tensor) -> None:
+        self._out_t = weakref.ref(out_t)
 
     def along(self, tangents: tuple) -> bool:
         """Whether the sums were made along these very tangents (torch.func hands both passes
-        the same tensors)."""
-        return self.centre is not None and all(a is b for a, b in zip(self.tangents, tangents))
+        the same tensors), and O' is still alive."""
+        if self.centre is None or self.out_t is None:
+            return False
+        return all((a is None and b is None) or (a is not None and a() is b) for a, b in zip(self._tangents, tangents))
 
     def centre_sums(self, call: AttentionCall, inputs: dict, results: tuple) -> Optional[dict]:
         """The row sums to ask of the forward's pass, where a backend makes them; else None.
@@ -160,17 +178,16 @@ class _ForwardSums:
         return delta_t
 
 
-def _final(pass_name: str, refusal: str, fields: list, deferred: Optional[_Deferred] = None,
-           sums: Optional[_ForwardSums] = None, **inputs: Any) -> Any:
-    """The op of `pass_name` as a leaf of differentiation (`Final`), every tensor handed to
-    it as an argument, so that a torch.func transform unwraps each. With `deferred`, the op is
-    a fused pass: its primal results fill `deferred`, and the rest are returned. With `sums`,
-    forward_jvp makes them where a backend can, and backward_with_jvp takes them (then the
-    pass runs through `ops.run_pass`, the op's own work, which takes the rows' sums, and
-    writes its primal results straight into `deferred`'s)."""
+def _bound(pass_name: str, fields: list, deferred: Optional[_Deferred], sums: Optional[_ForwardSums],
+           inputs: dict) -> tuple[Callable[..., Any], list[Tensor]]:
+    """The op of `pass_name` as a function of the call's and the inputs' tensors alone, and
+    those tensors: torch.func's Function calls walk every argument at every level, so the
+    options and absent inputs ride in the closure. With `deferred`, the op is a fused pass:
+    its primal results fill `deferred`, and the rest are returned. With `sums`, forward_jvp
+    makes them where a backend can, and backward_with_jvp takes them (then the pass runs
+    through `ops.run_pass`, the op's own work, which takes the rows' sums, and writes its
+    primal results straight into `deferred`'s)."""
     names, values = tuple(inputs), [*fields, *inputs.values()]
-    # only the tensors pass through apply: torch.func's Function calls walk every argument at
-    # every level, and the options and absent inputs ride in the closure
     at = [i for i, value in enumerate(values) if isinstance(value, Tensor)]
 
     def run(*tensors: Tensor) -> Any:
@@ -197,7 +214,94 @@ def _final(pass_name: str, refusal: str, fields: list, deferred: Optional[_Defer
         deferred.fill(results)
         return deferred.rest(results)
 
-    return Final.apply(run, refusal, *(values[i] for i in at))
+    return run, [values[i] for i in at]
+
+
+def _final(pass_name: str, refusal: str, fields: list, deferred: Optional[_Deferred] = None,
+           sums: Optional[_ForwardSums] = None, **inputs: Any) -> Any:
+    """The op of `pass_name` as a leaf of differentiation (`Final`), every tensor handed to
+    it as an argument, so that a torch.func transform unwraps each (`_bound`)."""
+    run, tensors = _bound(pass_name, fields, deferred, sums, inputs)
+    return Final.apply(run, refusal, *tensors)
+
+
+class Tangent(_Function):
+    """out_t = J t, the JVP of attention at the call along the tangents t of q, k, v and the
+    bias, differentiable once in reverse mode (the gradient through a JVP: sliced score
+    matching, Jacobian penalties, jacrev(jacfwd(f))).
+
+    With c the cotangent of out_t, <c, J t> is linear in t, so t gets J^T c, the backward's
+    gradients for upstream gradient c; q, k, v and the bias get d/dθ <J^T c, t>, the JVP of
+    that backward along t. The fused backward_with_jvp pass gives both at once (with no
+    tangent of c), in O(L) memory. out, row_max and inv_sum enter as the forward's caches.
+
+    Arguments: the pass's function of the tensors (`_bound`), where in them the call's
+    fields, the caches and the tangents lie (`layout`), then the tensors."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(run: Callable[..., Any], layout: dict, *tensors: Tensor):
+        return run(*(t for i, t in enumerate(tensors) if i not in layout["caches_only"]))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.layout = inputs[1]
+        ctx.save_for_backward(*inputs[2:])
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, c: Optional[Tensor]):
+        saved, layout = ctx.saved_tensors, ctx.layout
+        grads: list[Optional[Tensor]] = [None] * len(saved)
+        if c is None:
+            return (None, None, *grads)
+        if forward_ad._current_level >= 0 and not torch._C._are_functorch_transforms_active():
+            # a backward inside the eager dual level of the tangent it differentiates: the
+            # tangents of its results would be third derivatives, which nothing asked for
+            saved = tuple(None if t is None else forward_ad.unpack_dual(t).primal for t in saved)
+            c = forward_ad.unpack_dual(c).primal
+        fields = [saved[i] if isinstance(i, int) else option for i, option in layout["fields"]]
+        out, row_max, inv_sum = (saved[i] for i in layout["caches"])
+        tangents = {name: None if i is None else saved[i] for name, i in layout["tangents"].items()}
+        # the bias, even without a tangent of its own, shapes J; its tangent gets J^T c's part
+        bias_grad = any(i is not None and ctx.needs_input_grad[2 + i]
+                        for i in (layout["fields"][_BIAS][0], layout["tangents"]["tbias"]))
+        dq, dk, dv, dbias, tdq, tdk, tdv, tdbias = _final(
+            "backward_with_jvp", THIRD_ORDER, fields, dout=c.contiguous(), out=out, row_max=row_max, inv_sum=inv_sum,
+            bias_grad=bias_grad, tdout=None, **tangents)
+        for name, grad, grad_t in (("q", tdq, dq), ("k", tdk, dk), ("v", tdv, dv), ("bias", tdbias, dbias)):
+            at, tangent_at = layout["fields"][CALL_NAMES.index(name)][0], layout["tangents"]["t" + name]
+            if name == "bias" and not bias_grad:
+                continue
+            if at is not None:
+                grads[at] = grad  # d/dθ <c, J(θ) t>: the backward's JVP along t
+            if tangent_at is not None:
+                grads[tangent_at] = grad_t  # J^T c
+        return (None, None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any):
+        raise NotImplementedError(THIRD_ORDER)
+
+
+def _tangent(pass_name: str, fields: list, caches: tuple, deferred: Optional[_Deferred] = None,
+             sums: Optional[_ForwardSums] = None, **inputs: Any) -> Tensor:
+    """The op of `pass_name`, the jvp or the fused forward_jvp, whose last result is out_t,
+    as a `Tangent`: out_t differentiable in reverse mode. `caches` are out, row_max and
+    inv_sum (with `deferred`, the held results the pass fills), detached."""
+    run, tensors = _bound(pass_name, fields, deferred, sums, inputs)
+    ids = {id(t): i for i, t in enumerate(tensors)}
+    layout = {"fields": [(ids.get(id(f)), None if isinstance(f, Tensor) else f) for f in fields],
+              "tangents": {name: None if t is None else ids[id(t)] for name, t in inputs.items() if name[0] == "t"},
+              "caches": [], "caches_only": set()}
+    for cache in caches:
+        if id(cache) not in ids:  # not an input of the pass itself: the backward's alone
+            ids[id(cache)] = len(tensors)
+            layout["caches_only"].add(len(tensors))
+            tensors.append(cache)
+        layout["caches"].append(ids[id(cache)])
+    return Tangent.apply(run, layout, *tensors)
 
 
 def _plain(t: Any) -> Any:
@@ -241,11 +345,15 @@ class _Deferred:
         return rest[0] if len(rest) == 1 else rest
 
     def settle(self, fields: list, **inputs: Any) -> None:
-        if self.filled:
-            return
-        with torch._C._DisableFuncTorch(), torch.no_grad():
-            plain = {name: _plain(t) for name, t in inputs.items()}
-            self.fill(_pass(self.plain, *(_plain(f) for f in fields), **plain))
+        """Fill the results if no jvp did, then let go of them: they are the Function's
+        outputs, and this object stays on its ctx, whose node they point back to. A cycle
+        through autograd's C++ graph, which Python's collector cannot see, would keep the
+        whole step alive."""
+        if not self.filled:
+            with torch._C._DisableFuncTorch(), torch.no_grad():
+                plain = {name: _plain(t) for name, t in inputs.items()}
+                self.fill(_pass(self.plain, *(_plain(f) for f in fields), **plain))
+        self.results = None
 
 
 def _defers() -> bool:
@@ -321,13 +429,14 @@ class Attention(_Function):
     def jvp(ctx: Any, *tangents: Any):
         fields, (_out, row_max, inv_sum) = _saved(ctx)
         tbias = tangents[_BIAS] if fields[_BIAS] is not None else None
+        along = {"tq": tangents[_Q], "tk": tangents[_K], "tv": tangents[_V], "tbias": tbias}
         if ctx.deferred is not None:  # the forward's results with the tangent, one pass
-            ctx.deferred.sums = _ForwardSums((tangents[_Q], tangents[_K], tangents[_V], tbias))
-            out_t = _final("forward_jvp", REVERSE_OVER_FORWARD, fields, ctx.deferred, ctx.deferred.sums,
-                           tq=tangents[_Q], tk=tangents[_K], tv=tangents[_V], tbias=tbias)
+            ctx.deferred.sums = _ForwardSums(tuple(along.values()))
+            caches = tuple(t.detach() for t in ctx.deferred.results)  # filled by the pass, before the backward reads them
+            out_t = _tangent("forward_jvp", fields, caches, ctx.deferred, ctx.deferred.sums, **along)
         else:
-            out_t = _final("jvp", REVERSE_OVER_FORWARD, fields, row_max=row_max, inv_sum=inv_sum, tq=tangents[_Q],
-                           tk=tangents[_K], tv=tangents[_V], tbias=tbias)
+            caches = (_out.detach(), row_max.detach(), inv_sum.detach())
+            out_t = _tangent("jvp", fields, caches, row_max=caches[1], inv_sum=caches[2], **along)
         return out_t, torch.zeros_like(row_max), torch.zeros_like(inv_sum)
 
 
@@ -398,7 +507,7 @@ def _unwrapped(t: Tensor) -> Tensor:
 def _forward_mode_only(call: AttentionCall) -> Optional[tuple[AttentionCall, dict[str, Optional[Tensor]]]]:
     """Where forward mode alone differentiates `call` (a dual level open in eager, or
     torch.func.jvp the innermost transform, with only vmaps outside it), no reverse mode
-    tracks its tensors, and at least one carries a tangent: the call on the primals and the
+    tracks its tensors or their tangents, and at least one carries a tangent: the call on the primals and the
     tangents of q, k, v, bias (None: zero). Else None.
 
     There the forward and its JVP run as one pass (`forward_jvp`), which a Function cannot
@@ -413,7 +522,9 @@ def _forward_mode_only(call: AttentionCall) -> Optional[tuple[AttentionCall, dic
     for name in ("q", "k", "v", "bias"):
         t = getattr(call, name)
         primals[name], tangents["t" + name] = (None, None) if t is None else forward_ad.unpack_dual(t)
-    tracked = torch.is_grad_enabled() and any(p is not None and _unwrapped(p).requires_grad for p in primals.values())
+    # reverse mode tracking a primal or a tangent (the gradient through a JVP) needs the Functions
+    tracked = torch.is_grad_enabled() and any(t is not None and _unwrapped(t).requires_grad
+                                              for t in (*primals.values(), *tangents.values()))
     if tracked or all(t is None for t in tangents.values()):
         return None
     masks = dataclasses.replace(call.masks, bias=primals["bias"])

@@ -36,7 +36,7 @@ class Config:
     softcap: Optional[float] = None
     sinks: bool = False  # GPT-OSS's per-head sink logits (fixed here: their gradient is the bias's)
     length_per_rank: int = 12
-    derivatives: tuple = ("forward", "backward", "jvp", "double_backward", "hvp")
+    derivatives: tuple = ("forward", "backward", "jvp", "double_backward", "hvp", "reverse_over_forward")
     dtype: torch.dtype = torch.float64
 
 
@@ -172,6 +172,15 @@ def run_case(config: Config, world: int) -> dict[str, float]:
         ours = torch.func.jvp(_grad_of(sharded, dout_shard), tuple(primals_shard), tuple(tangents_shard))[1]
         theirs = torch.func.jvp(_grad_of(whole, dout_whole), tuple(primals_whole), tuple(tangents_whole))[1]
         errors["hvp"] = max(_relative(a, shard(b)) for a, b in zip(ours, theirs))
+    if "reverse_over_forward" in config.derivatives:  # the gradient of <c, J t> for the primals and the tangents
+        def through_jvp(fn, cotangent):
+            n = len(names)
+            return lambda *x: (torch.func.jvp(fn, x[:n], x[n:])[1] * cotangent).sum()
+
+        argnums = tuple(range(2 * len(names)))
+        ours = torch.func.grad(through_jvp(sharded, dout_shard), argnums=argnums)(*primals_shard, *tangents_shard)
+        theirs = torch.func.grad(through_jvp(whole, dout_whole), argnums=argnums)(*primals_whole, *tangents_whole)
+        errors["reverse_over_forward"] = max(_relative(a, shard(b)) for a, b in zip(ours, theirs))
     return errors
 
 

@@ -15,7 +15,7 @@ from attngrad.torch.distributed.launch import spawn
 from . import cases
 
 WORLDS = (2, 3)
-DERIVATIVES = ("forward", "backward", "jvp", "double_backward", "hvp")
+DERIVATIVES = ("forward", "backward", "jvp", "double_backward", "hvp", "reverse_over_forward")
 
 
 @functools.cache

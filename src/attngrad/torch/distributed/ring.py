@@ -3,11 +3,12 @@ with every derivative of the one-process op.
 
 Two autograd.Functions join the passes of `ring_passes`, as `autograd` joins the ops:
 
-    RingAttention          forward -> out         backward: RingAttentionBackward   jvp: ring_jvp
+    RingAttention          forward -> out         backward: RingAttentionBackward   jvp: RingTangent
     RingAttentionBackward  forward -> dq, dk, ... backward: ring_double_backward    jvp: ring_backward_jvp
+    RingTangent            forward -> out_t       backward: ring_backward, ring_backward_jvp
 
-so backward, the gradient of a bias, forward mode, double backward and Hessian-vector
-products all run round the ring; a third derivative raises.
+so backward, the gradient of a bias, forward mode, double backward, Hessian-vector
+products and the gradient through a JVP all run round the ring; a third derivative raises.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..arguments import sinks_as_bias
-from ..autograd import REVERSE_OVER_FORWARD, THIRD_ORDER, Final
+from ..autograd import THIRD_ORDER, Final
 from ..layout import Layout, default_scale
 from ..structured import structure
 from .call_checks import start_call
@@ -27,10 +28,6 @@ from .ring_comm import Ring
 from .ring_passes import ring_backward, ring_backward_jvp, ring_double_backward, ring_forward, ring_jvp
 from .ring_plan import RingPlan
 from .sharding import Sharding, group_of
-
-
-def _jvp_out(*args: Any) -> Tensor:
-    return ring_jvp(*args)[0]
 
 
 class RingAttention(torch.autograd.Function):
@@ -59,9 +56,40 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, tq, tk, tv, tbias, _tplan):
         q, k, v, bias, out, row_max, inv_sum = ctx.saved_tensors
-        out_t = Final.apply(_jvp_out, REVERSE_OVER_FORWARD, ctx.plan, q, k, v, out, row_max, inv_sum, tq, tk, tv,
-                             tbias if bias is not None else None)
+        out_t = RingTangent.apply(q, k, v, bias, out.detach(), row_max.detach(), inv_sum.detach(), tq, tk, tv,
+                                  tbias if bias is not None else None, ctx.plan)
         return out_t, torch.zeros_like(row_max), torch.zeros_like(inv_sum)
+
+
+class RingTangent(torch.autograd.Function):
+    """out_t = J t round the ring, differentiable once in reverse mode as `autograd.Tangent`
+    is: for the cotangent c, the tangents get the ring's backward of c, and q, k, v and the
+    bias that backward's JVP along t. out and the row statistics are caches."""
+
+    @staticmethod
+    def forward(q, k, v, bias, out, row_max, inv_sum, tq, tk, tv, tbias, plan: RingPlan):
+        return ring_jvp(plan, q, k, v, out, row_max, inv_sum, tq, tk, tv, tbias)[0]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        *tensors, ctx.plan = inputs
+        ctx.save_for_backward(*tensors)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, c: Optional[Tensor]):
+        q, k, v, bias, out, row_max, inv_sum, tq, tk, tv, tbias = ctx.saved_tensors
+        if c is None:
+            return (None,) * 12
+        c = c.contiguous()
+        bias_grad = bias is not None and (ctx.needs_input_grad[3] or ctx.needs_input_grad[10])
+        caches = (out, row_max, inv_sum)
+        dq, dk, dv, dbias = Final.apply(ring_backward, THIRD_ORDER, ctx.plan, c, q, k, v, *caches, bias_grad)
+        tdq, tdk, tdv, tdbias = Final.apply(ring_backward_jvp, THIRD_ORDER, ctx.plan, c, q, k, v, *caches, bias_grad,
+                                            None, tq, tk, tv, tbias if bias_grad else None)
+        return (tdq, tdk, tdv, tdbias if bias_grad else None, None, None, None,
+                dq if tq is not None else None, dk if tk is not None else None, dv if tv is not None else None,
+                dbias if bias_grad and tbias is not None else None, None)
 
 
 class RingAttentionBackward(torch.autograd.Function):

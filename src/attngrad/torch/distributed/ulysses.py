@@ -88,7 +88,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Tensor, _ttrade: Any, _tdirection: Any) -> Tensor:
-        return _AllToAll.forward(tangent, ctx.trade, ctx.to_heads)
+        return _AllToAll.apply(tangent, ctx.trade, ctx.to_heads)  # differentiable: the gradient through a JVP
 
 
 def _heads_of(t: Tensor, heads: int, world: int) -> Tensor:

@@ -1,7 +1,12 @@
 """The README's and the docs' Python blocks run as written, so the docs cannot drift from the
-code; the README stays short enough to read in five minutes."""
+code: each README block alone, as a reader pastes it; a page's blocks in order, in one
+namespace. The README stays short enough to read in five minutes."""
 
+import os
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,11 +30,38 @@ def run_blocks(path: Path) -> int:
     return len(blocks)
 
 
-def test_readme_python_blocks_run():
-    pytest.importorskip("torch")  # the check example reports autograd figures
+def test_readme_python_blocks_run_each_alone(tmp_path):
+    """Each README block runs as a reader pastes it: as its own script, in a fresh
+    interpreter, from a folder outside the clone, so it needs its own imports. None may
+    fail. The four run side by side, each on one thread: most of their time is imports."""
+    pytest.importorskip("torch")  # the drop-in; the check example's autograd column
     pytest.importorskip("transformers")  # the third example trains a transformers model
-    pytest.importorskip("triton")  # the fourth runs the Triton backend in its interpreter
-    assert run_blocks(ROOT / "README.md") == 4
+    pytest.importorskip("diffusers")  # the fourth differentiates a DiT block
+    import attngrad
+    from attngrad.torch import native
+
+    native.library()  # built here if need be, so each script loads the tiles from the cache
+    package_root = str(Path(attngrad.__file__).resolve().parents[1])  # this process's attngrad
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    blocks = python_blocks(ROOT / "README.md")
+    assert len(blocks) == 4
+    runs = []
+    for number, block in enumerate(blocks, 1):
+        script = tmp_path / f"readme_block_{number}.py"
+        script.write_text(block, encoding="utf-8")
+        runs.append(subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + 180
+    try:
+        for number, (block, run) in enumerate(zip(blocks, runs), 1):
+            _, stderr = run.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            assert run.returncode == 0, f"README.md, python block {number} failed alone:\n{block}\n{stderr[-3000:]}"
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
 
 
 def test_readme_is_short():

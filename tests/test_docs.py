@@ -33,7 +33,9 @@ def run_blocks(path: Path) -> int:
 def test_readme_python_blocks_run_each_alone(tmp_path):
     """Each README block runs as a reader pastes it: as its own script, in a fresh
     interpreter, from a folder outside the clone, so it needs its own imports. None may
-    fail. The four run side by side, each on one thread: most of their time is imports."""
+    fail, nor print PyTorch's testing-only dropout warning (the check example's oracle
+    calls that kernel). The four run side by side, each on one thread: most of their time
+    is imports."""
     pytest.importorskip("torch")  # the drop-in; the check example's autograd column
     pytest.importorskip("transformers")  # the third example trains a transformers model
     pytest.importorskip("diffusers")  # the fourth differentiates a DiT block
@@ -57,6 +59,7 @@ def test_readme_python_blocks_run_each_alone(tmp_path):
         for number, (block, run) in enumerate(zip(blocks, runs), 1):
             _, stderr = run.communicate(timeout=max(1.0, deadline - time.monotonic()))
             assert run.returncode == 0, f"README.md, python block {number} failed alone:\n{block}\n{stderr[-3000:]}"
+            assert "Dropout mask should only be used" not in stderr, f"README.md, python block {number}: {stderr}"
     finally:
         for run in runs:
             if run.poll() is None:

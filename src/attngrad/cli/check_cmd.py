@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from ..check import FLAVORS, VARIANTS, CheckConfig, CheckReport, run_check
@@ -165,10 +164,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"attngrad check: error: {err}", file=sys.stderr)
         return 2
-    # PyTorch's math kernel logs "dropout mask should only be used for testing purposes"
-    # when given the keep-mask; testing is what it is used for here (set before torch loads)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

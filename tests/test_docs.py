@@ -87,6 +87,16 @@ def test_every_code_block_is_one_the_tests_run():
         assert shell == expected, f"{path.name}: code blocks in {shell} that no test runs"
 
 
+def test_api_tour_lists_every_command():
+    """docs/api.md's list of commands names each one `attngrad --help` lists, and no other."""
+    from attngrad.cli.main import COMMANDS
+
+    page = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    section = page.split("## The commands", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"`attngrad ([a-z-]+)", section)
+    assert sorted(set(listed)) == sorted(name for name, *_ in COMMANDS)
+
+
 def test_derivation_blocks_run():
     """Every formula of docs/derivation.md is followed by code asserting it equals attngrad's
     backward (or autograd, or finite differences): a changed result fails here."""

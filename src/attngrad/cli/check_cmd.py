@@ -8,6 +8,7 @@ import sys
 
 from ..check import FLAVORS, VARIANTS, CheckConfig, CheckReport, run_check
 from ..check.compare import ErrorFigure
+from . import pip_install
 from .arg_types import nonnegative_int, positive_int
 
 ALL_VARIANTS = tuple(dict.fromkeys(v for flavor in FLAVORS for v in VARIANTS[flavor]))
@@ -86,7 +87,7 @@ def summary_lines(report: CheckReport) -> list[str]:
     ]
     if report.torch_version is None:
         lines.append("PyTorch is not installed (or --no-torch): the autograd column was skipped; "
-                     "finite differences alone were checked. pip install 'attngrad[torch]' to add it.")
+                     f"finite differences alone were checked. To add it: {pip_install('torch')}.")
     else:
         lines.append(f"autograd oracle: PyTorch {report.torch_version}, float64: torch.nn.MultiheadAttention; "
                      "gqa and dropout variants: F.linear + PyTorch's math SDPA kernel (the module has no "

@@ -1,7 +1,13 @@
 """The README's and the docs' Python blocks run as written, so the docs cannot drift from the
-code; the README stays short enough to read in five minutes."""
+code: each README block alone, as a reader pastes it; a page's blocks in order, in one
+namespace. The README stays short enough to read in five minutes."""
 
+import importlib.util
+import os
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,11 +31,42 @@ def run_blocks(path: Path) -> int:
     return len(blocks)
 
 
-def test_readme_python_blocks_run():
-    pytest.importorskip("torch")  # the check example reports autograd figures
-    pytest.importorskip("transformers")  # the third example trains a transformers model
-    pytest.importorskip("triton")  # the fourth runs the Triton backend in its interpreter
-    assert run_blocks(ROOT / "README.md") == 4
+def test_readme_python_blocks_run_each_alone(tmp_path):
+    """Each README block runs as a reader pastes it: as its own script, in a fresh
+    interpreter, from a folder outside the clone, so it needs its own imports. None may
+    fail, nor print PyTorch's testing-only dropout warning (the check example's oracle
+    calls that kernel). The four run side by side, each on one thread: most of their time
+    is imports."""
+    # the drop-in and the check example's autograd column; a transformers model; a DiT block
+    for needed in ("torch", "transformers", "diffusers"):
+        if importlib.util.find_spec(needed) is None:  # the scripts import them, not this process
+            pytest.skip(f"the README's examples need {needed}")
+    import attngrad
+    from attngrad.torch import native
+
+    native.library()  # built here if need be, so each script loads the tiles from the cache
+    package_root = str(Path(attngrad.__file__).resolve().parents[1])  # this process's attngrad
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    blocks = python_blocks(ROOT / "README.md")
+    assert len(blocks) == 4
+    runs = []
+    for number, block in enumerate(blocks, 1):
+        script = tmp_path / f"readme_block_{number}.py"
+        script.write_text(block, encoding="utf-8")
+        runs.append(subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + 180
+    try:
+        for number, (block, run) in enumerate(zip(blocks, runs), 1):
+            _, stderr = run.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            assert run.returncode == 0, f"README.md, python block {number} failed alone:\n{block}\n{stderr[-3000:]}"
+            assert "Dropout mask should only be used" not in stderr, f"README.md, python block {number}: {stderr}"
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
 
 
 def test_readme_is_short():
@@ -50,6 +87,16 @@ def test_every_code_block_is_one_the_tests_run():
         shell = [lang for lang in languages if lang != "python"]
         expected = ["bash", "bash"] if path.name == "README.md" else []
         assert shell == expected, f"{path.name}: code blocks in {shell} that no test runs"
+
+
+def test_api_tour_lists_every_command():
+    """docs/api.md's list of commands names each one `attngrad --help` lists, and no other."""
+    from attngrad.cli.main import COMMANDS
+
+    page = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    section = page.split("## The commands", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"`attngrad ([a-z-]+)", section)
+    assert sorted(set(listed)) == sorted(name for name, *_ in COMMANDS)
 
 
 def test_derivation_blocks_run():

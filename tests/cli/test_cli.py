@@ -23,10 +23,13 @@ def run_cli(*args, block=()):
 
 def test_table_lists_every_tensor_and_exits_0():
     pytest.importorskip("torch")
-    result = run_cli("check", *SMALL, "--flavor", "encoder", "--variant", "plain", "--variant", "gqa")
+    result = run_cli("check", *SMALL, "--flavor", "encoder", "--variant", "plain", "--variant", "gqa",
+                     "--variant", "dropout")
     assert result.returncode == 0, result.stderr
-    for fragment in ("flavor", "vs autograd", "vs finite diff", "verdict", "W^Q", "b^O", "gqa", "all pass"):
+    for fragment in ("flavor", "vs autograd", "vs finite diff", "verdict", "W^Q", "b^O", "gqa", "dropout", "all pass"):
         assert fragment in result.stdout
+    # the oracle hands PyTorch's math kernel its keep-mask, which it warns is for testing: the
+    # library silences that one warning where it calls the kernel
     assert "Dropout mask should only be used" not in result.stderr
 
 
@@ -109,8 +112,14 @@ def test_no_matching_case_lists_the_variants(capsys):
 
 
 def test_install_hint_is_printed_as_written():
+    """Without PyTorch the hint says how to add it from a package index and in a clone, where
+    only the second works; the console may wrap the line anywhere."""
     result = run_cli("check", *SMALL, "--flavor", "sdpa", "--variant", "plain", block=("torch",))
-    assert "pip install 'attngrad[torch]'" in result.stdout
+    out = " ".join(result.stdout.split())
+    assert "pip install 'attngrad[torch]' (in a clone: pip install -e '.[torch]')" in out
+    result = run_cli("bench", block=("torch",))
+    assert result.returncode == 2
+    assert "PyTorch is required: pip install 'attngrad[torch]' (in a clone: pip install -e '.[torch]')" in result.stderr
 
 
 def test_a_closed_pipe_is_no_traceback():

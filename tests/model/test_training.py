@@ -203,7 +203,8 @@ def test_train_says_when_it_cannot_draw_curves(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     out = _small_run(tmp_path)
     assert not (out / "curves.png").exists()
-    assert "no curves.png: matplotlib is not installed (pip install 'attngrad[docs]')" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "no curves.png: matplotlib is not installed: pip install 'attngrad[docs]' (in a clone: pip install -e '.[docs]')" in out
 
 
 def test_generate_warns_outside_the_trained_lengths(tmp_path, capsys):

@@ -269,6 +269,20 @@ def test_bad_input(kwargs, exc, fragment):
         scaled_dot_product_attention(**args)
 
 
+@pytest.mark.parametrize("entry,name", [("scaled_dot_product_attention", "attn_mask"), ("attention", "attn_bias")])
+def test_a_float_mask_of_the_wrong_shape_is_named_as_passed(entry, name):
+    """scaled_dot_product_attention hands a float attn_mask on as attention()'s attn_bias:
+    the error still names the argument its caller passed, with the shapes."""
+    import attngrad.torch
+
+    q, k, v = torch.randn(2, 4, 13, 8), torch.randn(2, 4, 21, 8), torch.randn(2, 4, 21, 6)
+    expected = (f"{name} of shape (3, 13, 21) does not broadcast to the scores' shape (2, 4, 13, 21) "
+                f"(query (2, 4, 13, 8), key (2, 4, 21, 8), value (2, 4, 21, 6))")
+    with pytest.raises(ValueError) as raised:
+        getattr(attngrad.torch, entry)(q, k, v, **{name: torch.zeros(3, 13, 21, requires_grad=True)})
+    assert str(raised.value) == expected
+
+
 def test_attention_entry_point_takes_mask_bias_and_causal_together(many_blocks):
     from attngrad.torch import attention
 

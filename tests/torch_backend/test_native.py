@@ -750,6 +750,60 @@ def test_a_compiler_without_openmp_still_builds_the_tiles(tmp_path):
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+def test_a_build_says_so_on_stderr_and_a_cached_load_is_quiet(monkeypatch, tmp_path, capsys):
+    """A first use waits 10-60 s for the build: it says so once on stderr, with the cache
+    folder, then how long it took. A process that finds the build loads it in silence.
+    (No compiler runs here: _build and the load are stand-ins.)"""
+    from attngrad.torch import native_build
+
+    monkeypatch.setenv("ATTNGRAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_build, "_loaded", None)  # as a fresh process, which loaded no build yet
+    for field in ("compiled", "seconds"):
+        monkeypatch.setattr(native_build.build_info, field, getattr(native_build.build_info, field))
+    built = []
+
+    def build(folder, openmp):
+        folder.mkdir(parents=True)
+        built.append(folder)
+
+    monkeypatch.setattr(native_build, "_build", build)
+    target = native_build._load_or_build(openmp=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert built == [target.parent]
+    assert lines[0] == (f"attngrad: compiling the CPU tiles (once, cached in {target.parent}; usually 10-60 s)...")
+    assert len(lines) == 2 and lines[1].startswith("attngrad: compiling the CPU tiles done in ")  # no count: no TTY
+    monkeypatch.setattr(native_build, "_loaded", None)  # the next process finds the build
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: None)
+    assert native_build._load_or_build(openmp=True) == target and built == [target.parent]
+    assert capsys.readouterr().err == ""
+
+
+def test_a_build_counts_its_seconds_on_a_terminal_alone():
+    """On a terminal a second line counts the seconds, rewritten in place, and ends as the
+    line saying how it went; a failed build says it failed."""
+    import io
+    import time
+
+    from attngrad.torch import native_build
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    with native_build.announced("/cache/tiles", terminal, tick=0.01):
+        time.sleep(0.1)
+    first, second = terminal.getvalue().split("\n", 1)
+    assert first == "attngrad: compiling the CPU tiles (once, cached in /cache/tiles; usually 10-60 s)..."
+    assert second.startswith("\rattngrad: compiling, 0 s") and second.endswith("\rattngrad: compiling the CPU tiles "
+                                                                               "done in 0 s\n")
+    log = io.StringIO()
+    with pytest.raises(RuntimeError), native_build.announced("/cache/tiles", log, tick=0.01):
+        time.sleep(0.05)
+        raise RuntimeError("the compiler failed")
+    assert log.getvalue().splitlines()[1:] == ["attngrad: compiling the CPU tiles failed after 0 s"]  # no count
+
+
 @needs_tiles
 def test_the_tiles_are_cached_and_keyed(monkeypatch, tmp_path):
     """The library sits in the cache folder, in a folder of its own key (sources, flags,

@@ -2,7 +2,7 @@
 
 - sdpa: `torch.nn.functional.scaled_dot_product_attention` on the math backend, in the
   dtype asked for (float64 for the exactness bar). With dropout, PyTorch's math kernel
-  itself (`aten._scaled_dot_product_attention_math`), which accepts the keep-mask to use.
+  itself (`torch._scaled_dot_product_attention_math`), which accepts the keep-mask to use.
 - encoder / decoder / cross: `torch.nn.MultiheadAttention` loaded with the same state_dict.
   It has no grouped-query heads and no way to pass a dropout keep-mask, so the gqa and
   dropout variants use the same computation spelled in torch ops: `F.linear` projections
@@ -14,6 +14,7 @@ Every oracle runs `out.backward(dout)` with the case's random dout and returns
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -42,9 +43,14 @@ def _math_sdpa(q, k, v, *, allowed, bias, is_causal, enable_gqa, dropout_p, keep
         is_causal = False
     if dropout_p > 0.0:
         keep = torch.as_tensor(np.broadcast_to(keep_mask, q.shape[:-1] + (k.shape[-2],)).copy())
-        out, _ = torch.ops.aten._scaled_dot_product_attention_math(
-            q, k, v, attn_mask, dropout_p, is_causal, keep, enable_gqa=enable_gqa
-        )
+        # The kernel warns once that a given keep-mask is for testing, which is this use. Its
+        # torch.* binding raises the warning as a Python warning, which is silenced here alone
+        # (torch.ops.aten's logs it straight to stderr, past any filter).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Dropout mask should only be used for testing", UserWarning)
+            out, _ = torch._scaled_dot_product_attention_math(
+                q, k, v, attn_mask, dropout_p, is_causal, keep, enable_gqa=enable_gqa
+            )
         return out
     with sdpa_kernel(SDPBackend.MATH):
         return F.scaled_dot_product_attention(

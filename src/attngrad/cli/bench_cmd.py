@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..bench.cases import FAMILIES
+from . import pip_install
 from .arg_types import positive_int
 
 # The terminal shows the report's columns as two tables, times and memory, so that each
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import torch  # noqa: F401
     except ImportError:
-        print("attngrad bench: error: PyTorch is required: pip install 'attngrad[torch]'", file=sys.stderr)
+        print(f"attngrad bench: error: PyTorch is required: {pip_install('torch')}", file=sys.stderr)
         return 2
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -120,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     for path in written:
         console.print(f"wrote {path}", highlight=False)
     if not any(path.suffix == ".png" for path in written):
-        console.print("no results.png: matplotlib is not installed (pip install 'attngrad[docs]')", highlight=False)
+        console.print(f"no results.png: matplotlib is not installed: {pip_install('docs')}", highlight=False,
+                      markup=False)  # "[docs]" is no markup
     return 0
 
 

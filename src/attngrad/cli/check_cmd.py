@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from ..check import FLAVORS, VARIANTS, CheckConfig, CheckReport, run_check
 from ..check.compare import ErrorFigure
+from . import pip_install
 from .arg_types import nonnegative_int, positive_int
 
 ALL_VARIANTS = tuple(dict.fromkeys(v for flavor in FLAVORS for v in VARIANTS[flavor]))
@@ -87,7 +87,7 @@ def summary_lines(report: CheckReport) -> list[str]:
     ]
     if report.torch_version is None:
         lines.append("PyTorch is not installed (or --no-torch): the autograd column was skipped; "
-                     "finite differences alone were checked. pip install 'attngrad[torch]' to add it.")
+                     f"finite differences alone were checked. To add it: {pip_install('torch')}.")
     else:
         lines.append(f"autograd oracle: PyTorch {report.torch_version}, float64: torch.nn.MultiheadAttention; "
                      "gqa and dropout variants: F.linear + PyTorch's math SDPA kernel (the module has no "
@@ -165,10 +165,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"attngrad check: error: {err}", file=sys.stderr)
         return 2
-    # PyTorch's math kernel logs "dropout mask should only be used for testing purposes"
-    # when given the keep-mask; testing is what it is used for here (set before torch loads)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

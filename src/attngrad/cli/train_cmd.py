@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..model.tasks import TASKS
+from . import pip_install
 from .arg_types import fraction, nonnegative_float, nonnegative_int, positive_int, probability
 
 DEFAULTS = {  # TrainConfig and TransformerConfig defaults, as the command shows them
@@ -124,8 +125,7 @@ def run(args: argparse.Namespace) -> int:
     for path in sorted(args.out.iterdir()):
         out.print(f"wrote {path}", highlight=False)
     if not (args.out / "curves.png").exists():
-        out.print("no curves.png: matplotlib is not installed (pip install 'attngrad[docs]')", highlight=False,
-                  markup=False)
+        out.print(f"no curves.png: matplotlib is not installed: {pip_install('docs')}", highlight=False, markup=False)
     if args.docs is not None:
         for path in _write_docs(args, result, metric):
             out.print(f"wrote {path}", highlight=False)

@@ -62,28 +62,29 @@ def build_call(query: Tensor, key: Tensor, value: Tensor, *, mask: Optional[Tens
                key_padding: Optional[Tensor] = None, window: Optional[tuple] = None,
                document_ids: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
                softcap: Optional[float] = None, sinks: Optional[Tensor] = None, mask_mod: Optional[Callable] = None,
-               block_mask: Any = None) -> tuple[AttentionCall, Layout]:
+               block_mask: Any = None, bias_name: str = "attn_bias") -> tuple[AttentionCall, Layout]:
     """Check the public arguments and fold them into the op's call on (B, H, L, E), with the
     layout that unfolds its output. `seed` (a 0-d int64 tensor, or a `dropout.Placement`'s)
     fixes the dropout draw; by default it comes from PyTorch's generator. The rest as in
-    `attention` (mask: boolean, bias: float)."""
+    `attention` (mask: boolean, bias: float). `bias_name` is the argument the caller's user
+    passed the bias as, for the errors: scaled_dot_product_attention's float attn_mask."""
     check_tensors(query, key, value, dropout_p)
-    check_optional_tensors(attn_mask=mask, attn_bias=bias, key_padding=key_padding, document_ids=document_ids,
-                           cu_seqlens=cu_seqlens)
+    check_optional_tensors(attn_mask=mask, key_padding=key_padding, document_ids=document_ids, cu_seqlens=cu_seqlens)
+    check_optional_tensors(**{bias_name: bias})
     if softcap is not None and not (is_number(softcap) and 0.0 < softcap < math.inf):
         raise ValueError(f"softcap must be a positive finite number (or None); got {softcap!r}")
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"attn_mask must be boolean here; pass a float mask as attn_bias (got {mask.dtype})")
     if bias is not None and bias.dtype not in FLOATS:
         raise TypeError(f"attn_bias must be floating; pass a boolean mask as attn_mask (got {bias.dtype})")
-    for name, t in (("attn_mask", mask), ("attn_bias", bias)):
+    for name, t in (("attn_mask", mask), (bias_name, bias)):
         if t is not None and t.device != query.device:
             raise ValueError(f"{name} is on {t.device} but query on {query.device}")
     layout = Layout(query, key, value, enable_gqa)
     if sinks is not None:
         bias = sinks_as_bias(bias, sinks, layout, query)
     mask = None if mask is None else layout.fold_mask(mask, "attn_mask")
-    bias = None if bias is None else layout.fold_mask(bias, "attn_bias")
+    bias = None if bias is None else layout.fold_mask(bias, bias_name)
     causal = _causal_offset(is_causal, layout.len_q, layout.len_k)
     bounds, blocks = None, None
     structured = dict(key_padding=key_padding, window=window, document_ids=document_ids, cu_seqlens=cu_seqlens)

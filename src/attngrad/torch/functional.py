@@ -76,10 +76,16 @@ def scaled_dot_product_attention(
         raise ValueError("pass either attn_mask or is_causal=True, not both (as in PyTorch)")
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype not in FLOATS:
         raise TypeError(f"attn_mask must be boolean or floating; got {attn_mask.dtype}")
-    boolean = attn_mask is not None and attn_mask.dtype == torch.bool
-    return attention(query, key, value, attn_mask=attn_mask if boolean else None,
-                     attn_bias=None if boolean else attn_mask, is_causal=bool(is_causal), dropout_p=dropout_p,
-                     scale=scale, enable_gqa=enable_gqa)
+    if attn_mask is None:
+        return attention(query, key, value, is_causal=bool(is_causal), dropout_p=dropout_p, scale=scale,
+                         enable_gqa=enable_gqa)
+    # attention()'s own path for a mask, save that a float mask's errors name it attn_mask, as
+    # the user passed it, not attention()'s attn_bias
+    boolean = attn_mask.dtype == torch.bool
+    call, layout = build_call(query, key, value, mask=attn_mask if boolean else None,
+                              bias=None if boolean else attn_mask, dropout_p=dropout_p, scale=scale,
+                              enable_gqa=enable_gqa, bias_name="attn_mask")
+    return layout.unfold(differentiable_attention(call))
 
 
 def attention(

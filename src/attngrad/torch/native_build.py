@@ -4,7 +4,9 @@
 ninja (the files in parallel) into a cache folder, once per source, flags, compiler and CPU,
 and loads the library into the process (is_python_module=False), whose TORCH_LIBRARY
 registers the ops `torch.ops.attngrad_tiles.*`. A later process finds the built library in
-its folder and loads it without a build step.
+its folder and loads it without a build step. The build says so on stderr, once, with the
+cache folder and the seconds it usually takes, then how long it took (`announced`): a first
+use waits for it.
 
 ATTNGRAD_NATIVE=0 turns the tiles off; ATTNGRAD_CACHE names the cache folder (default
 $XDG_CACHE_HOME/attngrad or ~/.cache/attngrad); CXX names the compiler (default c++).
@@ -18,14 +20,19 @@ them (`scripts/portable_tiles.sh`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import platform
+import sys
+import threading
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
@@ -117,6 +124,46 @@ def _build(folder: Path, openmp: bool) -> None:
         )
 
 
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no such method, or a closed stream
+        return False
+
+
+@contextlib.contextmanager
+def announced(folder: Path, stream: TextIO | None = None, tick: float = 1.0) -> Iterator[None]:
+    """Say on `stream` (stderr) that the tiles are compiling and where they will be cached,
+    then "done in N s" (or "failed after N s"). On a terminal a second line counts the
+    seconds meanwhile, rewritten in place every `tick` seconds; elsewhere (a log, a pipe)
+    nothing comes between the two lines."""
+    stream = sys.stderr if stream is None else stream
+    start = time.perf_counter()
+    stream.write(f"attngrad: compiling the CPU tiles (once, cached in {folder}; usually 10-60 s)...\n")
+    stream.flush()
+    stop, clock = threading.Event(), None
+    if _is_terminal(stream):
+
+        def count() -> None:
+            while not stop.wait(tick):
+                stream.write(f"\rattngrad: compiling, {time.perf_counter() - start:.0f} s")
+                stream.flush()
+
+        clock = threading.Thread(target=count, name="attngrad-build-clock", daemon=True)
+        clock.start()
+    outcome = "failed after"
+    try:
+        yield
+        outcome = "done in"
+    finally:
+        if clock is not None:
+            stop.set()
+            clock.join()
+        back = "\r" if clock is not None else ""  # over the count, which the line is longer than
+        stream.write(f"{back}attngrad: compiling the CPU tiles {outcome} {time.perf_counter() - start:.0f} s\n")
+        stream.flush()
+
+
 _loaded: Path | None = None  # the library this process has loaded (one per process: its ops' namespace)
 
 
@@ -138,7 +185,8 @@ def _load_or_build(openmp: bool) -> Path:
             torch.ops.load_library(str(target))
         else:
             start = time.perf_counter()
-            _build(folder, openmp)
+            with announced(folder):
+                _build(folder, openmp)
             build_info.compiled, build_info.seconds = True, time.perf_counter() - start
             (folder / "build_seconds").write_text(f"{build_info.seconds:.3f}\n")
         _loaded = target

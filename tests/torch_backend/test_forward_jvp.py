@@ -131,10 +131,10 @@ def test_jacfwd_runs_the_fused_pass_once_over_its_batch_of_tangents():
 
 @needs_tiles
 def test_calls_that_reverse_mode_tracks_keep_the_functions_path():
-    """The fused pass has no reverse-mode derivative, so where reverse mode tracks a tensor
-    (autograd under torch.func.jvp, forward over reverse) the call keeps the Function, its
-    backward and its errors; the Function's forward waits for its jvp, which runs the fused
-    pass. Where vmap sits inside the JVP, the Function runs its forward, then its jvp."""
+    """The fused op has no autograd of its own, so where reverse mode tracks a tensor
+    (autograd under torch.func.jvp, forward over reverse) the call keeps the Function and its
+    backward, and its JVP's own reverse-mode derivative; the Function's forward waits for
+    its jvp, which runs the fused pass. Where vmap sits inside the JVP, the Function runs its forward, then its jvp."""
     g = torch.Generator().manual_seed(5)
     q, k, v, tq = (_randn(1, 2, 6, 4, g=g) for _ in range(4))
     f = lambda q: scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
@@ -149,8 +149,11 @@ def test_calls_that_reverse_mode_tracks_keep_the_functions_path():
     math_sdpa(leaf_ref, k, v, is_causal=True).sum().backward()
     assert rel_err(leaf.grad, leaf_ref.grad) < EXACT
     assert dict(ran) == {("forward_jvp", "tiles"): 1, ("backward", "tiles"): 1}
-    with pytest.raises(NotImplementedError, match="JVP has no reverse-mode derivative"):
-        out_t.sum().backward()
+    leaf.grad = None
+    out_t.sum().backward()  # reverse mode through the JVP (`autograd.Tangent`)
+    leaf_ref.grad = None
+    torch.func.jvp(lambda q: math_sdpa(q, k, v, is_causal=True), (leaf_ref,), (tq,))[1].sum().backward()
+    assert rel_err(leaf.grad, leaf_ref.grad) < EXACT
 
     ran.clear()
     torch.func.jvp(torch.func.grad(lambda q: f(q).sum()), (q,), (tq,))  # forward over reverse: an HVP
@@ -158,8 +161,10 @@ def test_calls_that_reverse_mode_tracks_keep_the_functions_path():
     ran.clear()
     torch.func.jvp(lambda q: torch.func.vmap(f)(q), (q[None],), (tq[None],))  # vmap inside the JVP
     assert dict(ran) == {("forward", "tiles"): 1, ("jvp", "tiles"): 1}
-    with pytest.raises(NotImplementedError, match="JVP has no reverse-mode derivative"):
-        torch.func.grad(lambda q: torch.func.jvp(f, (q,), (tq,))[1].sum())(q)
+    ours = torch.func.grad(lambda q: torch.func.jvp(f, (q,), (tq,))[1].sum())(q)  # reverse over forward
+    theirs = torch.func.grad(lambda q: torch.func.jvp(lambda q: math_sdpa(q, k, v, is_causal=True), (q,),
+                                                      (tq,))[1].sum())(q)
+    assert rel_err(ours, theirs) < EXACT
 
 
 @needs_tiles

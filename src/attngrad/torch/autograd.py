@@ -62,10 +62,6 @@ assert CALL_NAMES == ("q", "k", "v", "mask", "bias", "bounds", "seed", "causal",
 _BACKWARD_INPUTS = ("dout", "out", "row_max", "inv_sum", "bias_grad")  # AttentionBackward's, before the call's
 
 THIRD_ORDER = "attngrad attention has derivatives up to second order; a third was asked for"
-REVERSE_OVER_FORWARD = (
-    "attngrad attention's JVP has no reverse-mode derivative; for Hessian-vector products take "
-    "forward over reverse (torch.func.jvp of torch.func.grad) or reverse over reverse (double backward)"
-)
 
 
 def _untracked(tensors: Any) -> bool:

@@ -287,6 +287,22 @@ def _softmax_jacobian_times(p: Tensor, x: Tensor, out: Tensor, row: Optional[Ten
     return torch.sub(x, row, out=out).mul_(p)
 
 
+def _centre_on_the_peak(p: Tensor, x: Tensor, scratch: Tensor, share: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """Centre x on each row's most probable key: x - c in place, c = x there, and returns
+    (c, t - c) (B, H, R, 1), t = rowsum(P * x) the row's centre.
+
+    On a peaked row t is nearly x at the peak, and x - t there cancels the rounding of t's
+    sum (about |x| eps): float64 backward JVPs erred up to 2e-10 so. Centred, the peak's term
+    of the sum is 0 exactly and the rest are small. rowsum(P) = 1 - P_sink, so with a sink
+    (`share` = P_sink, else None) t - c = rowsum(P (x - c)) - c P_sink."""
+    c = x.gather(-1, p.argmax(dim=-1, keepdim=True))
+    x.sub_(c)
+    t_c = torch.mul(p, x, out=scratch).sum(dim=-1, keepdim=True)
+    if share is not None:
+        t_c -= c * share
+    return c, t_c
+
+
 def _rows(t: Optional[Tensor], start: int, stop: int) -> Optional[Tensor]:
     """Rows start:stop of a (B, H, Lq, 1) row quantity, or None."""
     return None if t is None else t[:, :, start:stop]
@@ -297,7 +313,7 @@ def attention_jvp(
     row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float,
     tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
     bounds: Optional[Tensor] = None, mask_blocks: Optional[MaskBlocks] = None,
-    centre: Optional[Tensor] = None, centre_sums: Optional[Tensor] = None,
+    centre: Optional[Tensor] = None, centre_sums: Optional[Tensor] = None, sink: bool = False,
 ) -> Tensor:
     """O' (B, H, Lq, dv) in q's dtype; an absent tangent is zero.
 
@@ -312,8 +328,13 @@ def attention_jvp(
     out_t = torch.zeros(r.batch, r.heads, r.len_q, v.shape[-1], dtype=r.work, device=q.device)
     for start, stop, cols, p, z, _single in r.each_block():  # a single-key row's P' is 0 exactly
         s_t = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols, r.capped)  # S'
-        p_t = _softmax_jacobian_times(p, s_t, r.tile(2, start, stop, cols), _rows(centre, start, stop),
-                                      _rows(centre_sums, start, stop))  # P'
+        if centre is None and centre_sums is None:  # whole rows: P' = P ((S' - c) - (t - c))
+            _, t_c = _centre_on_the_peak(p, s_t, r.tile(2, start, stop, cols), _sink_share(r, slice(start, stop), r.work)
+                                         if sink else None)
+            p_t = torch.sub(s_t, t_c, out=r.tile(2, start, stop, cols)).mul_(p)
+        else:
+            p_t = _softmax_jacobian_times(p, s_t, r.tile(2, start, stop, cols), _rows(centre, start, stop),
+                                          _rows(centre_sums, start, stop))  # P'
         scratch = s_t  # S' is spent
         # forward: O = (P * Z) V~  ->  O' = (P' * Z) V~ + (P * Z) V~'
         out_t[:, :, start:stop] = _sum_of_products(
@@ -368,10 +389,14 @@ def attention_backward_jvp(
         rows = slice(start, stop)
         do_blk, v_blk = do_w[:, :, rows], r.v_rep[..., cols, :]
         s_t = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols, r.capped)  # S'
-        t_row = _rows(centre, start, stop)
-        if row_constant:  # t = rowsum(P * S'), for the bias's closed form below
-            t_row = torch.mul(p, s_t, out=r.tile(4, start, stop, cols)).sum(dim=-1, keepdim=True)
-        p_t = _softmax_jacobian_times(p, s_t, r.tile(4, start, stop, cols), t_row)  # P'
+        if centre is None:  # whole rows: P' = P ((S' - c) - (t - c)), and t for the bias's closed form below
+            c, t_c = _centre_on_the_peak(p, s_t, r.tile(4, start, stop, cols),
+                                         _sink_share(r, rows, r.work) if sink else None)
+            t_row = c + t_c
+            p_t = torch.sub(s_t, t_c, out=r.tile(4, start, stop, cols)).mul_(p)
+        else:
+            t_row = _rows(centre, start, stop)
+            p_t = _softmax_jacobian_times(p, s_t, r.tile(4, start, stop, cols), t_row)  # P'
         scratch = s_t  # S' is spent
         # backward: dP = (dO V~^T) * Z, and its tangent dP~ = (dO' V~^T + dO V~'^T) * Z
         dp = torch.matmul(do_blk, v_blk.transpose(-1, -2), out=r.tile(2, start, stop, cols))
@@ -455,7 +480,12 @@ def attention_double_backward(
         do_blk = do_rows[..., :width_v]
         scratch = r.tile(3, start, stop, cols)
         t_form = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols, r.capped)  # T
-        t_row = centre[:, :, rows] if centre is not None else torch.mul(p, t_form, out=scratch).sum(dim=-1, keepdim=True)  # t = rowsum(P * T)
+        share = _sink_share(r, rows, work) if sink else None
+        if centre is not None:  # t = rowsum(P * T), given
+            t_row, t_less = centre[:, :, rows], centre[:, :, rows]
+        else:  # centred on the peak: T - c in T's buffer, and t - c
+            c, t_less = _centre_on_the_peak(p, t_form, scratch, share)
+            t_row = c + t_less
         dp_out = r.tile(2, start, stop, cols)
         if z is None:
             dp = torch.matmul(do_rows, v_ones[..., cols, :].transpose(-1, -2), out=dp_out)  # dP - D
@@ -464,7 +494,7 @@ def attention_double_backward(
         if single is not None:  # D = dP exactly there, and dS = 0 (as in `kernels`)
             dp.masked_fill_(single, 0.0)
         # through dS = P * (dP - D), D = rowsum(P * dP): to dP, then to P
-        t_form.sub_(t_row)  # T - t
+        t_form.sub_(t_less)  # T - t
         g_dp = torch.mul(p, t_form, out=scratch)
         # through dP = (dO V~^T) * Z
         g_dp_z = g_dp.mul_(z) if z is not None else g_dp
@@ -482,11 +512,15 @@ def attention_double_backward(
             else:
                 g_p.addcmul_(torch.matmul(do_blk, gv_rep[..., cols, :].transpose(-1, -2), out=scratch), z)
         # through P = softmax(S), then S = scale Q K~^T + bias; dQ, dK~ also hold K~, Q directly
-        u_row = _rows(g_centre, start, stop)
-        if sink:
-            share = _sink_share(r, rows, t_row.dtype)
-            u_row = torch.mul(p, g_p, out=scratch).sum(dim=-1, keepdim=True) + t_row * delta[:, :, rows] * share
-        g_s = _softmax_jacobian_times(p, g_p, scratch, u_row)  # g_S = P * (g_P - rowsum(P * g_P))
+        if g_centre is not None:  # u = rowsum(P * g_P), given
+            u_row = g_centre[:, :, rows]
+            g_s = _softmax_jacobian_times(p, g_p, scratch, u_row)  # g_S = P * (g_P - u)
+        else:  # centred as T is; the t D that g_P leaves out returns through a sink as t D P_sink
+            c, u_less = _centre_on_the_peak(p, g_p, scratch, share)
+            if sink:
+                u_less += t_row * delta[:, :, rows] * share
+            u_row = c + u_less
+            g_s = torch.sub(g_p, u_less, out=scratch).mul_(p)  # g_S = P * (g_P - u)
         ds = p.mul_(dp)  # dS = P * (dP - D), in P's buffer
         g_s_bias = None
         if r.capped is not None:  # through dA = slope dS, and S = c tanh(A / c): g_A = slope g_S + (curve T_raw) dS

@@ -32,7 +32,7 @@ def backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor,
 def jvp(call: AttentionCall, *, row_max: Tensor, inv_sum: Tensor, tq: Optional[Tensor], tk: Optional[Tensor],
         tv: Optional[Tensor], tbias: Optional[Tensor], row_sums: Optional[dict] = None) -> Tensor:
     return kernels_higher.attention_jvp(row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv, tbias=tbias,
-                                        **_common(call), **(row_sums or {}))
+                                        sink=call.sink, **_common(call), **(row_sums or {}))
 
 
 def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor, bias_grad: bool,

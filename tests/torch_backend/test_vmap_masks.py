@@ -159,3 +159,20 @@ def test_vmap_checks_every_slice(keyword, masks, message):
     q, k, v, _, _ = inputs(LK)
     with pytest.raises(ValueError, match=message):
         torch.func.vmap(lambda mask: attention(q[0], k[0], v[0], **{keyword: mask}))(masks)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_vmap_over_masks_on_the_meta_device(name):
+    """On the meta device the masks give their shapes alone, under vmap as without it
+    (boolean padding as the keep-mask), forward and gradient."""
+    keyword, make_masks, options, len_q = CASES[name]
+    masks = make_masks().to("meta")
+    q, k, v = (t.to("meta") for t in inputs(len_q)[:3])
+
+    def loss(q, k, v, mask):
+        return attention(q, k, v, **{keyword: mask}, **options).sum()
+
+    out = torch.func.vmap(lambda q, k, v, mask: attention(q, k, v, **{keyword: mask}, **options))(q, k, v, masks)
+    grads = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)))(q, k, v, masks)
+    assert out.device.type == "meta" and out.shape == (N, B, H, len_q, DV)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]

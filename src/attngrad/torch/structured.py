@@ -256,11 +256,22 @@ def _padding_op(rows: Tensor, len_k: int) -> tuple[Tensor, Tensor]:
             rows.new_empty(0, dtype=torch.bool) if keep is None else keep)
 
 
-def _define_rows_op(name: str, function: Callable, schema: str) -> None:
+def _padding_fake(rows: Tensor, len_k: int) -> tuple[Tensor, Tensor]:
+    """What shapes alone give (as under torch.compile): boolean padding as the keep-mask."""
+    if rows.dtype == torch.bool:
+        return rows.new_empty(0, dtype=torch.int64), rows.new_empty(rows.shape[0], 1, 1, len_k, dtype=torch.bool)
+    return rows.new_empty(rows.shape[0], 1, 2, dtype=torch.int64), rows.new_empty(0, dtype=torch.bool)
+
+
+def _define_rows_op(name: str, function: Callable, fake: Callable, schema: str) -> None:
     op = torch.library.custom_op(f"attngrad::{name}", function, mutates_args=(), schema=schema)
+    op.register_fake(fake)  # meta tensors under a torch.func transform
     op.register_vmap(vmap_rules.rows_rule(op))
 
 
-_define_rows_op("padding_bounds", _padding_op, "(Tensor rows, int len_k) -> (Tensor, Tensor)")
-_define_rows_op("document_bounds", _document_bounds, "(Tensor ids) -> Tensor")
-_define_rows_op("cu_seqlens_bounds", _cu_seqlens_bounds, "(Tensor rows, int length) -> Tensor")
+_define_rows_op("padding_bounds", _padding_op, _padding_fake, "(Tensor rows, int len_k) -> (Tensor, Tensor)")
+_define_rows_op("document_bounds", _document_bounds, lambda ids: ids.new_empty(*ids.shape, 2, dtype=torch.int64),
+                "(Tensor ids) -> Tensor")
+_define_rows_op("cu_seqlens_bounds", _cu_seqlens_bounds,
+                lambda rows, length: rows.new_empty(rows.shape[0], length, 2, dtype=torch.int64),
+                "(Tensor rows, int length) -> Tensor")

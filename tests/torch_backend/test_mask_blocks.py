@@ -6,6 +6,8 @@ every gradient, the JVP, the double backward), with the other masks beside it; t
 refuse bad blocks by name; and a dilated mask at L = 4096 holds no Lq x Lk tensor.
 """
 
+import itertools
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -106,6 +108,89 @@ def test_tiles_with_no_entry_are_exact(drawn, block_rows, block_keys):
             rows = slice(i * block_rows // block[0], ((i + 1) * block_rows - 1) // block[0] + 1)
             keys = slice(j * block_keys // block[1], ((j + 1) * block_keys - 1) // block[1] + 1)
             assert torch.equal(none[:, :, i, j], ~kept[:, :, rows, keys].flatten(2).any(2))
+
+
+def numbered_plainly(mask, block, rows_per_chunk):
+    """(index, tiles) of `mask` (b, h, Lq, Lk) kept per block, written plainly: the blocks
+    visited in the order `from_rows` reads them (a chunk of block rows at a time; in it by
+    entry, head, block row, block column) and each distinct partial tile numbered by its
+    first appearance, after EMPTY and FULL. This is what `from_rows` gave when it gathered
+    every partial tile and de-duplicated them all at once."""
+    b, h, len_q, len_k = mask.shape
+    r, k = block
+    n_q, n_k = -(-len_q // r), -(-len_k // k)
+    padded = torch.zeros(b, h, n_q * r, n_k * k, dtype=torch.bool)
+    padded[..., :len_q, :len_k] = mask
+    index = torch.empty(b, h, n_q, n_k, dtype=torch.int32)
+    tiles = [torch.zeros(r, k, dtype=torch.bool), torch.ones(r, k, dtype=torch.bool)]
+    numbers = {}
+    step = max(1, rows_per_chunk // r)  # block rows per chunk
+    for first in range(0, n_q, step):
+        for bi, hi, i, j in itertools.product(range(b), range(h), range(first, min(n_q, first + step)), range(n_k)):
+            inside = mask[bi, hi, i * r:(i + 1) * r, j * k:(j + 1) * k]
+            tile = padded[bi, hi, i * r:(i + 1) * r, j * k:(j + 1) * k]
+            if not inside.any():
+                index[bi, hi, i, j] = EMPTY
+            elif inside.all():
+                index[bi, hi, i, j] = FULL
+            else:
+                key = tile.numpy().tobytes()
+                if key not in numbers:
+                    numbers[key] = len(tiles)
+                    tiles.append(tile.clone())
+                index[bi, hi, i, j] = numbers[key]
+    return index, torch.stack(tiles)
+
+
+def repeating_holes(b, h, len_q, len_k, block, seed):
+    """A mask with holes inside its rows whose partial blocks repeat a few patterns (so that
+    copies of one tile fall in different chunks), beside empty and full blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    r, k = block
+    n_q, n_k = -(-len_q // r), -(-len_k // k)
+    pool = torch.cat([torch.zeros(1, r, k, dtype=torch.bool), torch.ones(1, r, k, dtype=torch.bool),
+                      torch.rand(5, r, k, generator=gen) > 0.5])
+    choice = torch.randint(0, len(pool), (b, h, n_q, n_k), generator=gen)
+    mask = pool[choice].transpose(3, 4).reshape(b, h, n_q * r, n_k * k)[..., :len_q, :len_k]
+    holes = torch.rand(b, h, len_q, len_k, generator=gen) > 0.997  # and a few tiles of their own
+    return mask ^ holes
+
+
+@pytest.mark.parametrize("at_once", [1, 3, 64])
+@pytest.mark.parametrize("shape, block, rows_per_chunk, seed", [
+    ((2, 3, 45, 52), (5, 7), 12, 1),  # edges past the lengths, a chunk of two block rows
+    ((1, 2, 64, 40), (4, 4), 1, 2),  # one block row at a time
+    ((2, 1, 33, 70), (8, 6), 100, 3),  # every row at once
+])
+def test_tiles_are_numbered_as_when_deduplicated_all_at_once(monkeypatch, at_once, shape, block, rows_per_chunk,
+                                                            seed):
+    """De-duplicating the partial tiles `at_once` at a time gives the index and tiles, bit
+    for bit, of numbering every distinct tile by its first appearance over the whole mask."""
+    monkeypatch.setattr(mask_blocks, "TILES_AT_ONCE", at_once, raising=False)
+    mask = repeating_holes(*shape, block, seed)
+    blocks = mask_blocks.from_rows(lambda start, stop: mask[:, :, start:stop], shape[:2], *shape[2:], rows_per_chunk,
+                                   block)
+    index, tiles = numbered_plainly(mask, block, rows_per_chunk)
+    partial = int((index >= 2).sum())
+    assert partial > at_once and partial > 2 * (len(tiles) - 2)  # several steps, and tiles repeat across them
+    assert torch.equal(blocks.index, index) and torch.equal(blocks.tiles, tiles)
+
+
+def test_partial_tiles_are_never_held_all_at_once():
+    """No tensor made while keeping a mask per block is larger than the rows read at a time:
+    the partial tiles (here 528, of 32 x 32, from a dilated causal mask) are copied out and
+    de-duplicated `TILES_AT_ONCE` at a time, not gathered whole (which held 528 x 32 x 32)."""
+    from ..largest_tensor import LargestTensor
+
+    length, rows_per_chunk, block = 1024, 128, (32, 32)
+    rows, keys = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    mask = ((rows >= keys) & ((rows - keys) % 3 == 0))[None, None]
+    with LargestTensor() as seen:
+        blocks = mask_blocks.from_rows(lambda start, stop: mask[:, :, start:stop], (1, 1), length, length,
+                                       rows_per_chunk, block)
+    assert int((blocks.index >= 2).sum()) == 32 * 33 // 2 and len(blocks.tiles) < 16
+    assert seen.numel <= rows_per_chunk * length
+
 
 
 CASES = {

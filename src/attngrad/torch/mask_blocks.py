@@ -15,7 +15,8 @@ every backend reads (the compiled tiles, the Triton kernels, the torch-ops kerne
 `entries`). A block past the edge of the scores keeps its rows past Lq and keys past Lk
 False; nothing reads them. The memory is 4 bytes per block plus R K bytes per distinct
 partial pattern: a block-sparse mask of whole blocks holds no partial tile at all, a
-dilated one a handful, a random one at most what the dense mask would.
+dilated one a handful, a random one at most what the dense mask would. Making it holds no
+more on top than the rows read at a time and `TILES_AT_ONCE` partial tiles (`from_rows`).
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 EMPTY, FULL = 0, 1  # the tiles every MaskBlocks holds first
 BLOCK = (128, 128)  # (R, K) where the mask does not say: FlexAttention's default
+TILES_AT_ONCE = 64  # partial tiles copied out and de-duplicated at a time (1 MiB of 128 x 128)
 
 
 @dataclass(frozen=True)
@@ -61,39 +64,43 @@ class MaskBlocks:
         return MaskBlocks(self.index.to(device), self.tiles.to(device))
 
 
-def _distinct(tiles: Tensor) -> tuple[Tensor, Tensor]:
-    """(distinct tiles (U, R, K), each tile's place among them (P,) int64) for tiles (P, R, K),
-    in the order of their first appearance (so the result follows the mask alone)."""
-    if tiles.shape[0] <= 1:
-        return tiles, torch.arange(tiles.shape[0], device=tiles.device)
-    flat = tiles.reshape(tiles.shape[0], -1).to(torch.uint8)
-    _, inverse = torch.unique(flat, dim=0, return_inverse=True)
-    # first appearance of each class, then classes numbered by it
-    first = torch.full((int(inverse.max()) + 1,), tiles.shape[0], dtype=torch.int64, device=tiles.device)
-    first.scatter_reduce_(0, inverse, torch.arange(tiles.shape[0], device=tiles.device), "amin")
-    order = torch.argsort(first)
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(len(order), device=tiles.device)
-    return tiles[first[order]], rank[inverse]
+def _numbered(tiles: Tensor, kept: list[Tensor], places: dict[bytes, int]) -> Tensor:
+    """The place (P,) int64 of each of `tiles` (P, R, K) among the distinct partial tiles met
+    so far, numbered in the order of their first appearance. `places` maps each distinct
+    tile's entries, packed 8 to a byte, to its place (exact, and an eighth of the tiles'
+    bytes); `kept` gains a copy (n, R, K) of the n new ones."""
+    packed = np.packbits(tiles.reshape(len(tiles), -1).cpu().numpy(), axis=1)  # (P, R K / 8)
+    place, new = [], []
+    for i, bits in enumerate(packed):
+        key = bits.tobytes()
+        if key not in places:
+            places[key] = len(places)
+            new.append(i)
+        place.append(places[key])
+    if new:
+        kept.append(tiles[new])
+    return torch.tensor(place, dtype=torch.int64, device=tiles.device)
 
 
 def from_rows(rows_of: Callable[[int, int], Tensor], shape: tuple, len_q: int, len_k: int, rows_per_chunk: int,
               block: tuple[int, int] = BLOCK, device: torch.device | str = "cpu") -> MaskBlocks:
     """The mask whose rows start:stop `rows_of(start, stop)` gives ((b, h, stop - start, Lk)
     bool, b and h of `shape`), read a whole number of block rows at a time (about
-    `rows_per_chunk` rows), each block classified EMPTY, FULL or partial."""
+    `rows_per_chunk` rows), each block classified EMPTY, FULL or partial. The partial blocks'
+    tiles are copied out and matched against the distinct ones so far `TILES_AT_ONCE` at a
+    time, so that, beyond the rows read and the distinct tiles, no step holds more."""
     r, k = block
     n_q, n_k = -(-len_q // r), -(-len_k // k)
     index = torch.empty(shape[0], shape[1], n_q, n_k, dtype=torch.int32, device=device)
-    partial: list[Tensor] = []
-    count = 0
+    kept: list[Tensor] = []  # the distinct partial tiles in the order of their first appearance, a few at a time
+    places: dict[bytes, int] = {}
     step = max(1, rows_per_chunk // r) * r
     for start in range(0, len_q, step):
         stop = min(len_q, start + step)
-        kept = rows_of(start, stop).expand(shape[0], shape[1], stop - start, len_k)
+        rows = rows_of(start, stop).expand(shape[0], shape[1], stop - start, len_k)
         blocks_q = -(-(stop - start) // r)
-        padded = kept.new_zeros(shape[0], shape[1], blocks_q * r, n_k * k)
-        padded[..., : stop - start, :len_k] = kept
+        padded = rows.new_zeros(shape[0], shape[1], blocks_q * r, n_k * k)
+        padded[..., : stop - start, :len_k] = rows
         tiles = padded.view(shape[0], shape[1], blocks_q, r, n_k, k).transpose(3, 4)  # (b, h, nq, nk, R, K)
         taken = tiles.sum((-1, -2), dtype=torch.int32)
         rows_in = (torch.arange(blocks_q, device=device) * r + r).clamp(max=stop - start) - \
@@ -102,18 +109,14 @@ def from_rows(rows_of: Callable[[int, int], Tensor], shape: tuple, len_q: int, l
         whole = taken == (rows_in[:, None] * keys_in[None, :]).to(torch.int32)
         part = (taken > 0) & ~whole
         chunk = torch.where(whole, FULL, EMPTY).to(torch.int32)
-        places = part.nonzero(as_tuple=True)
-        chunk[places] = torch.arange(count + 2, count + 2 + len(places[0]), dtype=torch.int32, device=device)
-        partial.append(tiles[places])
-        count += len(places[0])
+        partial = part.nonzero(as_tuple=True)  # in order: entry, head, block row, block column
+        for first in range(0, len(partial[0]), TILES_AT_ONCE):
+            some = tuple(p[first: first + TILES_AT_ONCE] for p in partial)
+            chunk[some] = (_numbered(tiles[some], kept, places) + 2).to(torch.int32)  # after EMPTY and FULL
         index[:, :, start // r: start // r + blocks_q] = chunk
     fixed = torch.zeros(2, r, k, dtype=torch.bool, device=device)
     fixed[FULL] = True
-    distinct, place = _distinct(torch.cat(partial) if partial else fixed[:0])
-    if count:  # partial tile 2 + p is distinct tile place[p]
-        renumber = torch.cat([torch.tensor([EMPTY, FULL], device=device), place + 2]).to(torch.int32)
-        index = renumber[index.long()]
-    return MaskBlocks(index.contiguous(), torch.cat([fixed, distinct]).contiguous())
+    return MaskBlocks(index.contiguous(), torch.cat([fixed, *kept]))
 
 
 def from_dense(mask: Tensor, block: tuple[int, int] = BLOCK) -> MaskBlocks:

@@ -22,17 +22,22 @@ The checks on values (lengths in range, documents contiguous, cu_seqlens rising)
 choice between bounds and a mask for boolean padding read the tensors' values; inside a
 torch.compile graph, where that would break the graph, the checks are left out (bounds
 are clamped to 0..Lk whatever they are) and boolean padding always becomes the mask.
+Under torch.func transforms they read them inside ops of rows (`attngrad::padding_bounds`,
+`document_bounds`, `cu_seqlens_bounds`), whose batching rule folds vmap's axis into the
+batch: a vmap over a batch of masks checks every slice and makes their bounds at once, and
+boolean padding becomes the mask for all slices if any slice's padding has holes.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from . import kept
+from . import kept, vmap_rules
 from .layout import broadcast_shapes
 
 
@@ -59,6 +64,13 @@ def _fold_batch(t: Tensor, batch: tuple, tail: tuple, name: str) -> Tensor:
     return t.expand(full).reshape(math.prod(batch), *tail)
 
 
+def _transformed() -> bool:
+    """Whether a torch.func transform is active (outside torch.compile): a tensor's values
+    are then read inside an op (`_define_rows_op`), whose batching rule under vmap reads
+    every slice's at once."""
+    return torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling()
+
+
 def _eager(t: Tensor) -> bool:
     """Whether `t`'s values may be read: not while torch.compile traces a graph, nor on the
     meta device (shapes alone: the checks of values are the real call's)."""
@@ -69,7 +81,22 @@ def _padding(key_padding: Tensor, batch: tuple, len_k: int) -> tuple[Optional[Te
     """((b, 1, 2) bounds, None) for lengths or for padding that leaves an interval per row;
     (None, (b, 1, 1, Lk) keep-mask) for any other boolean pattern."""
     if key_padding.dtype == torch.bool:
-        kept = ~_fold_batch(key_padding, batch, (len_k,), "key_padding")  # (b, Lk)
+        rows = _fold_batch(key_padding, batch, (len_k,), "key_padding")  # (b, Lk)
+    elif key_padding.is_floating_point() or key_padding.is_complex():
+        raise TypeError(f"key_padding must be boolean (True = padding) or integer lengths; got {key_padding.dtype}")
+    else:
+        rows = _fold_batch(key_padding, batch, (), "key_padding lengths")  # (b,)
+    if _transformed():
+        bounds, keep = torch.ops.attngrad.padding_bounds(rows, len_k)
+        return _given(bounds), _given(keep)
+    return _padding_bounds(rows, len_k)
+
+
+def _padding_bounds(rows: Tensor, len_k: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """`_padding` of key_padding folded to (b, Lk) booleans or (b,) lengths: each entry's
+    own, but one choice of bounds or keep-mask for all of them."""
+    if rows.dtype == torch.bool:
+        kept = ~rows  # (b, Lk)
         if not _eager(kept):
             return None, kept[:, None, None, :]
         count = kept.sum(dim=-1)
@@ -80,9 +107,7 @@ def _padding(key_padding: Tensor, batch: tuple, len_k: int) -> tuple[Optional[Te
             lo = torch.where(count > 0, first, 0)
             return torch.stack([lo, torch.where(count > 0, last, 0)], dim=-1)[:, None, :], None
         return None, kept[:, None, None, :]
-    if key_padding.is_floating_point() or key_padding.is_complex():
-        raise TypeError(f"key_padding must be boolean (True = padding) or integer lengths; got {key_padding.dtype}")
-    lengths = _fold_batch(key_padding, batch, (), "key_padding lengths")  # (b,)
+    lengths = rows  # (b,)
     if _eager(lengths) and bool(((lengths < 0) | (lengths > len_k)).any()):
         raise ValueError(f"key_padding lengths must lie in [0, Lk = {len_k}]; got {lengths.tolist()}")
     lengths = lengths.to(torch.int64)
@@ -115,6 +140,12 @@ def _documents(document_ids: Tensor, batch: tuple, length: int) -> Tensor:
     if document_ids.is_floating_point() or document_ids.dtype == torch.bool:
         raise TypeError(f"document_ids must be integers; got {document_ids.dtype}")
     ids = _fold_batch(document_ids, batch, (length,), "document_ids")  # (b, L)
+    return torch.ops.attngrad.document_bounds(ids) if _transformed() else _document_bounds(ids)
+
+
+def _document_bounds(ids: Tensor) -> Tensor:
+    """`_documents` of document_ids folded to (b, L)."""
+    length = ids.shape[-1]
     position = torch.arange(length, device=ids.device).expand_as(ids)
     new_run = torch.ones_like(ids, dtype=torch.bool)
     new_run[:, 1:] = ids[:, 1:] != ids[:, :-1]
@@ -135,12 +166,21 @@ def _cu_seqlens(cu_seqlens: Tensor, length: int) -> Tensor:
     if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
         raise TypeError(f"cu_seqlens must be a 1-D integer tensor; got {cu_seqlens.dtype} of shape "
                         f"{tuple(cu_seqlens.shape)}")
-    cu = cu_seqlens.to(torch.int64)
-    if cu.numel() < 2 or (_eager(cu) and (int(cu[0]) != 0 or int(cu[-1]) != length or bool((cu[1:] < cu[:-1]).any()))):
-        raise ValueError(f"cu_seqlens must rise from 0 to the sequence length {length}; got {cu_seqlens.tolist()}")
-    position = torch.arange(length, device=cu.device)
-    document = torch.searchsorted(cu, position, right=True) - 1
-    return torch.stack([cu[document], cu[document + 1]], dim=-1)[None]
+    rows = cu_seqlens[None]  # (1, D + 1)
+    return torch.ops.attngrad.cu_seqlens_bounds(rows, length) if _transformed() else _cu_seqlens_bounds(rows, length)
+
+
+def _cu_seqlens_bounds(rows: Tensor, length: int) -> Tensor:
+    """(b, L, 2) bounds from (b, D + 1) rows of cumulative lengths, one row per batch entry."""
+    cu = rows.to(torch.int64)
+    if cu.shape[-1] < 2 or (_eager(cu) and bool((cu[:, 0] != 0).any() | (cu[:, -1] != length).any()
+                                                 | (cu[:, 1:] < cu[:, :-1]).any())):
+        shown = rows[0] if rows.shape[0] == 1 else rows
+        raise ValueError(f"cu_seqlens must rise from 0 to the sequence length {length}; got {shown.tolist()}")
+    position = torch.arange(length, device=cu.device).expand(cu.shape[0], length).contiguous()
+    # (clamped, so that unchecked values under torch.compile index no memory outside the row)
+    document = (torch.searchsorted(cu, position, right=True) - 1).clamp(0, cu.shape[-1] - 2)  # (b, L)
+    return torch.stack([cu.gather(-1, document), cu.gather(-1, document + 1)], dim=-1)
 
 
 def structure(
@@ -197,3 +237,41 @@ def join_bounds(parts: list, len_q: int, len_k: int, causal: Optional[int], devi
     hi = torch.stack(torch.broadcast_tensors(*(p[..., 1] for p in parts))).amin(dim=0)
     lo, hi = lo.clamp(0, len_k), hi.clamp(0, len_k)
     return torch.stack([lo, torch.maximum(lo, hi)], dim=-1).expand(-1, len_q, 2).contiguous()
+
+
+# The parts of `structure` that read values, as ops of rows (one per batch entry, the first
+# dimension of every tensor in and out), so that torch.func.vmap folds its axis into the
+# rows, runs each once and unfolds (`vmap_rules.rows_rule`), where reading a batched
+# tensor's values would fail. A result the op does not make is an empty placeholder.
+
+
+def _given(t: Tensor) -> Optional[Tensor]:
+    """None for an op's placeholder, else `t`."""
+    return None if t.dim() == 1 else t
+
+
+def _padding_op(rows: Tensor, len_k: int) -> tuple[Tensor, Tensor]:
+    bounds, keep = _padding_bounds(rows, len_k)
+    return (rows.new_empty(0, dtype=torch.int64) if bounds is None else bounds,
+            rows.new_empty(0, dtype=torch.bool) if keep is None else keep)
+
+
+def _padding_fake(rows: Tensor, len_k: int) -> tuple[Tensor, Tensor]:
+    """What shapes alone give (as under torch.compile): boolean padding as the keep-mask."""
+    if rows.dtype == torch.bool:
+        return rows.new_empty(0, dtype=torch.int64), rows.new_empty(rows.shape[0], 1, 1, len_k, dtype=torch.bool)
+    return rows.new_empty(rows.shape[0], 1, 2, dtype=torch.int64), rows.new_empty(0, dtype=torch.bool)
+
+
+def _define_rows_op(name: str, function: Callable, fake: Callable, schema: str) -> None:
+    op = torch.library.custom_op(f"attngrad::{name}", function, mutates_args=(), schema=schema)
+    op.register_fake(fake)  # meta tensors under a torch.func transform
+    op.register_vmap(vmap_rules.rows_rule(op))
+
+
+_define_rows_op("padding_bounds", _padding_op, _padding_fake, "(Tensor rows, int len_k) -> (Tensor, Tensor)")
+_define_rows_op("document_bounds", _document_bounds, lambda ids: ids.new_empty(*ids.shape, 2, dtype=torch.int64),
+                "(Tensor ids) -> Tensor")
+_define_rows_op("cu_seqlens_bounds", _cu_seqlens_bounds,
+                lambda rows, length: rows.new_empty(rows.shape[0], length, 2, dtype=torch.int64),
+                "(Tensor rows, int length) -> Tensor")

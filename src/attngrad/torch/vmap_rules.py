@@ -8,6 +8,11 @@ bias-like operand (a mask, a bias, or its tangent or cotangent, broadcastable to
 the bias's own shape. With dropout the fold would change the blocks' shapes and so the masks
 drawn for them, so then, as with a batched seed (or batched tiles of a mask kept per block),
 the op runs once per slice.
+
+The ops that make the structured masks' bounds (`structured`) take and return rows, one per
+batch entry: their rule (`rows_rule`) folds the vmapped axis into the rows the same way, so
+a vmap over a batch of key_padding, document_ids or cu_seqlens reads their values once,
+unbatched, where reading a batched tensor's values fails.
 """
 
 from __future__ import annotations
@@ -111,5 +116,26 @@ def make_rule(op: Callable, pass_name: str, names: Sequence[str]) -> Callable:
                 unfolded.append(out.reshape(n, batch, *out.shape[1:]))
                 dims.append(0)
         return tuple(unfolded), tuple(dims)
+
+    return rule
+
+
+def rows_rule(op: Callable) -> Callable:
+    """The batching rule of an op of rows (`structured`): the first dimension of every
+    tensor it takes and returns is one per batch entry, each row's result its own row's
+    (apart from one choice the op makes for all of them). The vmapped axis folds into the
+    rows, (N, b, ...) -> (N b, ...), the op runs once and its results unfold; an empty
+    placeholder, a result not made, stays unbatched."""
+
+    def rule(info: Any, in_dims: tuple, *args: Any) -> tuple[Any, Any]:
+        n = info.batch_size
+        outputs = op(*(_fold_batch(a, d, n) if isinstance(a, Tensor) else a for a, d in zip(args, in_dims)))
+        single = isinstance(outputs, Tensor)
+        unfolded, dims = [], []
+        for out in (outputs,) if single else outputs:
+            placeholder = out.dim() == 1 and out.numel() == 0
+            unfolded.append(out if placeholder else out.reshape(n, out.shape[0] // n, *out.shape[1:]))
+            dims.append(None if placeholder else 0)
+        return (unfolded[0], dims[0]) if single else (tuple(unfolded), tuple(dims))
 
     return rule

@@ -138,7 +138,11 @@ class _ForwardSums:
         # weak: the tangents and O' are the forward-mode level's, and the sums serve only a
         # backward run inside that level (an HVP); a training step's graph must not keep them
         self._tangents = tuple(None if t is None else weakref.ref(t) for t in tangents)
-        self.centre: Optional[Tensor] = None  # with out_t, set once the forward's pass has made them
+        # with peak and out_t, set once the forward's pass has made them: each row's t - c and c,
+        # c = S' at its most probable key, so that the backward's pass centres its rows as the
+        # forward's did (kernels_higher._centre_on_the_peak)
+        self.centre: Optional[Tensor] = None
+        self.peak: Optional[Tensor] = None
         self._out_t: Optional[weakref.ref] = None
 
     @property
@@ -161,8 +165,8 @@ class _ForwardSums:
         The pass writes its primal results into `results`, the forward's held ones."""
         if call.q.dtype not in (torch.float32, torch.float64):
             return None
-        buffer = call.q.new_empty(*call.q.shape[:3], 1)
-        row_sums = {"centre_sums": buffer, "results": results}
+        row_sums = {"centre_sums": call.q.new_empty(*call.q.shape[:3], 1),
+                    "peak_sums": call.q.new_empty(*call.q.shape[:3], 1), "results": results}
         return row_sums if dispatch.offered("forward_jvp", call, {**inputs, "row_sums": row_sums}) else None
 
     def delta_t(self, dout: Tensor, out: Tensor, tdout: Optional[Tensor]) -> Tensor:
@@ -198,9 +202,10 @@ def _bound(pass_name: str, fields: list, deferred: Optional[_Deferred], sums: Op
                 row_sums = sums.centre_sums(call, given, deferred.results)
                 if row_sums is not None:
                     results = run_pass(pass_name, call, {**given, "row_sums": row_sums})
-                    sums.centre, sums.out_t = row_sums["centre_sums"], results[-1]
+                    sums.centre, sums.peak, sums.out_t = row_sums["centre_sums"], row_sums["peak_sums"], results[-1]
             else:
-                row_sums = {"centre": sums.centre, "delta_t": sums.delta_t(given["dout"], given["out"], given["tdout"]),
+                row_sums = {"centre": sums.centre, "peak": sums.peak,
+                            "delta_t": sums.delta_t(given["dout"], given["out"], given["tdout"]),
                             "results": deferred.results[:3]}  # dq, dk, dv: no bias gradient here
                 results = run_pass(pass_name, call, {**given, "row_sums": row_sums})
         if results is None:

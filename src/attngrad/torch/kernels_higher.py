@@ -368,11 +368,14 @@ def attention_backward_jvp(
     tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
     bounds: Optional[Tensor] = None, mask_blocks: Optional[MaskBlocks] = None,
     centre: Optional[Tensor] = None, delta_t: Optional[Tensor] = None, sink: bool = False,
+    peak: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Tangents of (dq, dk, dv, dbias or None), each in its input's dtype and shape.
 
     For a part of each row's keys, the whole rows' sums are given (B, H, Lq, 1, compute
-    dtype): `centre` = rowsum(P * S') and `delta_t` = D~ = rowsum(dO' * O + dO * O').
+    dtype): `centre` = rowsum(P * S') and `delta_t` = D~ = rowsum(dO' * O + dO * O'); with
+    `peak` c (S' at each row's most probable key), `centre` is t - c (the tiles' forward JVP
+    leaves them so).
 
     A bias constant along the keys gets each whole row's sum of dS~ in closed form, the
     tangent of D P_sink (`key_constant_bias`): P_sink (D~ - t D), and 0 without a `sink`."""
@@ -396,7 +399,11 @@ def attention_backward_jvp(
             p_t = torch.sub(s_t, t_c, out=r.tile(4, start, stop, cols)).mul_(p)
         else:
             t_row = _rows(centre, start, stop)
+            if peak is not None:  # t - c given: S' - c first
+                s_t.sub_(peak[:, :, rows])
             p_t = _softmax_jacobian_times(p, s_t, r.tile(4, start, stop, cols), t_row)  # P'
+            if peak is not None:
+                t_row = t_row + peak[:, :, rows]
         scratch = s_t  # S' is spent
         # backward: dP = (dO V~^T) * Z, and its tangent dP~ = (dO' V~^T + dO V~'^T) * Z
         dp = torch.matmul(do_blk, v_blk.transpose(-1, -2), out=r.tile(2, start, stop, cols))

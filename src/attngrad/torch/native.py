@@ -584,12 +584,15 @@ def attention_forward_jvp(q: Tensor, k: Tensor, v: Tensor, causal: int | None, s
                           tbias: Tensor | None = None, seed: int | Placement = 0, dropout_p: float = 0.0,
                           bounds: Tensor | None = None, softcap: float = 0.0, sink: bool = False,
                           blocks: MaskBlocks | None = None, centre: Tensor | None = None,
+                          peak: Tensor | None = None,
                           results: Sequence[Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, row_max, inv_sum, out's tangent) in the compute dtype, in one pass of whole rows (the
     JVP's, taking each row's statistics from the row): the forward's output and statistics,
     with a sink's share (`ops.add_sink`), and `attention_jvp`'s tangent, to rounding. Given
     `centre` ((B, H, Lq), compute dtype, contiguous), each row's t = rowsum(P * S') goes there
-    (what `attention_backward_jvp_given_sums` takes)."""
+    (what `attention_backward_jvp_given_sums` takes); given `peak` (as centre) too, c = S' at
+    the row's most probable key goes there and t - c to `centre`, so that a later pass can
+    centre its rows on their peaks as this one does."""
     bf16 = _bf16(q)
     q, k, v, tq, tk, tv = _work(q, k, v, tq, tk, tv)
     masks = _with_bias_like(_score_masks(mask, bias, q.dtype, full_bias=tbias is not None, bounds=bounds, blocks=blocks),
@@ -600,7 +603,7 @@ def attention_forward_jvp(q: Tensor, k: Tensor, v: Tensor, causal: int | None, s
     rows, chunks = _whole_row_split(q, k, masks, False, None, causal)  # each work item owns its rows
     _run("forward_jvp", q, k, v, **_mask_args(masks), tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"), out=out,
          tout=out_t, row_max=row_max, inv_sum=inv_sum, key_ranges=_key_ranges(q, k, causal, rows, masks),
-         centre=centre,
+         centre=centre, peak=peak,
          **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
                     dropout_p=dropout_p, sink=sink, transposed_keys=_transposed_keys(k, v)))
     return out, row_max, inv_sum, out_t
@@ -612,11 +615,12 @@ def attention_backward_jvp_given_sums(
     centre: Tensor, delta_t: Tensor, mask: Tensor | None = None, bias: Tensor | None = None,
     tbias: Tensor | None = None, seed: int | Placement = 0, dropout_p: float = 0.0, chunks: int | None = None,
     bounds: Tensor | None = None, softcap: float = 0.0, blocks: MaskBlocks | None = None, with_backward: bool = False,
-    results: Sequence[Tensor] | None = None,
+    results: Sequence[Tensor] | None = None, peak: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """`attention_backward_jvp`'s tangents of (dq, dk, dv), without a bias gradient, on the
     backward's tiles, given each row's sums over its keys (B, H, Lq): `centre` t = rowsum(P *
-    S') and `delta_t` D' = rowsum(tdout * out + dout * tout). The keys may be a part of each
+    S') (with `peak` c, t - c: `attention_forward_jvp`'s) and `delta_t` D' = rowsum(tdout *
+    out + dout * tout). The keys may be a part of each
     row's (a ring step: its seed's placement says so), the sums the whole row's. In the
     compute dtype; `with_backward`: the backward's (dq, dk, dv) first, from the same pass,
     written into `results` where given (`_results_into`)."""
@@ -640,6 +644,7 @@ def attention_backward_jvp_given_sums(
     _run("backward_jvp_given_sums", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum,
          dout=dout, delta=q.new_empty(q.shape[:-1]), tdout=tdout, tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"),
          centre=centre.reshape(q.shape[:-1]).contiguous(), delta_t=delta_t.reshape(q.shape[:-1]).contiguous(),
+         peak=None if peak is None else peak.to(q.dtype).reshape(q.shape[:-1]).contiguous(),
          tdq_parts=tdq_parts, tdk=tdk, tdv=tdv, **grads,
          tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges,
          **_options(causal, scale, bf16=bf16, chunks=chunks, seed=seed, dropout_p=dropout_p, softcap=softcap,

@@ -46,9 +46,10 @@ def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]
         if any(wrapped(t) for t in given):
             return "it reads plain tensors; this ring step holds a torch.func transform's"
         sums = set(row_sums) - ({"results"} if pass_name in ("forward_jvp", "backward_with_jvp") else set())
-        if pass_name in ("backward_jvp", "backward_with_jvp") and sums == {"centre", "delta_t"}:
+        if pass_name in ("backward_jvp", "backward_with_jvp") and sums in ({"centre", "delta_t"},
+                                                                           {"centre", "peak", "delta_t"}):
             return "it takes a bias gradient on whole rows alone" if inputs.get("bias_grad") else None
-        if pass_name == "forward_jvp" and sums == {"centre_sums"}:
+        if pass_name == "forward_jvp" and sums in ({"centre_sums"}, {"centre_sums", "peak_sums"}):
             return None
         return f"it takes no rows' sums {sorted(row_sums)} in its {pass_name} pass"
     return None
@@ -103,13 +104,16 @@ def jvp(call: AttentionCall, *, row_max: Tensor, inv_sum: Tensor, tq: Optional[T
 def forward_jvp(call: AttentionCall, *, tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
                 tbias: Optional[Tensor], row_sums: Optional[dict] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """With row_sums {"centre_sums": (B, H, Lq, 1) compute dtype}, each row's centre
-    rowsum(P * S') is written there too, and with its "results" (out, row_max, inv_sum) the
-    primal results are written into those."""
+    rowsum(P * S') is written there too (with "peak_sums" as well, S' at the row's most
+    probable key there and the centre less it in "centre_sums"), and with its "results" (out,
+    row_max, inv_sum) the primal results are written into those."""
     row_sums = row_sums or {}
-    centre = row_sums["centre_sums"].view(call.q.shape[:3]) if "centre_sums" in row_sums else None
+    centre, peak = (row_sums[name].view(call.q.shape[:3]) if name in row_sums else None
+                    for name in ("centre_sums", "peak_sums"))
     out, row_max, inv_sum, out_t = native.attention_forward_jvp(call.q, call.k, call.v, call.causal, call.scale, tq,
                                                                 tk, tv, tbias=tbias, sink=call.sink, centre=centre,
-                                                                results=row_sums.get("results"), **_options(call))
+                                                                peak=peak, results=row_sums.get("results"),
+                                                                **_options(call))
     return out.to(call.q.dtype), row_max, inv_sum, out_t.to(call.q.dtype)  # the statistics in the compute dtype
 
 
@@ -117,12 +121,13 @@ def _given_sums(call: AttentionCall, dout: Tensor, out: Tensor, row_max: Tensor,
                 tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
                 tbias: Optional[Tensor], row_sums: dict, with_backward: bool) -> tuple:
     """The backward's JVP (and the backward) on the backward's tiles, given the rows' sums
-    {"centre", "delta_t"} ((B, H, Lq, 1), as a ring step has them): no bias gradient. With
-    the backward, row_sums' "results" (dq, dk, dv) take its results where given."""
+    {"centre", "delta_t"} ((B, H, Lq, 1), as a ring step has them; with "peak", the centre
+    less it, as the forward's JVP leaves them): no bias gradient. With the backward,
+    row_sums' "results" (dq, dk, dv) take its results where given."""
     results = native.attention_backward_jvp_given_sums(
         dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal, call.scale, tdout, tq, tk, tv,
         row_sums["centre"], row_sums["delta_t"], tbias=tbias, with_backward=with_backward,
-        results=row_sums.get("results") if with_backward else None, **_options(call))
+        results=row_sums.get("results") if with_backward else None, peak=row_sums.get("peak"), **_options(call))
     tangents = (*results[-3:], None)  # no bias gradient, nor its tangent
     return (*results[:3], None, *tangents) if with_backward else tangents
 

@@ -75,7 +75,7 @@ std::vector<int64_t> expected_shape(const AttngradCall& c, int b) {
         case buf_k: case buf_dk: case buf_gk: case buf_tk: case buf_tdk: return {B, Hkv, Lk, c.dim};
         case buf_v: case buf_dv: case buf_gv: case buf_tv: case buf_tdv: return {B, Hkv, Lk, c.dim_v};
         case buf_out: case buf_dout: case buf_g_dout: case buf_tout: case buf_tdout: return {B, H, Lq, c.dim_v};
-        case buf_row_max: case buf_inv_sum: case buf_delta: case buf_centre: case buf_delta_t: return {B, H, Lq};
+        case buf_row_max: case buf_inv_sum: case buf_delta: case buf_centre: case buf_delta_t: case buf_peak: return {B, H, Lq};
         case buf_bias: case buf_tbias: case buf_gbias: return sizes_of(c, {}, c.bias_sizes);  // the bias's own
         case buf_dq_parts: case buf_tdq_parts: return {c.chunks, B, H, Lq, c.dim};
         case buf_gk_parts: case buf_tdk_parts: case buf_dk_parts: return {c.chunks, B, Hkv, Lk, c.dim};
@@ -437,12 +437,13 @@ void jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
 // (as in jvp_op), in one pass of whole rows that makes its own statistics and writes them to
 // row_max and inv_sum (B, H, Lq) as the forward does (the `sink` option adds its term to each
 // row's sum), and where given centre (B, H, Lq) <- t = rowsum(P * S'), the tangent of each
-// row's log-sum-exp, which backward_jvp_given_sums takes.
+// row's log-sum-exp, which backward_jvp_given_sums takes; given peak too, peak <- c = S' at
+// the row's most probable key and centre <- t - c (see centre_on_peak).
 void forward_jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
                     const OptTensor& bias, const OptTensor& key_bounds, const OptTensor& tq, const OptTensor& tk,
                     const OptTensor& tv, const OptTensor& tbias, const at::Tensor& out, const at::Tensor& tout,
                     const at::Tensor& row_max, const at::Tensor& inv_sum, ATTNGRAD_OPTIONS_PARAMS, const OptTensor& key_ranges, const OptTensor& mask_blocks,
-                    const OptTensor& mask_tiles, const OptTensor& centre) {
+                    const OptTensor& mask_tiles, const OptTensor& centre, const OptTensor& peak) {
     TORCH_CHECK(!partial_rows, "attngrad_tiles.forward_jvp: the pass takes each row's statistics from its keys; "
                 "partial_rows says they are a part of the row's");
     Call call = make_call("attngrad_tiles.forward_jvp", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
@@ -454,6 +455,9 @@ void forward_jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     call.bind(buf_row_max, row_max, true);
     call.bind(buf_inv_sum, inv_sum, true);
     call.bind(buf_centre, centre, false);
+    TORCH_CHECK(!peak.has_value() || centre.has_value(), "attngrad_tiles.forward_jvp: peak is given with centre",
+                call.ctx);
+    call.bind(buf_peak, peak, false);
     run(call, [](const auto& pass) { jvp(pass); });
 }
 
@@ -495,7 +499,8 @@ void backward_jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 // The backward's JVP (backward_jvp_op's) on the backward's tiles, given each row's centre
-// t = rowsum(P * S') and delta_t D' = rowsum(tdout * out + dout * tout) (B, H, Lq): tdq_parts
+// t = rowsum(P * S') (with peak c, centre is t - c: forward_jvp_op's) and delta_t
+// D' = rowsum(tdout * out + dout * tout) (B, H, Lq): tdq_parts
 // holds `chunks` zeroed (B, H, Lq, d) partial sums of dQ', one per chunk of key blocks, tdk and
 // tdv are zeroed; given dq_parts, dk and dv (as tdq_parts, tdk, tdv), the pass is the backward
 // too. No bias gradient (backward_jvp_op takes those calls); tile_map as the forward's.
@@ -508,7 +513,7 @@ void backward_jvp_given_sums_op(const at::Tensor& q, const at::Tensor& k, const 
                                 const at::Tensor& tdk, const at::Tensor& tdv, const OptTensor& dq_parts,
                                 const OptTensor& dk, const OptTensor& dv, ATTNGRAD_OPTIONS_PARAMS,
                                 const OptTensor& tile_map, const OptTensor& key_ranges, const OptTensor& mask_blocks,
-                                const OptTensor& mask_tiles) {
+                                const OptTensor& mask_tiles, const OptTensor& peak) {
     Call call = make_call("attngrad_tiles.backward_jvp_given_sums", q, k, v, mask, bias, key_bounds,
                           ATTNGRAD_OPTIONS_ARGS);
     bind_mask_blocks(call, mask_blocks, mask_tiles);
@@ -516,6 +521,7 @@ void backward_jvp_given_sums_op(const at::Tensor& q, const at::Tensor& k, const 
     bind_tile_map(call, tile_map);
     bind_backward_jvp_inputs(call, out, row_max, inv_sum, dout, delta, tdout, tq, tk, tv, tbias);
     call.bind(buf_centre, centre, true);
+    call.bind(buf_peak, peak, false);
     call.bind(buf_delta_t, delta_t, true);
     call.bind(buf_tdq_parts, tdq_parts, true);
     call.bind(buf_tdk, tdk, true);
@@ -628,7 +634,7 @@ TORCH_LIBRARY(attngrad_tiles, m) {
     m.def("forward_jvp(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor? tq, "
           "Tensor? tk, Tensor? tv, Tensor? tbias, Tensor(a!) out, Tensor(b!) tout, Tensor(c!) row_max, "
           "Tensor(d!) inv_sum, " ATTNGRAD_OPTIONS_SCHEMA
-          ", Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA ", Tensor(e!)? centre=None) -> ()");
+          ", Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA ", Tensor(e!)? centre=None, Tensor(f!)? peak=None) -> ()");
     m.def("backward_jvp(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor out, "
           "Tensor row_max, Tensor inv_sum, Tensor dout, Tensor(a!) delta, Tensor? tdout, Tensor? tq, Tensor? tk, "
           "Tensor? tv, Tensor? tbias, Tensor(b!) tdq, Tensor(c!) tdk_parts, Tensor(d!) tdv_parts, "
@@ -639,7 +645,7 @@ TORCH_LIBRARY(attngrad_tiles, m) {
           "Tensor out, Tensor row_max, Tensor inv_sum, Tensor dout, Tensor(a!) delta, Tensor? tdout, Tensor? tq, "
           "Tensor? tk, Tensor? tv, Tensor? tbias, Tensor centre, Tensor delta_t, Tensor(b!) tdq_parts, Tensor(c!) tdk, "
           "Tensor(d!) tdv, Tensor(e!)? dq_parts, Tensor(f!)? dk, Tensor(g!)? dv, " ATTNGRAD_OPTIONS_SCHEMA
-          ", Tensor? tile_map=None, Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA ") -> ()");
+          ", Tensor? tile_map=None, Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA ", Tensor? peak=None) -> ()");
     m.def("dropout_keep_scale(Tensor(a!) out, int seed, int row_start, int key_start, int threshold, float value) -> ()");
     m.def("gemm_path(int choose) -> int", &gemm_path_op);
     m.def("brgemm_path(int choose) -> int", &brgemm_path_op);

@@ -27,6 +27,7 @@ void backward_jvp_given_sums(const Pass<T>& pass) {
     const T *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];
     const T *tdout = pass[buf_tdout], *tq = pass[buf_tq], *tk = pass[buf_tk], *tv = pass[buf_tv];
     const T *centre = pass[buf_centre], *delta_t = pass[buf_delta_t];
+    const T* peak = pass[buf_peak];  // where given, centre is t - c, c = S' at the row's peak
     T *delta = pass[buf_delta], *tdq_parts = pass[buf_tdq_parts], *tdk = pass[buf_tdk], *tdv = pass[buf_tdv];
     T *dq_parts = pass[buf_dq_parts], *dk = pass[buf_dk], *dv = pass[buf_dv];  // null: the tangents alone
     const Shape& s = pass.s;
@@ -112,8 +113,8 @@ void backward_jvp_given_sums(const Pass<T>& pass) {
                                 drop.scale_row(keep.data(), b, h, row, c0, seen);
                                 for (index_t j = 0; j < seen; ++j) dpi[j] *= keep[j], xi[j] *= keep[j];
                             }
-                            // P, and rowsum(P * S') over the tile's keys
-                            const T t_part = probs_and_dot(pi, ti, seen, row_max[first + i], inv_sum[first + i]);
+                            // P (and rowsum(P * S') over the tile's keys, not read: centred below)
+                            probs_and_dot(pi, ti, seen, row_max[first + i], inv_sum[first + i]);
                             if (single_key(bh, row)) {  // the row's one key: P = 1, P' = 0, dS = dS' = 0
                                 for (index_t j = 0; j < seen; ++j) pi[j] = pi[j] > T(0) ? T(1) : T(0);
                                 std::fill(ti, ti + seen, T(0));
@@ -124,7 +125,18 @@ void backward_jvp_given_sums(const Pass<T>& pass) {
                                 // the whole-row pass does (their rounding then cancels there)
                                 const index_t row_end = std::min(causal.visible(row, 0, s.len_k), key0 + keys);
                                 const bool whole = !pass.call.partial_rows && c0 <= key0 && row_end <= c0 + width;
-                                centre_and_scale(pi, ti, seen, whole ? t_part : centre[first + i]);  // P' = P (S' - t)
+                                // P' = P ((S' - c) - (t - c)), centred on the row's peak
+                                // (centre_on_peak): here, or by the forward's JVP, with 0 for
+                                // a ring step's sums
+                                T t_less = centre[first + i];
+                                if (whole) {
+                                    const T m = row_max[first + i], inv = inv_sum[first + i];
+                                    const T p_sink = pass.call.sink && inv != T(0) ? std::exp(std::log(inv) - m) : T(0);
+                                    t_less = centre_on_peak(pi, ti, seen, p_sink).second;
+                                } else if (peak) {
+                                    shift_row(ti, seen, peak[first + i]);
+                                }
+                                centre_and_scale(pi, ti, seen, t_less);
                                 const T d_t = whole ? tangent_delta(pi, ti, dpi, xi, seen) : delta_t[first + i];
                                 score_grad_tangents(pi, ti, dpi, xi, seen, delta[first + i], d_t);  // dS, dS'
                             }

@@ -72,17 +72,22 @@ void double_backward(const Pass<T>& pass) {
             }
             T d_row = delta[first + i];
             const bool single = single_key(blk.bh, row);
-            const T t_sum = row_probs(pi, ti, seen, m, inv, single);  // P, t = rowsum(P * T)
+            row_probs(pi, ti, seen, m, inv, single);  // P
             if (single) {  // the row's one key: P = 1, so t = T, D = dP~ exactly
                 d_row = T(0);
                 for (index_t j = 0; j < seen; ++j) d_row += pi[j] * dpi[j];
             }
-            T u_sum = second_order_terms(pi, ti, dpi, xi, seen, t_sum, d_row);
+            const T p_sink = pass.call.sink && inv > T(0) ? std::exp(std::log(inv) - m) : T(0);
+            // centred on the row's peak (centre_on_peak): T - c, t - c; then g_P - c', u - c'
+            const auto [c, t_less] = centre_on_peak(pi, ti, seen, p_sink);
+            const T t_sum = c + t_less;  // t = rowsum(P * T)
+            second_order_terms(pi, ti, dpi, xi, seen, t_less, d_row);
+            auto [c_g, u_less] = centre_on_peak(pi, xi, seen, p_sink);
             // with a sink, rowsum(P) = 1 - P_sink: the per-row t D that g_P leaves out (the softmax
             // ignores it only when P sums to 1) comes back as t D P_sink, P_sink = exp(-m) / l
-            const T p_sink = pass.call.sink && inv > T(0) ? std::exp(std::log(inv) - m) : T(0);
-            if (pass.call.sink && inv > T(0)) u_sum += t_sum * d_row * p_sink;
-            centre_and_scale(pi, xi, seen, u_sum);  // g_S = P (g_P - u)
+            if (pass.call.sink && inv > T(0)) u_less += t_sum * d_row * p_sink;
+            const T u_sum = c_g + u_less;  // u = rowsum(P * g_P)
+            centre_and_scale(pi, xi, seen, u_less);  // g_S = P ((g_P - c') - (u - c'))
             if (drop.on) {  // g_dP Z and P Z, for g_V and g_dO
                 drop.scale_row(ti, blk.b, blk.h, row, blk.key0, seen);
                 drop.scale_row(pi, blk.b, blk.h, row, blk.key0, seen);
@@ -136,7 +141,8 @@ void jvp(const Pass<T>& pass) {
     T *row_max = pass[buf_row_max], *inv_sum = pass[buf_inv_sum];  // written with the forward, else read
     const T *tq = pass[buf_tq], *tk = pass[buf_tk], *tv = pass[buf_tv];
     T *out_t = pass[buf_tout], *out = pass[buf_out];
-    T* centre = pass[buf_centre];  // where given: each row's t (0 for a row that sees no key)
+    T* centre = pass[buf_centre];  // where given: each row's t (0 for a row that sees no key),
+    T* peak = pass[buf_peak];      // or with peak given, t - c and c (centre_on_peak)
     const bool with_forward = out != nullptr;
     const Shape& s = pass.s;
     const DropoutDraw& drop = pass.drop;
@@ -159,6 +165,7 @@ void jvp(const Pass<T>& pass) {
             std::fill(inv_sum + first, inv_sum + first + rows, T(0));
         }
         if (centre) std::fill(centre + first, centre + first + rows, T(0));
+        if (peak) std::fill(peak + first, peak + first + rows, T(0));
         if (keys == 0) {  // rows that see no key: output 0, tangent 0
             std::fill(o_t, o_t + rows * s.dim_v, T(0));
             if (o) std::fill(o, o + rows * s.dim_v, T(0));
@@ -180,7 +187,6 @@ void jvp(const Pass<T>& pass) {
             pass.score_row(pi, blk.b, blk.h, row, blk.key0, seen, sli, nullptr, ti, &tbias);  // S' = slope A' + tbias
             // forward: P = softmax(S)  ->  P' = P (S' - rowsum(P S')); a row's one key: P' = 0
             // (1/l = 1: with a sink, the one key shares the row and P < 1)
-            T t_sum;
             if (with_forward) {
                 const T top = max_of(pi, seen);
                 if (top == neg_inf) {  // a row that sees no key: P = 0, so O = O' = 0
@@ -194,12 +200,16 @@ void jvp(const Pass<T>& pass) {
                 // recomputed score's (SingleKeyRows)
                 const T inv = static_cast<T>(1 / sum);
                 row_max[first + i] = top, inv_sum[first + i] = inv;
-                t_sum = scale_and_dot(pi, ti, seen, inv);
+                scale_and_dot(pi, ti, seen, inv);  // P (its sum with T comes centred below)
             } else {
-                t_sum = row_probs(pi, ti, seen, row_max[first + i], inv_sum[first + i], single_key(blk.bh, row));
+                row_probs(pi, ti, seen, row_max[first + i], inv_sum[first + i], single_key(blk.bh, row));  // P
             }
-            if (centre) centre[first + i] = t_sum;
-            centre_and_scale(pi, ti, seen, t_sum);
+            const T m = row_max[first + i], inv = inv_sum[first + i];
+            const T p_sink = pass.call.sink && inv != T(0) ? std::exp(std::log(inv) - m) : T(0);
+            const auto [c, t_less] = centre_on_peak(pi, ti, seen, p_sink);  // T - c, and t - c
+            if (centre) centre[first + i] = peak ? t_less : c + t_less;
+            if (peak) peak[first + i] = c;
+            centre_and_scale(pi, ti, seen, t_less);  // P' = P ((T - c) - (t - c))
             if (drop.on) {  // P Z and P' Z
                 drop.scale_row(pi, blk.b, blk.h, row, blk.key0, seen);
                 drop.scale_row(ti, blk.b, blk.h, row, blk.key0, seen);
@@ -290,8 +300,11 @@ void backward_jvp(const Pass<T>& pass) {
             pass.score_row(pi, blk.b, blk.h, row, blk.key0, seen, sli, cvi, ti, &tbias);  // S' = slope A' + tbias, curve A'
             const bool single = single_key(blk.bh, row);  // then P' = 0 and dS = dS' = 0
             const T m = row_max[first + i], inv = inv_sum[first + i];
-            const T t_sum = row_probs(pi, ti, seen, m, inv, single);  // P, t = rowsum(P * T)
-            centre_and_scale(pi, ti, seen, t_sum);  // P' = P (T - t)
+            row_probs(pi, ti, seen, m, inv, single);  // P
+            const T p_sink = pass.call.sink && inv != T(0) ? std::exp(std::log(inv) - m) : T(0);
+            const auto [c, t_less] = centre_on_peak(pi, ti, seen, p_sink);  // T - c, and t - c
+            const T t_sum = c + t_less;  // t = rowsum(P * T)
+            centre_and_scale(pi, ti, seen, t_less);  // P' = P ((T - c) - (t - c))
             T d_t = T(0);
             if (drop.on) {  // dP~ = dP Z, dP~' = dP' Z
                 drop.scale_row(dpi, blk.b, blk.h, row, blk.key0, seen);
@@ -312,7 +325,6 @@ void backward_jvp(const Pass<T>& pass) {
             // dbias' = dS'; a bias constant along the keys takes the row's sum in closed form, the
             // tangent of D P_sink: P_sink (D' - t D), where the sum of dS' would cancel
             if (dbias_t && tdbias.key_constant()) {
-                const T p_sink = pass.call.sink && inv > T(0) ? std::exp(std::log(inv) - m) : T(0);
                 tdbias.add_value(dbias_t, p_sink * (d_t - t_sum * delta[first + i]), blk.b, blk.h, row);
             } else if (dbias_t) {
                 tdbias.add_row(dbias_t, xi, blk.b, blk.h, row, blk.key0, seen);

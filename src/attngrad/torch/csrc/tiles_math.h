@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -403,6 +404,62 @@ inline float second_order_terms(const float* p, float* t, float* dp, float* x, i
     float sum = second_order_terms_each(p + j, t + j, dp + j, x + j, n - j, t_sum, d_row);
     for (int i = 0; i < kLanes; ++i) sum += lanes[i];
     return sum;
+}
+
+// x <- x - c
+template <typename T>
+void shift_row(T* x, index_t n, T c) {
+    for (index_t j = 0; j < n; ++j) x[j] -= c;
+}
+
+// The first key of a row's largest P: the key its sums are centred on (centre_on_peak)
+template <typename T>
+index_t peak_of(const T* p, index_t n) {
+    const T top = max_of(p, n);
+    index_t j = 0;
+    while (j + 1 < n && !(p[j] == top)) ++j;
+    return j;
+}
+
+// x <- x - c, with c = x at the row's peak (peak_of); returns {c, t - c}, t = rowsum(P * x).
+// On a peaked row t is nearly x at the peak, and x - t there would cancel t's rounding
+// (about |x| eps: float64 backward JVPs erred up to 1e-10 so); centred, the peak's term of
+// the sum is 0 exactly. rowsum(P) = 1 - P_sink, so t - c = rowsum(P (x - c)) - c P_sink.
+// Summed in double as wide_row_sum does for float32.
+template <typename T>
+std::pair<T, T> centre_on_peak_each(const T* p, T* x, index_t n, T p_sink) {
+    if (n == 0) return {T(0), T(0)};
+    const T c = x[peak_of(p, n)];
+    wide_t<T> sum = 0;
+    for (index_t j = 0; j < n; ++j) {
+        x[j] -= c;
+        sum += p[j] * x[j];
+    }
+    return {c, static_cast<T>(sum - static_cast<wide_t<T>>(c) * p_sink)};
+}
+
+template <typename T>
+std::pair<T, T> centre_on_peak(const T* p, T* x, index_t n, T p_sink) {
+    return centre_on_peak_each(p, x, n, p_sink);
+}
+
+template <>
+inline std::pair<float, float> centre_on_peak(const float* p, float* x, index_t n, float p_sink) {
+    if (n == 0) return {0.0f, 0.0f};
+    const float c = x[peak_of(p, n)];
+    const double sum = wide_row_sum(
+            n,
+            [&](index_t at) {
+                const floatv xj = load(x + at) - c;
+                store(x + at, xj);
+                return load(p + at) * xj;
+            },
+            [&](index_t at, index_t count) {
+                const floatv xj = load_tail(x + at, count, 0) - c;
+                store_tail(x + at, count, xj);
+                return load_tail(p + at, count, 0) * xj;
+            });
+    return {c, static_cast<float>(sum - static_cast<double>(c) * p_sink)};
 }
 
 // x <- P (x - u)

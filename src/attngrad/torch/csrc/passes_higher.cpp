@@ -80,8 +80,8 @@ void double_backward(const Pass<T>& pass) {
             T u_sum = second_order_terms(pi, ti, dpi, xi, seen, t_sum, d_row);
             // with a sink, rowsum(P) = 1 - P_sink: the per-row t D that g_P leaves out (the softmax
             // ignores it only when P sums to 1) comes back as t D P_sink, P_sink = exp(-m) / l
-            const T p_sink = pass.call.sink && inv > T(0) ? std::exp(std::log(inv) - m) : T(0);
-            if (pass.call.sink && inv > T(0)) u_sum += t_sum * d_row * p_sink;
+            const T p_sink = pass.call.sink && inv != T(0) ? std::exp(std::log(inv) - m) : T(0);
+            if (pass.call.sink && inv != T(0)) u_sum += t_sum * d_row * p_sink;
             centre_and_scale(pi, xi, seen, u_sum);  // g_S = P (g_P - u)
             if (drop.on) {  // g_dP Z and P Z, for g_V and g_dO
                 drop.scale_row(ti, blk.b, blk.h, row, blk.key0, seen);
@@ -126,7 +126,8 @@ void double_backward(const Pass<T>& pass) {
 // Given an `out` buffer (the forward with its JVP), the pass is the forward too: a block
 // holds whole rows, so it takes m and l from the row itself, with no statistics read, and
 // writes O = (P Z) V beside O' (6 products where the forward and the JVP take 2 + 5), and
-// the statistics as the forward writes them (0 and 0 for a row that sees no key):
+// the statistics as the forward writes them (0 and 0 for a row that sees no key, NaN 1/l for
+// one that a NaN reached):
 //   m = max S,  l = rowsum exp(S - m) (+ exp(-m): a sink's term),  O = (P Z) V
 // Given a `centre` buffer, each row's t goes there (the tangent of its log-sum-exp, which
 // backward_jvp_given_sums takes).
@@ -182,7 +183,8 @@ void jvp(const Pass<T>& pass) {
             // (1/l = 1: with a sink, the one key shares the row and P < 1)
             T t_sum;
             if (with_forward) {
-                const T top = max_of(pi, seen);
+                T top = max_of(pi, seen);  // -inf past a NaN too: has_nan tells the two apart
+                if (top == neg_inf && has_nan(pi, seen)) top = std::numeric_limits<T>::quiet_NaN();
                 if (top == neg_inf) {  // a row that sees no key: P = 0, so O = O' = 0
                     std::fill(pi, pi + keys, T(0));
                     std::fill(ti, ti + keys, T(0));
@@ -312,7 +314,7 @@ void backward_jvp(const Pass<T>& pass) {
             // dbias' = dS'; a bias constant along the keys takes the row's sum in closed form, the
             // tangent of D P_sink: P_sink (D' - t D), where the sum of dS' would cancel
             if (dbias_t && tdbias.key_constant()) {
-                const T p_sink = pass.call.sink && inv > T(0) ? std::exp(std::log(inv) - m) : T(0);
+                const T p_sink = pass.call.sink && inv != T(0) ? std::exp(std::log(inv) - m) : T(0);
                 tdbias.add_value(dbias_t, p_sink * (d_t - t_sum * delta[first + i]), blk.b, blk.h, row);
             } else if (dbias_t) {
                 tdbias.add_row(dbias_t, xi, blk.b, blk.h, row, blk.key0, seen);

@@ -170,3 +170,42 @@ def test_a_nan_key_reaches_the_rows_that_see_it_under_the_causal_mask(backend):
     finite = ~out_t.isnan()
     assert torch.equal(finite[0], torch.ones_like(finite[0])), "batch entry 0 has no NaN"
     assert rel_err(out_t[finite], ref_t[finite]) <= EXACT
+
+
+@pytest.mark.parametrize("where,index", [(0, (1, 0, 3, 2)), (1, (0, 0, 5, 1))], ids=["nan-in-q-row", "nan-in-k-key"])
+def test_given_sums_pass_and_its_ring_parts_keep_nan(where, index):
+    """The compiled tiles' backward JVP given the rows' sums (a ring step's), on the whole
+    keys and on two parts of them: NaN in the HVP exactly where float64 autograd of the
+    definition has it, the rest to 1e-12, from the tiles' own forward statistics (a NaN row's
+    1/l NaN) and the torch-ops kernels' sums."""
+    native = pytest.importorskip("attngrad.torch.native")
+    if native.library() is None:
+        pytest.skip(f"no compiled tiles: {native.build_info.reason}")
+    from attngrad.torch import kernels_higher
+    inputs = primals()
+    inputs[where][index] = math.nan
+    q, k, v = inputs
+    dout, tdout = randn(B, H, LQ, DV, seed=6), randn(B, H, LQ, DV, seed=7)
+    tq, tk, tv = (randn(*t.shape, seed=8 + i) for i, t in enumerate(inputs))
+    scale = D ** -0.5
+    k_rep, v_rep, tk_rep, tv_rep = (t.repeat_interleave(H // HKV, 1) for t in (k, v, tk, tv))  # the kernels' GQA
+    out, row_max, inv_sum = native.attention_forward(q, k_rep, v_rep, None, scale)
+    assert inv_sum[1, 0, 3].isnan() if where == 0 else inv_sum[0].isnan().all()  # the rows it reached
+    args = (q, k_rep, v_rep, None, None, 0, row_max, inv_sum, None, scale, 0.0, 0.0, tq, tk_rep, tv_rep, None)
+    centre = torch.zeros(B, H, LQ, 1, dtype=torch.float64)
+    kernels_higher.attention_jvp(*args, centre=torch.zeros_like(centre), centre_sums=centre)
+    delta_t = (dout * kernels_higher.attention_jvp(*args)).sum(-1, keepdim=True) + (tdout * out).sum(-1, keepdim=True)
+    whole = native.attention_backward_jvp_given_sums(dout, q, k_rep, v_rep, out, row_max, inv_sum, None, scale,
+                                                     tdout, tq, tk_rep, tv_rep, centre, delta_t)
+    parts = [native.attention_backward_jvp_given_sums(
+        dout, q, k_rep[:, :, lo:hi], v_rep[:, :, lo:hi], out, row_max, inv_sum, None, scale, tdout, tq,
+        tk_rep[:, :, lo:hi], tv_rep[:, :, lo:hi], centre, delta_t, seed=native.Placement(0, 0, lo, 0, 1))
+        for lo, hi in ((0, 4), (4, LK))]
+    joined = (parts[0][0] + parts[1][0], torch.cat([parts[0][1], parts[1][1]], 2),
+              torch.cat([parts[0][2], parts[1][2]], 2))
+    vjp = lambda q, k, v, do: torch.func.vjp(definition, q, k, v)[1](do)  # noqa: E731
+    _, hvp = torch.func.jvp(vjp, (q, k_rep, v_rep, dout), (tq, tk_rep, tv_rep, tdout))
+    ref = dict(zip(("dq_t", "dk_t", "dv_t"), hvp))
+    assert ref["dq_t"].isnan().any()
+    for results in (whole, joined):
+        assert_same_nans(dict(zip(("dq_t", "dk_t", "dv_t"), results)), ref)

@@ -291,16 +291,20 @@ def attention_forward(
         s = scores_into(tiles.get(0, shape), q_scaled[:, :, start:stop], k_rep, mask, bias, start, stop, causal, bounds,
                         first, softcap, mask_blocks=mask_blocks)
         m = s.amax(dim=-1, keepdim=True)  # (B, H, R, 1)
-        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # empty rows: any finite shift
+        # empty rows (m = -inf): any finite shift; m NaN or +inf (a NaN or Inf arrived) stays,
+        # so that l, 1/l and the row's output come out NaN
+        m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
         e = s.sub_(m).exp_()  # E = exp(S - m)
-        total = e.sum(dim=-1, keepdim=True)  # l, (B, H, R, 1); 0 for an empty row
-        inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+        total = e.sum(dim=-1, keepdim=True)  # l, (B, H, R, 1); 0 for an empty row alone
+        empty = total == 0
+        inv = torch.where(empty, torch.zeros_like(total), 1.0 / total)
         row_max[:, :, start:stop] = m.squeeze(-1)
         inv_sum[:, :, start:stop] = inv.squeeze(-1)
         if dropout_p > 0.0:
             e = e.mul_(keep_scale_into(tiles.get(1, shape), seed, start, dropout_p, first))
         o = _probs_times_values(e, v_rep[..., first:keys, :])  # (B, H, R, dv), normalised here: cheaper than P
-        out[:, :, start:stop] = o.mul_(inv).to(q.dtype)
+        # an empty row's O is 0, even where 0 x NaN (a NaN value among the keys) left NaN
+        out[:, :, start:stop] = o.mul_(inv).masked_fill_(empty, 0.0).to(q.dtype)
     return out, row_max, inv_sum
 
 

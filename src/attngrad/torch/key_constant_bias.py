@@ -38,8 +38,9 @@ def fixed_order_sum(x: Tensor) -> Tensor:
 
 def sink_share(row_max: Tensor, inv_sum: Tensor) -> Tensor:
     """(B, H, Lq) each row's P_sink = exp(-m) / l in float64, from the forward's statistics
-    (with a sink, inv_sum includes its term); 0 on a row that saw no key."""
-    seen = inv_sum > 0
+    (with a sink, inv_sum includes its term); 0 on a row that saw no key (1/l = 0; a row
+    that a NaN reached has 1/l NaN, and so P_sink NaN)."""
+    seen = inv_sum != 0
     return torch.where(seen, torch.exp(torch.log(torch.where(seen, inv_sum, 1).double()) - row_max.double()), 0.0)
 
 

@@ -46,8 +46,9 @@ def add_sink(out: Tensor, row_max: Tensor, inv_sum: Tensor) -> tuple[Tensor, Ten
     key of score 0 and value 0 (GPT-OSS's sinks with the learned logit s moved into the
     bias as -s: softmax is blind to a shift of a whole row). With Z = sum_j exp(S_ij) the
     rows' weight Z / (Z + 1) = sigmoid(log Z) scales O and 1/l; every later pass then reads
-    the sink's share from 1/l alone. A row that sees no key stays 0."""
-    seen = inv_sum > 0
+    the sink's share from 1/l alone. A row that sees no key (1/l = 0) stays 0; one that a
+    NaN reached (1/l NaN) stays NaN."""
+    seen = inv_sum != 0
     log_z = row_max - torch.log(torch.where(seen, inv_sum, 1.0))  # log Z = m + log l
     kept = torch.where(seen, torch.sigmoid(log_z), 0.0)  # Z / (Z + 1)
     return (out * kept[..., None].to(out.dtype)).contiguous(), row_max, inv_sum * kept

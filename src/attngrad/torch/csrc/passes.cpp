@@ -76,13 +76,17 @@ void forward(const Pass<T>& pass) {
                     pass.score_row(tile_masks, row, b, h, r0 + i, c0, seen);  // S = c tanh(S / c) + bias, excluded -inf
                     if (fetch && i + kFetchAhead < rows) masks.prefetch(b, h, r0 + i + kFetchAhead, 1, c0, cols);
                     const index_t start = tile_masks.before_bounds(b, r0 + i, c0, seen);  // E = 0 before it
-                    const T m_new = std::max(m[i], max_of(row + start, seen - start));
+                    T top = max_of(row + start, seen - start);  // -inf past a NaN, as for no key
+                    if (top == neg_inf && m[i] == neg_inf && has_nan(row + start, seen - start)) {
+                        top = std::numeric_limits<T>::quiet_NaN();  // a NaN arrived: m, l, O are NaN
+                    }
+                    const T m_new = max_keeping_nan(m[i], top);
                     // E = exp(S - m'); a row that has seen no key so far keeps E = 0
                     const wide_t<T> sum = m_new != neg_inf ? exp_and_sum(row + start, seen - start, m_new) : 0;
                     std::fill(row, row + (m_new != neg_inf ? start : cols), T(0));
                     std::fill(row + seen, row + cols, T(0));  // the row's future
                     if (m_new != m[i]) {  // rescale what earlier key blocks summed
-                        const T correction = m[i] == neg_inf ? T(0) : exp_score(m[i] - m_new);
+                        const T correction = m[i] == neg_inf ? T(0) : m_new != m_new ? m_new : exp_score(m[i] - m_new);
                         l[i] *= correction;
                         T* acc_row = acc.data() + i * s.dim_v;
                         for (index_t c = 0; c < s.dim_v; ++c) acc_row[c] *= correction;
@@ -102,13 +106,20 @@ void forward(const Pass<T>& pass) {
             }
             for (index_t i = 0; i < rows; ++i) {
                 const index_t r = bh * s.len_q + r0 + i;
-                const bool empty = !(l[i] > 0);  // a row that saw no key: out 0, statistics 0
+                // l = 0 only for a row that saw no key (else its largest term is exp(0) = 1): out 0,
+                // statistics 0, whatever 0 x NaN left in acc. A row that a NaN or Inf reached has
+                // l NaN, and keeps NaN statistics and output, as every later pass then does
+                const bool empty = l[i] == 0;
                 const T inv = empty ? T(0) : static_cast<T>(1 / l[i]);
                 row_max[r] = empty ? T(0) : m[i];
                 inv_sum[r] = inv;
                 const T* acc_row = acc.data() + i * s.dim_v;
                 T* out_row = out + r * s.dim_v;
-                for (index_t c = 0; c < s.dim_v; ++c) out_row[c] = acc_row[c] * inv;
+                if (empty) {
+                    std::fill(out_row, out_row + s.dim_v, T(0));
+                } else {
+                    for (index_t c = 0; c < s.dim_v; ++c) out_row[c] = acc_row[c] * inv;
+                }
             }
           }
         }

@@ -77,7 +77,7 @@ void double_backward(const Pass<T>& pass) {
                 d_row = T(0);
                 for (index_t j = 0; j < seen; ++j) d_row += pi[j] * dpi[j];
             }
-            const T p_sink = pass.call.sink && inv > T(0) ? std::exp(std::log(inv) - m) : T(0);
+            const T p_sink = pass.call.sink && inv != T(0) ? std::exp(std::log(inv) - m) : T(0);
             // centred on the row's peak (centre_on_peak): T - c, t - c; then g_P - c', u - c'
             const auto [c, t_less] = centre_on_peak(pi, ti, seen, p_sink);
             const T t_sum = c + t_less;  // t = rowsum(P * T)
@@ -85,7 +85,7 @@ void double_backward(const Pass<T>& pass) {
             auto [c_g, u_less] = centre_on_peak(pi, xi, seen, p_sink);
             // with a sink, rowsum(P) = 1 - P_sink: the per-row t D that g_P leaves out (the softmax
             // ignores it only when P sums to 1) comes back as t D P_sink, P_sink = exp(-m) / l
-            if (pass.call.sink && inv > T(0)) u_less += t_sum * d_row * p_sink;
+            if (pass.call.sink && inv != T(0)) u_less += t_sum * d_row * p_sink;
             const T u_sum = c_g + u_less;  // u = rowsum(P * g_P)
             centre_and_scale(pi, xi, seen, u_less);  // g_S = P ((g_P - c') - (u - c'))
             if (drop.on) {  // g_dP Z and P Z, for g_V and g_dO
@@ -131,7 +131,8 @@ void double_backward(const Pass<T>& pass) {
 // Given an `out` buffer (the forward with its JVP), the pass is the forward too: a block
 // holds whole rows, so it takes m and l from the row itself, with no statistics read, and
 // writes O = (P Z) V beside O' (6 products where the forward and the JVP take 2 + 5), and
-// the statistics as the forward writes them (0 and 0 for a row that sees no key):
+// the statistics as the forward writes them (0 and 0 for a row that sees no key, NaN 1/l for
+// one that a NaN reached):
 //   m = max S,  l = rowsum exp(S - m) (+ exp(-m): a sink's term),  O = (P Z) V
 // Given a `centre` buffer, each row's t goes there (the tangent of its log-sum-exp, which
 // backward_jvp_given_sums takes).
@@ -188,7 +189,8 @@ void jvp(const Pass<T>& pass) {
             // forward: P = softmax(S)  ->  P' = P (S' - rowsum(P S')); a row's one key: P' = 0
             // (1/l = 1: with a sink, the one key shares the row and P < 1)
             if (with_forward) {
-                const T top = max_of(pi, seen);
+                T top = max_of(pi, seen);  // -inf past a NaN too: has_nan tells the two apart
+                if (top == neg_inf && has_nan(pi, seen)) top = std::numeric_limits<T>::quiet_NaN();
                 if (top == neg_inf) {  // a row that sees no key: P = 0, so O = O' = 0
                     std::fill(pi, pi + keys, T(0));
                     std::fill(ti, ti + keys, T(0));

@@ -43,6 +43,9 @@
 // every row's bounds are skipped, and the whole-row passes hold only the keys between them.
 // A row that sees no key has output 0 and sends back 0; a row that sees one key has P = 1
 // there exactly and dS = 0 (a recomputed score can round apart from the forward's maximum).
+// A row that a NaN or Inf reached (a NaN score, or +inf: exp(inf - inf)) has l NaN, and keeps
+// 1/l NaN, so its output and all it sends back are NaN: "no key" is l = 0 (its maximum -inf
+// with no NaN among the scores, has_nan), never !(l > 0), in every pass.
 #pragma once
 
 #include <algorithm>

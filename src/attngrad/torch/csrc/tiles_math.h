@@ -235,6 +235,22 @@ inline float max_of(const float* x, index_t n) {
     return lanes[0];
 }
 
+// Whether any x_j is NaN: asked only of a row whose maximum came out -inf (max_of passes over
+// NaN, as x > top is false for it), to tell a row that sees no key (every score -inf) from
+// one that a NaN reached (issue 58: the NaN must come out, not a row of 0)
+template <typename T>
+bool has_nan(const T* x, index_t n) {
+    bool nan = false;
+    for (index_t j = 0; j < n; ++j) nan |= x[j] != x[j];
+    return nan;
+}
+
+// The row's maximum so far m and a tile's t, NaN if either is (std::max(m, NaN) is m)
+template <typename T>
+T max_keeping_nan(T m, T t) {
+    return m != m || t != t ? m + t : std::max(m, t);
+}
+
 // x_j <- exp(x_j - shift); returns the sum of the new x_j (wide_row_sum's for float32: l
 // divides every P of its row, and its rounding in 16 float lanes was most of P's own)
 template <typename T>

@@ -100,10 +100,13 @@ class _RowMerge:
         self.sum = torch.zeros(like.shape[:-1], dtype=work, device=like.device)  # l relative to M
 
     def add(self, out: Tensor, row_max: Tensor, inv_sum: Tensor) -> None:
-        seen = inv_sum > 0  # a row that saw no key has (O, m, 1/l) = (0, 0, 0): weight 0
+        # a row that saw no key has (O, m, 1/l) = (0, 0, 0): weight 0; one that a NaN or Inf
+        # reached has 1/l NaN, and its NaN carries through M (torch.maximum keeps NaN), the
+        # weights and the sum
+        seen = inv_sum != 0
         block_max = torch.where(seen, row_max, -torch.inf)
         new_max = torch.maximum(self.max, block_max)
-        shift = torch.where(new_max > -torch.inf, new_max, 0.0)  # no NaN from -inf - -inf
+        shift = torch.where(new_max == -torch.inf, 0.0, new_max)  # no NaN from -inf - -inf
         old = torch.exp(self.max - shift)
         weight = torch.exp(block_max - shift) / torch.where(seen, inv_sum, 1.0)  # l_b e^(m_b - M)
         self.acc.mul_(old[..., None]).add_(out.to(self.acc.dtype) * weight[..., None])
@@ -111,7 +114,7 @@ class _RowMerge:
         self.max = new_max
 
     def result(self) -> tuple[Tensor, Tensor, Tensor]:
-        seen = self.sum > 0
+        seen = self.sum != 0  # 0 for a row that saw no key in any unit alone
         out = self.acc / torch.where(seen, self.sum, 1.0)[..., None]
         return out, torch.where(seen, self.max, 0.0), torch.where(seen, 1.0 / torch.where(seen, self.sum, 1.0), 0.0)
 

@@ -88,12 +88,16 @@ def forward(Q, K, V, O, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1
             v = load_tile(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
             acc = acc * alpha[:, None] + mm(e.to(v.dtype), v, IP, ACC)
             m_i = m_new
-    inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)  # no 1 / 0 computed, even masked away
+    # l = 0 only where a row saw no key (its O 0, even where 0 x NaN left NaN in acc); a row
+    # that a NaN or Inf reached has l NaN, and keeps 1/l and O NaN
+    empty = l_i == 0
+    inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))  # no 1 / 0 computed, even masked away
     rows = (b * H + h) * Lq + offs_m
     tl.store(M + rows, tl.where(m_i == float("-inf"), 0.0, m_i), mask=offs_m < Lq)
     tl.store(INV + rows, inv, mask=offs_m < Lq)
     out = O + b * so0 + h * so1 + offs_m[:, None] * so2 + offs_dv[None, :] * so3
-    tl.store(out, (acc * inv[:, None]).to(O.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < DV))
+    tl.store(out, tl.where(empty[:, None], 0.0, acc * inv[:, None]).to(O.dtype.element_ty),
+             mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < DV))
 
 
 @triton.jit

@@ -563,9 +563,10 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Ten
                   tq: Tensor | None, tk: Tensor | None, tv: Tensor | None, mask: Tensor | None = None,
                   bias: Tensor | None = None, tbias: Tensor | None = None, seed: int | Placement = 0,
                   dropout_p: float = 0.0, bounds: Tensor | None = None, softcap: float = 0.0,
-                  blocks: MaskBlocks | None = None) -> Tensor:
+                  blocks: MaskBlocks | None = None, sink: bool = False) -> Tensor:
     """The output's tangent (B, H, Lq, dv): `kernels_higher.attention_jvp`'s result for the
-    cases the tiles backend takes; an absent tangent is zero."""
+    cases the tiles backend takes; an absent tangent is zero. `sink`: the rows' sums are
+    centred with the sink's share (`centre_on_peak`)."""
     bf16 = _bf16(q)
     q, k, v, row_max, inv_sum, tq, tk, tv = _work(q, k, v, row_max, inv_sum, tq, tk, tv)
     masks = _with_bias_like(_score_masks(mask, bias, q.dtype, full_bias=tbias is not None, bounds=bounds, blocks=blocks), "tbias",
@@ -575,7 +576,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Ten
     _run("jvp", q, k, v, **_mask_args(masks), row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv,
          tbias=masks.get("tbias"), tout=out_t, key_ranges=_key_ranges(q, k, causal, rows, masks),
          **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
-                    dropout_p=dropout_p, transposed_keys=_transposed_keys(k, v)))
+                    dropout_p=dropout_p, sink=sink, transposed_keys=_transposed_keys(k, v)))
     return out_t
 
 
@@ -615,7 +616,7 @@ def attention_backward_jvp_given_sums(
     centre: Tensor, delta_t: Tensor, mask: Tensor | None = None, bias: Tensor | None = None,
     tbias: Tensor | None = None, seed: int | Placement = 0, dropout_p: float = 0.0, chunks: int | None = None,
     bounds: Tensor | None = None, softcap: float = 0.0, blocks: MaskBlocks | None = None, with_backward: bool = False,
-    results: Sequence[Tensor] | None = None, peak: Tensor | None = None,
+    results: Sequence[Tensor] | None = None, peak: Tensor | None = None, sink: bool = False,
 ) -> tuple[Tensor, ...]:
     """`attention_backward_jvp`'s tangents of (dq, dk, dv), without a bias gradient, on the
     backward's tiles, given each row's sums over its keys (B, H, Lq): `centre` t = rowsum(P *
@@ -648,7 +649,7 @@ def attention_backward_jvp_given_sums(
          tdq_parts=tdq_parts, tdk=tdk, tdv=tdv, **grads,
          tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges,
          **_options(causal, scale, bf16=bf16, chunks=chunks, seed=seed, dropout_p=dropout_p, softcap=softcap,
-                    block_rows=rows, block_keys=block_keys))
+                    sink=sink, block_rows=rows, block_keys=block_keys))
     tangents = _sum_parts(tdq_parts), tdk, tdv
     if not with_backward:
         return tangents

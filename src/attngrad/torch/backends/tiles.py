@@ -97,7 +97,7 @@ def backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor,
 def jvp(call: AttentionCall, *, row_max: Tensor, inv_sum: Tensor, tq: Optional[Tensor], tk: Optional[Tensor],
         tv: Optional[Tensor], tbias: Optional[Tensor]) -> Tensor:
     out_t = native.attention_jvp(call.q, call.k, call.v, row_max, inv_sum, call.causal, call.scale, tq, tk, tv,
-                                 tbias=tbias, **_options(call))
+                                 tbias=tbias, sink=call.sink, **_options(call))
     return out_t.to(call.q.dtype)
 
 
@@ -127,7 +127,8 @@ def _given_sums(call: AttentionCall, dout: Tensor, out: Tensor, row_max: Tensor,
     results = native.attention_backward_jvp_given_sums(
         dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal, call.scale, tdout, tq, tk, tv,
         row_sums["centre"], row_sums["delta_t"], tbias=tbias, with_backward=with_backward,
-        results=row_sums.get("results") if with_backward else None, peak=row_sums.get("peak"), **_options(call))
+        results=row_sums.get("results") if with_backward else None, peak=row_sums.get("peak"), sink=call.sink,
+        **_options(call))
     tangents = (*results[-3:], None)  # no bias gradient, nor its tangent
     return (*results[:3], None, *tangents) if with_backward else tangents
 

@@ -6,7 +6,8 @@ even; a boolean mask of any broadcast shape, some rows of it empty; a float bias
 broadcast shape ((Lq, Lk), (1, H, Lq, Lk), (B, 1, Lq, 1), (1, 1, 1, 1), ...), learned; the
 causal mask with any diagonal (True, "top_left", "bottom_right", ints that empty rows or
 pass the ends); a window (left, right), either side open; key padding as a mask or as
-lengths; soft cap; sinks; the scale. Dropout is left to its own tests (dropout_p = 0).
+lengths; a soft cap 0.5 to 4 times the scores' spread; sinks; the scale. Dropout is left
+to its own tests (dropout_p = 0).
 
 The definition (`by_definition`): S = c tanh(scale Q K^T / c) + bias, -inf where a mask
 excludes a key, softmax over [S | s_h] with the sink's column dropped, times V; a row that
@@ -98,16 +99,19 @@ def draws(draw, max_len=40, max_e=20, max_batch=2) -> Draw:
                             st.integers(-len_q - 3, len_k + 3)))
     side = st.one_of(st.none(), st.integers(0, 12))
     window = draw(st.one_of(st.none(), st.tuples(side, side)))
+    e, scale, spread = draw(st.integers(1, max_e)), draw(st.one_of(st.none(), st.floats(0.05, 2.5))), \
+        draw(st.sampled_from([0.5, 1.0, 2.0]))
+    # the cap from 0.5 to 4 times the scores' spread: a cap far below them flattens every
+    # score's slope 1 - tanh^2 to cancellation, in the definition as much as in attngrad
+    spread_of_scores = (e ** -0.5 if scale is None else scale) * spread ** 2 * e ** 0.5
+    softcap = draw(st.one_of(st.none(), st.floats(0.5, 4.0).map(lambda f: f * spread_of_scores)))
     return Draw(
         batch=batch, heads=heads, heads_kv=heads_kv, len_q=len_q, len_k=len_k,
-        e=draw(st.integers(1, max_e)), ev=draw(st.integers(1, max_e)),
+        e=e, ev=draw(st.integers(1, max_e)),
         mask=mask, mask_density=draw(st.sampled_from([0.3, 0.7, 0.95])), empty_rows=draw(st.booleans()),
         bias=bias, causal=causal, window=window,
         key_padding=draw(st.sampled_from([None, None, "mask", "lengths"])),
-        softcap=draw(st.one_of(st.none(), st.floats(0.5, 5.0))),
-        sinks=draw(st.booleans()),
-        scale=draw(st.one_of(st.none(), st.floats(0.05, 2.5))),
-        spread=draw(st.sampled_from([0.5, 1.0, 2.0])),
+        softcap=softcap, sinks=draw(st.booleans()), scale=scale, spread=spread,
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 

@@ -14,9 +14,11 @@ excludes a key, softmax over [S | s_h] with the sink's column dropped, times V; 
 sees no key gives 0. Checked (`every_derivative`, random tangents and upstream gradients):
 the output, the gradients of q, k, v, the bias and the sinks, the JVP, the double backward,
 the backward's JVP (forward over reverse) and the gradient through the JVP (reverse over
-forward), each tensor at EXACT relative to its largest reference entry. A tensor that is 0
-in exact arithmetic (a bias constant along the keys without sinks; q's and k's derivatives
-where no row weighs two logits) is measured against the largest tensor of its group.
+forward), each tensor at EXACT relative to its largest reference entry, or to
+FLOOR_FRACTION of its group's largest tensor where that is more. A tensor that is 0 in
+exact arithmetic (a bias constant along the keys without sinks; q's and k's derivatives
+where no row weighs two logits) is measured against the largest tensor of its group. On a
+row that sees no key, the output, its JVP and q's derivatives must be 0 exactly.
 
 KNOWN_OPEN lists the draws that defects still open (issue 58) push past EXACT; each is
 held to a looser bar until its fix lands and the entry goes.
@@ -257,28 +259,37 @@ def group(name: str) -> str:
     return "jvp" if name == "jvp" else "first"
 
 
-# Open defects of issue 58: (what, whether the call has it, the tensors it affects, the bar
-# they are held to meanwhile). Delete an entry when its fix lands.
+# Open defects of issue 58: (what, the bar a call's affected tensors are held to meanwhile
+# (EXACT where the call does not have it), which tensors it affects). Delete an entry when
+# its fix lands.
 KNOWN_OPEN = [
     # issue 58 item 2: sinks beside a bias: the sinks' gradient errs 4e-10..1e-8 with a bias
     # that varies along the keys, 4e-12..3e-10 with a key-constant one; here, at these sizes,
     # the sinks' and the bias's derivatives of every order (rof_sinks, gg_bias, hvp_bias),
     # up to 2.7e-12 in 600 draws
-    ("sinks beside a bias (issue 58 item 2)", lambda call: call.d.sinks and call.d.bias is not None,
-     lambda name: name.endswith(("sinks", "bias")), 1e-7),
-    # issue 58 item 3: a row with a peaked softmax (all but 1e-4 of its weight on one logit):
-    # the backward's JVP and the double backward err ~1e-11 (Lq = 1, Lk = 13, E = 33, scale
-    # 2.5); here hvp_k 3.9e-11 and the gradient through the JVP too (Lq = 3, Lk = 22, E = 16,
-    # scale 2, 1 - max p = 3.7e-6)
-    ("a peaked row (issue 58 item 3)", lambda call: call.least_spread() < 1e-4,
-     lambda name: group(name) in ("gg_", "hvp_", "rof_"), 1e-9),
+    ("sinks beside a bias (issue 58 item 2)", lambda call: 1e-7 if call.d.sinks and call.d.bias is not None else EXACT,
+     lambda name: name.endswith(("sinks", "bias"))),
+    # issue 58 item 3: a row with a peaked softmax: the backward's JVP and the double backward
+    # err ~1e-11 (Lq = 1, Lk = 13, E = 33, scale 2.5). Here, with the gradient through the
+    # JVP too, the error grows as the row's weight off its largest logit, 1 - max P, shrinks:
+    # 1.4e-12 at 3.1e-3 (Lq = 2, Lk = 12, E = 20, scale 2, nothing else), 3.9e-11 at 3.7e-6
+    # (Lq = 3, Lk = 22, E = 16, scale 2). This test found the first-order gradients of q and
+    # k affected too: 1.2e-12 at 2.9e-9 (Lq = 1, Lk = 2, E = 3, scale 1.5, torch-ops). Held to
+    # 3e-14 / (1 - max P), within [EXACT, 1e-9]; the output and dv, which cancel nothing, to
+    # EXACT
+    ("a peaked row (issue 58 item 3)", lambda call: min(1e-9, max(EXACT, 3e-14 / max(call.least_spread(), 1e-9))),
+     lambda name: name not in ("out", "dv")),
 ]
 
 
 def judge(call: Call, ours: dict, theirs: dict, backend: str) -> list[str]:
     """Every tensor's error against the definition's; the failures, described."""
     zeros, failures = call.exact_zeros(), []
-    open_here = [(what, affected, looser) for what, applies, affected, looser in KNOWN_OPEN if applies(call)]
+    unseen = ~call.allowed.any(-1)  # (B, H, Lq): rows that see no key give 0, exactly
+    for name in ("out", "jvp", "dq", "gg_q", "hvp_q", "rof_q", "rof_tq"):
+        if bool(ours[name][unseen].any()):
+            failures.append(f"{backend} {name}: not 0 on a row that sees no key ({int(unseen.sum())} such rows)")
+    open_here = [(what, affected, bar) for what, bar_for, affected in KNOWN_OPEN if (bar := bar_for(call)) > EXACT]
     scales: dict[str, float] = {}
     for name, ref in theirs.items():
         if ref.numel():

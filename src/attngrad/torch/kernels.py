@@ -14,19 +14,23 @@ The manner of FlashAttention-2 (Dao, 2023), with whole key rows per block:
         m   = rowmax(S),  E = exp(S - m),  l = rowsum(E)          # m, 1/l (B, H, R) kept
         O_blk = ((E * Z) V~) / l                                  # Z = keep / (1 - p); P = E / l
     backward, per block, recomputing E from m (nothing Lq x Lk is kept between blocks):
-        D    = rowsum(dO * O)                                     # = rowsum(dP * P), dropout or not
         dO'  = dO_blk / l                                         # folds 1/l into a small block
-        dP l = (dO' V~^T) * Z
-        dS   = E * (dP l - D / l)                                 # = P * (dP - D)
+        dP / l = (dO' V~^T) * Z
+        D    = rowsum(E * dP / l)                                 # = rowsum(P * dP) = rowsum(dO * O)
+        dS   = E * (dP - D) / l                                   # = P * (dP - D)
         dV~ += (E * Z)^T dO',  dQ_blk = scale * dS K~,  dK~ += scale * dS^T Q_blk
         dbias_blk = dS, summed over the axes the bias broadcasts along
 The logsumexp m + log(l) is the usual single statistic; keeping m and 1/l apart instead
 recomputes P to within two roundings in float32, where exp(S - lse) would carry lse's
 absolute rounding error (|lse| ~ 5-10) into every probability.
-Two row offsets ride inside GEMMs as an extra column of the operands (`with_column`):
-S - m in the backward, and dP l - D / l without dropout; that saves two passes over each
-score tile (and in our runs gave the same bits as the separate subtraction). The
-forward's E V~ sums over VALUE_SLICE keys at a time, for float32 accuracy.
+The row offset -m rides inside the backward's S GEMM as an extra column of the operands
+(`with_column`): that saves a pass over each score tile (and in our runs gave the same bits
+as the separate subtraction). D is summed from the block's own dP, which holds all of its
+rows' keys (but in a ring step's part of the keys: there rowsum(dO * O)), so that dP's
+rounding cancels in dP - D as in PyTorch's softmax backward: from
+rowsum(dO * O), which carries O's rounding, dq was up to 4x less accurate than PyTorch's in
+float32 on rows of few keys (issue 58). The forward's E V~ sums over VALUE_SLICE keys at a
+time, for float32 accuracy.
 The causal mask is a diagonal: key j is visible to query i when j <= i + c, where c (the
 argument `causal`, None for no causal mask) is 0 for PyTorch's top-left alignment and
 Lk - Lq for the bottom-right one. Lk' is Lk, or for a causal block only the keys any of its
@@ -56,7 +60,7 @@ import torch
 from torch import Tensor
 
 from .block_map import excluded, key_range
-from .dropout import keep_scale_into
+from .dropout import Placement, keep_scale_into
 from .mask_blocks import MaskBlocks
 
 # Elements of one (B, H, R, Lk') score tile: 2^22 float32 = 16 MiB. A handful of tiles are
@@ -338,19 +342,21 @@ def attention_backward(
     out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: int | None, scale: float, softcap: float, dropout_p: float, bias_grad: bool,
     bounds: Tensor | None = None, mask_blocks: MaskBlocks | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """(dq, dk, dv, dbias or None), each in its input's dtype and shape."""
+    """(dq, dk, dv, dbias or None), each in its input's dtype and shape. `out` is read only
+    where the keys are a part of each row's (a ring step's placement, `seed`): else D comes
+    from each block's own dP."""
     batch, heads, len_q, width = q.shape
     len_k, width_v = k.shape[-2], v.shape[-1]
     work, groups, q_scaled, k_rep, v_rep, bias_work = operands(q, k, v, bias, scale)
     dout_w = dout.to(work)
-    delta = (dout_w * out.to(work)).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O), (B, H, Lq, 1)
-    # The row offsets -m and -D/l ride in the GEMMs as an extra column (`with_column`):
-    # [scale Q | -m] [K~ | 1]^T = S - m (before bias and masks), and without dropout
-    # [dO' | -D/l] [V~ | 1]^T = dP l - D/l, where dO' = dO / l
+    # D = rowsum(dO * O) where the call's keys are a part of each row's (a ring step); else
+    # each block's own rowsum(P dP), below
+    partial = Placement.of(seed).partial_rows
+    delta = (dout_w * out.to(work)).sum(dim=-1, keepdim=True) if partial else None  # (B, H, Lq, 1)
+    # The row offset -m rides in the GEMM as an extra column (`with_column`):
+    # [scale Q | -m] [K~ | 1]^T = S - m (before bias and masks)
     q_shifted, k_ones = with_column(q_scaled, -row_max[..., None]), with_column(k_rep, 1.0)
     q_scaled, k_rep = q_shifted[..., :-1], k_ones[..., :-1]  # views: no second copy kept
-    v_ones = with_column(v_rep, 1.0) if dropout_p == 0.0 else None
-    v_rep = v_rep if v_ones is None else v_ones[..., :-1]
     dq = torch.empty(batch, heads, len_q, width, dtype=work, device=q.device)
     dk_sum, dv_sum = KeyGradient(k_rep, width), KeyGradient(k_rep, width_v)
     # A bias with a row per query and a column per key gets each block's dS exactly once:
@@ -361,7 +367,7 @@ def attention_backward(
     if bias_grad:
         dbias = (torch.empty if written_once else torch.zeros)(bias.shape, dtype=work, device=q.device)
     plan = blocks(batch, heads, len_q, len_k, causal, bounds=bounds)
-    tiles = ScoreTiles(2 + (dropout_p > 0.0) + bool(softcap), plan, batch, heads, work, q.device)
+    tiles = ScoreTiles(3 + (dropout_p > 0.0) + bool(softcap), plan, batch, heads, work, q.device)
     masked = any(t is not None for t in (mask, bias, causal, bounds, mask_blocks))
     for start, stop, first, keys in plan:
         r, width = stop - start, keys - first
@@ -372,8 +378,7 @@ def attention_backward(
             continue
         q_blk = q_scaled[:, :, start:stop]
         inv = inv_sum[:, :, start:stop, None]  # 1/l, (B, H, R, 1)
-        do_rows = with_column(dout_w[:, :, start:stop] * inv, -(delta[:, :, start:stop] * inv))  # [dO' | -D/l]
-        do_blk = do_rows[..., :width_v]  # dO' = dO / l
+        do_blk = dout_w[:, :, start:stop] * inv  # dO' = dO / l
         # forward: E = exp(S - m), recomputed; 0 on excluded entries and on empty rows
         shape = (batch, heads, r, width)
         if softcap:  # the cap comes before the shift: S - m = c tanh(A / c) + bias - m
@@ -384,17 +389,23 @@ def attention_backward(
             e = scores_into(tiles.get(0, shape), q_shifted[:, :, start:stop], k_ones, mask, bias_work, start, stop,
                             causal, bounds, first, mask_blocks=mask_blocks).exp_()
         single = single_key_rows(e, masked, inv)
-        # forward: O = (E * Z) V~ / l  ->  dP l = (dO' V~^T) * Z,  dV~ += (E * Z)^T dO'
-        # forward: P = softmax(S)  ->  dS = P * (dP - D) = E * (dP l - D / l)
-        dp_out = tiles.get(1, (batch, heads, r, width))
+        # forward: O = (E * Z) V~ / l  ->  dP / l = (dO' V~^T) * Z,  dV~ += (E * Z)^T dO'
+        # forward: P = softmax(S)  ->  dS = P * (dP - D) = E * (dP - D) / l
+        dp = torch.matmul(do_blk, v_rep[..., first:keys, :].transpose(-1, -2), out=tiles.get(1, shape))  # dP / l
         if dropout_p > 0.0:
-            dp = torch.matmul(do_blk, v_rep[..., first:keys, :].transpose(-1, -2), out=dp_out)
-            z = keep_scale_into(tiles.get(2, (batch, heads, r, width)), seed, start, dropout_p, first)
-            dp.mul_(z).add_(do_rows[..., width_v:])  # dP l - D / l
+            z = keep_scale_into(tiles.get(3, shape), seed, start, dropout_p, first)
+            dp.mul_(z)
             dv_sum.add(z.mul_(e), do_blk, first)
         else:
-            dp = torch.matmul(do_rows, v_ones[..., first:keys, :].transpose(-1, -2), out=dp_out)  # dP l - D / l
             dv_sum.add(e, do_blk, first)
+        # D = rowsum(P dP) = rowsum(E dP / l) from this very dP: its rounding then cancels in
+        # dP - D (rowsum(dO * O) would carry O's own instead). Subtracted before the product with E:
+        # E dP / l - E D / l left dq and dmask up to 1.25x less accurate
+        if delta is None:
+            row_delta = torch.mul(e, dp, out=tiles.get(2, shape)).sum(dim=-1, keepdim=True)
+        else:
+            row_delta = delta[:, :, start:stop]
+        dp.sub_(row_delta * inv)  # (dP - D) / l
         # forward: S = scale * Q K~^T + bias  ->  dbias = dS summed over the bias's broadcast axes
         target = dbias[..., start:stop, first:keys] if written_once else None
         in_place = target is not None and target.numel() == e.numel() and target.is_contiguous()

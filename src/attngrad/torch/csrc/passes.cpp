@@ -322,6 +322,7 @@ void backward(const Pass<T>& pass) {
         }
         store_fence();  // the bias gradient's streamed rows
     });
+    dbias.finish();  // the wide sums, where there are any
 }
 
 template void forward<float>(const Pass<float>&);

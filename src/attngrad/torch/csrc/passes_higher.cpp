@@ -121,6 +121,7 @@ void double_backward(const Pass<T>& pass) {
         add_keys_product(pass, rows, keys, s.dim, scale, x, q_blk, g_k);
         add_keys_product(pass, rows, keys, s.dim, scale, dp, gq_blk, g_k);
     });
+    g_bias.finish();  // the wide sums, where there are any
 }
 
 // The JVP: the output's tangent O' for tangents tQ, tK, tV, tbias (each may be null:
@@ -350,6 +351,8 @@ void backward_jvp(const Pass<T>& pass) {
             add_keys_product(pass, rows, keys, s.dim, scale, dp, q_blk, dk_g);
         }
     });
+    tdbias.finish();  // the wide sums, where there are any
+    dbias.finish();
 }
 
 template void double_backward<float>(const Pass<float>&);

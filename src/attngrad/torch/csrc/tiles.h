@@ -760,6 +760,10 @@ class ZeroedRows {
 // bias broadcasts along the chunked axis (`chunked_axis`: 3, keys, in the backward; 2,
 // query rows, in the backward's JVP), so there each chunk owns a part, and the caller adds
 // the parts in order. No entry is written by two threads, and no atomics.
+// A float32 bias that broadcasts along the query rows sums Lq terms or more into each entry
+// (B H Lq for a (1, Lk) mask), one after another: there the sums run in double (BiasGradient's
+// wide sums), as PyTorch's own reduction runs blocked; its gradient was 2.3-6.5x less accurate
+// than PyTorch's with float32 sums (issue 58, benchmarks/float32_mask_grads.py).
 inline int64_t bias_grad_parts(const AttngradCall& c, int chunked_axis) {
     return c.bias_sizes[chunked_axis] == 1 ? c.chunks : 1;
 }
@@ -820,7 +824,14 @@ class BiasGradient {
     BiasGradient(const Pass<T>& p, AttngradBuffer parts, int chunked_axis)
         : parts_(p[parts]), bb_(p.call.bias_sizes),
           part_numel_(p.call.bias_sizes[0] * p.call.bias_sizes[1] * p.call.bias_sizes[2] * p.call.bias_sizes[3]),
-          chunks_(bias_grad_parts(p.call, chunked_axis)) {}
+          chunks_(bias_grad_parts(p.call, chunked_axis)) {
+        // a part without a row axis: B H Lk numbers at most, so its double copy is small
+        if (std::is_same_v<T, float> && parts_ && p.call.bias_sizes[2] == 1 && p.s.len_q > 1) {
+            wide_.assign(part_numel_ * chunks_, wide_t<T>(0));
+        }
+    }
+    BiasGradient(const BiasGradient&) = delete;
+    BiasGradient& operator=(const BiasGradient&) = delete;
 
     // The part that chunk `chunk` adds into, or null without a bias gradient
     T* part(index_t chunk) const { return parts_ ? parts_ + (chunks_ > 1 ? chunk : 0) * part_numel_ : nullptr; }
@@ -838,7 +849,7 @@ class BiasGradient {
         return parts_ && chunks_ == 1 && part_numel_ == s.batch * s.heads * s.len_q * s.len_k;
     }
 
-    // The whole buffer zeroed, where the pass adds into it (not `direct`)
+    // The whole buffer zeroed, where the pass adds into it (not `direct`); the wide sums start at 0
     void zero_all() const {
         parallel_range(part_numel_ * chunks_, 1 << 16, [&](index_t begin, index_t end) {
             std::fill(parts_ + begin, parts_ + end, T(0));
@@ -861,25 +872,56 @@ class BiasGradient {
 
     // part += value for row i of head (b, h) of a key_constant bias: a row's whole sum of its
     // scores' gradients, given in closed form where summing them would cancel
-    void add_value(T* part, T value, index_t b, index_t h, index_t i) const { part[bb_.row(b, h, i)] += value; }
-
-    // part += dS for keys c0..c0 + n of row i of head (b, h)
-    void add_row(T* part, const T* ds, index_t b, index_t h, index_t i, index_t c0, index_t n) const {
-        T* row = part + bb_.row(b, h, i);
-        if (bb_.sj) {
-            row += c0;
-            for (index_t j = 0; j < n; ++j) row[j] += ds[j];
+    void add_value(T* part, T value, index_t b, index_t h, index_t i) const {
+        const index_t at = bb_.row(b, h, i);
+        if (wide_.empty()) {
+            part[at] += value;
         } else {
-            T sum = 0;
-            for (index_t j = 0; j < n; ++j) sum += ds[j];
-            row[0] += sum;
+            wide(part)[at] += value;
         }
     }
 
+    // part += dS for keys c0..c0 + n of row i of head (b, h)
+    void add_row(T* part, const T* ds, index_t b, index_t h, index_t i, index_t c0, index_t n) const {
+        const index_t at = bb_.row(b, h, i) + c0 * bb_.sj;
+        if (wide_.empty()) {
+            add_to(part + at, ds, n);
+        } else {
+            add_to(wide(part) + at, ds, n);
+        }
+    }
+
+    // The wide sums rounded into the parts, where there are any: once, after every work item
+    // of the pass is done
+    void finish() const {
+        if (wide_.empty()) return;
+        parallel_range(part_numel_ * chunks_, 1 << 16, [&](index_t begin, index_t end) {
+            for (index_t e = begin; e < end; ++e) parts_[e] = static_cast<T>(wide_[e]);
+        });
+    }
+
    private:
+    // The wide sums of `part`, at the same offsets (each item writes apart, as into the parts)
+    wide_t<T>* wide(T* part) const { return wide_.data() + (part - parts_); }
+
+    // sum[0, n) += ds[0, n) along the keys, or sum[0] += the row's sum where the bias is constant along them
+    template <typename S>
+    void add_to(S* sum, const T* ds, index_t n) const {
+        if (bb_.sj) {
+            for (index_t j = 0; j < n; ++j) sum[j] += ds[j];
+        } else {
+            wide_t<T> row = 0;
+            for (index_t j = 0; j < n; ++j) row += ds[j];
+            sum[0] += static_cast<S>(row);
+        }
+    }
+
     T* parts_;
     Broadcast4 bb_;
     index_t part_numel_, chunks_;
+    // with a float32 bias broadcast along the query rows, the sums in double, in the parts'
+    // layout (mutable: the work items add into it as into the parts)
+    mutable std::vector<wide_t<T>> wide_;
 };
 
 // The work of the backward passes: chunk `chunk` of key/value head bhk = b Hkv + hk.

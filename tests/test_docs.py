@@ -109,7 +109,7 @@ def test_derivation_blocks_run():
 def test_readme_commands_match_ci():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    test_command = "python -m pytest -q"
+    test_command = "python -m pytest -q -n 2"
     assert f'pip install -c constraints.txt -e ".[test]" && {test_command}' in readme
     assert ci.strip().splitlines()[-1] == test_command
     assert 'pip install -c constraints.txt ".[torch]" && attngrad check' in readme

@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from attngrad.bench.programs import extra_mib_in_fresh_process, interleaved_medians, report
 
 WIDTH, HEADS = 384, 6
 IMPLEMENTATIONS = ("attngrad", "math")
@@ -88,16 +86,7 @@ def memory_of(implementation: str, length: int) -> dict:
 
 def times_of(length: int, repeats: int) -> dict[str, float]:
     """Median seconds per JVP of each implementation, interleaved, after one warm-up each."""
-    run = _block_jvp(length)
-    seconds: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
-    for implementation in IMPLEMENTATIONS:
-        run(implementation)
-    for _ in range(repeats):
-        for implementation in IMPLEMENTATIONS:
-            start = time.perf_counter()
-            run(implementation)
-            seconds[implementation].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in seconds.items()}
+    return interleaved_medians(_block_jvp(length), IMPLEMENTATIONS, repeats)
 
 
 def main() -> None:
@@ -117,9 +106,7 @@ def main() -> None:
         seconds = times_of(length, args.repeats)
         memory = {}
         for implementation in ("none", *IMPLEMENTATIONS):
-            done = subprocess.run([sys.executable, __file__, "--memory-of", implementation, str(length)],
-                                  capture_output=True, text=True, check=True)
-            memory[implementation] = json.loads(done.stdout.strip().splitlines()[-1])["extra_mib"]
+            memory[implementation] = extra_mib_in_fresh_process(__file__, implementation, str(length))
         row = (f"| {length} | {seconds['attngrad'] * 1e3:.0f} | {seconds['math'] * 1e3:.0f} | "
                f"{seconds['math'] / seconds['attngrad']:.1f}x | {memory['attngrad']:.0f} | {memory['math']:.0f} | "
                f"{memory['attngrad'] / max(memory['math'], 1e-9):.3f} | {memory['none']:.0f} |")
@@ -133,13 +120,7 @@ def main() -> None:
              "by a copy of the query.", "",
              "| tokens | attngrad (ms) | math (ms) | speed-up | attngrad extra (MiB) | math extra (MiB) | memory ratio "
              "| block's own (MiB) |", "|---|---|---|---|---|---|---|---|", *rows]
-    print("\n".join(lines))
-    if args.docs:
-        from attngrad.docs_page import write_section
-
-        command = "python benchmarks/dit_jvp.py --lengths " + " ".join(map(str, args.lengths))
-        write_section(args.docs, "benchmarks/dit_jvp.py", f"`{command}`\n\n" + "\n".join(lines), "Benchmarks")
-        print(f"wrote {args.docs}")
+    report(lines, args.docs, "benchmarks/dit_jvp.py", args.lengths)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from attngrad.bench.programs import extra_mib_in_fresh_process, interleaved_medians, report
 
 BATCH, HEADS, DIM = 1, 8, 64
 IMPLEMENTATIONS = ("attngrad", "math")
@@ -77,16 +75,7 @@ def memory_of(implementation: str, length: int) -> dict:
 
 def times_of(length: int, repeats: int) -> dict[str, float]:
     """Median seconds per step of each implementation, interleaved, after one warm-up each."""
-    run = _step(length)
-    seconds: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
-    for implementation in IMPLEMENTATIONS:
-        run(implementation)
-    for _ in range(repeats):
-        for implementation in IMPLEMENTATIONS:
-            start = time.perf_counter()
-            run(implementation)
-            seconds[implementation].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in seconds.items()}
+    return interleaved_medians(_step(length), IMPLEMENTATIONS, repeats)
 
 
 def agreement(length: int) -> float:
@@ -113,9 +102,7 @@ def main() -> None:
         seconds = times_of(length, args.repeats)
         memory = {}
         for implementation in IMPLEMENTATIONS:
-            done = subprocess.run([sys.executable, __file__, "--memory-of", implementation, str(length)],
-                                  capture_output=True, text=True, check=True)
-            memory[implementation] = json.loads(done.stdout.strip().splitlines()[-1])["extra_mib"]
+            memory[implementation] = extra_mib_in_fresh_process(__file__, implementation, str(length))
         row = (f"| {length} | {seconds['attngrad'] * 1e3:.0f} | {seconds['math'] * 1e3:.0f} | "
                f"{seconds['attngrad'] / seconds['math']:.2f}x | {memory['attngrad']:.0f} | {memory['math']:.0f} | "
                f"{memory['attngrad'] / max(memory['math'], 1e-9):.3f} | {agreement(min(length, 1024)):.1e} |")
@@ -129,14 +116,7 @@ def main() -> None:
              "(at L <= 1024).", "",
              "| L | attngrad (ms) | math (ms) | time ratio | attngrad extra (MiB) | math extra (MiB) | memory ratio "
              "| agreement |", "|---|---|---|---|---|---|---|---|", *rows]
-    print("\n".join(lines))
-    if args.docs:
-        from attngrad.docs_page import write_section
-
-        command = "python benchmarks/reverse_over_forward.py --lengths " + " ".join(map(str, args.lengths))
-        write_section(args.docs, "benchmarks/reverse_over_forward.py", f"`{command}`\n\n" + "\n".join(lines),
-                      "Benchmarks")
-        print(f"wrote {args.docs}")
+    report(lines, args.docs, "benchmarks/reverse_over_forward.py", args.lengths)
 
 
 if __name__ == "__main__":

@@ -428,13 +428,40 @@ void shift_row(T* x, index_t n, T c) {
     for (index_t j = 0; j < n; ++j) x[j] -= c;
 }
 
-// The first key of a row's largest P: the key its sums are centred on (centre_on_peak)
+// The first key of a row's largest P: the key its sums are centred on (centre_on_peak);
+// 0 for a row without a finite largest P (none: all NaN)
 template <typename T>
 index_t peak_of(const T* p, index_t n) {
-    const T top = max_of(p, n);
+    index_t at = 0;
+    for (index_t j = 1; j < n; ++j) at = p[j] > p[at] || !(p[at] == p[at]) ? j : at;
+    return at;
+}
+
+// float32 in one sweep of 16 lanes, each keeping its first largest P and where (the index as
+// a float: exact below 2^24 keys), then the lanes' largest, the first on a tie
+template <>
+inline index_t peak_of(const float* p, index_t n) {
+    constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+    if (n >= (index_t(1) << 24)) {  // past float's exact integers: the plain sweep
+        index_t at = 0;
+        for (index_t j = 1; j < n; ++j) at = p[j] > p[at] || !(p[at] == p[at]) ? j : at;
+        return at;
+    }
+    floatv best = floatv{} + neg_inf, best_at{}, lane{};
+    for (int i = 0; i < kLanes; ++i) lane[i] = static_cast<float>(i);
+    const auto take = [&](floatv v, floatv where) {
+        const auto larger = v > best;
+        best = larger ? v : best;
+        best_at = larger ? where : best_at;
+    };
     index_t j = 0;
-    while (j + 1 < n && !(p[j] == top)) ++j;
-    return j;
+    for (; j + kLanes <= n; j += kLanes) take(load(p + j), lane + static_cast<float>(j));
+    if (j < n) take(load_tail(p + j, n - j, neg_inf), lane + static_cast<float>(j));
+    float top = neg_inf, top_at = 0.0f;
+    for (int i = 0; i < kLanes; ++i) {
+        if (best[i] > top || (best[i] == top && best_at[i] < top_at)) top = best[i], top_at = best_at[i];
+    }
+    return static_cast<index_t>(top_at);
 }
 
 // x <- x - c, with c = x at the row's peak (peak_of); returns {c, t - c}, t = rowsum(P * x).

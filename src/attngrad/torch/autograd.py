@@ -292,16 +292,22 @@ def _tangent(pass_name: str, fields: list, caches: tuple, deferred: Optional[_De
     as a `Tangent`: out_t differentiable in reverse mode. `caches` are out, row_max and
     inv_sum (with `deferred`, the held results the pass fills), detached."""
     run, tensors = _bound(pass_name, fields, deferred, sums, inputs)
-    ids = {id(t): i for i, t in enumerate(tensors)}
-    layout = {"fields": [(ids.get(id(f)), None if isinstance(f, Tensor) else f) for f in fields],
-              "tangents": {name: None if t is None else ids[id(t)] for name, t in inputs.items() if name[0] == "t"},
+    # where each argument lies among `tensors`, by position (a tangent may be the very
+    # tensor of its primal: ids would merge the two)
+    values = [*fields, *inputs.values()]
+    position = {i: n for n, i in enumerate(i for i, value in enumerate(values) if isinstance(value, Tensor))}
+    names = tuple(inputs)
+    layout = {"fields": [(position.get(i), None if isinstance(f, Tensor) else f) for i, f in enumerate(fields)],
+              "tangents": {name: position.get(len(fields) + names.index(name)) for name in names if name[0] == "t"},
               "caches": [], "caches_only": set()}
+    given = {id(inputs[name]): position[len(fields) + names.index(name)] for name in ("row_max", "inv_sum")
+             if isinstance(inputs.get(name), Tensor)}
     for cache in caches:
-        if id(cache) not in ids:  # not an input of the pass itself: the backward's alone
-            ids[id(cache)] = len(tensors)
+        if id(cache) not in given:  # not an input of the pass itself: the backward's alone
+            given[id(cache)] = len(tensors)
             layout["caches_only"].add(len(tensors))
             tensors.append(cache)
-        layout["caches"].append(ids[id(cache)])
+        layout["caches"].append(given[id(cache)])
     return Tangent.apply(run, layout, *tensors)
 
 

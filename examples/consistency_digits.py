@@ -4,7 +4,7 @@ which takes a `torch.func.jvp` through the whole network, attention included, on
 
     python examples/consistency_digits.py [--steps 1000] [--batch 64] [--out consistency_digits_out]
 
-About two and a half minutes on 2 CPU cores. The data are the 1797 8x8 digits that ship with
+About four minutes on 2 CPU cores (225 ms a step, peak RSS 954 MB: Intel Xeon, 2026-11-28). The data are the 1797 8x8 digits that ship with
 scikit-learn (no download). The DiT makes each pixel a token (64 tokens), conditions its
 blocks on (t, t - r) and the digit's class through adaLN-zero, and calls
 `torch.nn.functional.scaled_dot_product_attention` itself, as diffusers' models do. PyTorch's

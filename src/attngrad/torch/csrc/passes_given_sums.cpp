@@ -131,7 +131,7 @@ void backward_jvp_given_sums(const Pass<T>& pass) {
                                 T t_less = centre[first + i];
                                 if (whole) {
                                     const T m = row_max[first + i], inv = inv_sum[first + i];
-                                    const T p_sink = pass.call.sink && inv != T(0) ? std::exp(std::log(inv) - m) : T(0);
+                                    const T p_sink = sink_probability(pass.call.sink, m, inv);
                                     t_less = centre_on_peak(pi, ti, seen, p_sink).second;
                                 } else if (peak) {
                                     shift_row(ti, seen, peak[first + i]);

@@ -77,7 +77,7 @@ void double_backward(const Pass<T>& pass) {
                 d_row = T(0);
                 for (index_t j = 0; j < seen; ++j) d_row += pi[j] * dpi[j];
             }
-            const T p_sink = pass.call.sink && inv != T(0) ? std::exp(std::log(inv) - m) : T(0);
+            const T p_sink = sink_probability(pass.call.sink, m, inv);
             // centred on the row's peak (centre_on_peak): T - c, t - c; then g_P - c', u - c'
             const auto [c, t_less] = centre_on_peak(pi, ti, seen, p_sink);
             const T t_sum = c + t_less;  // t = rowsum(P * T)
@@ -208,7 +208,7 @@ void jvp(const Pass<T>& pass) {
                 row_probs(pi, ti, seen, row_max[first + i], inv_sum[first + i], single_key(blk.bh, row));  // P
             }
             const T m = row_max[first + i], inv = inv_sum[first + i];
-            const T p_sink = pass.call.sink && inv != T(0) ? std::exp(std::log(inv) - m) : T(0);
+            const T p_sink = sink_probability(pass.call.sink, m, inv);
             const auto [c, t_less] = centre_on_peak(pi, ti, seen, p_sink);  // T - c, and t - c
             if (centre) centre[first + i] = peak ? t_less : c + t_less;
             if (peak) peak[first + i] = c;
@@ -304,7 +304,7 @@ void backward_jvp(const Pass<T>& pass) {
             const bool single = single_key(blk.bh, row);  // then P' = 0 and dS = dS' = 0
             const T m = row_max[first + i], inv = inv_sum[first + i];
             row_probs(pi, ti, seen, m, inv, single);  // P
-            const T p_sink = pass.call.sink && inv != T(0) ? std::exp(std::log(inv) - m) : T(0);
+            const T p_sink = sink_probability(pass.call.sink, m, inv);
             const auto [c, t_less] = centre_on_peak(pi, ti, seen, p_sink);  // T - c, and t - c
             const T t_sum = c + t_less;  // t = rowsum(P * T)
             centre_and_scale(pi, ti, seen, t_less);  // P' = P ((T - c) - (t - c))

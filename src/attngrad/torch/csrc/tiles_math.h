@@ -422,6 +422,13 @@ inline float second_order_terms(const float* p, float* t, float* dp, float* x, i
     return sum;
 }
 
+// A row's sink probability P_sink = exp(0 - m) / l from its statistics (1/l includes the
+// sink's term); 0 without a sink or on a row that sees no key (1/l = 0)
+template <typename T>
+T sink_probability(bool sink, T m, T inv) {
+    return sink && inv != T(0) ? std::exp(std::log(inv) - m) : T(0);
+}
+
 // x <- x - c
 template <typename T>
 void shift_row(T* x, index_t n, T c) {

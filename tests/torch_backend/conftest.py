@@ -51,11 +51,13 @@ def math_sdpa(*args, **kwargs):
 
 
 def make_call(q, k, v, mask=None, bias=None, bounds=None, seed=None, causal=None, scale=None, softcap=0.0, dropout_p=0.0,
-              sink=False, blocks=None) -> AttentionCall:
-    """An `AttentionCall` on (B, H, L, E) tensors, by keyword."""
+              sink=False, blocks=None, sinks=None) -> AttentionCall:
+    """An `AttentionCall` on (B, H, L, E) tensors, by keyword: `sinks` the op's (1 or B, H)
+    logits, `sink` the backends' zero-logit sink (a call for `ops.run_pass` alone)."""
     seed = torch.tensor(0) if seed is None else seed
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    masks = ScoreMasks(mask=mask, bias=bias, bounds=bounds, causal=causal, softcap=softcap, sink=sink, blocks=blocks)
+    masks = ScoreMasks(mask=mask, bias=bias, bounds=bounds, causal=causal, softcap=softcap, sink=sink, blocks=blocks,
+                       sinks=sinks)
     return AttentionCall(q, k, v, masks, seed, float(scale), float(dropout_p))
 
 

@@ -124,9 +124,10 @@ def test_registering_checks_the_passes_and_the_order():
 
 def test_the_op_schemas_come_from_the_table():
     assert schema("forward").startswith("(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? bounds")
-    assert "Tensor? tbias" in schema("backward_jvp") and schema("backward_jvp").endswith("-> (Tensor, Tensor, Tensor, Tensor)")
-    # mask, bias, bounds; gq, gk, gv, gbias; mask_blocks, mask_tiles
-    assert str(torch.ops.attngrad.attention_double_backward.default._schema).count("Tensor?") == 3 + 4 + 2
+    assert "Tensor? tbias" in schema("backward_jvp")
+    assert schema("backward_jvp").endswith("Tensor? tsinks=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+    # mask, bias, bounds; gq, gk, gv, gbias; sinks, mask_blocks, mask_tiles; gsinks
+    assert str(torch.ops.attngrad.attention_double_backward.default._schema).count("Tensor?") == 3 + 4 + 3 + 1
 
 
 def test_eager_calls_skip_the_dispatcher_and_everything_else_sees_the_op(monkeypatch):

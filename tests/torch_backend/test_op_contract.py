@@ -34,8 +34,10 @@ VARIANTS = {
     "softcap": dict(softcap=0.9, bias=(H, LQ, LK), bias_grad=True),
     "all": dict(causal=0, mask=True, bias=(B, 1, LQ, LK), bias_grad=True, dropout_p=0.2, kv_heads=HKV, bounds=1,
                 softcap=2.0),
-    # a sink: the forward's scaled statistics, the double backward's extra row term
-    "sink": dict(causal=0, bias=(H, 1, 1), bias_grad=True, kv_heads=HKV, sink=True),
+    # sinks beside a key-constant bias: the forward's scaled statistics, the sinks' closed forms
+    "sink": dict(causal=0, bias=(H, 1, 1), bias_grad=True, kv_heads=HKV, sinks=(1, H)),
+    # per-batch sinks beside a bias that varies along the keys, with their tangents
+    "sinks-bias": dict(bias=(1, H, LQ, LK), bias_grad=True, sinks=(B, H)),
     # a mask kept per block (`mask_blocks`), per batch entry, beside a bias and its gradient
     "blocks": dict(blocks=True, causal=LK - LQ, bias=(1, H, LQ, LK), bias_grad=True),
 }
@@ -62,8 +64,9 @@ def _call_args(variant: str, layout: str, dtype=torch.float64):
     seed = torch.tensor(1234 if spec.get("dropout_p") else 0)
     causal, dropout_p, bias_grad = spec.get("causal"), spec.get("dropout_p", 0.0), spec.get("bias_grad", False)
     scale, softcap = D**-0.5, spec.get("softcap", 0.0)
-    sink = spec.get("sink", False)
-    extra = dict(sink=sink)
+    extra = {}
+    if "sinks" in spec:
+        extra["sinks"] = torch.randn(spec["sinks"], generator=g, dtype=dtype)
     if spec.get("blocks"):
         kept = mask_blocks.from_dense(torch.rand(B, 1, LQ, LK, generator=g) > 0.4, (3, 4))
         extra.update(mask_blocks=kept.index, mask_tiles=kept.tiles)
@@ -74,8 +77,11 @@ def _call_args(variant: str, layout: str, dtype=torch.float64):
     tq, tk, tv = (torch.randn(t.shape, generator=g, dtype=dtype) for t in (q, k, v))
     tbias = None if bias is None else torch.randn(bias.shape, generator=g, dtype=dtype)
     tangents = dict(tq=tq, tk=tk, tv=tv, tbias=tbias)
+    sinks_t = {name: torch.randn(extra["sinks"].shape, generator=g, dtype=dtype) for name in ("tsinks", "gsinks")
+               if "sinks" in extra}
+    tangents.update({n: t for n, t in sinks_t.items() if n == "tsinks"})
     backward = dict(dout=dout, **stats, bias_grad=bias_grad)
-    blocks = {name: t for name, t in extra.items() if name != "sink"}
+    blocks = extra
     backward_jvp = dict(**backward, tdout=torch.randn(dout.shape, generator=g, dtype=dtype), **tangents, **blocks)
     return (
         (fields, extra),
@@ -83,7 +89,8 @@ def _call_args(variant: str, layout: str, dtype=torch.float64):
         (fields, dict(row_max=row_max, inv_sum=inv_sum, **tangents, **blocks)),
         (fields, dict(**tangents, **extra)),
         (fields, backward_jvp),
-        (fields, dict(**backward, dout_grad=True, gq=tq, gk=tk, gv=tv, gbias=tbias if bias_grad else None, **extra)),
+        (fields, dict(**backward, dout_grad=True, gq=tq, gk=tk, gv=tv, gbias=tbias if bias_grad else None,
+                      gsinks=sinks_t.get("gsinks"), **extra)),
         (fields, backward_jvp),
     )
 
@@ -101,7 +108,7 @@ LAYOUTS = [(variant, "contiguous") for variant in VARIANTS] + [("all", "transpos
 # AOT dispatch, nine tenths of opcheck's time, on the variants with every optional tensor
 # ("all"), none ("plain"), a sink and a mask kept per block; the others' fakes are checked
 # against their real results (test_faketensor), which is where their results differ
-AOT_VARIANTS = ("plain", "all", "sink", "blocks")
+AOT_VARIANTS = ("plain", "all", "sinks-bias", "blocks")
 
 
 @pytest.mark.parametrize("variant, layout", LAYOUTS, ids=[f"{v}-{layout}" for v, layout in LAYOUTS])

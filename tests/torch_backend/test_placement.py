@@ -85,7 +85,7 @@ def test_parts_of_rows_and_keys_add_up_to_the_whole(implementation, causal, drop
         rows, parts = _parts(q, k, v, mask, causal, dropout_p, bias)
         dq = torch.zeros_like(q[:, :, rows])
         for (a, b), part, diagonal, m, bb, _ in parts:
-            dq_p, _, _, db_p = op.attention_backward(
+            dq_p, _, _, db_p, _ = op.attention_backward(
                 q[:, :, rows], k[:, :, a:b], v[:, :, a:b], m, bb, None, part, diagonal, 0.4, 0.0, dropout_p,
                 dout=dout[:, :, rows], out=out[:, :, rows], row_max=row_max[:, :, rows], inv_sum=inv_sum[:, :, rows],
                 bias_grad=True)

@@ -263,12 +263,6 @@ def group(name: str) -> str:
 # (EXACT where the call does not have it), which tensors it affects). Delete an entry when
 # its fix lands.
 KNOWN_OPEN = [
-    # issue 58 item 2: sinks beside a bias: the sinks' gradient errs 4e-10..1e-8 with a bias
-    # that varies along the keys, 4e-12..3e-10 with a key-constant one; here, at these sizes,
-    # the sinks' and the bias's derivatives of every order (rof_sinks, gg_bias, hvp_bias),
-    # up to 2.7e-12 in 600 draws
-    ("sinks beside a bias (issue 58 item 2)", lambda call: 1e-7 if call.d.sinks and call.d.bias is not None else EXACT,
-     lambda name: name.endswith(("sinks", "bias"))),
     # issue 58 item 3: a row with a peaked softmax: the backward's JVP and the double backward
     # err ~1e-11 (Lq = 1, Lk = 13, E = 33, scale 2.5). Here, with the gradient through the
     # JVP too, the error grows as the row's weight off its largest logit, 1 - max P, shrinks:

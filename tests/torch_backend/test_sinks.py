@@ -13,17 +13,17 @@ torch = pytest.importorskip("torch")
 
 from attngrad.torch import attention  # noqa: E402
 
-from ..conftest import assert_all_close  # noqa: E402
+from ..conftest import EXACT, assert_all_close, rel_err  # noqa: E402
 from .conftest import op_attention  # noqa: E402
 from .test_structured import DV, HKV, B, D, H, L, dense_keep, randn, small_tiles, transposed  # noqa: E402, F401
 
 
-def with_sinks_by_definition(q, k, v, bias, sinks, keep, softcap):
+def with_sinks_by_definition(q, k, v, bias, sinks, keep, softcap, scale=None):
     """softmax([S | s_h]) without its last column, times V; S masked by `keep` with -inf.
     A row with no key gives 0 (as attngrad's do)."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     if bias is not None:
@@ -98,6 +98,43 @@ def test_sinks_in_every_derivative_match_the_definition(backend, name):  # noqa:
                              **{f"dd{n}": g for n, g in zip(names, second)}, **{f"hvp_{n}": g for n, g in zip(names, hvp)})
     assert not any(t.isnan().any() for t in results["ours"].values())
     assert_all_close(results["ours"], results["theirs"])
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 2, 64, 64), (1, 1, 1, 1), (3, 1, 64, 1)],
+                         ids=["key-varying", "one-number", "per-row"])
+def test_sinks_beside_a_bias_are_exact_in_every_derivative(backend, bias_shape):  # noqa: F811 (the fixture)
+    """Issue 58's case: sinks at -8 and -3 beside a bias, scale 1, L = E = 64. With the sinks
+    a column of the bias, their gradient was a sum of the bias's, whose terms cancel: 4e-10 to
+    1e-8 off in float64 beside a key-varying bias, 4e-12 to 3e-10 beside a key-constant one,
+    in first order, the double backward and the backward's JVP. In closed form
+    (`sink_logits`) every derivative, the gradient through the JVP too, is within 1e-12 of
+    autograd of the definition.
+
+    The definition's own derivatives of a bias constant along the keys cancel as the old
+    ones did, so those are judged against the largest of all (`assert_all_close`'s zeros);
+    for a bias of one number the sinks' accurate ones judge them instead: softmax([S + b, s])
+    depends on s - b alone, so each derivative in b is minus the sum of those in s."""
+    from attngrad.check.torch_backend import every_derivative
+
+    batch = bias_shape[0] if bias_shape[0] > 1 else 1
+    q, k, v = (randn(batch, 2, 64, 64, seed=s) for s in range(3))
+    bias, sinks = randn(*bias_shape, seed=3), torch.tensor([-8.0, -3.0], dtype=torch.float64)
+    keep = torch.ones(64, 64, dtype=torch.bool)
+
+    def ours(q, k, v, bias, sinks):
+        return attention(q, k, v, attn_bias=bias, sinks=sinks, scale=1.0)
+
+    def theirs(q, k, v, bias, sinks):
+        return with_sinks_by_definition(q, k, v, bias, sinks, keep, None, scale=1.0)
+
+    names = ("q", "k", "v", "bias", "sinks")
+    results = [every_derivative(fn, (q, k, v, bias, sinks), 7, names=names) for fn in (ours, theirs)]
+    key_constant = bias_shape[-1] == 1
+    assert_all_close(*results, zeros={n for n in results[1] if n.endswith("bias")} if key_constant else set())
+    if bias_shape == (1, 1, 1, 1):
+        for kind in ("d", "gg_", "hvp_", "rof_", "rof_t"):
+            by_bias, by_sinks = results[0][kind + "bias"], results[0][kind + "sinks"]
+            assert rel_err(by_bias.reshape(()), -by_sinks.sum()) < EXACT, kind
 
 
 def test_a_sink_takes_weight_from_every_row(backend):  # noqa: F811 (the fixture)
@@ -191,20 +228,21 @@ def test_the_sinks_second_derivatives_in_float32_are_near_pytorchs(backend, orde
     assert errors[0] <= 10 * errors[1], f"the sinks' {order} error {errors[0]:.1e}, PyTorch's {errors[1]:.1e}"
 
 
-def test_a_sinks_bias_with_dropout_and_a_cap_passes_gradcheck_to_second_order(backend):  # noqa: F811
-    """The closed forms of a bias constant along the keys (first order, the double backward's
-    and the backward JVP's) assume nothing of dropout or the cap: D = rowsum(dO * O) with O the
-    dropped output. The op with a fixed dropout seed, a causal mask, a sink and an (H, 1, 1)
-    bias, against finite differences in q and the bias: gradcheck, and gradgradcheck with
-    forward over reverse."""
+@pytest.mark.parametrize("bias_shape", [(2, 1, 1), (1, 2, 7, 7)], ids=["key-constant", "key-varying"])
+def test_sinks_with_dropout_and_a_cap_pass_gradcheck_to_second_order(backend, bias_shape):  # noqa: F811
+    """The sinks' closed forms (first order, the double backward's and the backward JVP's) and
+    a key-constant bias's assume nothing of dropout or the cap: D = rowsum(dO * O) with O the
+    dropped output. The op with a fixed dropout seed, a causal mask, (1, H) sinks and a bias
+    constant along the keys or not, against finite differences in q, the bias and the sinks:
+    gradcheck, and gradgradcheck with forward over reverse."""
     q, k, v = (randn(1, 2, 7, 3, seed=s) for s in range(3))
-    bias = randn(2, 1, 1, seed=3)
+    bias, sinks = randn(*bias_shape, seed=3), randn(1, 2, seed=4)
 
-    def run(q, bias):
-        return op_attention(q, k, v, bias=bias, causal=0, softcap=0.7, dropout_p=0.3, sink=True,
+    def run(q, bias, sinks):
+        return op_attention(q, k, v, bias=bias, causal=0, softcap=0.7, dropout_p=0.3, sinks=sinks,
                             seed=torch.tensor(1234))
 
-    leaves = [t.requires_grad_() for t in (q, bias)]
+    leaves = [t.requires_grad_() for t in (q, bias, sinks)]
     assert torch.autograd.gradcheck(run, leaves, atol=1e-9)
     assert torch.autograd.gradgradcheck(run, leaves, atol=1e-8, check_fwd_over_rev=True)
 
@@ -243,3 +281,25 @@ def test_the_backward_is_asked_for_no_sum_of_a_key_constant_bias(backend, monkey
         theirs = torch.autograd.grad(with_sinks_by_definition(q, k, v, b, sinks, case.keep, None), (b, sinks), dout)
         assert_all_close(dict(zip(("dbias", "dsinks"), ours)), dict(zip(("dbias", "dsinks"), theirs)))
     assert asked == [False, True]
+
+
+def test_torch_func_transforms_over_the_sinks(backend):  # noqa: F811 (the fixture)
+    """jacrev, jacfwd and hessian in the sinks (whose batching rule folds (N, H) logits into
+    the batch, `vmap_rules`), and vmap over a batch of sinks, against the definition's."""
+    q, k, v = (randn(2, 2, 5, 4, seed=s) for s in range(3))
+    bias, sinks, batch = randn(1, 2, 5, 5, seed=3), randn(2, seed=4), randn(3, 2, seed=5)
+    keep = torch.ones(5, 5, dtype=torch.bool)
+
+    def ours(s):
+        return attention(q, k, v, attn_bias=bias, sinks=s)
+
+    def theirs(s):
+        return with_sinks_by_definition(q, k, v, bias, s, keep, None)
+
+    for transform, f in ((torch.func.jacrev, lambda fn: fn), (torch.func.jacfwd, lambda fn: fn),
+                         (torch.func.hessian, lambda fn: (lambda s: (fn(s) ** 2).sum()))):
+        assert rel_err(transform(f(ours))(sinks), transform(f(theirs))(sinks)) < EXACT, transform.__name__
+    assert rel_err(torch.func.vmap(ours)(batch), torch.stack([theirs(s) for s in batch])) < EXACT
+    grad = torch.func.grad(lambda s: (ours(s) ** 2).sum())
+    expected = torch.stack([torch.func.grad(lambda s: (theirs(s) ** 2).sum())(s) for s in batch])
+    assert rel_err(torch.func.vmap(grad)(batch), expected) < EXACT

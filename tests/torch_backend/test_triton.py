@@ -19,6 +19,7 @@ from attngrad.check.torch_backend import every_derivative  # noqa: E402
 from attngrad.torch import attention, dispatch, dropout, use_implementation  # noqa: E402
 from attngrad.torch.backends import triton as triton_backend  # noqa: E402
 from attngrad.torch.backends.triton import launch  # noqa: E402
+from attngrad.torch.call import ScoreMasks  # noqa: E402
 
 from ..conftest import assert_all_close, rel_err  # noqa: E402
 from .conftest import op_attention  # noqa: E402
@@ -362,10 +363,10 @@ def test_the_backward_gives_a_sinks_bias_its_closed_form_without_the_bias_side_w
     monkeypatch.setattr(launch, "_bias_side", refuse)
     q, k, v, dout = (randn(B, H, n, e, seed=s) for s, (n, e) in enumerate(((LQ, D), (LK, D), (LK, DV), (LQ, DV))))
     bias = randn(H, 1, 1, seed=4)
-    fields = dict(q=q, k=k, v=v, mask=None, bias=bias, bounds=None, seed=torch.tensor(0), causal=LK - LQ,
-                  scale=D**-0.5, softcap=0.0, dropout_p=0.0, sink=True)
-    out, row_max, inv_sum = ops.attention_forward(**fields)
-    call = ops.AttentionCall.from_fields({**ops.DEFAULTS, **fields})
+    # the backends' call: a zero-logit sink, the bias holding the logits (`sink_logits.lowered`)
+    masks = ScoreMasks(bias=bias, causal=LK - LQ, sink=True)
+    call = ops.AttentionCall(q, k, v, masks, torch.tensor(0), D**-0.5)
+    out, row_max, inv_sum = ops.run_pass("forward", call, {})
     dbias = launch.backward(call, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=True)[3]
     leaf = bias.clone().requires_grad_()
     allowed = torch.ones(LQ, LK, dtype=torch.bool).tril(LK - LQ)
@@ -423,3 +424,24 @@ def test_light_half_calls_walk_without_the_tile_map_to_the_same_bits(on_triton, 
     mask[..., 0] = True
     step(True, attn_mask=mask)
     assert switches and not any(switches)
+
+
+@interpreted
+def test_sinks_beside_a_key_varying_bias_are_exact_in_every_derivative(on_triton):
+    """The sinks' closed forms on Triton (`sink_logits`; each row's term from the kernels' row
+    sums, `launch._sink_rows`): every derivative within 1e-12 of autograd of the definition,
+    per-batch sinks at -8 and -3 beside a bias that varies along the keys."""
+    from .test_sinks import with_sinks_by_definition
+
+    q, k, v = (randn(2, 2, n, 8, seed=s) for s, n in enumerate((9, 12, 12)))
+    bias, sinks = randn(1, 2, 9, 12, seed=3), torch.tensor([-8.0, -3.0], dtype=DOUBLE)
+    keep = torch.ones(9, 12, dtype=torch.bool)
+
+    def ours(q, k, v, bias, sinks):
+        return attention(q, k, v, attn_bias=bias, sinks=sinks, scale=1.0)
+
+    def theirs(q, k, v, bias, sinks):
+        return with_sinks_by_definition(q, k, v, bias, sinks, keep, None, scale=1.0)
+
+    names = ("q", "k", "v", "bias", "sinks")
+    assert_all_close(*(every_derivative(fn, (q, k, v, bias, sinks), 5, names=names) for fn in (ours, theirs)))

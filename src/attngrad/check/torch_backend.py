@@ -84,10 +84,12 @@ def _derivatives(fn: Callable, primals: list[torch.Tensor], dout: torch.Tensor, 
     return {"gradient": numpy([out, *grads]), "jvp": numpy([out_t]), "double backward": numpy(second)}
 
 
-def every_derivative(fn: Callable, primals: tuple, seed: int) -> dict[str, torch.Tensor]:
+def every_derivative(fn: Callable, primals: tuple, seed: int,
+                     names: tuple[str, ...] = ("q", "k", "v", "extra")) -> dict[str, torch.Tensor]:
     """Output, gradients, JVP, double backward (dO's too), forward-over-reverse HVP and reverse
     over forward (the gradient through the JVP, `rof_`, for the primals and their tangents) of `fn`
-    at `primals` (q, k, v and an optional fourth, "extra"), each pass run once or twice.
+    at `primals` (q, k, v and an optional fourth, "extra"; or as `names` says), each pass run
+    once or twice.
     Tangents, dO and the HVP's dO' are drawn in float64 from `seed` on the CPU, then cast to
     each primal's dtype and device, so every dtype and device sees the same numbers."""
     def like(t: torch.Tensor, s: int) -> torch.Tensor:
@@ -108,7 +110,7 @@ def every_derivative(fn: Callable, primals: tuple, seed: int) -> dict[str, torch
     cotangent, n = like(out, seed + 30), len(primals)
     weighted_jvp = lambda *x: (torch.func.jvp(fn, x[:n], x[n:])[1] * cotangent).sum()  # noqa: E731
     rof = torch.func.grad(weighted_jvp, argnums=tuple(range(2 * n)))(*primals, *tangents)
-    names = ["q", "k", "v", "extra"][: len(primals)]
+    names = list(names[: len(primals)])
     return {"out": out.detach(), **{f"d{n}": g.detach() for n, g in zip(names, grads)}, "jvp": out_t.detach(),
             **{f"gg_{n}": g for n, g in zip(names + ["dout"], second)}, **{f"hvp_{n}": h for n, h in zip(names, hvp)},
             **{f"rof_{n}": g for n, g in zip(names + [f"t{n}" for n in names], rof)}}

@@ -17,10 +17,8 @@ from .mask_functions import evaluated_mask
 from .structured import join_bounds, structure
 
 
-def sinks_as_bias(bias: Optional[Tensor], sinks: Tensor, layout: Layout, query: Tensor) -> Tensor:
-    """The bias less each head's sink logit: softmax over [S, s] equals softmax over
-    [S - s, 0], so the op needs only a sink of logit 0, and s gets every derivative a bias
-    gets. (H,) sinks become an (H, 1, 1) bias, or join the given one."""
+def check_sinks(sinks: Tensor, layout: Layout, query: Tensor) -> Tensor:
+    """(H,) sink logits checked, as the op's (1, H)."""
     if not isinstance(sinks, Tensor) or sinks.dtype not in FLOATS:
         raise TypeError(f"sinks must be a floating tensor of shape (H,); got {getattr(sinks, 'dtype', type(sinks).__name__)}")
     if sinks.shape != (layout.heads,) or layout.flat:
@@ -32,7 +30,13 @@ def sinks_as_bias(bias: Optional[Tensor], sinks: Tensor, layout: Layout, query: 
                 and not torch._C._are_functorch_transforms_active())
     if readable and not bool(torch.isfinite(sinks).all()):  # -inf would shift the scores by +inf: NaN
         raise ValueError(f"sinks must be finite logits; got {sinks.tolist()}")
-    shift = -sinks.to(query.dtype)[:, None, None]  # (H, 1, 1)
+    return sinks[None]
+
+
+def sinks_as_bias(bias: Optional[Tensor], sinks: Tensor, layout: Layout, query: Tensor) -> Tensor:
+    """The bias less each head's sink logit (the ring's form, `sink_logits.lowered`'s for
+    one process): (H,) sinks become an (H, 1, 1) bias, or join the given one."""
+    shift = -check_sinks(sinks, layout, query)[0].to(query.dtype)[:, None, None]  # (H, 1, 1)
     return shift if bias is None else bias + shift
 
 
@@ -81,8 +85,7 @@ def build_call(query: Tensor, key: Tensor, value: Tensor, *, mask: Optional[Tens
         if t is not None and t.device != query.device:
             raise ValueError(f"{name} is on {t.device} but query on {query.device}")
     layout = Layout(query, key, value, enable_gqa)
-    if sinks is not None:
-        bias = sinks_as_bias(bias, sinks, layout, query)
+    sinks = None if sinks is None else check_sinks(sinks, layout, query)
     mask = None if mask is None else layout.fold_mask(mask, "attn_mask")
     bias = None if bias is None else layout.fold_mask(bias, bias_name)
     causal = _causal_offset(is_causal, layout.len_q, layout.len_k)
@@ -114,6 +117,6 @@ def build_call(query: Tensor, key: Tensor, value: Tensor, *, mask: Optional[Tens
         else:
             seed = torch.zeros((), dtype=torch.int64)
     masks = ScoreMasks(mask=mask, bias=bias, bounds=bounds, causal=causal, softcap=float(softcap or 0.0),
-                       sink=sinks is not None, blocks=blocks)
+                       blocks=blocks, sinks=sinks)
     call = AttentionCall(layout.q, layout.k, layout.v, masks, seed, float(default_scale(query, scale)), float(dropout_p))
     return call, layout

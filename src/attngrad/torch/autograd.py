@@ -54,8 +54,9 @@ from . import dispatch
 from .call import AttentionCall
 from .ops import CALL_NAMES, empty_results, run_op, run_pass
 
-_Q, _K, _V, _BIAS = (CALL_NAMES.index(name) for name in ("q", "k", "v", "bias"))
-assert CALL_NAMES == ("q", "k", "v", "mask", "bias", "bounds", "seed", "causal", "scale", "softcap", "dropout_p", "sink",
+_Q, _K, _V, _BIAS, _SINKS = (CALL_NAMES.index(name) for name in ("q", "k", "v", "bias", "sinks"))
+_DIFFERENTIABLE = ("q", "k", "v", "bias", "sinks")  # the call's fields with derivatives
+assert CALL_NAMES == ("q", "k", "v", "mask", "bias", "bounds", "seed", "causal", "scale", "softcap", "dropout_p", "sinks",
                       "mask_blocks", "mask_tiles"), \
     "the Functions' forward signatures spell out the call's fields"
 
@@ -163,8 +164,8 @@ class _ForwardSums:
     def centre_sums(self, call: AttentionCall, inputs: dict, results: tuple) -> Optional[dict]:
         """The row sums to ask of the forward's pass, where a backend makes them; else None.
         The pass writes its primal results into `results`, the forward's held ones."""
-        if call.q.dtype not in (torch.float32, torch.float64):
-            return None
+        if call.q.dtype not in (torch.float32, torch.float64) or call.sinks is not None:
+            return None  # (the sinks' closed forms take the whole-row pass's sink_rows)
         row_sums = {"centre_sums": call.q.new_empty(*call.q.shape[:3], 1),
                     "peak_sums": call.q.new_empty(*call.q.shape[:3], 1), "results": results}
         return row_sums if dispatch.offered("forward_jvp", call, {**inputs, "row_sums": row_sums}) else None
@@ -268,10 +269,11 @@ class Tangent(_Function):
         # the bias, even without a tangent of its own, shapes J; its tangent gets J^T c's part
         bias_grad = any(i is not None and ctx.needs_input_grad[2 + i]
                         for i in (layout["fields"][_BIAS][0], layout["tangents"]["tbias"]))
-        dq, dk, dv, dbias, tdq, tdk, tdv, tdbias = _final(
+        dq, dk, dv, dbias, dsinks, tdq, tdk, tdv, tdbias, tdsinks = _final(
             "backward_with_jvp", THIRD_ORDER, fields, dout=c.contiguous(), out=out, row_max=row_max, inv_sum=inv_sum,
             bias_grad=bias_grad, tdout=None, **tangents)
-        for name, grad, grad_t in (("q", tdq, dq), ("k", tdk, dk), ("v", tdv, dv), ("bias", tdbias, dbias)):
+        for name, grad, grad_t in (("q", tdq, dq), ("k", tdk, dk), ("v", tdv, dv), ("bias", tdbias, dbias),
+                                   ("sinks", tdsinks, dsinks)):
             at, tangent_at = layout["fields"][CALL_NAMES.index(name)][0], layout["tangents"]["t" + name]
             if name == "bias" and not bias_grad:
                 continue
@@ -309,6 +311,13 @@ def _tangent(pass_name: str, fields: list, caches: tuple, deferred: Optional[_De
             tensors.append(cache)
         layout["caches"].append(given[id(cache)])
     return Tangent.apply(run, layout, *tensors)
+
+
+def _tangents_of(fields: list, tangents: tuple) -> dict[str, Optional[Tensor]]:
+    """The tangents of the call's differentiable fields, by the passes' names (tq, ...); None
+    for a field the call lacks."""
+    return {"t" + name: tangents[i] if fields[i] is not None else None
+            for name, i in zip(_DIFFERENTIABLE, (_Q, _K, _V, _BIAS, _SINKS))}
 
 
 def _plain(t: Any) -> Any:
@@ -396,10 +405,10 @@ class Attention(_Function):
     generate_vmap_rule = True  # vmap runs the custom ops once per batched slice
 
     @staticmethod
-    def forward(q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink, mask_blocks, mask_tiles,
+    def forward(q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sinks, mask_blocks, mask_tiles,
                 deferred):
         # the call's fields (`CALL_NAMES`) spelled out: Dynamo traces no *args forward
-        fields = (q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink, mask_blocks, mask_tiles)
+        fields = (q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sinks, mask_blocks, mask_tiles)
         if deferred is not None:
             return deferred.hold(AttentionCall.from_fields(dict(zip(CALL_NAMES, fields))), {})
         return _pass("forward", *fields)
@@ -416,27 +425,28 @@ class Attention(_Function):
     def backward(ctx: Any, dout: Tensor, _dmax: Tensor, _dinv: Tensor):
         fields, (out, row_max, inv_sum) = _saved(ctx)
         bias_grad = fields[_BIAS] is not None and ctx.needs_input_grad[_BIAS]
+        # the sinks' gradient is a row sum of what the pass has: made whether asked or not
         # out and the statistics enter as caches, detached: the second derivatives are taken
         # through q, k, v and bias, and a graph edge back into this node would only make
         # autograd rerun this backward on zeros
         inputs = (dout.contiguous(), out.detach(), row_max.detach(), inv_sum.detach(), bias_grad)
         if _untracked((inputs[0], *fields)):  # no create_graph: the backward pass alone
-            dq, dk, dv, dbias = _pass("backward", *fields, **dict(zip(_BACKWARD_INPUTS, inputs)))
+            dq, dk, dv, dbias, dsinks = _pass("backward", *fields, **dict(zip(_BACKWARD_INPUTS, inputs)))
         else:
             sums = ctx.deferred.sums if ctx.deferred is not None else None
             deferred = _Deferred("backward", sums) if _defers() else None
-            dq, dk, dv, dbias = AttentionBackward.apply(*inputs, *fields, deferred)
+            dq, dk, dv, dbias, dsinks = AttentionBackward.apply(*inputs, *fields, deferred)
             if deferred is not None:
                 deferred.settle(fields, **dict(zip(_BACKWARD_INPUTS, inputs)))
         grads = [None] * len(fields)
         grads[_Q], grads[_K], grads[_V], grads[_BIAS] = dq, dk, dv, dbias if bias_grad else None
+        grads[_SINKS] = dsinks if fields[_SINKS] is not None else None
         return (*grads, None)  # and none for `deferred`
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any):
         fields, (_out, row_max, inv_sum) = _saved(ctx)
-        tbias = tangents[_BIAS] if fields[_BIAS] is not None else None
-        along = {"tq": tangents[_Q], "tk": tangents[_K], "tv": tangents[_V], "tbias": tbias}
+        along = _tangents_of(fields, tangents)
         if ctx.deferred is not None:  # the forward's results with the tangent, one pass
             ctx.deferred.sums = _ForwardSums(tuple(along.values()))
             caches = tuple(t.detach() for t in ctx.deferred.results)  # filled by the pass, before the backward reads them
@@ -448,15 +458,15 @@ class Attention(_Function):
 
 
 class AttentionBackward(_Function):
-    """(dq, dk, dv, dbias) = the backward of `Attention`, itself differentiable once more.
-    Arguments: dout, out, row_max, inv_sum, bias_grad, then the call's fields in order."""
+    """(dq, dk, dv, dbias, dsinks) = the backward of `Attention`, itself differentiable once
+    more. Arguments: dout, out, row_max, inv_sum, bias_grad, then the call's fields in order."""
 
     generate_vmap_rule = True
 
     @staticmethod
     def forward(dout, out, row_max, inv_sum, bias_grad: bool, q, k, v, mask, bias, bounds, seed, causal, scale, softcap,
-                dropout_p, sink, mask_blocks, mask_tiles, deferred):
-        fields = (q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sink, mask_blocks, mask_tiles)
+                dropout_p, sinks, mask_blocks, mask_tiles, deferred):
+        fields = (q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sinks, mask_blocks, mask_tiles)
         if deferred is not None:
             return deferred.hold(AttentionCall.from_fields(dict(zip(CALL_NAMES, fields))), {"bias_grad": bias_grad})
         return _pass("backward", *fields, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad)
@@ -469,30 +479,32 @@ class AttentionBackward(_Function):
         ctx.set_materialize_grads(False)  # a gradient nobody used arrives as None: no work for it
 
     @staticmethod
-    def backward(ctx: Any, gq: Tensor, gk: Tensor, gv: Tensor, gbias: Tensor):
+    def backward(ctx: Any, gq: Tensor, gk: Tensor, gv: Tensor, gbias: Tensor, gsinks: Tensor):
         fields, (dout, out, row_max, inv_sum) = _saved(ctx)
         dout_grad = ctx.needs_input_grad[0]  # a gradient penalty's dout is a constant
-        g_dout, g_q, g_k, g_v, g_bias = _final(
+        with_sinks = fields[_SINKS] is not None
+        g_dout, g_q, g_k, g_v, g_bias, g_sinks = _final(
             "double_backward", THIRD_ORDER, fields, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum,
-            bias_grad=ctx.bias_grad, dout_grad=dout_grad, gq=gq, gk=gk, gv=gv, gbias=gbias if ctx.bias_grad else None)
+            bias_grad=ctx.bias_grad, dout_grad=dout_grad, gq=gq, gk=gk, gv=gv, gbias=gbias if ctx.bias_grad else None,
+            gsinks=gsinks if with_sinks else None)
         grads = [None] * len(fields)
         grads[_Q], grads[_K], grads[_V], grads[_BIAS] = g_q, g_k, g_v, g_bias if ctx.bias_grad else None
+        grads[_SINKS] = g_sinks if with_sinks else None
         return (g_dout if dout_grad else None, None, None, None, None, *grads, None)
 
     @staticmethod
     def jvp(ctx: Any, tdout, _tout, _tmax, _tinv, _tbias_grad, *tangents: Any):
         fields, (dout, out, row_max, inv_sum) = _saved(ctx)
-        tbias = tangents[_BIAS] if fields[_BIAS] is not None else None
+        along = _tangents_of(fields, tangents)
         # without a bias gradient, the last result is the empty placeholder; a deferred forward's
         # results come from the same pass (backward_with_jvp)
         pass_name = "backward_jvp" if ctx.deferred is None else "backward_with_jvp"
         # along the forward's own tangents, its pass's row sums put this one on the backward's tiles
         sums = ctx.deferred.sums if ctx.deferred is not None else None
-        if sums is None or ctx.bias_grad or not sums.along((tangents[_Q], tangents[_K], tangents[_V], tbias)):
+        if sums is None or ctx.bias_grad or not sums.along(tuple(along.values())):
             sums = None
         return _final(pass_name, THIRD_ORDER, fields, ctx.deferred, sums, dout=dout, out=out, row_max=row_max,
-                      inv_sum=inv_sum, bias_grad=ctx.bias_grad, tdout=tdout, tq=tangents[_Q], tk=tangents[_K],
-                      tv=tangents[_V], tbias=tbias)
+                      inv_sum=inv_sum, bias_grad=ctx.bias_grad, tdout=tdout, **along)
 
 
 class _AttentionTraced(Attention):
@@ -515,7 +527,7 @@ def _forward_mode_only(call: AttentionCall) -> Optional[tuple[AttentionCall, dic
     """Where forward mode alone differentiates `call` (a dual level open in eager, or
     torch.func.jvp the innermost transform, with only vmaps outside it), no reverse mode
     tracks its tensors or their tangents, and at least one carries a tangent: the call on the primals and the
-    tangents of q, k, v, bias (None: zero). Else None.
+    tangents of q, k, v, bias, sinks (None: zero). Else None.
 
     There the forward and its JVP run as one pass (`forward_jvp`), which a Function cannot
     ask for: autograd runs its forward before it hands the jvp the tangents."""
@@ -526,7 +538,7 @@ def _forward_mode_only(call: AttentionCall) -> Optional[tuple[AttentionCall, dic
         if kinds[-1] != TransformType.Jvp or any(kind != TransformType.Vmap for kind in kinds[:-1]):
             return None
     primals, tangents = {}, {}
-    for name in ("q", "k", "v", "bias"):
+    for name in _DIFFERENTIABLE:
         t = getattr(call, name)
         primals[name], tangents["t" + name] = (None, None) if t is None else forward_ad.unpack_dual(t)
     # reverse mode tracking a primal or a tangent (the gradient through a JVP) needs the Functions
@@ -534,7 +546,7 @@ def _forward_mode_only(call: AttentionCall) -> Optional[tuple[AttentionCall, dic
                                               for t in (*primals.values(), *tangents.values()))
     if tracked or all(t is None for t in tangents.values()):
         return None
-    masks = dataclasses.replace(call.masks, bias=primals["bias"])
+    masks = dataclasses.replace(call.masks, bias=primals["bias"], sinks=primals["sinks"])
     return dataclasses.replace(call, q=primals["q"], k=primals["k"], v=primals["v"], masks=masks), tangents
 
 

@@ -12,7 +12,8 @@ plus its kernel code.
 
 Shape legend: q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), out (B, H, Lq, dv),
 row statistics (B, H, Lq), a bias or mask broadcastable to (B, H, Lq, Lk), key bounds
-(1 or B, Lq, 2), a mask's blocks (1 or B, 1 or H, Lq / R, Lk / K) and tiles (T, R, K).
+(1 or B, Lq, 2), sink logits (1 or B, H), a mask's blocks (1 or B, 1 or H, Lq / R, Lk / K)
+and tiles (T, R, K).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ CALL_FIELDS = (
     Field("seed", "Tensor"),  # 0-d int64 dropout seed, or (5,): a `dropout.Placement`
     Field("causal", "int?"),  # the causal diagonal: key j visible to query i when j <= i + causal
     Field("scale", "float"), Field("softcap", "float"), Field("dropout_p", "float"),
-    Field("sink", "bool", default=False),  # every row's softmax has one more term, exp(0)
+    Field("sinks", "Tensor?", default=None),  # (1 or B, H) logits of a value-0 key every row sees (`sink_logits`)
     Field("mask_blocks", "Tensor?", default=None),  # a boolean mask kept per block (`mask_blocks`):
     Field("mask_tiles", "Tensor?", default=None),  # its (1 or B, 1 or H, blocks, blocks) index, its tiles
 )
@@ -64,8 +65,9 @@ PASS_FIELDS = (
     Field("row_max", "Tensor", "rows"), Field("inv_sum", "Tensor", "rows"),
     Field("bias_grad", "bool"), Field("dout_grad", "bool"),
     Field("tdout", "Tensor?", "out"), Field("tq", "Tensor?", "q"), Field("tk", "Tensor?", "k"),
-    Field("tv", "Tensor?", "v"), Field("tbias", "Tensor?", "bias"),
+    Field("tv", "Tensor?", "v"), Field("tbias", "Tensor?", "bias"), Field("tsinks", "Tensor?", "sinks", default=None),
     Field("gq", "Tensor?", "q"), Field("gk", "Tensor?", "k"), Field("gv", "Tensor?", "v"), Field("gbias", "Tensor?", "bias"),
+    Field("gsinks", "Tensor?", "sinks", default=None),
 )
 
 FIELDS = {field.name: field for field in CALL_FIELDS + PASS_FIELDS}
@@ -74,7 +76,8 @@ FIELDS = {field.name: field for field in CALL_FIELDS + PASS_FIELDS}
 @dataclass(frozen=True)
 class Output:
     """One result of a pass: shaped like `like` (as in `Field`, "rows" in the compute dtype),
-    present only when the boolean input `when` is true (an empty placeholder otherwise)."""
+    present only when `when` holds (an empty placeholder otherwise): a boolean input that is
+    true, or a field of the call that is given ("sinks")."""
 
     name: str
     like: str
@@ -88,9 +91,11 @@ class Pass:
 
 
 _STATS = ("out", "row_max", "inv_sum")
-_TANGENTS = ("tq", "tk", "tv", "tbias")
-_GRADS = (Output("dq", "q"), Output("dk", "k"), Output("dv", "v"), Output("dbias", "bias", "bias_grad"))
-_GRAD_TANGENTS = (Output("tdq", "q"), Output("tdk", "k"), Output("tdv", "v"), Output("tdbias", "bias", "bias_grad"))
+_TANGENTS = ("tq", "tk", "tv", "tbias", "tsinks")
+_GRADS = (Output("dq", "q"), Output("dk", "k"), Output("dv", "v"), Output("dbias", "bias", "bias_grad"),
+          Output("dsinks", "sinks", "sinks"))
+_GRAD_TANGENTS = (Output("tdq", "q"), Output("tdk", "k"), Output("tdv", "v"), Output("tdbias", "bias", "bias_grad"),
+                  Output("tdsinks", "sinks", "sinks"))
 
 PASSES = {
     "forward": Pass((), (Output("out", "out"), Output("row_max", "rows"), Output("inv_sum", "rows"))),
@@ -103,23 +108,25 @@ PASSES = {
     # the backward and the backward_jvp, one pass
     "backward_with_jvp": Pass(("dout", *_STATS, "bias_grad", "tdout", *_TANGENTS), _GRADS + _GRAD_TANGENTS),
     "double_backward": Pass(
-        ("dout", *_STATS, "bias_grad", "dout_grad", "gq", "gk", "gv", "gbias"),
+        ("dout", *_STATS, "bias_grad", "dout_grad", "gq", "gk", "gv", "gbias", "gsinks"),
         (Output("g_dout", "out", "dout_grad"), Output("g_q", "q"), Output("g_k", "k"), Output("g_v", "v"),
-         Output("g_bias", "bias", "bias_grad")),
+         Output("g_bias", "bias", "bias_grad"), Output("g_sinks", "sinks", "sinks")),
     ),
 }
 
 
 def argument_names(pass_name: str) -> tuple[str, ...]:
     """A pass's arguments in schema order: the call's fields, the pass's inputs, then those
-    of the call's fields that have defaults (the schema wants them last)."""
+    of either that have defaults (the schema wants them last)."""
+    inputs = PASSES[pass_name].inputs
     plain = tuple(f.name for f in CALL_FIELDS if f.default is REQUIRED)
+    plain_inputs = tuple(n for n in inputs if FIELDS[n].default is REQUIRED)
     defaulted = tuple(f.name for f in CALL_FIELDS if f.default is not REQUIRED)
-    return plain + PASSES[pass_name].inputs + defaulted
+    return plain + plain_inputs + defaulted + tuple(n for n in inputs if n not in plain_inputs)
 
 
 def schema(pass_name: str) -> str:
-    """The op schema of a pass, from the tables: "(Tensor q, ..., bool sink, Tensor dout, ...) -> (...)"."""
+    """The op schema of a pass, from the tables: "(Tensor q, ..., Tensor dout, ..., Tensor? sinks=None, ...) -> (...)"."""
     declared = [FIELDS[n].declaration() for n in argument_names(pass_name)]
     outputs = PASSES[pass_name].outputs
     results = "Tensor" if len(outputs) == 1 else f"({', '.join('Tensor' for _ in outputs)})"
@@ -129,16 +136,20 @@ def schema(pass_name: str) -> str:
 @dataclass(frozen=True)
 class ScoreMasks:
     """What decides each score and which scores take part: a boolean mask, a float bias,
-    per-row key bounds (the structured masks), the causal diagonal, a soft cap, a sink and a
-    boolean mask kept per block (an entry takes part where every one of them lets it)."""
+    per-row key bounds (the structured masks), the causal diagonal, a soft cap, sink logits
+    and a boolean mask kept per block (an entry takes part where every one of them lets it).
+
+    `sinks` is the op's field; the backends see `sink` instead, a sink of logit 0 whose
+    logits the bias has taken in (`sink_logits.lowered`)."""
 
     mask: Optional[Tensor] = None  # broadcastable to (B, H, Lq, Lk)
     bias: Optional[Tensor] = None  # broadcastable to (B, H, Lq, Lk)
     bounds: Optional[Tensor] = None  # (1 or B, Lq, 2) int64
     causal: Optional[int] = None
     softcap: float = 0.0
-    sink: bool = False
+    sink: bool = False  # the backends': each row's softmax has one more term, exp(0)
     blocks: Optional[MaskBlocks] = None
+    sinks: Optional[Tensor] = None  # (1 or B, H)
 
 
 @dataclass(frozen=True)
@@ -162,14 +173,15 @@ class AttentionCall:
                              f"{'mask_blocks' if tiles is None else 'mask_tiles'} alone")
         blocks = None if index is None else MaskBlocks(index, tiles)
         masks = ScoreMasks(fields["mask"], fields["bias"], fields["bounds"], fields["causal"], fields["softcap"],
-                           fields["sink"], blocks)
+                           blocks=blocks, sinks=fields["sinks"])
         return cls(fields["q"], fields["k"], fields["v"], masks, fields["seed"], fields["scale"], fields["dropout_p"])
 
     def fields(self) -> dict[str, Any]:
-        """The ops' arguments by name (`CALL_FIELDS`)."""
+        """The ops' arguments by name (`CALL_FIELDS`); a backend's call (`ScoreMasks.sink`) has
+        none for its sink, which the op's never has."""
         m = self.masks
         return dict(q=self.q, k=self.k, v=self.v, mask=m.mask, bias=m.bias, bounds=m.bounds, seed=self.seed,
-                    causal=m.causal, scale=self.scale, softcap=m.softcap, dropout_p=self.dropout_p, sink=m.sink,
+                    causal=m.causal, scale=self.scale, softcap=m.softcap, dropout_p=self.dropout_p, sinks=m.sinks,
                     mask_blocks=None if m.blocks is None else m.blocks.index,
                     mask_tiles=None if m.blocks is None else m.blocks.tiles)
 
@@ -180,6 +192,7 @@ class AttentionCall:
     causal = property(lambda self: self.masks.causal)
     softcap = property(lambda self: self.masks.softcap)
     sink = property(lambda self: self.masks.sink)
+    sinks = property(lambda self: self.masks.sinks)
     blocks = property(lambda self: self.masks.blocks)
 
     @property
@@ -195,7 +208,17 @@ class AttentionCall:
     def tensors(self) -> tuple[Tensor, ...]:
         """Every tensor of the call that is not None."""
         blocks = (None, None) if self.blocks is None else (self.blocks.index, self.blocks.tiles)
-        return tuple(t for t in (self.q, self.k, self.v, self.mask, self.bias, self.bounds, *blocks) if t is not None)
+        return tuple(t for t in (self.q, self.k, self.v, self.mask, self.bias, self.bounds, *blocks, self.sinks)
+                     if t is not None)
+
+
+def present(output: Output, call: AttentionCall, inputs: dict[str, Any]) -> bool:
+    """Whether the pass makes `output` (`Output.when`) for this call and these inputs."""
+    if output.when is None:
+        return True
+    if output.when == "sinks":
+        return call.sinks is not None
+    return bool(inputs[output.when])
 
 
 def empty_like_field(like: str, call: AttentionCall) -> Tensor:
@@ -205,5 +228,5 @@ def empty_like_field(like: str, call: AttentionCall) -> Tensor:
         return q.new_empty(*q.shape[:3], v.shape[-1])
     if like == "rows":
         return q.new_empty(q.shape[:3], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-    source = {"q": q, "k": call.k, "v": v, "bias": call.bias}[like]
+    source = {"q": q, "k": call.k, "v": v, "bias": call.bias, "sinks": call.sinks}[like]
     return source.new_empty(source.shape)  # empty_like would copy a transposed input's strides

@@ -357,6 +357,15 @@ def _rows_give_the_bias(bias_grad: bool, bias: Optional[Tensor], centre: Optiona
     return bias_grad and bias is not None and bias.shape[-1] == 1 and centre is None
 
 
+def _check_sink_rows(sink_rows: Optional[Tensor], sink: bool, centre: Optional[Tensor]) -> None:
+    """`sink_rows` needs a sink and whole rows; it starts at 0 (a row no block visits sees no key)."""
+    if sink_rows is None:
+        return
+    if not sink or centre is not None:
+        raise ValueError("attngrad kernels: sink_rows needs a sink, on whole rows")
+    sink_rows.zero_()
+
+
 def _delta(dout: Tensor, out: Tensor, work: torch.dtype) -> Tensor:
     """D = rowsum(dO * O), (B, H, Lq, 1)."""
     return (dout.to(work) * out.to(work)).sum(dim=-1, keepdim=True)
@@ -368,7 +377,7 @@ def attention_backward_jvp(
     tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
     bounds: Optional[Tensor] = None, mask_blocks: Optional[MaskBlocks] = None,
     centre: Optional[Tensor] = None, delta_t: Optional[Tensor] = None, sink: bool = False,
-    peak: Optional[Tensor] = None,
+    peak: Optional[Tensor] = None, sink_rows: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Tangents of (dq, dk, dv, dbias or None), each in its input's dtype and shape.
 
@@ -378,7 +387,9 @@ def attention_backward_jvp(
     leaves them so).
 
     A bias constant along the keys gets each whole row's sum of dS~ in closed form, the
-    tangent of D P_sink (`key_constant_bias`): P_sink (D~ - t D), and 0 without a `sink`."""
+    tangent of D P_sink (`key_constant_bias`): P_sink (D~ - t D), and 0 without a `sink`;
+    `sink_rows` (B, H, Lq), where given, takes that term of every row (`sink_logits`)."""
+    _check_sink_rows(sink_rows, sink, centre)
     r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=5, bounds=bounds,
                     mask_blocks=mask_blocks)
     work = r.work
@@ -438,9 +449,13 @@ def attention_backward_jvp(
         # backward: dQ = scale dS K~, dK~ = scale dS^T Q, dbias = dS  ->  product rule on each
         _back_through_scores(r, ds_t, ds, tk_rep, tq_s, dq_t, dk_t, None if row_constant else dbias_t, start, stop,
                              cols, ds_bias)
-        if row_constant and sink:  # rowsum(dS~) = the tangent of D P_sink = P_sink (D~ - t D)
+        if (row_constant or sink_rows is not None) and sink:  # rowsum(dS~) = the tangent of D P_sink
             share = _sink_share(r, rows, delta_t_blk.dtype)
-            add_block_to_bias(dbias_t, share * (delta_t_blk - t_row * delta[:, :, rows]), start, stop, 1)
+            per_row = share * (delta_t_blk - t_row * delta[:, :, rows])  # P_sink (D~ - t D)
+            if row_constant:
+                add_block_to_bias(dbias_t, per_row, start, stop, 1)
+            if sink_rows is not None:
+                sink_rows[:, :, rows] = per_row[..., 0]
     return (
         dq_t.to(q.dtype),
         dk_t.total(r.groups).to(k.dtype),
@@ -455,6 +470,7 @@ def attention_double_backward(
     dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
     bounds: Optional[Tensor] = None, mask_blocks: Optional[MaskBlocks] = None,
     centre: Optional[Tensor] = None, g_centre: Optional[Tensor] = None, sink: bool = False,
+    sink_rows: Optional[Tensor] = None,
 ) -> tuple[Optional[Tensor], Tensor, Tensor, Tensor, Optional[Tensor]]:
     """(g_dout or None, g_q, g_k, g_v, g_bias or None): the gradients, with respect to the
     backward's inputs, of <gq, dq> + <gk, dk> + <gv, dv> + <gbias, dbias>; an absent cotangent
@@ -468,7 +484,9 @@ def attention_double_backward(
     With a `sink` (`ops.add_sink`) P sums to 1 - P_sink on a row, and the per-row t D left
     out of g_P returns as t D P_sink in rowsum(P * g_P), P_sink = exp(-m) / l. A bias
     constant along the keys gets each whole row's sum of g_S in closed form, P_sink (u - t D)
-    with u that row sum, and 0 without a sink: summing g_S would cancel down to it."""
+    with u that row sum, and 0 without a sink: summing g_S would cancel down to it.
+    `sink_rows` (B, H, Lq), where given, takes that term of every row (`sink_logits`)."""
+    _check_sink_rows(sink_rows, sink, centre)
     r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=5, bounds=bounds,
                     mask_blocks=mask_blocks)
     work = r.work
@@ -536,8 +554,12 @@ def attention_double_backward(
             ds = cap.slope.mul_(ds)
         _back_through_scores(r, g_s, ds, gk_rep, gq_s, g_q, g_k, None if row_constant else g_bias, start, stop, cols,
                              g_s_bias)
-        if row_constant and sink:  # rowsum(g_S) = rowsum(P * g_P) - u rowsum(P) = P_sink (u - t D)
-            add_block_to_bias(g_bias, share * (u_row - t_row * delta[:, :, rows]), start, stop, 1)
+        if (row_constant or sink_rows is not None) and sink:  # rowsum(g_S) = rowsum(P * g_P) - u rowsum(P)
+            per_row = share * (u_row - t_row * delta[:, :, rows])  # = P_sink (u - t D)
+            if row_constant:
+                add_block_to_bias(g_bias, per_row, start, stop, 1)
+            if sink_rows is not None:
+                sink_rows[:, :, rows] = per_row[..., 0]
     return (
         None if g_do is None else g_do.to(dout.dtype),
         g_q.to(q.dtype),

@@ -527,12 +527,14 @@ def attention_double_backward(
     causal: int | None, scale: float, dout_grad: bool, gq: Tensor | None, gk: Tensor | None, gv: Tensor | None,
     chunks: int | None = None, mask: Tensor | None = None, bias: Tensor | None = None, gbias: Tensor | None = None,
     seed: int | Placement = 0, dropout_p: float = 0.0, bias_grad: bool = False, bounds: Tensor | None = None, softcap: float = 0.0,
-    sink: bool = False, blocks: MaskBlocks | None = None,
+    sink: bool = False, blocks: MaskBlocks | None = None, sink_rows: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor | None]:
     """(g_dout or None, g_q, g_k, g_v, g_bias or None): `kernels_higher.attention_double_backward`'s
     results for the cases the tiles backend takes, in the compute dtype; an absent cotangent is
     zero (`gbias`, dbias's, only with `bias_grad`). `chunks` splits each head's query blocks
-    into that many work items (default: `_chunks`)."""
+    into that many work items (default: `_chunks`). With a `sink`, `sink_rows` (B, H, Lq,
+    compute dtype), where given, takes each row's P_sink (u - t D), its share of the sink
+    logit's gradient (`sink_logits`)."""
     bf16 = _bf16(q)
     dout, q, k, v, out, row_max, inv_sum, gq, gk, gv = _work(dout, q, k, v, out, row_max, inv_sum, gq, gk, gv)
     masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad, bounds=bounds, blocks=blocks)
@@ -545,7 +547,7 @@ def attention_double_backward(
     _run("double_backward", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout,
          delta=q.new_empty(q.shape[:-1]), gq=gq, gk=gk, gv=gv, gbias=masks.get("gbias"),
          g_dout=g_dout, g_q=g_q, gk_parts=gk_parts, gv_parts=gv_parts, g_bias_parts=g_bias_parts,
-         key_ranges=_key_ranges(q, k, causal, rows, masks),
+         key_ranges=_key_ranges(q, k, causal, rows, masks), sink_rows=sink_rows,
          **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
                     softcap=softcap, sink=sink, transposed_keys=_transposed_keys(k, v)))
     return g_dout, g_q, _sum_parts(gk_parts), _sum_parts(gv_parts), _finish_bias_grad(g_bias_parts, bias)
@@ -664,6 +666,7 @@ def attention_backward_jvp(
     mask: Tensor | None = None, bias: Tensor | None = None, tbias: Tensor | None = None, seed: int | Placement = 0,
     dropout_p: float = 0.0, bias_grad: bool = False, chunks: int | None = None, bounds: Tensor | None = None,
     softcap: float = 0.0, blocks: MaskBlocks | None = None, with_backward: bool = False, sink: bool = False,
+    sink_rows: Tensor | None = None,
 ) -> tuple[Tensor | None, ...]:
     """The tangents of (dq, dk, dv, dbias or None): `kernels_higher.attention_backward_jvp`'s
     results for the cases the tiles backend takes, in the compute dtype; an absent tangent is
@@ -671,7 +674,8 @@ def attention_backward_jvp(
     `_chunks`). `with_backward`: the backward's (dq, dk, dv, dbias or None) first, then the
     tangents, from the one pass (the backward's P and dS are the JVP's too). `sink` says the
     statistics hold a sink's term, which a bias constant along the keys needs for its
-    gradient's tangent in closed form."""
+    gradient's tangent in closed form; `sink_rows` (B, H, Lq, compute dtype), where given,
+    takes each row's P_sink (D' - t D), its share of the sink logit's gradient's tangent."""
     bf16 = _bf16(q)
     dout, q, k, v, out, row_max, inv_sum, tdout, tq, tk, tv = _work(dout, q, k, v, out, row_max, inv_sum, tdout, tq,
                                                                     tk, tv)
@@ -689,7 +693,7 @@ def attention_backward_jvp(
     _run("backward_jvp", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout,
          delta=q.new_empty(q.shape[:-1]), tdout=tdout, tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"),
          tdq=tdq, tdk_parts=tdk_parts, tdv_parts=tdv_parts, tdbias_parts=tdbias_parts, **grads,
-         key_ranges=_key_ranges(q, k, causal, rows, masks),
+         key_ranges=_key_ranges(q, k, causal, rows, masks), sink_rows=sink_rows,
          **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
                     softcap=softcap, sink=sink, transposed_keys=_transposed_keys(k, v)))
     tangents = tdq, _sum_parts(tdk_parts), _sum_parts(tdv_parts), _finish_bias_grad(tdbias_parts, bias)

@@ -149,6 +149,15 @@ def _check_call(call: AttentionCall) -> None:
     _check_broadcast("bias", bias, target, q.device)
     _check_bounds(call.bounds, batch, len_q, q.device)
     _check_blocks(call.blocks, target, q.device)
+    sinks = call.sinks
+    if sinks is not None:
+        if not isinstance(sinks, Tensor) or sinks.dtype not in FLOATS:
+            raise TypeError(f"attngrad attention op: sinks must be a floating tensor; got {getattr(sinks, 'dtype', sinks)!r}")
+        if sinks.dim() != 2 or sinks.shape[0] not in (1, batch) or sinks.shape[1] != heads:
+            _fail(f"sinks must have shape (1 or B, H) = (1 or {batch}, {heads}), a logit per query head; got "
+                  f"{_shape(sinks)} ({_qkv(call)})")
+        if sinks.device != q.device:
+            _fail(f"sinks is on {sinks.device} but q on {q.device}")
     seed = call.seed
     if not isinstance(seed, Tensor) or seed.shape not in ((), (5,)) or seed.dtype != torch.int64:
         _fail(f"seed must be a 0-d int64 tensor, or (5,): a `dropout.Placement`; got {seed!r}")
@@ -166,10 +175,11 @@ def check_fields(call: AttentionCall, inputs: dict[str, Any]) -> None:
     (`_check_call`), and each of the pass's inputs shaped as its `call.FIELDS` entry says
     (like q, k, v, the output (B, H, Lq, dv), the row statistics (B, H, Lq) or the bias)."""
     _check_call(call)
-    q, v, bias = call.q, call.v, call.bias
+    q, v, bias, sinks = call.q, call.v, call.bias, call.sinks
     shapes = {"q": _shape(q), "k": _shape(call.k), "v": _shape(v), "out": (*_shape(q)[:3], v.shape[-1]),
-              "rows": _shape(q)[:3], "bias": _shape(bias) if bias is not None else ()}
-    what = {"out": "(B, H, Lq, dv)", "rows": "(B, H, Lq)", "bias": "the shape of bias"}
+              "rows": _shape(q)[:3], "bias": _shape(bias) if bias is not None else (),
+              "sinks": _shape(sinks) if sinks is not None else ()}
+    what = {"out": "(B, H, Lq, dv)", "rows": "(B, H, Lq)", "bias": "the shape of bias", "sinks": "the shape of sinks"}
     if inputs.get("bias_grad") and bias is None:
         _fail("bias_grad=True needs a bias")
     for name, t in inputs.items():
@@ -178,4 +188,6 @@ def check_fields(call: AttentionCall, inputs: dict[str, Any]) -> None:
             continue
         if like == "bias" and t is not None and bias is None:
             _fail(f"{name} was given without a bias")
+        if like == "sinks" and t is not None and sinks is None:
+            _fail(f"{name} was given without sinks")
         _check_like(name, t, shapes[like], q.device, what.get(like, f"the shape of {like}"))

@@ -23,14 +23,24 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import dispatch, vmap_rules
-from .call import CALL_FIELDS, PASSES, REQUIRED, AttentionCall, argument_names, empty_like_field, schema
+from . import dispatch, sink_logits, vmap_rules
+from .call import (
+    CALL_FIELDS,
+    FIELDS,
+    PASSES,
+    REQUIRED,
+    AttentionCall,
+    argument_names,
+    empty_like_field,
+    present,
+    schema,
+)
 from .key_constant_bias import is_key_constant, key_constant_bias_grad
 from .op_checks import check_block_values, check_fields
 
 CALL_NAMES = tuple(f.name for f in CALL_FIELDS)
 ARGUMENTS = {pass_name: argument_names(pass_name) for pass_name in PASSES}  # in schema order
-DEFAULTS = {f.name: f.default for f in CALL_FIELDS if f.default is not REQUIRED}
+DEFAULTS = {f.name: f.default for f in FIELDS.values() if f.default is not REQUIRED}
 
 
 def split_fields(pass_name: str, args: tuple, kwargs: dict) -> tuple[AttentionCall, dict[str, Any]]:
@@ -56,14 +66,37 @@ def add_sink(out: Tensor, row_max: Tensor, inv_sum: Tensor) -> tuple[Tensor, Ten
 
 def run_pass(pass_name: str, call: AttentionCall, inputs: dict[str, Any]) -> Any:
     """What the op of `pass_name` does: check the call and the pass's inputs, and run the pass
-    on the backend the registry chooses."""
+    on the backend the registry chooses (a call with sinks through `sink_logits`)."""
     check_fields(call, inputs)
     check_block_values(call)
     if pass_name not in ("forward", "backward") and call.partial_rows:
         raise ValueError(f"attngrad attention op: attention_{pass_name} needs each row's whole keys; its seed says "
                          "they are a part")
-    if pass_name == "forward" and call.sink and call.partial_rows:
-        raise ValueError("attngrad attention op: a sink needs each row's whole keys; its seed says they are a part")
+    if call.sinks is not None:
+        if call.partial_rows:
+            raise ValueError("attngrad attention op: sinks need each row's whole keys; its seed says they are a part")
+        return _as_op_results(pass_name, sink_logits.run(pass_name, call, inputs, _run_lowered), call)
+    results = _run_lowered(pass_name, call, {n: v for n, v in inputs.items() if n not in ("tsinks", "gsinks")})
+    if pass_name in _SINK_OUTPUTS:  # no sinks: their derivatives' places stay empty
+        results = list(results)
+        for i in _SINK_OUTPUTS[pass_name]:
+            results.insert(i, None)
+    return _as_op_results(pass_name, results, call)
+
+
+# where each pass's results hold the sinks' derivatives
+_SINK_OUTPUTS = {name: [i for i, o in enumerate(p.outputs) if o.like == "sinks"] for name, p in PASSES.items()}
+_SINK_OUTPUTS = {name: at for name, at in _SINK_OUTPUTS.items() if at}
+
+
+def _as_op_results(pass_name: str, results: Any, call: AttentionCall) -> Any:
+    if isinstance(results, Tensor):
+        return results
+    return tuple(call.q.new_empty(0) if r is None else r for r in results)  # ops return tensors, not None
+
+
+def _run_lowered(pass_name: str, call: AttentionCall, inputs: dict[str, Any]) -> Any:
+    """A pass of a call without sinks (a zero-logit `sink` at most) on the backends."""
     if pass_name in dispatch.OPTIONAL_PASSES and not dispatch.offered(pass_name, call, inputs):
         return _composed(pass_name, call, inputs)
     # a bias constant along the keys takes its gradient in closed form (key_constant_bias):
@@ -79,18 +112,16 @@ def run_pass(pass_name: str, call: AttentionCall, inputs: dict[str, Any]) -> Any
         results = list(results)
         results[3] = key_constant_bias_grad(call.bias, call.sink, inputs["dout"], inputs["out"], inputs["row_max"],
                                             inputs["inv_sum"], empty_like_field("bias", call))
-    if isinstance(results, Tensor):
-        return results
-    return tuple(call.q.new_empty(0) if r is None else r for r in results)  # ops return tensors, not None
+    return results
 
 
 def _composed(pass_name: str, call: AttentionCall, inputs: dict[str, Any]) -> tuple:
     """A fused pass that no allowed backend runs, as its two passes in turn."""
     if pass_name == "forward_jvp":
-        out, row_max, inv_sum = run_pass("forward", call, {})
-        return out, row_max, inv_sum, run_pass("jvp", call, {"row_max": row_max, "inv_sum": inv_sum, **inputs})
-    grads = run_pass("backward", call, {name: inputs[name] for name in PASSES["backward"].inputs})
-    return (*grads, *run_pass("backward_jvp", call, inputs))
+        out, row_max, inv_sum = _run_lowered("forward", call, {})
+        return out, row_max, inv_sum, _run_lowered("jvp", call, {"row_max": row_max, "inv_sum": inv_sum, **inputs})
+    grads = _run_lowered("backward", call, {name: inputs[name] for name in PASSES["backward"].inputs})
+    return (*grads, *_run_lowered("backward_jvp", call, inputs))
 
 
 def _implementation(pass_name: str) -> Callable[..., Any]:
@@ -102,10 +133,8 @@ def _implementation(pass_name: str) -> Callable[..., Any]:
 
 def empty_results(pass_name: str, call: AttentionCall, inputs: dict[str, Any]) -> tuple[Tensor, ...]:
     """Uninitialised results of the pass, as its op returns them (its fake's)."""
-    return tuple(
-        empty_like_field(output.like, call) if output.when is None or inputs[output.when] else call.q.new_empty(0)
-        for output in PASSES[pass_name].outputs
-    )
+    return tuple(empty_like_field(output.like, call) if present(output, call, inputs) else call.q.new_empty(0)
+                 for output in PASSES[pass_name].outputs)
 
 
 def _fake(pass_name: str) -> Callable[..., Any]:

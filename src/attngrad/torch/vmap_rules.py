@@ -28,6 +28,8 @@ from .call import FIELDS, PASSES
 # Operands broadcastable to (B, H, Lq, Lk): the masks, and what is shaped like the bias; a
 # mask's blocks (1 or B, 1 or H, ., .) fold the same way, and its tiles are shared by all.
 BIAS_LIKE = frozenset({"mask", "bias", "mask_blocks"} | {f.name for f in FIELDS.values() if f.like == "bias"})
+# Operands (1 or B, ...): the key bounds, the sink logits and their tangents and cotangents.
+ROWS_LIKE = frozenset({"bounds", "sinks"} | {f.name for f in FIELDS.values() if f.like == "sinks"})
 
 
 def _moved(t: Tensor, dim: int | None) -> Tensor:
@@ -47,8 +49,9 @@ def _fold_bias(t: Tensor, dim: int | None, n: int, batch: int) -> Tensor:
     return t.expand(n, batch, *t.shape[2:]).reshape(n * batch, *t.shape[2:])
 
 
-def _fold_bounds(t: Tensor, dim: int | None, n: int, batch: int) -> Tensor:
-    """Key bounds (1 or B, Lq, 2), with an optional vmapped axis -> (N B, Lq, 2)."""
+def _fold_per_batch(t: Tensor, dim: int | None, n: int, batch: int) -> Tensor:
+    """Key bounds (1 or B, Lq, 2) or sink logits (1 or B, H), with an optional vmapped axis
+    -> (N B, ...)."""
     t = _moved(t, dim) if dim is not None else t.expand(n, *t.shape)
     return t.expand(n, batch, *t.shape[2:]).reshape(n * batch, *t.shape[2:])
 
@@ -64,9 +67,10 @@ def _unfold_bias(grad: Tensor, n: int, batch: int, shape: torch.Size) -> Tensor:
 
 def make_rule(op: Callable, pass_name: str, names: Sequence[str]) -> Callable:
     """The batching rule of `op`, the op of pass `pass_name`, whose arguments are called
-    `names` in order; an output shaped like the bias (`call.PASSES`) unfolds to the bias's
-    own shape per slice."""
+    `names` in order; an output shaped like the bias or the sinks (`call.PASSES`) unfolds to
+    that one's own shape per slice."""
     bias_outputs = {i for i, output in enumerate(PASSES[pass_name].outputs) if output.like == "bias"}
+    sinks_outputs = {i for i, output in enumerate(PASSES[pass_name].outputs) if output.like == "sinks"}
     q_index, seed_index, dropout_index = names.index("q"), names.index("seed"), names.index("dropout_p")
     tiles_index = names.index("mask_tiles")
 
@@ -87,13 +91,15 @@ def make_rule(op: Callable, pass_name: str, names: Sequence[str]) -> Callable:
         n = info.batch_size
         q, q_dim = args[q_index], in_dims[q_index]
         batch = q.shape[0] if q_dim is None else _moved(q, q_dim).shape[1]
-        bias_shape = None
+        bias_shape, sinks_shape = None, None
         folded = []
         for name, arg, dim in zip(names, args, in_dims):
             if not isinstance(arg, Tensor) or name in ("seed", "mask_tiles"):
                 folded.append(arg)
-            elif name == "bounds":
-                folded.append(_fold_bounds(arg, dim, n, batch))
+            elif name in ROWS_LIKE:
+                if name == "sinks":
+                    sinks_shape = arg.shape if dim is None else _moved(arg, dim).shape[1:]
+                folded.append(_fold_per_batch(arg, dim, n, batch))
             elif name in BIAS_LIKE:
                 if name == "bias":
                     bias_shape = arg.shape if dim is None else _moved(arg, dim).shape[1:]
@@ -111,6 +117,10 @@ def make_rule(op: Callable, pass_name: str, names: Sequence[str]) -> Callable:
                 dims.append(None)
             elif i in bias_outputs:
                 unfolded.append(_unfold_bias(out, n, batch, bias_shape))
+                dims.append(0)
+            elif i in sinks_outputs:  # (N B, H) -> (N, 1 or B, H)
+                out = out.reshape(n, batch, *out.shape[1:])
+                unfolded.append(out.sum(dim=1, keepdim=True) if sinks_shape[0] == 1 else out)
                 dims.append(0)
             else:
                 unfolded.append(out.reshape(n, batch, *out.shape[1:]))

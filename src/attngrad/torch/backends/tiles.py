@@ -45,6 +45,8 @@ def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]
                  *(t for t in (*inputs.values(), *row_sums.values(), *held) if isinstance(t, Tensor)))
         if any(wrapped(t) for t in given):
             return "it reads plain tensors; this ring step holds a torch.func transform's"
+        if inputs.get("sink_rows") is not None:
+            return "it writes the sink's rows on whole rows alone"
         sums = set(row_sums) - ({"results"} if pass_name in ("forward_jvp", "backward_with_jvp") else set())
         if pass_name in ("backward_jvp", "backward_with_jvp") and sums in ({"centre", "delta_t"},
                                                                            {"centre", "peak", "delta_t"}):
@@ -135,34 +137,39 @@ def _given_sums(call: AttentionCall, dout: Tensor, out: Tensor, row_max: Tensor,
 
 def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor, bias_grad: bool,
                  tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
-                 tbias: Optional[Tensor], row_sums: Optional[dict] = None) -> tuple:
+                 tbias: Optional[Tensor], row_sums: Optional[dict] = None, sink_rows: Optional[Tensor] = None) -> tuple:
+    """`sink_rows` (B, H, Lq), where given, takes each row's share of the sink logit's
+    gradient's tangent (`sink_logits`)."""
     if row_sums is not None:
         results = _given_sums(call, dout, out, row_max, inv_sum, tdout, tq, tk, tv, tbias, row_sums, False)
     else:
         results = native.attention_backward_jvp(dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal,
                                                 call.scale, tdout, tq, tk, tv, tbias=tbias, bias_grad=bias_grad,
-                                                sink=call.sink, **_options(call))
+                                                sink=call.sink, sink_rows=sink_rows, **_options(call))
     return _in_dtypes_of(results, (call.q, call.k, call.v, call.bias))
 
 
 def backward_with_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
                       bias_grad: bool, tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor],
-                      tv: Optional[Tensor], tbias: Optional[Tensor], row_sums: Optional[dict] = None) -> tuple:
+                      tv: Optional[Tensor], tbias: Optional[Tensor], row_sums: Optional[dict] = None,
+                      sink_rows: Optional[Tensor] = None) -> tuple:
     if row_sums is not None:
         results = _given_sums(call, dout, out, row_max, inv_sum, tdout, tq, tk, tv, tbias, row_sums, True)
     else:
         results = native.attention_backward_jvp(dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal,
                                                 call.scale, tdout, tq, tk, tv, tbias=tbias, bias_grad=bias_grad,
-                                                with_backward=True, sink=call.sink, **_options(call))
+                                                with_backward=True, sink=call.sink, sink_rows=sink_rows,
+                                                **_options(call))
     return _in_dtypes_of(results, (call.q, call.k, call.v, call.bias) * 2)
 
 
 def double_backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
                     bias_grad: bool, dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor],
-                    gbias: Optional[Tensor]) -> tuple:
+                    gbias: Optional[Tensor], sink_rows: Optional[Tensor] = None) -> tuple:
+    """`sink_rows` (B, H, Lq), where given, takes each row's share of the sink logit's gradient."""
     results = native.attention_double_backward(dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal,
                                                call.scale, dout_grad, gq, gk, gv, gbias=gbias, bias_grad=bias_grad,
-                                               sink=call.sink, **_options(call))
+                                               sink=call.sink, sink_rows=sink_rows, **_options(call))
     return _in_dtypes_of(results, (dout, call.q, call.k, call.v, call.bias))
 
 

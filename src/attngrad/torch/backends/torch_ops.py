@@ -37,18 +37,18 @@ def jvp(call: AttentionCall, *, row_max: Tensor, inv_sum: Tensor, tq: Optional[T
 
 def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor, bias_grad: bool,
                  tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
-                 tbias: Optional[Tensor], row_sums: Optional[dict] = None) -> tuple:
+                 tbias: Optional[Tensor], row_sums: Optional[dict] = None, sink_rows: Optional[Tensor] = None) -> tuple:
     return kernels_higher.attention_backward_jvp(
         dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad, tdout=tdout, tq=tq, tk=tk, tv=tv,
-        tbias=tbias, sink=call.sink, **_common(call), **(row_sums or {}))
+        tbias=tbias, sink=call.sink, sink_rows=sink_rows, **_common(call), **(row_sums or {}))
 
 
 def double_backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
                     bias_grad: bool, dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor],
-                    gbias: Optional[Tensor], row_sums: Optional[dict] = None) -> tuple:
+                    gbias: Optional[Tensor], row_sums: Optional[dict] = None, sink_rows: Optional[Tensor] = None) -> tuple:
     return kernels_higher.attention_double_backward(
         dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad, dout_grad=dout_grad, gq=gq, gk=gk,
-        gv=gv, gbias=gbias, sink=call.sink, **_common(call), **(row_sums or {}))
+        gv=gv, gbias=gbias, sink=call.sink, sink_rows=sink_rows, **_common(call), **(row_sums or {}))
 
 
 def double_backward_row_sums(call: AttentionCall, *, dout: Tensor, row_max: Tensor, inv_sum: Tensor, bias_grad: bool,

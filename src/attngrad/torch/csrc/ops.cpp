@@ -75,7 +75,8 @@ std::vector<int64_t> expected_shape(const AttngradCall& c, int b) {
         case buf_k: case buf_dk: case buf_gk: case buf_tk: case buf_tdk: return {B, Hkv, Lk, c.dim};
         case buf_v: case buf_dv: case buf_gv: case buf_tv: case buf_tdv: return {B, Hkv, Lk, c.dim_v};
         case buf_out: case buf_dout: case buf_g_dout: case buf_tout: case buf_tdout: return {B, H, Lq, c.dim_v};
-        case buf_row_max: case buf_inv_sum: case buf_delta: case buf_centre: case buf_delta_t: case buf_peak: return {B, H, Lq};
+        case buf_row_max: case buf_inv_sum: case buf_delta: case buf_centre: case buf_delta_t: case buf_peak: case buf_sink_rows:
+            return {B, H, Lq};
         case buf_bias: case buf_tbias: case buf_gbias: return sizes_of(c, {}, c.bias_sizes);  // the bias's own
         case buf_dq_parts: case buf_tdq_parts: return {c.chunks, B, H, Lq, c.dim};
         case buf_gk_parts: case buf_tdk_parts: case buf_dk_parts: return {c.chunks, B, Hkv, Lk, c.dim};
@@ -367,6 +368,14 @@ void backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     run(call, [](const auto& pass) { backward(pass); });
 }
 
+// sink_rows (B, H, Lq), where given, <- each row's share of the sink logit's gradient
+// (double_backward's or backward_jvp's per-row closed form); it needs the `sink` option.
+void bind_sink_rows(Call& call, const OptTensor& sink_rows) {
+    TORCH_CHECK(!sink_rows.has_value() || call.call.sink, call.what, ": sink_rows is given without the sink option",
+                call.ctx);
+    call.bind(buf_sink_rows, sink_rows, false);
+}
+
 // gq, gk, gv, gbias may be absent (zero cotangents; gbias has the bias's sizes), and g_dout
 // (not asked for). gk_parts and gv_parts hold `chunks` zeroed (B, Hkv, Lk, .) partial sums,
 // one per chunk of query blocks, and g_bias_parts, where given, the zeroed parts of the
@@ -378,7 +387,7 @@ void double_backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const OptTensor& gbias, const OptTensor& g_dout, const at::Tensor& g_q,
                         const at::Tensor& gk_parts, const at::Tensor& gv_parts, const OptTensor& g_bias_parts,
                         ATTNGRAD_OPTIONS_PARAMS, const OptTensor& key_ranges, const OptTensor& mask_blocks,
-                        const OptTensor& mask_tiles) {
+                        const OptTensor& mask_tiles, const OptTensor& sink_rows) {
     TORCH_CHECK(!partial_rows, "attngrad_tiles.double_backward: the pass sums each row over its keys; "
                 "partial_rows says they are a part of the row's");
     Call call = make_call("attngrad_tiles.double_backward", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
@@ -394,6 +403,7 @@ void double_backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
     call.bind(buf_gk_parts, gk_parts, true);
     call.bind(buf_gv_parts, gv_parts, true);
     call.bind(buf_g_bias_parts, g_bias_parts, false);
+    bind_sink_rows(call, sink_rows);
     run(call, [](const auto& pass) { double_backward(pass); });
 }
 
@@ -475,7 +485,8 @@ void backward_jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const at::Tensor& tdv_parts, const OptTensor& tdbias_parts, const OptTensor& dq,
                      const OptTensor& dk_parts, const OptTensor& dv_parts, const OptTensor& dbias_row_parts,
                      ATTNGRAD_OPTIONS_PARAMS,
-                     const OptTensor& key_ranges, const OptTensor& mask_blocks, const OptTensor& mask_tiles) {
+                     const OptTensor& key_ranges, const OptTensor& mask_blocks, const OptTensor& mask_tiles,
+                     const OptTensor& sink_rows) {
     TORCH_CHECK(!partial_rows, "attngrad_tiles.backward_jvp: the pass sums each row over its keys; "
                 "partial_rows says they are a part of the row's (backward_jvp_given_sums takes a ring step's)");
     Call call = make_call("attngrad_tiles.backward_jvp", q, k, v, mask, bias, key_bounds, ATTNGRAD_OPTIONS_ARGS);
@@ -495,6 +506,7 @@ void backward_jvp_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     call.bind(buf_dk_parts, dk_parts, false);
     call.bind(buf_dv_parts, dv_parts, false);
     call.bind(buf_dbias_row_parts, dbias_row_parts, false);
+    bind_sink_rows(call, sink_rows);
     run(call, [](const auto& pass) { backward_jvp(pass); });
 }
 
@@ -627,7 +639,7 @@ TORCH_LIBRARY(attngrad_tiles, m) {
           "Tensor row_max, Tensor inv_sum, Tensor dout, Tensor(a!) delta, Tensor? gq, Tensor? gk, Tensor? gv, "
           "Tensor? gbias, Tensor(b!)? g_dout, Tensor(c!) g_q, Tensor(d!) gk_parts, Tensor(e!) gv_parts, "
           "Tensor(f!)? g_bias_parts, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA
-          ") -> ()");
+          ", Tensor(g!)? sink_rows=None) -> ()");
     m.def("jvp(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor row_max, "
           "Tensor inv_sum, Tensor? tq, Tensor? tk, Tensor? tv, Tensor? tbias, Tensor(a!) tout, "
           ATTNGRAD_OPTIONS_SCHEMA ", Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA ") -> ()");
@@ -640,7 +652,7 @@ TORCH_LIBRARY(attngrad_tiles, m) {
           "Tensor? tv, Tensor? tbias, Tensor(b!) tdq, Tensor(c!) tdk_parts, Tensor(d!) tdv_parts, "
           "Tensor(e!)? tdbias_parts, Tensor(f!)? dq, Tensor(g!)? dk_parts, Tensor(h!)? dv_parts, "
           "Tensor(i!)? dbias_row_parts, " ATTNGRAD_OPTIONS_SCHEMA ", Tensor? key_ranges=None, " MASK_BLOCKS_SCHEMA
-          ") -> ()");
+          ", Tensor(j!)? sink_rows=None) -> ()");
     m.def("backward_jvp_given_sums(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, "
           "Tensor out, Tensor row_max, Tensor inv_sum, Tensor dout, Tensor(a!) delta, Tensor? tdout, Tensor? tq, "
           "Tensor? tk, Tensor? tv, Tensor? tbias, Tensor centre, Tensor delta_t, Tensor(b!) tdq_parts, Tensor(c!) tdk, "

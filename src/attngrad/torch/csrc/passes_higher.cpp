@@ -22,6 +22,7 @@ void double_backward(const Pass<T>& pass) {
     const T *gq = pass[buf_gq], *gk = pass[buf_gk], *gv = pass[buf_gv];
     T *delta = pass[buf_delta], *g_dout = pass[buf_g_dout], *g_q = pass[buf_g_q];
     T *gk_parts = pass[buf_gk_parts], *gv_parts = pass[buf_gv_parts];
+    T* sink_rows = pass[buf_sink_rows];  // where given: each row's P_sink (u - t D), the sink logit's share
     const BiasGradient<T> g_bias(pass, buf_g_bias_parts, 2);
     const Shape& s = pass.s;
     const DropoutDraw& drop = pass.drop;
@@ -38,6 +39,7 @@ void double_backward(const Pass<T>& pass) {
     for_each_row_block(pass, items, 4 + CapRows<T>::tiles(pass.cap, true), key_side,
                        [&](const RowBlock& blk, T* scratch, typename KeySide<T>::Local& side) {
         const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = row_block_tile(pass);
+        if (sink_rows) std::fill(sink_rows + first, sink_rows + first + rows, T(0));
         if (keys == 0) {  // rows that see no key: nothing flows back through them
             std::fill(g_q + first * s.dim, g_q + (first + rows) * s.dim, T(0));
             if (g_dout) std::fill(g_dout + first * s.dim_v, g_dout + (first + rows) * s.dim_v, T(0));
@@ -95,6 +97,7 @@ void double_backward(const Pass<T>& pass) {
             for (T* r : {pi, ti, dpi, xi}) std::fill(r + seen, r + keys, T(0));
             // g_bias += g_S; a bias constant along the keys takes the row's sum in closed form,
             // rowsum(g_S) = rowsum(P g_P) - u rowsum(P) = P_sink (u - t D), where summing g_S cancels
+            if (sink_rows) sink_rows[first + i] = p_sink * (u_sum - t_sum * d_row);
             if (g_bias_part && g_bias.key_constant()) {
                 g_bias.add_value(g_bias_part, p_sink * (u_sum - t_sum * d_row), blk.b, blk.h, row);
             } else if (g_bias_part) {
@@ -252,6 +255,7 @@ void backward_jvp(const Pass<T>& pass) {
     T *delta = pass[buf_delta], *tdq = pass[buf_tdq];
     T *tdk_parts = pass[buf_tdk_parts], *tdv_parts = pass[buf_tdv_parts];
     T *dq = pass[buf_dq], *dk_parts = pass[buf_dk_parts], *dv_parts = pass[buf_dv_parts];
+    T* sink_rows = pass[buf_sink_rows];  // where given: each row's P_sink (D' - t D), the sink logit's share
     const bool with_backward = dq != nullptr;
     const BiasGradient<T> tdbias(pass, buf_tdbias_parts, 2), dbias(pass, buf_dbias_row_parts, 2);
     const Shape& s = pass.s;
@@ -272,6 +276,7 @@ void backward_jvp(const Pass<T>& pass) {
         const index_t rows = blk.rows, keys = blk.keys, first = blk.first, tile = row_block_tile(pass);
         T* dq_t = tdq + first * s.dim;
         T* dq_blk = with_backward ? dq + first * s.dim : nullptr;
+        if (sink_rows) std::fill(sink_rows + first, sink_rows + first + rows, T(0));
         if (keys == 0) {  // rows that see no key: nothing flows back through them
             std::fill(dq_t, dq_t + rows * s.dim, T(0));
             if (dq_blk) std::fill(dq_blk, dq_blk + rows * s.dim, T(0));
@@ -327,6 +332,7 @@ void backward_jvp(const Pass<T>& pass) {
             for (T* r : {pi, ti, dpi, xi}) std::fill(r + seen, r + keys, T(0));
             // dbias' = dS'; a bias constant along the keys takes the row's sum in closed form, the
             // tangent of D P_sink: P_sink (D' - t D), where the sum of dS' would cancel
+            if (sink_rows) sink_rows[first + i] = p_sink * (d_t - t_sum * delta[first + i]);
             if (dbias_t && tdbias.key_constant()) {
                 tdbias.add_value(dbias_t, p_sink * (d_t - t_sum * delta[first + i]), blk.b, blk.h, row);
             } else if (dbias_t) {

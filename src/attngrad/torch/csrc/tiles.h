@@ -76,7 +76,7 @@ namespace attngrad_tiles {
     X(dbias_parts) X(gq) X(gk) X(gv) X(g_dout) X(g_q) X(gk_parts) X(gv_parts) X(tq) X(tk) X(tv) X(tbias) X(tout) \
     X(tdout) X(tdq) X(tdk_parts) X(tdv_parts) X(tdbias_parts) X(gbias) X(g_bias_parts) X(key_bounds) X(tile_map) \
     X(key_ranges) X(mask_blocks) X(mask_tiles) X(dq) X(dk_parts) X(dv_parts) X(dbias_row_parts) X(centre) \
-    X(delta_t) X(tdq_parts) X(tdk) X(tdv) X(peak)
+    X(delta_t) X(tdq_parts) X(tdk) X(tdv) X(peak) X(sink_rows)
 
 enum AttngradBuffer : int {
 #define ATTNGRAD_ENUM(name) buf_##name,

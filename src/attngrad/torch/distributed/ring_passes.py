@@ -175,7 +175,7 @@ def ring_backward(plan: RingPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
 
     def unit_backward(unit: Unit, block: Block) -> list[Tensor]:
         i, k_blk, v_blk = unit.i, block[0][unit.j], block[1][unit.j]
-        dq_u, dk_u, dv_u, dbias_u = run_op("backward", plan.call(unit, r.q[i], k_blk, v_blk), dout=r.dout[i], out=r.out[i],
+        dq_u, dk_u, dv_u, dbias_u, _ = run_op("backward", plan.call(unit, r.q[i], k_blk, v_blk), dout=r.dout[i], out=r.out[i],
                                            row_max=r.row_max[i], inv_sum=r.inv_sum[i], bias_grad=bias_grad)
         dq[i] += dq_u
         _add_to(dbias, unit, dbias_u)

@@ -503,19 +503,32 @@ def backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor,
     return _backward_walks(plan, inputs, BACKWARD, bias_grad)[1:]
 
 
+def _sink_rows(plan: Plan, inputs: _Second, sink_rows: Optional[Tensor]) -> None:
+    """Each row's share of the sink logit's gradient (double backward) or of its tangent
+    (backward's JVP), P_sink (Y - X D), into `sink_rows` (B, H, Lq) where given (`sink_logits`)."""
+    if sink_rows is None:
+        return
+    if not plan.call.sink:
+        raise ValueError("attngrad triton: sink_rows needs a sink")
+    per_row = inputs.y.double() - inputs.x.double() * inputs.delta.double()
+    sink_rows.copy_(sink_share(inputs.row_max, inputs.inv_sum) * per_row.view(plan.B, plan.H, plan.Lq))
+
+
 def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor, bias_grad: bool,
                  tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
-                 tbias: Optional[Tensor]) -> tuple:
+                 tbias: Optional[Tensor], sink_rows: Optional[Tensor] = None) -> tuple:
     plan = _plan(call, "backward_jvp")
     inputs = _Second(plan, dout, out, row_max, inv_sum, tq, tk, tv, tdout, tbias)
     _row_sums(plan, inputs)  # c = rowsum(P S'), D~
+    _sink_rows(plan, inputs, sink_rows)
     return _backward_walks(plan, inputs, BACKWARD_JVP, bias_grad)[1:]
 
 
 def double_backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
                     bias_grad: bool, dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor],
-                    gbias: Optional[Tensor]) -> tuple:
+                    gbias: Optional[Tensor], sink_rows: Optional[Tensor] = None) -> tuple:
     plan = _plan(call, "double_backward")
     inputs = _Second(plan, dout, out, row_max, inv_sum, gq, gk, gv, None, gbias if bias_grad else None)
     _row_sums(plan, inputs)  # t = rowsum(P T), u
+    _sink_rows(plan, inputs, sink_rows)
     return _backward_walks(plan, inputs, DOUBLE_BACKWARD, bias_grad, dout_grad)

@@ -20,6 +20,8 @@ import torch.distributed as dist
 from attngrad.torch import attention
 from attngrad.torch.distributed import all_to_all_attention, gather_sequence, ring_attention, shard_sequence
 
+NAMES = ("q", "k", "v", "bias", "sinks")  # the differentiated inputs, in the functions' order
+
 
 @dataclass
 class Config:
@@ -34,7 +36,7 @@ class Config:
     dropout_p: float = 0.0
     structured: dict = field(default_factory=dict)
     softcap: Optional[float] = None
-    sinks: bool = False  # GPT-OSS's per-head sink logits (fixed here: their gradient is the bias's)
+    sinks: bool = False  # GPT-OSS's per-head sink logits, differentiated as the other inputs are
     length_per_rank: int = 12
     derivatives: tuple = ("forward", "backward", "jvp", "double_backward", "hvp", "reverse_over_forward")
     dtype: torch.dtype = torch.float64
@@ -60,6 +62,7 @@ def configs(world: int) -> list[Config]:
         Config("all-to-all", 6, method="all_to_all", causal=True, bias=True, dropout_p=0.2, gqa=True, layout="zigzag"),
         Config("sinks-window", 7, causal=True, bias=True, sinks=True, structured=dict(window=(6, None)), layout="zigzag"),
         Config("all-to-all-sinks", 8, method="all_to_all", causal=True, sinks=True, dropout_p=0.2),
+        Config("sinks-gqa-mask", 9, gqa=True, mask=True, sinks=True),
     ]
     return out
 
@@ -94,9 +97,11 @@ def _inputs(config: Config, world: int) -> dict:
     if config.structured.get("lengths"):
         structured["key_padding"] = torch.tensor([length - 3, length // 2 + 1])
     x["structured"] = structured
-    x["sinks"] = randn(heads) if config.sinks else None
-    x["tangents"] = {name: randn(*x[name].shape) for name in ("q", "k", "v", "bias") if x[name] is not None}
-    x["cotangents"] = {name: randn(*x[name].shape) for name in ("q", "k", "v", "bias") if x[name] is not None}
+    # logits well below the scores: each row's sink share is small, so that a gradient summed
+    # over the bias's terms instead of taken in closed form would cancel (issue 58)
+    x["sinks"] = randn(heads) - 10.0 if config.sinks else None
+    x["tangents"] = {name: randn(*x[name].shape) for name in NAMES if x[name] is not None}
+    x["cotangents"] = {name: randn(*x[name].shape) for name in NAMES if x[name] is not None}
     return x
 
 
@@ -110,21 +115,25 @@ def _functions(config: Config, x: dict, world: int) -> tuple[Callable, Callable,
     this rank's shard of a whole (..., L, .) tensor (bias rows too)."""
     method = ring_attention if config.method == "ring" else all_to_all_attention
     options = dict(is_causal=config.causal, dropout_p=config.dropout_p, enable_gqa=config.gqa, softcap=config.softcap,
-                   sinks=x["sinks"], **x["structured"])
+                   **x["structured"])
+    names = [n for n in NAMES if x[n] is not None]
 
     def shard(t: torch.Tensor) -> torch.Tensor:
         return shard_sequence(t, layout=config.layout, dim=2)
 
     mask = x["mask"]
 
-    def sharded(q, k, v, bias=None):
+    def sharded(*primals):
+        p = dict(zip(names, primals))
         torch.manual_seed(config.seed)  # both draw the dropout seed the same way
-        return method(q, k, v, attn_bias=bias, attn_mask=None if mask is None else shard(mask), layout=config.layout,
-                      **options)
+        return method(p["q"], p["k"], p["v"], attn_bias=p.get("bias"), sinks=p.get("sinks"),
+                      attn_mask=None if mask is None else shard(mask), layout=config.layout, **options)
 
-    def whole(q, k, v, bias=None):
+    def whole(*primals):
+        p = dict(zip(names, primals))
         torch.manual_seed(config.seed)
-        return attention(q, k, v, attn_bias=bias, attn_mask=mask, **options)
+        return attention(p["q"], p["k"], p["v"], attn_bias=p.get("bias"), sinks=p.get("sinks"), attn_mask=mask,
+                         **options)
 
     return sharded, whole, shard
 
@@ -139,12 +148,29 @@ def _grad_of(fn: Callable, dout: torch.Tensor) -> Callable:
 
 def run_case(config: Config, world: int) -> dict[str, float]:
     x = _inputs(config, world)
-    sharded, whole, shard = _functions(config, x, world)
-    names = [n for n in ("q", "k", "v", "bias") if x[n] is not None]
+    sharded, whole, shard_rows = _functions(config, x, world)
+    names = [n for n in NAMES if x[n] is not None]
+
+    def shards(tensors):  # the sinks are every rank's, whole
+        return [t if n == "sinks" else shard_rows(t) for n, t in zip(names, tensors)]
+
+    def errors_of(ours, theirs, kinds=names):
+        # a rank's gradient of the sinks is its rows' part: the ranks' sum is the whole's
+        errors = []
+        for kind, a, b in zip(kinds, ours, theirs):
+            if kind == "sinks":
+                a = a.clone()
+                dist.all_reduce(a)
+                errors.append(_relative(a, b))
+            else:
+                errors.append(_relative(a, shard_rows(b)))
+        return max(errors)
+
+    shard = shard_rows
     primals_whole = [x[n] for n in names]
-    primals_shard = [shard(t) for t in primals_whole]
+    primals_shard = shards(primals_whole)
     tangents_whole = [x["tangents"][n] for n in names]
-    tangents_shard = [shard(t) for t in tangents_whole]
+    tangents_shard = shards(tangents_whole)
     dout_whole, dout_shard = x["dout"], shard(x["dout"])
     errors = {}
     if "forward" in config.derivatives:
@@ -152,14 +178,14 @@ def run_case(config: Config, world: int) -> dict[str, float]:
     if "backward" in config.derivatives:
         ours = torch.func.grad(lambda *p: (sharded(*p) * dout_shard).sum(), argnums=tuple(range(len(names))))(*primals_shard)
         theirs = torch.func.grad(lambda *p: (whole(*p) * dout_whole).sum(), argnums=tuple(range(len(names))))(*primals_whole)
-        errors["backward"] = max(_relative(a, shard(b)) for a, b in zip(ours, theirs))
+        errors["backward"] = errors_of(ours, theirs)
     if "jvp" in config.derivatives:
         ours = torch.func.jvp(sharded, tuple(primals_shard), tuple(tangents_shard))[1]
         theirs = torch.func.jvp(whole, tuple(primals_whole), tuple(tangents_whole))[1]
         errors["jvp"] = _relative(ours, shard(theirs))
     if "double_backward" in config.derivatives:  # reverse over reverse: the gradient of <grads, w>
         cot_whole = [x["cotangents"][n] for n in names]
-        cot_shard = [shard(t) for t in cot_whole]
+        cot_shard = shards(cot_whole)
 
         def penalty(fn, dout, cot):
             grads = _grad_of(fn, dout)
@@ -167,11 +193,11 @@ def run_case(config: Config, world: int) -> dict[str, float]:
 
         ours = torch.func.grad(penalty(sharded, dout_shard, cot_shard), argnums=tuple(range(len(names))))(*primals_shard)
         theirs = torch.func.grad(penalty(whole, dout_whole, cot_whole), argnums=tuple(range(len(names))))(*primals_whole)
-        errors["double_backward"] = max(_relative(a, shard(b)) for a, b in zip(ours, theirs))
+        errors["double_backward"] = errors_of(ours, theirs)
     if "hvp" in config.derivatives:  # forward over reverse
         ours = torch.func.jvp(_grad_of(sharded, dout_shard), tuple(primals_shard), tuple(tangents_shard))[1]
         theirs = torch.func.jvp(_grad_of(whole, dout_whole), tuple(primals_whole), tuple(tangents_whole))[1]
-        errors["hvp"] = max(_relative(a, shard(b)) for a, b in zip(ours, theirs))
+        errors["hvp"] = errors_of(ours, theirs)
     if "reverse_over_forward" in config.derivatives:  # the gradient of <c, J t> for the primals and the tangents
         def through_jvp(fn, cotangent):
             n = len(names)
@@ -180,7 +206,7 @@ def run_case(config: Config, world: int) -> dict[str, float]:
         argnums = tuple(range(2 * len(names)))
         ours = torch.func.grad(through_jvp(sharded, dout_shard), argnums=argnums)(*primals_shard, *tangents_shard)
         theirs = torch.func.grad(through_jvp(whole, dout_whole), argnums=argnums)(*primals_whole, *tangents_whole)
-        errors["reverse_over_forward"] = max(_relative(a, shard(b)) for a, b in zip(ours, theirs))
+        errors["reverse_over_forward"] = errors_of(ours, theirs, names + names)
     return errors
 
 

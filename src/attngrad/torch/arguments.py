@@ -33,13 +33,6 @@ def check_sinks(sinks: Tensor, layout: Layout, query: Tensor) -> Tensor:
     return sinks[None]
 
 
-def sinks_as_bias(bias: Optional[Tensor], sinks: Tensor, layout: Layout, query: Tensor) -> Tensor:
-    """The bias less each head's sink logit (the ring's form, `sink_logits.lowered`'s for
-    one process): (H,) sinks become an (H, 1, 1) bias, or join the given one."""
-    shift = -check_sinks(sinks, layout, query)[0].to(query.dtype)[:, None, None]  # (H, 1, 1)
-    return shift if bias is None else bias + shift
-
-
 def _causal_offset(is_causal: bool | int | str, len_q: int, len_k: int) -> Optional[int]:
     """The causal diagonal for `is_causal`: None, 0 (top-left), Lk - Lq (bottom-right) or
     the int given (which also aligns a window: see `_op_diagonal` for the op's)."""

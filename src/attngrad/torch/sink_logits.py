@@ -68,11 +68,27 @@ def _to_sinks(per_row: Tensor, sinks: Tensor) -> Tensor:
     return -rows_to_bias(per_row.double(), sinks[:, :, None, None], sinks.dtype).reshape(sinks.shape)
 
 
-def _grad(call: AttentionCall, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor) -> Tensor:
-    """d s = -sum P_sink D, D summed in float64 (as `key_constant_bias_grad`'s)."""
+def joined(bias_part: Optional[Tensor], sinks_part: Optional[Tensor], shape: torch.Size) -> Optional[Tensor]:
+    """`_joined` for the ring, whose Functions take the bias with its logits and the logits."""
+    return _joined(bias_part, sinks_part, shape)
+
+
+def to_sinks(per_row: Tensor, sinks: Tensor) -> Tensor:
+    """-sum of each row's term (B, H, Lq) over the rows (and the batch, for (1, H) logits):
+    the logits' share of a result whose rows' terms `sink_rows` holds."""
+    return _to_sinks(per_row, sinks)
+
+
+def grad(sinks: Tensor, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor) -> Tensor:
+    """d s = -sum P_sink D from the forward's results, D summed in float64 (as
+    `key_constant_bias_grad`'s)."""
     wide = [t if t.dtype in (torch.float32, torch.float64) else t.float() for t in (dout, out)]
     per_row = torch.mul(*wide).sum(dim=-1, dtype=torch.float64) * sink_share(row_max, inv_sum)
-    return _to_sinks(per_row, call.sinks)
+    return _to_sinks(per_row, sinks)
+
+
+def _grad(call: AttentionCall, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor) -> Tensor:
+    return grad(call.sinks, dout, out, row_max, inv_sum)
 
 
 def run(pass_name: str, call: AttentionCall, inputs: dict[str, Any],

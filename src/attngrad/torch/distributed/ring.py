@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..arguments import sinks_as_bias
+from .. import sink_logits
+from ..arguments import check_sinks
 from ..autograd import THIRD_ORDER, Final
 from ..layout import Layout, default_scale
 from ..structured import structure
@@ -30,45 +31,57 @@ from .ring_plan import RingPlan
 from .sharding import Sharding, group_of
 
 
+def _sinks_grad(sinks: Optional[Tensor], per_row: Optional[Tensor]) -> Optional[Tensor]:
+    return None if sinks is None or per_row is None else sink_logits.to_sinks(per_row, sinks)
+
+
 class RingAttention(torch.autograd.Function):
-    """out = attention of this rank's queries to the whole sequence's keys."""
+    """out = attention of this rank's queries to the whole sequence's keys. `bias` holds the
+    sink logits (the ring's steps take a sink of logit 0), out of autograd's sight: every
+    derivative of `sinks` comes from these Functions in closed form (`sink_logits`)."""
 
     @staticmethod
-    def forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], plan: RingPlan):
+    def forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], sinks: Optional[Tensor], plan: RingPlan):
         return ring_forward(plan, q, k, v)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        q, k, v, bias, plan = inputs
+        q, k, v, bias, sinks, plan = inputs
         out, row_max, inv_sum = output
-        ctx.save_for_backward(q, k, v, bias, out, row_max, inv_sum)
-        ctx.save_for_forward(q, k, v, bias, out, row_max, inv_sum)
+        ctx.save_for_backward(q, k, v, bias, sinks, out, row_max, inv_sum)
+        ctx.save_for_forward(q, k, v, bias, sinks, out, row_max, inv_sum)
         ctx.plan = plan
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, _dmax: Tensor, _dinv: Tensor):
-        q, k, v, bias, out, row_max, inv_sum = ctx.saved_tensors
+        q, k, v, bias, sinks, out, row_max, inv_sum = ctx.saved_tensors
         bias_grad = bias is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dbias = RingAttentionBackward.apply(
-            dout.contiguous(), q, k, v, bias, out.detach(), row_max.detach(), inv_sum.detach(), ctx.plan, bias_grad)
-        return dq, dk, dv, dbias if bias_grad else None, None
+        dq, dk, dv, dbias, dsinks = RingAttentionBackward.apply(
+            dout.contiguous(), q, k, v, bias, sinks, out.detach(), row_max.detach(), inv_sum.detach(), ctx.plan,
+            bias_grad)
+        return dq, dk, dv, dbias if bias_grad else None, dsinks if sinks is not None else None, None
 
     @staticmethod
-    def jvp(ctx: Any, tq, tk, tv, tbias, _tplan):
-        q, k, v, bias, out, row_max, inv_sum = ctx.saved_tensors
-        out_t = RingTangent.apply(q, k, v, bias, out.detach(), row_max.detach(), inv_sum.detach(), tq, tk, tv,
-                                  tbias if bias is not None else None, ctx.plan)
+    def jvp(ctx: Any, tq, tk, tv, tbias, tsinks, _tplan):
+        q, k, v, bias, sinks, out, row_max, inv_sum = ctx.saved_tensors
+        out_t = RingTangent.apply(q, k, v, bias, sinks, out.detach(), row_max.detach(), inv_sum.detach(), tq, tk, tv,
+                                  tbias if bias is not None else None, tsinks if sinks is not None else None, ctx.plan)
         return out_t, torch.zeros_like(row_max), torch.zeros_like(inv_sum)
+
+
+def _bias_tangent(bias: Optional[Tensor], tbias: Optional[Tensor], tsinks: Optional[Tensor]) -> Optional[Tensor]:
+    """The steps' bias's tangent (or cotangent): the bias's, less the logits'."""
+    return tbias if tsinks is None else sink_logits.joined(tbias, tsinks, bias.shape)
 
 
 class RingTangent(torch.autograd.Function):
     """out_t = J t round the ring, differentiable once in reverse mode as `autograd.Tangent`
-    is: for the cotangent c, the tangents get the ring's backward of c, and q, k, v and the
-    bias that backward's JVP along t. out and the row statistics are caches."""
+    is: for the cotangent c, the tangents get the ring's backward of c, and q, k, v, the
+    bias and the sinks that backward's JVP along t. out and the row statistics are caches."""
 
     @staticmethod
-    def forward(q, k, v, bias, out, row_max, inv_sum, tq, tk, tv, tbias, plan: RingPlan):
-        return ring_jvp(plan, q, k, v, out, row_max, inv_sum, tq, tk, tv, tbias)[0]
+    def forward(q, k, v, bias, sinks, out, row_max, inv_sum, tq, tk, tv, tbias, tsinks, plan: RingPlan):
+        return ring_jvp(plan, q, k, v, out, row_max, inv_sum, tq, tk, tv, _bias_tangent(bias, tbias, tsinks))[0]
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
@@ -78,50 +91,63 @@ class RingTangent(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, c: Optional[Tensor]):
-        q, k, v, bias, out, row_max, inv_sum, tq, tk, tv, tbias = ctx.saved_tensors
+        q, k, v, bias, sinks, out, row_max, inv_sum, tq, tk, tv, tbias, tsinks = ctx.saved_tensors
         if c is None:
-            return (None,) * 12
+            return (None,) * 14
         c = c.contiguous()
-        bias_grad = bias is not None and (ctx.needs_input_grad[3] or ctx.needs_input_grad[10])
+        bias_grad = bias is not None and (ctx.needs_input_grad[3] or ctx.needs_input_grad[11])
         caches = (out, row_max, inv_sum)
         dq, dk, dv, dbias = Final.apply(ring_backward, THIRD_ORDER, ctx.plan, c, q, k, v, *caches, bias_grad)
-        tdq, tdk, tdv, tdbias = Final.apply(ring_backward_jvp, THIRD_ORDER, ctx.plan, c, q, k, v, *caches, bias_grad,
-                                            None, tq, tk, tv, tbias if bias_grad else None)
-        return (tdq, tdk, tdv, tdbias if bias_grad else None, None, None, None,
+        tdq, tdk, tdv, tdbias, sink_rows = Final.apply(
+            ring_backward_jvp, THIRD_ORDER, ctx.plan, c, q, k, v, *caches, bias_grad, None, tq, tk, tv,
+            _bias_tangent(bias, tbias, tsinks))
+        dsinks = None if sinks is None else sink_logits.grad(sinks, c, out, row_max, inv_sum)
+        return (tdq, tdk, tdv, tdbias if bias_grad else None, _sinks_grad(sinks, sink_rows), None, None, None,
                 dq if tq is not None else None, dk if tk is not None else None, dv if tv is not None else None,
-                dbias if bias_grad and tbias is not None else None, None)
+                dbias if bias_grad and tbias is not None else None, dsinks if tsinks is not None else None, None)
 
 
 class RingAttentionBackward(torch.autograd.Function):
-    """(dq, dk, dv, dbias) = the backward of `RingAttention`, itself differentiable once more."""
+    """(dq, dk, dv, dbias, dsinks) = the backward of `RingAttention`, itself differentiable
+    once more."""
 
     @staticmethod
-    def forward(dout, q, k, v, bias, out, row_max, inv_sum, plan: RingPlan, bias_grad: bool):
+    def forward(dout, q, k, v, bias, sinks, out, row_max, inv_sum, plan: RingPlan, bias_grad: bool):
         dq, dk, dv, dbias = ring_backward(plan, dout, q, k, v, out, row_max, inv_sum, bias_grad)
-        return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
+        dsinks = q.new_empty(0) if sinks is None else sink_logits.grad(sinks, dout, out, row_max, inv_sum)
+        return dq, dk, dv, dbias if dbias is not None else q.new_empty(0), dsinks
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        dout, q, k, v, _bias, out, row_max, inv_sum, plan, bias_grad = inputs
-        ctx.save_for_backward(dout, q, k, v, out, row_max, inv_sum)
-        ctx.save_for_forward(dout, q, k, v, out, row_max, inv_sum)
+        dout, q, k, v, bias, sinks, out, row_max, inv_sum, plan, bias_grad = inputs
+        ctx.save_for_backward(dout, q, k, v, out, row_max, inv_sum, bias, sinks)
+        ctx.save_for_forward(dout, q, k, v, out, row_max, inv_sum, bias, sinks)
         ctx.plan, ctx.bias_grad = plan, bias_grad
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx: Any, gq: Tensor, gk: Tensor, gv: Tensor, gbias: Tensor):
+    def backward(ctx: Any, gq: Tensor, gk: Tensor, gv: Tensor, gbias: Tensor, gsinks: Tensor):
         dout_grad = ctx.needs_input_grad[0]
-        g_dout, g_q, g_k, g_v, g_bias = Final.apply(
-            ring_double_backward, THIRD_ORDER, ctx.plan, *ctx.saved_tensors, ctx.bias_grad, dout_grad, gq, gk, gv,
-            gbias if ctx.bias_grad else None)
-        return g_dout if dout_grad else None, g_q, g_k, g_v, g_bias, None, None, None, None, None
+        *saved, bias, sinks = ctx.saved_tensors
+        gsinks = gsinks if sinks is not None else None
+        # a cotangent of the logits' gradient reaches the steps' bias, whose gradient then gives theirs
+        g_bias_asked = ctx.bias_grad or gsinks is not None
+        g_dout, g_q, g_k, g_v, g_bias, sink_rows = Final.apply(
+            ring_double_backward, THIRD_ORDER, ctx.plan, *saved, g_bias_asked, dout_grad, gq, gk, gv,
+            _bias_tangent(bias, gbias if ctx.bias_grad else None, gsinks))
+        return (g_dout if dout_grad else None, g_q, g_k, g_v, g_bias if ctx.bias_grad else None,
+                _sinks_grad(sinks, sink_rows), None, None, None, None, None)
 
     @staticmethod
-    def jvp(ctx: Any, tdout, tq, tk, tv, tbias, _tout, _tmax, _tinv, _tplan, _tbias_grad):
-        dq_t, dk_t, dv_t, dbias_t = Final.apply(
-            ring_backward_jvp, THIRD_ORDER, ctx.plan, *ctx.saved_tensors, ctx.bias_grad, tdout, tq, tk, tv,
-            tbias if ctx.bias_grad else None)
-        return dq_t, dk_t, dv_t, dbias_t if dbias_t is not None else dq_t.new_empty(0)
+    def jvp(ctx: Any, tdout, tq, tk, tv, tbias, tsinks, _tout, _tmax, _tinv, _tplan, _tbias_grad):
+        *saved, bias, sinks = ctx.saved_tensors
+        tsinks = tsinks if sinks is not None else None
+        dq_t, dk_t, dv_t, dbias_t, sink_rows = Final.apply(
+            ring_backward_jvp, THIRD_ORDER, ctx.plan, *saved, ctx.bias_grad, tdout, tq, tk, tv,
+            _bias_tangent(bias, tbias if bias is not None else None, tsinks))
+        dsinks_t = _sinks_grad(sinks, sink_rows)
+        return (dq_t, dk_t, dv_t, dbias_t if dbias_t is not None else dq_t.new_empty(0),
+                dsinks_t if dsinks_t is not None else dq_t.new_empty(0))
 
 
 def ring_attention(
@@ -171,8 +197,11 @@ def ring_attention(
     sharding = Sharding(layout, ring.size, shard * ring.size)
     folded = Layout(query, key, value, enable_gqa)
     length = sharding.length
-    if sinks is not None:  # the logits join the bias; the kernels need a zero-logit sink alone
-        attn_bias = sinks_as_bias(attn_bias, sinks, folded, query)
+    logits = None
+    if sinks is not None:  # the steps take a zero-logit sink, the logits in the bias out of autograd's sight
+        logits = check_sinks(sinks, folded, query)
+        shift = -logits[0].detach().to(query.dtype)[:, None, None]  # (H, 1, 1)
+        attn_bias = shift if attn_bias is None else attn_bias + shift
     mask = None if attn_mask is None else folded.fold_mask(attn_mask, "attn_mask", length)
     bias = None if attn_bias is None else folded.fold_mask(attn_bias, "attn_bias", length)
     structured = dict(key_padding=key_padding, window=window, document_ids=document_ids, cu_seqlens=cu_seqlens)
@@ -186,5 +215,5 @@ def ring_attention(
             mask = keep if mask is None else mask & keep
     plan = RingPlan(ring, sharding, bool(is_causal), bounds, mask, bias, seed, default_scale(query, scale), float(softcap or 0.0),
                     float(dropout_p), sink=sinks is not None)
-    out = RingAttention.apply(folded.q, folded.k, folded.v, bias, plan)[0]
+    out = RingAttention.apply(folded.q, folded.k, folded.v, bias, logits, plan)[0]
     return folded.unfold(out)

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from .. import dispatch
 from ..kernels import compute_dtype
+from ..key_constant_bias import sink_share
 from ..ops import add_sink, run_op
 from .ring_plan import RingPlan, Unit, piece
 
@@ -175,8 +176,9 @@ def ring_backward(plan: RingPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
 
     def unit_backward(unit: Unit, block: Block) -> list[Tensor]:
         i, k_blk, v_blk = unit.i, block[0][unit.j], block[1][unit.j]
-        dq_u, dk_u, dv_u, dbias_u, _ = run_op("backward", plan.call(unit, r.q[i], k_blk, v_blk), dout=r.dout[i], out=r.out[i],
-                                           row_max=r.row_max[i], inv_sum=r.inv_sum[i], bias_grad=bias_grad)
+        call = plan.call(unit, r.q[i], k_blk, v_blk)
+        dq_u, dk_u, dv_u, dbias_u, _ = run_op("backward", call, dout=r.dout[i], out=r.out[i], row_max=r.row_max[i],
+                                              inv_sum=r.inv_sum[i], bias_grad=bias_grad)
         dq[i] += dq_u
         _add_to(dbias, unit, dbias_u)
         return [dk_u, dv_u]
@@ -209,15 +211,27 @@ def ring_jvp(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_m
     return plan.join(out_t).to(q.dtype), plan.join(centre)
 
 
+def _sink_rows(plan: RingPlan, row_max: Tensor, inv_sum: Tensor, x: Tensor, y: Tensor, delta: Tensor) -> Optional[Tensor]:
+    """Each whole row's share of the sink logits' result, P_sink (Y - X D) (B, H, L / P), from
+    its sums X, Y (t and D~, or t and u) and D: the one-process passes' `sink_rows`."""
+    if not plan.sink:
+        return None
+    return sink_share(row_max, inv_sum) * (y.double() - x.double() * delta.double())[..., 0]
+
+
 def ring_backward_jvp(plan: RingPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor,
                       inv_sum: Tensor, bias_grad: bool, tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor],
-                      tv: Optional[Tensor], tbias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """Tangents of (dq, dk, dv, dbias or None) along (dO', Q', K', V', bias')."""
+                      tv: Optional[Tensor], tbias: Optional[Tensor]
+                      ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """Tangents of (dq, dk, dv, dbias or None) along (dO', Q', K', V', bias'), and with a sink
+    each row's P_sink (D~ - t D) (`sink_logits`), else None."""
     work = compute_dtype(q.dtype)
     out_t, centre = ring_jvp(plan, q, k, v, out, row_max, inv_sum, tq, tk, tv, tbias)
     delta_t = (dout.to(work) * out_t.to(work)).sum(dim=-1, keepdim=True)  # D~ = rowsum(dO' O + dO O')
     if tdout is not None:
         delta_t += (tdout.to(work) * out.to(work)).sum(dim=-1, keepdim=True)
+    delta = (dout.to(work) * out.to(work)).sum(dim=-1, keepdim=True)
+    sink_rows = _sink_rows(plan, row_max, inv_sum, centre, delta_t, delta)
     r = _Rows(plan, dout=dout, q=q, out=out, row_max=row_max, inv_sum=inv_sum, tdout=tdout, tq=tq, centre=centre,
               delta_t=delta_t)
     dq_t, dbias_t = r.zeros(q, work), _bias_total(plan, bias_grad, work)
@@ -237,15 +251,17 @@ def ring_backward_jvp(plan: RingPlan, dout: Tensor, q: Tensor, k: Tensor, v: Ten
     ks, vs = plan.split(k), plan.split(v)
     sums = each_step(plan, [ks, vs, plan.split(tk), plan.split(tv)], unit_backward_jvp, [_zeros(ks, work), _zeros(vs, work)])
     dk_t, dv_t = _key_results(k, v, sums, plan)
-    return plan.join(dq_t).to(q.dtype), dk_t, dv_t, None if dbias_t is None else dbias_t.to(plan.bias.dtype)
+    return (plan.join(dq_t).to(q.dtype), dk_t, dv_t, None if dbias_t is None else dbias_t.to(plan.bias.dtype),
+            sink_rows)
 
 
 def ring_double_backward(plan: RingPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor,
                          inv_sum: Tensor, bias_grad: bool, dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor],
                          gv: Optional[Tensor], gbias: Optional[Tensor],
-                         ) -> tuple[Optional[Tensor], Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """(g_dout or None, g_q, g_k, g_v, g_bias or None): the gradients of
-    <gq, dq> + <gk, dk> + <gv, dv> + <gbias, dbias>, as the double_backward op."""
+                         ) -> tuple[Optional[Tensor], Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """(g_dout or None, g_q, g_k, g_v, g_bias or None, sink rows or None): the gradients of
+    <gq, dq> + <gk, dk> + <gv, dv> + <gbias, dbias>, as the double_backward op, and with a
+    sink each row's P_sink (u - t D) (`sink_logits`)."""
     work = compute_dtype(q.dtype)
     gbias = gbias if bias_grad else None
     r = _Rows(plan, dout=dout, q=q, out=out, row_max=row_max, inv_sum=inv_sum, gq=gq)
@@ -264,10 +280,12 @@ def ring_double_backward(plan: RingPlan, dout: Tensor, q: Tensor, k: Tensor, v: 
         u_sum[i] += u_u
 
     each_step(plan, block, unit_row_sums)
+    deltas = [(r.dout[i].to(work) * r.out[i].to(work)).sum(dim=-1, keepdim=True) for i in range(plan.chunks)]
     for i in range(plan.chunks):  # rowsum(P g_P) = rowsum(P (dP T + (dO gV~^T) Z)) - t D
         # (with a sink too: the one-process pass's t D P_sink term restores what its own
         # rowsum(P g_P) leaves out, where this sum never had it)
-        u_sum[i] -= t_sum[i] * (r.dout[i].to(work) * r.out[i].to(work)).sum(dim=-1, keepdim=True)
+        u_sum[i] -= t_sum[i] * deltas[i]
+    sink_rows = _sink_rows(plan, row_max, inv_sum, plan.join(t_sum), plan.join(u_sum), plan.join(deltas))
     g_dout = r.zeros(dout, work) if dout_grad else None
     g_q, g_bias = r.zeros(q, work), _bias_total(plan, bias_grad, work)
 
@@ -288,4 +306,4 @@ def ring_double_backward(plan: RingPlan, dout: Tensor, q: Tensor, k: Tensor, v: 
     sums = each_step(plan, block, unit_double_backward, [_zeros(ks, work), _zeros(vs, work)])
     g_k, g_v = _key_results(k, v, sums, plan)
     return (None if g_dout is None else plan.join(g_dout).to(dout.dtype), plan.join(g_q).to(q.dtype), g_k, g_v,
-            None if g_bias is None else g_bias.to(plan.bias.dtype))
+            None if g_bias is None else g_bias.to(plan.bias.dtype), sink_rows)

@@ -111,10 +111,18 @@ def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
             MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
         SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DENSE: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-        BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
-    """O' = (P' Z) V + (P Z) V' with P' = P (S' - c), c = rowsum(P S'), in one walk:
-    sum (P Z S') V - c sum (P Z) V + (P Z) V', each row's c summed on the way. The tangents
-    share q's (TQ), k's (TK) and v's (TV) strides; 1/l and m are the forward's."""
+        BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr,
+        CENTRE: tl.constexpr = False, SINK: tl.constexpr = False):
+    """O' = (P' Z) V + (P Z) V' with P' = P (S' - t), t = rowsum(P S'), in one walk. With
+    CENTRE, centred on each row's peak as the tiles are (`centre_on_peak`): with c S' at the most probable key
+    so far, it sums x = rowsum(P (S' - c)) and (P Z (S' - c)) V, and where a later key is
+    more probable, moves both to the new c (by (c_old - c) times what it has summed of P
+    and of (P Z) V, whose weight is off the row's peak, so small where the row is peaked).
+    Then t - c = x - c P_sink (rowsum(P) = 1 - P_sink; SINK: 1/l holds a sink's term) and
+    O' = sum (P Z (S' - c)) V - (t - c) sum (P Z) V + (P Z) V'; without it c = 0 (the half
+    and TF32 kernels, whose products' rounding is far above what centring saves, and which
+    it would make spill). The tangents share q's (TQ), k's (TK) and v's (TV) strides; 1/l
+    and m are the forward's."""
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -130,7 +138,10 @@ def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
     rows = (b * H + h) * Lq
     m_row = load_rows(M + rows, offs_m, Lq)
     inv = load_rows(INV + rows, offs_m, Lq)
-    c = tl.zeros((BM,), ACC)
+    centre = tl.zeros((BM,), ACC)  # c: S' at the most probable key so far
+    top = tl.full((BM,), float("-inf"), ACC)  # that key's score
+    x = tl.zeros((BM,), ACC)  # rowsum(P (S' - c))
+    p_sum = tl.zeros((BM,), ACC)  # rowsum(P), what x moves by per unit of c
     acc_o = tl.zeros((BM, BDV), ACC)
     acc_s = tl.zeros((BM, BDV), ACC)
     walk = rng + b * sr0 + h * sr1 + qb * sr2
@@ -151,17 +162,35 @@ def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
             if HAS_TBIAS:
                 t_bias = load_score_like(tbias, b, h, offs_m, offs_n, Lq, Lk, stb, sth, stm, stn, ACC)
             sp, _ = score_form(q, k, tq, tk, th, t_bias, scale, SOFTCAP, BD, SD, IP, ACC)
-            c += tl.sum(p * sp, 1)
+            sp_less = sp
+            if CENTRE:  # a more probable key in this tile: c becomes its S', and the sums move with it
+                tile_top = tl.max(s, 1)
+                sp_top = tl.max(tl.where(s == tile_top[:, None], sp, float("-inf")), 1)  # (of tied keys, any will do)
+                moved = tile_top > top
+                new_centre = tl.where(moved, sp_top, centre)
+                shift = tl.where(moved, centre - new_centre, 0.0)
+                x += shift * p_sum
+                acc_s += shift[:, None] * acc_o
+                centre = new_centre
+                top = tl.where(moved, tile_top, top)
+                sp_less = sp - centre[:, None]
+                p_sum += tl.sum(p, 1)
+            x += tl.sum(p * sp_less, 1)
             if DROPOUT:
                 p = p * keep_scale(meta, b, h, offs_m, offs_n, keep_value)
             v = load_tile(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
             acc_o += mm(p.to(v.dtype), v, IP, ACC)
-            acc_s += mm((p * sp).to(v.dtype), v, IP, ACC)
+            acc_s += mm((p * sp_less).to(v.dtype), v, IP, ACC)
             if HAS_TV:
                 tv = load_tile(TV + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
                 acc_s += mm(p.to(tv.dtype), tv, IP, ACC)
+    t_less = x  # t - c
+    if CENTRE and SINK:  # rowsum(P) = 1 - P_sink: t - c = x - c P_sink, P_sink = exp(-m) / l (0 on a row that sees no key)
+        seen = inv != 0
+        p_sink = tl.where(seen, tl.exp(tl.log(tl.where(seen, inv, 1.0)) - m_row), 0.0)
+        t_less = x - centre * p_sink
     out = OT + b * so0 + h * so1 + offs_m[:, None] * so2 + offs_dv[None, :] * so3
-    tl.store(out, (acc_s - c[:, None] * acc_o).to(OT.dtype.element_ty),
+    tl.store(out, (acc_s - t_less[:, None] * acc_o).to(OT.dtype.element_ty),
              mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < DV))
 
 

@@ -381,7 +381,8 @@ def jvp(call: AttentionCall, *, row_max: Tensor, inv_sum: Tensor, tq: Optional[T
         q, k, v, tq, tk, tv, out_t, row_max.contiguous(), inv_sum.contiguous(), *_strides(q), *_strides(k),
         *_strides(v), *_strides(out_t), t_bias, *_strides(t_bias), *plan.masks, *plan.walks("keys"), *plan.sizes,
         HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None, HAS_TBIAS=tbias is not None,
-        **plan.switches, **plan.launch)
+        CENTRE=q.dtype == torch.float64 or (q.dtype == torch.float32 and plan.switches["IP"] == "ieee"),
+        SINK=call.sink, **plan.switches, **plan.launch)
     return out_t
 
 

@@ -287,19 +287,27 @@ def _softmax_jacobian_times(p: Tensor, x: Tensor, out: Tensor, row: Optional[Ten
     return torch.sub(x, row, out=out).mul_(p)
 
 
-def _centre_on_the_peak(p: Tensor, x: Tensor, scratch: Tensor, share: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """Centre x on each row's most probable key: x - c in place, c = x there, and returns
-    (c, t - c) (B, H, R, 1), t = rowsum(P * x) the row's centre.
+def _centre_on_the_peak(p: Tensor, x: Tensor, scratch: Tensor, share: Optional[Tensor],
+                        x_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Centre x on each row's most probable entry: x - c in place, c = x there, and returns
+    (c, t - c) (B, H, R, 1), t = rowsum(P * x) + P_sink x_sink the row's centre.
 
     On a peaked row t is nearly x at the peak, and x - t there cancels the rounding of t's
     sum (about |x| eps): float64 backward JVPs erred up to 2e-10 so. Centred, the peak's term
-    of the sum is 0 exactly and the rest are small. rowsum(P) = 1 - P_sink, so with a sink
-    (`share` = P_sink, else None) t - c = rowsum(P (x - c)) - c P_sink."""
-    c = x.gather(-1, p.argmax(dim=-1, keepdim=True))
+    of the sum is 0 exactly and the rest are small. A sink (`share` = P_sink, else None) is
+    an entry of the row too, of value `x_sink` (None: 0, as for S' and T; t D for g_P): where
+    it is the most probable, c = x_sink (a row that gave the sink 0.9997 of its weight erred
+    2.4e-12 centred on its one key). rowsum(P) = 1 - P_sink, so t - c = rowsum(P (x - c)) +
+    P_sink (x_sink - c)."""
+    top, at = p.max(dim=-1, keepdim=True)
+    c = x.gather(-1, at)
+    if share is not None:
+        sink_value = torch.zeros_like(c) if x_sink is None else x_sink.to(c.dtype)
+        c = torch.where(share > top, sink_value, c)
     x.sub_(c)
     t_c = torch.mul(p, x, out=scratch).sum(dim=-1, keepdim=True)
     if share is not None:
-        t_c -= c * share
+        t_c += share * ((0.0 if x_sink is None else x_sink) - c)
     return c, t_c
 
 
@@ -541,9 +549,7 @@ def attention_double_backward(
             u_row = g_centre[:, :, rows]
             g_s = _softmax_jacobian_times(p, g_p, scratch, u_row)  # g_S = P * (g_P - u)
         else:  # centred as T is; the t D that g_P leaves out returns through a sink as t D P_sink
-            c, u_less = _centre_on_the_peak(p, g_p, scratch, share)
-            if sink:
-                u_less += t_row * delta[:, :, rows] * share
+            c, u_less = _centre_on_the_peak(p, g_p, scratch, share, t_row * delta[:, :, rows] if sink else None)
             u_row = c + u_less
             g_s = torch.sub(g_p, u_less, out=scratch).mul_(p)  # g_S = P * (g_P - u)
         ds = p.mul_(dp)  # dS = P * (dP - D), in P's buffer

@@ -84,11 +84,11 @@ void double_backward(const Pass<T>& pass) {
             const auto [c, t_less] = centre_on_peak(pi, ti, seen, p_sink);
             const T t_sum = c + t_less;  // t = rowsum(P * T)
             second_order_terms(pi, ti, dpi, xi, seen, t_less, d_row);
-            auto [c_g, u_less] = centre_on_peak(pi, xi, seen, p_sink);
             // with a sink, rowsum(P) = 1 - P_sink: the per-row t D that g_P leaves out (the softmax
-            // ignores it only when P sums to 1) comes back as t D P_sink, P_sink = exp(-m) / l
-            if (pass.call.sink && inv != T(0)) u_less += t_sum * d_row * p_sink;
-            const T u_sum = c_g + u_less;  // u = rowsum(P * g_P)
+            // ignores it only when P sums to 1) comes back as t D P_sink, P_sink = exp(-m) / l: the
+            // sink is an entry of value t D (0 where p_sink is: no sink, or a row that sees no key)
+            const auto [c_g, u_less] = centre_on_peak(pi, xi, seen, p_sink, t_sum * d_row);
+            const T u_sum = c_g + u_less;  // u = rowsum(P * g_P) + t D P_sink
             centre_and_scale(pi, xi, seen, u_less);  // g_S = P ((g_P - c') - (u - c'))
             if (drop.on) {  // g_dP Z and P Z, for g_V and g_dO
                 drop.scale_row(ti, blk.b, blk.h, row, blk.key0, seen);

@@ -471,32 +471,42 @@ inline index_t peak_of(const float* p, index_t n) {
     return static_cast<index_t>(top_at);
 }
 
-// x <- x - c, with c = x at the row's peak (peak_of); returns {c, t - c}, t = rowsum(P * x).
-// On a peaked row t is nearly x at the peak, and x - t there would cancel t's rounding
-// (about |x| eps: float64 backward JVPs erred up to 1e-10 so); centred, the peak's term of
-// the sum is 0 exactly. rowsum(P) = 1 - P_sink, so t - c = rowsum(P (x - c)) - c P_sink.
-// Summed in double as wide_row_sum does for float32.
+// x <- x - c, with c = x at the row's most probable entry; returns {c, t - c}, t =
+// rowsum(P * x) + P_sink x_sink (a sink is an entry of the row too, of probability p_sink
+// and value x_sink: 0 for S' and T, whose sink's logit has no tangent; t D for g_P). On a
+// peaked row t is nearly x at the peak, and x - t there would cancel t's rounding (about
+// |x| eps: float64 backward JVPs erred up to 1e-10 so); centred, the peak's term of the sum
+// is 0 exactly. Where the sink is the most probable entry, c = x_sink (a row that gives the
+// sink 0.9997 of its weight erred 2.4e-12 centred on its one key). rowsum(P) = 1 - P_sink,
+// so t - c = rowsum(P (x - c)) + P_sink (x_sink - c). Summed in double as wide_row_sum does
+// for float32.
 template <typename T>
-std::pair<T, T> centre_on_peak_each(const T* p, T* x, index_t n, T p_sink) {
+T peak_value(const T* p, const T* x, index_t n, T p_sink, T x_sink) {
+    const index_t at = peak_of(p, n);
+    return p_sink > p[at] ? x_sink : x[at];
+}
+
+template <typename T>
+std::pair<T, T> centre_on_peak_each(const T* p, T* x, index_t n, T p_sink, T x_sink) {
     if (n == 0) return {T(0), T(0)};
-    const T c = x[peak_of(p, n)];
+    const T c = peak_value(p, x, n, p_sink, x_sink);
     wide_t<T> sum = 0;
     for (index_t j = 0; j < n; ++j) {
         x[j] -= c;
         sum += p[j] * x[j];
     }
-    return {c, static_cast<T>(sum - static_cast<wide_t<T>>(c) * p_sink)};
+    return {c, static_cast<T>(sum + static_cast<wide_t<T>>(p_sink) * (static_cast<wide_t<T>>(x_sink) - c))};
 }
 
 template <typename T>
-std::pair<T, T> centre_on_peak(const T* p, T* x, index_t n, T p_sink) {
-    return centre_on_peak_each(p, x, n, p_sink);
+std::pair<T, T> centre_on_peak(const T* p, T* x, index_t n, T p_sink, T x_sink = T(0)) {
+    return centre_on_peak_each(p, x, n, p_sink, x_sink);
 }
 
 template <>
-inline std::pair<float, float> centre_on_peak(const float* p, float* x, index_t n, float p_sink) {
+inline std::pair<float, float> centre_on_peak(const float* p, float* x, index_t n, float p_sink, float x_sink) {
     if (n == 0) return {0.0f, 0.0f};
-    const float c = x[peak_of(p, n)];
+    const float c = peak_value(p, x, n, p_sink, x_sink);
     const double sum = wide_row_sum(
             n,
             [&](index_t at) {
@@ -509,7 +519,7 @@ inline std::pair<float, float> centre_on_peak(const float* p, float* x, index_t 
                 store_tail(x + at, count, xj);
                 return load_tail(p + at, count, 0) * xj;
             });
-    return {c, static_cast<float>(sum - static_cast<double>(c) * p_sink)};
+    return {c, static_cast<float>(sum + static_cast<double>(p_sink) * (static_cast<double>(x_sink) - c))};
 }
 
 // x <- P (x - u)

@@ -118,6 +118,7 @@ def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
     so far, it sums x = rowsum(P (S' - c)) and (P Z (S' - c)) V, and where a later key is
     more probable, moves both to the new c (by (c_old - c) times what it has summed of P
     and of (P Z) V, whose weight is off the row's peak, so small where the row is peaked).
+    A sink is an entry of score 0 and S' 0, so c starts there.
     Then t - c = x - c P_sink (rowsum(P) = 1 - P_sink; SINK: 1/l holds a sink's term) and
     O' = sum (P Z (S' - c)) V - (t - c) sum (P Z) V + (P Z) V'; without it c = 0 (the half
     and TF32 kernels, whose products' rounding is far above what centring saves, and which
@@ -140,6 +141,8 @@ def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
     inv = load_rows(INV + rows, offs_m, Lq)
     centre = tl.zeros((BM,), ACC)  # c: S' at the most probable key so far
     top = tl.full((BM,), float("-inf"), ACC)  # that key's score
+    if SINK:  # the sink is an entry of score 0 (its logit is in the bias) and S' 0: c = 0 until a key outweighs it
+        top = tl.zeros((BM,), ACC)
     x = tl.zeros((BM,), ACC)  # rowsum(P (S' - c))
     p_sum = tl.zeros((BM,), ACC)  # rowsum(P), what x moves by per unit of c
     acc_o = tl.zeros((BM, BDV), ACC)

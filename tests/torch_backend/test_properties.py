@@ -284,8 +284,21 @@ KNOWN_OPEN = [
 ]
 
 
-def judge(call: Call, ours: dict, theirs: dict, backend: str) -> list[str]:
-    """Every tensor's error against the definition's; the failures, described."""
+# how far past the definition's own rounding spread (`judge`) a result may lie
+ROUNDING_SPREAD = 16.0
+
+
+def judge(call: Call, ours: dict, theirs: dict, backend: str, spread: dict) -> list[str]:
+    """Every tensor's error against the definition's; the failures, described.
+
+    A draw can make a tensor a sum whose terms cancel far below their size (one query row and
+    a value width of 1 made the JVP 2e4 times smaller than its terms): no float64 sum, the
+    definition's included (3e-11 off, against mpmath), meets EXACT relative to its own size
+    there. Such a problem is ill-conditioned, not our algorithm unstable, and a change of the
+    inputs by their last bits shows it: `spread` is each tensor's largest change, in the
+    definition, with every primal moved by 2^-50 of itself. A tensor within ROUNDING_SPREAD
+    times that is as exact as float64 allows; an unstable algorithm (an uncentred peaked row,
+    a sum that cancels in our passes alone) stays far past it."""
     zeros, failures = call.exact_zeros(), []
     unseen = ~call.allowed.any(-1)  # (B, H, Lq): rows that see no key give 0, exactly
     for name in ("out", "jvp", "dq", "gg_q", "hvp_q", "rof_q", "rof_tq"):
@@ -303,7 +316,7 @@ def judge(call: Call, ours: dict, theirs: dict, backend: str) -> list[str]:
                 bar, why = max(bar, looser), what
         floor = scales.get(group(name), 0.0) * (1.0 if name in zeros else FLOOR_FRACTION)
         figure = error_figure(ours[name].detach().numpy(), ref.detach().numpy(), floor=floor)
-        if not figure.rel <= bar:
+        if not figure.rel <= bar and not figure.max_abs <= ROUNDING_SPREAD * spread[name]:
             failures.append(f"{backend} {name}: rel {figure.rel:.3g} (max_abs {figure.max_abs:.3g}) over {bar:g} "
                             f"({why}{', judged as an exact zero' if name in zeros else ''})")
     return failures
@@ -315,6 +328,11 @@ def check(d: Draw, backends: tuple) -> None:
     note(f"rows that see no key: {int((~call.allowed.any(-1)).sum())} of {call.allowed[..., 0].numel()}; "
          f"least 1 - max P of a row: {call.least_spread():.3g}; exact zeros: {sorted(call.exact_zeros())}")
     theirs = call.named(every_derivative(call.by_definition, call.primals, d.seed % 1000))
+    signs = torch.Generator().manual_seed(d.seed + 1)
+    nudged = tuple(p * (1 + 2.0**-50 * (2 * torch.randint(0, 2, p.shape, generator=signs, dtype=DOUBLE) - 1))
+                   for p in call.primals)
+    moved = call.named(every_derivative(call.by_definition, nudged, d.seed % 1000))
+    spread = {name: float((theirs[name] - moved[name]).abs().max()) if theirs[name].numel() else 0.0 for name in theirs}
     failures = []
     for backend in backends:
         before = dict(dispatch.ran)
@@ -322,7 +340,7 @@ def check(d: Draw, backends: tuple) -> None:
             ours = call.named(every_derivative(call.ours, call.primals, d.seed % 1000))
         ran = {name for key, count in dispatch.ran.items() if count > before.get(key, 0) for name in key[1:]}
         assert ran <= {backend}, f"{backend}: passes ran on {ran}"
-        failures += judge(call, ours, theirs, backend)
+        failures += judge(call, ours, theirs, backend, spread)
     assert not failures, "\n".join(failures)
 
 

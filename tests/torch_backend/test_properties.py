@@ -328,11 +328,7 @@ def check(d: Draw, backends: tuple) -> None:
     note(f"rows that see no key: {int((~call.allowed.any(-1)).sum())} of {call.allowed[..., 0].numel()}; "
          f"least 1 - max P of a row: {call.least_spread():.3g}; exact zeros: {sorted(call.exact_zeros())}")
     theirs = call.named(every_derivative(call.by_definition, call.primals, d.seed % 1000))
-    signs = torch.Generator().manual_seed(d.seed + 1)
-    nudged = tuple(p * (1 + 2.0**-50 * (2 * torch.randint(0, 2, p.shape, generator=signs, dtype=DOUBLE) - 1))
-                   for p in call.primals)
-    moved = call.named(every_derivative(call.by_definition, nudged, d.seed % 1000))
-    spread = {name: float((theirs[name] - moved[name]).abs().max()) if theirs[name].numel() else 0.0 for name in theirs}
+    spread = dict.fromkeys(theirs, 0.0)  # made only where a tensor misses EXACT (it costs a third evaluation)
     failures = []
     for backend in backends:
         before = dict(dispatch.ran)
@@ -340,8 +336,22 @@ def check(d: Draw, backends: tuple) -> None:
             ours = call.named(every_derivative(call.ours, call.primals, d.seed % 1000))
         ran = {name for key, count in dispatch.ran.items() if count > before.get(key, 0) for name in key[1:]}
         assert ran <= {backend}, f"{backend}: passes ran on {ran}"
-        failures += judge(call, ours, theirs, backend, spread)
+        missed = judge(call, ours, theirs, backend, spread)
+        if missed and not any(spread.values()):
+            spread = definition_spread(call, theirs)
+            missed = judge(call, ours, theirs, backend, spread)
+        failures += missed
     assert not failures, "\n".join(failures)
+
+
+def definition_spread(call: Call, theirs: dict) -> dict:
+    """Each tensor's largest change, in the definition, with every primal moved by 2^-50 of
+    itself (`judge`)."""
+    signs = torch.Generator().manual_seed(call.d.seed + 1)
+    nudged = tuple(p * (1 + 2.0**-50 * (2 * torch.randint(0, 2, p.shape, generator=signs, dtype=DOUBLE) - 1))
+                   for p in call.primals)
+    moved = call.named(every_derivative(call.by_definition, nudged, call.d.seed % 1000))
+    return {name: float((theirs[name] - moved[name]).abs().max()) if theirs[name].numel() else 0.0 for name in theirs}
 
 
 @pytest.fixture
@@ -379,6 +389,8 @@ SINK_PEAK = Draw(batch=1, heads=2, heads_kv=2, len_q=24, len_k=1, e=9, ev=10, ma
 @settings(max_examples=EXAMPLES, **PROPERTY)
 @given(draws())
 @example(d=SINK_PEAK)
+@example(d=dataclasses.replace(SINK_PEAK, len_q=1, len_k=20, e=20, ev=1, causal=False, sinks=False, scale=1.90234375,
+                               spread=0.5))  # a JVP 2e4 times smaller than its terms: ill-conditioned (`judge`)
 @example(d=dataclasses.replace(SINK_PEAK, heads=2, heads_kv=1, len_q=6, len_k=16, e=1, ev=1, bias=(1, 1), causal=False,
                                seed=6))  # sinks beside one number of bias: the definition's derivatives in the sink's
 def test_every_derivative_of_every_feature_together(small_tiles, d):

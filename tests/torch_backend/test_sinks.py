@@ -100,6 +100,24 @@ def test_sinks_in_every_derivative_match_the_definition(backend, name):  # noqa:
     assert_all_close(results["ours"], results["theirs"])
 
 
+def every_derivative_beside_a_bias(q, k, v, bias, seed):
+    """Every derivative (`every_derivative`) of attngrad's and of the definition's attention
+    with sinks at -8 and -3 beside `bias`, scale 1, in q, k, v, the bias and the sinks."""
+    from attngrad.check.torch_backend import every_derivative
+
+    sinks = torch.tensor([-8.0, -3.0], dtype=torch.float64)
+    keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool)
+
+    def ours(q, k, v, bias, sinks):
+        return attention(q, k, v, attn_bias=bias, sinks=sinks, scale=1.0)
+
+    def theirs(q, k, v, bias, sinks):
+        return with_sinks_by_definition(q, k, v, bias, sinks, keep, None, scale=1.0)
+
+    names = ("q", "k", "v", "bias", "sinks")
+    return [every_derivative(fn, (q, k, v, bias, sinks), seed, names=names) for fn in (ours, theirs)]
+
+
 @pytest.mark.parametrize("bias_shape", [(1, 2, 64, 64), (1, 1, 1, 1), (3, 1, 64, 1)],
                          ids=["key-varying", "one-number", "per-row"])
 def test_sinks_beside_a_bias_are_exact_in_every_derivative(backend, bias_shape):  # noqa: F811 (the fixture)
@@ -114,21 +132,9 @@ def test_sinks_beside_a_bias_are_exact_in_every_derivative(backend, bias_shape):
     ones did, so those are judged against the largest of all (`assert_all_close`'s zeros);
     for a bias of one number the sinks' accurate ones judge them instead: softmax([S + b, s])
     depends on s - b alone, so each derivative in b is minus the sum of those in s."""
-    from attngrad.check.torch_backend import every_derivative
-
     batch = bias_shape[0] if bias_shape[0] > 1 else 1
     q, k, v = (randn(batch, 2, 64, 64, seed=s) for s in range(3))
-    bias, sinks = randn(*bias_shape, seed=3), torch.tensor([-8.0, -3.0], dtype=torch.float64)
-    keep = torch.ones(64, 64, dtype=torch.bool)
-
-    def ours(q, k, v, bias, sinks):
-        return attention(q, k, v, attn_bias=bias, sinks=sinks, scale=1.0)
-
-    def theirs(q, k, v, bias, sinks):
-        return with_sinks_by_definition(q, k, v, bias, sinks, keep, None, scale=1.0)
-
-    names = ("q", "k", "v", "bias", "sinks")
-    results = [every_derivative(fn, (q, k, v, bias, sinks), 7, names=names) for fn in (ours, theirs)]
+    results = every_derivative_beside_a_bias(q, k, v, randn(*bias_shape, seed=3), seed=7)
     key_constant = bias_shape[-1] == 1
     assert_all_close(*results, zeros={n for n in results[1] if n.endswith("bias")} if key_constant else set())
     if bias_shape == (1, 1, 1, 1):

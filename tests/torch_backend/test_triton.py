@@ -431,20 +431,10 @@ def test_sinks_beside_a_key_varying_bias_are_exact_in_every_derivative(on_triton
     """The sinks' closed forms on Triton (`sink_logits`; each row's term from the kernels' row
     sums, `launch._sink_rows`): every derivative within 1e-12 of autograd of the definition,
     per-batch sinks at -8 and -3 beside a bias that varies along the keys."""
-    from .test_sinks import with_sinks_by_definition
+    from .test_sinks import every_derivative_beside_a_bias
 
     q, k, v = (randn(2, 2, n, 8, seed=s) for s, n in enumerate((9, 12, 12)))
-    bias, sinks = randn(1, 2, 9, 12, seed=3), torch.tensor([-8.0, -3.0], dtype=DOUBLE)
-    keep = torch.ones(9, 12, dtype=torch.bool)
-
-    def ours(q, k, v, bias, sinks):
-        return attention(q, k, v, attn_bias=bias, sinks=sinks, scale=1.0)
-
-    def theirs(q, k, v, bias, sinks):
-        return with_sinks_by_definition(q, k, v, bias, sinks, keep, None, scale=1.0)
-
-    names = ("q", "k", "v", "bias", "sinks")
-    assert_all_close(*(every_derivative(fn, (q, k, v, bias, sinks), 5, names=names) for fn in (ours, theirs)))
+    assert_all_close(*every_derivative_beside_a_bias(q, k, v, randn(1, 2, 9, 12, seed=3), seed=5))
 
 
 @interpreted

@@ -40,9 +40,10 @@ def lowered(call: AttentionCall) -> AttentionCall:
     return dataclasses.replace(call, masks=dataclasses.replace(call.masks, bias=bias, sinks=None, sink=True))
 
 
-def _joined(bias_part: Optional[Tensor], sinks_part: Optional[Tensor], shape: torch.Size) -> Optional[Tensor]:
+def joined(bias_part: Optional[Tensor], sinks_part: Optional[Tensor], shape: torch.Size) -> Optional[Tensor]:
     """A tangent or cotangent of the bias and of the logits as the lowered bias's: bias_part
-    less each head's sinks_part, in the lowered bias's `shape`; None where both are."""
+    less each head's sinks_part, in the lowered bias's `shape`; None where both are (the
+    ring's Functions use it too)."""
     parts = [p for p in (bias_part, None if sinks_part is None else -sinks_part[:, :, None, None]) if p is not None]
     if not parts:
         return None
@@ -63,20 +64,10 @@ def _to_bias(grad: Optional[Tensor], bias: Tensor) -> Optional[Tensor]:
     return grad.reshape(bias.shape).to(bias.dtype)
 
 
-def _to_sinks(per_row: Tensor, sinks: Tensor) -> Tensor:
-    """-sum of a (B, H, Lq) per-row term over the rows (and the batch, for (1, H) logits)."""
-    return -rows_to_bias(per_row.double(), sinks[:, :, None, None], sinks.dtype).reshape(sinks.shape)
-
-
-def joined(bias_part: Optional[Tensor], sinks_part: Optional[Tensor], shape: torch.Size) -> Optional[Tensor]:
-    """`_joined` for the ring, whose Functions take the bias with its logits and the logits."""
-    return _joined(bias_part, sinks_part, shape)
-
-
 def to_sinks(per_row: Tensor, sinks: Tensor) -> Tensor:
-    """-sum of each row's term (B, H, Lq) over the rows (and the batch, for (1, H) logits):
+    """-sum of a (B, H, Lq) per-row term over the rows (and the batch, for (1, H) logits):
     the logits' share of a result whose rows' terms `sink_rows` holds."""
-    return _to_sinks(per_row, sinks)
+    return -rows_to_bias(per_row.double(), sinks[:, :, None, None], sinks.dtype).reshape(sinks.shape)
 
 
 def grad(sinks: Tensor, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor) -> Tensor:
@@ -84,11 +75,7 @@ def grad(sinks: Tensor, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Ten
     `key_constant_bias_grad`'s)."""
     wide = [t if t.dtype in (torch.float32, torch.float64) else t.float() for t in (dout, out)]
     per_row = torch.mul(*wide).sum(dim=-1, dtype=torch.float64) * sink_share(row_max, inv_sum)
-    return _to_sinks(per_row, sinks)
-
-
-def _grad(call: AttentionCall, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor) -> Tensor:
-    return grad(call.sinks, dout, out, row_max, inv_sum)
+    return to_sinks(per_row, sinks)
 
 
 def run(pass_name: str, call: AttentionCall, inputs: dict[str, Any],
@@ -99,11 +86,11 @@ def run(pass_name: str, call: AttentionCall, inputs: dict[str, Any],
     shape = low.bias.shape
     given = {name: value for name, value in inputs.items() if name not in _SINK_INPUTS}
     if "tbias" in given:
-        given["tbias"] = _joined(given["tbias"], inputs["tsinks"], shape)
+        given["tbias"] = joined(given["tbias"], inputs["tsinks"], shape)
     gsinks = inputs.get("gsinks")
     if "gbias" in given:
         # the lowered bias's gradient is asked for whenever a cotangent reaches it
-        given["gbias"] = _joined(given["gbias"], gsinks, shape)
+        given["gbias"] = joined(given["gbias"], gsinks, shape)
         given["bias_grad"] = inputs["bias_grad"] or gsinks is not None
     if pass_name in ("backward_jvp", "backward_with_jvp", "double_backward"):
         given["sink_rows"] = empty_like_field("rows", call)
@@ -112,19 +99,21 @@ def run(pass_name: str, call: AttentionCall, inputs: dict[str, Any],
         return results
     user_bias_grad = bool(inputs["bias_grad"])
 
-    def fix(grad: Optional[Tensor]) -> Optional[Tensor]:  # the lowered bias's gradient as the bias's, if asked
-        return _to_bias(grad, call.bias) if user_bias_grad else None
+    def fix(lowered_grad: Optional[Tensor]) -> Optional[Tensor]:  # the lowered bias's gradient as the bias's, if asked
+        return _to_bias(lowered_grad, call.bias) if user_bias_grad else None
+
+    def dsinks() -> Tensor:
+        return grad(call.sinks, *(inputs[n] for n in ("dout", "out", "row_max", "inv_sum")))
 
     if pass_name == "backward":
         dq, dk, dv, dbias = results
-        return dq, dk, dv, fix(dbias), _grad(call, **{n: inputs[n] for n in ("dout", "out", "row_max", "inv_sum")})
+        return dq, dk, dv, fix(dbias), dsinks()
     if pass_name == "double_backward":
         g_dout, g_q, g_k, g_v, g_bias = results
-        return g_dout, g_q, g_k, g_v, fix(g_bias), _to_sinks(given["sink_rows"], call.sinks)
-    tangent = _to_sinks(given["sink_rows"], call.sinks)
+        return g_dout, g_q, g_k, g_v, fix(g_bias), to_sinks(given["sink_rows"], call.sinks)
+    tangent = to_sinks(given["sink_rows"], call.sinks)
     if pass_name == "backward_jvp":
         tdq, tdk, tdv, tdbias = results
         return tdq, tdk, tdv, fix(tdbias), tangent
     dq, dk, dv, dbias, tdq, tdk, tdv, tdbias = results
-    grad = _grad(call, **{n: inputs[n] for n in ("dout", "out", "row_max", "inv_sum")})
-    return dq, dk, dv, fix(dbias), grad, tdq, tdk, tdv, fix(tdbias), tangent
+    return dq, dk, dv, fix(dbias), dsinks(), tdq, tdk, tdv, fix(tdbias), tangent

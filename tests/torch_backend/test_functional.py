@@ -171,7 +171,20 @@ FLOAT32_MASK_CASES = {
     "two-keys": (409, 2, 128, 4, 4, (2, 4, 409, 2)),
     # per head and key, GQA's 8 heads on one key/value head: dmask sums Lq entries
     "per-head-key": (334, 65, 40, 8, 1, (8, 1, 65)),
+    # ALiBi (flash-attn's tests' slopes, no causal), rows over two of the tiles' key blocks:
+    # the tiles took D = rowsum(dO O) there, and dmask was 1.64x PyTorch's error here (2.0002x
+    # at the benchmark's draw); with each row in one key block (native.WHOLE_ROW_KEYS) 1.03x.
+    # Held to 1.5x, so that the old way fails
+    "alibi-gqa": (1024, 1023, 40, 8, 2, "alibi"),
 }
+FLOAT32_MASK_BARS = {"alibi-gqa": 1.5}
+
+
+def alibi(heads: int, len_q: int, len_k: int) -> torch.Tensor:
+    """(H, Lq, Lk): -slope_h |i + Lk - Lq - j|, slopes 2^(-8 (h + 1) / H)."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1, dtype=torch.float64) / heads)
+    distance = (torch.arange(len_q)[:, None] + len_k - len_q - torch.arange(len_k)[None, :]).abs()
+    return (-slopes[:, None, None] * distance).float()
 
 
 @pytest.mark.parametrize("case", list(FLOAT32_MASK_CASES))
@@ -188,7 +201,7 @@ def test_float32_gradient_of_a_float_mask_is_within_twice_pytorchs_error(backend
     q = torch.randn(2, heads, len_q, dim, generator=g)
     k, v = (torch.randn(2, kv_heads, len_k, dim, generator=g) for _ in range(2))
     dout = torch.randn(2, heads, len_q, dim, generator=g)
-    mask = torch.randn(mask_shape, generator=g)
+    mask = alibi(heads, len_q, len_k) if mask_shape == "alibi" else torch.randn(mask_shape, generator=g)
 
     def definition(q, k, v, mask):
         groups = heads // kv_heads
@@ -204,7 +217,8 @@ def test_float32_gradient_of_a_float_mask_is_within_twice_pytorchs_error(backend
         results[name] = (out.double(), dq.double(), dmask.double())
     for i, tensor in enumerate(("out", "dq", "dmask")):
         truth, ours, theirs = results["truth"][i], results["ours"][i], results["torch"][i]
-        assert rel_err(ours, truth) <= 2 * rel_err(theirs, truth), (tensor, rel_err(ours, truth), rel_err(theirs, truth))
+        bar = FLOAT32_MASK_BARS.get(case, 2.0) if tensor == "dmask" else 2.0
+        assert rel_err(ours, truth) <= bar * rel_err(theirs, truth), (tensor, rel_err(ours, truth), rel_err(theirs, truth))
 
 
 @pytest.mark.parametrize("len_k", [300, 1100])

@@ -47,6 +47,8 @@ __all__ = ["attention_forward", "attention_backward", "attention_double_backward
 # 0.88, (256, 256) 0.93 / 0.85, (128, 1024) 0.97 / 1.01.
 BLOCK_ROWS = 128
 BLOCK_KEYS = 512
+# Keys up to which a float32 backward with a bias gradient takes each row in one key block
+WHOLE_ROW_KEYS = 2048
 # Rows of a causal call's query block below CAUSAL_SHORT rows: a block's keys end at its last
 # row, so smaller blocks skip more of the masked triangle, which matters most where a head
 # has few blocks. Fwd+bwd, causal, d=64, float32 (time with 128-row blocks -> these): B=4,
@@ -492,6 +494,11 @@ def attention_backward(
     dout, q, k, v, out, row_max, inv_sum = _work(dout, q, k, v, out, row_max, inv_sum)
     masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad, bounds=bounds, blocks=blocks)
     block_keys = _block_keys(bounds)
+    if bias_grad and q.dtype == torch.float32 and masks["bias_sizes"][3] > 1 and k.shape[2] <= WHOLE_ROW_KEYS:
+        # a float32 bias gradient: each row in one key block, whose D = rowsum(P dP) follows the
+        # block's own P and dP where rowsum(dO O) carries O's rounding (ALiBi, GQA, d=40, Lq=1024:
+        # dbias 2.0x PyTorch's error -> see docs/api.md)
+        block_keys = max(block_keys, k.shape[2])
     if chunks is None:
         chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-k.shape[2] // block_keys))
     dq_parts = q.new_empty(chunks, *q.shape)  # the pass zeroes its parts, dk and dv itself

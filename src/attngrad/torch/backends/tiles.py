@@ -77,7 +77,7 @@ def plan_forward(call: AttentionCall) -> Optional[Callable[[Tensor, Tensor, Tens
     """The forward prepared for calls like `call` (`dispatch.plan`): those without a mask, a
     bias, key bounds, dropout or sinks."""
     if call.mask is not None or call.bias is not None or call.bounds is not None or call.blocks is not None or \
-            call.dropout_p or call.sink:
+            call.dropout_p or call.sink or call.sinks is not None:
         return None
     prepared = native.forward_plan(call.q, call.k, call.v, call.causal, call.scale, call.softcap)
     dtype = call.q.dtype

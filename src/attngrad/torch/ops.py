@@ -41,6 +41,8 @@ from .op_checks import check_block_values, check_fields
 CALL_NAMES = tuple(f.name for f in CALL_FIELDS)
 ARGUMENTS = {pass_name: argument_names(pass_name) for pass_name in PASSES}  # in schema order
 DEFAULTS = {f.name: f.default for f in FIELDS.values() if f.default is not REQUIRED}
+# where each pass's results hold the sinks' derivatives
+_SINK_OUTPUTS = {name: at for name, p in PASSES.items() if (at := [i for i, o in enumerate(p.outputs) if o.like == "sinks"])}
 
 
 def split_fields(pass_name: str, args: tuple, kwargs: dict) -> tuple[AttentionCall, dict[str, Any]]:
@@ -83,10 +85,6 @@ def run_pass(pass_name: str, call: AttentionCall, inputs: dict[str, Any]) -> Any
             results.insert(i, None)
     return _as_op_results(pass_name, results, call)
 
-
-# where each pass's results hold the sinks' derivatives
-_SINK_OUTPUTS = {name: [i for i, o in enumerate(p.outputs) if o.like == "sinks"] for name, p in PASSES.items()}
-_SINK_OUTPUTS = {name: at for name, at in _SINK_OUTPUTS.items() if at}
 
 
 def _as_op_results(pass_name: str, results: Any, call: AttentionCall) -> Any:

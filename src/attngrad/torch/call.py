@@ -21,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
 from torch import Tensor
 
 from .dropout import Placement
 from .mask_blocks import MaskBlocks
+from .precision import compute_dtype
 
 REQUIRED = object()  # a field without a default
 
@@ -227,6 +227,6 @@ def empty_like_field(like: str, call: AttentionCall) -> Tensor:
     if like == "out":
         return q.new_empty(*q.shape[:3], v.shape[-1])
     if like == "rows":
-        return q.new_empty(q.shape[:3], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        return q.new_empty(q.shape[:3], dtype=compute_dtype(q.dtype))
     source = {"q": q, "k": call.k, "v": v, "bias": call.bias, "sinks": call.sinks}[like]
     return source.new_empty(source.shape)  # empty_like would copy a transposed input's strides

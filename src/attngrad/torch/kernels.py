@@ -62,6 +62,7 @@ from torch import Tensor
 from .block_map import excluded, key_range
 from .dropout import Placement, keep_scale_into
 from .mask_blocks import MaskBlocks
+from .precision import compute_dtype
 
 # Elements of one (B, H, R, Lk') score tile: 2^22 float32 = 16 MiB. A handful of tiles are
 # alive at once in the backward, which bounds the extra memory whatever the length.
@@ -110,8 +111,6 @@ def blocks(batch: int, heads: int, len_q: int, len_k: int, causal: int | None, m
     return out
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def row_slice(t: Tensor | None, start: int, stop: int, keys: int, first: int = 0) -> Tensor | None:

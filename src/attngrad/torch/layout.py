@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+from .precision import FLOATS
 
 
 def broadcast_shapes(*shapes: tuple) -> torch.Size:

@@ -27,8 +27,8 @@ from . import dropout as dropout_masks
 from .arguments import build_call
 from .autograd import attention
 from .functional import attention as attention_function
-from .kernels import compute_dtype
 from .nested import is_jagged
+from .precision import compute_dtype
 
 
 class MultiheadAttention(nn.Module):

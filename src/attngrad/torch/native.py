@@ -35,6 +35,7 @@ from .block_map import kept_keys, key_ranges, tile_map
 from .dropout import Placement, keep_value, threshold
 from .mask_blocks import MaskBlocks
 from .native_build import build_info, fresh_build_seconds, library
+from .precision import compute_dtype
 
 __all__ = ["attention_forward", "attention_backward", "attention_double_backward", "attention_jvp",
            "attention_forward_jvp", "attention_backward_jvp", "attention_backward_jvp_given_sums", "forward_plan",
@@ -376,7 +377,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: flo
     argument list worked out once, so that a call is its allocations and the op
     (`eager_plans`)."""
     bf16 = _bf16(q)
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    work = compute_dtype(q.dtype)
     converted = any(t.dtype != work or not t.is_contiguous() for t in (q, k, v))
     batch, heads, len_q, _ = q.shape
     out_shape, stats_shape = (batch, heads, len_q, v.shape[-1]), (batch, heads, len_q)

@@ -17,8 +17,7 @@ from torch import Tensor
 from .call import FIELDS, AttentionCall
 from .layout import broadcast_shapes
 from .mask_blocks import MaskBlocks
-
-FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+from .precision import FLOATS
 
 
 def _shape(t: Tensor) -> tuple:

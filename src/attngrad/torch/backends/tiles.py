@@ -20,8 +20,7 @@ from torch import Tensor
 
 from .. import dispatch, dropout, native
 from ..call import AttentionCall
-
-FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+from ..precision import FLOATS
 
 
 def _unavailable() -> Optional[str]:

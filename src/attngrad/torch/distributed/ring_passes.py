@@ -28,9 +28,9 @@ import torch
 from torch import Tensor
 
 from .. import dispatch
-from ..kernels import compute_dtype
 from ..key_constant_bias import sink_share
 from ..ops import add_sink, run_op
+from ..precision import compute_dtype
 from .ring_plan import RingPlan, Unit, piece
 
 Block = list[Optional[list[Tensor]]]  # per travelling field (K, V, their tangents...), its chunks or None

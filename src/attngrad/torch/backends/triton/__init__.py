@@ -20,8 +20,7 @@ import torch
 
 from ... import dispatch
 from ...call import AttentionCall
-
-FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+from ...precision import FLOATS
 
 
 @functools.lru_cache(maxsize=1)

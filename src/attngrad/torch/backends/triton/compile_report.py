@@ -27,6 +27,7 @@ import torch
 
 from ... import mask_blocks
 from ...call import AttentionCall, ScoreMasks
+from ...precision import compute_dtype
 
 PASSES = ("forward", "backward", "jvp", "backward_jvp", "double_backward")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -152,7 +153,7 @@ def record_launches(dtype: torch.dtype, width: int, features: str, tf32: bool = 
     from . import launch
 
     call, t = _call(dtype, width, features)
-    rows = torch.zeros(call.q.shape[:3], dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    rows = torch.zeros(call.q.shape[:3], dtype=compute_dtype(dtype))
     out = torch.zeros(*call.q.shape[:3], call.v.shape[-1], dtype=dtype)
     stats = dict(dout=out, out=out, row_max=rows, inv_sum=rows, bias_grad=call.bias is not None)
     tangents = dict(tq=t.get("tq"), tk=t.get("tk"), tv=t.get("tv"), tbias=t.get("tbias"))

@@ -29,6 +29,7 @@ from ...block_map import empty_tiles
 from ...call import AttentionCall
 from ...dropout import keep_value, threshold
 from ...key_constant_bias import is_key_constant, rows_to_bias, sink_share
+from ...precision import compute_dtype
 from . import kernels
 from .tiles import BACKWARD, BACKWARD_JVP, DOUBLE_BACKWARD
 
@@ -283,7 +284,7 @@ class Plan:
         self.Hkv, self.Lk, self.DV = k.shape[1], k.shape[2], v.shape[-1]
         self.G = self.H // self.Hkv
         self.device = q.device
-        self.acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        self.acc_dtype = compute_dtype(q.dtype)
         shape = (self.B, self.H, self.Lq, self.Lk)
         self.scores_shape = shape
         self.n_q, self.n_k = triton.cdiv(self.Lq, blocks.rows), triton.cdiv(self.Lk, blocks.keys)

@@ -34,6 +34,13 @@ MIX_2 = 0x94D049BB133111EB
 _MASK64 = (1 << 64) - 1
 
 
+def as_int64(seed: int) -> int:
+    """A seed's 64 bits as the int64 with the same bits, which an int64 argument of an op or
+    a kernel takes."""
+    bits = seed & _MASK64
+    return bits - (1 << 64) if bits >> 63 else bits
+
+
 class Placement(NamedTuple):
     """Where a call sits in a larger one (a ring step, a head group of
     `attngrad.torch.distributed`): the dropout seed; the whole's row, key and head of the

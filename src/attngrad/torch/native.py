@@ -32,7 +32,7 @@ from torch import Tensor
 
 from . import buffer_cache, kept
 from .block_map import kept_keys, key_ranges, tile_map
-from .dropout import Placement, keep_value, threshold
+from .dropout import Placement, as_int64, keep_value, threshold
 from .mask_blocks import MaskBlocks
 from .native_build import build_info, fresh_build_seconds, library
 from .precision import compute_dtype
@@ -105,7 +105,6 @@ WHOLE_ROWS = 2
 # as they are (csrc/whole_rows.h, KeySide). Longer keys keep the heads in place.
 TRANSPOSED_KEYS = 1 << 23
 
-_MASK64 = (1 << 64) - 1
 
 
 def available() -> bool:
@@ -157,9 +156,8 @@ def _options(causal: int | None, scale: float, *, block_rows: int = 0, chunks: i
 def _options_of(causal: int | None, scale: float, block_rows: int, chunks: int, key: Placement, dropout_p: float,
                 block_keys: int, softcap: float, sink: bool, bf16: bool, value_slice: int,
                 transposed_keys: bool) -> tuple:
-    bits = key.seed & _MASK64  # the seed's 64 bits, as the int64 with the same bits
     options = dict(causal=None if causal is None else int(causal), scale=float(scale), softcap=float(softcap),
-                   dropout=dropout_p > 0.0, seed=bits - (1 << 64) if bits >> 63 else bits,
+                   dropout=dropout_p > 0.0, seed=as_int64(key.seed),
                    threshold=threshold(dropout_p), keep_value=keep_value(dropout_p), row_offset=key.row_offset,
                    key_offset=key.key_offset, head_offset=key.head_offset, partial_rows=bool(key.partial_rows),
                    sink=bool(sink), block_rows=block_rows, block_keys=block_keys, value_slice=value_slice,
@@ -564,8 +562,7 @@ def attention_double_backward(
 def dropout_keep_scale_into(out: Tensor, seed: int, row_start: int, threshold: int, value: float,
                             key_start: int = 0) -> Tensor:
     """`dropout.keep_scale_into` for a contiguous float32 or float64 CPU tile (B, H, R, keys)."""
-    bits = seed & _MASK64
-    _ops().dropout_keep_scale(out, bits - (1 << 64) if bits >> 63 else bits, row_start, key_start, threshold, value)
+    _ops().dropout_keep_scale(out, as_int64(seed), row_start, key_start, threshold, value)
     return out
 
 

@@ -27,13 +27,11 @@ from torch import Tensor
 from ... import kept
 from ...block_map import empty_tiles
 from ...call import AttentionCall
-from ...dropout import keep_value, threshold
+from ...dropout import as_int64, keep_value, threshold
 from ...key_constant_bias import is_key_constant, rows_to_bias, sink_share
 from ...precision import compute_dtype
 from . import kernels
 from .tiles import BACKWARD, BACKWARD_JVP, DOUBLE_BACKWARD
-
-_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -294,8 +292,7 @@ class Plan:
         bounds = None if call.bounds is None else call.bounds.contiguous()
         bound_strides = [0, 0] if bounds is None else [0 if bounds.shape[0] == 1 else bounds.stride(0), bounds.stride(1)]
         placement = call.placement
-        seed = placement.seed & _MASK64
-        meta = [seed - (1 << 64) if seed >> 63 else seed, placement.row_offset, placement.key_offset,
+        meta = [as_int64(placement.seed), placement.row_offset, placement.key_offset,
                 placement.head_offset, threshold(call.dropout_p)]
         self.meta = _on_device(tuple(meta), torch.int64, self.device)
         cap = call.softcap

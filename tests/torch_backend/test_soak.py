@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from attngrad.torch import replace_sdpa, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch import attention, replace_sdpa, scaled_dot_product_attention  # noqa: E402
 
 STEPS = int(os.environ.get("ATTNGRAD_SOAK_STEPS", "16"))
 WARM_UP = 3
@@ -128,6 +128,24 @@ def test_a_workload_holds_memory_flat(workload, replaced):
     else:
         counts, growth = _soak(lambda: step(model, x))
     _assert_flat(counts, growth)
+
+
+class SinkBlock(Block):
+    """`Block` with learned attention sinks (GPT-OSS's), through attngrad's `attention`."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__(lambda q, k, v, **options: attention(q, k, v, sinks=self.sinks, **options), dim, heads)
+        self.sinks = nn.Parameter(torch.randn(heads) - 2)
+
+
+@pytest.mark.parametrize("workload", ["plain", "meanflow through du", "gradient penalty", "hvp"])
+def test_a_workload_with_sinks_holds_memory_flat(workload):
+    """The sinks' own Function outputs and inputs (dsinks, tsinks, gsinks) on every autograd
+    path: a step, the gradient through a JVP, a double backward, forward over reverse."""
+    torch.manual_seed(0)
+    model = nn.Sequential(SinkBlock(), SinkBlock()).double()
+    x = torch.randn(2, 24, 32, dtype=torch.float64)
+    _assert_flat(*_soak(lambda: WORKLOADS[workload](model, x)))
 
 
 @pytest.mark.parametrize("replaced", [False, True], ids=["attngrad", "replace_sdpa"])

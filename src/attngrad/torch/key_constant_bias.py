@@ -44,16 +44,24 @@ def sink_share(row_max: Tensor, inv_sum: Tensor) -> Tensor:
     return torch.where(seen, torch.exp(torch.log(torch.where(seen, inv_sum, 1).double()) - row_max.double()), 0.0)
 
 
+def sum_to_shape(t: Tensor, shape: tuple, dtype: torch.dtype) -> Tensor:
+    """`t` summed over the leading axes along which `shape` (4-D or fewer, right-aligned to
+    t's) is 1 and t is not, by halves (`fixed_order_sum`), in `shape` and `dtype`."""
+    if t.numel() == 0:  # no entry (an empty batch, head or query axis): nothing to sum
+        return torch.zeros(shape, dtype=dtype, device=t.device)
+    target = (1,) * (t.dim() - len(shape)) + tuple(shape)
+    summed = [axis for axis in range(t.dim()) if target[axis] == 1 and t.shape[axis] > 1]
+    if summed:
+        kept = [axis for axis in range(t.dim()) if axis not in summed]
+        t = fixed_order_sum(t.permute(*kept, *summed).reshape(*(t.shape[a] for a in kept), -1))
+    return t.reshape(shape).to(dtype)
+
+
 def rows_to_bias(per_row: Tensor, bias: Tensor, dtype: torch.dtype) -> Tensor:
     """A (B, H, Lq) per-row quantity summed over the axes along which `bias` (constant along
-    the keys) broadcasts, by halves (`fixed_order_sum`), in the bias's shape and `dtype`."""
-    if per_row.numel() == 0:  # no row (an empty batch, head or query axis): nothing to sum
-        return torch.zeros(bias.shape, dtype=dtype, device=per_row.device)
-    target = (1,) * (4 - bias.dim()) + tuple(bias.shape)
-    summed = [axis for axis in range(3) if target[axis] == 1 and per_row.shape[axis] > 1]
-    kept = [axis for axis in range(3) if axis not in summed]
-    grouped = per_row.permute(*kept, *summed).reshape(*(per_row.shape[a] for a in kept), -1)
-    return fixed_order_sum(grouped).reshape(bias.shape).to(dtype)
+    the keys) broadcasts, in the bias's shape and `dtype` (`sum_to_shape`)."""
+    padded = (1,) * (4 - bias.dim()) + tuple(bias.shape)
+    return sum_to_shape(per_row[..., None], padded, dtype).reshape(bias.shape)
 
 
 def key_constant_bias_grad(bias: Tensor, sink: bool, dout: Tensor, out: Tensor, row_max: Tensor,

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .call import AttentionCall, empty_like_field
-from .key_constant_bias import fixed_order_sum, rows_to_bias, sink_share
+from .key_constant_bias import rows_to_bias, sink_share, sum_to_shape
 
 _SINK_INPUTS = ("tsinks", "gsinks")
 
@@ -54,14 +54,7 @@ def joined(bias_part: Optional[Tensor], sinks_part: Optional[Tensor], shape: tor
 def _to_bias(grad: Optional[Tensor], bias: Tensor) -> Optional[Tensor]:
     """The lowered bias's gradient summed, in a fixed order, over the axes it gained from the
     logits: the bias's own gradient, in its shape."""
-    if grad is None:
-        return None
-    target = (1,) * (4 - bias.dim()) + tuple(bias.shape)
-    summed = [a for a in range(4) if target[a] == 1 and grad.shape[a] > 1]
-    if summed:
-        kept = [a for a in range(4) if a not in summed]
-        grad = fixed_order_sum(grad.permute(*kept, *summed).reshape(*(grad.shape[a] for a in kept), -1))
-    return grad.reshape(bias.shape).to(bias.dtype)
+    return None if grad is None else sum_to_shape(grad, tuple(bias.shape), bias.dtype)
 
 
 def to_sinks(per_row: Tensor, sinks: Tensor) -> Tensor:

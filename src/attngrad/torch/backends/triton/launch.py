@@ -474,11 +474,15 @@ def _row_constant_bias(plan: Plan, inputs: _Second, mode: int) -> Tensor:
     call = plan.call
     if not call.sink:
         return torch.zeros(call.bias.shape, dtype=call.bias.dtype, device=call.q.device)
+    return rows_to_bias(_sink_terms(plan, inputs, mode), call.bias, call.bias.dtype)
+
+
+def _sink_terms(plan: Plan, inputs: _Second, mode: int) -> Tensor:
+    """Each row's closed form (B, H, Lq) float64: P_sink D (backward), or P_sink (Y - X D)."""
     per_row = inputs.delta.double()
     if mode != BACKWARD:
         per_row = inputs.y.double() - inputs.x.double() * per_row
-    return rows_to_bias(sink_share(inputs.row_max, inputs.inv_sum) * per_row.view(plan.B, plan.H, plan.Lq),
-                        call.bias, call.bias.dtype)
+    return sink_share(inputs.row_max, inputs.inv_sum) * per_row.view(plan.B, plan.H, plan.Lq)
 
 
 def _bias_side(plan: Plan, inputs: _Second, mode: int, bias_out: Tensor) -> None:
@@ -502,15 +506,14 @@ def backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor,
     return _backward_walks(plan, inputs, BACKWARD, bias_grad)[1:]
 
 
-def _sink_rows(plan: Plan, inputs: _Second, sink_rows: Optional[Tensor]) -> None:
+def _sink_rows(plan: Plan, inputs: _Second, mode: int, sink_rows: Optional[Tensor]) -> None:
     """Each row's share of the sink logit's gradient (double backward) or of its tangent
     (backward's JVP), P_sink (Y - X D), into `sink_rows` (B, H, Lq) where given (`sink_logits`)."""
     if sink_rows is None:
         return
     if not plan.call.sink:
         raise ValueError("attngrad triton: sink_rows needs a sink")
-    per_row = inputs.y.double() - inputs.x.double() * inputs.delta.double()
-    sink_rows.copy_(sink_share(inputs.row_max, inputs.inv_sum) * per_row.view(plan.B, plan.H, plan.Lq))
+    sink_rows.copy_(_sink_terms(plan, inputs, mode))
 
 
 def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor, bias_grad: bool,
@@ -519,7 +522,7 @@ def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Ten
     plan = _plan(call, "backward_jvp")
     inputs = _Second(plan, dout, out, row_max, inv_sum, tq, tk, tv, tdout, tbias)
     _row_sums(plan, inputs)  # c = rowsum(P S'), D~
-    _sink_rows(plan, inputs, sink_rows)
+    _sink_rows(plan, inputs, BACKWARD_JVP, sink_rows)
     return _backward_walks(plan, inputs, BACKWARD_JVP, bias_grad)[1:]
 
 
@@ -529,5 +532,5 @@ def double_backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: 
     plan = _plan(call, "double_backward")
     inputs = _Second(plan, dout, out, row_max, inv_sum, gq, gk, gv, None, gbias if bias_grad else None)
     _row_sums(plan, inputs)  # t = rowsum(P T), u
-    _sink_rows(plan, inputs, sink_rows)
+    _sink_rows(plan, inputs, DOUBLE_BACKWARD, sink_rows)
     return _backward_walks(plan, inputs, DOUBLE_BACKWARD, bias_grad, dout_grad)

@@ -8,10 +8,14 @@ for spills by `attngrad gpu-report --features light plain`).
     python benchmarks/gpu_tiles.py --workers 12              # the sweep
     python benchmarks/gpu_tiles.py --final --out DIR         # the table now against the old one
     python benchmarks/gpu_tiles.py --dense --out DIR         # pipelined walks against the branching ones
+    python benchmarks/gpu_tiles.py --fused --out DIR         # the fused backward against the split one
+    python benchmarks/gpu_tiles.py --key-side --out DIR      # key_side_light against key_side
 
 `--dense` times the table's tiles with the walks' branch on the tile map (`launch.DENSE_WALKS`
 False) against the branch-free walks that Triton pipelines, at 1 to 3 stages, and a few
-other tiles at 2 and 3 stages.
+other tiles at 2 and 3 stages. `--fused` times the backward split into query_side and
+key_side (7 products per tile, `launch.FUSED_BACKWARD` False) against key_side fused with
+dQ's ordered adds (5 products), at the table's tile and others.
 """
 
 from __future__ import annotations
@@ -36,15 +40,19 @@ BEFORE = {("forward", 64): (128, 64, 8, 2), ("forward", 128): (64, 64, 8, 2), ("
 B, L = 4, 4096
 
 
-def _setup(name: str, d: int, candidate: Optional[tuple], causal: bool, dense: bool = True):
-    """One call's step with `candidate` as sm_90's light tile (None: the table's own), its
-    walks branch-free (`dense`) or reading the tile map."""
+def _setup(name: str, d: int, candidate: Optional[tuple], causal: bool, dense: bool = True, way: str = "light"):
+    """One call's step with `candidate` as sm_90's light tile of pass `name` (None: the
+    table's own), its walks branch-free (`dense`) or reading the tile map, its backward's key
+    side `way`: "light" (`kernels.key_side_light`), "split" (`kernels.key_side`) or "fused"
+    (key_side with dQ's ordered adds)."""
     import torch
 
     from attngrad.torch import scaled_dot_product_attention, use_implementation
     from attngrad.torch.backends.triton import launch
 
     launch.DENSE_WALKS = dense
+    launch.FUSED_BACKWARD = way == "fused"
+    launch.LIGHT_KEY_SIDE = way == "light"
     if candidate is not None:
         launch._HOPPER_LIGHT[(name, "half", d)] = launch.Blocks(*candidate)
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -110,12 +118,44 @@ def dense_jobs(widths) -> list:
     return jobs
 
 
+def fused_jobs(widths) -> list:
+    """The backward split (the table's tile) against fused, at the table's tile and others,
+    causal and not."""
+
+    # fused, without spills for sm_90 with Triton 3.9, but (128, 64, 8, 1) and (64, 64, 8, 1) at d = 128
+    more = {64: [(64, 64, 8, 1), (128, 64, 8, 1), (32, 128, 8, 1), (32, 64, 4, 1), (64, 64, 4, 2), (64, 32, 4, 1)],
+            128: [(32, 64, 8, 1), (64, 64, 8, 1, 64), (128, 32, 8, 1), (32, 32, 4, 1), (64, 64, 8, 1),
+                  (32, 64, 8, 1, 64), (128, 64, 8, 1, 64)]}
+    jobs = []
+    for d, causal in itertools.product(widths, (False, True)):
+        jobs.append(("backward", d, None, causal, True, "split"))
+        jobs.append(("backward", d, None, causal, True, "fused"))
+        jobs += [("backward", d, tile, causal, True, "fused") for tile in more.get(d, [])]
+    return jobs
+
+
+def key_side_jobs(widths) -> list:
+    """The backward with key_side against key_side_light, at the backward's tiles and at key
+    side tiles of its own (those that compile for sm_90 without spills with Triton 3.9, and
+    at d = 128 a few that spill), causal and not."""
+    more = {64: [(64, 128, 8, 1), (32, 128, 8, 1), (64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 4, 1)],
+            128: [(32, 128, 8, 1), (32, 64, 4, 1), (64, 64, 8, 1), (64, 128, 8, 1), (32, 128, 8, 2), (32, 64, 4, 2)]}
+    jobs = []
+    for d, causal in itertools.product(widths, (False, True)):
+        jobs.append(("backward", d, None, causal, True, "split"))
+        jobs.append(("key_side", d, None, causal, True, "light"))
+        jobs += [("key_side", d, tile, causal, True, "light") for tile in more.get(d, [])]
+    return jobs
+
+
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     parser.add_argument("--widths", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--final", action="store_true", help="the table against the old entries")
     parser.add_argument("--dense", action="store_true", help="pipelined walks against branching ones")
+    parser.add_argument("--fused", action="store_true", help="the fused backward against the split one")
+    parser.add_argument("--key-side", action="store_true", help="key_side_light against key_side")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of each job (median)")
     parser.add_argument("--out", default=None, help="a folder for tiles.jsonl")
     args = parser.parse_args(argv)
@@ -124,7 +164,9 @@ def main(argv: Optional[list] = None) -> int:
 
     from attngrad.torch.backends.triton import launch
 
-    todo = dense_jobs(args.widths) if args.dense else final_jobs(args.widths) if args.final else sweep_jobs(args.widths)
+    todo = (key_side_jobs(args.widths) if args.key_side else fused_jobs(args.widths) if args.fused
+            else dense_jobs(args.widths) if args.dense
+            else final_jobs(args.widths) if args.final else sweep_jobs(args.widths))
     with multiprocessing.get_context("spawn").Pool(args.workers) as pool:  # compile in parallel
         for line in pool.imap_unordered(compile_one, todo):
             if line:
@@ -144,19 +186,23 @@ def main(argv: Optional[list] = None) -> int:
             torch.cuda.empty_cache()
     launch._HOPPER_LIGHT.update(table)
     launch.DENSE_WALKS = True
+    launch.FUSED_BACKWARD, launch.LIGHT_KEY_SIDE = False, True
     print(f"\n{torch.cuda.get_device_name()}, triton {triton.__version__}, bfloat16, B={B}, L={L}, H=2048/d, "
           f"median of {args.rounds} interleaved rounds")
     results = []
     for job, ts in times.items():
         if not ts:
             continue
-        name, d, candidate, causal, dense = (*job, True)[:5]
+        name, d, candidate, causal, dense, way = (*job, True, "light")[:6]
         ms = sorted(ts)[len(ts) // 2]
         flops = 4 * B * (2048 // d) * L * L * d * (0.5 if causal else 1.0) * (1.0 if name == "forward" else 2.5)
-        label = "table " + str(tuple(vars(table[(name, "half", d)]).values())) if candidate is None else str(candidate)
+        entry = table.get((name, "half", d)) or table[("backward", "half", d)]
+        label = "table " + str(tuple(vars(entry).values())) if candidate is None else str(candidate)
         label += "" if dense else " branching"
-        results.append(dict(name=name, d=d, causal=causal, tile=label, dense=dense, ms=ms, tflops=flops / ms / 1e9,
-                            rounds=ts))
+        label += "" if name == "forward" else f" {way}"
+        name = "forward" if name == "forward" else "backward"
+        results.append(dict(name=name, d=d, causal=causal, tile=label, dense=dense, way=way, ms=ms,
+                            tflops=flops / ms / 1e9, rounds=ts))
     results.sort(key=lambda r: (r["name"], r["d"], r["causal"], r["ms"]))
     for r in results:
         print(f"{r['name']:9s} d={r['d']:3d} causal={r['causal']!s:5s} {r['tile']:34s} {r['ms']:7.2f} ms "

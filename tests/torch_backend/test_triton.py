@@ -13,12 +13,14 @@ import types
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 from attngrad.check.torch_backend import every_derivative  # noqa: E402
 from attngrad.torch import attention, dispatch, dropout, use_implementation  # noqa: E402
 from attngrad.torch.backends import triton as triton_backend  # noqa: E402
 from attngrad.torch.backends.triton import launch  # noqa: E402
+from attngrad.torch.backends.triton.kernels import dq_rank  # noqa: E402
 from attngrad.torch.call import ScoreMasks  # noqa: E402
 
 from ..conftest import assert_all_close, rel_err  # noqa: E402
@@ -461,3 +463,92 @@ def test_the_jvp_centres_peaked_rows(on_triton, with_sinks):
         ours = torch.func.jvp(lambda q: attention(q, k, v, scale=2.0, sinks=sinks), (q,), (tq,))[1]
         worst = max(worst, rel_err(ours, truth))
     assert worst < 1e-12
+
+
+@triton.jit
+def _rotated_ranks(OUT, n_q, n_k):
+    """Each key block's rank at each step of its rotated walk, as the fused backward takes it."""
+    kb = tl.program_id(0)
+    for step in range(0, n_q):
+        qb = (kb + step) % n_q
+        tl.store(OUT + (kb * n_q + step) * 2, qb)
+        tl.store(OUT + (kb * n_q + step) * 2 + 1, dq_rank(kb, qb, step, n_q, n_k, 0, True))
+
+
+def _run_in_step(walks: dict) -> int:
+    """Runs key blocks' walks [(query block, rank), ...] together, a step of every block that
+    may go at a time (its rank is the count of parts already in), and returns the rounds taken;
+    fails on a deadlock."""
+    done = {m: 0 for walk in walks.values() for m, _ in walk}
+    at = dict.fromkeys(walks, 0)
+    rounds = 0
+    while any(at[n] < len(walk) for n, walk in walks.items()):
+        ready = [n for n, walk in walks.items() if at[n] < len(walk) and done[walk[at[n]][0]] == walk[at[n]][1]]
+        assert ready, f"deadlock after {rounds} rounds"
+        for n in ready:
+            done[walks[n][at[n]][0]] += 1
+            at[n] += 1
+        rounds += 1
+    return rounds
+
+
+@interpreted
+@pytest.mark.parametrize("n_q, n_k", [(1, 1), (5, 5), (7, 3), (3, 7), (4, 8), (6, 4), (2, 9)])
+def test_the_fused_backwards_dq_order_is_fixed_and_keeps_the_key_blocks_in_step(n_q, n_k):
+    """`kernels.dq_rank` in rotation: at every query block, the key blocks' ranks are 0 .. n_k - 1
+    (each part has its place in the sum), and the walks, run together, finish without a
+    deadlock, in n_q rounds where there are as many key blocks as query blocks (none waits)."""
+    out = torch.zeros(n_k, n_q, 2, dtype=torch.int32)
+    _rotated_ranks[(n_k,)](out, n_q, n_k)
+    walks = {n: [tuple(pair) for pair in out[n].tolist()] for n in range(n_k)}
+    for m in range(n_q):
+        assert sorted(rank for walk in walks.values() for qb, rank in walk if qb == m) == list(range(n_k))
+    rounds = _run_in_step(walks)
+    assert rounds == n_q if n_q == n_k else rounds <= n_q * -(-n_k // n_q) + n_k
+
+
+@interpreted
+@pytest.mark.parametrize("options", [dict(), dict(is_causal=True), dict(is_causal="bottom_right"),
+                                     dict(window=(9, 4)), dict(key_padding=torch.tensor([41, 30]))],
+                         ids=["full", "causal", "bottom-right", "window", "padding"])
+@pytest.mark.parametrize("len_q", [37, 70])
+def test_a_light_calls_backward_fused_or_in_the_keys_orientation_matches_key_side(on_triton, tiles_of, monkeypatch,
+                                                                                   options, len_q):
+    """A light call's backward three ways agree to float64 rounding: key_side fused with dQ's
+    parts added in `dq_rank`'s order (FUSED_BACKWARD), query_side with key_side_light
+    (LIGHT_KEY_SIDE), and query_side with key_side; each runs the way asked. Lq != Lk, GQA,
+    a non-contiguous q, rotated (full) and banded walks."""
+    taken = []
+    launches = {name: getattr(launch.kernels, name) for name in ("key_side", "key_side_light", "query_side")}
+    for name, kernel in launches.items():
+        monkeypatch.setattr(launch.kernels, name, _Spy(kernel, name, taken))
+    tiles_of(16)
+    q = randn(2, len_q, 4, 24, seed=1).transpose(1, 2)  # (B, H, Lq, d), not contiguous
+    k, v = randn(2, 2, 41, 24, seed=2), randn(2, 2, 41, 20, seed=3)
+    dout = randn(2, 4, len_q, 20, seed=4)
+    results = {}
+    for way, fused, light in (("fused", True, False), ("light", False, True), ("split", False, False)):
+        monkeypatch.setattr(launch, "FUSED_BACKWARD", fused)
+        monkeypatch.setattr(launch, "LIGHT_KEY_SIDE", light)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attention(*leaves, enable_gqa=True, **options)
+        taken.clear()
+        results[way] = torch.autograd.grad(out, leaves, dout)
+        assert taken == {"fused": ["key_side fused"], "light": ["query_side", "key_side_light"],
+                         "split": ["query_side", "key_side"]}[way]
+    for way in ("fused", "light"):
+        for a, b in zip(results[way], results["split"]):
+            assert rel_err(a, b) <= 1e-13
+
+
+class _Spy:
+    """A kernel whose launches are noted by name (and "fused" where key_side takes dQ)."""
+
+    def __init__(self, kernel, name, into):
+        self.kernel, self.name, self.into = kernel, name, into
+
+    def __getitem__(self, grid):
+        def launch_(*args, **kwargs):
+            self.into.append(self.name + (" fused" if kwargs.get("FUSED") else ""))
+            return self.kernel[grid](*args, **kwargs)
+        return launch_

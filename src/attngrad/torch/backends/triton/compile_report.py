@@ -106,7 +106,7 @@ def _recording(into: list, tf32: bool, arch: int) -> Iterator[None]:
     `arch` (and TF32 for float32 if asked)."""
     from . import kernels, launch
 
-    names = ("forward", "jvp", "row_sums", "query_side", "key_side", "bias_side")
+    names = ("forward", "jvp", "row_sums", "query_side", "key_side", "bias_side", "row_dot", "key_side_light")
     saved = (launch.kernels, launch.on_gpu, launch.input_precision, launch.arch_of)
     launch.kernels = types.SimpleNamespace(**{n: _Recorder(getattr(kernels, n), into) for n in names})
     launch.on_gpu = lambda call: True
@@ -180,18 +180,27 @@ def _specialise(record: Launch, backend) -> tuple[dict, dict, dict]:
 
     fn = record.kernel
     signature, constexprs, attrs = {}, {}, {}
-    for index, (param, arg) in enumerate(zip(fn.params, record.args)):
-        if param.is_constexpr:
-            raise ValueError(f"{fn.__name__}: constexpr {param.name} passed by position")
+    named = dict(record.constexprs)
+    for index, param in enumerate(fn.params):
+        if index < len(record.args):
+            if param.is_constexpr:
+                raise ValueError(f"{fn.__name__}: constexpr {param.name} passed by position")
+            arg = record.args[index]
+        elif param.is_constexpr:
+            if param.name in named:
+                signature[param.name] = "constexpr"
+                constexprs[(index,)] = named.pop(param.name)
+            continue
+        else:  # a pointer or number passed by name, or left at its default
+            arg = named.pop(param.name, param.default)
         kind, spec = native_specialize_impl(BaseBackend, arg, False, True, True)
         signature[param.name] = kind
         if kind == "constexpr":
             constexprs[(index,)] = arg
         elif isinstance(spec, str):
             attrs[(index,)] = backend.parse_attr(spec)
-    for name, value in record.constexprs.items():
-        signature[name] = "constexpr"
-        constexprs[(fn.arg_names.index(name),)] = value
+    if named:
+        raise ValueError(f"{fn.__name__}: no parameter {sorted(named)}")
     return signature, constexprs, attrs
 
 
@@ -236,8 +245,9 @@ def _block_label(record: Launch) -> str:
     """"BMxBN wW sS", then "/S" where the products take S columns of the head width at a
     time, and "rN" where ptxas is allowed N registers."""
     c, options = record.constexprs, record.options
-    label = f"{c['BM']}x{c['BN']} w{options['num_warps']} s{options['num_stages']}"
-    if c["SD"] < c["BD"] or c["SDV"] < c["BDV"]:
+    tile = f"{c['BM']}x{c['BN']}" if "BN" in c else f"{c['BM']} rows"
+    label = f"{tile} w{options['num_warps']} s{options['num_stages']}"
+    if "SD" in c and (c["SD"] < c["BD"] or c["SDV"] < c["BDV"]):
         label += f" /{min(c['SD'], c['SDV'])}"
     if options.get("maxnreg"):
         label += f" r{options['maxnreg']}"

@@ -1,12 +1,16 @@
 """The Triton kernels of attention: each program owns a block of outputs and walks the
 score tiles that feed it, skipping those the block map marks empty, in a fixed order, so
-nothing is reduced with atomics and the same inputs give the same bits.
+nothing is reduced in a varying order and the same inputs give the same bits (the fused
+backward adds dQ's parts in an order fixed by counters, `add_in_order`).
 
     forward     per query block: online softmax (FlashAttention-2), O, m and 1/l
     jvp         per query block: O' = sum (P Z S') V + (P Z) V' - rowsum(P S') O, one pass
     row_sums    per query block: the two row sums of the backward's JVP or the double backward
     query_side  per query block: dQ (or its tangent, or g_Q and g_dO)
-    key_side    per key block, over the GQA group's query heads: dK, dV (or theirs)
+    key_side    per key block, over the GQA group's query heads: dK, dV (or theirs); fused
+                with the backward's dQ for calls whose walks are contiguous runs (`dq_rank`)
+    key_side_light  key_side's backward for a light call, in the keys' orientation
+    row_dot     per query block: D = rowsum(dO * O)
     bias_side   per block of the bias's own shape: dbias (or its tangent, or g_bias),
                 summed over the axes the bias broadcasts along
 
@@ -44,6 +48,21 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 def _floats(fmeta, ACC: tl.constexpr):
     return (tl.load(fmeta).to(ACC), tl.load(fmeta + 1).to(ACC), tl.load(fmeta + 2).to(ACC),
             tl.load(fmeta + 3).to(ACC))
+
+
+@triton.jit
+def row_dot(DO, O, DELTA, sd0, sd1, sd2, sd3, so0, so1, so2, so3, H, Lq, DV, BM: tl.constexpr, BDV: tl.constexpr,
+            ACC: tl.constexpr):
+    """D = rowsum(dO * O) in ACC, per block of rows: (B, H, Lq) contiguous."""
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = qb * BM + tl.arange(0, BM)
+    offs_dv = tl.arange(0, BDV)
+    do = load_tile(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV).to(ACC)
+    o = load_tile(O + b * so0 + h * so1, so2, so3, offs_m, offs_dv, Lq, DV).to(ACC)
+    tl.store(DELTA + (b * H + h) * Lq + offs_m, tl.sum(do * o, 1), mask=offs_m < Lq)
 
 
 @triton.jit
@@ -367,6 +386,46 @@ def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_Q, OUT_DO,
 
 
 @triton.jit
+def dq_rank(kb, qb, step, n_q, n_k, stop, ROTATE: tl.constexpr):
+    """How many key blocks add their part of dQ into query block qb before key block kb does,
+    which reaches it at `step` of its walk; the order is fixed, so the sum's bits are.
+    ROTATE (every key block walks every query block, from query block kb on, cyclically): the
+    parts go in by (step, key block), which keeps the key blocks in step with one another. Else
+    (each key block walks a contiguous run upwards, and the contributors to qb are the key blocks
+    below `stop`, its walk's end): from the highest key block down, the causal diagonal first."""
+    if ROTATE:
+        # key block j reaches qb at step (qb - j) mod n_q; count those earlier, per residue
+        quo = n_k // n_q
+        rem = n_k % n_q
+        window = (tl.maximum(0, tl.minimum(qb + 1, rem) - tl.maximum(qb - step + 1, 0))
+                  + tl.maximum(0, rem - (n_q - tl.maximum(step - qb - 1, 0))))
+        return step * quo + window + kb // n_q
+    else:
+        return stop - 1 - kb
+
+
+@triton.jit
+def add_in_order(DQ, LOCKS, part, rows, offs_m, offs_d, Lq, D, lock, rank, WAIT: tl.constexpr):
+    """DQ[rows + offs_m] += part once the `rank` parts before it are in (LOCKS[lock] counts
+    them), then lets the next one in. WAIT off (the interpreter, whose programs run one after
+    another) adds in the programs' order. The spin is bounded so that a wrong rank costs an
+    order, never a hung GPU."""
+    if WAIT:
+        seen = tl.atomic_add(LOCKS + lock, 0, sem="acquire")
+        tries = 0
+        while (seen != rank) & (tries < 4_000_000):
+            seen = tl.atomic_add(LOCKS + lock, 0, sem="acquire")
+            tries += 1
+    ptrs = DQ + (rows + offs_m)[:, None] * D + offs_d[None, :]
+    inside = (offs_m[:, None] < Lq) & (offs_d[None, :] < D)
+    total = tl.load(ptrs, mask=inside, other=0.0, cache_modifier=".cg") + part
+    tl.store(ptrs, total, mask=inside, cache_modifier=".cg")
+    if WAIT:
+        tl.debug_barrier()  # every thread's part stored before the next key block may read it
+        tl.atomic_xchg(LOCKS + lock, rank + 1, sem="release")
+
+
+@triton.jit
 def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
              sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3,
              cbias, scb, sch, scm, scn,
@@ -379,12 +438,23 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
             MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
              SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DENSE: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-             BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+             BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr,
+             DQ=None, LOCKS=None, krng=None, skr0=0, skr1=0, skr2=0,
+             FUSED: tl.constexpr = False, ROTATE: tl.constexpr = False, WAIT: tl.constexpr = False):
     """Per key block of one key/value head, over the G query heads of its group in order:
     OUT_K = scale (A2^T Q + A^T Q2) and OUT_V = W^T dO + (P Z)^T dO2 (dK and dV, their
     tangents, or g_K and g_V; `tiles.tile_terms`). qrng holds each key block's query blocks.
-    OUT_K and OUT_V are contiguous (B, Hkv, Lk, .)."""
+    OUT_K and OUT_V are contiguous (B, Hkv, Lk, .).
+
+    FUSED (the backward of a call whose walks are contiguous runs): also adds each tile's
+    dS K into DQ, a zeroed (B, H, Lq, D) buffer in ACC, in the fixed order of `dq_rank`
+    (LOCKS: one counter per query block, zeroed; krng: each query block's key blocks), so
+    that no query-side walk recomputes S and dP: 5 products per tile instead of 7. Without
+    ROTATE the programs take the key blocks from the last down, so that each waits only on
+    programs launched before it."""
     kb = tl.program_id(0)
+    if FUSED and not ROTATE:
+        kb = tl.num_programs(0) - 1 - kb
     bhk = tl.program_id(1)
     hkv = H // G
     b = (bhk // hkv).to(tl.int64)
@@ -407,7 +477,11 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
         h = hk * G + g
         walk = qrng + b * sr0 + h * sr1 + kb * sr2
         rows = (b * H + h) * Lq
-        for qb in range(tl.load(walk), tl.load(walk + 1)):
+        first = tl.load(walk)
+        for i in range(first, tl.load(walk + 1)):
+            qb = i
+            if ROTATE:
+                qb = (kb + i) % tl.cdiv(Lq, BM)
             if DENSE or tl.load(tmap + b * st0 + h * st1 + qb * st2 + kb * st3) == 0:
                 offs_m = qb * BM + tl.arange(0, BM)
                 q = operand(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
@@ -450,6 +524,71 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
                 if MODE == 1:
                     if HAS_DO2:
                         acc_v += mm(tl.trans(pz).to(DO2.dtype.element_ty), whole(do2, BDV, SDV), IP, ACC)
+                if FUSED:
+                    part = mm(da2.to(K.dtype.element_ty), whole(k, BD, SD), IP, ACC)
+                    n_q = tl.cdiv(Lq, BM)
+                    stop = 0
+                    if not ROTATE:
+                        stop = tl.load(krng + b * skr0 + h * skr1 + qb * skr2 + 1)
+                    rank = dq_rank(kb, qb, i - first, n_q, tl.num_programs(0), stop, ROTATE)
+                    add_in_order(DQ, LOCKS, part, rows, offs_m, offs_d, Lq, D, (b * H + h) * n_q + qb, rank, WAIT)
+    out_rows = (b * hkv + hk) * Lk + offs_n
+    tl.store(OUT_K + out_rows[:, None] * D + offs_d[None, :], (acc_k * scale).to(OUT_K.dtype.element_ty),
+             mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D))
+    tl.store(OUT_V + out_rows[:, None] * DV + offs_dv[None, :], acc_v.to(OUT_V.dtype.element_ty),
+             mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def key_side_light(Q, K, V, DO, M, INV, DELTA, OUT_K, OUT_V, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
+                   sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3, bounds, sob, som, fmeta, qrng, sr0, sr1, sr2,
+                   H, G, Lq, Lk, D, DV, causal, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, IP: tl.constexpr,
+                   ACC: tl.constexpr):
+    """key_side's backward (dK, dV) for a light call (`launch.is_light`) whose walks are
+    contiguous, in the keys' orientation, as FlashAttention-2's dK/dV loop: S^T = K Q^T and
+    dP^T = V dO^T come out as the left operands of dV += P^T dO and dK += dS^T Q, where
+    key_side transposes P and dS in registers for them (a trip through shared memory each,
+    which took key_side 1.6-2x query_side's time per product on an H200)."""
+    kb = tl.program_id(0)
+    bhk = tl.program_id(1)
+    hkv = H // G
+    b = (bhk // hkv).to(tl.int64)
+    hk = (bhk % hkv).to(tl.int64)
+    scale = tl.load(fmeta).to(ACC)
+    offs_n = kb * BN + tl.arange(0, BN)
+    offs_d = tl.arange(0, BD)
+    offs_dv = tl.arange(0, BDV)
+    k = load_tile(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)  # (BN, BD)
+    v = load_tile(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)  # (BN, BDV)
+    acc_k = tl.zeros((BN, BD), ACC)
+    acc_v = tl.zeros((BN, BDV), ACC)
+    for g in range(G):
+        h = hk * G + g
+        walk = qrng + b * sr0 + h * sr1 + kb * sr2
+        rows = (b * H + h) * Lq
+        for qb in range(tl.load(walk), tl.load(walk + 1)):
+            offs_m = qb * BM + tl.arange(0, BM)
+            q = load_tile(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)  # (BM, BD)
+            do = load_tile(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV)  # (BM, BDV)
+            m_row = load_rows(M + rows, offs_m, Lq)
+            inv = load_rows(INV + rows, offs_m, Lq)
+            d_row = load_rows(DELTA + rows, offs_m, Lq)
+            st = mm(k, tl.trans(q), IP, ACC) * scale  # (BN, BM)
+            keep = (offs_n[:, None] < Lk) & (offs_m[None, :] < Lq)
+            if CAUSAL:
+                keep = keep & (offs_n[:, None] <= offs_m[None, :] + causal)
+            if HAS_BOUNDS:
+                row = bounds + b * sob + offs_m * som
+                lo = tl.load(row, mask=offs_m < Lq, other=0)
+                hi = tl.load(row + 1, mask=offs_m < Lq, other=0)
+                keep = keep & (offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :])
+            pt = tl.exp(tl.where(keep, st, float("-inf")) - m_row[None, :]) * inv[None, :]
+            dpt = mm(v, tl.trans(do), IP, ACC)  # (BN, BM)
+            # a row with 1/l = 1 had one key alone: its dP - D is rounding, and set to 0 (`tile_terms`)
+            dst = pt * tl.where(inv[None, :] == 1.0, 0.0, dpt - d_row[None, :])
+            acc_v += mm(pt.to(DO.dtype.element_ty), do, IP, ACC)
+            acc_k += mm(dst.to(Q.dtype.element_ty), q, IP, ACC)
     out_rows = (b * hkv + hk) * Lk + offs_n
     tl.store(OUT_K + out_rows[:, None] * D + offs_d[None, :], (acc_k * scale).to(OUT_K.dtype.element_ty),
              mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D))

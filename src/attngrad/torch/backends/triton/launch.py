@@ -4,13 +4,16 @@ launches the kernels of `kernels` in order.
 
     forward          forward
     jvp              jvp
-    backward         query_side, key_side, then bias_side where the bias gradient is
-                     reduced (a bias with the scores' own shape is written by query_side)
+    backward         row_dot (D), then query_side, key_side, then bias_side where the bias
+                     gradient is reduced (a bias with the scores' own shape is written by
+                     query_side); a light call whose walks are contiguous: query_side and
+                     key_side_light (or, with FUSED_BACKWARD, key_side alone, fused with dQ)
     backward_jvp     row_sums (c, D~), then as backward
     double_backward  row_sums (t, u), then as backward
 
-Every result is written whole by its own program (no zero-filled buffer is added into,
-no atomics), so the bits do not depend on the launch order.
+Every result is written whole by its own program, so the bits do not depend on the launch
+order; the one exception, the fused backward (`FUSED_BACKWARD`), adds dQ's parts into a
+zeroed buffer in an order that counters fix (`kernels.dq_rank`).
 """
 
 from __future__ import annotations
@@ -132,6 +135,21 @@ _HOPPER_LIGHT: dict[tuple[str, str, int], Blocks] = {
 }
 
 
+# The backward of a light call whose walks are contiguous runs (`Plan.fused`): one walk per
+# key block that adds its parts of dQ in a fixed order (`kernels.dq_rank`), 5 products per
+# tile where query_side and key_side take 7. In half precision on a GPU, and everywhere in
+# Triton's interpreter (which checks it in float64).
+FUSED_BACKWARD = False
+# The backward's key side of such a call in the keys' orientation (`kernels.key_side_light`),
+# on tiles of its own where sm_90's table has a "key_side" entry. False: `kernels.key_side`
+LIGHT_KEY_SIDE = True
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def padded_width(width: int) -> int:
     """A head width as a tile's: a power of two, at least 16 (tl.dot's smallest)."""
     return max(16, triton.next_power_of_2(width))
@@ -156,6 +174,8 @@ def blocks_for(pass_name: str, dtype: torch.dtype, width: int, interpreted: bool
     key = (pass_name, dtype_class(dtype, tf32), max(64, padded_width(width)))
     if light and arch == 90 and key in _HOPPER_LIGHT:
         return _HOPPER_LIGHT[key]
+    if pass_name == "key_side":  # the backward's tiles, where the key side has none of its own
+        return blocks_for("backward", dtype, width, interpreted, tf32, arch, light)
     return _TABLE.get(key, Blocks(16, 16, 4, 1))
 
 
@@ -321,6 +341,16 @@ class Plan:
                              SD=_slice(blocks, self.D), SDV=_slice(blocks, self.DV),
                              IP=input_precision(q.dtype, self.device), ACC=_acc(q.dtype))
         # FMA contraction on, stated: Triton 3.9 warns that its default changes in 3.10
+        # the fused backward: every walk a contiguous run (so the key blocks that add into a
+        # query block are a run too). ROTATE, where every key block walks every query block,
+        # waits both ways between a head's key blocks, so all of them must be resident at once:
+        # no more key blocks than the GPU has multiprocessors
+        contiguous_light = dense and is_light(call) and (not on_gpu(call) or dtype_class(q.dtype) == "half")
+        self.fused = FUSED_BACKWARD and contiguous_light
+        self.light_keys = LIGHT_KEY_SIDE and contiguous_light
+        self.bounds, self.bound_strides = bounds, bound_strides
+        full = call.causal is None and bounds is None
+        self.rotate = full and (self.device.type != "cuda" or self.n_k <= _multiprocessors(self.device.index or 0))
         self.launch = dict(num_warps=blocks.warps, num_stages=blocks.stages, enable_fp_fusion=True)
         if blocks.registers:
             self.launch["maxnreg"] = blocks.registers
@@ -399,8 +429,11 @@ class _Second:
         self.do, self.do2 = _same_strides(dout, do2)
         self.c = _as_scores(c, plan.scores_shape)
         self.row_max, self.inv_sum = row_max.contiguous(), inv_sum.contiguous()
-        work = plan.acc_dtype
-        self.delta = (dout.to(work) * out.to(work)).sum(-1).contiguous()  # D = rowsum(dO * O)
+        self.delta = plan.rows()  # D = rowsum(dO * O)
+        block = 64 if on_gpu(call) else 16
+        kernels.row_dot[(triton.cdiv(plan.Lq, block), plan.B * plan.H)](
+            self.do, out, self.delta, *_strides(self.do), *_strides(out), plan.H, plan.Lq, plan.DV, BM=block,
+            BDV=padded_width(plan.DV), ACC=_acc(call.q.dtype), num_warps=4, num_stages=1)
         self.x = self.y = self.delta  # the backward reads no row sums
 
     def tensors(self) -> list:
@@ -449,20 +482,49 @@ def _backward_walks(plan: Plan, inputs: _Second, mode: int, bias_grad: bool,
     if bias_grad and not row_constant:
         bias4 = call.bias[(None,) * (4 - call.bias.dim())]
         bias_out = (torch.zeros if direct else torch.empty)(bias4.shape, dtype=call.bias.dtype, device=q.device)
-    kernels.query_side[(plan.n_q, plan.B * plan.H)](
-        *inputs.tensors(), out_q, out_do, bias_out if direct else None, *inputs.strides(),
-        *_strides(bias_out if direct else None), *inputs.c_args(), *plan.masks, *plan.walks("keys"), *plan.sizes,
-        MODE=mode, DOUT_GRAD=dout_grad, BIAS_DIRECT=direct, **inputs.switches(), **plan.switches, **plan.launch)
+    fused = mode == BACKWARD and plan.fused and not bias_grad
+    fused_args: dict = {}
+    if fused:
+        dq = torch.zeros(plan.B, plan.H, plan.Lq, plan.D, dtype=plan.acc_dtype, device=q.device)
+        locks = torch.zeros(plan.B * plan.H * plan.n_q, dtype=torch.int32, device=q.device)
+        key_walks = plan.walks("keys")
+        fused_args = dict(DQ=dq, LOCKS=locks, krng=key_walks[0], skr0=key_walks[1], skr1=key_walks[2],
+                          skr2=key_walks[3], FUSED=True, ROTATE=plan.rotate,
+                          # the interpreter runs the programs in turn: in rotation none could wait
+                          WAIT=on_gpu(call) or not plan.rotate)
+    else:
+        kernels.query_side[(plan.n_q, plan.B * plan.H)](
+            *inputs.tensors(), out_q, out_do, bias_out if direct else None, *inputs.strides(),
+            *_strides(bias_out if direct else None), *inputs.c_args(), *plan.masks, *plan.walks("keys"), *plan.sizes,
+            MODE=mode, DOUT_GRAD=dout_grad, BIAS_DIRECT=direct, **inputs.switches(), **plan.switches, **plan.launch)
     out_k = torch.empty(plan.B, plan.Hkv, plan.Lk, plan.D, dtype=k.dtype, device=q.device)
     out_v = torch.empty(plan.B, plan.Hkv, plan.Lk, plan.DV, dtype=v.dtype, device=q.device)
-    kernels.key_side[(plan.n_k, plan.B * plan.Hkv)](
-        *inputs.tensors(), out_k, out_v, *inputs.strides(), *inputs.c_args(), *plan.masks, *plan.walks("queries"),
-        *plan.sizes, MODE=mode, **inputs.switches(), **plan.switches, **plan.launch)
+    if mode == BACKWARD and plan.light_keys and not fused:
+        _key_side_light(plan, inputs, out_k, out_v)
+    else:
+        kernels.key_side[(plan.n_k, plan.B * plan.Hkv)](
+            *inputs.tensors(), out_k, out_v, *inputs.strides(), *inputs.c_args(), *plan.masks,
+            *plan.walks("queries"), *plan.sizes, MODE=mode, **inputs.switches(), **plan.switches, **fused_args,
+            **plan.launch)
+    if fused:
+        out_q = fused_args["DQ"].mul_(call.scale).to(q.dtype)  # scale, as query_side applies it, then round
     if row_constant:
         bias_out = _row_constant_bias(plan, inputs, mode)
     elif bias_grad and not direct:
         _bias_side(plan, inputs, mode, bias_out)
     return out_do, out_q, out_k, out_v, None if bias_out is None else bias_out.view(call.bias.shape)
+
+
+def _key_side_light(plan: Plan, inputs: _Second, out_k: Tensor, out_v: Tensor) -> None:
+    """dK and dV of a light call's backward (`kernels.key_side_light`), on the key side's tiles."""
+    call = plan.call
+    kplan = _plan(call, "key_side")
+    switches = kplan.switches
+    kernels.key_side_light[(kplan.n_k, kplan.B * kplan.Hkv)](
+        inputs.q, inputs.k, inputs.v, inputs.do, inputs.row_max, inputs.inv_sum, inputs.delta, out_k, out_v,
+        *inputs.strides(), kplan.bounds, *kplan.bound_strides, kplan.fmeta, *kplan.walks("queries"), *kplan.sizes,
+        HAS_BOUNDS=switches["HAS_BOUNDS"], CAUSAL=switches["CAUSAL"], BM=switches["BM"], BN=switches["BN"],
+        BD=switches["BD"], BDV=switches["BDV"], IP=switches["IP"], ACC=switches["ACC"], **kplan.launch)
 
 
 def _row_constant_bias(plan: Plan, inputs: _Second, mode: int) -> Tensor:

@@ -1,0 +1,59 @@
+"""The fused backward's first run on a GPU, kept short so that a hang or a wrong order shows
+before anything longer runs: bfloat16, B = 4, L = 4096, H * d = 2048, causal and not; the
+fused backward (`launch.FUSED_BACKWARD`) against the split one, its gradients' largest
+difference, whether a rerun gives the same bits, and each one's time (median of
+`triton.testing.do_bench`). Exit status 1 if the fused one differs from the split one by
+more than bfloat16's rounding or changes its bits on a rerun.
+
+    python benchmarks/gpu_fused_smoke.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> int:
+    import torch
+    import triton
+    import triton.testing
+
+    from attngrad.torch import scaled_dot_product_attention, use_implementation
+    from attngrad.torch.backends.triton import launch
+
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
+    ok = True
+    for d in (64, 128):
+        for causal in (False, True):
+            g = torch.Generator(device="cuda").manual_seed(7)
+            q, k, v, dout = (torch.randn(4, 2048 // d, 4096, d, generator=g, device="cuda", dtype=torch.bfloat16)
+                             for _ in range(4))
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            with use_implementation("triton"):
+                out = scaled_dot_product_attention(*leaves, is_causal=causal)
+
+            def backward():
+                with use_implementation("triton"):
+                    return torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+            grads, ms = {}, {}
+            for fused in (True, False):
+                launch.FUSED_BACKWARD = fused
+                grads[fused] = backward()
+                again = backward()
+                same = all(torch.equal(a, b) for a, b in zip(grads[fused], again))
+                ok &= same
+                ms[fused] = triton.testing.do_bench(backward, warmup=10, rep=50, return_mode="median")
+                print(f"d={d} causal={causal} fused={fused} same bits on a rerun: {same}  {ms[fused]:.3f} ms",
+                      flush=True)
+            diffs = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                     for a, b in zip(grads[True], grads[False])]
+            ok &= max(diffs) < 2e-2
+            print(f"d={d} causal={causal} fused / split: {ms[True] / ms[False]:.3f}x; dq, dk, dv relative "
+                  f"difference {', '.join(f'{x:.1e}' for x in diffs)}", flush=True)
+            launch.FUSED_BACKWARD = True
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

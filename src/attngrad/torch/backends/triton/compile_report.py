@@ -186,10 +186,9 @@ def _specialise(record: Launch, backend) -> tuple[dict, dict, dict]:
             if param.is_constexpr:
                 raise ValueError(f"{fn.__name__}: constexpr {param.name} passed by position")
             arg = record.args[index]
-        elif param.is_constexpr:
-            if param.name in named:
-                signature[param.name] = "constexpr"
-                constexprs[(index,)] = named.pop(param.name)
+        elif param.is_constexpr:  # passed by name, or left at its default
+            signature[param.name] = "constexpr"
+            constexprs[(index,)] = named.pop(param.name, param.default)
             continue
         else:  # a pointer or number passed by name, or left at its default
             arg = named.pop(param.name, param.default)

@@ -138,11 +138,13 @@ _HOPPER_LIGHT: dict[tuple[str, str, int], Blocks] = {
 # The backward of a light call whose walks are contiguous runs (`Plan.fused`): one walk per
 # key block that adds its parts of dQ in a fixed order (`kernels.dq_rank`), 5 products per
 # tile where query_side and key_side take 7. In half precision on a GPU, and everywhere in
-# Triton's interpreter (which checks it in float64).
+# Triton's interpreter (which checks it in float64). Off: on an H200 it took 1.29-1.57x the
+# split backward's time, the ordered adds' waits and loads being the cost (docs/gpu.md).
 FUSED_BACKWARD = False
 # The backward's key side of such a call in the keys' orientation (`kernels.key_side_light`),
-# on tiles of its own where sm_90's table has a "key_side" entry. False: `kernels.key_side`
-LIGHT_KEY_SIDE = True
+# on tiles of its own where sm_90's table has a "key_side" entry. Off until a GPU has timed
+# it (`benchmarks/gpu_tiles.py --key-side`): key_side takes the call.
+LIGHT_KEY_SIDE = False
 
 
 @functools.cache

@@ -95,7 +95,7 @@ class Call:
     def __init__(self, f: Features, d: int, device: str, small: bool = False) -> None:
         import torch
 
-        from attngrad.torch import dropout
+        from attngrad.torch.op import dropout
 
         self.f, self.device = f, device
         B, H, HKV = 2, 4, 2
@@ -139,8 +139,8 @@ class Call:
         import torch
 
         from attngrad.torch import attention
-        from attngrad.torch.autograd import attention as differentiable
-        from attngrad.torch.call import AttentionCall, ScoreMasks
+        from attngrad.torch.op.autograd import attention as differentiable
+        from attngrad.torch.op.call import AttentionCall, ScoreMasks
 
         if self.f.dropout_p:  # the op itself, to give the seed
             causal = {False: None, True: 0, "bottom_right": k.shape[2] - q.shape[2]}[self.f.causal]
@@ -244,9 +244,10 @@ def dropout_bits(device: str) -> bool:
     dropout.py's (PyTorch operators, on the CPU), at a whole call and at an offset placement."""
     import torch
 
-    from attngrad.torch import dropout, use_implementation
-    from attngrad.torch.autograd import attention as differentiable
-    from attngrad.torch.call import AttentionCall, ScoreMasks
+    from attngrad.torch import use_implementation
+    from attngrad.torch.op import dropout
+    from attngrad.torch.op.autograd import attention as differentiable
+    from attngrad.torch.op.call import AttentionCall, ScoreMasks
 
     lk, p = 64, 0.5  # P = 1/64 and Z = 2: O = Z / 64 exactly in float32
     q = torch.zeros(2, 3, 200, 16, dtype=torch.float32, device=device)

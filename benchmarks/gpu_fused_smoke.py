@@ -17,25 +17,15 @@ def main() -> int:
     import torch
     import triton
     import triton.testing
+    from gpu_light_call import triton_backward
 
-    from attngrad.torch import scaled_dot_product_attention, use_implementation
     from attngrad.torch.backends.triton import launch
 
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     ok = True
     for d in (64, 128):
         for causal in (False, True):
-            g = torch.Generator(device="cuda").manual_seed(7)
-            q, k, v, dout = (torch.randn(4, 2048 // d, 4096, d, generator=g, device="cuda", dtype=torch.bfloat16)
-                             for _ in range(4))
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            with use_implementation("triton"):
-                out = scaled_dot_product_attention(*leaves, is_causal=causal)
-
-            def backward():
-                with use_implementation("triton"):
-                    return torch.autograd.grad(out, leaves, dout, retain_graph=True)
-
+            backward = triton_backward(d, causal)
             grads, ms = {}, {}
             for fused in (True, False):
                 launch.FUSED_BACKWARD = fused

@@ -38,10 +38,9 @@ def _atomic(DQ, LOCKS, part, rows, offs_m, offs_d, Lq, D, lock, rank, WAIT: tl.c
 
 
 def _run(variant: str) -> list:
-    import torch
     import triton.testing
+    from gpu_light_call import triton_backward
 
-    from attngrad.torch import scaled_dot_product_attention, use_implementation
     from attngrad.torch.backends.triton import kernels, launch
 
     if variant != "ordered":
@@ -49,17 +48,7 @@ def _run(variant: str) -> list:
     lines = []
     for d in (64, 128):
         for causal in (False, True):
-            g = torch.Generator(device="cuda").manual_seed(7)
-            q, k, v, dout = (torch.randn(4, 2048 // d, 4096, d, generator=g, device="cuda", dtype=torch.bfloat16)
-                             for _ in range(4))
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            with use_implementation("triton"):
-                out = scaled_dot_product_attention(*leaves, is_causal=causal)
-
-            def backward():
-                with use_implementation("triton"):
-                    torch.autograd.grad(out, leaves, dout, retain_graph=True)
-
+            backward = triton_backward(d, causal)
             times: dict = {True: [], False: []}
             for _ in range(3):
                 for fused in (True, False):

@@ -19,6 +19,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
     import torch.nn.functional as F
+    from gpu_light_call import inputs
     from torch.profiler import ProfilerActivity, profile
 
     from attngrad.torch import scaled_dot_product_attention, use_implementation
@@ -26,10 +27,7 @@ def main(argv=None) -> int:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     for d in (64, 128):
         for causal in (False, True):
-            g = torch.Generator(device="cuda").manual_seed(7)
-            q, k, v, dout = (torch.randn(4, 2048 // d, 4096, d, generator=g, device="cuda", dtype=torch.bfloat16)
-                             for _ in range(4))
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            leaves, dout = inputs(d)
             for name in ("attngrad", "pytorch"):
                 def step():
                     if name == "attngrad":

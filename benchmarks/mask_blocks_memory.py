@@ -1,4 +1,4 @@
-"""Peak memory of keeping a mask per block (`attngrad.torch.mask_blocks`) for a causal mask
+"""Peak memory of keeping a mask per block (`attngrad.torch.masks.blocks`) for a causal mask
 dilated by 3 (holes inside every row: 2 + 1 + 3 distinct 128 x 128 tiles, but L / 128 (L / 128
 + 1) / 2 partial blocks), at each --length.
 
@@ -25,8 +25,9 @@ def one_run(case: str, length: int) -> str:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from attngrad.torch import create_block_mask, mask_blocks
-    from attngrad.torch.mask_functions import ENTRIES
+    from attngrad.torch import create_block_mask
+    from attngrad.torch.masks import blocks as mask_blocks
+    from attngrad.torch.masks.functions import ENTRIES
 
     if case == "from_rows":
         dense = torch.empty(1, 1, length, length, dtype=torch.bool)

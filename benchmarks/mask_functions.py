@@ -6,7 +6,7 @@ median of --repeats runs of each):
     block_mask  FlexAttention's BlockMask of the same mask_mod, made once (its evaluation is
                 kept with it, so calls after the first pay nothing for it)
     mask_mod    the mask function itself on every call (evaluated on the first and kept
-                while what it reads stays the same: `attngrad.torch.mask_memo`)
+                while what it reads stays the same: `attngrad.torch.masks.memo`)
 
 for a causal mask, a causal sliding window of --window keys and 8 packed causal documents;
 then masks no interval per row describes (random 128 x 128 blocks, a causal mask dilated by
@@ -51,7 +51,7 @@ def _compare(name: str, length: int, mask_mod, bounds: dict, repeats: int) -> st
 
 
 def _no_interval(name: str, length: int, mask_mod, repeats: int) -> str:
-    """A mask no interval per row describes, kept per block (`attngrad.torch.mask_blocks`),
+    """A mask no interval per row describes, kept per block (`attngrad.torch.masks.blocks`),
     against the same mask written out whole as attn_mask; and the bytes of each form."""
     q, k, v, dout = _inputs(1, length)
     with warnings.catch_warnings():

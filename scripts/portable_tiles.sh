@@ -5,7 +5,7 @@
 # tile tests, then every pass of scripts/tile_bits.py's grid, whose results must equal the
 # native build's bit for bit; and a build without OpenMP (the suite leaves that 10 s build
 # to this script). Run it, as sanitize_tiles.sh, before any change to
-# src/attngrad/torch/csrc or native_build.py lands:
+# src/attngrad/torch/backends/cpu_tiles/ (csrc/ or build.py) lands:
 #     scripts/portable_tiles.sh [extra pytest arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,7 @@ trap 'rm -rf "$cache"' EXIT
 python scripts/tile_bits.py save "$cache/native.pt"
 export ATTNGRAD_MARCH=x86-64-v3 ATTNGRAD_CACHE="$cache"
 python - <<'PY'
-from attngrad.torch import native, native_build
+from attngrad.torch.backends.cpu_tiles import build as native_build, native
 assert native.library() is not None, native.build_info.reason
 assert "-march=x86-64-v3" in native_build.flags(), native_build.flags()
 print(f"built for x86-64-v3: {native.build_info.path}")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The compiled tiles' tests against a build with AddressSanitizer and
-# UndefinedBehaviorSanitizer (ATTNGRAD_SANITIZE=1 in attngrad.torch.native_build: the
+# UndefinedBehaviorSanitizer (ATTNGRAD_SANITIZE=1 in attngrad.torch.backends.cpu_tiles.build: the
 # extension's sources compiled and linked with -fsanitize=address,undefined), in a fresh
-# cache folder. Run it before any change to src/attngrad/torch/csrc lands:
+# cache folder. Run it before any change to src/attngrad/torch/backends/cpu_tiles/csrc lands:
 #     scripts/sanitize_tiles.sh [extra pytest arguments]
 # A Python process loads the sanitizer runtimes before anything else (LD_PRELOAD); leak
 # checking is off because CPython and PyTorch keep allocations until exit by design;
@@ -24,7 +24,7 @@ python -m pytest -q -p no:cacheprovider --capture=sys \
     tests/torch_backend/test_mask_blocks.py tests/torch_backend/test_forward_jvp.py tests/torch_backend/test_buffer_cache.py \
     -k "not test_compiled_ and not in_triton" "$@"
 python - <<'PY'
-from attngrad.torch import native
+from attngrad.torch.backends.cpu_tiles import native
 assert native.library() is not None, native.build_info.reason
 binary = native.build_info.path.read_bytes()  # the extension the tests above loaded
 assert b"__asan_init" in binary and b"__ubsan_handle" in binary, "the tiles were not built with the sanitizers"

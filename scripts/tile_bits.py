@@ -17,7 +17,8 @@ import sys
 
 import torch
 
-from attngrad.torch import attention, native, ran
+from attngrad.torch import attention, ran
+from attngrad.torch.backends.cpu_tiles import native
 
 # Results a build without AVX-512 rounds apart from the native one, and by how much at most
 # (relative to the result's largest entry): the soft cap's 16-lane tanh, whose FMAs GCC

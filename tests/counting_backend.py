@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from attngrad.torch import dispatch, use_implementation
+from attngrad.torch import use_implementation
 from attngrad.torch.backends import torch_ops
-from attngrad.torch.call import AttentionCall
+from attngrad.torch.op import dispatch
+from attngrad.torch.op.call import AttentionCall
 
 
 class CountingBackend:

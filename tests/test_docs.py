@@ -42,7 +42,7 @@ def test_readme_python_blocks_run_each_alone(tmp_path):
         if importlib.util.find_spec(needed) is None:  # the scripts import them, not this process
             pytest.skip(f"the README's examples need {needed}")
     import attngrad
-    from attngrad.torch import native
+    from attngrad.torch.backends.cpu_tiles import native
 
     native.library()  # built here if need be, so each script loads the tiles from the cache
     package_root = str(Path(attngrad.__file__).resolve().parents[1])  # this process's attngrad

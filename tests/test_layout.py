@@ -1,12 +1,24 @@
 """The layout's rules, checked on the source: modules import one another without a cycle, no
-source file grows past 1,000 lines, and attngrad.torch reaches its compiled tiles through
+source file grows past 1,000 lines, attngrad.torch reaches its compiled tiles through
 PyTorch's extension machinery alone (no ctypes, no library file names, no compiler run by
-hand)."""
+hand), and attngrad.torch's files lie in their layers, each importing only those below:
+
+    precision, layout        the shared rules: the dtypes taken, how inputs of any rank fold
+    masks/                   masks in every form, and what is made from them
+    op/                      the call, the ops and their contract, autograd, dispatch
+    backends/<name>/         one package per backend, none importing another
+    arguments, distributed/  the public arguments folded into a call; the sharded entry points
+    entry points             functional, mha, sdpa_mode, nested, eager_plans: anything above
+
+so there is no cycle between packages either."""
 
 from __future__ import annotations
 
 import ast
+import shutil
 from pathlib import Path
+
+import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "attngrad"
@@ -75,3 +87,93 @@ def test_the_tiles_come_through_pytorchs_extension_machinery():
         for word in ("ctypes", "libtorch_cpu", "subprocess"):
             assert word not in text, f"{path.relative_to(SRC)} names {word}"
 
+
+TORCH = Path(__file__).resolve().parents[1] / "src" / "attngrad" / "torch"
+ENTRY_POINTS = {"__init__", "functional", "mha", "sdpa_mode", "nested", "eager_plans"}
+SHARED = {"precision", "layout", "arguments"}
+BELOW = {  # what each layer may import from attngrad.torch, beside itself
+    "precision": set(),
+    "layout": {"precision"},
+    "masks": {"precision", "layout"},
+    "op": {"precision", "layout", "masks"},
+    "backend": {"precision", "layout", "masks", "op"},
+    "arguments": {"precision", "layout", "masks", "op"},
+    "distributed": {"precision", "layout", "masks", "op", "arguments"},
+}
+
+
+def _layer(parts: list) -> str:
+    """The layer of module attngrad.torch.<parts>: a backend's package is "backends.<name>"."""
+    parts = parts[:-1] if parts and parts[-1] == "__init__" else parts
+    if not parts or parts[0] in ENTRY_POINTS:
+        return "entry"
+    if parts[0] == "backends":
+        return "backends" if len(parts) == 1 else f"backends.{parts[1]}"
+    return parts[0]
+
+
+def _torch_imports(path: Path, root: Path) -> list:
+    """(line, the imported module's parts below attngrad.torch) of every import of attngrad.torch."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    package = parts[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ["attngrad", "torch", *package][: 2 + len(package) - node.level + 1]
+                target = base + (node.module.split(".") if node.module else [])
+            else:
+                target = node.module.split(".")
+            targets = [target + [alias.name] for alias in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [alias.name.split(".") for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            if target[:2] == ["attngrad", "torch"]:
+                found.append((node.lineno, target[2:]))
+    return found
+
+
+def layout_violations(root: Path = TORCH) -> list:
+    """Every broken rule, one line each."""
+    broken = []
+    for path in sorted(root.glob("*.py")):
+        if path.stem not in ENTRY_POINTS | SHARED:
+            broken.append(f"{path.name}: a module at the top that is no entry point or shared rule")
+    for path in sorted(root.rglob("*.py")):
+        own = _layer(list(path.relative_to(root).with_suffix("").parts))
+        if own in ("entry", "backends") or not (own in BELOW or own.startswith("backends.")):
+            continue
+        allowed = BELOW["backend" if own.startswith("backends.") else own] | {own}
+        for line, target in _torch_imports(path, root):
+            other = _layer(target)
+            if other not in allowed and not (other == "backends" and own.startswith("backends.")):
+                broken.append(f"{path.relative_to(root)}:{line}: the {own} layer imports {'.'.join(target)} "
+                              f"({other})")
+    return broken
+
+
+def test_every_module_lies_in_its_layer_and_imports_only_those_below():
+    assert layout_violations() == []
+
+
+@pytest.mark.parametrize("module, line", [
+    ("op/dispatch.py", "from ..backends import triton"),  # an upward import
+    ("masks/blocks.py", "from ..op import call"),  # the op's call holds masks: a cycle
+    ("backends/triton/launch.py", "from ..cpu_tiles import native"),  # a backend on another
+])
+def test_a_broken_rule_is_found(tmp_path, module, line):
+    """The check on a copy of the package with one rule broken names the file and the import."""
+    copy = tmp_path / "torch"
+    shutil.copytree(TORCH, copy, ignore=shutil.ignore_patterns("__pycache__", "csrc"))
+    target = copy / module
+    target.write_text(target.read_text() + f"\n{line}\n")
+    assert any(v.startswith(module) for v in layout_violations(copy))
+
+
+def test_a_stray_module_at_the_top_is_found(tmp_path):
+    copy = tmp_path / "torch"
+    shutil.copytree(TORCH, copy, ignore=shutil.ignore_patterns("__pycache__", "csrc"))
+    (copy / "helpers.py").write_text("")
+    assert layout_violations(copy) == ["helpers.py: a module at the top that is no entry point or shared rule"]

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
-from attngrad.torch import dispatch  # noqa: E402
+from attngrad.torch.op import dispatch  # noqa: E402
 
 from ..conftest import assert_all_close  # noqa: E402
 from ..replaced_sdpa import replaced_and_math  # noqa: E402

@@ -128,7 +128,7 @@ def test_mask_functions_it_does_not_read_are_evaluated_exactly(entries, monkeypa
     from transformers import masking_utils as mu
 
     from attngrad.integrations.transformers import mask_for_attngrad
-    from attngrad.torch import mask_functions
+    from attngrad.torch.masks import functions as mask_functions
 
     monkeypatch.setattr(mask_functions, "ENTRIES", entries)
     padding = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 10])

@@ -7,9 +7,13 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from attngrad.torch import dispatch, kernels, kernels_higher, native, use_implementation  # noqa: E402
-from attngrad.torch.autograd import attention as differentiable_attention  # noqa: E402
-from attngrad.torch.call import AttentionCall, ScoreMasks  # noqa: E402
+from attngrad.torch import use_implementation  # noqa: E402
+from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
+from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
+from attngrad.torch.backends.torch_ops import higher_order as kernels_higher  # noqa: E402
+from attngrad.torch.op import dispatch  # noqa: E402
+from attngrad.torch.op.autograd import attention as differentiable_attention  # noqa: E402
+from attngrad.torch.op.call import AttentionCall, ScoreMasks  # noqa: E402
 
 from ..counting_backend import registered_counting_backend  # noqa: E402
 

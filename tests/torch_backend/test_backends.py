@@ -10,12 +10,12 @@ from attngrad.torch import (  # noqa: E402
     MultiheadAttention,
     attention,
     backends,
-    dispatch,
     ran,
     scaled_dot_product_attention,
     use_implementation,
 )
-from attngrad.torch.call import PASSES, schema  # noqa: E402
+from attngrad.torch.op import dispatch  # noqa: E402
+from attngrad.torch.op.call import PASSES, schema  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
 from .conftest import make_call, math_sdpa  # noqa: E402
@@ -136,7 +136,7 @@ def test_eager_calls_skip_the_dispatcher_and_everything_else_sees_the_op(monkeyp
     tracing or torch.func) the op itself is called, so those still see one opaque operator."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from attngrad.torch import ops
+    from attngrad.torch.op import ops
 
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 3, 7, 8, generator=g, dtype=torch.float64) for _ in range(3))

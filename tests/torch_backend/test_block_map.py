@@ -11,8 +11,15 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from attngrad.torch import block_map  # noqa: E402
-from attngrad.torch.block_map import empty_tiles, kept_keys, key_range, key_ranges, row_intervals, tile_map  # noqa: E402
+from attngrad.torch.masks import block_map  # noqa: E402
+from attngrad.torch.masks.block_map import (  # noqa: E402
+    empty_tiles,
+    kept_keys,
+    key_range,
+    key_ranges,
+    row_intervals,
+    tile_map,
+)
 
 
 def _reference(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys, exact=False):

@@ -1,11 +1,12 @@
-"""The gradient buffers kept between calls (attngrad.torch.buffer_cache): handed out again
+"""The gradient buffers kept between calls (attngrad.torch.backends.cpu_tiles.buffer_cache): handed out again
 only once nothing holds them, within the limit, and never showing what they held."""
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from attngrad.torch import attention, buffer_cache, native, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch import attention, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch.backends.cpu_tiles import buffer_cache, native  # noqa: E402
 
 from ..conftest import assert_all_close  # noqa: E402
 from .conftest import math_sdpa  # noqa: E402

@@ -6,7 +6,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attngrad.torch import attention, dropout, kernels, native  # noqa: E402
+from attngrad.torch import attention  # noqa: E402
+from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
+from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
+from attngrad.torch.op import dropout  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
 
@@ -93,7 +96,7 @@ def test_a_key_constant_bias_sums_its_rows_alike_on_any_thread_count():
     the rows a bias entry covers (`key_constant_bias.rows_to_bias`): for one scalar over
     2^17 rows, a reduction kernel splits the sum between threads (torch.sum's bits differed
     between 1 and 2 threads, Intel Xeon, torch 2.13); the sum by halves does not."""
-    from attngrad.torch.key_constant_bias import rows_to_bias
+    from attngrad.torch.op.key_constant_bias import rows_to_bias
 
     per_row = torch.randn(2, 4, 1 << 14, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     threads = torch.get_num_threads()
@@ -113,8 +116,9 @@ def test_a_ring_steps_bits_do_not_depend_on_the_thread_count(many_blocks):
     rows, row and key offsets), forward and backward with dropout, a bias gradient and a
     causal diagonal, and the higher kernels given the whole rows' sums: bit-equal for 1 to
     4 threads."""
-    from attngrad.torch import kernels_higher, ops
-    from attngrad.torch.dropout import Placement
+    from attngrad.torch.backends.torch_ops import higher_order as kernels_higher
+    from attngrad.torch.op import ops
+    from attngrad.torch.op.dropout import Placement
 
     g = torch.Generator().manual_seed(2)
     q, dout = torch.randn(1, 3, 150, 24, generator=g), torch.randn(1, 3, 150, 16, generator=g)

@@ -10,7 +10,9 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from attngrad.torch import attention, dispatch, eager_plans, native, scaled_dot_product_attention, use_implementation  # noqa: E402
+from attngrad.torch import attention, eager_plans, scaled_dot_product_attention, use_implementation  # noqa: E402
+from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
+from attngrad.torch.op import dispatch  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
 from .conftest import math_sdpa  # noqa: E402

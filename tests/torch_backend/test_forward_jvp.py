@@ -12,8 +12,10 @@ import torch.autograd.forward_ad as forward_ad  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from attngrad.torch import native, ops, ran, scaled_dot_product_attention, use_implementation  # noqa: E402
-from attngrad.torch.dropout import Placement  # noqa: E402
+from attngrad.torch import ran, scaled_dot_product_attention, use_implementation  # noqa: E402
+from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
+from attngrad.torch.op import ops  # noqa: E402
+from attngrad.torch.op.dropout import Placement  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
 from .conftest import make_call, math_sdpa  # noqa: E402

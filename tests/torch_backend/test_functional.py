@@ -7,7 +7,10 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 from attngrad.torch import attention as capped_attention  # noqa: E402
-from attngrad.torch import dropout, kernels, native, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch import scaled_dot_product_attention  # noqa: E402
+from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
+from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
+from attngrad.torch.op import dropout  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
 from .conftest import math_sdpa, op_attention  # noqa: E402

@@ -15,8 +15,9 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from attngrad.torch import attention, create_block_mask, mask_blocks  # noqa: E402
-from attngrad.torch.mask_blocks import EMPTY, FULL, MaskBlocks  # noqa: E402
+from attngrad.torch import attention, create_block_mask  # noqa: E402
+from attngrad.torch.masks import blocks as mask_blocks  # noqa: E402
+from attngrad.torch.masks.blocks import EMPTY, FULL, MaskBlocks  # noqa: E402
 
 from ..conftest import assert_all_close  # noqa: E402
 from .conftest import make_call  # noqa: E402
@@ -263,8 +264,9 @@ TRITON_CASES = {  # small: the interpreter runs every program instance in Python
 def test_every_pass_reads_the_blocks_in_triton(name):
     """The same in the Triton kernels, run by Triton's interpreter (float64)."""
     pytest.importorskip("triton")
-    from attngrad.torch import dispatch, use_implementation
+    from attngrad.torch import use_implementation
     from attngrad.torch.backends import triton as triton_backend
+    from attngrad.torch.op import dispatch
 
     if not triton_backend.interpreting():
         pytest.skip("the Triton kernels are compiled here (TRITON_INTERPRET=0): tests/torch_backend/test_triton.py")
@@ -322,7 +324,8 @@ def test_blocks_made_outside_a_fullgraph_compile_pass_in():
 def test_ops_refuse_bad_blocks_by_name():
     """Each bad block index, tile or pairing is named before a kernel reads it, by the op
     and by the compiled tiles themselves."""
-    from attngrad.torch import native, ops
+    from attngrad.torch.backends.cpu_tiles import native
+    from attngrad.torch.op import ops
 
     q, k, v = randn(1, 2, 9, 4, seed=1), randn(1, 2, 11, 4, seed=2), randn(1, 2, 11, 4, seed=3)
     good = mask_blocks.from_dense(torch.rand(1, 2, 9, 11, generator=torch.Generator().manual_seed(0)) > 0.5, (4, 4))

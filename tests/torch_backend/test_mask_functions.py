@@ -16,7 +16,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.nn.attention.flex_attention import create_block_mask as flex_block_mask  # noqa: E402
 from torch.nn.attention.flex_attention import create_mask, flex_attention  # noqa: E402
 
-from attngrad.torch import attention, create_block_mask, mask_functions  # noqa: E402
+from attngrad.torch import attention, create_block_mask  # noqa: E402
+from attngrad.torch.masks import functions as mask_functions  # noqa: E402
 
 from ..conftest import assert_all_close  # noqa: E402
 

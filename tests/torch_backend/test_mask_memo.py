@@ -14,7 +14,9 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from attngrad.torch import attention, mask_functions, mask_memo  # noqa: E402
+from attngrad.torch import attention  # noqa: E402
+from attngrad.torch.masks import functions as mask_functions  # noqa: E402
+from attngrad.torch.masks import memo as mask_memo  # noqa: E402
 
 from ..conftest import assert_all_close  # noqa: E402
 

@@ -14,7 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attngrad.check.torch_backend import every_derivative  # noqa: E402
-from attngrad.torch import attention, dispatch, use_implementation  # noqa: E402
+from attngrad.torch import attention, use_implementation  # noqa: E402
+from attngrad.torch.op import dispatch  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
 
@@ -178,10 +179,10 @@ def test_given_sums_pass_and_its_ring_parts_keep_nan(where, index):
     keys and on two parts of them: NaN in the HVP exactly where float64 autograd of the
     definition has it, the rest to 1e-12, from the tiles' own forward statistics (a NaN row's
     1/l NaN) and the torch-ops kernels' sums."""
-    native = pytest.importorskip("attngrad.torch.native")
+    native = pytest.importorskip("attngrad.torch.backends.cpu_tiles.native")
     if native.library() is None:
         pytest.skip(f"no compiled tiles: {native.build_info.reason}")
-    from attngrad.torch import kernels_higher
+    from attngrad.torch.backends.torch_ops import higher_order as kernels_higher
     inputs = primals()
     inputs[where][index] = math.nan
     q, k, v = inputs

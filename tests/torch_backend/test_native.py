@@ -1,4 +1,4 @@
-"""The compiled tiles (attngrad.torch.native) against the torch-ops kernels and PyTorch."""
+"""The compiled tiles (attngrad.torch.backends.cpu_tiles.native) against the torch-ops kernels and PyTorch."""
 
 import contextlib
 import os
@@ -14,7 +14,13 @@ torch = pytest.importorskip("torch")
 from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from attngrad.torch import block_map, dispatch, kept, kernels, kernels_higher, native, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch import scaled_dot_product_attention  # noqa: E402
+from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
+from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
+from attngrad.torch.backends.torch_ops import higher_order as kernels_higher  # noqa: E402
+from attngrad.torch.masks import block_map  # noqa: E402
+from attngrad.torch.masks import version_cache as kept  # noqa: E402
+from attngrad.torch.op import dispatch  # noqa: E402
 
 from ..conftest import EXACT, assert_all_close, rel_err  # noqa: E402
 from .conftest import make_call  # noqa: E402
@@ -637,7 +643,7 @@ def test_bias_gradient_parts_add_up(shape, expanded):
 
 
 def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
-    from attngrad.torch import native_build
+    from attngrad.torch.backends.cpu_tiles import build as native_build
 
     monkeypatch.setenv("ATTNGRAD_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a compiler that always fails
@@ -673,7 +679,7 @@ def test_a_second_build_in_one_process_is_refused_not_loaded(monkeypatch):
     changes under a process that has loaded the tiles (sources edited, another target CPU),
     the tiles fall back with a warning that says why, and nothing is built or loaded (a
     second library's registration would end the process)."""
-    from attngrad.torch import native_build
+    from attngrad.torch.backends.cpu_tiles import build as native_build
 
     loaded = native.library()
     monkeypatch.setenv("ATTNGRAD_MARCH", "x86-64-v2")  # another key, not built in this cache
@@ -695,7 +701,7 @@ def test_a_failed_openmp_build_is_tried_again_without_it(monkeypatch):
     """Where the build with the OpenMP flag fails (Apple's clang refuses it), library()
     builds again without it and warns that the tiles run on one thread (the build itself:
     the next test, in scripts/portable_tiles.sh)."""
-    from attngrad.torch import native_build
+    from attngrad.torch.backends.cpu_tiles import build as native_build
 
     loaded = native.library()
     tried = []
@@ -729,7 +735,7 @@ def test_a_compiler_without_openmp_still_builds_the_tiles(tmp_path):
     build of the tiles per process)."""
     script = textwrap.dedent("""
         import warnings, torch
-        from attngrad.torch import native, native_build
+        from attngrad.torch.backends.cpu_tiles import build as native_build, native
         native_build.OPENMP_FLAGS = ("-fopenmp", "-fattngrad-no-such-flag")
         native_build.FLAGS = ("-O0", *native_build.FLAGS[1:])  # the fallback is the point here, not speed
         with warnings.catch_warnings(record=True) as caught:
@@ -754,7 +760,7 @@ def test_a_build_says_so_on_stderr_and_a_cached_load_is_quiet(monkeypatch, tmp_p
     """A first use waits 10-60 s for the build: it says so once on stderr, with the cache
     folder, then how long it took. A process that finds the build loads it in silence.
     (No compiler runs here: _build and the load are stand-ins.)"""
-    from attngrad.torch import native_build
+    from attngrad.torch.backends.cpu_tiles import build as native_build
 
     monkeypatch.setenv("ATTNGRAD_CACHE", str(tmp_path))
     monkeypatch.setattr(native_build, "_loaded", None)  # as a fresh process, which loaded no build yet
@@ -784,7 +790,7 @@ def test_a_build_counts_its_seconds_on_a_terminal_alone():
     import io
     import time
 
-    from attngrad.torch import native_build
+    from attngrad.torch.backends.cpu_tiles import build as native_build
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -809,7 +815,7 @@ def test_the_tiles_are_cached_and_keyed(monkeypatch, tmp_path):
     """The library sits in the cache folder, in a folder of its own key (sources, flags,
     compiler, CPU): a sanitizer build, another target CPU or another compiler gets another
     folder, and a process that finds the build loads it without compiling."""
-    from attngrad.torch import native_build
+    from attngrad.torch.backends.cpu_tiles import build as native_build
 
     path = native.build_info.path
     assert path.parent.parent == native_build._cache_dir() and path.exists()
@@ -999,7 +1005,7 @@ def test_bfloat16_products_follow_torch_backends_mkldnn():
 def test_what_the_tiles_take():
     """The tiles backend takes CPU calls in any float dtype (half computed in float32), with
     masks and a bias, and refuses an empty axis and other devices, saying why."""
-    from attngrad.torch.backends import tiles
+    from attngrad.torch.backends import cpu_tiles as tiles
 
     q, k, v, _ = _inputs(1, 2, 2, 5, 6, 4, 4, torch.float64, 0)
 
@@ -1063,7 +1069,7 @@ def test_a_kept_block_map_follows_its_tensors(monkeypatch):
 def _tiles_not_empty(q, k, causal, mask=None, bias=None, bounds=None, block_keys=None):
     """Score tiles of the forward (and of the backward: the same tiling) that the block map
     leaves to compute: all B H Lq/R Lk/C of them less its EMPTY ones, and how many those are."""
-    from attngrad.torch.block_map import empty_tiles
+    from attngrad.torch.masks.block_map import empty_tiles
 
     masks = native._score_masks(mask, bias, q.dtype, bounds=bounds)
     block_keys = block_keys or native._block_keys(bounds)

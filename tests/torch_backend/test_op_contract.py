@@ -6,8 +6,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attngrad.torch import MultiheadAttention, mask_blocks, native, scaled_dot_product_attention  # noqa: E402
-from attngrad.torch import ops as op  # noqa: E402
+from attngrad.torch import MultiheadAttention, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
+from attngrad.torch.masks import blocks as mask_blocks  # noqa: E402
+from attngrad.torch.op import ops as op  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
 from .conftest import math_sdpa  # noqa: E402

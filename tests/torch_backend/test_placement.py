@@ -9,9 +9,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attngrad.torch import backends, dropout, use_implementation  # noqa: E402
-from attngrad.torch import ops as op  # noqa: E402
-from attngrad.torch.dropout import Placement  # noqa: E402
+from attngrad.torch import backends, use_implementation  # noqa: E402
+from attngrad.torch.op import dropout  # noqa: E402
+from attngrad.torch.op import ops as op  # noqa: E402
+from attngrad.torch.op.dropout import Placement  # noqa: E402
 
 IMPLEMENTATIONS = [b.name for b in backends() if b.available]
 

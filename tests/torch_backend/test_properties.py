@@ -44,7 +44,9 @@ from hypothesis import strategies as st  # noqa: E402
 
 from attngrad.check.compare import error_figure  # noqa: E402
 from attngrad.check.torch_backend import every_derivative  # noqa: E402
-from attngrad.torch import attention, dispatch, native, use_implementation  # noqa: E402
+from attngrad.torch import attention, use_implementation  # noqa: E402
+from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
+from attngrad.torch.op import dispatch  # noqa: E402
 
 from ..conftest import EXACT  # noqa: E402
 

@@ -12,7 +12,8 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from torch import nn  # noqa: E402
 
-from attngrad.torch import dispatch, replace_sdpa, sdpa_mode  # noqa: E402
+from attngrad.torch import replace_sdpa, sdpa_mode  # noqa: E402
+from attngrad.torch.op import dispatch  # noqa: E402
 
 from ..conftest import EXACT, assert_all_close, rel_err  # noqa: E402
 from ..replaced_sdpa import replaced_and_math  # noqa: E402

@@ -10,14 +10,8 @@ torch = pytest.importorskip("torch")
 import torch.autograd.forward_ad as forward_ad  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from attngrad.torch import (  # noqa: E402
-    MultiheadAttention,
-    attention,
-    autograd,
-    ops,  # noqa: E402
-    ran,
-    scaled_dot_product_attention,
-)
+from attngrad.torch import MultiheadAttention, attention, ran, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch.op import autograd, ops  # noqa: E402
 
 from ..conftest import EXACT, assert_all_close, rel_err  # noqa: E402
 from .conftest import op_attention  # noqa: E402
@@ -175,7 +169,8 @@ def test_an_hvp_runs_the_backwards_jvp_on_its_tiles_from_the_forwards_row_sums(m
     bias gradient the whole-row pass runs instead. Either way the HVP is the math kernel's.
     Both fused passes given sums write their primal results (out and its statistics; the
     gradient) straight into the tensors the Functions returned: nothing is copied there."""
-    from attngrad.torch import autograd, native
+    from attngrad.torch.backends.cpu_tiles import native
+    from attngrad.torch.op import autograd
 
     monkeypatch.setattr(native, "BLOCK_KEYS", 5)
     case = Case(**CASES[name])

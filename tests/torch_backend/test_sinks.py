@@ -268,7 +268,7 @@ def test_the_backward_is_asked_for_no_sum_of_a_key_constant_bias(backend, monkey
     """A key-constant bias (the sinks' included) takes its gradient from the closed form
     alone: the backend's backward runs without a bias gradient, skipping the sum over every
     score that would be discarded; a bias that varies along the keys still asks for one."""
-    from attngrad.torch import dispatch
+    from attngrad.torch.op import dispatch
 
     asked = []
     run = dispatch.run

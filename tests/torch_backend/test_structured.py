@@ -20,17 +20,12 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from attngrad.torch import (  # noqa: E402
-    attention,
-    backends,
-    forget_masks,
-    kept,
-    kernels,
-    kernels_higher,
-    native,
-    use_implementation,
-)
-from attngrad.torch.structured import _structure, structure  # noqa: E402
+from attngrad.torch import attention, backends, forget_masks, use_implementation  # noqa: E402
+from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
+from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
+from attngrad.torch.backends.torch_ops import higher_order as kernels_higher  # noqa: E402
+from attngrad.torch.masks import version_cache as kept  # noqa: E402
+from attngrad.torch.masks.structured import _structure, structure  # noqa: E402
 
 from ..conftest import assert_all_close  # noqa: E402
 

@@ -17,11 +17,12 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from attngrad.check.torch_backend import every_derivative  # noqa: E402
-from attngrad.torch import attention, dispatch, dropout, use_implementation  # noqa: E402
+from attngrad.torch import attention, use_implementation  # noqa: E402
 from attngrad.torch.backends import triton as triton_backend  # noqa: E402
 from attngrad.torch.backends.triton import launch  # noqa: E402
 from attngrad.torch.backends.triton.kernels import dq_rank  # noqa: E402
-from attngrad.torch.call import ScoreMasks  # noqa: E402
+from attngrad.torch.op import dispatch, dropout  # noqa: E402
+from attngrad.torch.op.call import ScoreMasks  # noqa: E402
 
 from ..conftest import assert_all_close, rel_err  # noqa: E402
 from .conftest import op_attention  # noqa: E402
@@ -331,7 +332,7 @@ def test_float64_on_a_gpu_needs_triton_39(monkeypatch):
 def test_the_block_map_is_kept_while_its_mask_lives_unchanged(on_triton, tiles_of, monkeypatch):
     """The tile map and walks are made once per mask, bounds and tile size, not per call
     (milliseconds of host time at long L); a write into the mask makes them anew."""
-    from attngrad.torch import kept
+    from attngrad.torch.masks import version_cache as kept
 
     kept.clear()
     made = []
@@ -357,7 +358,7 @@ def test_the_backward_gives_a_sinks_bias_its_closed_form_without_the_bias_side_w
     """Triton's own backward (before `ops` replaces it) gives a bias constant along the keys
     sum_i D_i P_sink,i from its row statistics, where `bias_side` would walk every score of a
     head in one program: float64 against autograd of the definition, and no bias-side launch."""
-    from attngrad.torch import ops
+    from attngrad.torch.op import ops
 
     def refuse(*_args, **_kwargs):
         raise AssertionError("bias_side ran for a bias constant along the keys")
@@ -508,10 +509,10 @@ def test_the_fused_backwards_dq_order_is_fixed_and_keeps_the_key_blocks_in_step(
 
 
 @interpreted
-@pytest.mark.parametrize("options", [dict(), dict(is_causal=True), dict(is_causal="bottom_right"),
-                                     dict(window=(9, 4)), dict(key_padding=torch.tensor([41, 30]))],
-                         ids=["full", "causal", "bottom-right", "window", "padding"])
-@pytest.mark.parametrize("len_q", [37, 70])
+@pytest.mark.parametrize("options, len_q", [(dict(), 70), (dict(), 37), (dict(is_causal=True), 37),
+                                            (dict(is_causal="bottom_right"), 70), (dict(window=(9, 4)), 70),
+                                            (dict(key_padding=torch.tensor([41, 30])), 37)],
+                         ids=["full-70", "full-37", "causal", "bottom-right", "window", "padding"])
 def test_a_light_calls_backward_fused_or_in_the_keys_orientation_matches_key_side(on_triton, tiles_of, monkeypatch,
                                                                                    options, len_q):
     """A light call's backward three ways agree to float64 rounding: key_side fused with dQ's

@@ -3,7 +3,7 @@ of masks, with q, k, v batched beside them or not, gives what a Python loop over
 gives, bit for bit, in the output, the gradients (vjp and grad inside vmap) and the JVP.
 
 Their bounds are made by ops of rows whose batching rule folds the vmapped axis into the
-rows (`structured`, `vmap_rules.rows_rule`); before those, reading the masks' values under
+rows (`structured`, `layout.rows_rule`); before those, reading the masks' values under
 vmap ended in PyTorch's data-dependent error.
 """
 
@@ -13,7 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attngrad.torch import attention, structured  # noqa: E402
+from attngrad.torch import attention  # noqa: E402
+from attngrad.torch.masks import structured  # noqa: E402
 
 from ..conftest import assert_all_close  # noqa: E402
 

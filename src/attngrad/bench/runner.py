@@ -127,7 +127,7 @@ class BenchReport:
 def machine_facts() -> dict[str, Any]:
     import torch
 
-    from ..torch import native
+    from ..torch.backends.cpu_tiles import native
 
     return {
         "attngrad_tiles": native.status(),
@@ -155,7 +155,7 @@ def run_bench(
 ) -> BenchReport:
     """Time (and measure the memory of) every implementation on every case, beside a
     `gemm_size`^3 float32 GEMM in every round (a smoke run takes a small one)."""
-    from ..torch.dispatch import ran  # counts what attngrad's passes ran on
+    from ..torch.op.dispatch import ran  # counts what attngrad's passes ran on
 
     peak = gemm_peak_gflops(gemm_size)
     results = []

@@ -24,10 +24,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..torch import dropout as attngrad_dropout
 from ..torch.arguments import build_call
-from ..torch.autograd import attention
-from ..torch.dispatch import backends, use_implementation
+from ..torch.op import dropout as attngrad_dropout
+from ..torch.op.autograd import attention
+from ..torch.op.dispatch import backends, use_implementation
 from .cases import Case
 from .torch_oracle import computation
 

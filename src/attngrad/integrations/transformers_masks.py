@@ -10,7 +10,7 @@ Here the common pieces are read instead (`read_mask_function`): each becomes an 
 `attngrad.torch.attention` (a causal diagonal, a window, document ids, key padding), with
 no evaluation at all. Any other function is evaluated by transformers' own SDPA mask
 builder a few rows at a time and reduced to per-row key bounds where each row sees one
-interval of keys, as every mask of transformers' models does (`attngrad.torch.mask_functions`);
+interval of keys, as every mask of transformers' models does (`attngrad.torch.masks.functions`);
 only a mask with holes inside a row is written out whole. Either way the model runs with
 its own mask.
 """
@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..torch.mask_functions import EvaluatedMask, evaluate_rows
+from ..torch.masks.functions import EvaluatedMask, evaluate_rows
 
 MASKING_MODULE = "transformers.masking_utils"
 

@@ -7,18 +7,24 @@ a float bias and the causal mask in any combination. All run wherever the tensor
 `backends()` lists the backends that run the passes (the compiled tiles, the torch-ops
 kernels, ...), `use_implementation` chooses among them, and `ran` counts what ran.
 `replace_sdpa()` sends every call of PyTorch's own function inside a block to attngrad,
-in any model that makes one. `buffer_cache` keeps the gradient of a bias of the scores'
-size between calls (`buffer_cache.set_limit`, `buffer_cache.empty_cache`). What is made from a
-mask is kept while the mask's version counter stays (`kept`); `forget_masks()` drops it
-after a write that bypasses the counter (`.data`, NumPy's shared memory).
+in any model that makes one. The compiled CPU tiles keep the gradient of a bias of the
+scores' size between calls (`backends.cpu_tiles.buffer_cache`: `set_limit`, `empty_cache`).
+What is made from a mask is kept while the mask's version counter stays
+(`masks.version_cache`); `forget_masks()` drops it after a write that bypasses the counter
+(`.data`, NumPy's shared memory).
+
+Layout: the entry points above (`functional`, `mha`, `sdpa_mode`, `nested`, `distributed`)
+build one `op.call.AttentionCall` (`arguments`, `layout`); `op` runs its passes as PyTorch
+operators and sends each to a backend (`op.dispatch`); each backend is one package under
+`backends`; `masks` holds masks in every form. docs/design.md draws it.
 """
 
 from . import backends as _backends  # noqa: F401  (registers the backends)
-from .dispatch import backends, ran, use_implementation
 from .functional import attention, scaled_dot_product_attention
-from .kept import forget_masks
-from .mask_functions import create_block_mask
+from .masks.functions import create_block_mask
+from .masks.version_cache import forget_masks
 from .mha import MultiheadAttention
+from .op.dispatch import backends, ran, use_implementation
 from .sdpa_mode import SDPACalls, replace_sdpa
 
 __all__ = ["MultiheadAttention", "SDPACalls", "attention", "backends", "create_block_mask", "forget_masks", "ran",

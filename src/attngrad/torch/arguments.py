@@ -11,10 +11,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .call import AttentionCall, ScoreMasks
 from .layout import FLOATS, Layout, check_optional_tensors, check_tensors, default_scale, describe_shapes, is_number
-from .mask_functions import evaluated_mask
-from .structured import join_bounds, structure
+from .masks.functions import evaluated_mask
+from .masks.structured import join_bounds, structure
+from .op.call import AttentionCall, ScoreMasks
 
 
 def check_sinks(sinks: Tensor, layout: Layout, query: Tensor) -> Tensor:

@@ -24,10 +24,10 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 
-from . import dispatch
 from .arguments import build_call
 from .layout import fold, unfold
-from .op_checks import check_fields
+from .op import dispatch
+from .op.checks import check_fields
 
 KEPT = 64  # signatures kept, least recently used first out
 _plans: collections.OrderedDict = collections.OrderedDict()

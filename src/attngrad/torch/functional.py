@@ -16,9 +16,9 @@ from torch import Tensor
 
 from . import eager_plans
 from .arguments import build_call
-from .autograd import attention as differentiable_attention
 from .layout import FLOATS, describe_shapes
 from .nested import is_jagged, jagged_attention
+from .op.autograd import attention as differentiable_attention
 
 
 def _causal_bias_type() -> Optional[type]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -191,3 +192,36 @@ def default_scale(query: Tensor, scale: Optional[float]) -> float:
             raise TypeError(f"scale must be a number (or None); got {type(scale).__name__}")
         return float(scale)
     return 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
+
+
+def vmapped_first(t: Tensor, dim: int | None, n: int) -> Tensor:
+    """A tensor under torch.func.vmap with its vmapped axis first: moved there, or a new
+    one of size n where it has none (dim None)."""
+    return t.movedim(dim, 0) if dim is not None else t.expand(n, *t.shape)
+
+
+def fold_batch(t: Tensor, dim: int | None, n: int) -> Tensor:
+    """(B, ...) with an optional vmapped axis -> (N B, ...)."""
+    t = vmapped_first(t, dim, n)
+    return t.reshape(n * t.shape[1], *t.shape[2:])
+
+
+def rows_rule(op: Callable) -> Callable:
+    """The batching rule of an op of rows (`structured`): the first dimension of every
+    tensor it takes and returns is one per batch entry, each row's result its own row's
+    (apart from one choice the op makes for all of them). The vmapped axis folds into the
+    rows, (N, b, ...) -> (N b, ...), the op runs once and its results unfold; an empty
+    placeholder, a result not made, stays unbatched."""
+
+    def rule(info: Any, in_dims: tuple, *args: Any) -> tuple[Any, Any]:
+        n = info.batch_size
+        outputs = op(*(fold_batch(a, d, n) if isinstance(a, Tensor) else a for a, d in zip(args, in_dims)))
+        single = isinstance(outputs, Tensor)
+        unfolded, dims = [], []
+        for out in (outputs,) if single else outputs:
+            placeholder = out.dim() == 1 and out.numel() == 0
+            unfolded.append(out if placeholder else out.reshape(n, out.shape[0] // n, *out.shape[1:]))
+            dims.append(None if placeholder else 0)
+        return (unfolded[0], dims[0]) if single else (tuple(unfolded), tuple(dims))
+
+    return rule

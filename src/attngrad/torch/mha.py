@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import dropout as dropout_masks
 from .arguments import build_call
-from .autograd import attention
 from .functional import attention as attention_function
 from .nested import is_jagged
+from .op import dropout as dropout_masks
+from .op.autograd import attention
 from .precision import compute_dtype
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .mask_functions import EvaluatedMask
+from .masks.functions import EvaluatedMask
 
 
 def is_jagged(t: Any) -> bool:

@@ -1,6 +1,6 @@
 """The backends of attngrad.torch, each registered with `dispatch` when imported, in order
 of preference: the compiled CPU tiles first, the Triton kernels (CUDA) next, the portable
-torch-ops kernels last. A new backend is one more module that calls `dispatch.register`.
+torch-ops kernels last. A new backend is one more package that calls `dispatch.register`.
 (`triton` registers itself just before torch-ops, so it is imported after it.)"""
 
-from . import tiles, torch_ops, triton  # noqa: F401  (registering them is what importing does)
+from . import cpu_tiles, torch_ops, triton  # noqa: F401  (registering them is what importing does)

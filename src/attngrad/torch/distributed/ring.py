@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import sink_logits
 from ..arguments import check_sinks
-from ..autograd import THIRD_ORDER, Final
 from ..layout import Layout, default_scale
-from ..structured import structure
+from ..masks.structured import structure
+from ..op import sink_logits
+from ..op.autograd import THIRD_ORDER, Final
 from .call_checks import start_call
 from .ring_comm import Ring
 from .ring_passes import ring_backward, ring_backward_jvp, ring_double_backward, ring_forward, ring_jvp

@@ -27,9 +27,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import dispatch
-from ..key_constant_bias import sink_share
-from ..ops import add_sink, run_op
+from ..op import dispatch
+from ..op.key_constant_bias import sink_share
+from ..op.ops import add_sink, run_op
 from ..precision import compute_dtype
 from .ring_plan import RingPlan, Unit, piece
 

@@ -21,9 +21,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..block_map import EMPTY, FULL, classify, row_intervals
-from ..call import AttentionCall, ScoreMasks
-from ..dropout import Placement
+from ..masks.block_map import EMPTY, FULL, classify, row_intervals
+from ..op.call import AttentionCall, ScoreMasks
+from ..op.dropout import Placement
 from .ring_comm import Ring
 from .sharding import Sharding
 

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..arguments import build_call
-from ..autograd import attention
-from ..dropout import Placement
 from ..layout import Layout
+from ..op.autograd import attention
+from ..op.dropout import Placement
 from .call_checks import start_call
 from .ring_comm import waited
 from .sharding import Sharding, group_of

@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from ... import dispatch
-from ...call import AttentionCall
+from ...op import dispatch
+from ...op.call import AttentionCall
 from ...precision import FLOATS
 
 

@@ -25,8 +25,8 @@ from typing import Any, Optional
 
 import torch
 
-from ... import mask_blocks
-from ...call import AttentionCall, ScoreMasks
+from ...masks import blocks as mask_blocks
+from ...op.call import AttentionCall, ScoreMasks
 from ...precision import compute_dtype
 
 PASSES = ("forward", "backward", "jvp", "backward_jvp", "double_backward")

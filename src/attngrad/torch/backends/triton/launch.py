@@ -27,11 +27,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ... import kept
-from ...block_map import empty_tiles
-from ...call import AttentionCall
-from ...dropout import as_int64, keep_value, threshold
-from ...key_constant_bias import is_key_constant, rows_to_bias, sink_share
+from ...masks import version_cache
+from ...masks.block_map import empty_tiles
+from ...op.call import AttentionCall
+from ...op.dropout import as_int64, keep_value, threshold
+from ...op.key_constant_bias import is_key_constant, rows_to_bias, sink_share
 from ...precision import compute_dtype
 from . import kernels
 from .tiles import BACKWARD, BACKWARD_JVP, DOUBLE_BACKWARD
@@ -275,7 +275,7 @@ def _block_map(call: AttentionCall, blocks: Blocks) -> tuple[Tensor, Tensor, Ten
     their loops carry no branch, which Triton's pipeliner needs). Made on the CPU (a mask and key bounds are
     copied there), which costs milliseconds of host time a call (20 ms for a plain call at
     L = 4096 on 2 cores), so they are kept while the mask, the bounds and the mask kept per
-    block live unchanged (`kept`); a call with none of them keeps one per shape."""
+    block live unchanged (`version_cache`); a call with none of them keeps one per shape."""
     mask_blocks = call.blocks
     sources = (call.mask, call.bounds, None if mask_blocks is None else mask_blocks.index,
                None if mask_blocks is None else mask_blocks.tiles)
@@ -289,7 +289,7 @@ def _block_map(call: AttentionCall, blocks: Blocks) -> tuple[Tensor, Tensor, Ten
         dense = _dense(empty, key_walks) and _dense(empty, query_walks)
         return empty.to(torch.int8).to(device), key_walks.to(device), query_walks.to(device), dense
 
-    return kept.value("triton_block_map", (len_q, len_k, call.causal, blocks.rows, blocks.keys, device), sources, make)
+    return version_cache.value("triton_block_map", (len_q, len_k, call.causal, blocks.rows, blocks.keys, device), sources, make)
 
 
 class Plan:

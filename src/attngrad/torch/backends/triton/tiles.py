@@ -90,7 +90,7 @@ def dot_nt(a, b, acc, BW: tl.constexpr, S: tl.constexpr, IP: tl.constexpr):
 
 @triton.jit
 def mix64(z):
-    """SplitMix64's output function on uint64 lanes (`attngrad.torch.dropout`)."""
+    """SplitMix64's output function on uint64 lanes (`attngrad.torch.op.dropout`)."""
     z = z ^ (z >> 30)
     z = z * 0xBF58476D1CE4E5B9
     z = z ^ (z >> 27)

@@ -1,4 +1,4 @@
-"""The "torch-ops" backend: PyTorch operators over score tiles (`kernels`, `kernels_higher`).
+"""The "torch-ops" backend: PyTorch operators over score tiles (`first_order`, `higher_order`).
 Every call on any device, every pass; also a part of each row's keys with the whole rows'
 sums given (`row_sums`), which the ring's higher passes need. Registered last: the one that
 takes what no other does."""
@@ -9,8 +9,9 @@ from typing import Optional
 
 from torch import Tensor
 
-from .. import dispatch, kernels, kernels_higher
-from ..call import AttentionCall
+from ...op import dispatch
+from ...op.call import AttentionCall
+from . import first_order, higher_order
 
 
 def _common(call: AttentionCall) -> dict:
@@ -20,25 +21,25 @@ def _common(call: AttentionCall) -> dict:
 
 
 def forward(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
-    return kernels.attention_forward(**_common(call))
+    return first_order.attention_forward(**_common(call))
 
 
 def backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
              bias_grad: bool) -> tuple:
-    return kernels.attention_backward(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad,
+    return first_order.attention_backward(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad,
                                       **_common(call))
 
 
 def jvp(call: AttentionCall, *, row_max: Tensor, inv_sum: Tensor, tq: Optional[Tensor], tk: Optional[Tensor],
         tv: Optional[Tensor], tbias: Optional[Tensor], row_sums: Optional[dict] = None) -> Tensor:
-    return kernels_higher.attention_jvp(row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv, tbias=tbias,
+    return higher_order.attention_jvp(row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv, tbias=tbias,
                                         sink=call.sink, **_common(call), **(row_sums or {}))
 
 
 def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor, bias_grad: bool,
                  tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
                  tbias: Optional[Tensor], row_sums: Optional[dict] = None, sink_rows: Optional[Tensor] = None) -> tuple:
-    return kernels_higher.attention_backward_jvp(
+    return higher_order.attention_backward_jvp(
         dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad, tdout=tdout, tq=tq, tk=tk, tv=tv,
         tbias=tbias, sink=call.sink, sink_rows=sink_rows, **_common(call), **(row_sums or {}))
 
@@ -46,7 +47,7 @@ def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Ten
 def double_backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
                     bias_grad: bool, dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor],
                     gbias: Optional[Tensor], row_sums: Optional[dict] = None, sink_rows: Optional[Tensor] = None) -> tuple:
-    return kernels_higher.attention_double_backward(
+    return higher_order.attention_double_backward(
         dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad, dout_grad=dout_grad, gq=gq, gk=gk,
         gv=gv, gbias=gbias, sink=call.sink, sink_rows=sink_rows, **_common(call), **(row_sums or {}))
 
@@ -55,7 +56,7 @@ def double_backward_row_sums(call: AttentionCall, *, dout: Tensor, row_max: Tens
                              gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
                              row_sums: Optional[dict] = None) -> tuple[Tensor, Tensor]:
     """The ring's first walk of the double backward: this part's shares of its row sums."""
-    return kernels_higher.double_backward_row_sums(
+    return higher_order.double_backward_row_sums(
         dout=dout, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad, gq=gq, gk=gk, gv=gv, gbias=gbias,
         **_common(call))
 

@@ -35,8 +35,8 @@ from .call import (
     present,
     schema,
 )
+from .checks import check_block_values, check_fields
 from .key_constant_bias import is_key_constant, key_constant_bias_grad
-from .op_checks import check_block_values, check_fields
 
 CALL_NAMES = tuple(f.name for f in CALL_FIELDS)
 ARGUMENTS = {pass_name: argument_names(pass_name) for pass_name in PASSES}  # in schema order

@@ -18,9 +18,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import dispatch, dropout, native
-from ..call import AttentionCall
-from ..precision import FLOATS
+from ...op import dispatch, dropout
+from ...op.call import AttentionCall
+from ...precision import FLOATS
+from . import native
 
 
 def _unavailable() -> Optional[str]:

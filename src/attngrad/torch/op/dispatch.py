@@ -11,7 +11,7 @@ the first registered backend that is allowed, available and takes the call. The 
 their higher passes carry the whole rows' sums (`inputs["row_sums"]`), which only a backend
 with `row_sums=True` takes. Registered today, in order of preference:
 
-    "tiles"      the compiled C++ tiles (`backends.tiles`): CPU, every pass, fast
+    "tiles"      the compiled C++ tiles (`backends.cpu_tiles`): CPU, every pass, fast
     "torch-ops"  PyTorch operators over score tiles (`backends.torch_ops`): every call,
                  on any device; the portable one
 

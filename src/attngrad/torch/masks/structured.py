@@ -37,8 +37,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import kept, vmap_rules
-from .layout import broadcast_shapes
+from ..layout import broadcast_shapes, rows_rule
+from . import version_cache
 
 
 class Structure(NamedTuple):
@@ -190,7 +190,7 @@ def structure(
 ) -> Structure:
     """The key bounds (and, for padding with holes, a keep-mask) of the structured masks
     given, for a call with batch dimensions `batch` and causal diagonal `causal`. Kept while
-    the tensors given live unchanged (`kept.value`): a model's layers share one structure,
+    the tensors given live unchanged (`version_cache.value`): a model's layers share one structure,
     and the tiles then find the block maps they keep for its bounds."""
     window = None if window is None else _checked_window(window)
     sources = (key_padding, document_ids, cu_seqlens)
@@ -198,9 +198,9 @@ def structure(
     def make() -> Structure:
         return _structure(batch, len_q, len_k, causal, device, key_padding, window, document_ids, cu_seqlens)
 
-    if not kept.keepable(*sources):
+    if not version_cache.keepable(*sources):
         return make()
-    return kept.value("structure", (tuple(batch), len_q, len_k, causal, device, window), sources, make)
+    return version_cache.value("structure", (tuple(batch), len_q, len_k, causal, device, window), sources, make)
 
 
 def _structure(batch: tuple, len_q: int, len_k: int, causal: Optional[int], device: torch.device,
@@ -241,7 +241,7 @@ def join_bounds(parts: list, len_q: int, len_k: int, causal: Optional[int], devi
 
 # The parts of `structure` that read values, as ops of rows (one per batch entry, the first
 # dimension of every tensor in and out), so that torch.func.vmap folds its axis into the
-# rows, runs each once and unfolds (`vmap_rules.rows_rule`), where reading a batched
+# rows, runs each once and unfolds (`layout.rows_rule`), where reading a batched
 # tensor's values would fail. A result the op does not make is an empty placeholder.
 
 
@@ -266,7 +266,7 @@ def _padding_fake(rows: Tensor, len_k: int) -> tuple[Tensor, Tensor]:
 def _define_rows_op(name: str, function: Callable, fake: Callable, schema: str) -> None:
     op = torch.library.custom_op(f"attngrad::{name}", function, mutates_args=(), schema=schema)
     op.register_fake(fake)  # meta tensors under a torch.func transform
-    op.register_vmap(vmap_rules.rows_rule(op))
+    op.register_vmap(rows_rule(op))
 
 
 _define_rows_op("padding_bounds", _padding_op, _padding_fake, "(Tensor rows, int len_k) -> (Tensor, Tensor)")

@@ -80,7 +80,7 @@ def clear() -> None:
 def forget_masks() -> None:
     """Forget everything made from masks and mask functions for later calls (the kept values
     here and the evaluations of `mask_memo`): for masks written past their version counter."""
-    from . import mask_memo
+    from . import memo as mask_memo
 
     clear()
     mask_memo.clear()

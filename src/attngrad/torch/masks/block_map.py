@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .mask_blocks import MaskBlocks, blocks_with_no_entry
+from .blocks import MaskBlocks, blocks_with_no_entry
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 

@@ -34,9 +34,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from . import mask_blocks
-from .mask_blocks import MaskBlocks
-from .mask_memo import remembered
+from . import blocks as mask_blocks
+from .blocks import MaskBlocks
+from .memo import remembered
 
 # Entries of one evaluated chunk of rows: 4M booleans (and their int32 key indices).
 ENTRIES = 1 << 22

@@ -14,10 +14,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from ..layout import broadcast_shapes
+from ..masks.blocks import MaskBlocks
+from ..precision import FLOATS
 from .call import FIELDS, AttentionCall
-from .layout import broadcast_shapes
-from .mask_blocks import MaskBlocks
-from .precision import FLOATS
 
 
 def _shape(t: Tensor) -> tuple:

@@ -30,12 +30,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from . import buffer_cache, kept
-from .block_map import kept_keys, key_ranges, tile_map
-from .dropout import Placement, as_int64, keep_value, threshold
-from .mask_blocks import MaskBlocks
-from .native_build import build_info, fresh_build_seconds, library
-from .precision import compute_dtype
+from ...masks import version_cache
+from ...masks.block_map import kept_keys, key_ranges, tile_map
+from ...masks.blocks import MaskBlocks
+from ...op.dropout import Placement, as_int64, keep_value, threshold
+from ...precision import compute_dtype
+from . import buffer_cache
+from .build import build_info, fresh_build_seconds, library
 
 __all__ = ["attention_forward", "attention_backward", "attention_double_backward", "attention_jvp",
            "attention_forward_jvp", "attention_backward_jvp", "attention_backward_jvp_given_sums", "forward_plan",
@@ -252,7 +253,7 @@ def _block_rows(len_q: int, len_k: int, causal: int | None, bf16: bool, bounds: 
 def _band_rows(len_q: int, len_k: int, causal: int | None, bounds: Tensor) -> int:
     """BLOCK_ROWS, a half or a quarter of it: the one whose query blocks' key ranges
     (`block_map.key_ranges`), rows times keys, cover the fewest scores, weighted by
-    BAND_ROW_COST. Kept while the bounds live unchanged (`kept.value`)."""
+    BAND_ROW_COST. Kept while the bounds live unchanged (`version_cache.value`)."""
 
     def make() -> Tensor:
         costs = {}
@@ -264,7 +265,7 @@ def _band_rows(len_q: int, len_k: int, causal: int | None, bounds: Tensor) -> in
                 costs.setdefault(rows, float((keys * sizes).sum()) * weight)
         return torch.tensor(min(costs, key=costs.get))
 
-    return int(kept.value("band_rows", (len_q, len_k, causal, BLOCK_ROWS, BAND_ROW_COST), (bounds,), make))
+    return int(version_cache.value("band_rows", (len_q, len_k, causal, BLOCK_ROWS, BAND_ROW_COST), (bounds,), make))
 
 
 def _block_keys(bounds: Tensor | None) -> int:
@@ -287,14 +288,14 @@ def _band_keys_transposed(len_q: int, rows: int, bounds: Tensor | None, bf16: bo
 
 def _narrow(bounds: Tensor | None) -> bool:
     """Whether key `bounds` are given and leave every row at most NARROW_BAND keys. Kept while
-    the bounds live unchanged (`kept.value`): a pass asks three times, a reduction each."""
+    the bounds live unchanged (`version_cache.value`): a pass asks three times, a reduction each."""
     if bounds is None or bounds.numel() == 0:
         return False
 
     def make() -> bool:
         return int((bounds[..., 1] - bounds[..., 0]).max()) <= NARROW_BAND
 
-    return kept.value("narrow", (NARROW_BAND,), (bounds,), make)
+    return version_cache.value("narrow", (NARROW_BAND,), (bounds,), make)
 
 
 def _tile_map(q: Tensor, k: Tensor, masks: dict, causal: int | None, block_rows: int, block_keys: int,
@@ -310,7 +311,7 @@ def _tile_map(q: Tensor, k: Tensor, masks: dict, causal: int | None, block_rows:
         return None
     mask, bias, bounds, index, mask_tiles = sources
     blocks = None if index is None else MaskBlocks(index, mask_tiles)
-    return kept.value("tile_map", (q.shape[2], k.shape[2], causal, block_rows, block_keys), sources,
+    return version_cache.value("tile_map", (q.shape[2], k.shape[2], causal, block_rows, block_keys), sources,
                  lambda: tile_map(q.shape[2], k.shape[2], causal, bounds, mask, bias, block_rows, block_keys, blocks,
                                   ranges))
 
@@ -326,7 +327,7 @@ def _key_ranges(q: Tensor, k: Tensor, causal: int | None, block_rows: int, masks
     key bounds and to the keys a mask or bias keeps to each block (`block_map.kept_keys`). A
     range need not start at a key block's edge: the forward's and the backward's tiles start
     where it does (a sliding window's band). Kept while the tensors it is made from live
-    unchanged (`kept.value`)."""
+    unchanged (`version_cache.value`)."""
     bounds = masks.get("key_bounds")
     mask, bias = masks.get("mask"), masks.get("bias")
     len_q, len_k = q.shape[2], k.shape[2]
@@ -339,7 +340,7 @@ def _key_ranges(q: Tensor, k: Tensor, causal: int | None, block_rows: int, masks
             return _causal_key_ranges(len_q, len_k, causal, block_rows)
         return key_ranges(len_q, len_k, causal, bounds, block_rows, kept_by_masks)
 
-    return kept.value("key_ranges", (len_q, len_k, causal, block_rows), (mask, bias, bounds), make)
+    return version_cache.value("key_ranges", (len_q, len_k, causal, block_rows), (mask, bias, bounds), make)
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, softcap: float = 0.0,

@@ -59,10 +59,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .block_map import excluded, key_range
-from .dropout import Placement, keep_scale_into
-from .mask_blocks import MaskBlocks
-from .precision import compute_dtype
+from ...masks.block_map import excluded, key_range
+from ...masks.blocks import MaskBlocks
+from ...op.dropout import Placement, keep_scale_into
+from ...precision import compute_dtype
 
 # Elements of one (B, H, R, Lk') score tile: 2^22 float32 = 16 MiB. A handful of tiles are
 # alive at once in the backward, which bounds the extra memory whatever the length.

@@ -49,8 +49,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .dropout import keep_scale_into
-from .kernels import (
+from ...masks.blocks import MaskBlocks
+from ...op.dropout import keep_scale_into
+from ...op.key_constant_bias import sink_share
+from .first_order import (
     KeyGradient,
     ScoreTiles,
     add_block_to_bias,
@@ -61,8 +63,6 @@ from .kernels import (
     single_key_rows,
     with_column,
 )
-from .key_constant_bias import sink_share
-from .mask_blocks import MaskBlocks
 
 HIGHER_MIN_ROWS = 128
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..layout import fold_batch, vmapped_first
 from .call import FIELDS, PASSES
 
 # Operands broadcastable to (B, H, Lq, Lk): the masks, and what is shaped like the bias; a
@@ -32,19 +33,9 @@ BIAS_LIKE = frozenset({"mask", "bias", "mask_blocks"} | {f.name for f in FIELDS.
 ROWS_LIKE = frozenset({"bounds", "sinks"} | {f.name for f in FIELDS.values() if f.like == "sinks"})
 
 
-def _moved(t: Tensor, dim: int | None) -> Tensor:
-    return t if dim is None else t.movedim(dim, 0)
-
-
-def _fold_batch(t: Tensor, dim: int | None, n: int) -> Tensor:
-    """(B, ...) with an optional vmapped axis -> (N B, ...)."""
-    t = _moved(t, dim) if dim is not None else t.expand(n, *t.shape)
-    return t.reshape(n * t.shape[1], *t.shape[2:])
-
-
 def _fold_bias(t: Tensor, dim: int | None, n: int, batch: int) -> Tensor:
     """A tensor broadcastable to (B, H, Lq, Lk), with an optional vmapped axis -> (N B, h, lq, lk)."""
-    t = _moved(t, dim) if dim is not None else t.expand(n, *t.shape)
+    t = vmapped_first(t, dim, n)
     t = t.reshape(n, *([1] * (5 - t.dim())), *t.shape[1:])  # (N, b0, h, lq, lk)
     return t.expand(n, batch, *t.shape[2:]).reshape(n * batch, *t.shape[2:])
 
@@ -52,7 +43,7 @@ def _fold_bias(t: Tensor, dim: int | None, n: int, batch: int) -> Tensor:
 def _fold_per_batch(t: Tensor, dim: int | None, n: int, batch: int) -> Tensor:
     """Key bounds (1 or B, Lq, 2) or sink logits (1 or B, H), with an optional vmapped axis
     -> (N B, ...)."""
-    t = _moved(t, dim) if dim is not None else t.expand(n, *t.shape)
+    t = vmapped_first(t, dim, n)
     return t.expand(n, batch, *t.shape[2:]).reshape(n * batch, *t.shape[2:])
 
 
@@ -90,7 +81,7 @@ def make_rule(op: Callable, pass_name: str, names: Sequence[str]) -> Callable:
             return per_slice(info, in_dims, args)
         n = info.batch_size
         q, q_dim = args[q_index], in_dims[q_index]
-        batch = q.shape[0] if q_dim is None else _moved(q, q_dim).shape[1]
+        batch = q.shape[0] if q_dim is None else q.movedim(q_dim, 0).shape[1]
         bias_shape, sinks_shape = None, None
         folded = []
         for name, arg, dim in zip(names, args, in_dims):
@@ -98,14 +89,14 @@ def make_rule(op: Callable, pass_name: str, names: Sequence[str]) -> Callable:
                 folded.append(arg)
             elif name in ROWS_LIKE:
                 if name == "sinks":
-                    sinks_shape = arg.shape if dim is None else _moved(arg, dim).shape[1:]
+                    sinks_shape = arg.shape if dim is None else arg.movedim(dim, 0).shape[1:]
                 folded.append(_fold_per_batch(arg, dim, n, batch))
             elif name in BIAS_LIKE:
                 if name == "bias":
-                    bias_shape = arg.shape if dim is None else _moved(arg, dim).shape[1:]
+                    bias_shape = arg.shape if dim is None else arg.movedim(dim, 0).shape[1:]
                 folded.append(_fold_bias(arg, dim, n, batch))
             else:
-                folded.append(_fold_batch(arg, dim, n))
+                folded.append(fold_batch(arg, dim, n))
         outputs = op(*folded)
         if isinstance(outputs, Tensor):
             return outputs.reshape(n, batch, *outputs.shape[1:]), 0
@@ -126,26 +117,5 @@ def make_rule(op: Callable, pass_name: str, names: Sequence[str]) -> Callable:
                 unfolded.append(out.reshape(n, batch, *out.shape[1:]))
                 dims.append(0)
         return tuple(unfolded), tuple(dims)
-
-    return rule
-
-
-def rows_rule(op: Callable) -> Callable:
-    """The batching rule of an op of rows (`structured`): the first dimension of every
-    tensor it takes and returns is one per batch entry, each row's result its own row's
-    (apart from one choice the op makes for all of them). The vmapped axis folds into the
-    rows, (N, b, ...) -> (N b, ...), the op runs once and its results unfold; an empty
-    placeholder, a result not made, stays unbatched."""
-
-    def rule(info: Any, in_dims: tuple, *args: Any) -> tuple[Any, Any]:
-        n = info.batch_size
-        outputs = op(*(_fold_batch(a, d, n) if isinstance(a, Tensor) else a for a, d in zip(args, in_dims)))
-        single = isinstance(outputs, Tensor)
-        unfolded, dims = [], []
-        for out in (outputs,) if single else outputs:
-            placeholder = out.dim() == 1 and out.numel() == 0
-            unfolded.append(out if placeholder else out.reshape(n, out.shape[0] // n, *out.shape[1:]))
-            dims.append(None if placeholder else 0)
-        return (unfolded[0], dims[0]) if single else (tuple(unfolded), tuple(dims))
 
     return rule

@@ -23,9 +23,9 @@ from typing import Any, Optional
 
 from torch import Tensor
 
+from ..masks.blocks import MaskBlocks
+from ..precision import compute_dtype
 from .dropout import Placement
-from .mask_blocks import MaskBlocks
-from .precision import compute_dtype
 
 REQUIRED = object()  # a field without a default
 

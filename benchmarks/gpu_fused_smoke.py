@@ -1,6 +1,6 @@
 """The fused backward's first run on a GPU, kept short so that a hang or a wrong order shows
 before anything longer runs: bfloat16, B = 4, L = 4096, H * d = 2048, causal and not; the
-fused backward (`launch.FUSED_BACKWARD`) against the split one, its gradients' largest
+fused backward (`launch.Options.fused_backward`) against the split one, its gradients' largest
 difference, whether a rerun gives the same bits, and each one's time (median of
 `triton.testing.do_bench`). Exit status 1 if the fused one differs from the split one by
 more than bfloat16's rounding or changes its bits on a rerun.
@@ -28,12 +28,12 @@ def main() -> int:
             backward = triton_backward(d, causal)
             grads, ms = {}, {}
             for fused in (True, False):
-                launch.FUSED_BACKWARD = fused
-                grads[fused] = backward()
-                again = backward()
+                with launch.TUNING.override(fused_backward=fused):
+                    grads[fused] = backward()
+                    again = backward()
+                    ms[fused] = triton.testing.do_bench(backward, warmup=10, rep=50, return_mode="median")
                 same = all(torch.equal(a, b) for a, b in zip(grads[fused], again))
                 ok &= same
-                ms[fused] = triton.testing.do_bench(backward, warmup=10, rep=50, return_mode="median")
                 print(f"d={d} causal={causal} fused={fused} same bits on a rerun: {same}  {ms[fused]:.3f} ms",
                       flush=True)
             diffs = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
@@ -41,7 +41,6 @@ def main() -> int:
             ok &= max(diffs) < 2e-2
             print(f"d={d} causal={causal} fused / split: {ms[True] / ms[False]:.3f}x; dq, dk, dv relative "
                   f"difference {', '.join(f'{x:.1e}' for x in diffs)}", flush=True)
-            launch.FUSED_BACKWARD = True
     return 0 if ok else 1
 
 

@@ -52,8 +52,9 @@ def _run(variant: str) -> list:
             times: dict = {True: [], False: []}
             for _ in range(3):
                 for fused in (True, False):
-                    launch.FUSED_BACKWARD = fused
-                    times[fused].append(triton.testing.do_bench(backward, warmup=10, rep=50, return_mode="median"))
+                    with launch.TUNING.override(fused_backward=fused):
+                        times[fused].append(triton.testing.do_bench(backward, warmup=10, rep=50,
+                                                                    return_mode="median"))
             ms = {f: sorted(t)[1] for f, t in times.items()}
             lines.append(f"{variant:9s} d={d:3d} causal={causal!s:5s} fused {ms[True]:6.2f} ms, split "
                          f"{ms[False]:6.2f} ms: {ms[True] / ms[False]:.2f}x")

@@ -11,10 +11,10 @@ for spills by `attngrad gpu-report --features light plain`).
     python benchmarks/gpu_tiles.py --fused --out DIR         # the fused backward against the split one
     python benchmarks/gpu_tiles.py --key-side --out DIR      # key_side_light against key_side
 
-`--dense` times the table's tiles with the walks' branch on the tile map (`launch.DENSE_WALKS`
+`--dense` times the table's tiles with the walks' branch on the tile map (`launch.Options.dense_walks`
 False) against the branch-free walks that Triton pipelines, at 1 to 3 stages, and a few
 other tiles at 2 and 3 stages. `--fused` times the backward split into query_side and
-key_side (7 products per tile, `launch.FUSED_BACKWARD` False) against key_side fused with
+key_side (7 products per tile, `launch.Options.fused_backward` False) against key_side fused with
 dQ's ordered adds (5 products), at the table's tile and others.
 """
 
@@ -50,9 +50,7 @@ def _setup(name: str, d: int, candidate: Optional[tuple], causal: bool, dense: b
     from attngrad.torch import scaled_dot_product_attention, use_implementation
     from attngrad.torch.backends.triton import launch
 
-    launch.DENSE_WALKS = dense
-    launch.FUSED_BACKWARD = way == "fused"
-    launch.LIGHT_KEY_SIDE = way == "light"
+    options = dict(dense_walks=dense, fused_backward=way == "fused", light_key_side=way == "light")
     if candidate is not None:
         launch._HOPPER_LIGHT[(name, "half", d)] = launch.Blocks(*candidate)
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -61,16 +59,16 @@ def _setup(name: str, d: int, candidate: Optional[tuple], causal: bool, dense: b
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
     def forward():
-        with torch.no_grad(), use_implementation("triton"):
+        with torch.no_grad(), use_implementation("triton"), launch.TUNING.override(**options):
             return scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     if name == "forward":
         return forward
-    with use_implementation("triton"):
+    with use_implementation("triton"), launch.TUNING.override(**options):
         out = scaled_dot_product_attention(*leaves, is_causal=causal)
 
     def backward():
-        with use_implementation("triton"):
+        with use_implementation("triton"), launch.TUNING.override(**options):
             torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
     return backward
@@ -185,8 +183,6 @@ def main(argv: Optional[list] = None) -> int:
                 pass
             torch.cuda.empty_cache()
     launch._HOPPER_LIGHT.update(table)
-    launch.DENSE_WALKS = True
-    launch.FUSED_BACKWARD, launch.LIGHT_KEY_SIDE = False, True
     print(f"\n{torch.cuda.get_device_name()}, triton {triton.__version__}, bfloat16, B={B}, L={L}, H=2048/d, "
           f"median of {args.rounds} interleaved rounds")
     results = []

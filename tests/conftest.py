@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 # The Triton backend's tests run its kernels in Triton's interpreter, on CPU tensors. The
@@ -13,6 +14,14 @@ import numpy as np  # noqa: E402
 import pytest
 
 from attngrad.check.compare import error_figure
+
+
+@pytest.fixture
+def tuned():
+    """A backend's tuning changed for one test: `tuned(native.TILING, block_keys=8)` (each
+    backend's `op.tuning.Tuning`); every change is undone when the test ends."""
+    with contextlib.ExitStack() as stack:
+        yield lambda tuning, **changes: stack.enter_context(tuning.override(**changes))
 
 
 def _nested_interpreted_calls_share_the_launchs_patch() -> None:

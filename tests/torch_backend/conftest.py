@@ -10,7 +10,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from attngrad.torch import use_implementation  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
-from attngrad.torch.backends.torch_ops import higher_order as kernels_higher  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
 from attngrad.torch.op.autograd import attention as differentiable_attention  # noqa: E402
 from attngrad.torch.op.call import AttentionCall, ScoreMasks  # noqa: E402
@@ -19,17 +18,12 @@ from ..counting_backend import registered_counting_backend  # noqa: E402
 
 
 @pytest.fixture
-def many_blocks(monkeypatch):
+def many_blocks(monkeypatch, tuned):
     """Small tiles in every backend, so that every test crosses many block boundaries, and
     short key slices in the forward's E V product (the last one shorter than the rest). The
     compiled tiles get 20-key blocks: a 16-wide vector and a scalar tail per row."""
-    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 1 << 9)
-    monkeypatch.setattr(kernels, "MIN_ROWS", 3)
-    monkeypatch.setattr(kernels, "VALUE_SLICE", 4)
-    monkeypatch.setattr(kernels_higher, "HIGHER_MIN_ROWS", 3)
-    monkeypatch.setattr(native, "BLOCK_ROWS", 3)
-    monkeypatch.setattr(native, "BLOCK_KEYS", 20)
-    monkeypatch.setattr(native, "VALUE_SLICE", 4)
+    tuned(kernels.TILING, tile_elements=1 << 9, min_rows=3, value_slice=4, higher_min_rows=3)
+    tuned(native.TILING, block_rows=3, block_keys=20, value_slice=4)
 
 
 BACKENDS = ("tiles", "torch-ops")

@@ -16,9 +16,9 @@ SIZES = (2, 3, 5, 7)
 
 
 @pytest.fixture(autouse=True)
-def fresh_cache(monkeypatch):
+def fresh_cache(monkeypatch, tuned):
     """An empty cache that keeps even small buffers, and the default limit after the test."""
-    monkeypatch.setattr(buffer_cache, "SMALLEST", 0)
+    tuned(buffer_cache.TILING, smallest_kept_buffer=0)
     buffer_cache.empty_cache()
     yield
     buffer_cache.set_limit(buffer_cache.DEFAULT_LIMIT)
@@ -73,16 +73,14 @@ def _poisoned(sizes: tuple, dtype: torch.dtype) -> None:
 
 @needs_tiles
 @pytest.mark.parametrize("causal", [False, True, "window"])
-def test_a_kept_buffer_never_shows_through(monkeypatch, causal):
+def test_a_kept_buffer_never_shows_through(monkeypatch, causal, tuned):
     """A bias of the scores' own size has its gradient written entry by entry into a kept
     buffer (zeros in the tiles and keys the passes skip: where the bias is -inf, a padded
     sequence's keys, a causal triangle, the keys before a sliding window, whose tiles start
     inside a key block), and the double backward adds into a kept one it zeroes first. Each
     buffer filled with NaN beforehand, the gradients still equal autograd's through
     PyTorch's math path, float64, to 1e-12."""
-    monkeypatch.setattr(native, "BLOCK_ROWS", 4)
-    monkeypatch.setattr(native, "NARROW_BLOCK_KEYS", 8)
-    monkeypatch.setattr(native, "BLOCK_KEYS", 8)
+    tuned(native.TILING, block_rows=4, narrow_block_keys=8, block_keys=8)
     torch.manual_seed(0)
     batch, heads, len_q, len_k = 2, 3, 13, 29
     q = torch.randn(batch, heads, len_q, 16, dtype=torch.float64)

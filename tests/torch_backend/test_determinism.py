@@ -185,7 +185,7 @@ def test_dropout_keeps_one_minus_p():
         assert float((per - 0.75).abs().max()) < 6 * (0.75 * 0.25 / (n / keep.shape[axis])) ** 0.5
 
 
-def test_dropout_mask_does_not_depend_on_the_tiling(monkeypatch):
+def test_dropout_mask_does_not_depend_on_the_tiling(monkeypatch, tuned):
     """The torch-ops kernels draw per block: with one tile of 2^22 scores or many of 2^9
     the keep-mask is the same, so the output and gradients agree to rounding (a different
     mask would change them by O(1))."""
@@ -199,8 +199,7 @@ def test_dropout_mask_does_not_depend_on_the_tiling(monkeypatch):
         return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
     big, big_plan = run(), kernels.blocks(2, 3, 60, 60, 0)
-    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 1 << 9)
-    monkeypatch.setattr(kernels, "MIN_ROWS", 3)
+    tuned(kernels.TILING, tile_elements=1 << 9, min_rows=3)
     small, small_plan = run(), kernels.blocks(2, 3, 60, 60, 0)
     assert len(big_plan) == 1 and len(small_plan) > 10
     for a, b in zip(big, small):

@@ -98,7 +98,7 @@ def test_a_signature_is_planned_once_and_counted(monkeypatch):
 
 
 @needs_tiles
-def test_a_plan_follows_the_backends_and_their_settings(monkeypatch):
+def test_a_plan_follows_the_backends_and_their_settings(monkeypatch, tuned):
     """use_implementation, a change of the registry and the tiles' block sizes make a new
     signature: the plan never runs a backend that is not allowed, nor stale blocks."""
     builds = _count_builds(monkeypatch)
@@ -110,7 +110,7 @@ def test_a_plan_follows_the_backends_and_their_settings(monkeypatch):
             scaled_dot_product_attention(q, k, v)
             scaled_dot_product_attention(q, k, v)
         assert dispatch.ran[("forward", "torch-ops")] - before == 2
-        monkeypatch.setattr(native, "BLOCK_KEYS", 8)
+        tuned(native.TILING, block_keys=8)
         recorded, original = [], native._op
         op, names = original("forward")
         monkeypatch.setattr(native, "_op", lambda name: (lambda *args: recorded.append(args) or op(*args), names))

@@ -4,6 +4,8 @@ one pass of whole rows that makes its own row statistics. It must give what the 
 and the JVP give apart, for every option, and what PyTorch's autograd gives; and the calls
 it must not take (reverse mode tracking, nested transforms) keep the Function's path."""
 
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -69,10 +71,7 @@ def test_the_one_pass_equals_the_forward_then_the_jvp(case, small_blocks):
     Small blocks: 3 rows per block, and O = P V summed over slices of 4 keys."""
     call, tangents = case
     ran.clear()
-    with pytest.MonkeyPatch.context() as patch:
-        if small_blocks:
-            patch.setattr(native, "BLOCK_ROWS", 3)
-            patch.setattr(native, "VALUE_SLICE", 4)
+    with native.TILING.override(block_rows=3, value_slice=4) if small_blocks else contextlib.nullcontext():
         out, row_max_f, inv_sum_f, out_t = ops.run_pass("forward_jvp", call, tangents)
     assert ran[("forward_jvp", "tiles")] == 1
     for backend in ("tiles", "torch-ops"):

@@ -176,7 +176,7 @@ FLOAT32_MASK_CASES = {
     "per-head-key": (334, 65, 40, 8, 1, (8, 1, 65)),
     # ALiBi (flash-attn's tests' slopes, no causal), rows over two of the tiles' key blocks:
     # the tiles took D = rowsum(dO O) there, and dmask was 1.64x PyTorch's error here (2.0002x
-    # at the benchmark's draw); with each row in one key block (native.WHOLE_ROW_KEYS) 1.03x.
+    # at the benchmark's draw); with each row in one key block (`Tiling.whole_row_keys`) 1.03x.
     # Held to 1.5x, so that the old way fails
     "alibi-gqa": (1024, 1023, 40, 8, 2, "alibi"),
 }
@@ -377,13 +377,12 @@ def test_half_precision_inputs_compute_in_float32(dtype, bar):
 
 
 @pytest.mark.parametrize("heads", [1, 3])
-def test_full_size_bias_gradient_with_causal_single_row_blocks(monkeypatch, heads):
+def test_full_size_bias_gradient_with_causal_single_row_blocks(monkeypatch, heads, tuned):
     """A full-size bias's gradient is written block by block in place; with one head and
     one-row causal blocks the unseen keys of each row must still come back as 0."""
     from attngrad.torch import attention
 
-    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 1)
-    monkeypatch.setattr(kernels, "MIN_ROWS", 1)
+    tuned(kernels.TILING, tile_elements=1, min_rows=1)
     q, k, v = make(batch=1, heads=heads, len_q=7, len_k=7)
     bias = torch.randn(1, heads, 7, 7, dtype=torch.float64, requires_grad=True)
     out = attention(q, k, v, attn_bias=bias, is_causal=True)

@@ -94,12 +94,9 @@ WHOLE_ROW_CALLS = dict(
 def _whole_row_settings(rows: int, transposed_keys: bool):
     """The whole-row passes' block height, and whether they take the key side transposed
     (csrc/whole_rows.h, KeySide) or in place, for the calls inside."""
-    old = native.BLOCK_ROWS, native.TRANSPOSED_KEYS
-    native.BLOCK_ROWS, native.TRANSPOSED_KEYS = rows, (old[1] if transposed_keys else 0)
-    try:
+    keys = native.TILING().transposed_keys if transposed_keys else 0
+    with native.TILING.override(block_rows=rows, transposed_keys=keys):
         yield
-    finally:
-        native.BLOCK_ROWS, native.TRANSPOSED_KEYS = old
 
 
 def _inputs(batch, heads, kv_heads, len_q, len_k, dim, dim_v, dtype, seed):
@@ -138,7 +135,7 @@ def test_forward_and_backward_take_the_same_query_blocks(monkeypatch, len_q, cau
     q, k, v, dout = _inputs(2, 2, 2, len_q, 4096 if len_q == 1 else len_q, 8, 8, dtype, 0)
     rows = _query_blocks_taken(monkeypatch, q, k, v, dout, causal)
     assert rows["forward"] == rows["backward"] == native._block_rows(len_q, k.shape[2], causal, dtype == torch.bfloat16)
-    assert (rows["forward"] < native.BLOCK_ROWS) is short
+    assert (rows["forward"] < native.TILING().block_rows) is short
 
 
 @needs_tiles
@@ -159,7 +156,7 @@ def test_bounds_take_the_query_blocks_whose_tiles_cover_least(monkeypatch, band)
     causal = 0 if band == "window" else None  # a causal diagonal would cut each document's blocks too
     rows = _query_blocks_taken(monkeypatch, q, k, v, dout, causal, bounds=bounds)
     assert rows["forward"] == rows["backward"]
-    assert (rows["forward"] < native.BLOCK_ROWS) is (band == "window")
+    assert (rows["forward"] < native.TILING().block_rows) is (band == "window")
 
 
 @needs_tiles
@@ -182,15 +179,11 @@ def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k
     scale, causal = dim**-0.5, _diagonal(causal, len_q, len_k)
     mask, bias = _masks(masking, batch, kv_heads * groups, len_q, len_k, torch.float64, seed)
     bias_grad = bias_grad and bias is not None
-    old = native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE
-    native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE = blocks
-    try:
+    with native.TILING.override(**dict(zip(("block_rows", "block_keys", "value_slice"), blocks))):
         ours = native.attention_forward(q, k, v, causal, scale, mask=mask, bias=bias, seed=seed, dropout_p=dropout_p,
                                         softcap=softcap)
         grads = native.attention_backward(dout, q, k, v, *ours, causal, scale, chunks=chunks, mask=mask, bias=bias,
                                           seed=seed, dropout_p=dropout_p, bias_grad=bias_grad, softcap=softcap)
-    finally:
-        native.BLOCK_ROWS, native.BLOCK_KEYS, native.VALUE_SLICE = old
     theirs = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
     their_grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, *theirs, causal, scale, softcap,
                                              dropout_p, bias_grad)
@@ -210,7 +203,7 @@ def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k
                                                         (300, 340, False, 256)])
 def test_double_backward_at_its_own_block_heights(len_q, len_k, causal, rows):
     """The whole-row passes take blocks of 2 BLOCK_ROWS rows, a causal call's BLOCK_ROWS, and a
-    short causal call's double backward fewer (native.WHOLE_ROWS, DOUBLE_CAUSAL_ROWS). At the
+    short causal call's double backward fewer (`Tiling.whole_rows`, `double_causal_rows`). At the
     library's own settings, several blocks and a short last one (bottom-right where causal),
     float64: `kernels_higher`'s results to 1e-12."""
     causal = len_k - len_q if causal else None
@@ -237,7 +230,8 @@ def test_whole_row_blocks_are_taller_where_nothing_bands_the_keys():
     def rows(len_k, causal=None, **masks):
         return native._whole_row_split(q, torch.empty(1, 1, len_k, 1), masks, False, 1, causal)[0]
 
-    assert rows(4096) == 2 * native.BLOCK_ROWS == 256 and rows(8192) == native.DOUBLE_TILE // 8192 == 128
+    tiling = native.TILING()
+    assert rows(4096) == 2 * tiling.block_rows == 256 and rows(8192) == tiling.double_tile // 8192 == 128
     assert rows(4096, 0) == rows(4096, key_bounds=torch.zeros(1)) == rows(4096, mask_blocks=object()) == 128
 
 
@@ -407,9 +401,7 @@ def test_backward_jvp_given_sums_matches_the_torch_ops_kernels(batch, kv_heads, 
     out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
     centre, delta_t = _row_sums(dout, q, k, v, out, row_max, inv_sum, mask, bias, seed, causal, scale, softcap,
                                 dropout_p, tangents)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(native, "BLOCK_ROWS", blocks[0])
-        patch.setattr(native, "BLOCK_KEYS", blocks[1])
+    with native.TILING.override(block_rows=blocks[0], block_keys=blocks[1]):
         ours, both = (native.attention_backward_jvp_given_sums(
             dout, q, k, v, out, row_max, inv_sum, causal, scale, *tangents[:4], centre, delta_t, mask=mask, bias=bias,
             tbias=tangents[4], seed=seed, dropout_p=dropout_p, chunks=chunks, softcap=softcap,
@@ -627,9 +619,7 @@ def test_bias_gradient_parts_add_up(shape, expanded):
         bias = bias.expand(2, 4, 37, 300)
     stats = kernels.attention_forward(q, k, v, None, bias, 0, 0, 0.3, 0.0, 0.0)
     theirs = kernels.attention_backward(dout, q, k, v, None, bias, 0, *stats, 0, 0.3, 0.0, 0.0, True)
-    old = native.BLOCK_KEYS
-    native.BLOCK_KEYS = 64
-    try:
+    with native.TILING.override(block_keys=64):
         for chunks in (1, 3):
             ours = native.attention_backward(dout, q, k, v, *stats, 0, 0.3, chunks=chunks, bias=bias, bias_grad=True)
             assert ours[3].shape == bias.shape
@@ -638,8 +628,6 @@ def test_bias_gradient_parts_add_up(shape, expanded):
                 assert float(ours[3].abs().max()) < EXACT and float(theirs[3].abs().max()) < EXACT
                 names = names[:3]
             assert_all_close(dict(zip(names, ours)), dict(zip(names, theirs)))
-    finally:
-        native.BLOCK_KEYS = old
 
 
 def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
@@ -1051,11 +1039,10 @@ def test_use_implementation_chooses_and_counts():
 
 
 @needs_tiles
-def test_a_kept_block_map_follows_its_tensors(monkeypatch):
+def test_a_kept_block_map_follows_its_tensors(monkeypatch, tuned):
     """The block maps kept between calls are a float bias's while it lives unchanged: after
     an in-place write of -inf over a key block, the next call skips that block."""
-    monkeypatch.setattr(native, "BLOCK_ROWS", 4)
-    monkeypatch.setattr(native, "BLOCK_KEYS", 8)
+    tuned(native.TILING, block_rows=4, block_keys=8)
     q, k, v, _ = _inputs(1, 2, 2, 8, 16, 4, 4, torch.float64, 5)
     bias = torch.zeros(1, 1, 8, 16, dtype=torch.float64)
     _, before = _counted(lambda: native.attention_forward(q, k, v, None, 0.5, bias=bias))
@@ -1102,9 +1089,7 @@ def test_tiles_skip_what_a_padding_mask_excludes(causal):
     cotangents = [torch.randn_like(t) for t in (q, k, v)]
     # the mask as given, as a float bias, and expanded (stride 0) to every head and row
     for mask, float_mask in ((keep, None), (None, bias), (keep.expand(2, 4, 17, 23), None)):
-        old = native.BLOCK_ROWS, native.BLOCK_KEYS
-        native.BLOCK_ROWS, native.BLOCK_KEYS = 3, 5
-        try:
+        with native.TILING.override(block_rows=3, block_keys=5):
             tiles, empty = _tiles_not_empty(q, k, causal, mask, float_mask)
             ours, forward_tiles = _counted(lambda: native.attention_forward(q, k, v, causal, 0.3, mask=mask,
                                                                             bias=float_mask))
@@ -1112,8 +1097,6 @@ def test_tiles_skip_what_a_padding_mask_excludes(causal):
                 dout, q, k, v, *ours, causal, 0.3, mask=mask, bias=float_mask)[:3])
             second = native.attention_double_backward(dout, q, k, v, *ours, causal, 0.3, True, *cotangents,
                                                       mask=mask, bias=float_mask)[:4]
-        finally:
-            native.BLOCK_ROWS, native.BLOCK_KEYS = old
         # 2 x 4 heads of 6 x 5 tiles: the first sequence's last two key blocks and the
         # second's last three are padding alone (more under the causal diagonals)
         assert empty >= 4 * 6 * (2 + 3)
@@ -1130,7 +1113,7 @@ def test_tiles_skip_what_a_padding_mask_excludes(causal):
 
 @needs_tiles
 @pytest.mark.parametrize("causal", [None, 3])
-def test_unmasked_tiles_give_the_bits_of_masked_ones(monkeypatch, causal):
+def test_unmasked_tiles_give_the_bits_of_masked_ones(monkeypatch, causal, tuned):
     """A float mask of 0 and -inf per row (a padding mask per sequence, and holes), a
     boolean mask that keeps most tiles whole, and a soft cap, on 4 x 8 tiles: the passes
     leave the mask and bias out on the tiles the tile map marks UNMASKED (some are), and the
@@ -1142,8 +1125,7 @@ def test_unmasked_tiles_give_the_bits_of_masked_ones(monkeypatch, causal):
     bias[1, :, 5, 9] = float("-inf")
     mask = torch.ones(2, 3, 21, 37, dtype=torch.bool)
     mask[1, 2, 17, 30] = False
-    monkeypatch.setattr(native, "BLOCK_ROWS", 4)
-    monkeypatch.setattr(native, "BLOCK_KEYS", 8)
+    tuned(native.TILING, block_rows=4, block_keys=8)
     made = []
 
     def run():
@@ -1182,15 +1164,11 @@ def test_tiles_skip_what_a_causal_window_excludes(with_mask):
     if with_mask:
         mask = torch.ones(2, 1, 37, 37, dtype=torch.bool)
         mask[0, ..., ::3] = False
-    old = native.BLOCK_ROWS, native.NARROW_BLOCK_KEYS, native.BAND_ROW_COST
-    native.BLOCK_ROWS, native.NARROW_BLOCK_KEYS, native.BAND_ROW_COST = 4, 5, (1.0,)  # 4 rows a block, no fewer
-    try:
+    with native.TILING.override(block_rows=4, narrow_block_keys=5, band_row_cost=(1.0,)):  # 4 rows a block, no fewer
         tiles, empty = _tiles_not_empty(q, k, 0, mask, bounds=bounds)
         ours, forward_tiles = _counted(lambda: native.attention_forward(q, k, v, 0, 0.3, mask=mask, bounds=bounds))
         grads, backward_tiles = _counted(lambda: native.attention_backward(dout, q, k, v, *ours, 0, 0.3, mask=mask,
                                                                            bounds=bounds)[:3])
-    finally:
-        native.BLOCK_ROWS, native.NARROW_BLOCK_KEYS, native.BAND_ROW_COST = old
     all_tiles = 2 * 2 * 10 * 8
     # per head, of 10 x 8 tiles, the window and the diagonal leave 2 or 3 per query block
     assert empty >= 2 * 2 * (10 * 8 - 3 * 10)
@@ -1203,14 +1181,12 @@ def test_tiles_skip_what_a_causal_window_excludes(with_mask):
 
 
 @needs_tiles
-def test_a_query_block_that_sees_no_key_computes_no_tile(monkeypatch):
+def test_a_query_block_that_sees_no_key_computes_no_tile(monkeypatch, tuned):
     """Key bounds that leave a whole query block no key, its empty range starting inside a
     key block (where the tiles of the other blocks start too): neither pass computes a tile
     for it (the counts equal the block map's), its rows give 0, and every result equals the
     torch-ops kernels'."""
-    monkeypatch.setattr(native, "BLOCK_ROWS", 4)
-    monkeypatch.setattr(native, "NARROW_BLOCK_KEYS", 8)
-    monkeypatch.setattr(native, "BAND_ROW_COST", (1.0,))  # 4 rows a block
+    tuned(native.TILING, block_rows=4, narrow_block_keys=8, band_row_cost=(1.0,))  # 4 rows a block
     q, k, v, dout = _inputs(2, 2, 2, 23, 23, 8, 6, torch.float64, 6)
     rows = torch.arange(23)
     lo, hi = (rows - 3).clamp(min=0), rows + 1
@@ -1282,11 +1258,9 @@ def test_narrow_band_tiles_from_transposed_keys_match_the_torch_ops_kernels(
         taken[name] = kwargs["transposed_keys"], kwargs["block_rows"]
         return run(name, *args, **kwargs)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(native, "BLOCK_ROWS", 16)
-        patch.setattr(native, "BAND_ROW_COST", (1e9, 1e9, 1.0))  # always a quarter: 4 rows a block
-        patch.setattr(native, "NARROW_BLOCK_KEYS", block_keys)
-        patch.setattr(native, "BAND_TRANSPOSE_ROWS", 1)
+    # always a quarter of 16 rows: 4 rows a block
+    tiling = dict(block_rows=16, band_row_cost=(1e9, 1e9, 1.0), narrow_block_keys=block_keys, band_transpose_rows=1)
+    with pytest.MonkeyPatch.context() as patch, native.TILING.override(**tiling):
         patch.setattr(native, "_run", recording)
         ours = native.attention_forward(q, k, v, causal, scale, **options)
         grads = native.attention_backward(dout, q, k, v, *ours, causal, scale, chunks=chunks, bias_grad=bias_grad,

@@ -357,14 +357,11 @@ def definition_spread(call: Call, theirs: dict) -> dict:
 
 
 @pytest.fixture
-def small_tiles(many_blocks, monkeypatch):
+def small_tiles(many_blocks, monkeypatch, tuned):
     """Narrow key blocks too, so that 40 keys cross several, and whole tiles are skipped. One
     thread: these calls are far too small to share, and on a busy machine threads that wait
     for each other made the test several times slower."""
-    monkeypatch.setattr(native, "BLOCK_KEYS", 8)
-    monkeypatch.setattr(native, "NARROW_BLOCK_KEYS", 4)
-    monkeypatch.setattr(native, "NARROW_BAND", 6)
-    monkeypatch.setattr(native, "DOUBLE_TILE", 24)
+    tuned(native.TILING, block_keys=8, narrow_block_keys=4, narrow_band=6, double_tile=24)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

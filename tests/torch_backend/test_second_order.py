@@ -161,7 +161,7 @@ def test_forward_over_reverse_hvp_matches_math_kernel(many_blocks, name):
 @pytest.mark.parametrize("name,dual_level", [("causal-long-queries", False), ("dropout-causal-gqa", False),
                                              ("dropout-causal-gqa", True), ("causal-gqa-bias", False)])
 def test_an_hvp_runs_the_backwards_jvp_on_its_tiles_from_the_forwards_row_sums(monkeypatch, many_blocks, name,
-                                                                              dual_level):
+                                                                              dual_level, tuned):
     """The forward's fused pass leaves each row's centre rowsum(P * S') and O'; the backward's,
     along the same tangents, takes them with D' (dout's tangent too, under torch.func) and runs
     on the backward's tiles (`native.attention_backward_jvp_given_sums`; 5-key blocks, so that
@@ -172,7 +172,7 @@ def test_an_hvp_runs_the_backwards_jvp_on_its_tiles_from_the_forwards_row_sums(m
     from attngrad.torch.backends.cpu_tiles import native
     from attngrad.torch.op import autograd
 
-    monkeypatch.setattr(native, "BLOCK_KEYS", 5)
+    tuned(native.TILING, block_keys=5)
     case = Case(**CASES[name])
     given, copies = [], []
     passes, fill = native.attention_backward_jvp_given_sums, autograd._Deferred.fill

@@ -23,7 +23,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from attngrad.torch import attention, backends, forget_masks, use_implementation  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
-from attngrad.torch.backends.torch_ops import higher_order as kernels_higher  # noqa: E402
 from attngrad.torch.masks import version_cache as kept  # noqa: E402
 from attngrad.torch.masks.structured import _structure, structure  # noqa: E402
 
@@ -34,14 +33,11 @@ DOUBLE = torch.float64
 
 
 @pytest.fixture(autouse=True)
-def small_tiles(many_blocks, monkeypatch):
+def small_tiles(many_blocks, monkeypatch, tuned):
     """`many_blocks`'s small tiles, narrower still, in both backends, so that bands
     and documents cross many tile boundaries and whole tiles are skipped."""
-    monkeypatch.setattr(kernels_higher, "HIGHER_MIN_ROWS", 3)
-    monkeypatch.setattr(native, "BLOCK_KEYS", 8)
-    monkeypatch.setattr(native, "NARROW_BLOCK_KEYS", 4)
-    monkeypatch.setattr(native, "NARROW_BAND", 6)
-    monkeypatch.setattr(native, "DOUBLE_TILE", 24)
+    tuned(kernels.TILING, higher_min_rows=3)
+    tuned(native.TILING, block_keys=8, narrow_block_keys=4, narrow_band=6, double_tile=24)
 
 
 def randn(*shape, seed):
@@ -215,11 +211,11 @@ def hessian_vector_products(fn, primals):
 
 @pytest.mark.skipif(not native.available(), reason="the compiled tiles do not run here")
 @pytest.mark.parametrize("name", ["bottom-right-window", "everything"])
-def test_second_order_with_the_key_side_in_place(monkeypatch, name):
+def test_second_order_with_the_key_side_in_place(monkeypatch, name, tuned):
     """The whole-row passes' other layout, the key side read and written in place (beyond
-    native.TRANSPOSED_KEYS; csrc/whole_rows.h, KeySide), on key ranges that start past key 0:
+    `Tiling.transposed_keys`; csrc/whole_rows.h, KeySide), on key ranges that start past key 0:
     the double backward and the Hessian-vector products."""
-    monkeypatch.setattr(native, "TRANSPOSED_KEYS", 0)
+    tuned(native.TILING, transposed_keys=0)
     case = Case(**CASES[name])
     dout = randn(*case.q.shape[:-1], DV, seed=30)
     cotangents = tuple(randn(*p.shape, seed=40 + i) for i, p in enumerate(case.primals))

@@ -176,10 +176,10 @@ def zero_gradients(name):
 
 
 @pytest.fixture
-def tiles_of(monkeypatch):
+def tiles_of(monkeypatch, tuned):
     """Set the interpreter's tile (rows = keys) and head-width slice."""
     def set_blocks(size, slice_=0):
-        monkeypatch.setattr(launch, "INTERPRETED", launch.Blocks(size, size, 1, 1, slice_))
+        tuned(launch.TUNING, interpreted=launch.Blocks(size, size, 1, 1, slice_))
     return set_blocks
 
 
@@ -293,7 +293,7 @@ def test_light_calls_on_sm90_take_hoppers_tiles():
     assert launch.blocks_for("backward", half, 128, False, arch=90, light=False) == general
     assert launch.blocks_for("backward", torch.float32, 128, False, arch=90, light=True) == \
         launch._TABLE[("backward", "float32", 128)]
-    assert launch.blocks_for("backward", half, 128, True, arch=90, light=True) == launch.INTERPRETED
+    assert launch.blocks_for("backward", half, 128, True, arch=90, light=True) == launch.TUNING().interpreted
 
 
 @interpreted
@@ -306,7 +306,7 @@ def test_a_light_call_has_no_per_score_operand_or_option(monkeypatch, option, li
     """What the plan asks the table for: light (sm_90's own tiles) for the causal diagonal,
     key bounds and nothing; not with a mask, a bias, soft cap, sinks (a bias) or dropout."""
     seen = []
-    monkeypatch.setattr(launch, "blocks_for", lambda *args, **kwargs: seen.append(kwargs["light"]) or launch.INTERPRETED)
+    monkeypatch.setattr(launch, "blocks_for", lambda *args, **kwargs: seen.append(kwargs["light"]) or launch.TUNING().interpreted)
     monkeypatch.setattr(launch, "Plan", lambda call, blocks: (_ for _ in ()).throw(RuntimeError("planned")))
     q = randn(2, 2, 9, 16, seed=1)
     with use_implementation("triton"), pytest.raises(RuntimeError, match="planned"):
@@ -392,10 +392,11 @@ def test_walks_with_a_hole_are_not_dense():
 
 
 @interpreted
-def test_light_half_calls_walk_without_the_tile_map_to_the_same_bits(on_triton, tiles_of, monkeypatch):
+def test_light_half_calls_walk_without_the_tile_map_to_the_same_bits(on_triton, tiles_of, monkeypatch,
+                                                                      tuned):
     """A light call in half precision (causal, key bounds, GQA) walks dense: its loops read no
     tile map (DENSE), which lets Triton pipeline them on a GPU. Walks that read the map
-    (`launch.DENSE_WALKS` False) give the same bits, and a call with a mask reads it."""
+    (`launch.Options.dense_walks` False) give the same bits, and a call with a mask reads it."""
     switches = []
     made = launch.Plan.__init__
 
@@ -410,7 +411,7 @@ def test_light_half_calls_walk_without_the_tile_map_to_the_same_bits(on_triton, 
     dout = randn(2, 2, 37, 16, seed=4, dtype=torch.float16)
 
     def step(dense: bool, **options) -> tuple:
-        monkeypatch.setattr(launch, "DENSE_WALKS", dense)
+        tuned(launch.TUNING, dense_walks=dense)
         switches.clear()
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = attention(*leaves, enable_gqa=True, **options)
@@ -509,28 +510,27 @@ def test_the_fused_backwards_dq_order_is_fixed_and_keeps_the_key_blocks_in_step(
 
 
 @interpreted
-@pytest.mark.parametrize("options, len_q", [(dict(), 70), (dict(), 37), (dict(is_causal=True), 37),
-                                            (dict(is_causal="bottom_right"), 70), (dict(window=(9, 4)), 70),
+@pytest.mark.parametrize("options, len_q", [(dict(), 50), (dict(is_causal=True), 37),
+                                            (dict(is_causal="bottom_right"), 50), (dict(window=(9, 4)), 50),
                                             (dict(key_padding=torch.tensor([41, 30])), 37)],
-                         ids=["full-70", "full-37", "causal", "bottom-right", "window", "padding"])
+                         ids=["full", "causal", "bottom-right", "window", "padding"])
 def test_a_light_calls_backward_fused_or_in_the_keys_orientation_matches_key_side(on_triton, tiles_of, monkeypatch,
-                                                                                   options, len_q):
+                                                                                   options, len_q, tuned):
     """A light call's backward three ways agree to float64 rounding: key_side fused with dQ's
-    parts added in `dq_rank`'s order (FUSED_BACKWARD), query_side with key_side_light
-    (LIGHT_KEY_SIDE), and query_side with key_side; each runs the way asked. Lq != Lk, GQA,
+    parts added in `dq_rank`'s order (`Options.fused_backward`), query_side with key_side_light
+    (`Options.light_key_side`), and query_side with key_side; each runs the way asked. Lq != Lk, GQA,
     a non-contiguous q, rotated (full) and banded walks."""
     taken = []
     launches = {name: getattr(launch.kernels, name) for name in ("key_side", "key_side_light", "query_side")}
     for name, kernel in launches.items():
         monkeypatch.setattr(launch.kernels, name, _Spy(kernel, name, taken))
     tiles_of(16)
-    q = randn(2, len_q, 4, 24, seed=1).transpose(1, 2)  # (B, H, Lq, d), not contiguous
-    k, v = randn(2, 2, 41, 24, seed=2), randn(2, 2, 41, 20, seed=3)
-    dout = randn(2, 4, len_q, 20, seed=4)
+    q = randn(2, len_q, 2, 24, seed=1).transpose(1, 2)  # (B, H, Lq, d), not contiguous
+    k, v = randn(2, 1, 41, 24, seed=2), randn(2, 1, 41, 20, seed=3)
+    dout = randn(2, 2, len_q, 20, seed=4)
     results = {}
     for way, fused, light in (("fused", True, False), ("light", False, True), ("split", False, False)):
-        monkeypatch.setattr(launch, "FUSED_BACKWARD", fused)
-        monkeypatch.setattr(launch, "LIGHT_KEY_SIDE", light)
+        tuned(launch.TUNING, fused_backward=fused, light_key_side=light)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = attention(*leaves, enable_gqa=True, **options)
         taken.clear()

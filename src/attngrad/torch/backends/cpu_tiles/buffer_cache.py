@@ -24,11 +24,10 @@ import threading
 import torch
 from torch import Tensor
 
+from .tiling import TILING
+
 __all__ = ["cached_bytes", "empty", "empty_cache", "limit", "set_limit"]
 
-# Below this the allocator's own free lists serve as well (glibc keeps freed blocks up to
-# 32 MiB in its heap after the first), and the bookkeeping is not worth a small call's time.
-SMALLEST = 4 << 20
 DEFAULT_LIMIT = 1 << 30
 
 _lock = threading.RLock()  # cached_bytes() runs both inside and outside it
@@ -62,7 +61,7 @@ def empty(sizes: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     limit allows. The caller must write every entry."""
     sizes = tuple(int(n) for n in sizes)
     nbytes = math.prod(sizes) * dtype.itemsize
-    if _storage_use_count is None or nbytes < SMALLEST or nbytes > _limit:
+    if _storage_use_count is None or nbytes < TILING().smallest_kept_buffer or nbytes > _limit:
         return torch.empty(sizes, dtype=dtype)
     key = (sizes, dtype)
     with _lock:

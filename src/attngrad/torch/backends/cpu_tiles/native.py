@@ -37,74 +37,11 @@ from ...op.dropout import Placement, as_int64, keep_value, threshold
 from ...precision import compute_dtype
 from . import buffer_cache
 from .build import build_info, fresh_build_seconds, library
+from .tiling import TILING
 
 __all__ = ["attention_forward", "attention_backward", "attention_double_backward", "attention_jvp",
            "attention_forward_jvp", "attention_backward_jvp", "attention_backward_jvp_given_sums", "forward_plan",
            "settings", "dropout_keep_scale_into", "status", "available", "library", "build_info", "fresh_build_seconds"]
-
-# Rows of a query block and keys of a key block. A (128, 512) float32 score tile is 256 KiB;
-# the backward's two of them and their K, V blocks stay in a core's L2 cache. Fwd+bwd at
-# B=1, H=8, L=4096, d=64, as a share of PyTorch's flash kernel's time, full / causal:
-# (32, 512) 1.10 / 1.05, (64, 512) 1.00 / 0.96, (128, 256) 0.95 / 0.87, (128, 512) 0.93 /
-# 0.88, (256, 256) 0.93 / 0.85, (128, 1024) 0.97 / 1.01.
-BLOCK_ROWS = 128
-BLOCK_KEYS = 512
-# Keys up to which a float32 backward with a bias gradient takes each row in one key block
-WHOLE_ROW_KEYS = 2048
-# Rows of a causal call's query block below CAUSAL_SHORT rows: a block's keys end at its last
-# row, so smaller blocks skip more of the masked triangle, which matters most where a head
-# has few blocks. Fwd+bwd, causal, d=64, float32 (time with 128-row blocks -> these): B=4,
-# L=128, 32 rows: 2084 -> 1738 us; L=256, 64 rows: 5049 -> 4664 us; L=512, 64 rows: 16.7 ->
-# 16.1 ms; B=1, L=1024, 64 rows: 14.9 -> 15.2 ms. bfloat16's products (the matrix units)
-# lose with fewer rows at every length (B=4, L=128: 2.75 -> 2.96 ms), so they keep 128.
-CAUSAL_SHORT = 1024
-# Query blocks where every row's key bounds span at most NARROW_BAND keys (a sliding
-# window, packed documents): a block's tiles span its rows' key range (ranges need not start
-# at a key block's edge), R + W - 1 keys for a band of W sliding with the rows, W for rows
-# that share their bounds. `_band_rows` takes the rows, BLOCK_ROWS, a half or a quarter of
-# it, whose tiles cover the fewest scores, each weighted by what its smaller products cost
-# more (BAND_ROW_COST: the plain call's time per score with 128, 64 and 32 rows, in the
-# table above), and blocks of NARROW_BLOCK_KEYS keys, which a block's range rarely
-# straddles (a straddle is a second, smaller tile). Fwd+bwd, B=1, H=8, L=4096, d=64,
-# float32, one process (rows x keys): causal window 256: 128 x 128 51.3 ms, 64 x 512 46.7,
-# 32 x 512 45.8, 32 x 2048 44.9; 8 documents of 512: 128 x 128 61.5, 128 x 512 57.8, 128 x
-# 2048 58.5, 32 x 2048 63.4.
-BAND_ROW_COST = (1.0, 1.075, 1.18)
-NARROW_BAND = 1024
-NARROW_BLOCK_KEYS = 2048
-# Query rows from which a narrow band's forward and backward copy K and V transposed for
-# their score products (`_band_keys_transposed`)
-BAND_TRANSPOSE_ROWS = 128
-# The forward's E V product sums this many keys per GEMM, for float32 accuracy: at B=2,
-# H=4, L=1024 the output's normwise error against PyTorch's flash kernel's went from
-# 1.02x (one 512-key product) to below it (figures in the tests).
-VALUE_SLICE = 128
-# Numbers in each of the double backward's four whole-row tiles (R x Lk'), 4 MiB of float32
-# (16 MiB per thread). Its GEMMs want tall blocks more than the tiles want cache: at L=4096
-# the pass took 1033 ms with 16 rows, 817 with 32, 700 with 64 and 681 with 128 (scalar row
-# loops; 655 once they were vectorised).
-DOUBLE_TILE = 1 << 20
-# Rows of the double backward's causal blocks, for queries up to each length: a causal block
-# spans the keys of its last row, about R/2 more than its rows see on average, a share of
-# R / Lq of the work. The op alone, B=1, H=8, d=64, float32, 128 -> 64 -> 32 rows: L=256
-# 2.58 -> 2.30 -> 2.19 ms, 512 7.81 -> 7.20 -> 7.19, 1024 27.7 -> 26.9 -> 28.5, 2048
-# 98.7 -> 97.3, 4096 357 -> 361 (Intel Xeon, 2 cores).
-DOUBLE_CAUSAL_ROWS = ((256, 32), (2048, 64))
-# Rows of the whole-row passes' blocks, in BLOCK_ROWS, where no causal mask or band makes
-# taller blocks span more keys than their rows see: their key-side products grow deeper,
-# and each copy of the key side serves more rows. B=1, H=8, d=64, float32, full, the op
-# alone, 128 -> 256 rows: L=4096 double backward 628 -> 606 ms, forward's JVP 377 -> 354
-# (355 -> 332 in a second run), JVP 287 -> 275, backward's JVP 578 -> 574; L=1024 42.1 ->
-# 41.3, 23.2 -> 22.7, 19.0 -> 18.4, 42.4 -> 41.2 (Intel Xeon, 2 threads). Causal calls lose
-# with them (the forward's JVP at L=1024 12.9 -> 13.9 ms, the double backward at 4096 324
-# -> 341).
-WHOLE_ROWS = 2
-# The whole-row passes (JVP, the backward's JVP, double backward) copy each work item's
-# key-side heads transposed, and sum its key-side gradients transposed, when those copies
-# take at most this many numbers per thread (32 MiB of float32, twice the whole-row tiles):
-# MKL's NN kernel runs their products 9-13% faster than the NT and TN kernels on the heads
-# as they are (csrc/whole_rows.h, KeySide). Longer keys keep the heads in place.
-TRANSPOSED_KEYS = 1 << 23
 
 
 
@@ -148,9 +85,10 @@ def _options(causal: int | None, scale: float, *, block_rows: int = 0, chunks: i
              sink: bool = False, bf16: bool = False, transposed_keys: bool = False) -> dict:
     """The options every op takes (ATTNGRAD_OPTIONS_SCHEMA in csrc/ops.cpp): the causal
     diagonal (None: none), the dropout's placement and draws, the blocks, read now (tests
-    set BLOCK_ROWS, BLOCK_KEYS and VALUE_SLICE)."""
-    return dict(_options_of(causal, scale, block_rows or BLOCK_ROWS, chunks, Placement.of(seed), dropout_p,
-                            block_keys or BLOCK_KEYS, softcap, sink, bf16, VALUE_SLICE, transposed_keys))
+    set block_rows, block_keys and value_slice)."""
+    tiling = TILING()
+    return dict(_options_of(causal, scale, block_rows or tiling.block_rows, chunks, Placement.of(seed), dropout_p,
+                            block_keys or tiling.block_keys, softcap, sink, bf16, tiling.value_slice, transposed_keys))
 
 
 @functools.lru_cache(maxsize=256)  # a model's calls repeat a few option sets
@@ -237,27 +175,30 @@ def _mask_args(masks: dict) -> dict:
 
 def _block_rows(len_q: int, len_k: int, causal: int | None, bf16: bool, bounds: Tensor | None = None) -> int:
     """Rows per query block of the forward and the backward (both: their tiles must be the
-    same for the backward to recompute the forward's scores bit for bit): BLOCK_ROWS; for a
-    causal call shorter than CAUSAL_SHORT rows a quarter of them, 32 to 64; where the key
-    `bounds` leave every row a band of at most NARROW_BAND keys, `_band_rows`'s. bfloat16's
-    products keep BLOCK_ROWS."""
+    same for the backward to recompute the forward's scores bit for bit): block_rows; for a
+    causal call shorter than causal_short rows a quarter of them, 32 to 64; where the key
+    `bounds` leave every row a band of at most narrow_band keys, `_band_rows`'s. bfloat16's
+    products keep block_rows (`tiling.Tiling`)."""
+    tiling = TILING()
     if bf16:
-        return BLOCK_ROWS
+        return tiling.block_rows
     if _narrow(bounds):
         return _band_rows(len_q, len_k, causal, bounds)
-    if causal is None or len_q >= CAUSAL_SHORT:
-        return BLOCK_ROWS
-    return min(BLOCK_ROWS, max(32, min(64, 1 << max(0, (len_q // 4).bit_length() - 1))))
+    if causal is None or len_q >= tiling.causal_short:
+        return tiling.block_rows
+    return min(tiling.block_rows, max(32, min(64, 1 << max(0, (len_q // 4).bit_length() - 1))))
 
 
 def _band_rows(len_q: int, len_k: int, causal: int | None, bounds: Tensor) -> int:
-    """BLOCK_ROWS, a half or a quarter of it: the one whose query blocks' key ranges
+    """block_rows, a half or a quarter of it: the one whose query blocks' key ranges
     (`block_map.key_ranges`), rows times keys, cover the fewest scores, weighted by
-    BAND_ROW_COST. Kept while the bounds live unchanged (`version_cache.value`)."""
+    band_row_cost. Kept while the bounds live unchanged (`version_cache.value`)."""
+    tiling = TILING()
 
     def make() -> Tensor:
         costs = {}
-        for rows, weight in zip((BLOCK_ROWS, BLOCK_ROWS // 2, BLOCK_ROWS // 4), BAND_ROW_COST):
+        for rows, weight in zip((tiling.block_rows, tiling.block_rows // 2, tiling.block_rows // 4),
+                                tiling.band_row_cost):
             if rows >= 1:
                 keys = key_ranges(len_q, len_k, causal, bounds, rows)[..., 1]  # (1 or B, query blocks)
                 sizes = torch.full((keys.shape[1],), rows)
@@ -265,37 +206,39 @@ def _band_rows(len_q: int, len_k: int, causal: int | None, bounds: Tensor) -> in
                 costs.setdefault(rows, float((keys * sizes).sum()) * weight)
         return torch.tensor(min(costs, key=costs.get))
 
-    return int(version_cache.value("band_rows", (len_q, len_k, causal, BLOCK_ROWS, BAND_ROW_COST), (bounds,), make))
+    return int(version_cache.value("band_rows", (len_q, len_k, causal, tiling.block_rows, tiling.band_row_cost),
+                                   (bounds,), make))
 
 
 def _block_keys(bounds: Tensor | None) -> int:
-    """Keys per block of the forward and backward: BLOCK_KEYS, or NARROW_BLOCK_KEYS where the
+    """Keys per block of the forward and backward: block_keys, or narrow_block_keys where the
     key bounds leave every row a narrow band (a query block's range then rarely straddles
     two blocks, each straddle a second, smaller tile)."""
-    return NARROW_BLOCK_KEYS if _narrow(bounds) else BLOCK_KEYS
+    return TILING().narrow_block_keys if _narrow(bounds) else TILING().block_keys
 
 
 def _band_keys_transposed(len_q: int, rows: int, bounds: Tensor | None, bf16: bool) -> bool:
     """Whether the forward and the backward take S and dP from transposed copies of K and V
-    (csrc/tiles.h, BandKeys): on a narrow band's query blocks of a quarter of BLOCK_ROWS (a
+    (csrc/tiles.h, BandKeys): on a narrow band's query blocks of a quarter of block_rows (a
     causal window's 32 rows), whose NT products run slowest (with 64 rows, documents of 512
     ran 2-4% slower with the copies), for float32 and float64 products over at least
-    BAND_TRANSPOSE_ROWS query rows, which share the copies (a decode step's one row keeps
+    band_transpose_rows query rows, which share the copies (a decode step's one row keeps
     its own one-row product). Both passes decide from the same sizes and bounds: the
     backward recomputes the forward's scores with the same product."""
-    return not bf16 and rows <= BLOCK_ROWS // 4 and len_q >= BAND_TRANSPOSE_ROWS and _narrow(bounds)
+    tiling = TILING()
+    return not bf16 and rows <= tiling.block_rows // 4 and len_q >= tiling.band_transpose_rows and _narrow(bounds)
 
 
 def _narrow(bounds: Tensor | None) -> bool:
-    """Whether key `bounds` are given and leave every row at most NARROW_BAND keys. Kept while
+    """Whether key `bounds` are given and leave every row at most narrow_band keys. Kept while
     the bounds live unchanged (`version_cache.value`): a pass asks three times, a reduction each."""
     if bounds is None or bounds.numel() == 0:
         return False
 
     def make() -> bool:
-        return int((bounds[..., 1] - bounds[..., 0]).max()) <= NARROW_BAND
+        return int((bounds[..., 1] - bounds[..., 0]).max()) <= TILING().narrow_band
 
-    return version_cache.value("narrow", (NARROW_BAND,), (bounds,), make)
+    return version_cache.value("narrow", (TILING().narrow_band,), (bounds,), make)
 
 
 def _tile_map(q: Tensor, k: Tensor, masks: dict, causal: int | None, block_rows: int, block_keys: int,
@@ -364,9 +307,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale
 
 
 def settings() -> tuple:
-    """The module's block sizes, which every pass reads at its call (tests change them): a
-    prepared pass (`forward_plan`) holds while they stay."""
-    return BLOCK_ROWS, BLOCK_KEYS, VALUE_SLICE, CAUSAL_SHORT, NARROW_BAND, NARROW_BLOCK_KEYS, BAND_ROW_COST
+    """The tiling in force (`TILING`), which every pass reads at its call: a prepared pass
+    (`forward_plan`) holds while it stays."""
+    return (TILING(),)
 
 
 def forward_plan(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float,
@@ -405,22 +348,16 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: flo
     return run
 
 
-# Work items a backward pass aims for. The count follows the shapes alone, never the thread
-# count, so the bits do not either. Each extra chunk costs a partial dQ (or dK, dV) the size
-# of the gradient: 8 items keep B H = 8 at one chunk, so its memory stays at a few MiB, for
-# 4-8% of backward time on 2 threads (B=1, H=8, L=4096: 680 ms against 651 full, 386 against
-# 355 causal, with 2 chunks).
-TARGET_ITEMS = 8
-
-
 def _chunks(batch_kv_heads: int, blocks: int) -> int:
     """Work items of the backward passes are (batch, key/value head, chunk of blocks); each
     chunk sums its own copy of the gradients its blocks share, and the copies are added in
-    chunk order. One chunk when there are TARGET_ITEMS heads or more; otherwise enough
-    chunks for about TARGET_ITEMS items, no more than the blocks."""
-    if batch_kv_heads >= TARGET_ITEMS:
+    chunk order. One chunk when there are `Tiling.target_items` heads or more; otherwise
+    enough chunks for about that many items, no more than the blocks. The count follows the
+    shapes alone, never the thread count, so the bits do not either."""
+    target = TILING().target_items
+    if batch_kv_heads >= target:
         return 1
-    return max(1, min(blocks, -(-TARGET_ITEMS // batch_kv_heads)))
+    return max(1, min(blocks, -(-target // batch_kv_heads)))
 
 
 def _independent(k: Tensor, bias_sizes: tuple | None) -> int:
@@ -437,12 +374,13 @@ def _whole_row_split(q: Tensor, k: Tensor, masks: dict, bias_grad: bool, chunks:
                      double_backward: bool = False) -> tuple[int, int]:
     """(rows per query block, chunks) of a pass on whole rows (JVP, the backward's JVP,
     double backward): `chunks` as given, or enough for its independent work items. Blocks
-    take up to twice BLOCK_ROWS rows (WHOLE_ROWS); a causal call's, or a band's, BLOCK_ROWS,
-    and a short causal call's double backward fewer (DOUBLE_CAUSAL_ROWS)."""
+    take up to twice block_rows rows (whole_rows); a causal call's, or a band's, block_rows,
+    and a short causal call's double backward fewer (double_causal_rows)."""
     banded = causal is not None or masks.get("key_bounds") is not None or masks.get("mask_blocks") is not None
-    rows = _rows_per_block(k.shape[2], BLOCK_ROWS if banded else WHOLE_ROWS * BLOCK_ROWS)
+    tiling = TILING()
+    rows = _rows_per_block(k.shape[2], tiling.block_rows if banded else tiling.whole_rows * tiling.block_rows)
     if double_backward and causal is not None:
-        rows = min([rows] + [r for longest, r in DOUBLE_CAUSAL_ROWS if q.shape[2] <= longest])
+        rows = min([rows] + [r for longest, r in tiling.double_causal_rows if q.shape[2] <= longest])
     if chunks is None:
         chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-q.shape[2] // rows))
     return rows, chunks
@@ -494,7 +432,7 @@ def attention_backward(
     dout, q, k, v, out, row_max, inv_sum = _work(dout, q, k, v, out, row_max, inv_sum)
     masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad, bounds=bounds, blocks=blocks)
     block_keys = _block_keys(bounds)
-    if bias_grad and q.dtype == torch.float32 and masks["bias_sizes"][3] > 1 and k.shape[2] <= WHOLE_ROW_KEYS:
+    if bias_grad and q.dtype == torch.float32 and masks["bias_sizes"][3] > 1 and k.shape[2] <= TILING().whole_row_keys:
         # a float32 bias gradient: each row in one key block, whose D = rowsum(P dP) follows the
         # block's own P and dP where rowsum(dO O) carries O's rounding (ALiBi, GQA, d=40, Lq=1024:
         # dbias 2.0x PyTorch's error -> see docs/api.md)
@@ -517,16 +455,16 @@ def attention_backward(
 
 
 def _transposed_keys(k: Tensor, v: Tensor) -> bool:
-    """Whether the whole-row passes take the key side transposed (TRANSPOSED_KEYS): at most
+    """Whether the whole-row passes take the key side transposed (transposed_keys): at most
     three K-like and three V-like heads of Lk keys."""
-    return k.shape[2] * 3 * (k.shape[3] + v.shape[3]) <= TRANSPOSED_KEYS
+    return k.shape[2] * 3 * (k.shape[3] + v.shape[3]) <= TILING().transposed_keys
 
 
 def _rows_per_block(len_k: int, most: int) -> int:
     """Query rows per block of a whole-row pass (the double backward holds four R x Lk'
-    tiles of whole rows): at most DOUBLE_TILE numbers each, 8 (or `most` if fewer) to `most`
+    tiles of whole rows): at most double_tile numbers each, 8 (or `most` if fewer) to `most`
     rows."""
-    return max(min(8, most), min(most, DOUBLE_TILE // max(1, len_k)))
+    return max(min(8, most), min(most, TILING().double_tile // max(1, len_k)))
 
 
 def attention_double_backward(

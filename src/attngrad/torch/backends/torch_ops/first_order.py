@@ -29,7 +29,7 @@ as the separate subtraction). D is summed from the block's own dP, which holds a
 rows' keys (but in a ring step's part of the keys: there rowsum(dO * O)), so that dP's
 rounding cancels in dP - D as in PyTorch's softmax backward: from
 rowsum(dO * O), which carries O's rounding, dq was up to 4x less accurate than PyTorch's in
-float32 on rows of few keys (issue 58). The forward's E V~ sums over VALUE_SLICE keys at a
+float32 on rows of few keys (issue 58). The forward's E V~ sums over `Tiling.value_slice` keys at a
 time, for float32 accuracy.
 The causal mask is a diagonal: key j is visible to query i when j <= i + c, where c (the
 argument `causal`, None for no causal mask) is 0 for PyTorch's top-left alignment and
@@ -63,30 +63,15 @@ from ...masks.block_map import excluded, key_range
 from ...masks.blocks import MaskBlocks
 from ...op.dropout import Placement, keep_scale_into
 from ...precision import compute_dtype
-
-# Elements of one (B, H, R, Lk') score tile: 2^22 float32 = 16 MiB. A handful of tiles are
-# alive at once in the backward, which bounds the extra memory whatever the length.
-TILE_ELEMENTS = 1 << 22
-MIN_ROWS = 16
-# At most this many rows per block. Taller blocks would fit the tile at short lengths and
-# early in a causal pass, but a causal block computes the upper half of its R x R diagonal
-# square for nothing, and at L = 1024-8192 128-row blocks measured fastest (fwd+bwd at
-# L = 1024 full: 1.54x PyTorch's time with 512 rows, 1.28x with 128; causal L = 8192:
-# 1.55x against 1.35x).
-MAX_ROWS = 128
-# The forward's E V~ product runs over slices of this many keys, added one after another.
-# A float32 GEMM's rounding error grows with the length of its sums; 128-key slices bring
-# the output's error below PyTorch's flash kernel's (B=2, H=4, L=1024: 0.93x its normwise
-# error, against 1.08x for one product) for about 2% more time.
-VALUE_SLICE = 128
+from .tiling import TILING
 
 
 def blocks(batch: int, heads: int, len_q: int, len_k: int, causal: int | None, min_rows: int | None = None,
            bounds: Tensor | None = None) -> list[tuple[int, int, int, int]]:
     """The query blocks (start, stop, first, keys): rows start:stop see keys first:keys.
 
-    Each block's score tile holds about TILE_ELEMENTS numbers, but at least `min_rows`
-    (default MIN_ROWS) rows. A causal block sees only the keys up to its last row, so early
+    Each block's score tile holds about `Tiling.tile_elements` numbers, but at least
+    `min_rows` (default `Tiling.min_rows`) rows. A causal block sees only the keys up to its last row, so early
     blocks, which see few keys, take more rows. With key `bounds` (1 or B, Lq, 2), a block
     sees only the keys between its rows' smallest lower and largest upper bound: a sliding
     window's block computes its band, not the whole prefix. first = keys: no key at all.
@@ -94,16 +79,17 @@ def blocks(batch: int, heads: int, len_q: int, len_k: int, causal: int | None, m
     lows = highs = None
     if bounds is not None and bounds.device.type != "meta":  # per row, over the batch (meta: no values, shapes alone)
         lows, highs = bounds[..., 0].amin(dim=0).tolist(), bounds[..., 1].amax(dim=0).tolist()
-    min_rows = MIN_ROWS if min_rows is None else min_rows
+    tiling = TILING()
+    min_rows = tiling.min_rows if min_rows is None else min_rows
     out = []
     start = 0
     while start < len_q:
-        rows = TILE_ELEMENTS // max(1, batch * heads * len_k)
+        rows = tiling.tile_elements // max(1, batch * heads * len_k)
         if causal is not None:  # solve rows * (seen + rows) ~ budget / (B H) for this block's rows
-            budget = TILE_ELEMENTS / max(1, batch * heads)
+            budget = tiling.tile_elements / max(1, batch * heads)
             seen = min(len_k, max(0, start + causal))
             rows = int((math.sqrt(seen * seen + 4 * budget) - seen) / 2)
-        rows = max(1, min(len_q - start, max(min_rows, min(MAX_ROWS, rows))))
+        rows = max(1, min(len_q - start, max(min_rows, min(tiling.max_rows, rows))))
         stop = start + rows
         first, keys = key_range(start, stop, len_k, causal, lows, highs)
         out.append((start, stop, first, keys))
@@ -259,13 +245,13 @@ def single_key_rows(e: Tensor, masked: bool, inv: Tensor) -> Tensor | None:
 
 
 def _probs_times_values(e: Tensor, v: Tensor) -> Tensor:
-    """E V~ for E (B, H, R, keys) and V~ (B, H, keys, dv), as a sum over VALUE_SLICE-key slices."""
-    keys = e.shape[-1]
-    out = torch.matmul(e[..., :VALUE_SLICE], v[..., :VALUE_SLICE, :])
+    """E V~ for E (B, H, R, keys) and V~ (B, H, keys, dv), as a sum over `Tiling.value_slice`-key slices."""
+    keys, step = e.shape[-1], TILING().value_slice
+    out = torch.matmul(e[..., :step], v[..., :step, :])
     bh = e.shape[0] * e.shape[1]
     acc = out.view(bh, *out.shape[2:])
-    for first in range(VALUE_SLICE, keys, VALUE_SLICE):
-        last = min(first + VALUE_SLICE, keys)  # sizes spelled out: with B or H 0 a -1 is ambiguous
+    for first in range(step, keys, step):
+        last = min(first + step, keys)  # sizes spelled out: with B or H 0 a -1 is ambiguous
         acc.baddbmm_(e[..., first:last].reshape(bh, e.shape[2], last - first),
                      v[..., first:last, :].reshape(bh, last - first, v.shape[-1]))
     return out

@@ -63,8 +63,7 @@ from .first_order import (
     single_key_rows,
     with_column,
 )
-
-HIGHER_MIN_ROWS = 128
+from .tiling import TILING
 
 
 def _repeat(t: Optional[Tensor], groups: int, work: torch.dtype) -> Optional[Tensor]:
@@ -156,7 +155,7 @@ class _Recompute:
         # forwards' worth of GEMMs per tile, and 16-row GEMMs are thin (JVP at L=16384:
         # 10.6 s with 32-row blocks, 7.7 s with 128), for some more memory (128 rows x L
         # keys x B H per tile).
-        self.plan = blocks(self.batch, self.heads, self.len_q, self.len_k, causal, HIGHER_MIN_ROWS, bounds)
+        self.plan = blocks(self.batch, self.heads, self.len_q, self.len_k, causal, TILING().higher_min_rows, bounds)
         # after the pass's own: Z with dropout, then tanh(A / c) and the slope with softcap
         self.z_index, self.softcap_index = buffers, buffers + (dropout_p > 0.0)
         count = self.softcap_index + (2 if softcap else 0)

@@ -7,12 +7,13 @@ launches the kernels of `kernels` in order.
     backward         row_dot (D), then query_side, key_side, then bias_side where the bias
                      gradient is reduced (a bias with the scores' own shape is written by
                      query_side); a light call whose walks are contiguous: query_side and
-                     key_side_light (or, with FUSED_BACKWARD, key_side alone, fused with dQ)
+                     key_side_light (or, with `Options.fused_backward`, key_side alone, fused
+                     with dQ)
     backward_jvp     row_sums (c, D~), then as backward
     double_backward  row_sums (t, u), then as backward
 
 Every result is written whole by its own program, so the bits do not depend on the launch
-order; the one exception, the fused backward (`FUSED_BACKWARD`), adds dQ's parts into a
+order; the one exception, the fused backward (`Options.fused_backward`), adds dQ's parts into a
 zeroed buffer in an order that counters fix (`kernels.dq_rank`).
 """
 
@@ -32,6 +33,7 @@ from ...masks.block_map import empty_tiles
 from ...op.call import AttentionCall
 from ...op.dropout import as_int64, keep_value, threshold
 from ...op.key_constant_bias import is_key_constant, rows_to_bias, sink_share
+from ...op.tuning import Tuning
 from ...precision import compute_dtype
 from . import kernels
 from .tiles import BACKWARD, BACKWARD_JVP, DOUBLE_BACKWARD
@@ -52,9 +54,6 @@ class Blocks:
     registers: int = 0
 
 
-# The interpreter runs one program at a time on NumPy: the smallest tiles tl.dot takes,
-# which also cross many block boundaries at the tests' small shapes, over the whole width.
-INTERPRETED = Blocks(16, 16, 1, 1)
 
 # Per pass, dtype class and padded head width (64 and up), for d <= 128 in half, float32
 # and TF32: the first tiles, from 64x64 w8 (128x64 for the forward) down to 16x16 w4, each
@@ -110,14 +109,6 @@ _TABLE.update({(name, kind, width): Blocks(16, 16, 4, 1, slice=32 if kind == "ha
                for kind, width in (("float64", 64), ("float64", 128), ("float64", 256), ("half", 256),
                                    ("float32", 256), ("tf32", 256))})
 MAX_WIDTH = 256
-# A light call's walks in half precision (`is_light`: the causal diagonal, windows,
-# documents and padding keep every row's and column's tiles contiguous; `_dense` checks it,
-# since key bounds in general need not) leave the tile map unread (DENSE), so their loops
-# carry no branch and Triton pipelines them (sm_90: the forward's shared memory 24 -> 104
-# KiB at 3 stages). Other calls read it: their tiles were chosen without pipelining, and
-# float32's key_side then spills (28 bytes at 64x32 on sm_90). False: every call reads it
-# (benchmarks/gpu_tiles.py --dense)
-DENSE_WALKS = True
 
 # Hopper (sm_90) tiles for light calls: no bias, boolean mask, block mask, softcap or
 # dropout (causal, key bounds and GQA allowed). Such a call keeps fewer values per score,
@@ -135,16 +126,33 @@ _HOPPER_LIGHT: dict[tuple[str, str, int], Blocks] = {
 }
 
 
-# The backward of a light call whose walks are contiguous runs (`Plan.fused`): one walk per
-# key block that adds its parts of dQ in a fixed order (`kernels.dq_rank`), 5 products per
-# tile where query_side and key_side take 7. In half precision on a GPU, and everywhere in
-# Triton's interpreter (which checks it in float64). Off: on an H200 it took 1.29-1.57x the
-# split backward's time, the ordered adds' waits and loads being the cost (docs/gpu.md).
-FUSED_BACKWARD = False
-# The backward's key side of such a call in the keys' orientation (`kernels.key_side_light`),
-# on tiles of its own where sm_90's table has a "key_side" entry. Off until a GPU has timed
-# it (`benchmarks/gpu_tiles.py --key-side`): key_side takes the call.
-LIGHT_KEY_SIDE = False
+@dataclass(frozen=True)
+class Options:
+    """How the backend walks, as data (`op.tuning`): `TUNING()` is in force,
+    `TUNING.override(fused_backward=True)` changes it inside a block (tests, sweeps)."""
+
+    # the interpreter runs one program at a time on NumPy: the smallest tiles tl.dot takes,
+    # which also cross many block boundaries at the tests' small shapes, over the whole width
+    interpreted: Blocks = Blocks(16, 16, 1, 1)
+    # a light call's walks in half precision (`is_light`: the causal diagonal, windows,
+    # documents and padding keep every row's and column's tiles contiguous; `_dense` checks
+    # it) leave the tile map unread (DENSE), so their loops carry no branch and Triton
+    # pipelines them (sm_90: the forward's shared memory 24 -> 104 KiB at 3 stages). Other
+    # calls read it: their tiles were chosen without pipelining (`gpu_tiles.py --dense`)
+    dense_walks: bool = True
+    # the backward of a light call whose walks are contiguous runs (`Plan.fused`): one walk
+    # per key block that adds its parts of dQ in a fixed order (`kernels.dq_rank`), 5
+    # products per tile where query_side and key_side take 7; in half precision on a GPU,
+    # everywhere in the interpreter. Off: on an H200 it took 1.29-1.57x the split backward's
+    # time, the ordered adds' waits and loads being the cost (docs/gpu.md)
+    fused_backward: bool = False
+    # the backward's key side of such a call in the keys' orientation
+    # (`kernels.key_side_light`), on tiles of its own where sm_90's table has a "key_side"
+    # entry. Off until a GPU has timed it (`gpu_tiles.py --key-side`)
+    light_key_side: bool = False
+
+
+TUNING: Tuning[Options] = Tuning("attngrad_triton_tuning", Options())
 
 
 @functools.cache
@@ -172,7 +180,7 @@ def blocks_for(pass_name: str, dtype: torch.dtype, width: int, interpreted: bool
     (90 for sm_90), for a light call (`is_light`) or not; every kernel of a pass shares them
     (and so its block map)."""
     if interpreted:
-        return INTERPRETED
+        return TUNING().interpreted
     key = (pass_name, dtype_class(dtype, tf32), max(64, padded_width(width)))
     if light and arch == 90 and key in _HOPPER_LIGHT:
         return _HOPPER_LIGHT[key]
@@ -299,6 +307,7 @@ class Plan:
 
     def __init__(self, call: AttentionCall, blocks: Blocks) -> None:
         q, k, v = call.q, call.k, call.v
+        options = TUNING()
         self.call, self.blocks = call, blocks
         self.B, self.H, self.Lq, self.D = q.shape
         self.Hkv, self.Lk, self.DV = k.shape[1], k.shape[2], v.shape[-1]
@@ -338,7 +347,7 @@ class Plan:
         self.switches = dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None, HAS_BLOCKS=mask_blocks is not None,
                              MR=block_sizes[0], MK=block_sizes[1], HAS_BOUNDS=bounds is not None,
                              CAUSAL=call.causal is not None, SOFTCAP=bool(cap), DROPOUT=call.dropout_p > 0.0,
-                             DENSE=dense and DENSE_WALKS and is_light(call) and dtype_class(q.dtype) == "half",
+                             DENSE=dense and options.dense_walks and is_light(call) and dtype_class(q.dtype) == "half",
                              BM=blocks.rows, BN=blocks.keys, BD=padded_width(self.D), BDV=padded_width(self.DV),
                              SD=_slice(blocks, self.D), SDV=_slice(blocks, self.DV),
                              IP=input_precision(q.dtype, self.device), ACC=_acc(q.dtype))
@@ -348,8 +357,8 @@ class Plan:
         # waits both ways between a head's key blocks, so all of them must be resident at once:
         # no more key blocks than the GPU has multiprocessors
         contiguous_light = dense and is_light(call) and (not on_gpu(call) or dtype_class(q.dtype) == "half")
-        self.fused = FUSED_BACKWARD and contiguous_light
-        self.light_keys = LIGHT_KEY_SIDE and contiguous_light
+        self.fused = options.fused_backward and contiguous_light
+        self.light_keys = options.light_key_side and contiguous_light
         self.bounds, self.bound_strides = bounds, bound_strides
         full = call.causal is None and bounds is None
         self.rotate = full and (self.device.type != "cuda" or self.n_k <= _multiprocessors(self.device.index or 0))

@@ -1,0 +1,33 @@
+"""A backend's tuning as data: a frozen dataclass of block sizes and thresholds, the value in
+force read at each call, and overridden inside a `with` block (tests, sweeps) rather than by
+patching module constants. The override is a context variable: it holds in the thread (and
+asyncio task) that set it, which is where a CPU pass and its backward run."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Tuning(Generic[T]):
+    """`tuning()` is the value in force; `with tuning.override(field=value):` changes fields
+    inside the block."""
+
+    def __init__(self, name: str, default: T) -> None:
+        self._value: ContextVar[T] = ContextVar(name, default=default)
+
+    def __call__(self) -> T:
+        return self._value.get()
+
+    @contextlib.contextmanager
+    def override(self, **changes: Any) -> Iterator[T]:
+        token = self._value.set(dataclasses.replace(self._value.get(), **changes))
+        try:
+            yield self._value.get()
+        finally:
+            self._value.reset(token)

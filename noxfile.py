@@ -12,7 +12,7 @@ import nox
 # 5.14). The newest: the latest release tested.
 TRANSFORMERS = ["5.15.0", "5.24.0"]
 
-INTEGRATION_TESTS = ["tests/integrations", "tests/torch_backend/test_mask_functions.py"]
+INTEGRATION_TESTS = ["tests/integrations", "tests/attngrad_torch/masks/test_functions.py"]
 
 
 @nox.session(venv_backend="venv")

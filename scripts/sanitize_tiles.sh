@@ -18,10 +18,10 @@ export LD_PRELOAD="$("$cxx" -print-file-name=libasan.so) $("$cxx" -print-file-na
 export ASAN_OPTIONS="detect_leaks=0:alloc_dealloc_mismatch=0:abort_on_error=1"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 python -m pytest -q -p no:cacheprovider --capture=sys \
-    tests/torch_backend/test_native.py tests/torch_backend/test_determinism.py \
-    tests/torch_backend/test_input_range.py tests/torch_backend/test_op_contract.py \
-    tests/torch_backend/test_structured.py tests/torch_backend/test_placement.py tests/torch_backend/test_sinks.py \
-    tests/torch_backend/test_mask_blocks.py tests/torch_backend/test_forward_jvp.py tests/torch_backend/test_buffer_cache.py \
+    tests/attngrad_torch/backends/cpu_tiles/test_native.py tests/attngrad_torch/op/test_determinism.py \
+    tests/attngrad_torch/test_input_range.py tests/attngrad_torch/op/test_op_contract.py \
+    tests/attngrad_torch/masks/test_structured.py tests/attngrad_torch/op/test_placement.py tests/attngrad_torch/op/test_sinks.py \
+    tests/attngrad_torch/masks/test_blocks.py tests/attngrad_torch/op/test_forward_jvp.py tests/attngrad_torch/backends/cpu_tiles/test_buffer_cache.py \
     -k "not test_compiled_ and not in_triton" "$@"
 python - <<'PY'
 from attngrad.torch.backends.cpu_tiles import native

@@ -24,8 +24,8 @@ from attngrad.torch.backends.triton.kernels import dq_rank  # noqa: E402
 from attngrad.torch.op import dispatch, dropout  # noqa: E402
 from attngrad.torch.op.call import ScoreMasks  # noqa: E402
 
-from ..conftest import assert_all_close, rel_err  # noqa: E402
-from .conftest import op_attention  # noqa: E402
+from ....conftest import assert_all_close, rel_err  # noqa: E402
+from ...conftest import op_attention  # noqa: E402
 
 B, H, HKV, LQ, LK, D, DV = 2, 2, 1, 19, 23, 16, 8
 DOUBLE = torch.float64
@@ -435,7 +435,7 @@ def test_sinks_beside_a_key_varying_bias_are_exact_in_every_derivative(on_triton
     """The sinks' closed forms on Triton (`sink_logits`; each row's term from the kernels' row
     sums, `launch._sink_rows`): every derivative within 1e-12 of autograd of the definition,
     per-batch sinks at -8 and -3 beside a bias that varies along the keys."""
-    from .test_sinks import every_derivative_beside_a_bias
+    from ...op.test_sinks import every_derivative_beside_a_bias
 
     q, k, v = (randn(2, 2, n, 8, seed=s) for s, n in enumerate((9, 12, 12)))
     assert_all_close(*every_derivative_beside_a_bias(q, k, v, randn(1, 2, 9, 12, seed=3), seed=5))

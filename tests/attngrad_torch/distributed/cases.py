@@ -250,7 +250,7 @@ def all_cases(rank: int, world: int) -> dict:
 def on_a_counting_backend(world: int) -> dict:
     """Ring and all-to-all attention with only the tests' own backend allowed: every
     derivative's error, and how many of its calls were a ring step's, per pass."""
-    from ..counting_backend import registered_counting_backend
+    from ...counting_backend import registered_counting_backend
 
     chosen = {c.name: c for c in configs(world)}
     with registered_counting_backend() as counting:
@@ -262,7 +262,7 @@ def on_a_counting_backend(world: int) -> dict:
 def example_losses(rank: int, world: int) -> dict:
     """The context-parallel example's first steps here and in one process (on this rank,
     without the group): their largest loss difference."""
-    path = Path(__file__).resolve().parents[2] / "examples" / "context_parallel_lm.py"
+    path = Path(__file__).resolve().parents[3] / "examples" / "context_parallel_lm.py"
     spec = importlib.util.spec_from_file_location("context_parallel_lm", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)

@@ -8,8 +8,8 @@ torch = pytest.importorskip("torch")
 from attngrad.torch import attention, scaled_dot_product_attention  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import buffer_cache, native  # noqa: E402
 
-from ..conftest import assert_all_close  # noqa: E402
-from .conftest import math_sdpa  # noqa: E402
+from ....conftest import assert_all_close  # noqa: E402
+from ...conftest import math_sdpa  # noqa: E402
 
 needs_tiles = pytest.mark.skipif(native.library() is None, reason=f"no compiled tiles: {native.build_info.reason}")
 SIZES = (2, 3, 5, 7)

@@ -19,7 +19,7 @@ from torch.nn.attention.flex_attention import create_mask, flex_attention  # noq
 from attngrad.torch import attention, create_block_mask  # noqa: E402
 from attngrad.torch.masks import functions as mask_functions  # noqa: E402
 
-from ..conftest import assert_all_close  # noqa: E402
+from ...conftest import assert_all_close  # noqa: E402
 
 B, H, LQ, LK, D = 2, 3, 45, 52, 8
 gen = torch.Generator().manual_seed(11)

@@ -19,8 +19,8 @@ from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.op import ops  # noqa: E402
 from attngrad.torch.op.dropout import Placement  # noqa: E402
 
-from ..conftest import EXACT, rel_err  # noqa: E402
-from .conftest import make_call, math_sdpa  # noqa: E402
+from ...conftest import EXACT, rel_err  # noqa: E402
+from ..conftest import make_call, math_sdpa  # noqa: E402
 
 needs_tiles = pytest.mark.skipif(native.library() is None, reason="the compiled tiles are not built here")
 

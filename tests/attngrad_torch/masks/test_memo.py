@@ -18,7 +18,7 @@ from attngrad.torch import attention  # noqa: E402
 from attngrad.torch.masks import functions as mask_functions  # noqa: E402
 from attngrad.torch.masks import memo as mask_memo  # noqa: E402
 
-from ..conftest import assert_all_close  # noqa: E402
+from ...conftest import assert_all_close  # noqa: E402
 
 B, H, L, D = 2, 3, 24, 8
 gen = torch.Generator().manual_seed(5)

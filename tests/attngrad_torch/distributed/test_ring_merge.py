@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from attngrad.torch.distributed.ring_passes import _RowMerge  # noqa: E402
 
-from ..conftest import EXACT, rel_err  # noqa: E402
+from ...conftest import EXACT, rel_err  # noqa: E402
 
 
 def unit(s, v):

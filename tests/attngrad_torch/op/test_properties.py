@@ -48,7 +48,7 @@ from attngrad.torch import attention, use_implementation  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
 
-from ..conftest import EXACT  # noqa: E402
+from ...conftest import EXACT  # noqa: E402
 
 DOUBLE = torch.float64
 EXAMPLES = int(os.environ.get("ATTNGRAD_PROPERTY_EXAMPLES", "200"))

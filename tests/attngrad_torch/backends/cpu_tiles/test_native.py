@@ -22,9 +22,9 @@ from attngrad.torch.masks import block_map  # noqa: E402
 from attngrad.torch.masks import version_cache as kept  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
 
-from ..conftest import EXACT, assert_all_close, rel_err  # noqa: E402
-from .conftest import make_call  # noqa: E402
-from .test_functional import math_sdpa  # noqa: E402
+from ....conftest import EXACT, assert_all_close, rel_err  # noqa: E402
+from ...conftest import make_call  # noqa: E402
+from ...test_functional import math_sdpa  # noqa: E402
 
 compiler = shutil.which(os.environ.get("CXX", "c++"))
 needs_tiles = pytest.mark.skipif(native.library() is None, reason=f"no compiled tiles: {native.build_info.reason}")

@@ -11,8 +11,8 @@ from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.masks import blocks as mask_blocks  # noqa: E402
 from attngrad.torch.op import ops as op  # noqa: E402
 
-from ..conftest import EXACT, rel_err  # noqa: E402
-from .conftest import math_sdpa  # noqa: E402
+from ...conftest import EXACT, rel_err  # noqa: E402
+from ..conftest import math_sdpa  # noqa: E402
 
 B, H, HKV, LQ, LK, D, DV = 2, 4, 2, 5, 7, 8, 6
 

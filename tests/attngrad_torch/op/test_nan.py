@@ -17,7 +17,7 @@ from attngrad.check.torch_backend import every_derivative  # noqa: E402
 from attngrad.torch import attention, use_implementation  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
 
-from ..conftest import EXACT, rel_err  # noqa: E402
+from ...conftest import EXACT, rel_err  # noqa: E402
 
 B, H, HKV, LQ, LK, D, DV = 2, 2, 1, 7, 9, 5, 4
 BACKENDS = ("tiles", "torch-ops", "triton")

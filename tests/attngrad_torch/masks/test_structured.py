@@ -26,7 +26,7 @@ from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E4
 from attngrad.torch.masks import version_cache as kept  # noqa: E402
 from attngrad.torch.masks.structured import _structure, structure  # noqa: E402
 
-from ..conftest import assert_all_close  # noqa: E402
+from ...conftest import assert_all_close  # noqa: E402
 
 B, H, HKV, L, D, DV = 2, 4, 2, 23, 8, 6
 DOUBLE = torch.float64

@@ -11,7 +11,7 @@ from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
 from attngrad.torch.op import dropout  # noqa: E402
 
-from ..conftest import EXACT, rel_err  # noqa: E402
+from ...conftest import EXACT, rel_err  # noqa: E402
 
 CASES = {
     "full": dict(),

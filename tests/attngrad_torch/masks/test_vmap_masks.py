@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from attngrad.torch import attention  # noqa: E402
 from attngrad.torch.masks import structured  # noqa: E402
 
-from ..conftest import assert_all_close  # noqa: E402
+from ...conftest import assert_all_close  # noqa: E402
 
 N, B, H, LQ, LK, D, DV = 3, 2, 4, 11, 17, 8, 6  # N: the vmapped axis
 DOUBLE = torch.float64

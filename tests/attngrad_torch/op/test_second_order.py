@@ -13,9 +13,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from attngrad.torch import MultiheadAttention, attention, ran, scaled_dot_product_attention  # noqa: E402
 from attngrad.torch.op import autograd, ops  # noqa: E402
 
-from ..conftest import EXACT, assert_all_close, rel_err  # noqa: E402
-from .conftest import op_attention  # noqa: E402
-from .test_functional import _keep_mask, make  # noqa: E402
+from ...conftest import EXACT, assert_all_close, rel_err  # noqa: E402
+from ..conftest import op_attention  # noqa: E402
+from ..test_functional import _keep_mask, make  # noqa: E402
 
 B, H, HKV, LQ, LK = 2, 4, 2, 13, 21
 DOUBLE = torch.float64

@@ -17,8 +17,8 @@ from attngrad.torch import (  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
 from attngrad.torch.op.call import PASSES, schema  # noqa: E402
 
-from ..conftest import EXACT, rel_err  # noqa: E402
-from .conftest import make_call, math_sdpa  # noqa: E402
+from ...conftest import EXACT, rel_err  # noqa: E402
+from ..conftest import make_call, math_sdpa  # noqa: E402
 
 
 def randn(*shape, seed, grad=True):

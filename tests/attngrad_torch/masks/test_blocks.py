@@ -19,8 +19,8 @@ from attngrad.torch import attention, create_block_mask  # noqa: E402
 from attngrad.torch.masks import blocks as mask_blocks  # noqa: E402
 from attngrad.torch.masks.blocks import EMPTY, FULL, MaskBlocks  # noqa: E402
 
-from ..conftest import assert_all_close  # noqa: E402
-from .conftest import make_call  # noqa: E402
+from ...conftest import assert_all_close  # noqa: E402
+from ..conftest import make_call  # noqa: E402
 
 B, H, LQ, LK, D = 2, 3, 45, 52, 8
 BLOCK = (5, 7)  # neither divides the lengths: blocks past the edge
@@ -181,7 +181,7 @@ def test_partial_tiles_are_never_held_all_at_once():
     """No tensor made while keeping a mask per block is larger than the rows read at a time:
     the partial tiles (here 528, of 32 x 32, from a dilated causal mask) are copied out and
     de-duplicated `TILES_AT_ONCE` at a time, not gathered whole (which held 528 x 32 x 32)."""
-    from ..largest_tensor import LargestTensor
+    from ...largest_tensor import LargestTensor
 
     length, rows_per_chunk, block = 1024, 128, (32, 32)
     rows, keys = torch.arange(length)[:, None], torch.arange(length)[None, :]
@@ -269,7 +269,7 @@ def test_every_pass_reads_the_blocks_in_triton(name):
     from attngrad.torch.op import dispatch
 
     if not triton_backend.interpreting():
-        pytest.skip("the Triton kernels are compiled here (TRITON_INTERPRET=0): tests/torch_backend/test_triton.py")
+        pytest.skip("the Triton kernels are compiled here (TRITON_INTERPRET=0): tests/attngrad_torch/backends/triton/test_triton.py")
     before = dict(dispatch.ran)
     with use_implementation("triton"):
         _every_pass(Case(**TRITON_CASES[name]))
@@ -365,7 +365,7 @@ def test_ops_refuse_bad_blocks_by_name():
 def test_a_dilated_mask_at_4096_holds_nothing_lq_by_lk():
     """L = 4096: the evaluated mask is a few distinct tiles and the index, and no tensor of
     the forward and backward has Lq x Lk entries."""
-    from ..largest_tensor import LargestTensor
+    from ...largest_tensor import LargestTensor
 
     length = 4096
     evaluated = create_block_mask(lambda b, h, q, kv: (q >= kv) & ((q - kv) % 3 == 0), None, None, length, length)

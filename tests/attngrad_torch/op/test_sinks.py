@@ -13,9 +13,9 @@ torch = pytest.importorskip("torch")
 
 from attngrad.torch import attention  # noqa: E402
 
-from ..conftest import EXACT, assert_all_close, rel_err  # noqa: E402
-from .conftest import op_attention  # noqa: E402
-from .test_structured import DV, HKV, B, D, H, L, dense_keep, randn, small_tiles, transposed  # noqa: E402, F401
+from ...conftest import EXACT, assert_all_close, rel_err  # noqa: E402
+from ..conftest import op_attention  # noqa: E402
+from ..masks.test_structured import DV, HKV, B, D, H, L, dense_keep, randn, small_tiles, transposed  # noqa: E402, F401
 
 
 def with_sinks_by_definition(q, k, v, bias, sinks, keep, softcap, scale=None):

@@ -8,7 +8,8 @@ a float bias and the causal mask in any combination. All run wherever the tensor
 kernels, ...), `use_implementation` chooses among them, and `ran` counts what ran.
 `replace_sdpa()` sends every call of PyTorch's own function inside a block to attngrad,
 in any model that makes one. The compiled CPU tiles keep the gradient of a bias of the
-scores' size between calls (`backends.cpu_tiles.buffer_cache`: `set_limit`, `empty_cache`).
+scores' size between calls (`from attngrad.torch.backends.cpu_tiles import buffer_cache`:
+`set_limit`, `empty_cache`).
 What is made from a mask is kept while the mask's version counter stays
 (`masks.version_cache`); `forget_masks()` drops it after a write that bypasses the counter
 (`.data`, NumPy's shared memory).

@@ -20,8 +20,10 @@ assert "-march=x86-64-v3" in native_build.flags(), native_build.flags()
 print(f"built for x86-64-v3: {native.build_info.path}")
 PY
 python -m pytest -q -p no:cacheprovider \
-    tests/attngrad_torch/backends/cpu_tiles/test_native.py tests/attngrad_torch/op/test_determinism.py \
+    tests/attngrad_torch/backends/cpu_tiles/test_native.py tests/attngrad_torch/backends/cpu_tiles/test_tiling.py \
+    tests/attngrad_torch/backends/cpu_tiles/test_tile_map.py tests/attngrad_torch/backends/cpu_tiles/test_half_precision.py \
+    tests/attngrad_torch/backends/cpu_tiles/test_build.py tests/attngrad_torch/op/test_determinism.py \
     tests/attngrad_torch/masks/test_structured.py tests/attngrad_torch/op/test_sinks.py tests/attngrad_torch/op/test_forward_jvp.py \
     -k "not test_compiled_ and not in_triton" "$@"
 python scripts/tile_bits.py compare "$cache/native.pt"
-ATTNGRAD_BUILD_TESTS=1 python -m pytest -q -p no:cacheprovider tests/attngrad_torch/backends/cpu_tiles/test_native.py -k without_openmp
+ATTNGRAD_BUILD_TESTS=1 python -m pytest -q -p no:cacheprovider tests/attngrad_torch/backends/cpu_tiles/test_build.py -k without_openmp

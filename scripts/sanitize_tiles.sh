@@ -18,7 +18,9 @@ export LD_PRELOAD="$("$cxx" -print-file-name=libasan.so) $("$cxx" -print-file-na
 export ASAN_OPTIONS="detect_leaks=0:alloc_dealloc_mismatch=0:abort_on_error=1"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 python -m pytest -q -p no:cacheprovider --capture=sys \
-    tests/attngrad_torch/backends/cpu_tiles/test_native.py tests/attngrad_torch/op/test_determinism.py \
+    tests/attngrad_torch/backends/cpu_tiles/test_native.py tests/attngrad_torch/backends/cpu_tiles/test_tiling.py \
+    tests/attngrad_torch/backends/cpu_tiles/test_tile_map.py tests/attngrad_torch/backends/cpu_tiles/test_half_precision.py \
+    tests/attngrad_torch/backends/cpu_tiles/test_build.py tests/attngrad_torch/op/test_determinism.py \
     tests/attngrad_torch/test_input_range.py tests/attngrad_torch/op/test_op_contract.py \
     tests/attngrad_torch/masks/test_structured.py tests/attngrad_torch/op/test_placement.py tests/attngrad_torch/op/test_sinks.py \
     tests/attngrad_torch/masks/test_blocks.py tests/attngrad_torch/op/test_forward_jvp.py tests/attngrad_torch/backends/cpu_tiles/test_buffer_cache.py \

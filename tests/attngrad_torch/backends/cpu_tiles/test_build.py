@@ -1,0 +1,225 @@
+"""Building the compiled tiles: where there is a compiler, the fallback when a build fails, OpenMP or
+not, what a build says, and the cache it keys."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from attngrad.torch import scaled_dot_product_attention  # noqa: E402
+from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
+from attngrad.torch.op import dispatch  # noqa: E402
+
+from ....conftest import EXACT, rel_err  # noqa: E402
+from ...conftest import make_call  # noqa: E402
+from ...test_functional import math_sdpa  # noqa: E402
+from .cases import compiler, needs_tiles, random_inputs  # noqa: E402
+
+
+@pytest.mark.skipif(compiler is None, reason="no C++ compiler")
+def test_tiles_are_built_where_there_is_a_compiler():
+    """A silent fallback would leave the compiled path untested and slow: with a compiler
+    and PyTorch's BLAS at hand, the library must load."""
+    assert native.library() is not None, native.build_info.reason
+
+
+def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
+    from attngrad.torch.backends.cpu_tiles import build as native_build
+
+    monkeypatch.setenv("ATTNGRAD_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a compiler that always fails
+    monkeypatch.setattr(native_build, "_loaded", None)  # as a fresh process, which loaded no build yet
+    native.library.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert native.library() is None
+        assert len(caught) == 1, [str(w.message) for w in caught]  # one warning, and it says why
+        assert "compiled attention tiles are unavailable" in str(caught[0].message)
+        assert "failed" in native.build_info.reason and "false" in native.build_info.reason  # names the compiler
+        assert not native.available()
+        q, k, v, _ = random_inputs(1, 2, 2, 5, 6, 4, 4, torch.float64, 0)
+        assert dispatch.choose("forward", make_call(q, k, v)).name == "torch-ops"
+        out = scaled_dot_product_attention(q, k, v)  # the torch-ops kernels run instead
+        assert rel_err(out, math_sdpa(q, k, v)) < EXACT
+        monkeypatch.setenv("ATTNGRAD_NATIVE", "0")
+        native.library.cache_clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # turned off on purpose: no warning
+            assert native.library() is None
+        assert native.build_info.reason == "turned off by ATTNGRAD_NATIVE=0"
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+        native.library()
+
+
+@needs_tiles
+def test_a_second_build_in_one_process_is_refused_not_loaded(monkeypatch):
+    """PyTorch takes one TORCH_LIBRARY per namespace and process: where the build's key
+    changes under a process that has loaded the tiles (sources edited, another target CPU),
+    the tiles fall back with a warning that says why, and nothing is built or loaded (a
+    second library's registration would end the process)."""
+    from attngrad.torch.backends.cpu_tiles import build as native_build
+
+    loaded = native.library()
+    monkeypatch.setenv("ATTNGRAD_MARCH", "x86-64-v2")  # another key, not built in this cache
+    monkeypatch.setattr(native_build, "_build", lambda *args: pytest.fail("a second build was made"))
+    native.library.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert native.library() is None
+        assert len(caught) == 1 and "another build of the tiles is loaded" in native.build_info.reason
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+    assert native.library() == loaded and native.available()
+
+
+@needs_tiles
+def test_a_failed_openmp_build_is_tried_again_without_it(monkeypatch):
+    """Where the build with the OpenMP flag fails (Apple's clang refuses it), library()
+    builds again without it and warns that the tiles run on one thread (the build itself:
+    the next test, in scripts/portable_tiles.sh)."""
+    from attngrad.torch.backends.cpu_tiles import build as native_build
+
+    loaded = native.library()
+    tried = []
+
+    def load_or_build(openmp: bool):
+        tried.append(openmp)
+        if openmp:
+            raise RuntimeError("c++: error: unrecognized command-line option '-fopenmp'")
+        return loaded
+
+    monkeypatch.setattr(native_build, "_load_or_build", load_or_build)
+    native.library.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert native.library() == loaded and native.build_info.reason is None
+        assert tried == [True, False] and len(caught) == 1 and "without OpenMP" in str(caught[0].message)
+        assert "-fopenmp" in native_build.flags() and "-fopenmp" not in native_build.flags(openmp=False)
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+    assert native.library() == loaded
+
+
+@needs_tiles
+@pytest.mark.skipif(os.environ.get("ATTNGRAD_BUILD_TESTS") != "1",
+                    reason="builds the tiles again (10 s): scripts/portable_tiles.sh runs it, before csrc/ changes land")
+def test_a_compiler_without_openmp_still_builds_the_tiles(tmp_path):
+    """Where the compiler refuses the OpenMP flag (Apple's clang), the tiles are built
+    without it and run, on one thread, with a warning that says so (a fresh process: one
+    build of the tiles per process)."""
+    script = textwrap.dedent("""
+        import warnings, torch
+        from attngrad.torch.backends.cpu_tiles import build as native_build, native
+        native_build.OPENMP_FLAGS = ("-fopenmp", "-fattngrad-no-such-flag")
+        native_build.FLAGS = ("-O0", *native_build.FLAGS[1:])  # the fallback is the point here, not speed
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert native.library() is not None, native.build_info.reason
+        assert any("without OpenMP" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        assert "-fattngrad-no-such-flag" not in native_build.flags(openmp=False)
+        from attngrad.torch import attention, ran, use_implementation
+        q = torch.randn(1, 2, 9, 4, dtype=torch.float64)
+        with use_implementation("tiles"):
+            out = attention(q, q, q, is_causal=True)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        assert float((out - ref).abs().max()) < 1e-12 and ran[("forward", "tiles")] == 1
+        print("ok")
+    """)
+    env = {**os.environ, "ATTNGRAD_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_a_build_says_so_on_stderr_and_a_cached_load_is_quiet(monkeypatch, tmp_path, capsys):
+    """A first use waits 10-60 s for the build: it says so once on stderr, with the cache
+    folder, then how long it took. A process that finds the build loads it in silence.
+    (No compiler runs here: _build and the load are stand-ins.)"""
+    from attngrad.torch.backends.cpu_tiles import build as native_build
+
+    monkeypatch.setenv("ATTNGRAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_build, "_loaded", None)  # as a fresh process, which loaded no build yet
+    for field in ("compiled", "seconds"):
+        monkeypatch.setattr(native_build.build_info, field, getattr(native_build.build_info, field))
+    built = []
+
+    def build(folder, openmp):
+        folder.mkdir(parents=True)
+        built.append(folder)
+
+    monkeypatch.setattr(native_build, "_build", build)
+    target = native_build._load_or_build(openmp=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert built == [target.parent]
+    assert lines[0] == (f"attngrad: compiling the CPU tiles (once, cached in {target.parent}; usually 10-60 s)...")
+    assert len(lines) == 2 and lines[1].startswith("attngrad: compiling the CPU tiles done in ")  # no count: no TTY
+    monkeypatch.setattr(native_build, "_loaded", None)  # the next process finds the build
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: None)
+    assert native_build._load_or_build(openmp=True) == target and built == [target.parent]
+    assert capsys.readouterr().err == ""
+
+
+def test_a_build_counts_its_seconds_on_a_terminal_alone():
+    """On a terminal a second line counts the seconds, rewritten in place, and ends as the
+    line saying how it went; a failed build says it failed."""
+    import io
+    import time
+
+    from attngrad.torch.backends.cpu_tiles import build as native_build
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    with native_build.announced("/cache/tiles", terminal, tick=0.01):
+        time.sleep(0.1)
+    first, second = terminal.getvalue().split("\n", 1)
+    assert first == "attngrad: compiling the CPU tiles (once, cached in /cache/tiles; usually 10-60 s)..."
+    assert second.startswith("\rattngrad: compiling, 0 s") and second.endswith("\rattngrad: compiling the CPU tiles "
+                                                                               "done in 0 s\n")
+    log = io.StringIO()
+    with pytest.raises(RuntimeError), native_build.announced("/cache/tiles", log, tick=0.01):
+        time.sleep(0.05)
+        raise RuntimeError("the compiler failed")
+    assert log.getvalue().splitlines()[1:] == ["attngrad: compiling the CPU tiles failed after 0 s"]  # no count
+
+
+@needs_tiles
+def test_the_tiles_are_cached_and_keyed(monkeypatch, tmp_path):
+    """The library sits in the cache folder, in a folder of its own key (sources, flags,
+    compiler, CPU): a sanitizer build, another target CPU or another compiler gets another
+    folder, and a process that finds the build loads it without compiling."""
+    from attngrad.torch.backends.cpu_tiles import build as native_build
+
+    path = native.build_info.path
+    assert path.parent.parent == native_build._cache_dir() and path.exists()
+    assert (path.parent / "build_seconds").exists() and native.fresh_build_seconds() > 0
+    assert native.library() is path and native.available()
+    monkeypatch.setenv("ATTNGRAD_SANITIZE", "0")
+    key = native_build._machine_key()
+    monkeypatch.setenv("ATTNGRAD_SANITIZE", "1")
+    assert native_build._machine_key() != key and "-fsanitize=address,undefined" in native_build.flags()
+    monkeypatch.setenv("ATTNGRAD_SANITIZE", "0")
+    march = os.environ.get("ATTNGRAD_MARCH")  # scripts/portable_tiles.sh runs this test on x86-64-v3
+    monkeypatch.setenv("ATTNGRAD_MARCH", "x86-64-v2")
+    assert "-march=x86-64-v2" in native_build.flags() and "-march=native" not in native_build.flags()
+    assert native_build._machine_key() != key
+    if march is None:
+        monkeypatch.delenv("ATTNGRAD_MARCH")
+    else:
+        monkeypatch.setenv("ATTNGRAD_MARCH", march)
+    assert native_build._machine_key() == key
+    monkeypatch.setenv("CXX", "g++-other")
+    assert native_build._machine_key() != key

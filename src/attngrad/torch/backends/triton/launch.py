@@ -361,7 +361,8 @@ class Plan:
         self.light_keys = options.light_key_side and contiguous_light
         self.bounds, self.bound_strides = bounds, bound_strides
         full = call.causal is None and bounds is None
-        self.rotate = full and (self.device.type != "cuda" or self.n_k <= _multiprocessors(self.device.index or 0))
+        self.rotate = full and (self.device.type != "cuda" or self.n_k <= _multiprocessors(
+            self.device.index if self.device.index is not None else torch.cuda.current_device()))
         self.launch = dict(num_warps=blocks.warps, num_stages=blocks.stages, enable_fp_fusion=True)
         if blocks.registers:
             self.launch["maxnreg"] = blocks.registers

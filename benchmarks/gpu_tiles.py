@@ -29,6 +29,8 @@ import sys
 import traceback
 from typing import Optional
 
+from gpu_light_call import B, L, inputs
+
 # (rows, keys, warps, stages[, slice]); stages changed nothing while the walks' loops branched
 # on the tile map (not pipelined), so the sweep takes 2 for the forward and 1 for the backward
 FORWARD = [(r, k, w, 2) for r, k in ((64, 64), (128, 64), (128, 128), (64, 128)) for w in (4, 8)]
@@ -37,7 +39,6 @@ BACKWARD = [(r, k, w, 1) for r, k in ((32, 32), (64, 32), (32, 64), (64, 64), (1
 # `_TABLE`'s entries, which light calls on sm_90 took before `_HOPPER_LIGHT`
 BEFORE = {("forward", 64): (128, 64, 8, 2), ("forward", 128): (64, 64, 8, 2), ("backward", 64): (64, 32, 8, 1),
           ("backward", 128): (64, 32, 8, 1, 16)}
-B, L = 4, 4096
 
 
 def _setup(name: str, d: int, candidate: Optional[tuple], causal: bool, dense: bool = True, way: str = "light"):
@@ -53,14 +54,11 @@ def _setup(name: str, d: int, candidate: Optional[tuple], causal: bool, dense: b
     options = dict(dense_walks=dense, fused_backward=way == "fused", light_key_side=way == "light")
     if candidate is not None:
         launch._HOPPER_LIGHT[(name, "half", d)] = launch.Blocks(*candidate)
-    g = torch.Generator(device="cuda").manual_seed(7)
-    H = 2048 // d
-    q, k, v, dout = (torch.randn(B, H, L, d, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    leaves, dout = inputs(d)
 
     def forward():
         with torch.no_grad(), use_implementation("triton"), launch.TUNING.override(**options):
-            return scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return scaled_dot_product_attention(*leaves, is_causal=causal)
 
     if name == "forward":
         return forward

@@ -29,24 +29,29 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _import_targets(nodes, package: list, with_stem: bool) -> list[tuple[int, str]]:
+    """(line, dotted name) of what each import among `nodes` names, relative ones resolved
+    against `package`: `from X import y` gives X.y (y may be a module), and X too if
+    `with_stem`."""
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            stem = node.module or ""
+            if node.level:
+                stem = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            found += [(node.lineno, stem)] if with_stem else []
+            found += [(node.lineno, f"{stem}.{alias.name}") for alias in node.names]
+    return found
+
+
 def _imports(path: Path) -> set[str]:
     """The attngrad modules `path` imports at module level (not inside functions)."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    found = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                stem = ".".join(base + ([node.module] if node.module else []))
-            else:
-                stem = node.module or ""
-            found.add(stem)
-            found |= {f"{stem}.{alias.name}" for alias in node.names}  # `from . import x` imports a module
-    return {m for m in found if m.startswith("attngrad")}
+    found = _import_targets(ast.parse(path.read_text()).body, package.split("."), with_stem=True)
+    return {m for _, m in found if m.startswith("attngrad")}
 
 
 def test_no_import_cycle():
@@ -88,7 +93,7 @@ def test_the_tiles_come_through_pytorchs_extension_machinery():
             assert word not in text, f"{path.relative_to(SRC)} names {word}"
 
 
-TORCH = Path(__file__).resolve().parents[1] / "src" / "attngrad" / "torch"
+TORCH = PACKAGE / "torch"
 ENTRY_POINTS = {"__init__", "functional", "mha", "sdpa_mode", "nested", "eager_plans"}
 SHARED = {"precision", "layout", "arguments"}
 BELOW = {  # what each layer may import from attngrad.torch, beside itself
@@ -113,26 +118,11 @@ def _layer(parts: list) -> str:
 
 
 def _torch_imports(path: Path, root: Path) -> list:
-    """(line, the imported module's parts below attngrad.torch) of every import of attngrad.torch."""
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    package = parts[:-1]
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = ["attngrad", "torch", *package][: 2 + len(package) - node.level + 1]
-                target = base + (node.module.split(".") if node.module else [])
-            else:
-                target = node.module.split(".")
-            targets = [target + [alias.name] for alias in node.names]
-        elif isinstance(node, ast.Import):
-            targets = [alias.name.split(".") for alias in node.names]
-        else:
-            continue
-        for target in targets:
-            if target[:2] == ["attngrad", "torch"]:
-                found.append((node.lineno, target[2:]))
-    return found
+    """(line, the imported module's parts below attngrad.torch) of every import of attngrad.torch,
+    at any depth."""
+    package = ["attngrad", "torch", *path.relative_to(root).parts[:-1]]
+    found = _import_targets(ast.walk(ast.parse(path.read_text())), package, with_stem=False)
+    return [(line, name.split(".")[2:]) for line, name in found if name.split(".")[:2] == ["attngrad", "torch"]]
 
 
 def layout_violations(root: Path = TORCH) -> list:

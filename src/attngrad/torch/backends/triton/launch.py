@@ -381,12 +381,16 @@ def on_gpu(call: AttentionCall) -> bool:
     return call.q.device.type == "cuda"
 
 
-def _plan(call: AttentionCall, pass_name: str) -> Plan:
+def _blocks(call: AttentionCall, pass_name: str) -> Blocks:
     width = max(call.q.shape[-1], call.v.shape[-1])
     tf32 = input_precision(call.q.dtype, call.q.device) == "tf32"
     gpu = on_gpu(call)
-    return Plan(call, blocks_for(pass_name, call.q.dtype, width, interpreted=not gpu, tf32=tf32,
-                                 arch=arch_of(call.q.device) if gpu else 0, light=is_light(call)))
+    return blocks_for(pass_name, call.q.dtype, width, interpreted=not gpu, tf32=tf32,
+                      arch=arch_of(call.q.device) if gpu else 0, light=is_light(call))
+
+
+def _plan(call: AttentionCall, pass_name: str) -> Plan:
+    return Plan(call, _blocks(call, pass_name))
 
 
 def _same_strides(*tensors: Optional[Tensor]) -> list:
@@ -529,8 +533,8 @@ def _backward_walks(plan: Plan, inputs: _Second, mode: int, bias_grad: bool,
 
 def _key_side_light(plan: Plan, inputs: _Second, out_k: Tensor, out_v: Tensor) -> None:
     """dK and dV of a light call's backward (`kernels.key_side_light`), on the key side's tiles."""
-    call = plan.call
-    kplan = _plan(call, "key_side")
+    blocks = _blocks(plan.call, "key_side")
+    kplan = plan if blocks == plan.blocks else Plan(plan.call, blocks)  # the backward's own tiles, or its own
     switches = kplan.switches
     kernels.key_side_light[(kplan.n_k, kplan.B * kplan.Hkv)](
         inputs.q, inputs.k, inputs.v, inputs.do, inputs.row_max, inputs.inv_sum, inputs.delta, out_k, out_v,

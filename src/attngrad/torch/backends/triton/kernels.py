@@ -5,7 +5,8 @@ backward adds dQ's parts in an order fixed by counters, `add_in_order`).
 
     forward     per query block: online softmax (FlashAttention-2), O, m and 1/l
     jvp         per query block: O' = sum (P Z S') V + (P Z) V' - rowsum(P S') O, one pass
-    row_sums    per query block: the two row sums of the backward's JVP or the double backward
+    row_sums    per query block: the row sums of the backward's JVP or the double backward, centred
+                on each row's peak key (kept for the walks)
     query_side  per query block: dQ (or its tangent, or g_Q and g_dO)
     key_side    per key block, over the GQA group's query heads: dK, dV (or theirs); fused
                 with the backward's dQ for calls whose walks are contiguous runs (`dq_rank`)
@@ -27,8 +28,10 @@ import triton
 import triton.language as tl
 
 from .tiles import (
+    SUMS,
     dot_nt,
     keep_scale,
+    load_row_sums,
     load_rows,
     load_score_like,
     load_tile,
@@ -217,23 +220,46 @@ def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
 
 
 @triton.jit
-def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
+def _peak_of_tile(s, offs_n, top):
+    """Per row: whether this tile holds a score above `top` (the peak so far), the tile's
+    largest score, and the first key that has it (as a row mask over the tile's keys)."""
+    tile_top = tl.max(s, 1)
+    at = tl.min(tl.where(s == tile_top[:, None], offs_n[None, :], 2147483647), 1)
+    return tile_top > top, tile_top, offs_n[None, :] == at[:, None]
+
+
+@triton.jit
+def _at(values, where):
+    """values at the one key per row that `where` marks (exact: the other terms are 0)."""
+    return tl.sum(tl.where(where, values, 0.0), 1)
+
+
+@triton.jit
+def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
              sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3, cbias, scb, sch, scm, scn,
              bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
              meta, fmeta,
              tmap, st0, st1, st2, st3, rng, sr0, sr1, sr2, H, G, Lq, Lk, D, DV, causal,
-             HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr, HAS_DO2: tl.constexpr,
-             HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr,
-             MR: tl.constexpr,
-            MK: tl.constexpr, HAS_BOUNDS: tl.constexpr,
+             MODE: tl.constexpr, HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr,
+             HAS_DO2: tl.constexpr, HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+             HAS_BLOCKS: tl.constexpr, MR: tl.constexpr, MK: tl.constexpr, HAS_BOUNDS: tl.constexpr,
              CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DENSE: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr,
              BD: tl.constexpr, BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr,
-             ACC: tl.constexpr):
-    """The two whole-row sums the backward-type passes need before their walks, for the form
-    F (S' or T, `tiles.score_form`) and E = (dO2 V^T + dO V2^T) Z (dP~, or (dO gV^T) Z):
-        X = rowsum(P F),  Y = rowsum(P (F dP + E)) - X D
-    which are c and D~ for the backward's JVP, t and u for the double backward."""
+             ACC: tl.constexpr, CENTRE: tl.constexpr = False, SINK: tl.constexpr = False):
+    """The whole-row sums a backward-type pass needs before its walks, for the form F (S' or
+    T, `tiles.score_form`), into ROW_SUMS (B, H, Lq, tiles.SUMS): x = t - c, y, c, c2 and the
+    peak key's index (`tiles.load_row_sums`), with t = rowsum(P F) and
+        BACKWARD_JVP     y = D~ = rowsum(P (F - t) dP + P dP~),  dP~ = (dO2 V^T + dO V2^T) Z
+        DOUBLE_BACKWARD  y = u - c2,  u = rowsum(P g_P) + t D P_sink,
+                         g_P = b (F - t) + E,  b = dP - D (0 on a row of one key),  E = (dO V2^T) Z
+
+    CENTRE (float32 and float64, as `jvp`): c is F at the row's most probable entry and c2
+    g_P there, so that each sum's term at the peak is 0 exactly; uncentred, c = c2 = 0 and
+    the peak is -1. On a peaked row t is nearly F at the peak, and F - t there would cancel
+    t's rounding. The peak is found as the walk goes: where a tile holds a more probable
+    key, the sums so far move to the new centre (as `jvp` does). A sink is an entry of score
+    0, F = 0, dP = 0 and E = 0 (so b = -D and g_P = t D), and the first peak of a row."""
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -252,8 +278,24 @@ def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, sq0, sq1, sq2, s
     rows = (b * H + h) * Lq
     m_row = load_rows(M + rows, offs_m, Lq)
     inv = load_rows(INV + rows, offs_m, Lq)
-    x = tl.zeros((BM,), ACC)
-    y = tl.zeros((BM,), ACC)
+    d_row = load_rows(DELTA + rows, offs_m, Lq)
+    single = inv == 1.0  # a row of one key alone: b = 0 there (`tiles.tile_terms`)
+    top = tl.full((BM,), float("-inf"), ACC)  # the peak's score
+    if SINK:
+        top = tl.zeros((BM,), ACC)
+    peak = tl.full((BM,), -1, tl.int32)
+    c = tl.zeros((BM,), ACC)  # F at the peak
+    x = tl.zeros((BM,), ACC)  # rowsum(P (F - c))
+    p_sum = tl.zeros((BM,), ACC)  # rowsum(P)
+    # BACKWARD_JVP: y1 = rowsum(P (F - c) dP), pd = rowsum(P dP), y2 = rowsum(P dP~)
+    # DOUBLE_BACKWARD: y1 = rowsum(P (a - a*)), a = b (F - c) + E; y2 = rowsum(P (b - b*)); pd = rowsum(P b)
+    y1 = tl.zeros((BM,), ACC)
+    y2 = tl.zeros((BM,), ACC)
+    pd = tl.zeros((BM,), ACC)
+    a_top = tl.zeros((BM,), ACC)  # a* = E at the peak (its F - c is 0)
+    b_top = tl.zeros((BM,), ACC)  # b* = b at the peak
+    if CENTRE and SINK:
+        b_top = -d_row
     walk = rng + b * sr0 + h * sr1 + qb * sr2
     tiles = tmap + b * st0 + h * st1 + qb * st2
     for kb in range(tl.load(walk), tl.load(walk + 1)):
@@ -273,26 +315,69 @@ def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, sq0, sq1, sq2, s
             if HAS_C:
                 c_tile = load_score_like(cbias, b, h, offs_m, offs_n, Lq, Lk, scb, sch, scm, scn, ACC)
             form, _ = score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP, BD, SD, IP, ACC)
-            pf = p * form
-            e = pf * dot_nt(do, v, tl.zeros((BM, BN), ACC), BDV, SDV, IP)
+            dp = dot_nt(do, v, tl.zeros((BM, BN), ACC), BDV, SDV, IP)
             extra = tl.zeros((BM, BN), ACC)
             if HAS_DO2:
                 extra = dot_nt(do2, v, extra, BDV, SDV, IP)
             if HAS_V2:
                 v2 = operand(V2 + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
                 extra = dot_nt(do, v2, extra, BDV, SDV, IP)
-            e += p * extra
             if DROPOUT:
-                e = e * keep_scale(meta, b, h, offs_m, offs_n, keep_value)
-            x += tl.sum(pf, 1)
-            y += tl.sum(e, 1)
-    d_row = load_rows(DELTA + rows, offs_m, Lq)
-    tl.store(X + rows + offs_m, x, mask=offs_m < Lq)
-    tl.store(Y + rows + offs_m, y - x * d_row, mask=offs_m < Lq)
+                z = keep_scale(meta, b, h, offs_m, offs_n, keep_value)
+                dp = dp * z
+                extra = extra * z
+            if MODE == 2:
+                dp = tl.where(single[:, None], 0.0, dp - d_row[:, None])  # b
+            if CENTRE:  # a more probable key in this tile: the centres move to it, and the sums with them
+                moved, tile_top, where = _peak_of_tile(s, offs_n, top)
+                new_c = tl.where(moved, _at(form, where), c)
+                x += (c - new_c) * p_sum
+                if MODE == 1:
+                    y1 += (c - new_c) * pd
+                else:
+                    new_a = tl.where(moved, _at(extra, where), a_top)
+                    new_b = tl.where(moved, _at(dp, where), b_top)
+                    y1 -= (new_c - c) * pd + (new_a - a_top) * p_sum
+                    y2 -= (new_b - b_top) * p_sum
+                    a_top = new_a
+                    b_top = new_b
+                peak = tl.where(moved, tl.max(tl.where(where, offs_n[None, :], -1), 1), peak)
+                top = tl.where(moved, tile_top, top)
+                c = new_c
+            fc = p * (form - c[:, None])
+            x += tl.sum(fc, 1)
+            p_sum += tl.sum(p, 1)
+            pd += tl.sum(p * dp, 1)
+            if MODE == 1:
+                y1 += tl.sum(fc * dp, 1)
+                y2 += tl.sum(p * extra, 1)
+            else:
+                y1 += tl.sum(fc * dp + p * (extra - a_top[:, None]), 1)
+                y2 += tl.sum(p * (dp - b_top[:, None]), 1)
+    # t - c = x - c P_sink: rowsum(P) = 1 - P_sink, and the sink's F is 0
+    p_sink = tl.zeros((BM,), ACC)
+    if SINK:
+        seen = inv != 0
+        p_sink = tl.where(seen, tl.exp(tl.log(tl.where(seen, inv, 1.0)) - m_row), 0.0)  # exp(-m) / l
+    x_less = x - c * p_sink
+    c2 = tl.zeros((BM,), ACC)
+    if MODE == 1:
+        y = y1 - x_less * pd + y2  # rowsum(P (F - t) dP) + rowsum(P dP~)
+    else:
+        # g_P - c2 = (a - a*) - (t - c)(b - b*), c2 = a* - (t - c) b*; the sink's a = D c, b = -D
+        y = y1 - x_less * y2 + p_sink * ((d_row * c - a_top) + x_less * (d_row + b_top))
+        c2 = a_top - x_less * b_top
+    out = ROW_SUMS + (rows + offs_m) * SUMS
+    inside = offs_m < Lq
+    tl.store(out, x_less, mask=inside)
+    tl.store(out + 1, y, mask=inside)
+    tl.store(out + 2, c, mask=inside)
+    tl.store(out + 3, c2, mask=inside)
+    tl.store(out + 4, peak.to(ACC), mask=inside)
 
 
 @triton.jit
-def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_Q, OUT_DO, DBIAS,
+def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, OUT_Q, OUT_DO, DBIAS,
                sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3,
                sgb, sgh, sgm, sgn, cbias, scb, sch, scm, scn,
                bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
@@ -304,7 +389,8 @@ def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_Q, OUT_DO,
             MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
                SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DENSE: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-               BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+               BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr,
+               CENTRE: tl.constexpr = False):
     """Per query block: OUT_Q = scale (A2 K + A K2) (dQ, its tangent, or g_Q; `tiles.tile_terms`);
     with DOUT_GRAD, OUT_DO = W V + (P Z) V2 (the double backward's g_dO); with BIAS_DIRECT,
     each tile's term to the bias stored into DBIAS, a zeroed tensor of the scores' own shape.
@@ -330,11 +416,9 @@ def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_Q, OUT_DO,
     m_row = load_rows(M + rows, offs_m, Lq)
     inv = load_rows(INV + rows, offs_m, Lq)
     d_row = load_rows(DELTA + rows, offs_m, Lq)
-    x_row = d_row
-    y_row = d_row
+    sums = None
     if MODE != 0:
-        x_row = load_rows(X + rows, offs_m, Lq)
-        y_row = load_rows(Y + rows, offs_m, Lq)
+        sums = load_row_sums(ROW_SUMS + rows * SUMS, offs_m, Lq, CENTRE)
     acc_q = tl.zeros((BM, BD), ACC)
     acc_do = tl.zeros((BM, BDV), ACC)
     walk = rng + b * sr0 + h * sr1 + qb * sr2
@@ -362,8 +446,8 @@ def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_Q, OUT_DO,
             if HAS_C:
                 c_tile = load_score_like(cbias, b, h, offs_m, offs_n, Lq, Lk, scb, sch, scm, scn, ACC)
             pz, w, to_bias, da, da2 = tile_terms(MODE, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, th, d_row, inv,
-                                                 x_row, y_row, scale, inv_cap, SOFTCAP, DROPOUT, BD, SD, BDV, SDV, IP,
-                                                 ACC)
+                                                 sums, offs_n, scale, inv_cap, SOFTCAP, DROPOUT, CENTRE, BD, SD, BDV,
+                                                 SDV, IP, ACC)
             # the products out to the head width take whole tiles, loaded only now
             acc_q += mm(da2.to(K.dtype.element_ty), whole(k, BD, SD), IP, ACC)
             if MODE != 0:
@@ -426,7 +510,7 @@ def add_in_order(DQ, LOCKS, part, rows, offs_m, offs_d, Lq, D, lock, rank, WAIT:
 
 
 @triton.jit
-def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
+def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, OUT_K, OUT_V,
              sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3,
              cbias, scb, sch, scm, scn,
              bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
@@ -440,7 +524,8 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
              BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
              BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr,
              DQ=None, LOCKS=None, krng=None, skr0=0, skr1=0, skr2=0,
-             FUSED: tl.constexpr = False, ROTATE: tl.constexpr = False, WAIT: tl.constexpr = False):
+             FUSED: tl.constexpr = False, ROTATE: tl.constexpr = False, WAIT: tl.constexpr = False,
+             CENTRE: tl.constexpr = False):
     """Per key block of one key/value head, over the G query heads of its group in order:
     OUT_K = scale (A2^T Q + A^T Q2) and OUT_V = W^T dO + (P Z)^T dO2 (dK and dV, their
     tangents, or g_K and g_V; `tiles.tile_terms`). qrng holds each key block's query blocks.
@@ -489,11 +574,9 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
                 m_row = load_rows(M + rows, offs_m, Lq)
                 inv = load_rows(INV + rows, offs_m, Lq)
                 d_row = load_rows(DELTA + rows, offs_m, Lq)
-                x_row = d_row
-                y_row = d_row
+                sums = None
                 if MODE != 0:
-                    x_row = load_rows(X + rows, offs_m, Lq)
-                    y_row = load_rows(Y + rows, offs_m, Lq)
+                    sums = load_row_sums(ROW_SUMS + rows * SUMS, offs_m, Lq, CENTRE)
                 qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
                 s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm,
                                sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
@@ -513,8 +596,8 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, OUT_K, OUT_V,
                 if HAS_C:
                     c_tile = load_score_like(cbias, b, h, offs_m, offs_n, Lq, Lk, scb, sch, scm, scn, ACC)
                 pz, w, to_bias, da, da2 = tile_terms(MODE, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, th, d_row, inv,
-                                                     x_row, y_row, scale, inv_cap, SOFTCAP, DROPOUT, BD, SD, BDV, SDV,
-                                                     IP, ACC)
+                                                     sums, offs_n, scale, inv_cap, SOFTCAP, DROPOUT, CENTRE, BD, SD,
+                                                     BDV, SDV, IP, ACC)
                 # the products out to the head width take whole tiles, loaded only now
                 acc_k += mm(tl.trans(da2).to(Q.dtype.element_ty), whole(q, BD, SD), IP, ACC)
                 if MODE != 0:
@@ -597,7 +680,7 @@ def key_side_light(Q, K, V, DO, M, INV, DELTA, OUT_K, OUT_V, sq0, sq1, sq2, sq3,
 
 
 @triton.jit
-def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, DBIAS,
+def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, DBIAS,
               sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3,
               sgb, sgh, sgm, sgn, cbias, scb, sch, scm, scn,
               bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
@@ -611,7 +694,8 @@ def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, DBIAS,
             MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
               SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DENSE: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-              BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+              BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr,
+              CENTRE: tl.constexpr = False):
     """Per block of the bias's own (1 or B, BIAS_H = 1 or H, 1 or Lq, 1 or Lk) shape: the sum of the
     tiles' terms to the bias (dS, dS~ or g_S) over the batch entries, heads, rows and keys
     that the block's entries broadcast to, in a fixed order (no atomics). DBIAS is
@@ -666,11 +750,9 @@ def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, DBIAS,
                         m_row = load_rows(M + rows, offs_m, Lq)
                         inv = load_rows(INV + rows, offs_m, Lq)
                         d_row = load_rows(DELTA + rows, offs_m, Lq)
-                        x_row = d_row
-                        y_row = d_row
+                        sums = None
                         if MODE != 0:
-                            x_row = load_rows(X + rows, offs_m, Lq)
-                            y_row = load_rows(Y + rows, offs_m, Lq)
+                            sums = load_row_sums(ROW_SUMS + rows * SUMS, offs_m, Lq, CENTRE)
                         qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
                         s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh,
                                        sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm,
@@ -696,8 +778,8 @@ def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, X, Y, DBIAS,
                         if HAS_C:
                             c_tile = load_score_like(cbias, b, h, offs_m, offs_n, Lq, Lk, scb, sch, scm, scn, ACC)
                         _, _, to_bias, _, _ = tile_terms(MODE, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, th, d_row,
-                                                         inv, x_row, y_row, scale, inv_cap, SOFTCAP, DROPOUT, BD, SD,
-                                                         BDV, SDV, IP, ACC)
+                                                         inv, sums, offs_n, scale, inv_cap, SOFTCAP, DROPOUT, CENTRE,
+                                                         BD, SD, BDV, SDV, IP, ACC)
                         acc += to_bias
     out = DBIAS + b_own * sgb + h_own * sgh
     offs_r = rb * BM + tl.arange(0, BM)

@@ -9,8 +9,8 @@ launches the kernels of `kernels` in order.
                      query_side); a light call whose walks are contiguous: query_side and
                      key_side_light (or, with `Options.fused_backward`, key_side alone, fused
                      with dQ)
-    backward_jvp     row_sums (c, D~), then as backward
-    double_backward  row_sums (t, u), then as backward
+    backward_jvp     row_sums (t - c, D~, the centre), then as backward
+    double_backward  row_sums (t - c, u - c2, the centres), then as backward
 
 Every result is written whole by its own program, so the bits do not depend on the launch
 order; the one exception, the fused backward (`Options.fused_backward`), adds dQ's parts into a
@@ -36,7 +36,7 @@ from ...op.key_constant_bias import is_key_constant, rows_to_bias, sink_share
 from ...op.tuning import Tuning
 from ...precision import compute_dtype
 from . import kernels
-from .tiles import BACKWARD, BACKWARD_JVP, DOUBLE_BACKWARD
+from .tiles import BACKWARD, BACKWARD_JVP, DOUBLE_BACKWARD, SUMS
 
 
 @dataclass(frozen=True)
@@ -363,6 +363,11 @@ class Plan:
         full = call.causal is None and bounds is None
         self.rotate = full and (self.device.type != "cuda" or self.n_k <= _multiprocessors(
             self.device.index if self.device.index is not None else torch.cuda.current_device()))
+        # each row's sums centred on its peak key (`kernels.row_sums`) in float64 and IEEE
+        # float32, whose peak index (kept in the compute dtype) is exact below 2^24 keys; the
+        # half and TF32 kernels' rounding is far above what centring saves, and it would make them spill
+        self.centre = (q.dtype == torch.float64 or (q.dtype == torch.float32 and self.switches["IP"] == "ieee"
+                                                    and self.Lk < 2 ** 24))
         self.launch = dict(num_warps=blocks.warps, num_stages=blocks.stages, enable_fp_fusion=True)
         if blocks.registers:
             self.launch["maxnreg"] = blocks.registers
@@ -425,15 +430,15 @@ def jvp(call: AttentionCall, *, row_max: Tensor, inv_sum: Tensor, tq: Optional[T
         q, k, v, tq, tk, tv, out_t, row_max.contiguous(), inv_sum.contiguous(), *_strides(q), *_strides(k),
         *_strides(v), *_strides(out_t), t_bias, *_strides(t_bias), *plan.masks, *plan.walks("keys"), *plan.sizes,
         HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None, HAS_TBIAS=tbias is not None,
-        CENTRE=q.dtype == torch.float64 or (q.dtype == torch.float32 and plan.switches["IP"] == "ieee"),
-        SINK=call.sink, **plan.switches, **plan.launch)
+        CENTRE=plan.centre, SINK=call.sink, **plan.switches, **plan.launch)
     return out_t
 
 
 class _Second:
     """The inputs of a backward-type pass as the kernels take them: Q, K, V, dO and the
     second set (Q2, K2, V2, dO2: tangents or cotangents), each set with one set of strides,
-    the bias-shaped C (bias' or gbias), the row statistics m, 1/l, D and the row sums X, Y."""
+    the bias-shaped C (bias' or gbias), the row statistics m, 1/l, D and the row sums
+    (`kernels.row_sums`; none for the backward)."""
 
     def __init__(self, plan: Plan, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
                  q2: Optional[Tensor] = None, k2: Optional[Tensor] = None, v2: Optional[Tensor] = None,
@@ -450,11 +455,11 @@ class _Second:
         kernels.row_dot[(triton.cdiv(plan.Lq, block), plan.B * plan.H)](
             self.do, out, self.delta, *_strides(self.do), *_strides(out), plan.H, plan.Lq, plan.DV, BM=block,
             BDV=padded_width(plan.DV), ACC=_acc(call.q.dtype), num_warps=4, num_stages=1)
-        self.x = self.y = self.delta  # the backward reads no row sums
+        self.sums: Optional[Tensor] = None  # (B, H, Lq, SUMS), from `_row_sums`
 
     def tensors(self) -> list:
         return [self.q, self.k, self.v, self.do, self.q2, self.k2, self.v2, self.do2, self.row_max, self.inv_sum,
-                self.delta, self.x, self.y]
+                self.delta, self.sums]
 
     def strides(self) -> list:
         return [*_strides(self.q), *_strides(self.k), *_strides(self.v), *_strides(self.do)]
@@ -467,12 +472,11 @@ class _Second:
                     HAS_DO2=self.do2 is not None, HAS_C=self.c is not None)
 
 
-def _row_sums(plan: Plan, inputs: _Second) -> None:
-    x, y = plan.rows(), plan.rows()
+def _row_sums(plan: Plan, inputs: _Second, mode: int) -> None:
+    inputs.sums = torch.empty(plan.B, plan.H, plan.Lq, SUMS.value, dtype=plan.acc_dtype, device=plan.device)
     kernels.row_sums[(plan.n_q, plan.B * plan.H)](
-        *inputs.tensors()[:11], x, y, *inputs.strides(), *inputs.c_args(), *plan.masks, *plan.walks("keys"),
-        *plan.sizes, **inputs.switches(), **plan.switches, **plan.launch)
-    inputs.x, inputs.y = x, y
+        *inputs.tensors(), *inputs.strides(), *inputs.c_args(), *plan.masks, *plan.walks("keys"), *plan.sizes,
+        MODE=mode, **inputs.switches(), **plan.switches, CENTRE=plan.centre, SINK=plan.call.sink, **plan.launch)
 
 
 def _bias_is_direct(plan: Plan) -> bool:
@@ -512,7 +516,8 @@ def _backward_walks(plan: Plan, inputs: _Second, mode: int, bias_grad: bool,
         kernels.query_side[(plan.n_q, plan.B * plan.H)](
             *inputs.tensors(), out_q, out_do, bias_out if direct else None, *inputs.strides(),
             *_strides(bias_out if direct else None), *inputs.c_args(), *plan.masks, *plan.walks("keys"), *plan.sizes,
-            MODE=mode, DOUT_GRAD=dout_grad, BIAS_DIRECT=direct, **inputs.switches(), **plan.switches, **plan.launch)
+            MODE=mode, DOUT_GRAD=dout_grad, BIAS_DIRECT=direct, **inputs.switches(), **plan.switches,
+            CENTRE=plan.centre, **plan.launch)
     out_k = torch.empty(plan.B, plan.Hkv, plan.Lk, plan.D, dtype=k.dtype, device=q.device)
     out_v = torch.empty(plan.B, plan.Hkv, plan.Lk, plan.DV, dtype=v.dtype, device=q.device)
     if mode == BACKWARD and plan.light_keys and not fused:
@@ -521,7 +526,7 @@ def _backward_walks(plan: Plan, inputs: _Second, mode: int, bias_grad: bool,
         kernels.key_side[(plan.n_k, plan.B * plan.Hkv)](
             *inputs.tensors(), out_k, out_v, *inputs.strides(), *inputs.c_args(), *plan.masks,
             *plan.walks("queries"), *plan.sizes, MODE=mode, **inputs.switches(), **plan.switches, **fused_args,
-            **plan.launch)
+            CENTRE=plan.centre, **plan.launch)
     if fused:
         out_q = fused_args["DQ"].mul_(call.scale).to(q.dtype)  # scale, as query_side applies it, then round
     if row_constant:
@@ -546,7 +551,7 @@ def _key_side_light(plan: Plan, inputs: _Second, out_k: Tensor, out_v: Tensor) -
 def _row_constant_bias(plan: Plan, inputs: _Second, mode: int) -> Tensor:
     """The result for a bias constant along the keys (a sink's) on whole rows: each row's sum
     of dS (backward), g_S (double backward) or dS~ (backward's JVP) in closed form, D P_sink,
-    or P_sink (Y - X D) with the row sums X, Y (`kernels.row_sums`: t and u, or c and D~); 0
+    or P_sink (y - t D) with the row sums (`_sink_terms`); 0
     without a sink (`key_constant_bias`). The kernels' sum of the row's terms would cancel
     down to it, and bias_side walks every score of a head in one program."""
     call = plan.call
@@ -556,10 +561,14 @@ def _row_constant_bias(plan: Plan, inputs: _Second, mode: int) -> Tensor:
 
 
 def _sink_terms(plan: Plan, inputs: _Second, mode: int) -> Tensor:
-    """Each row's closed form (B, H, Lq) float64: P_sink D (backward), or P_sink (Y - X D)."""
+    """Each row's closed form (B, H, Lq) float64: P_sink D (backward), P_sink (D~ - t D)
+    (backward's JVP) or P_sink (u - t D) (double backward), from the row sums (`kernels.row_sums`:
+    t - c, D~ or u - c2, c, c2)."""
     per_row = inputs.delta.double()
     if mode != BACKWARD:
-        per_row = inputs.y.double() - inputs.x.double() * per_row
+        x_less, y, c, c2 = inputs.sums.double().unbind(-1)[:4]
+        y = y if mode == BACKWARD_JVP else c2 + y  # u
+        per_row = y - (c + x_less) * per_row
     return sink_share(inputs.row_max, inputs.inv_sum) * per_row.view(plan.B, plan.H, plan.Lq)
 
 
@@ -574,7 +583,7 @@ def _bias_side(plan: Plan, inputs: _Second, mode: int, bias_out: Tensor) -> None
         *plan.walks("keys"), plan.B, *plan.sizes, bh, MODE=mode,
         BATCH_BROADCAST=bb == 1 and plan.B > 1, HEADS_BROADCAST=bh == 1 and plan.H > 1,
         ROWS_BROADCAST=rows_broadcast, KEYS_BROADCAST=keys_broadcast, **inputs.switches(), **plan.switches,
-        **plan.launch)
+        CENTRE=plan.centre, **plan.launch)
 
 
 def backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
@@ -599,7 +608,7 @@ def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Ten
                  tbias: Optional[Tensor], sink_rows: Optional[Tensor] = None) -> tuple:
     plan = _plan(call, "backward_jvp")
     inputs = _Second(plan, dout, out, row_max, inv_sum, tq, tk, tv, tdout, tbias)
-    _row_sums(plan, inputs)  # c = rowsum(P S'), D~
+    _row_sums(plan, inputs, BACKWARD_JVP)  # t = rowsum(P S'), D~
     _sink_rows(plan, inputs, BACKWARD_JVP, sink_rows)
     return _backward_walks(plan, inputs, BACKWARD_JVP, bias_grad)[1:]
 
@@ -609,6 +618,6 @@ def double_backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: 
                     gbias: Optional[Tensor], sink_rows: Optional[Tensor] = None) -> tuple:
     plan = _plan(call, "double_backward")
     inputs = _Second(plan, dout, out, row_max, inv_sum, gq, gk, gv, None, gbias if bias_grad else None)
-    _row_sums(plan, inputs)  # t = rowsum(P T), u
+    _row_sums(plan, inputs, DOUBLE_BACKWARD)  # t = rowsum(P T), u
     _sink_rows(plan, inputs, DOUBLE_BACKWARD, sink_rows)
     return _backward_walks(plan, inputs, DOUBLE_BACKWARD, bias_grad, dout_grad)

@@ -20,6 +20,8 @@ import triton.language as tl
 
 # the pass a backward-type kernel runs (a constexpr)
 BACKWARD, BACKWARD_JVP, DOUBLE_BACKWARD = 0, 1, 2
+# the row sums a backward-type pass reads, per row (B, H, Lq, SUMS) (`kernels.row_sums`)
+SUMS = tl.constexpr(5)
 
 # Triton 3.9's interpreter multiplies bfloat16 tiles wrongly in tl.dot (float16 is right):
 # there, bfloat16 operands are widened to float32 first, which keeps every product exact.
@@ -137,6 +139,37 @@ def load_rows(ptr, offs_m, Lq):
 
 
 @triton.jit
+def load_row_sums(ptr, offs_m, Lq, CENTRE: tl.constexpr):
+    """The (BM,) row sums of a backward-type pass from a contiguous (B, H, Lq, SUMS) tensor
+    at the (b, h) of `ptr` (`kernels.row_sums`): (x, y, c, c2, peak), with c, c2 and the
+    peak's key index (-1: none) only where the pass is CENTREd, else None."""
+    rows = ptr + offs_m * SUMS
+    inside = offs_m < Lq
+    x = tl.load(rows, mask=inside, other=0.0)
+    y = tl.load(rows + 1, mask=inside, other=0.0)
+    c = None
+    c2 = None
+    peak = None
+    if CENTRE:
+        c = tl.load(rows + 2, mask=inside, other=0.0)
+        c2 = tl.load(rows + 3, mask=inside, other=0.0)
+        peak = tl.load(rows + 4, mask=inside, other=-1.0).to(tl.int32)
+    return x, y, c, c2, peak
+
+
+@triton.jit
+def off_peak(values, centre, peak, offs_n, CENTRE: tl.constexpr):
+    """values - c per row, exactly 0 at the row's peak key (the key its sums are centred on,
+    `kernels.row_sums`); values unchanged where the pass is not CENTREd. The peak's own term
+    is 0 by its index, not by recomputing its value: another kernel's S' there need not have
+    the same bits as the row sums' one."""
+    if CENTRE:
+        return tl.where(offs_n[None, :] == peak[:, None], 0.0, values - centre[:, None])
+    else:
+        return values
+
+
+@triton.jit
 def scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap,
            bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
            HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
@@ -207,20 +240,24 @@ def load_score_like(ptr, b, h, offs_m, offs_n, Lq, Lk, sb, sh, sm, sn, ACC: tl.c
 
 
 @triton.jit
-def tile_terms(MODE: tl.constexpr, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, th, m_d, inv, x_row, y_row,
-               scale, inv_cap, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, BD: tl.constexpr, SD: tl.constexpr,
-               BDV: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+def tile_terms(MODE: tl.constexpr, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, th, m_d, inv, sums, offs_n,
+               scale, inv_cap, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, CENTRE: tl.constexpr, BD: tl.constexpr,
+               SD: tl.constexpr, BDV: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
     """The score-shaped terms of one tile for a backward-type pass, from P (BM, BN), Z (or
-    None without dropout), the rows' D = rowsum(dO * O) (`m_d`), 1/l and the pass's two row
-    sums (x, y; `kernels.row_sums`); q, k, v, do and the second inputs are `operand`s:
+    None without dropout), the rows' D = rowsum(dO * O) (`m_d`), 1/l and the pass's row sums
+    (`load_row_sums`; None for the backward); q, k, v, do and the second inputs are `operand`s:
 
       BACKWARD        dP = (dO V^T) Z,  dS = P (dP - D)
-      BACKWARD_JVP    S' (q2 = Q', k2 = K', c = bias'), P' = P (S' - x), x = rowsum(P S'),
-                      dP~ = (dO' V^T + dO V'^T) Z, y = D~ = rowsum(P' dP + P dP~),
+      BACKWARD_JVP    S' (q2 = Q', k2 = K', c = bias'), P' = P (S' - t), t = rowsum(P S'),
+                      dP~ = (dO' V^T + dO V'^T) Z, D~ = rowsum(P' dP + P dP~),
                       dS~ = P' (dP - D) + P (dP~ - D~)
-      DOUBLE_BACKWARD T (q2 = gQ, k2 = gK, c = gbias), x = t = rowsum(P T),
+      DOUBLE_BACKWARD T (q2 = gQ, k2 = gK, c = gbias), t = rowsum(P T),
                       g_dP = P (T - t), X = (dO gV^T) Z, g_P = (dP - D)(T - t) + X,
-                      y = u = rowsum(P g_P) (less t D), g_S = P (g_P - u)
+                      u = rowsum(P g_P) (+ t D P_sink), g_S = P (g_P - u)
+
+    CENTREd, as the row sums are: S' - t (or T - t) is taken as (S' - c) - (t - c), c its value
+    at the row's peak key, and g_P - u as (g_P - c2) - (u - c2), each 0 at the peak by its
+    index (`off_peak`); the sums hold x = t - c and y = D~ or u - c2. Uncentred, c = c2 = 0.
 
     Returns (P Z, W, to the bias, to Q and K, to Q and K with the second inputs): W = P Z, P' Z
     or g_dP Z (what goes to V's side), "to the bias" dS, dS~ or g_S, and "to Q and K" the
@@ -245,8 +282,9 @@ def tile_terms(MODE: tl.constexpr, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, t
         to_bias = ds
         da2 = da
     elif MODE == 1:
+        x_row, y_row, c_row, _, peak = sums
         form, raw = score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP, BD, SD, IP, ACC)
-        pt = p * (form - x_row[:, None])
+        pt = p * (off_peak(form, c_row, peak, offs_n, CENTRE) - x_row[:, None])
         dpt = tl.zeros(dp.shape, ACC)
         if do2 is not None:
             dpt = dot_nt(do2, v, dpt, BDV, SDV, IP)
@@ -262,8 +300,9 @@ def tile_terms(MODE: tl.constexpr, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, t
         if SOFTCAP:
             da2 = slope * to_bias + curve * raw * ds
     else:
+        x_row, y_row, c_row, c2_row, peak = sums
         form, raw = score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP, BD, SD, IP, ACC)
-        centred = form - x_row[:, None]
+        centred = off_peak(form, c_row, peak, offs_n, CENTRE) - x_row[:, None]
         g_dp = p * centred
         g_p = dpd * centred
         if v2 is not None:
@@ -275,7 +314,7 @@ def tile_terms(MODE: tl.constexpr, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, t
             w = g_dp * z
         else:
             w = g_dp
-        to_bias = p * (g_p - y_row[:, None])
+        to_bias = p * (off_peak(g_p, c2_row, peak, offs_n, CENTRE) - y_row[:, None])
         da2 = to_bias
         if SOFTCAP:
             da2 = slope * to_bias + curve * raw * ds

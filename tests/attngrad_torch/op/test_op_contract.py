@@ -396,3 +396,13 @@ def test_the_compiled_tiles_check_every_tensor(case):
     with pytest.raises(RuntimeError, match=f"attngrad_tiles.{name}: .*{fragment}"):
         op(**{**good, **change})
 
+
+
+def test_pass_inputs_name_every_passs_inputs():
+    """`call.PassInputs`, the type of what every backend's pass takes by name, holds each
+    input `call.PASSES` lists and the two `dispatch` may add, and nothing else."""
+    from attngrad.torch.op.call import PASS_FIELDS, PASSES, PassInputs
+
+    named = {field.name for field in PASS_FIELDS}
+    assert {name for p in PASSES.values() for name in p.inputs} <= named
+    assert set(PassInputs.__annotations__) == named | {"row_sums", "sink_rows"}

@@ -19,7 +19,7 @@ and tiles (T, R, K).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 from torch import Tensor
 
@@ -71,6 +71,34 @@ PASS_FIELDS = (
 )
 
 FIELDS = {field.name: field for field in CALL_FIELDS + PASS_FIELDS}
+
+
+class PassInputs(TypedDict, total=False):
+    """A pass's own inputs by name, as every backend takes them: `pass(call, **inputs)`, and
+    as their host code passes them on whole. Each pass has those `PASSES` lists (`PASS_FIELDS`
+    says their shapes), and a backend may be given two more (`dispatch`)."""
+
+    dout: Tensor  # (B, H, Lq, dv) the output's cotangent
+    out: Tensor  # (B, H, Lq, dv) the forward's output
+    row_max: Tensor  # (B, H, Lq) the forward's row maxima m, compute dtype
+    inv_sum: Tensor  # (B, H, Lq) the forward's 1 / l, compute dtype
+    bias_grad: bool  # whether the bias's gradient (or its tangent) is asked for
+    dout_grad: bool  # whether the double backward's g_dO is asked for
+    tdout: Optional[Tensor]  # tangents: of dO, q, k, v, the bias and the sink logits
+    tq: Optional[Tensor]
+    tk: Optional[Tensor]
+    tv: Optional[Tensor]
+    tbias: Optional[Tensor]
+    tsinks: Optional[Tensor]
+    gq: Optional[Tensor]  # the double backward's cotangents of dq, dk, dv, dbias, dsinks
+    gk: Optional[Tensor]
+    gv: Optional[Tensor]
+    gbias: Optional[Tensor]
+    gsinks: Optional[Tensor]
+    # a ring step's whole rows' sums, or what a fused pass writes into (only to a backend
+    # with `row_sums`; each backend's `refuses` says which it takes)
+    row_sums: Optional[dict[str, Any]]
+    sink_rows: Optional[Tensor]  # (B, H, Lq): each row's share of a sink logit's term (`sink_logits`)
 
 
 @dataclass(frozen=True)

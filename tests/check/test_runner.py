@@ -139,7 +139,7 @@ def test_a_wrong_attngrad_torch_fails_every_derivative(monkeypatch):
     from attngrad.check import torch_backend
 
     original = torch_backend._attngrad_attention
-    monkeypatch.setattr(torch_backend, "_attngrad_attention", lambda q, k, v, **options: original(q * 1.0001, k, v, **options))
+    monkeypatch.setattr(torch_backend, "_attngrad_attention", lambda q, k, v, options: original(q * 1.0001, k, v, options))
     report = run_check(SMALL, ("sdpa", "encoder"), ("plain",), reference=False)
     assert not report.passed
     assert {(r.implementation, r.derivative) for r in report.backend_rows if not r.passed} == {

@@ -45,6 +45,8 @@ def report(name, *args):
 
 report("backward_jvp", "--dtypes", "float32", "--widths", "128", "--features", "all", "--archs", "80",
        "--passes", "backward_jvp")
+report("half_double_backward", "--dtypes", "float16", "--widths", "64", "--features", "plain", "--archs", "80",
+       "--passes", "double_backward")
 report("light", "--dtypes", "bfloat16", "--widths", "128", "--features", "light", "--archs", "90",
        "--passes", "backward")
 forward = compile_report.record_launches(torch.bfloat16, 64, "plain", passes=("forward",), arch=80)[0]
@@ -83,6 +85,15 @@ def test_the_backward_jvp_compiles_for_sm80_without_spills(reports):
     assert {row[5] for row in rows} == {"80"}
     assert all(row[8] == "0" for row in rows), stdout  # spill bytes
     assert "0 failed" in stdout
+
+
+def test_the_uncentred_half_precision_walks_compile(reports):
+    """The backward-type walks of float16 read their row sums without the centres
+    (`tiles.load_row_sums`, CENTRE off): a compiled kernel's tuple may not hold None, which
+    the interpreter allows, so only a compile shows it."""
+    code, stdout = reports["half_double_backward"]
+    assert code == 0 and "0 failed" in stdout, stdout
+    assert {row[0].strip("| ") for row in _rows(stdout)} == {"row_dot", "row_sums", "query_side", "key_side"}
 
 
 def test_light_calls_compile_for_sm90_with_hoppers_tiles_without_spills(reports):

@@ -29,7 +29,7 @@ from ..torch.op import dropout as attngrad_dropout
 from ..torch.op.autograd import attention
 from ..torch.op.dispatch import backends, use_implementation
 from .cases import Case
-from .torch_oracle import computation
+from .torch_oracle import AttendOptions, computation
 
 DERIVATIVES = ("gradient", "jvp", "double backward")
 SEED = 20261123  # attngrad's dropout seed in the check
@@ -48,9 +48,9 @@ class BackendRow:
     passed: bool
 
 
-def _attngrad_attention(q, k, v, *, allowed, bias, is_causal, enable_gqa, dropout_p, keep_mask):
-    call, layout = build_call(q, k, v, mask=allowed, bias=bias, dropout_p=dropout_p, is_causal=is_causal,
-                              enable_gqa=enable_gqa, seed=torch.tensor(SEED))
+def _attngrad_attention(q, k, v, options: AttendOptions):
+    call, layout = build_call(q, k, v, mask=options.allowed, bias=options.bias, dropout_p=options.dropout_p,
+                              is_causal=options.is_causal, enable_gqa=options.enable_gqa, seed=torch.tensor(SEED))
     return layout.unfold(attention(call))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -30,8 +31,20 @@ def _tensors(inputs: Mapping[str, np.ndarray], dtype: torch.dtype) -> dict[str, 
     return {name: torch.tensor(value, dtype=dtype, requires_grad=True) for name, value in inputs.items()}
 
 
-def _math_sdpa(q, k, v, *, allowed, bias, is_causal, enable_gqa, dropout_p, keep_mask):
+class AttendOptions(NamedTuple):
+    """What an `attend(q, k, v, options)` function takes beside q, k, v (B, H, L, E)."""
+
+    allowed: Optional[torch.Tensor]  # boolean, True = take part
+    bias: Optional[torch.Tensor]  # added to the scores
+    is_causal: bool
+    enable_gqa: bool
+    dropout_p: float
+    keep_mask: Any  # the dropout's keep-mask (NumPy, broadcastable to the scores), or None
+
+
+def _math_sdpa(q, k, v, options: AttendOptions):
     """PyTorch's math SDPA with an optional boolean mask and float bias combined as torch wants."""
+    allowed, bias, is_causal, enable_gqa, dropout_p, keep_mask = options
     attn_mask = None
     if bias is not None:
         attn_mask = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
@@ -60,12 +73,11 @@ def _math_sdpa(q, k, v, *, allowed, bias, is_causal, enable_gqa, dropout_p, keep
 
 def _sdpa_oracle(case: Case, t: dict[str, torch.Tensor], attend=_math_sdpa) -> torch.Tensor:
     f = case.fixed
-    return attend(
-        t["query"], t["key"], t["value"],
+    return attend(t["query"], t["key"], t["value"], AttendOptions(
         allowed=None if f.get("mask") is None else torch.as_tensor(f["mask"]),
         bias=t.get("bias"), is_causal=f.get("is_causal", False), enable_gqa=f.get("enable_gqa", False),
         dropout_p=f.get("dropout_p", 0.0), keep_mask=f.get("keep_mask"),
-    )
+    ))
 
 
 def _composed_mha(case: Case, t: dict[str, torch.Tensor], attend=_math_sdpa) -> torch.Tensor:
@@ -84,10 +96,10 @@ def _composed_mha(case: Case, t: dict[str, torch.Tensor], attend=_math_sdpa) -> 
     v = heads(F.linear(memory, t["W^V"], t.get("b^V")))
     kpm = f.get("key_padding_mask")
     allowed = None if kpm is None else ~torch.as_tensor(kpm)[:, None, None, :]
-    attn = attend(
-        q, k, v, allowed=allowed, bias=t.get("attn_bias"), is_causal=case.flavor == "decoder",
+    attn = attend(q, k, v, AttendOptions(
+        allowed=allowed, bias=t.get("attn_bias"), is_causal=case.flavor == "decoder",
         enable_gqa=k.shape[1] != c.heads, dropout_p=f.get("dropout_p", 0.0), keep_mask=f.get("keep_mask"),
-    )
+    ))
     return F.linear(attn.transpose(1, 2).reshape(batch, len_q, c.embed_dim), t["W^O"], t.get("b^O"))
 
 

@@ -27,10 +27,11 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from typing_extensions import Unpack
 
 from ...masks import version_cache
 from ...masks.block_map import empty_tiles
-from ...op.call import AttentionCall
+from ...op.call import AttentionCall, PassInputs
 from ...op.dropout import as_int64, keep_value, threshold
 from ...op.key_constant_bias import is_key_constant, rows_to_bias, sink_share
 from ...op.tuning import Tuning
@@ -418,17 +419,18 @@ def forward(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
     return out, row_max, inv_sum
 
 
-def jvp(call: AttentionCall, *, row_max: Tensor, inv_sum: Tensor, tq: Optional[Tensor], tk: Optional[Tensor],
-        tv: Optional[Tensor], tbias: Optional[Tensor]) -> Tensor:
+def jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> Tensor:
     plan = _plan(call, "jvp")
-    q, tq = _same_strides(call.q, tq)
-    k, tk = _same_strides(call.k, tk)
-    v, tv = _same_strides(call.v, tv)
+    q, tq = _same_strides(call.q, inputs["tq"])
+    k, tk = _same_strides(call.k, inputs["tk"])
+    v, tv = _same_strides(call.v, inputs["tv"])
+    tbias = inputs["tbias"]
     out_t = torch.empty(plan.B, plan.H, plan.Lq, plan.DV, dtype=q.dtype, device=q.device)
     t_bias = _as_scores(tbias, plan.scores_shape)
     kernels.jvp[(plan.n_q, plan.B * plan.H)](
-        q, k, v, tq, tk, tv, out_t, row_max.contiguous(), inv_sum.contiguous(), *_strides(q), *_strides(k),
-        *_strides(v), *_strides(out_t), t_bias, *_strides(t_bias), *plan.masks, *plan.walks("keys"), *plan.sizes,
+        q, k, v, tq, tk, tv, out_t, inputs["row_max"].contiguous(), inputs["inv_sum"].contiguous(), *_strides(q),
+        *_strides(k), *_strides(v), *_strides(out_t), t_bias, *_strides(t_bias), *plan.masks, *plan.walks("keys"),
+        *plan.sizes,
         HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None, HAS_TBIAS=tbias is not None,
         CENTRE=plan.centre, SINK=call.sink, **plan.switches, **plan.launch)
     return out_t
@@ -440,16 +442,15 @@ class _Second:
     the bias-shaped C (bias' or gbias), the row statistics m, 1/l, D and the row sums
     (`kernels.row_sums`; none for the backward)."""
 
-    def __init__(self, plan: Plan, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
-                 q2: Optional[Tensor] = None, k2: Optional[Tensor] = None, v2: Optional[Tensor] = None,
-                 do2: Optional[Tensor] = None, c: Optional[Tensor] = None) -> None:
-        call = plan.call
+    def __init__(self, plan: Plan, inputs: PassInputs, q2: Optional[Tensor] = None, k2: Optional[Tensor] = None,
+                 v2: Optional[Tensor] = None, do2: Optional[Tensor] = None, c: Optional[Tensor] = None) -> None:
+        call, out = plan.call, inputs["out"]
         self.q, self.q2 = _same_strides(call.q, q2)
         self.k, self.k2 = _same_strides(call.k, k2)
         self.v, self.v2 = _same_strides(call.v, v2)
-        self.do, self.do2 = _same_strides(dout, do2)
+        self.do, self.do2 = _same_strides(inputs["dout"], do2)
         self.c = _as_scores(c, plan.scores_shape)
-        self.row_max, self.inv_sum = row_max.contiguous(), inv_sum.contiguous()
+        self.row_max, self.inv_sum = inputs["row_max"].contiguous(), inputs["inv_sum"].contiguous()
         self.delta = plan.rows()  # D = rowsum(dO * O)
         block = 64 if on_gpu(call) else 16
         kernels.row_dot[(triton.cdiv(plan.Lq, block), plan.B * plan.H)](
@@ -586,11 +587,9 @@ def _bias_side(plan: Plan, inputs: _Second, mode: int, bias_out: Tensor) -> None
         CENTRE=plan.centre, **plan.launch)
 
 
-def backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
-             bias_grad: bool) -> tuple:
+def backward(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple:
     plan = _plan(call, "backward")
-    inputs = _Second(plan, dout, out, row_max, inv_sum)
-    return _backward_walks(plan, inputs, BACKWARD, bias_grad)[1:]
+    return _backward_walks(plan, _Second(plan, inputs), BACKWARD, inputs["bias_grad"])[1:]
 
 
 def _sink_rows(plan: Plan, inputs: _Second, mode: int, sink_rows: Optional[Tensor]) -> None:
@@ -603,21 +602,19 @@ def _sink_rows(plan: Plan, inputs: _Second, mode: int, sink_rows: Optional[Tenso
     sink_rows.copy_(_sink_terms(plan, inputs, mode))
 
 
-def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor, bias_grad: bool,
-                 tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
-                 tbias: Optional[Tensor], sink_rows: Optional[Tensor] = None) -> tuple:
+def backward_jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple:
     plan = _plan(call, "backward_jvp")
-    inputs = _Second(plan, dout, out, row_max, inv_sum, tq, tk, tv, tdout, tbias)
-    _row_sums(plan, inputs, BACKWARD_JVP)  # t = rowsum(P S'), D~
-    _sink_rows(plan, inputs, BACKWARD_JVP, sink_rows)
-    return _backward_walks(plan, inputs, BACKWARD_JVP, bias_grad)[1:]
+    second = _Second(plan, inputs, inputs["tq"], inputs["tk"], inputs["tv"], inputs["tdout"], inputs["tbias"])
+    _row_sums(plan, second, BACKWARD_JVP)  # t = rowsum(P S'), D~
+    _sink_rows(plan, second, BACKWARD_JVP, inputs.get("sink_rows"))
+    return _backward_walks(plan, second, BACKWARD_JVP, inputs["bias_grad"])[1:]
 
 
-def double_backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
-                    bias_grad: bool, dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor],
-                    gbias: Optional[Tensor], sink_rows: Optional[Tensor] = None) -> tuple:
+def double_backward(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple:
     plan = _plan(call, "double_backward")
-    inputs = _Second(plan, dout, out, row_max, inv_sum, gq, gk, gv, None, gbias if bias_grad else None)
-    _row_sums(plan, inputs, DOUBLE_BACKWARD)  # t = rowsum(P T), u
-    _sink_rows(plan, inputs, DOUBLE_BACKWARD, sink_rows)
-    return _backward_walks(plan, inputs, DOUBLE_BACKWARD, bias_grad, dout_grad)
+    bias_grad = inputs["bias_grad"]
+    second = _Second(plan, inputs, inputs["gq"], inputs["gk"], inputs["gv"], None,
+                     inputs["gbias"] if bias_grad else None)
+    _row_sums(plan, second, DOUBLE_BACKWARD)  # t = rowsum(P T), u
+    _sink_rows(plan, second, DOUBLE_BACKWARD, inputs.get("sink_rows"))
+    return _backward_walks(plan, second, DOUBLE_BACKWARD, bias_grad, inputs["dout_grad"])

@@ -142,14 +142,15 @@ def load_rows(ptr, offs_m, Lq):
 def load_row_sums(ptr, offs_m, Lq, CENTRE: tl.constexpr):
     """The (BM,) row sums of a backward-type pass from a contiguous (B, H, Lq, SUMS) tensor
     at the (b, h) of `ptr` (`kernels.row_sums`): (x, y, c, c2, peak), with c, c2 and the
-    peak's key index (-1: none) only where the pass is CENTREd, else None."""
+    peak's key index read only where the pass is CENTREd, else 0, 0 and -1 (none; a compiled
+    kernel's tuple holds no None)."""
     rows = ptr + offs_m * SUMS
     inside = offs_m < Lq
     x = tl.load(rows, mask=inside, other=0.0)
     y = tl.load(rows + 1, mask=inside, other=0.0)
-    c = None
-    c2 = None
-    peak = None
+    c = tl.zeros_like(x)
+    c2 = tl.zeros_like(x)
+    peak = tl.full(x.shape, -1, tl.int32)
     if CENTRE:
         c = tl.load(rows + 2, mask=inside, other=0.0)
         c2 = tl.load(rows + 3, mask=inside, other=0.0)

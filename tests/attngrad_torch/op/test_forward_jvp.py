@@ -177,13 +177,10 @@ def test_the_native_pass_refuses_a_part_of_each_rows_keys():
     with pytest.raises(ValueError, match="attention_forward_jvp needs each row's whole keys"):
         ops.run_pass("forward_jvp", call, dict(tq=q, tk=None, tv=None, tbias=None))
     out = torch.empty_like(q)
-    options = native._options(None, 0.5, block_rows=4)
-    options["partial_rows"] = True
     with pytest.raises(RuntimeError, match="forward_jvp: the pass takes each row's statistics from its keys"):
-        native._run("forward_jvp", q, q, q, mask=None, bias=None, key_bounds=None, tq=q, tk=None, tv=None, tbias=None,
-                    out=out, tout=torch.empty_like(q), row_max=q.new_empty(q.shape[:3]),
-                    inv_sum=q.new_empty(q.shape[:3]), key_ranges=None, mask_blocks=None, mask_tiles=None,
-                    centre=None, peak=None, **options)
+        native._run("forward_jvp", call, native._Layout(block_rows=4), {}, q=q, k=q, v=q, tq=q, tk=None, tv=None,
+                    tbias=None, out=out, tout=torch.empty_like(q), row_max=q.new_empty(q.shape[:3]),
+                    inv_sum=q.new_empty(q.shape[:3]), key_ranges=None, centre=None, peak=None)
 
 
 @needs_tiles

@@ -16,8 +16,10 @@ torch = pytest.importorskip("torch")
 from attngrad.check.torch_backend import every_derivative  # noqa: E402
 from attngrad.torch import attention, use_implementation  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
+from attngrad.torch.op.dropout import Placement  # noqa: E402
 
 from ...conftest import EXACT, rel_err  # noqa: E402
+from ..conftest import make_call  # noqa: E402
 
 B, H, HKV, LQ, LK, D, DV = 2, 2, 1, 7, 9, 5, 4
 BACKENDS = ("tiles", "torch-ops", "triton")
@@ -190,18 +192,19 @@ def test_given_sums_pass_and_its_ring_parts_keep_nan(where, index):
     tq, tk, tv = (randn(*t.shape, seed=8 + i) for i, t in enumerate(inputs))
     scale = D ** -0.5
     k_rep, v_rep, tk_rep, tv_rep = (t.repeat_interleave(H // HKV, 1) for t in (k, v, tk, tv))  # the kernels' GQA
-    out, row_max, inv_sum = native.attention_forward(q, k_rep, v_rep, None, scale)
+    out, row_max, inv_sum = native.attention_forward(make_call(q, k_rep, v_rep, scale=scale))
     assert inv_sum[1, 0, 3].isnan() if where == 0 else inv_sum[0].isnan().all()  # the rows it reached
     args = (q, k_rep, v_rep, None, None, 0, row_max, inv_sum, None, scale, 0.0, 0.0, tq, tk_rep, tv_rep, None)
     centre = torch.zeros(B, H, LQ, 1, dtype=torch.float64)
     kernels_higher.attention_jvp(*args, centre=torch.zeros_like(centre), centre_sums=centre)
     delta_t = (dout * kernels_higher.attention_jvp(*args)).sum(-1, keepdim=True) + (tdout * out).sum(-1, keepdim=True)
-    whole = native.attention_backward_jvp_given_sums(dout, q, k_rep, v_rep, out, row_max, inv_sum, None, scale,
-                                                     tdout, tq, tk_rep, tv_rep, centre, delta_t)
+    inputs = dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, tdout=tdout, tq=tq,
+                  row_sums=dict(centre=centre, delta_t=delta_t))
+    whole = native.attention_backward_jvp_given_sums(make_call(q, k_rep, v_rep, scale=scale),
+                                                     dict(inputs, tk=tk_rep, tv=tv_rep))
     parts = [native.attention_backward_jvp_given_sums(
-        dout, q, k_rep[:, :, lo:hi], v_rep[:, :, lo:hi], out, row_max, inv_sum, None, scale, tdout, tq,
-        tk_rep[:, :, lo:hi], tv_rep[:, :, lo:hi], centre, delta_t, seed=native.Placement(0, 0, lo, 0, 1))
-        for lo, hi in ((0, 4), (4, LK))]
+        make_call(q, k_rep[:, :, lo:hi], v_rep[:, :, lo:hi], scale=scale, seed=Placement(0, 0, lo, 0, 1).tensor()),
+        dict(inputs, tk=tk_rep[:, :, lo:hi], tv=tv_rep[:, :, lo:hi])) for lo, hi in ((0, 4), (4, LK))]
     joined = (parts[0][0] + parts[1][0], torch.cat([parts[0][1], parts[1][1]], 2),
               torch.cat([parts[0][2], parts[1][2]], 2))
     vjp = lambda q, k, v, do: torch.func.vjp(definition, q, k, v)[1](do)  # noqa: E731

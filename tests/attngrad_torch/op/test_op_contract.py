@@ -12,7 +12,7 @@ from attngrad.torch.masks import blocks as mask_blocks  # noqa: E402
 from attngrad.torch.op import ops as op  # noqa: E402
 
 from ...conftest import EXACT, rel_err  # noqa: E402
-from ..conftest import math_sdpa  # noqa: E402
+from ..conftest import make_call, math_sdpa  # noqa: E402
 
 B, H, HKV, LQ, LK, D, DV = 2, 4, 2, 5, 7, 8, 6
 
@@ -261,7 +261,7 @@ def _tiles_calls():
     q, k, v = (torch.randn(1, 2, 8, 8, generator=g) for _ in range(3))
     out, dout = torch.empty(1, 2, 8, 8), torch.randn(1, 2, 8, 8, generator=g)
     row_max, inv_sum, delta = torch.zeros(1, 2, 8), torch.ones(1, 2, 8), torch.empty(1, 2, 8)
-    options = native._options(None, 0.25, block_rows=4, block_keys=4)
+    options = native._options(make_call(q, k, v, scale=0.25), native._Layout(block_rows=4, block_keys=4))
     masks = dict(mask=None, bias=None, key_bounds=None)
     forward = dict(q=q, k=k, v=v, **masks, out=out, row_max=row_max, inv_sum=inv_sum, **options)
     after = dict(q=q, k=k, v=v, **masks, out=out, row_max=row_max, inv_sum=inv_sum, dout=dout, delta=delta, **options)

@@ -1,5 +1,6 @@
-"""What the compiled tiles' tests share: drawn causal diagonals and masks, inputs, the
-whole-row passes' settings, and counts of the tiles a pass computes."""
+"""What the compiled tiles' tests share: the calls and inputs their passes take, drawn causal
+diagonals and masks, inputs, the whole-row passes' settings, and counts of the tiles a pass
+computes."""
 
 import contextlib
 import os
@@ -12,11 +13,28 @@ from hypothesis import strategies as st  # noqa: E402
 
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.backends.torch_ops import higher_order as kernels_higher  # noqa: E402
+from attngrad.torch.op.call import AttentionCall  # noqa: E402
+from attngrad.torch.op.dropout import Placement  # noqa: E402
+
+from ...conftest import make_call  # noqa: E402
 
 compiler = shutil.which(os.environ.get("CXX", "c++"))
 
 
 needs_tiles = pytest.mark.skipif(native.library() is None, reason=f"no compiled tiles: {native.build_info.reason}")
+
+
+def tiles_call(q, k, v, causal=None, scale=0.5, seed=0, **options) -> AttentionCall:
+    """The call the tiles' passes take (`make_call`'s keywords in `options`), its dropout
+    `seed` an int or a `Placement`."""
+    return make_call(q, k, v, causal=causal, scale=scale, seed=Placement.of(seed).tensor(), **options)
+
+
+def after_forward(dout, forward, **inputs) -> dict:
+    """A later pass's inputs: the output's cotangent `dout`, the `forward`'s (out, row_max,
+    inv_sum), and `inputs`."""
+    out, row_max, inv_sum = forward
+    return dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, **inputs)
 
 
 # The causal diagonal: none, top-left, bottom-right, or any offset from "no row sees a key"
@@ -94,14 +112,14 @@ def query_blocks_taken(monkeypatch, q, k, v, dout, causal, **masks) -> dict:
     """The rows per query block the compiled forward and backward took, by pass name."""
     rows = {}
 
-    def recording(name, *args, **kwargs):
-        rows[name] = kwargs["block_rows"]
-        return run(name, *args, **kwargs)
+    def recording(name, call, layout, *args, **kwargs):
+        rows[name] = layout.block_rows
+        return run(name, call, layout, *args, **kwargs)
 
     run = native._run
     monkeypatch.setattr(native, "_run", recording)
-    out, row_max, inv_sum = native.attention_forward(q, k, v, causal, 0.3, **masks)
-    native.attention_backward(dout, q, k, v, out, row_max, inv_sum, causal, 0.3, **masks)
+    call = tiles_call(q, k, v, causal, 0.3, **masks)
+    native.attention_backward(call, after_forward(dout, native.attention_forward(call)))
     return rows
 
 
@@ -134,7 +152,7 @@ def tiles_not_empty(q, k, causal, mask=None, bias=None, bounds=None, block_keys=
     leaves to compute: all B H Lq/R Lk/C of them less its EMPTY ones, and how many those are."""
     from attngrad.torch.masks.block_map import empty_tiles
 
-    masks = native._score_masks(mask, bias, q.dtype, bounds=bounds)
+    masks = native._score_masks(tiles_call(q, k, q, causal, mask=mask, bias=bias, bounds=bounds), q.dtype)
     block_keys = block_keys or native._block_keys(bounds)
     rows = native._block_rows(q.shape[2], k.shape[2], causal, q.dtype == torch.bfloat16, masks.get("key_bounds"))
     empty = empty_tiles(q.shape[2], k.shape[2], causal, masks.get("key_bounds"), masks.get("mask"),

@@ -9,7 +9,7 @@ from attngrad.torch import scaled_dot_product_attention  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 
 from ....conftest import EXACT, rel_err  # noqa: E402
-from .cases import brgemm_route_on, needs_tiles, random_inputs  # noqa: E402
+from .cases import after_forward, brgemm_route_on, needs_tiles, random_inputs, tiles_call  # noqa: E402
 
 
 @needs_tiles
@@ -23,14 +23,16 @@ def test_the_aten_gemm_gives_the_blas_results(dtype):
     bias = torch.randn(4, 37, 45, dtype=dtype, generator=torch.Generator().manual_seed(1))
     cot = [torch.randn_like(t) for t in (q, k, v)]
 
+    call, plain = tiles_call(q, k, v, 0, 0.25, 3, bias=bias, dropout_p=0.2), tiles_call(q, k, v, 0, 0.25)
+    tangents, cotangents = (dict(zip(names, cot)) for names in (("tq", "tk", "tv"), ("gq", "gk", "gv")))
+
     def passes():
-        stats = native.attention_forward(q, k, v, 0, 0.25, bias=bias, seed=3, dropout_p=0.2)
-        grads = native.attention_backward(dout, q, k, v, *stats, 0, 0.25, bias=bias, seed=3, dropout_p=0.2,
-                                          bias_grad=True)
-        second = native.attention_double_backward(dout, q, k, v, *stats, 0, 0.25, True, *cot, bias=bias, seed=3,
-                                                  dropout_p=0.2)
-        jvp = native.attention_jvp(q, k, v, *stats[1:], 0, 0.25, *cot)
-        bjvp = native.attention_backward_jvp(dout, q, k, v, *stats, 0, 0.25, dout, *cot)
+        stats = native.attention_forward(call)
+        inputs = after_forward(dout, stats)
+        grads = native.attention_backward(call, dict(inputs, bias_grad=True))
+        second = native.attention_double_backward(call, dict(inputs, dout_grad=True, **cotangents))
+        jvp = native.attention_jvp(plain, dict(row_max=stats[1], inv_sum=stats[2], **tangents))
+        bjvp = native.attention_backward_jvp(plain, dict(inputs, tdout=dout, **tangents))
         return [t for t in (*stats, *grads, *second, jvp, *bjvp) if t is not None]
 
     with pytest.raises(RuntimeError, match="choose is 2, expected -1, 0 or 1"):
@@ -175,9 +177,10 @@ def test_bfloat16_products_on_either_gemm_path(is_causal):
     g = torch.Generator().manual_seed(6)
     q, k, v, dout = (torch.randn(2, 3, 150, 32, generator=g).bfloat16() for _ in range(4))
 
-    def passes(*inputs):
-        out, row_max, inv_sum = native.attention_forward(*inputs[:3], is_causal, 0.2)
-        return (out, *native.attention_backward(inputs[3], *inputs[:3], out, row_max, inv_sum, is_causal, 0.2)[:3])
+    def passes(q, k, v, dout):
+        call = tiles_call(q, k, v, is_causal, 0.2)
+        stats = native.attention_forward(call)
+        return (stats[0], *native.attention_backward(call, after_forward(dout, stats))[:3])
 
     before = torch.ops.attngrad_tiles.gemm_path(-1)
     try:

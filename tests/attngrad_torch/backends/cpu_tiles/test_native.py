@@ -11,6 +11,7 @@ from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
 from attngrad.torch.backends.torch_ops import higher_order as kernels_higher  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
+from attngrad.torch.op.dropout import Placement  # noqa: E402
 
 from ....conftest import EXACT, assert_all_close, rel_err  # noqa: E402
 from ...conftest import make_call  # noqa: E402
@@ -20,6 +21,7 @@ from .cases import (  # noqa: E402
     CAUSAL,
     MASKING,
     WHOLE_ROW_CALLS,
+    after_forward,
     at_most_one_key,
     band_bounds,
     causal_offset,
@@ -27,6 +29,7 @@ from .cases import (  # noqa: E402
     given_row_sums,
     needs_tiles,
     random_inputs,
+    tiles_call,
     whole_row_settings,
 )
 
@@ -51,11 +54,10 @@ def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k
     scale, causal = dim**-0.5, causal_offset(causal, len_q, len_k)
     mask, bias = drawn_masks(masking, batch, kv_heads * groups, len_q, len_k, torch.float64, seed)
     bias_grad = bias_grad and bias is not None
+    call = tiles_call(q, k, v, causal, scale, seed, mask=mask, bias=bias, dropout_p=dropout_p, softcap=softcap)
     with native.TILING.override(**dict(zip(("block_rows", "block_keys", "value_slice"), blocks))):
-        ours = native.attention_forward(q, k, v, causal, scale, mask=mask, bias=bias, seed=seed, dropout_p=dropout_p,
-                                        softcap=softcap)
-        grads = native.attention_backward(dout, q, k, v, *ours, causal, scale, chunks=chunks, mask=mask, bias=bias,
-                                          seed=seed, dropout_p=dropout_p, bias_grad=bias_grad, softcap=softcap)
+        ours = native.attention_forward(call)
+        grads = native.attention_backward(call, after_forward(dout, ours, bias_grad=bias_grad), chunks=chunks)
     theirs = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
     their_grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, *theirs, causal, scale, softcap,
                                              dropout_p, bias_grad)
@@ -92,10 +94,11 @@ def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, grou
     gq, gk, gv, gbias = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
                          for t, keep in zip((q, k, v, bias if bias_grad else None), present))
     out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
+    call = tiles_call(q, k, v, causal, scale, seed, mask=mask, bias=bias, dropout_p=dropout_p, softcap=softcap)
+    inputs = after_forward(dout, (out, row_max, inv_sum), dout_grad=dout_grad, bias_grad=bias_grad, gq=gq, gk=gk,
+                           gv=gv, gbias=gbias)
     with whole_row_settings(rows, transposed_keys):
-        ours = native.attention_double_backward(dout, q, k, v, out, row_max, inv_sum, causal, scale, dout_grad,
-                                                gq, gk, gv, chunks=chunks, mask=mask, bias=bias, gbias=gbias,
-                                                seed=seed, dropout_p=dropout_p, bias_grad=bias_grad, softcap=softcap)
+        ours = native.attention_double_backward(call, inputs, chunks=chunks)
     theirs = kernels_higher.attention_double_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal,
                                                       scale, softcap, dropout_p, bias_grad, dout_grad, gq, gk, gv,
                                                       gbias)
@@ -129,9 +132,9 @@ def test_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, l
     tq, tk, tv, tbias = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
                          for t, keep in zip((q, k, v, bias), present))
     out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
+    call = tiles_call(q, k, v, causal, scale, seed, mask=mask, bias=bias, dropout_p=dropout_p, softcap=softcap)
     with whole_row_settings(rows, transposed_keys):
-        ours = native.attention_jvp(q, k, v, row_max, inv_sum, causal, scale, tq, tk, tv, mask=mask, bias=bias,
-                                    tbias=tbias, seed=seed, dropout_p=dropout_p, softcap=softcap)
+        ours = native.attention_jvp(call, dict(row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv, tbias=tbias))
     theirs = kernels_higher.attention_jvp(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap,
                                           dropout_p, tq, tk, tv, tbias)
     assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
@@ -163,11 +166,11 @@ def test_backward_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups,
     tangents = [torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
                 for t, keep in zip((dout, q, k, v, bias), present)]
     out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
+    call = tiles_call(q, k, v, causal, scale, seed, mask=mask, bias=bias, dropout_p=dropout_p, softcap=softcap)
+    inputs = after_forward(dout, (out, row_max, inv_sum), bias_grad=bias_grad,
+                           **dict(zip(("tdout", "tq", "tk", "tv", "tbias"), tangents)))
     with whole_row_settings(rows, transposed_keys):
-        ours, both = (native.attention_backward_jvp(dout, q, k, v, out, row_max, inv_sum, causal, scale, *tangents[:4],
-                                                    mask=mask, bias=bias, tbias=tangents[4], seed=seed,
-                                                    dropout_p=dropout_p, bias_grad=bias_grad, chunks=chunks,
-                                                    softcap=softcap, with_backward=with_backward)
+        ours, both = (native.attention_backward_jvp(call, inputs, with_backward=with_backward, chunks=chunks)
                       for with_backward in (False, True))
     assert all(a is b is None or torch.equal(a, b) for a, b in zip(both[4:], ours))
     grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, softcap,
@@ -223,11 +226,12 @@ def test_backward_jvp_given_sums_matches_the_torch_ops_kernels(batch, kv_heads, 
     out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
     centre, delta_t = given_row_sums(dout, q, k, v, out, row_max, inv_sum, mask, bias, seed, causal, scale, softcap,
                                 dropout_p, tangents)
+    call = tiles_call(q, k, v, causal, scale, seed, mask=mask, bias=bias, dropout_p=dropout_p, softcap=softcap)
+    inputs = after_forward(dout, (out, row_max, inv_sum), row_sums=dict(centre=centre, delta_t=delta_t),
+                           **dict(zip(("tdout", "tq", "tk", "tv", "tbias"), tangents)))
     with native.TILING.override(block_rows=blocks[0], block_keys=blocks[1]):
-        ours, both = (native.attention_backward_jvp_given_sums(
-            dout, q, k, v, out, row_max, inv_sum, causal, scale, *tangents[:4], centre, delta_t, mask=mask, bias=bias,
-            tbias=tangents[4], seed=seed, dropout_p=dropout_p, chunks=chunks, softcap=softcap,
-            with_backward=with_backward) for with_backward in (False, True))
+        ours, both = (native.attention_backward_jvp_given_sums(call, inputs, with_backward=with_backward, chunks=chunks)
+                      for with_backward in (False, True))
     assert all(torch.equal(a, b) for a, b in zip(both[3:], ours))
     grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, softcap,
                                        dropout_p, False)
@@ -260,15 +264,17 @@ def test_backward_jvp_given_sums_on_a_part_of_the_keys(causal, dropout_p):
     out, row_max, inv_sum = kernels.attention_forward(q, k, v, None, None, seed, causal, scale, 0.0, dropout_p)
     centre, delta_t = given_row_sums(dout, q, k, v, out, row_max, inv_sum, None, None, seed, causal, scale, 0.0,
                                 dropout_p, tangents)
-    whole = native.attention_backward_jvp_given_sums(dout, q, k, v, out, row_max, inv_sum, causal, scale,
-                                                     *tangents[:4], centre, delta_t, seed=seed, dropout_p=dropout_p)
+    inputs = after_forward(dout, (out, row_max, inv_sum), row_sums=dict(centre=centre, delta_t=delta_t),
+                           **dict(zip(("tdout", "tq", "tk", "tv"), tangents)))
+    whole = native.attention_backward_jvp_given_sums(tiles_call(q, k, v, causal, scale, seed, dropout_p=dropout_p),
+                                                     inputs)
     parts = []
     for lo, hi in ((0, split), (split, 31)):
         part_causal = None if causal is None else causal - lo
+        part = tiles_call(q, k[:, :, lo:hi], v[:, :, lo:hi], part_causal, scale, Placement(seed, 0, lo, 0, 1),
+                          dropout_p=dropout_p)
         tk, tv = tangents[2][:, :, lo:hi], tangents[3][:, :, lo:hi]
-        parts.append(native.attention_backward_jvp_given_sums(
-            dout, q, k[:, :, lo:hi], v[:, :, lo:hi], out, row_max, inv_sum, part_causal, scale, tangents[0],
-            tangents[1], tk, tv, centre, delta_t, seed=native.Placement(seed, 0, lo, 0, 1), dropout_p=dropout_p))
+        parts.append(native.attention_backward_jvp_given_sums(part, dict(inputs, tk=tk, tv=tv)))
     joined = (parts[0][0] + parts[1][0], torch.cat([parts[0][1], parts[1][1]], 2),
               torch.cat([parts[0][2], parts[1][2]], 2))
     theirs = kernels_higher.attention_backward_jvp(dout, q, k, v, None, None, seed, out, row_max, inv_sum, causal,
@@ -288,7 +294,8 @@ def test_forward_jvp_writes_each_rows_centre():
     g = torch.Generator().manual_seed(7)
     tq, tk, tv = (torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (q, k, v))
     centre = torch.full((2, 4, 37), float("nan"), dtype=torch.float64)
-    out, row_max, inv_sum, _ = native.attention_forward_jvp(q, k, v, 0, 0.3, tq, tk, tv, mask=mask, centre=centre)
+    tangents = dict(tq=tq, tk=tk, tv=tv, row_sums=dict(centre_sums=centre))
+    out, row_max, inv_sum, _ = native.attention_forward_jvp(tiles_call(q, k, v, 0, 0.3, mask=mask), tangents)
     theirs, _ = given_row_sums(dout, q, k, v, out, row_max, inv_sum, mask, None, 0, 0, 0.3, 0.0, 0.0,
                           (None, tq, tk, tv, None))
     assert float(centre[0, :, 5].abs().max()) == 0.0
@@ -304,21 +311,27 @@ def test_fused_passes_write_their_primal_results_into_the_given_tensors(chunks):
     q, k, v, dout = random_inputs(2, 4, 2, 37, 29, 8, 6, torch.float64, 8)
     g = torch.Generator().manual_seed(9)
     tq, tk, tv = (torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (q, k, v))
-    fresh = native.attention_forward_jvp(q, k, v, 0, 0.3, tq, tk, tv)
+    call, tangents = tiles_call(q, k, v, 0, 0.3), dict(tq=tq, tk=tk, tv=tv)
+    fresh = native.attention_forward_jvp(call, tangents)
     held = [torch.full_like(t, float("nan")) for t in fresh[:3]]
-    given = native.attention_forward_jvp(q, k, v, 0, 0.3, tq, tk, tv, results=held)
+    given = native.attention_forward_jvp(call, dict(tangents, row_sums=dict(results=held)))
     assert all(a is b for a, b in zip(given[:3], held))
     assert all(torch.equal(a, b) for a, b in zip(given, fresh))
-    out, row_max, inv_sum, out_t = fresh
     centre, delta_t = (torch.randn(2, 4, 37, 1, generator=g, dtype=torch.float64) for _ in range(2))
-    args = (dout, q, k, v, out, row_max, inv_sum, 0, 0.3, None, tq, tk, tv, centre, delta_t)
-    fresh = native.attention_backward_jvp_given_sums(*args, with_backward=True, chunks=chunks)
+    inputs = after_forward(dout, fresh[:3], tdout=None, **tangents)
+
+    def given_sums(**results):
+        row_sums = dict(centre=centre, delta_t=delta_t, **results)
+        return native.attention_backward_jvp_given_sums(call, dict(inputs, row_sums=row_sums), with_backward=True,
+                                                        chunks=chunks)
+
+    fresh = given_sums()
     held = [torch.full_like(t, 7.0) for t in (q, k, v)]
-    given = native.attention_backward_jvp_given_sums(*args, with_backward=True, chunks=chunks, results=held)
+    given = given_sums(results=held)
     assert all(a is b for a, b in zip(given[:3], held))
     assert all(torch.equal(a, b) for a, b in zip(given, fresh))
     with pytest.raises(ValueError, match=r"results\[1\] is \(2, 2, 29, 8\) torch.float32"):
-        native.attention_backward_jvp_given_sums(*args, with_backward=True, results=[held[0], held[1].float(), held[2]])
+        given_sums(results=[held[0], held[1].float(), held[2]])
 
 
 @needs_tiles
@@ -332,11 +345,12 @@ def test_float32_tiles_agree_with_float64(is_causal):
     cotangents = [torch.randn_like(t) for t in (q, k, v)]
     results = []
     for dtype in (torch.float64, torch.float32):
-        args, do = [t.to(dtype) for t in (q, k, v)], dout.to(dtype)
-        out, row_max, inv_sum = native.attention_forward(*args, causal, 0.125)
-        grads = native.attention_backward(do, *args, out, row_max, inv_sum, causal, 0.125)[:3]
-        second = native.attention_double_backward(do, *args, out, row_max, inv_sum, causal, 0.125, True,
-                                                  *(c.to(dtype) for c in cotangents))[:4]
+        call = tiles_call(*(t.to(dtype) for t in (q, k, v)), causal, 0.125)
+        out, row_max, inv_sum = native.attention_forward(call)
+        inputs = after_forward(dout.to(dtype), (out, row_max, inv_sum))
+        grads = native.attention_backward(call, inputs)[:3]
+        cot = dict(zip(("gq", "gk", "gv"), (c.to(dtype) for c in cotangents)))
+        second = native.attention_double_backward(call, dict(inputs, dout_grad=True, **cot))[:4]
         results.append((out, inv_sum, *grads, *second))
     names = ("out", "inv_sum", "dq", "dk", "dv", "g_dout", "g_q", "g_k", "g_v")
     for name, exact, single in zip(names, *results):
@@ -356,7 +370,8 @@ def test_tiles_run_behind_the_public_function_and_are_deterministic(monkeypatch)
             out = scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
             runs.append((out, *torch.autograd.grad(out, [q, k, v], dout)))
         assert all(torch.equal(a, b) for a, b in zip(*runs))
-        direct = native.attention_forward(q.detach(), k.detach(), v.detach(), 0 if is_causal else None, 0.25)[0]
+        direct = native.attention_forward(tiles_call(q.detach(), k.detach(), v.detach(), 0 if is_causal else None,
+                                                     0.25))[0]
         assert torch.equal(runs[0][0], direct)
         ref = math_sdpa(q, k, v, is_causal=is_causal, enable_gqa=True)
         for ours, theirs in zip(runs[0], (ref, *torch.autograd.grad(ref, [q, k, v], dout))):
@@ -432,7 +447,8 @@ def test_bias_gradient_parts_add_up(shape, expanded):
     theirs = kernels.attention_backward(dout, q, k, v, None, bias, 0, *stats, 0, 0.3, 0.0, 0.0, True)
     with native.TILING.override(block_keys=64):
         for chunks in (1, 3):
-            ours = native.attention_backward(dout, q, k, v, *stats, 0, 0.3, chunks=chunks, bias=bias, bias_grad=True)
+            ours = native.attention_backward(tiles_call(q, k, v, 0, 0.3, bias=bias),
+                                             after_forward(dout, stats, bias_grad=True), chunks=chunks)
             assert ours[3].shape == bias.shape
             names = ("dq", "dk", "dv", "dbias")
             if bias.shape[-1] == 1:
@@ -512,21 +528,21 @@ def test_narrow_band_tiles_from_transposed_keys_match_the_torch_ops_kernels(
     mask, bias = drawn_masks(masking, batch, heads, len_q, len_k, torch.float64, seed)
     bias_grad = bias_grad and bias is not None
     bounds = band_bounds(band, batch, len_q, len_k, width, seed)
-    options = dict(mask=mask, bias=bias, seed=seed, dropout_p=dropout_p, softcap=softcap, bounds=bounds)
+    call = tiles_call(q, k, v, causal, scale, seed, mask=mask, bias=bias, dropout_p=dropout_p, softcap=softcap,
+                      bounds=bounds)
     taken = {}
     run = native._run
 
-    def recording(name, *args, **kwargs):
-        taken[name] = kwargs["transposed_keys"], kwargs["block_rows"]
-        return run(name, *args, **kwargs)
+    def recording(name, call, layout, *args, **kwargs):
+        taken[name] = layout.transposed_keys, layout.block_rows
+        return run(name, call, layout, *args, **kwargs)
 
     # always a quarter of 16 rows: 4 rows a block
     tiling = dict(block_rows=16, band_row_cost=(1e9, 1e9, 1.0), narrow_block_keys=block_keys, band_transpose_rows=1)
     with pytest.MonkeyPatch.context() as patch, native.TILING.override(**tiling):
         patch.setattr(native, "_run", recording)
-        ours = native.attention_forward(q, k, v, causal, scale, **options)
-        grads = native.attention_backward(dout, q, k, v, *ours, causal, scale, chunks=chunks, bias_grad=bias_grad,
-                                          **options)
+        ours = native.attention_forward(call)
+        grads = native.attention_backward(call, after_forward(dout, ours, bias_grad=bias_grad), chunks=chunks)
     # a quarter of block_rows wherever the blocks cover any score (else the cost ties at 0)
     assert taken["forward"] == taken["backward"] == (taken["forward"][1] <= 4, taken["forward"][1])
     theirs = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p, bounds=bounds)

@@ -14,7 +14,14 @@ from attngrad.torch.masks import version_cache as kept  # noqa: E402
 
 from ....conftest import EXACT, assert_all_close, rel_err  # noqa: E402
 from ...test_functional import math_sdpa  # noqa: E402
-from .cases import needs_tiles, random_inputs, tiles_counted, tiles_not_empty  # noqa: E402
+from .cases import (  # noqa: E402
+    after_forward,
+    needs_tiles,
+    random_inputs,
+    tiles_call,
+    tiles_counted,
+    tiles_not_empty,
+)
 
 
 @needs_tiles
@@ -24,10 +31,11 @@ def test_a_kept_block_map_follows_its_tensors(monkeypatch, tuned):
     tuned(native.TILING, block_rows=4, block_keys=8)
     q, k, v, _ = random_inputs(1, 2, 2, 8, 16, 4, 4, torch.float64, 5)
     bias = torch.zeros(1, 1, 8, 16, dtype=torch.float64)
-    _, before = tiles_counted(lambda: native.attention_forward(q, k, v, None, 0.5, bias=bias))
-    _, again = tiles_counted(lambda: native.attention_forward(q, k, v, None, 0.5, bias=bias))
+    call = tiles_call(q, k, v, None, 0.5, bias=bias)
+    _, before = tiles_counted(lambda: native.attention_forward(call))
+    _, again = tiles_counted(lambda: native.attention_forward(call))
     bias[..., 8:] = float("-inf")  # the second key block, in place
-    out, after = tiles_counted(lambda: native.attention_forward(q, k, v, None, 0.5, bias=bias))
+    out, after = tiles_counted(lambda: native.attention_forward(call))
     assert before == again and after < before, (before, again, after)
     assert rel_err(out[0], kernels.attention_forward(q, k, v, None, bias, 0, None, 0.5, 0.0, 0.0)[0]) < EXACT
 
@@ -49,12 +57,12 @@ def test_tiles_skip_what_a_padding_mask_excludes(causal):
     for mask, float_mask in ((keep, None), (None, bias), (keep.expand(2, 4, 17, 23), None)):
         with native.TILING.override(block_rows=3, block_keys=5):
             tiles, empty = tiles_not_empty(q, k, causal, mask, float_mask)
-            ours, forward_tiles = tiles_counted(lambda: native.attention_forward(q, k, v, causal, 0.3, mask=mask,
-                                                                            bias=float_mask))
-            grads, backward_tiles = tiles_counted(lambda: native.attention_backward(
-                dout, q, k, v, *ours, causal, 0.3, mask=mask, bias=float_mask)[:3])
-            second = native.attention_double_backward(dout, q, k, v, *ours, causal, 0.3, True, *cotangents,
-                                                      mask=mask, bias=float_mask)[:4]
+            call = tiles_call(q, k, v, causal, 0.3, mask=mask, bias=float_mask)
+            ours, forward_tiles = tiles_counted(lambda: native.attention_forward(call))
+            inputs = after_forward(dout, ours)
+            grads, backward_tiles = tiles_counted(lambda: native.attention_backward(call, inputs)[:3])
+            cot = dict(zip(("gq", "gk", "gv"), cotangents))
+            second = native.attention_double_backward(call, dict(inputs, dout_grad=True, **cot))[:4]
         # 2 x 4 heads of 6 x 5 tiles: the first sequence's last two key blocks and the
         # second's last three are padding alone (more under the causal diagonals)
         assert empty >= 4 * 6 * (2 + 3)
@@ -88,8 +96,9 @@ def test_unmasked_tiles_give_the_bits_of_masked_ones(monkeypatch, causal, tuned)
 
     def run():
         kept.clear()
-        out = native.attention_forward(q, k, v, causal, 0.3, softcap=2.0, mask=mask, bias=bias)
-        grads = native.attention_backward(dout, q, k, v, *out, causal, 0.3, softcap=2.0, mask=mask, bias=bias)[:3]
+        call = tiles_call(q, k, v, causal, 0.3, softcap=2.0, mask=mask, bias=bias)
+        out = native.attention_forward(call)
+        grads = native.attention_backward(call, after_forward(dout, out))[:3]
         return out + tuple(grads)
 
     def demoted(*args, **kwargs):  # the same map, UNMASKED tiles computed with the mask and bias
@@ -124,9 +133,9 @@ def test_tiles_skip_what_a_causal_window_excludes(with_mask):
         mask[0, ..., ::3] = False
     with native.TILING.override(block_rows=4, narrow_block_keys=5, band_row_cost=(1.0,)):  # 4 rows a block, no fewer
         tiles, empty = tiles_not_empty(q, k, 0, mask, bounds=bounds)
-        ours, forward_tiles = tiles_counted(lambda: native.attention_forward(q, k, v, 0, 0.3, mask=mask, bounds=bounds))
-        grads, backward_tiles = tiles_counted(lambda: native.attention_backward(dout, q, k, v, *ours, 0, 0.3, mask=mask,
-                                                                           bounds=bounds)[:3])
+        call = tiles_call(q, k, v, 0, 0.3, mask=mask, bounds=bounds)
+        ours, forward_tiles = tiles_counted(lambda: native.attention_forward(call))
+        grads, backward_tiles = tiles_counted(lambda: native.attention_backward(call, after_forward(dout, ours))[:3])
     all_tiles = 2 * 2 * 10 * 8
     # per head, of 10 x 8 tiles, the window and the diagonal leave 2 or 3 per query block
     assert empty >= 2 * 2 * (10 * 8 - 3 * 10)
@@ -151,9 +160,9 @@ def test_a_query_block_that_sees_no_key_computes_no_tile(monkeypatch, tuned):
     lo[4:8] = hi[4:8] = 13  # rows 4..7, the second query block, see no key
     bounds = torch.stack([lo, hi], -1)[None]
     tiles, _ = tiles_not_empty(q, k, None, bounds=bounds)
-    ours, forward_tiles = tiles_counted(lambda: native.attention_forward(q, k, v, None, 0.3, bounds=bounds))
-    grads, backward_tiles = tiles_counted(lambda: native.attention_backward(dout, q, k, v, *ours, None, 0.3,
-                                                                       bounds=bounds)[:3])
+    call = tiles_call(q, k, v, None, 0.3, bounds=bounds)
+    ours, forward_tiles = tiles_counted(lambda: native.attention_forward(call))
+    grads, backward_tiles = tiles_counted(lambda: native.attention_backward(call, after_forward(dout, ours))[:3])
     assert forward_tiles == backward_tiles == tiles
     assert not ours[0][:, :, 4:8].any() and not grads[0][:, :, 4:8].any()
     theirs = kernels.attention_forward(q, k, v, None, None, 0, None, 0.3, 0.0, 0.0, bounds=bounds)
@@ -175,7 +184,7 @@ def test_tiles_check_the_tile_map(fault):
            "layout": torch.zeros(1, 2, 2, 3, dtype=torch.uint8).transpose(2, 3),
            "kind": good.clone().index_fill_(3, torch.tensor([1]), 3)}[fault]
     out, row_max, inv_sum = q.new_empty(1, 2, 9, 4), q.new_empty(1, 2, 9), q.new_empty(1, 2, 9)
-    options = native._options(None, 0.5, block_rows=4, block_keys=8)
+    options = native._options(tiles_call(q, k, v, None, 0.5), native._Layout(block_rows=4, block_keys=8))
     torch.ops.attngrad_tiles.forward(q, k, v, None, None, None, out=out, row_max=row_max, inv_sum=inv_sum,
                                      tile_map=good, **options)
     with pytest.raises(RuntimeError, match="attngrad_tiles.forward: tile_map"):
@@ -197,8 +206,8 @@ def test_tiles_check_the_key_ranges(fault, op):
            "shape": torch.zeros(1, 2, 2, dtype=torch.int64), "dtype": good.to(torch.int32),
            "layout": torch.zeros(1, 2, 3, dtype=torch.int64).transpose(1, 2)}[fault]
     row_max, inv_sum = q.new_zeros(1, 2, 9), q.new_ones(1, 2, 9)
-    args = dict(q=q, k=k, v=v, mask=None, bias=None, key_bounds=None, **native._options(0, 0.5, block_rows=4,
-                                                                                        block_keys=8))
+    options = native._options(tiles_call(q, k, v, 0, 0.5), native._Layout(block_rows=4, block_keys=8))
+    args = dict(q=q, k=k, v=v, mask=None, bias=None, key_bounds=None, **options)
     if op == "forward":
         args.update(out=q.new_empty(1, 2, 9, 4), row_max=row_max, inv_sum=inv_sum)
     else:

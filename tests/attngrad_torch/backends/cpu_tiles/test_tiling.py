@@ -10,7 +10,7 @@ from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E4
 from attngrad.torch.backends.torch_ops import higher_order as kernels_higher  # noqa: E402
 
 from ....conftest import EXACT, assert_all_close, rel_err  # noqa: E402
-from .cases import needs_tiles, query_blocks_taken, random_inputs  # noqa: E402
+from .cases import after_forward, needs_tiles, query_blocks_taken, random_inputs, tiles_call  # noqa: E402
 
 
 @needs_tiles
@@ -65,7 +65,8 @@ def test_double_backward_at_its_own_block_heights(len_q, len_k, causal, rows):
     gq, gk, gv = (torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (q, k, v))
     scale = 24**-0.5
     out, row_max, inv_sum = kernels.attention_forward(q, k, v, None, None, 0, causal, scale, 0.0, 0.0)
-    ours = native.attention_double_backward(dout, q, k, v, out, row_max, inv_sum, causal, scale, True, gq, gk, gv)
+    inputs = after_forward(dout, (out, row_max, inv_sum), dout_grad=True, gq=gq, gk=gk, gv=gv)
+    ours = native.attention_double_backward(tiles_call(q, k, v, causal, scale), inputs)
     theirs = kernels_higher.attention_double_backward(dout, q, k, v, None, None, 0, out, row_max, inv_sum, causal,
                                                       scale, 0.0, 0.0, False, True, gq, gk, gv, None)
     names = ("g_dout", "g_q", "g_k", "g_v")
@@ -90,10 +91,11 @@ def test_whole_row_blocks_are_taller_where_nothing_bands_the_keys():
 def test_key_chunks_give_the_same_gradients():
     """One head on several threads splits its keys into chunks, each with its own dQ sum."""
     q, k, v, dout = random_inputs(1, 1, 1, 300, 1100, 16, 16, torch.float64, 3)
-    stats = native.attention_forward(q, k, v, 0, 0.25)
-    one = native.attention_backward(dout, q, k, v, *stats, 0, 0.25, chunks=1)[:3]
+    call = tiles_call(q, k, v, 0, 0.25)
+    inputs = after_forward(dout, native.attention_forward(call))
+    one = native.attention_backward(call, inputs, chunks=1)[:3]
     for chunks in (2, 3, 8):
-        for a, b in zip(native.attention_backward(dout, q, k, v, *stats, 0, 0.25, chunks=chunks)[:3], one):
+        for a, b in zip(native.attention_backward(call, inputs, chunks=chunks)[:3], one):
             assert rel_err(a, b) < EXACT
 
 
@@ -107,9 +109,9 @@ def test_which_calls_take_transposed_keys(monkeypatch, case, transposed):
     taken = {}
     run = native._run
 
-    def recording(name, *args, **kwargs):
-        taken[name] = kwargs["transposed_keys"]
-        return run(name, *args, **kwargs)
+    def recording(name, call, layout, *args, **kwargs):
+        taken[name] = layout.transposed_keys
+        return run(name, call, layout, *args, **kwargs)
 
     monkeypatch.setattr(native, "_run", recording)
     len_q = 1 if case == "decode" else 1024
@@ -120,8 +122,9 @@ def test_which_calls_take_transposed_keys(monkeypatch, case, transposed):
     dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
     q, k, v, dout = random_inputs(1, 2, 2, len_q, 1024, 16, 16, dtype, 0)
     causal = 1024 - len_q
-    out = native.attention_forward(q, k, v, causal, 0.25, bounds=bounds)
+    call = tiles_call(q, k, v, causal, 0.25, bounds=bounds)
+    out = native.attention_forward(call)
     assert taken["forward"] is transposed
     if case != "decode":
-        native.attention_backward(dout, q, k, v, *out, causal, 0.25, bounds=bounds)
+        native.attention_backward(call, after_forward(dout, out))
         assert taken["backward"] is transposed

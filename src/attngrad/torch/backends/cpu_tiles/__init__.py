@@ -17,9 +17,10 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack  # typing's from Python 3.11; attngrad takes 3.10
 
 from ...op import dispatch, dropout
-from ...op.call import AttentionCall
+from ...op.call import AttentionCall, PassInputs
 from ...precision import FLOATS
 from . import native
 
@@ -57,11 +58,6 @@ def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]
     return None
 
 
-def _options(call: AttentionCall) -> dict:
-    return dict(mask=call.mask, bias=call.bias, seed=call.placement, dropout_p=call.dropout_p, bounds=call.bounds,
-                softcap=call.softcap, blocks=call.blocks)
-
-
 def _in_dtypes_of(results: tuple, inputs: tuple) -> tuple:
     """The tiles' results (float32 for float16 and bfloat16 inputs) each in the dtype of the
     input it is the derivative of; None stays None."""
@@ -69,7 +65,7 @@ def _in_dtypes_of(results: tuple, inputs: tuple) -> tuple:
 
 
 def forward(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
-    out, row_max, inv_sum = native.attention_forward(call.q, call.k, call.v, call.causal, call.scale, **_options(call))
+    out, row_max, inv_sum = native.attention_forward(call)
     return out.to(call.q.dtype), row_max, inv_sum  # the statistics stay in the compute dtype
 
 
@@ -79,7 +75,7 @@ def plan_forward(call: AttentionCall) -> Optional[Callable[[Tensor, Tensor, Tens
     if call.mask is not None or call.bias is not None or call.bounds is not None or call.blocks is not None or \
             call.dropout_p or call.sink or call.sinks is not None:
         return None
-    prepared = native.forward_plan(call.q, call.k, call.v, call.causal, call.scale, call.softcap)
+    prepared = native.forward_plan(call)
     dtype = call.q.dtype
 
     def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -89,88 +85,50 @@ def plan_forward(call: AttentionCall) -> Optional[Callable[[Tensor, Tensor, Tens
     return run
 
 
-def backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
-             bias_grad: bool) -> tuple:
-    grads = native.attention_backward(dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal, call.scale,
-                                      bias_grad=bias_grad, **_options(call))
-    return _in_dtypes_of(grads, (call.q, call.k, call.v, call.bias))
+def backward(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple:
+    return _in_dtypes_of(native.attention_backward(call, inputs), (call.q, call.k, call.v, call.bias))
 
 
-def jvp(call: AttentionCall, *, row_max: Tensor, inv_sum: Tensor, tq: Optional[Tensor], tk: Optional[Tensor],
-        tv: Optional[Tensor], tbias: Optional[Tensor]) -> Tensor:
-    out_t = native.attention_jvp(call.q, call.k, call.v, row_max, inv_sum, call.causal, call.scale, tq, tk, tv,
-                                 tbias=tbias, sink=call.sink, **_options(call))
-    return out_t.to(call.q.dtype)
+def jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> Tensor:
+    return native.attention_jvp(call, inputs).to(call.q.dtype)
 
 
-def forward_jvp(call: AttentionCall, *, tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
-                tbias: Optional[Tensor], row_sums: Optional[dict] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def forward_jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """With row_sums {"centre_sums": (B, H, Lq, 1) compute dtype}, each row's centre
     rowsum(P * S') is written there too (with "peak_sums" as well, S' at the row's most
     probable key there and the centre less it in "centre_sums"), and with its "results" (out,
-    row_max, inv_sum) the primal results are written into those."""
-    row_sums = row_sums or {}
-    centre, peak = (row_sums[name].view(call.q.shape[:3]) if name in row_sums else None
-                    for name in ("centre_sums", "peak_sums"))
-    out, row_max, inv_sum, out_t = native.attention_forward_jvp(call.q, call.k, call.v, call.causal, call.scale, tq,
-                                                                tk, tv, tbias=tbias, sink=call.sink, centre=centre,
-                                                                peak=peak, results=row_sums.get("results"),
-                                                                **_options(call))
+    row_max, inv_sum) the primal results are written into those (`native.attention_forward_jvp`)."""
+    out, row_max, inv_sum, out_t = native.attention_forward_jvp(call, inputs)
     return out.to(call.q.dtype), row_max, inv_sum, out_t.to(call.q.dtype)  # the statistics in the compute dtype
 
 
-def _given_sums(call: AttentionCall, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
-                tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
-                tbias: Optional[Tensor], row_sums: dict, with_backward: bool) -> tuple:
-    """The backward's JVP (and the backward) on the backward's tiles, given the rows' sums
-    {"centre", "delta_t"} ((B, H, Lq, 1), as a ring step has them; with "peak", the centre
-    less it, as the forward's JVP leaves them): no bias gradient. With the backward,
-    row_sums' "results" (dq, dk, dv) take its results where given."""
-    results = native.attention_backward_jvp_given_sums(
-        dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal, call.scale, tdout, tq, tk, tv,
-        row_sums["centre"], row_sums["delta_t"], tbias=tbias, with_backward=with_backward,
-        results=row_sums.get("results") if with_backward else None, peak=row_sums.get("peak"), sink=call.sink,
-        **_options(call))
-    tangents = (*results[-3:], None)  # no bias gradient, nor its tangent
+def _backward_jvp(call: AttentionCall, inputs: PassInputs, with_backward: bool) -> tuple:
+    """The backward's JVP (with the backward first, where asked) on whole rows, or, given the
+    rows' sums {"centre", "delta_t"} ((B, H, Lq, 1), as a ring step has them; with "peak",
+    the centre less it, as the forward's JVP leaves them), on the backward's tiles: no bias
+    gradient there, nor its tangent. With the backward, row_sums' "results" (dq, dk, dv) take
+    its results where given."""
+    if inputs.get("row_sums") is None:
+        return native.attention_backward_jvp(call, inputs, with_backward=with_backward)
+    results = native.attention_backward_jvp_given_sums(call, inputs, with_backward=with_backward)
+    tangents = (*results[-3:], None)
     return (*results[:3], None, *tangents) if with_backward else tangents
 
 
-def backward_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor, bias_grad: bool,
-                 tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
-                 tbias: Optional[Tensor], row_sums: Optional[dict] = None, sink_rows: Optional[Tensor] = None) -> tuple:
+def backward_jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple:
     """`sink_rows` (B, H, Lq), where given, takes each row's share of the sink logit's
     gradient's tangent (`sink_logits`)."""
-    if row_sums is not None:
-        results = _given_sums(call, dout, out, row_max, inv_sum, tdout, tq, tk, tv, tbias, row_sums, False)
-    else:
-        results = native.attention_backward_jvp(dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal,
-                                                call.scale, tdout, tq, tk, tv, tbias=tbias, bias_grad=bias_grad,
-                                                sink=call.sink, sink_rows=sink_rows, **_options(call))
-    return _in_dtypes_of(results, (call.q, call.k, call.v, call.bias))
+    return _in_dtypes_of(_backward_jvp(call, inputs, False), (call.q, call.k, call.v, call.bias))
 
 
-def backward_with_jvp(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
-                      bias_grad: bool, tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor],
-                      tv: Optional[Tensor], tbias: Optional[Tensor], row_sums: Optional[dict] = None,
-                      sink_rows: Optional[Tensor] = None) -> tuple:
-    if row_sums is not None:
-        results = _given_sums(call, dout, out, row_max, inv_sum, tdout, tq, tk, tv, tbias, row_sums, True)
-    else:
-        results = native.attention_backward_jvp(dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal,
-                                                call.scale, tdout, tq, tk, tv, tbias=tbias, bias_grad=bias_grad,
-                                                with_backward=True, sink=call.sink, sink_rows=sink_rows,
-                                                **_options(call))
-    return _in_dtypes_of(results, (call.q, call.k, call.v, call.bias) * 2)
+def backward_with_jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple:
+    return _in_dtypes_of(_backward_jvp(call, inputs, True), (call.q, call.k, call.v, call.bias) * 2)
 
 
-def double_backward(call: AttentionCall, *, dout: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
-                    bias_grad: bool, dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor],
-                    gbias: Optional[Tensor], sink_rows: Optional[Tensor] = None) -> tuple:
+def double_backward(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple:
     """`sink_rows` (B, H, Lq), where given, takes each row's share of the sink logit's gradient."""
-    results = native.attention_double_backward(dout, call.q, call.k, call.v, out, row_max, inv_sum, call.causal,
-                                               call.scale, dout_grad, gq, gk, gv, gbias=gbias, bias_grad=bias_grad,
-                                               sink=call.sink, sink_rows=sink_rows, **_options(call))
-    return _in_dtypes_of(results, (dout, call.q, call.k, call.v, call.bias))
+    results = native.attention_double_backward(call, inputs)
+    return _in_dtypes_of(results, (inputs["dout"], call.q, call.k, call.v, call.bias))
 
 
 def _fill(out: Tensor, seed: int, row_start: int, threshold: int, value: float, key_start: int) -> Optional[Tensor]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -33,6 +34,7 @@ from torch import Tensor
 from ...masks import version_cache
 from ...masks.block_map import kept_keys, key_ranges, tile_map
 from ...masks.blocks import MaskBlocks
+from ...op.call import AttentionCall, PassInputs
 from ...op.dropout import Placement, as_int64, keep_value, threshold
 from ...precision import compute_dtype
 from . import buffer_cache
@@ -72,35 +74,57 @@ def _op(name: str) -> tuple:
     return op, tuple(argument.name for argument in op._schema.arguments)
 
 
-def _run(name: str, *args: object, **kwargs: object) -> None:
-    """Run the tiles' op `name`, every argument after `args` given by name and handed over in
-    schema order: PyTorch matches a C++ op's keywords to its schema one by one, about half of
-    a small call's time in the op (torch 2.13)."""
+class _Layout(NamedTuple):
+    """How a pass lays its work out on the tiles (the ops' block_rows, block_keys, chunks and
+    transposed_keys): query rows and keys per block, work items per head's blocks, and
+    whether it reads the key side from transposed copies."""
+
+    block_rows: int
+    block_keys: int = 0  # 0: the tiling's, read at the call
+    chunks: int = 1
+    transposed_keys: bool = False
+
+
+def _arguments(name: str, call: AttentionCall, layout: _Layout, masks: dict, tensors: dict) -> tuple:
+    """The tiles' op `name` and its flat arguments in schema order for a pass of `call`: the
+    one place a call becomes an op's arguments. Its mask arguments from `masks`
+    (`_score_masks`), the pass's `tensors` by name (q, k, v and the rest, in the work dtype),
+    its options from the call and `layout` (`_options`); a KeyError for an argument the op
+    gains."""
     op, names = _op(name)
-    op(*args, *(kwargs[n] for n in names[len(args):]))
+    given = {**_mask_args(masks), **tensors, **_options(call, layout)}
+    return op, [given[n] for n in names]
 
 
-def _options(causal: int | None, scale: float, *, block_rows: int = 0, chunks: int = 1,
-             seed: int | Placement = 0, dropout_p: float = 0.0, block_keys: int = 0, softcap: float = 0.0,
-             sink: bool = False, bf16: bool = False, transposed_keys: bool = False) -> dict:
-    """The options every op takes (ATTNGRAD_OPTIONS_SCHEMA in csrc/ops.cpp): the causal
-    diagonal (None: none), the dropout's placement and draws, the blocks, read now (tests
-    set block_rows, block_keys and value_slice)."""
+def _run(name: str, call: AttentionCall, layout: _Layout, masks: dict, **tensors: Tensor | None) -> None:
+    """Run the tiles' op `name` on `_arguments`'s list, every one positional: PyTorch matches a
+    C++ op's keywords to its schema one by one, about half of a small call's time in the op
+    (torch 2.13)."""
+    op, arguments = _arguments(name, call, layout, masks, tensors)
+    op(*arguments)
+
+
+def _options(call: AttentionCall, layout: _Layout) -> dict:
+    """The options every op takes (ATTNGRAD_OPTIONS_SCHEMA in csrc/ops.cpp): the call's
+    (`_call_options`) and the pass's `layout`, the tiling's block keys and value slice read
+    now (tests set them)."""
     tiling = TILING()
-    return dict(_options_of(causal, scale, block_rows or tiling.block_rows, chunks, Placement.of(seed), dropout_p,
-                            block_keys or tiling.block_keys, softcap, sink, bf16, tiling.value_slice, transposed_keys))
+    return dict(_call_options(call.causal, call.scale, call.softcap, call.sink, call.placement, call.dropout_p),
+                block_rows=layout.block_rows, block_keys=layout.block_keys or tiling.block_keys,
+                value_slice=tiling.value_slice, chunks=layout.chunks, bf16_products=_bf16(call.q),
+                transposed_keys=layout.transposed_keys)
 
 
 @functools.lru_cache(maxsize=256)  # a model's calls repeat a few option sets
-def _options_of(causal: int | None, scale: float, block_rows: int, chunks: int, key: Placement, dropout_p: float,
-                block_keys: int, softcap: float, sink: bool, bf16: bool, value_slice: int,
-                transposed_keys: bool) -> tuple:
+def _call_options(causal: int | None, scale: float, softcap: float, sink: bool, key: Placement,
+                  dropout_p: float) -> tuple:
+    """The ops' options of a call: its causal diagonal (None: none), scale, soft cap and sink,
+    the dropout's placement and draws."""
     options = dict(causal=None if causal is None else int(causal), scale=float(scale), softcap=float(softcap),
                    dropout=dropout_p > 0.0, seed=as_int64(key.seed),
                    threshold=threshold(dropout_p), keep_value=keep_value(dropout_p), row_offset=key.row_offset,
                    key_offset=key.key_offset, head_offset=key.head_offset, partial_rows=bool(key.partial_rows),
-                   sink=bool(sink), block_rows=block_rows, block_keys=block_keys, value_slice=value_slice,
-                   chunks=chunks, bf16_products=bf16, transposed_keys=transposed_keys)
+                   sink=bool(sink))
     return tuple(options.items())
 
 
@@ -143,18 +167,25 @@ def _work(*tensors: Tensor | None) -> list:
     return [t if t is None or (t.dtype == work and t.is_contiguous()) else t.to(work).contiguous() for t in tensors]
 
 
-def _score_masks(mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype, full_bias: bool = False,
-                 bounds: Tensor | None = None, blocks: MaskBlocks | None = None) -> dict:
-    """The ops' mask and bias, each 4-D and contiguous in its own (broadcast) sizes, the
-    bias in the compute dtype, and their sizes; the key bounds and a mask's blocks and
-    tiles, contiguous. An expanded axis (stride 0) is read as a broadcast one, except in
-    the bias with `full_bias` (its gradient or tangent is wanted, which has its shape)."""
+def _tensors(call: AttentionCall, inputs: dict, names: tuple[str, ...]) -> dict:
+    """q, k, v and the `inputs` named `names` (None where absent), by name, each as `_work`
+    makes it: the work dtype is float64 if any of them is."""
+    given = (call.q, call.k, call.v, *(inputs.get(name) for name in names))
+    return dict(zip(("q", "k", "v", *names), _work(*given)))
+
+
+def _score_masks(call: AttentionCall, dtype: torch.dtype, full_bias: bool = False) -> dict:
+    """The call's mask and bias as the ops take them, each 4-D and contiguous in its own
+    (broadcast) sizes, the bias in the compute dtype, and their sizes; its key bounds and a
+    mask's blocks and tiles, contiguous. An expanded axis (stride 0) is read as a broadcast
+    one, except in the bias with `full_bias` (its gradient or tangent is wanted, which has
+    its shape)."""
     described = {}
-    if bounds is not None:
-        described["key_bounds"] = bounds.contiguous()
-    if blocks is not None:
-        described["mask_blocks"], described["mask_tiles"] = blocks.index.contiguous(), blocks.tiles.contiguous()
-    for name, t, kind in (("mask", mask, torch.bool), ("bias", bias, dtype)):
+    if call.bounds is not None:
+        described["key_bounds"] = call.bounds.contiguous()
+    if call.blocks is not None:
+        described["mask_blocks"], described["mask_tiles"] = call.blocks.index.contiguous(), call.blocks.tiles.contiguous()
+    for name, t, kind in (("mask", call.mask, torch.bool), ("bias", call.bias, dtype)):
         if t is None:
             continue
         t = t[(None,) * (4 - t.dim())]
@@ -286,23 +317,19 @@ def _key_ranges(q: Tensor, k: Tensor, causal: int | None, block_rows: int, masks
     return version_cache.value("key_ranges", (len_q, len_k, causal, block_rows), (mask, bias, bounds), make)
 
 
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, softcap: float = 0.0,
-                      mask: Tensor | None = None, bias: Tensor | None = None, seed: int | Placement = 0,
-                      dropout_p: float = 0.0, bounds: Tensor | None = None,
-                      blocks: MaskBlocks | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def attention_forward(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, H, Lq, dv), row max m, inverse row sum 1/l (B, H, Lq)): `kernels.attention_forward`'s results."""
-    bf16 = _bf16(q)
-    q, k, v = _work(q, k, v)
+    bf16, causal, bounds = _bf16(call.q), call.causal, call.bounds
+    q, k, v = _work(call.q, call.k, call.v)
     batch, heads, len_q, _ = q.shape
     out = q.new_empty(batch, heads, len_q, v.shape[-1])
     row_max, inv_sum = q.new_empty(batch, heads, len_q), q.new_empty(batch, heads, len_q)
-    masks, block_keys = _score_masks(mask, bias, q.dtype, bounds=bounds, blocks=blocks), _block_keys(bounds)
+    masks, block_keys = _score_masks(call, q.dtype), _block_keys(bounds)
     rows = _block_rows(len_q, k.shape[2], causal, bf16, masks.get("key_bounds"))
     ranges = _key_ranges(q, k, causal, rows, masks)
-    _run("forward", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum,
-         tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges,
-         **_options(causal, scale, bf16=bf16, softcap=softcap, seed=seed, dropout_p=dropout_p, block_rows=rows,
-                    block_keys=block_keys, transposed_keys=_band_keys_transposed(len_q, rows, bounds, bf16)))
+    layout = _Layout(rows, block_keys, transposed_keys=_band_keys_transposed(len_q, rows, bounds, bf16))
+    _run("forward", call, layout, masks, q=q, k=k, v=v, out=out, row_max=row_max, inv_sum=inv_sum,
+         tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges)
     return out, row_max, inv_sum
 
 
@@ -312,25 +339,22 @@ def settings() -> tuple:
     return (TILING(),)
 
 
-def forward_plan(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float,
-                 softcap: float = 0.0) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
-    """`attention_forward` without masks or dropout, prepared for every call whose q, k, v
-    have these sizes, dtypes and layouts: the blocks, key ranges, options and the op's
-    argument list worked out once, so that a call is its allocations and the op
-    (`eager_plans`)."""
-    bf16 = _bf16(q)
+def forward_plan(call: AttentionCall) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
+    """`attention_forward` of a call without masks or dropout, prepared for every call like
+    `call` (q, k, v of these sizes, dtypes and layouts, the same options): the blocks, key
+    ranges, options and the op's argument list worked out once, so that a call is its
+    allocations and the op (`eager_plans`)."""
+    q, k, v = call.q, call.k, call.v
     work = compute_dtype(q.dtype)
     converted = any(t.dtype != work or not t.is_contiguous() for t in (q, k, v))
     batch, heads, len_q, _ = q.shape
     out_shape, stats_shape = (batch, heads, len_q, v.shape[-1]), (batch, heads, len_q)
-    rows = _block_rows(len_q, k.shape[2], causal, bf16)
-    op, names = _op("forward")
+    rows = _block_rows(len_q, k.shape[2], call.causal, _bf16(q))
     tensors = ("q", "k", "v", "out", "row_max", "inv_sum")  # each call's own
-    given = dict(dict.fromkeys(tensors), mask=None, bias=None, key_bounds=None, tile_map=None, mask_blocks=None,
-                 mask_tiles=None,
-                 key_ranges=_causal_key_ranges(len_q, k.shape[2], causal, rows),
-                 **dict(_options(causal, scale, bf16=bf16, softcap=softcap, block_rows=rows)))
-    template = [given[name] for name in names]  # a KeyError for an argument the op gains
+    given = dict(dict.fromkeys(tensors), tile_map=None,
+                 key_ranges=_causal_key_ranges(len_q, k.shape[2], call.causal, rows))
+    op, template = _arguments("forward", call, _Layout(rows), {}, given)  # {}: no masks
+    names = _op("forward")[1]
     at = {name: names.index(name) for name in tensors}
 
     def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -419,19 +443,22 @@ def _results_into(results: Sequence[Tensor] | None, shapes: tuple, dtype: torch.
     return list(results)
 
 
-def attention_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
-    causal: int | None, scale: float, chunks: int | None = None, mask: Tensor | None = None, bias: Tensor | None = None,
-    seed: int | Placement = 0, dropout_p: float = 0.0, bias_grad: bool = False, bounds: Tensor | None = None, softcap: float = 0.0,
-    blocks: MaskBlocks | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+# The inputs of the passes after the forward: the output's cotangent, the forward's results.
+_AFTER_FORWARD = ("dout", "out", "row_max", "inv_sum")
+_TANGENTS = ("tq", "tk", "tv")
+
+
+def attention_backward(call: AttentionCall, inputs: PassInputs,
+                       chunks: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv, dbias or None): `kernels.attention_backward`'s results for the cases
-    the tiles backend takes; dbias in the bias's shape and the compute dtype. `chunks` splits
-    each head's keys into that many work items (default: `_chunks`)."""
-    bf16 = _bf16(q)
-    dout, q, k, v, out, row_max, inv_sum = _work(dout, q, k, v, out, row_max, inv_sum)
-    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad, bounds=bounds, blocks=blocks)
-    block_keys = _block_keys(bounds)
+    the tiles backend takes, from the pass's `inputs` (dout, out, row_max, inv_sum,
+    bias_grad); dbias in the bias's shape and the compute dtype. `chunks` splits each head's
+    keys into that many work items (default: `_chunks`)."""
+    bf16, causal, bias_grad = _bf16(call.q), call.causal, inputs.get("bias_grad", False)
+    tensors = _tensors(call, inputs, _AFTER_FORWARD)
+    q, k = tensors["q"], tensors["k"]
+    masks = _score_masks(call, q.dtype, full_bias=bias_grad)
+    block_keys = _block_keys(call.bounds)
     if bias_grad and q.dtype == torch.float32 and masks["bias_sizes"][3] > 1 and k.shape[2] <= TILING().whole_row_keys:
         # a float32 bias gradient: each row in one key block, whose D = rowsum(P dP) follows the
         # block's own P and dP where rowsum(dO O) carries O's rounding (ALiBi, GQA, d=40, Lq=1024:
@@ -440,18 +467,15 @@ def attention_backward(
     if chunks is None:
         chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-k.shape[2] // block_keys))
     dq_parts = q.new_empty(chunks, *q.shape)  # the pass zeroes its parts, dk and dv itself
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dk, dv = torch.empty_like(k), torch.empty_like(tensors["v"])
     delta = q.new_empty(q.shape[:-1])
     dbias_parts = _bias_grad_buffer(masks, bias_grad, chunks, False, q.dtype)
     rows = _block_rows(q.shape[2], k.shape[2], causal, bf16, masks.get("key_bounds"))
     ranges = _key_ranges(q, k, causal, rows, masks)
-    _run("backward", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout, delta=delta,
-         dq_parts=dq_parts, dk=dk, dv=dv, dbias_parts=dbias_parts,
-         tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges,
-         **_options(causal, scale, bf16=bf16, chunks=chunks, seed=seed, dropout_p=dropout_p, softcap=softcap,
-                    block_rows=rows, block_keys=block_keys,
-                    transposed_keys=_band_keys_transposed(q.shape[2], rows, bounds, bf16)))
-    return _sum_parts(dq_parts), dk, dv, _finish_bias_grad(dbias_parts, bias)
+    layout = _Layout(rows, block_keys, chunks, _band_keys_transposed(q.shape[2], rows, call.bounds, bf16))
+    _run("backward", call, layout, masks, **tensors, delta=delta, dq_parts=dq_parts, dk=dk, dv=dv,
+         dbias_parts=dbias_parts, tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges)
+    return _sum_parts(dq_parts), dk, dv, _finish_bias_grad(dbias_parts, call.bias)
 
 
 def _transposed_keys(k: Tensor, v: Tensor) -> bool:
@@ -467,35 +491,30 @@ def _rows_per_block(len_k: int, most: int) -> int:
     return max(min(8, most), min(most, TILING().double_tile // max(1, len_k)))
 
 
-def attention_double_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
-    causal: int | None, scale: float, dout_grad: bool, gq: Tensor | None, gk: Tensor | None, gv: Tensor | None,
-    chunks: int | None = None, mask: Tensor | None = None, bias: Tensor | None = None, gbias: Tensor | None = None,
-    seed: int | Placement = 0, dropout_p: float = 0.0, bias_grad: bool = False, bounds: Tensor | None = None, softcap: float = 0.0,
-    sink: bool = False, blocks: MaskBlocks | None = None, sink_rows: Tensor | None = None,
-) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor | None]:
+def attention_double_backward(call: AttentionCall, inputs: PassInputs, chunks: int | None = None
+                              ) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor | None]:
     """(g_dout or None, g_q, g_k, g_v, g_bias or None): `kernels_higher.attention_double_backward`'s
-    results for the cases the tiles backend takes, in the compute dtype; an absent cotangent is
-    zero (`gbias`, dbias's, only with `bias_grad`). `chunks` splits each head's query blocks
-    into that many work items (default: `_chunks`). With a `sink`, `sink_rows` (B, H, Lq,
-    compute dtype), where given, takes each row's P_sink (u - t D), its share of the sink
-    logit's gradient (`sink_logits`)."""
-    bf16 = _bf16(q)
-    dout, q, k, v, out, row_max, inv_sum, gq, gk, gv = _work(dout, q, k, v, out, row_max, inv_sum, gq, gk, gv)
-    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad, bounds=bounds, blocks=blocks)
-    _with_bias_like(masks, "gbias", gbias if bias_grad else None, q.dtype)
-    rows, chunks = _whole_row_split(q, k, masks, bias_grad, chunks, causal, double_backward=True)
-    g_dout = torch.empty_like(dout) if dout_grad else None
+    results for the cases the tiles backend takes, from the pass's `inputs` (dout, out,
+    row_max, inv_sum, bias_grad, dout_grad, gq, gk, gv, gbias, sink_rows), in the compute
+    dtype; an absent cotangent is zero (`gbias`, dbias's, only with `bias_grad`). `chunks`
+    splits each head's query blocks into that many work items (default: `_chunks`). With a
+    sink, `sink_rows` (B, H, Lq, compute dtype), where given, takes each row's P_sink (u - t
+    D), its share of the sink logit's gradient (`sink_logits`)."""
+    bias_grad = inputs.get("bias_grad", False)
+    tensors = _tensors(call, inputs, (*_AFTER_FORWARD, "gq", "gk", "gv"))
+    q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    masks = _score_masks(call, q.dtype, full_bias=bias_grad)
+    _with_bias_like(masks, "gbias", inputs.get("gbias") if bias_grad else None, q.dtype)
+    rows, chunks = _whole_row_split(q, k, masks, bias_grad, chunks, call.causal, double_backward=True)
+    g_dout = torch.empty_like(tensors["dout"]) if inputs["dout_grad"] else None
     g_q = torch.empty_like(q)
     gk_parts, gv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
     g_bias_parts = _bias_grad_buffer(masks, bias_grad, chunks, True, q.dtype)
-    _run("double_backward", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout,
-         delta=q.new_empty(q.shape[:-1]), gq=gq, gk=gk, gv=gv, gbias=masks.get("gbias"),
+    layout = _Layout(rows, chunks=chunks, transposed_keys=_transposed_keys(k, v))
+    _run("double_backward", call, layout, masks, **tensors, delta=q.new_empty(q.shape[:-1]), gbias=masks.get("gbias"),
          g_dout=g_dout, g_q=g_q, gk_parts=gk_parts, gv_parts=gv_parts, g_bias_parts=g_bias_parts,
-         key_ranges=_key_ranges(q, k, causal, rows, masks), sink_rows=sink_rows,
-         **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
-                    softcap=softcap, sink=sink, transposed_keys=_transposed_keys(k, v)))
-    return g_dout, g_q, _sum_parts(gk_parts), _sum_parts(gv_parts), _finish_bias_grad(g_bias_parts, bias)
+         key_ranges=_key_ranges(q, k, call.causal, rows, masks), sink_rows=inputs.get("sink_rows"))
+    return g_dout, g_q, _sum_parts(gk_parts), _sum_parts(gv_parts), _finish_bias_grad(g_bias_parts, call.bias)
 
 
 def dropout_keep_scale_into(out: Tensor, seed: int, row_start: int, threshold: int, value: float,
@@ -505,97 +524,86 @@ def dropout_keep_scale_into(out: Tensor, seed: int, row_start: int, threshold: i
     return out
 
 
-def attention_jvp(q: Tensor, k: Tensor, v: Tensor, row_max: Tensor, inv_sum: Tensor, causal: int | None, scale: float,
-                  tq: Tensor | None, tk: Tensor | None, tv: Tensor | None, mask: Tensor | None = None,
-                  bias: Tensor | None = None, tbias: Tensor | None = None, seed: int | Placement = 0,
-                  dropout_p: float = 0.0, bounds: Tensor | None = None, softcap: float = 0.0,
-                  blocks: MaskBlocks | None = None, sink: bool = False) -> Tensor:
+def attention_jvp(call: AttentionCall, inputs: PassInputs) -> Tensor:
     """The output's tangent (B, H, Lq, dv): `kernels_higher.attention_jvp`'s result for the
-    cases the tiles backend takes; an absent tangent is zero. `sink`: the rows' sums are
-    centred with the sink's share (`centre_on_peak`)."""
-    bf16 = _bf16(q)
-    q, k, v, row_max, inv_sum, tq, tk, tv = _work(q, k, v, row_max, inv_sum, tq, tk, tv)
-    masks = _with_bias_like(_score_masks(mask, bias, q.dtype, full_bias=tbias is not None, bounds=bounds, blocks=blocks), "tbias",
-                            tbias, q.dtype)
+    cases the tiles backend takes, from the pass's `inputs` (row_max, inv_sum, tq, tk, tv,
+    tbias); an absent tangent is zero. With a sink, the rows' sums are centred with the
+    sink's share (`centre_on_peak`)."""
+    tensors = _tensors(call, inputs, ("row_max", "inv_sum", *_TANGENTS))
+    q, k, v, tbias = tensors["q"], tensors["k"], tensors["v"], inputs.get("tbias")
+    masks = _with_bias_like(_score_masks(call, q.dtype, full_bias=tbias is not None), "tbias", tbias, q.dtype)
     out_t = q.new_empty(*q.shape[:3], v.shape[-1])
-    rows, chunks = _whole_row_split(q, k, masks, False, None, causal)  # each work item owns its rows
-    _run("jvp", q, k, v, **_mask_args(masks), row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv,
-         tbias=masks.get("tbias"), tout=out_t, key_ranges=_key_ranges(q, k, causal, rows, masks),
-         **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
-                    dropout_p=dropout_p, sink=sink, transposed_keys=_transposed_keys(k, v)))
+    rows, chunks = _whole_row_split(q, k, masks, False, None, call.causal)  # each work item owns its rows
+    layout = _Layout(rows, chunks=chunks, transposed_keys=_transposed_keys(k, v))
+    _run("jvp", call, layout, masks, **tensors, tbias=masks.get("tbias"), tout=out_t,
+         key_ranges=_key_ranges(q, k, call.causal, rows, masks))
     return out_t
 
 
-def attention_forward_jvp(q: Tensor, k: Tensor, v: Tensor, causal: int | None, scale: float, tq: Tensor | None,
-                          tk: Tensor | None, tv: Tensor | None, mask: Tensor | None = None, bias: Tensor | None = None,
-                          tbias: Tensor | None = None, seed: int | Placement = 0, dropout_p: float = 0.0,
-                          bounds: Tensor | None = None, softcap: float = 0.0, sink: bool = False,
-                          blocks: MaskBlocks | None = None, centre: Tensor | None = None,
-                          peak: Tensor | None = None,
-                          results: Sequence[Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def attention_forward_jvp(call: AttentionCall, inputs: PassInputs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, row_max, inv_sum, out's tangent) in the compute dtype, in one pass of whole rows (the
     JVP's, taking each row's statistics from the row): the forward's output and statistics,
-    with a sink's share (`ops.add_sink`), and `attention_jvp`'s tangent, to rounding. Given
-    `centre` ((B, H, Lq), compute dtype, contiguous), each row's t = rowsum(P * S') goes there
-    (what `attention_backward_jvp_given_sums` takes); given `peak` (as centre) too, c = S' at
-    the row's most probable key goes there and t - c to `centre`, so that a later pass can
-    centre its rows on their peaks as this one does."""
-    bf16 = _bf16(q)
-    q, k, v, tq, tk, tv = _work(q, k, v, tq, tk, tv)
-    masks = _with_bias_like(_score_masks(mask, bias, q.dtype, full_bias=tbias is not None, bounds=bounds, blocks=blocks),
-                            "tbias", tbias, q.dtype)
+    with a sink's share (`ops.add_sink`), and `attention_jvp`'s tangent, to rounding, from the
+    pass's `inputs` (tq, tk, tv, tbias, row_sums). Given row_sums' "centre_sums" ((B, H, Lq)
+    or (B, H, Lq, 1), compute dtype, contiguous), each row's t = rowsum(P * S') goes there
+    (what `attention_backward_jvp_given_sums` takes); given its "peak_sums" (as centre) too,
+    c = S' at the row's most probable key goes there and t - c to "centre_sums", so that a
+    later pass can centre its rows on their peaks as this one does. Given its "results"
+    (out, row_max, inv_sum), the primal results are written there (`_results_into`)."""
+    row_sums = inputs.get("row_sums") or {}
+    tensors = _tensors(call, inputs, _TANGENTS)
+    q, k, v, tbias = tensors["q"], tensors["k"], tensors["v"], inputs.get("tbias")
+    centre, peak = (row_sums[name].view(q.shape[:3]) if name in row_sums else None
+                    for name in ("centre_sums", "peak_sums"))
+    masks = _with_bias_like(_score_masks(call, q.dtype, full_bias=tbias is not None), "tbias", tbias, q.dtype)
     out_shape = (*q.shape[:3], v.shape[-1])
-    out, row_max, inv_sum = _results_into(results, (out_shape, q.shape[:3], q.shape[:3]), q.dtype, "forward_jvp")
+    out, row_max, inv_sum = _results_into(row_sums.get("results"), (out_shape, q.shape[:3], q.shape[:3]), q.dtype,
+                                          "forward_jvp")
     out_t = q.new_empty(out_shape)
-    rows, chunks = _whole_row_split(q, k, masks, False, None, causal)  # each work item owns its rows
-    _run("forward_jvp", q, k, v, **_mask_args(masks), tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"), out=out,
-         tout=out_t, row_max=row_max, inv_sum=inv_sum, key_ranges=_key_ranges(q, k, causal, rows, masks),
-         centre=centre, peak=peak,
-         **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, softcap=softcap,
-                    dropout_p=dropout_p, sink=sink, transposed_keys=_transposed_keys(k, v)))
+    rows, chunks = _whole_row_split(q, k, masks, False, None, call.causal)  # each work item owns its rows
+    layout = _Layout(rows, chunks=chunks, transposed_keys=_transposed_keys(k, v))
+    _run("forward_jvp", call, layout, masks, **tensors, tbias=masks.get("tbias"), out=out, tout=out_t,
+         row_max=row_max, inv_sum=inv_sum, key_ranges=_key_ranges(q, k, call.causal, rows, masks), centre=centre,
+         peak=peak)
     return out, row_max, inv_sum, out_t
 
 
-def attention_backward_jvp_given_sums(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
-    causal: int | None, scale: float, tdout: Tensor | None, tq: Tensor | None, tk: Tensor | None, tv: Tensor | None,
-    centre: Tensor, delta_t: Tensor, mask: Tensor | None = None, bias: Tensor | None = None,
-    tbias: Tensor | None = None, seed: int | Placement = 0, dropout_p: float = 0.0, chunks: int | None = None,
-    bounds: Tensor | None = None, softcap: float = 0.0, blocks: MaskBlocks | None = None, with_backward: bool = False,
-    results: Sequence[Tensor] | None = None, peak: Tensor | None = None, sink: bool = False,
-) -> tuple[Tensor, ...]:
+def attention_backward_jvp_given_sums(call: AttentionCall, inputs: PassInputs, with_backward: bool = False,
+                                      chunks: int | None = None) -> tuple[Tensor, ...]:
     """`attention_backward_jvp`'s tangents of (dq, dk, dv), without a bias gradient, on the
-    backward's tiles, given each row's sums over its keys (B, H, Lq): `centre` t = rowsum(P *
-    S') (with `peak` c, t - c: `attention_forward_jvp`'s) and `delta_t` D' = rowsum(tdout *
-    out + dout * tout). The keys may be a part of each
-    row's (a ring step: its seed's placement says so), the sums the whole row's. In the
-    compute dtype; `with_backward`: the backward's (dq, dk, dv) first, from the same pass,
-    written into `results` where given (`_results_into`)."""
-    bf16 = _bf16(q)
-    dout, q, k, v, out, row_max, inv_sum, tdout, tq, tk, tv, centre, delta_t = _work(
-        dout, q, k, v, out, row_max, inv_sum, tdout, tq, tk, tv, centre, delta_t)
-    masks = _score_masks(mask, bias, q.dtype, full_bias=tbias is not None, bounds=bounds, blocks=blocks)
-    _with_bias_like(masks, "tbias", tbias, q.dtype)
-    block_keys = _block_keys(bounds)
+    backward's tiles, from the pass's `inputs` (dout, out, row_max, inv_sum, tdout, tq, tk,
+    tv, tbias) given each row's sums over its keys in their row_sums ((B, H, Lq) or (B, H, Lq,
+    1)): "centre" t = rowsum(P * S') (with "peak" c, t - c: `attention_forward_jvp`'s) and
+    "delta_t" D' = rowsum(tdout * out + dout * tout). The keys may be a part of each row's (a
+    ring step: its seed's placement says so), the sums the whole row's. In the compute
+    dtype; `with_backward`: the backward's (dq, dk, dv) first, from the same pass, written
+    into row_sums' "results" where given (`_results_into`). `chunks` splits each head's keys
+    into that many work items (default: `_chunks`)."""
+    bf16, causal, row_sums, tbias = _bf16(call.q), call.causal, inputs["row_sums"], inputs.get("tbias")
+    # the sums are work tensors too: their dtype counts towards the work dtype
+    tensors = _tensors(call, {**inputs, **row_sums}, (*_AFTER_FORWARD, "tdout", *_TANGENTS, "centre", "delta_t"))
+    q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    masks = _with_bias_like(_score_masks(call, q.dtype, full_bias=tbias is not None), "tbias", tbias, q.dtype)
+    block_keys = _block_keys(call.bounds)
     if chunks is None:
         chunks = _chunks(_independent(k, None), -(-k.shape[2] // block_keys))
     tdq_parts = q.new_zeros(chunks, *q.shape)
     tdk, tdv = torch.zeros_like(k), torch.zeros_like(v)
     grads = dict(dq_parts=None, dk=None, dv=None)
     if with_backward:
-        dq, dk, dv = _results_into(results, (q.shape, k.shape, v.shape), q.dtype, "backward_jvp_given_sums")
+        dq, dk, dv = _results_into(row_sums.get("results"), (q.shape, k.shape, v.shape), q.dtype,
+                                   "backward_jvp_given_sums")
         dq_parts = dq[None] if chunks == 1 else q.new_empty(chunks, *q.shape)  # one part: dq itself
         grads = dict(dq_parts=dq_parts.zero_(), dk=dk.zero_(), dv=dv.zero_())
     rows = _block_rows(q.shape[2], k.shape[2], causal, bf16, masks.get("key_bounds"))
     ranges = _key_ranges(q, k, causal, rows, masks)
-    _run("backward_jvp_given_sums", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum,
-         dout=dout, delta=q.new_empty(q.shape[:-1]), tdout=tdout, tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"),
-         centre=centre.reshape(q.shape[:-1]).contiguous(), delta_t=delta_t.reshape(q.shape[:-1]).contiguous(),
-         peak=None if peak is None else peak.to(q.dtype).reshape(q.shape[:-1]).contiguous(),
-         tdq_parts=tdq_parts, tdk=tdk, tdv=tdv, **grads,
-         tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges,
-         **_options(causal, scale, bf16=bf16, chunks=chunks, seed=seed, dropout_p=dropout_p, softcap=softcap,
-                    sink=sink, block_rows=rows, block_keys=block_keys))
+    peak = row_sums.get("peak")
+    tensors.update(centre=tensors["centre"].reshape(q.shape[:-1]).contiguous(),
+                   delta_t=tensors["delta_t"].reshape(q.shape[:-1]).contiguous(),
+                   peak=None if peak is None else peak.to(q.dtype).reshape(q.shape[:-1]).contiguous())
+    _run("backward_jvp_given_sums", call, _Layout(rows, block_keys, chunks), masks, **tensors,
+         delta=q.new_empty(q.shape[:-1]), tbias=masks.get("tbias"), tdq_parts=tdq_parts, tdk=tdk, tdv=tdv, **grads,
+         tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges)
     tangents = _sum_parts(tdq_parts), tdk, tdv
     if not with_backward:
         return tangents
@@ -604,28 +612,24 @@ def attention_backward_jvp_given_sums(
     return (dq, dk, dv, *tangents)
 
 
-def attention_backward_jvp(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
-    causal: int | None, scale: float, tdout: Tensor | None, tq: Tensor | None, tk: Tensor | None, tv: Tensor | None,
-    mask: Tensor | None = None, bias: Tensor | None = None, tbias: Tensor | None = None, seed: int | Placement = 0,
-    dropout_p: float = 0.0, bias_grad: bool = False, chunks: int | None = None, bounds: Tensor | None = None,
-    softcap: float = 0.0, blocks: MaskBlocks | None = None, with_backward: bool = False, sink: bool = False,
-    sink_rows: Tensor | None = None,
-) -> tuple[Tensor | None, ...]:
+def attention_backward_jvp(call: AttentionCall, inputs: PassInputs, with_backward: bool = False,
+                           chunks: int | None = None) -> tuple[Tensor | None, ...]:
     """The tangents of (dq, dk, dv, dbias or None): `kernels_higher.attention_backward_jvp`'s
-    results for the cases the tiles backend takes, in the compute dtype; an absent tangent is
-    zero. `chunks` splits each head's query blocks into that many work items (default:
-    `_chunks`). `with_backward`: the backward's (dq, dk, dv, dbias or None) first, then the
-    tangents, from the one pass (the backward's P and dS are the JVP's too). `sink` says the
-    statistics hold a sink's term, which a bias constant along the keys needs for its
-    gradient's tangent in closed form; `sink_rows` (B, H, Lq, compute dtype), where given,
-    takes each row's P_sink (D' - t D), its share of the sink logit's gradient's tangent."""
-    bf16 = _bf16(q)
-    dout, q, k, v, out, row_max, inv_sum, tdout, tq, tk, tv = _work(dout, q, k, v, out, row_max, inv_sum, tdout, tq,
-                                                                    tk, tv)
-    masks = _score_masks(mask, bias, q.dtype, full_bias=bias_grad or tbias is not None, bounds=bounds, blocks=blocks)
+    results for the cases the tiles backend takes, from the pass's `inputs` (dout, out,
+    row_max, inv_sum, bias_grad, tdout, tq, tk, tv, tbias, sink_rows), in the compute dtype;
+    an absent tangent is zero. `chunks` splits each head's query blocks into that many work
+    items (default: `_chunks`). `with_backward`: the backward's (dq, dk, dv, dbias or None)
+    first, then the tangents, from the one pass (the backward's P and dS are the JVP's too).
+    A sink (the call's) says the statistics hold its term, which a bias constant along the
+    keys needs for its gradient's tangent in closed form; `sink_rows` (B, H, Lq, compute
+    dtype), where given, takes each row's P_sink (D' - t D), its share of the sink logit's
+    gradient's tangent."""
+    bias_grad, tbias = inputs.get("bias_grad", False), inputs.get("tbias")
+    tensors = _tensors(call, inputs, (*_AFTER_FORWARD, "tdout", *_TANGENTS))
+    q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    masks = _score_masks(call, q.dtype, full_bias=bias_grad or tbias is not None)
     _with_bias_like(masks, "tbias", tbias, q.dtype)
-    rows, chunks = _whole_row_split(q, k, masks, bias_grad, chunks, causal)
+    rows, chunks = _whole_row_split(q, k, masks, bias_grad, chunks, call.causal)
     tdq = q.new_empty(q.shape)
     tdk_parts, tdv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
     tdbias_parts = _bias_grad_buffer(masks, bias_grad, chunks, True, q.dtype)
@@ -634,14 +638,12 @@ def attention_backward_jvp(
         grads = dict(dq=q.new_empty(q.shape), dk_parts=k.new_zeros(chunks, *k.shape),
                      dv_parts=v.new_zeros(chunks, *v.shape),
                      dbias_row_parts=_bias_grad_buffer(masks, bias_grad, chunks, True, q.dtype))
-    _run("backward_jvp", q, k, v, **_mask_args(masks), out=out, row_max=row_max, inv_sum=inv_sum, dout=dout,
-         delta=q.new_empty(q.shape[:-1]), tdout=tdout, tq=tq, tk=tk, tv=tv, tbias=masks.get("tbias"),
+    layout = _Layout(rows, chunks=chunks, transposed_keys=_transposed_keys(k, v))
+    _run("backward_jvp", call, layout, masks, **tensors, delta=q.new_empty(q.shape[:-1]), tbias=masks.get("tbias"),
          tdq=tdq, tdk_parts=tdk_parts, tdv_parts=tdv_parts, tdbias_parts=tdbias_parts, **grads,
-         key_ranges=_key_ranges(q, k, causal, rows, masks), sink_rows=sink_rows,
-         **_options(causal, scale, bf16=bf16, block_rows=rows, chunks=chunks, seed=seed, dropout_p=dropout_p,
-                    softcap=softcap, sink=sink, transposed_keys=_transposed_keys(k, v)))
-    tangents = tdq, _sum_parts(tdk_parts), _sum_parts(tdv_parts), _finish_bias_grad(tdbias_parts, bias)
+         key_ranges=_key_ranges(q, k, call.causal, rows, masks), sink_rows=inputs.get("sink_rows"))
+    tangents = tdq, _sum_parts(tdk_parts), _sum_parts(tdv_parts), _finish_bias_grad(tdbias_parts, call.bias)
     if not with_backward:
         return tangents
     return (grads["dq"], _sum_parts(grads["dk_parts"]), _sum_parts(grads["dv_parts"]),
-            _finish_bias_grad(grads["dbias_row_parts"], bias), *tangents)
+            _finish_bias_grad(grads["dbias_row_parts"], call.bias), *tangents)

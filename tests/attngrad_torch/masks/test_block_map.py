@@ -13,6 +13,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from attngrad.torch.masks import block_map  # noqa: E402
 from attngrad.torch.masks.block_map import (  # noqa: E402
+    ScoreFilter,
     empty_tiles,
     kept_keys,
     key_range,
@@ -49,7 +50,8 @@ def _reference(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys,
 
 
 def _check(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys):
-    got = empty_tiles(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys)
+    scores = ScoreFilter(len_q, len_k, causal, bounds, mask, bias)
+    got = empty_tiles(scores, block_rows, block_keys)
     want = _reference(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys)
     assert got.dtype == torch.bool and got.is_contiguous()
     # the batch and head axes kept at 1 where nothing varies along them
@@ -60,7 +62,7 @@ def _check(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys):
     exact = _reference(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys, exact=True)
     assert not bool((got & ~exact).any()), "a tile with an entry that takes part was excluded"
     ranges = key_ranges(len_q, len_k, causal, None, block_rows, kept_keys(mask, bias, len_q, block_rows))
-    kinds = tile_map(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys, ranges=ranges)
+    kinds = tile_map(scores, block_rows, block_keys, ranges=ranges)
     assert kinds.dtype == torch.uint8 and kinds.is_contiguous() and kinds.shape == got.shape
     unmasked = _unmasked_reference(len_q, len_k, mask, bias, block_rows, block_keys, ranges).expand_as(got)
     want_kinds = torch.where(want, block_map.SKIPPED, torch.where(unmasked, block_map.UNMASKED, block_map.COMPUTED)).to(torch.uint8)

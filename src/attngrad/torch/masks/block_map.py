@@ -173,9 +173,23 @@ def _columns(columns: Tensor, beyond: Optional[Tensor]) -> Tensor:
     return columns.all(-1)
 
 
-def empty_tiles(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[Tensor], mask: Optional[Tensor],
-                bias: Optional[Tensor], block_rows: int, block_keys: int,
-                blocks: Optional[MaskBlocks] = None) -> Tensor:
+@dataclass(frozen=True)
+class ScoreFilter:
+    """What decides which of a call's (Lq, Lk) scores take part, as `empty_tiles` and
+    `tile_map` read it: the causal diagonal, the key bounds (1 or B, Lq, 2), a boolean mask
+    and a float bias (4-D, each axis 1 or the scores' own (B, H, Lq, Lk)) and a mask kept per
+    block."""
+
+    len_q: int
+    len_k: int
+    causal: Optional[int] = None
+    bounds: Optional[Tensor] = None
+    mask: Optional[Tensor] = None
+    bias: Optional[Tensor] = None
+    blocks: Optional[MaskBlocks] = None
+
+
+def empty_tiles(scores: ScoreFilter, block_rows: int, block_keys: int) -> Tensor:
     """Which tiles of block_rows x block_keys the passes skip: (1 or B, 1 or H, query blocks,
     key blocks) boolean, contiguous, True where the tile is excluded. A tile is excluded
     where no entry (i, j) takes part by row i's interval (`row_intervals`: the causal
@@ -185,8 +199,9 @@ def empty_tiles(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[
     size 1 or the scores' own (B, H, Lq, Lk). The batch and head axes stay 1 where none of
     bounds, mask and bias varies along them. A mask kept per block (`blocks`) excludes the
     tiles whose blocks are all EMPTY (`mask_blocks.blocks_with_no_entry`)."""
-    excluded, _ = _classified(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys, blocks, None, False)
-    return excluded.expand(*excluded.shape[:2], -(-len_q // block_rows), -(-len_k // block_keys)).contiguous()
+    excluded, _ = _classified(scores, block_rows, block_keys, None, False)
+    return excluded.expand(*excluded.shape[:2], -(-scores.len_q // block_rows),
+                           -(-scores.len_k // block_keys)).contiguous()
 
 
 # The kinds of tile in a tile map: the mask and bias applied entry by entry, not computed,
@@ -194,9 +209,7 @@ def empty_tiles(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[
 COMPUTED, SKIPPED, UNMASKED = 0, 1, 2
 
 
-def tile_map(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[Tensor], mask: Optional[Tensor],
-             bias: Optional[Tensor], block_rows: int, block_keys: int, blocks: Optional[MaskBlocks] = None,
-             ranges: Optional[Tensor] = None) -> Tensor:
+def tile_map(scores: ScoreFilter, block_rows: int, block_keys: int, ranges: Optional[Tensor] = None) -> Tensor:
     """The compiled tiles' map of their forward's and backward's tiles: `empty_tiles`'s shape,
     uint8, contiguous, of SKIPPED where `empty_tiles` excludes the tile, UNMASKED where the
     mask keeps every entry of it and the bias is 0 on all of them, so that the passes neither
@@ -205,19 +218,21 @@ def tile_map(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[Ten
     (`key_ranges`), a tile's entries past its query block's keys, which they do not compute,
     do not count. The causal diagonal, the key bounds and a mask kept per block apply on
     every tile computed; without a mask or a bias no tile is UNMASKED."""
-    excluded, unmasked = _classified(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys, blocks,
-                                     ranges, mask is not None or bias is not None)
+    excluded, unmasked = _classified(scores, block_rows, block_keys, ranges,
+                                     scores.mask is not None or scores.bias is not None)
     kinds = torch.where(excluded, SKIPPED, torch.where(unmasked, UNMASKED, COMPUTED)).to(torch.uint8)
-    return kinds.expand(*kinds.shape[:2], -(-len_q // block_rows), -(-len_k // block_keys)).contiguous()
+    return kinds.expand(*kinds.shape[:2], -(-scores.len_q // block_rows),
+                        -(-scores.len_k // block_keys)).contiguous()
 
 
-def _classified(len_q: int, len_k: int, causal: Optional[int], bounds: Optional[Tensor], mask: Optional[Tensor],
-                bias: Optional[Tensor], block_rows: int, block_keys: int, blocks: Optional[MaskBlocks],
-                ranges: Optional[Tensor], unmasked: bool) -> tuple[Tensor, Tensor]:
+def _classified(scores: ScoreFilter, block_rows: int, block_keys: int, ranges: Optional[Tensor],
+                unmasked: bool) -> tuple[Tensor, Tensor]:
     """(excluded, unmasked) per tile, 4-D boolean, each axis 1 or the map's own: what
     `empty_tiles` excludes, and (where asked, else False throughout) the tiles where the mask
     keeps every entry and the bias is 0, but past the ends of `ranges`."""
-    excluded = _excluded_by_structure_and_mask(len_q, len_k, causal, bounds, mask, block_rows, block_keys)
+    len_q, len_k, mask, bias, blocks = scores.len_q, scores.len_k, scores.mask, scores.bias, scores.blocks
+    excluded = _excluded_by_structure_and_mask(len_q, len_k, scores.causal, scores.bounds, mask, block_rows,
+                                               block_keys)
     kept = torch.full((1, 1, 1, 1), unmasked)
     beyond = None
     if unmasked and ranges is not None:

@@ -150,13 +150,13 @@ def brgemm_route_on() -> int:
 def tiles_not_empty(q, k, causal, mask=None, bias=None, bounds=None, block_keys=None):
     """Score tiles of the forward (and of the backward: the same tiling) that the block map
     leaves to compute: all B H Lq/R Lk/C of them less its EMPTY ones, and how many those are."""
-    from attngrad.torch.masks.block_map import empty_tiles
+    from attngrad.torch.masks.block_map import ScoreFilter, empty_tiles
 
     masks = native._score_masks(tiles_call(q, k, q, causal, mask=mask, bias=bias, bounds=bounds), q.dtype)
     block_keys = block_keys or native._block_keys(bounds)
     rows = native._block_rows(q.shape[2], k.shape[2], causal, q.dtype == torch.bfloat16, masks.get("key_bounds"))
-    empty = empty_tiles(q.shape[2], k.shape[2], causal, masks.get("key_bounds"), masks.get("mask"),
-                        masks.get("bias"), rows, block_keys)
+    scores = ScoreFilter(q.shape[2], k.shape[2], causal, masks.get("key_bounds"), masks.get("mask"), masks.get("bias"))
+    empty = empty_tiles(scores, rows, block_keys)
     empty = empty.expand(q.shape[0], q.shape[1], *empty.shape[2:])
     return int((~empty).sum()), int(empty.sum())
 

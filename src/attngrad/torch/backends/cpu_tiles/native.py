@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ...masks import version_cache
-from ...masks.block_map import kept_keys, key_ranges, tile_map
+from ...masks.block_map import ScoreFilter, kept_keys, key_ranges, tile_map
 from ...masks.blocks import MaskBlocks
 from ...op.call import AttentionCall, PassInputs
 from ...op.dropout import Placement, as_int64, keep_value, threshold
@@ -286,8 +286,8 @@ def _tile_map(q: Tensor, k: Tensor, masks: dict, causal: int | None, block_rows:
     mask, bias, bounds, index, mask_tiles = sources
     blocks = None if index is None else MaskBlocks(index, mask_tiles)
     return version_cache.value("tile_map", (q.shape[2], k.shape[2], causal, block_rows, block_keys), sources,
-                 lambda: tile_map(q.shape[2], k.shape[2], causal, bounds, mask, bias, block_rows, block_keys, blocks,
-                                  ranges))
+                 lambda: tile_map(ScoreFilter(q.shape[2], k.shape[2], causal, bounds, mask, bias, blocks), block_rows,
+                                  block_keys, ranges))
 
 
 @functools.lru_cache(maxsize=64)

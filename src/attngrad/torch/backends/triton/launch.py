@@ -30,7 +30,7 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from ...masks import version_cache
-from ...masks.block_map import empty_tiles
+from ...masks.block_map import ScoreFilter, empty_tiles
 from ...op.call import AttentionCall, PassInputs
 from ...op.dropout import as_int64, keep_value, threshold
 from ...op.key_constant_bias import is_key_constant, rows_to_bias, sink_share
@@ -292,8 +292,9 @@ def _block_map(call: AttentionCall, blocks: Blocks) -> tuple[Tensor, Tensor, Ten
 
     def make() -> tuple[Tensor, Tensor, Tensor, bool]:
         bounds = None if call.bounds is None else call.bounds.contiguous().cpu()
-        empty = empty_tiles(len_q, len_k, call.causal, bounds, _narrowed(call.mask), None, blocks.rows, blocks.keys,
-                            None if mask_blocks is None else mask_blocks.to("cpu"))  # (1 or B, 1 or H, n_q, n_k)
+        scores = ScoreFilter(len_q, len_k, call.causal, bounds, _narrowed(call.mask),
+                             blocks=None if mask_blocks is None else mask_blocks.to("cpu"))
+        empty = empty_tiles(scores, blocks.rows, blocks.keys)  # (1 or B, 1 or H, n_q, n_k)
         key_walks, query_walks = _walks(empty)
         dense = _dense(empty, key_walks) and _dense(empty, query_walks)
         return empty.to(torch.int8).to(device), key_walks.to(device), query_walks.to(device), dense

@@ -27,24 +27,36 @@ graph serves every decoding step.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
 from ..torch import attention
-from .transformers_masks import CompactMask, UnsupportedMask, compact_mask, evaluate_mask_function, read_mask_function
+from .transformers_masks import (
+    MASK_DEFAULTS,
+    CompactMask,
+    MaskArguments,
+    UnsupportedMask,
+    compact_mask,
+    evaluate_mask_function,
+    read_mask_function,
+)
 
 __all__ = ["NAME", "CompactMask", "UnsupportedMask", "attention_for_transformers", "mask_for_attngrad", "register"]
 
 NAME = "attngrad"
 
 
-def mask_for_attngrad(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                      mask_function: Any = None, attention_mask: Optional[Tensor] = None, use_vmap: bool = False,
-                      device: torch.device | str = "cpu", **_: Any) -> CompactMask:
+def mask_for_attngrad(**arguments: Unpack[MaskArguments]) -> CompactMask:
     """transformers' mask interface: the model's mask as a CompactMask, read or evaluated
     (nothing Lq x Lk where its rows are intervals)."""
+    # what attngrad reads of what transformers passes, its own defaults for what it left out
+    arguments = {**MASK_DEFAULTS, **{n: a for n, a in arguments.items() if n in MaskArguments.__annotations__}}
+    batch_size, q_length, kv_length = arguments["batch_size"], arguments["q_length"], arguments["kv_length"]
+    q_offset, kv_offset = arguments["q_offset"], arguments["kv_offset"]
+    mask_function, attention_mask = arguments["mask_function"], arguments["attention_mask"]
     if isinstance(attention_mask, CompactMask):  # made before (generate() with a static cache): as it is
         if (attention_mask.q_length, attention_mask.kv_length) != (q_length, kv_length):
             raise ValueError(f"the attngrad mask passed in was made for (Lq, Lk) = ({attention_mask.q_length}, "
@@ -61,8 +73,7 @@ def mask_for_attngrad(batch_size: int, q_length: int, kv_length: int, q_offset: 
             return compact_mask(q_length, kv_length, q_offset, kv_offset, pattern, attention_mask, batch_size)
         except UnsupportedMask:  # or_masks, chunks, image blocks, a model's own function: evaluated
             pass
-    return evaluate_mask_function(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
-                                  attention_mask, use_vmap, device, fixed_form)
+    return evaluate_mask_function(arguments, fixed_form)
 
 
 def _needed_bias(position_bias: Optional[Tensor]) -> Optional[Tensor]:
@@ -77,14 +88,26 @@ def _needed_bias(position_bias: Optional[Tensor]) -> Optional[Tensor]:
     return position_bias
 
 
-def attention_for_transformers(
-    module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
-    dropout: float = 0.0, scaling: Optional[float] = None, is_causal: Optional[bool] = None, *,
-    softcap: Optional[float] = None, s_aux: Optional[Tensor] = None, position_bias: Optional[Tensor] = None,
-    sliding_window: Optional[int] = None, **_: Any,
-) -> tuple[Tensor, None]:
+class AttentionArguments(TypedDict, total=False):
+    """What transformers' attention interface passes by name beside q, k, v and the mask, and
+    attngrad reads (models pass more: position ids, ..., which it does not need)."""
+
+    dropout: float
+    scaling: Optional[float]
+    is_causal: Optional[bool]  # None: the module's own is_causal
+    softcap: Optional[float]  # Gemma 2's logit soft cap
+    s_aux: Optional[Tensor]  # GPT-OSS's sinks, one logit per head
+    position_bias: Optional[Tensor]  # T5's relative position bias
+    sliding_window: Optional[int]
+
+
+def attention_for_transformers(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+                               **arguments: Unpack[AttentionArguments]) -> tuple[Tensor, None]:
     """transformers' attention interface: query (B, H, Lq, D), key and value (B, Hkv, Lk, D)
     -> ((B, Lq, H, Dv), None). The attention weights are never formed, so none are returned."""
+    dropout, scaling, is_causal = arguments.get("dropout", 0.0), arguments.get("scaling"), arguments.get("is_causal")
+    softcap, s_aux, position_bias = arguments.get("softcap"), arguments.get("s_aux"), arguments.get("position_bias")
+    sliding_window = arguments.get("sliding_window")
     options: dict = {}
     bias = _needed_bias(position_bias)
     if isinstance(attention_mask, CompactMask):

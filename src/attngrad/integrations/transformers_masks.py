@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, TypedDict
 
 import torch
 from torch import Tensor
@@ -130,23 +130,42 @@ class CompactMask:
         return (batch, 1, self.q_length, self.kv_length)
 
 
-def evaluate_mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: int | Tensor, kv_offset: int,
-                           mask_function: Callable, attention_mask: Optional[Tensor], use_vmap: bool,
-                           device: torch.device | str, fixed_form: bool = False) -> CompactMask:
+class MaskArguments(TypedDict, total=False):
+    """What transformers' mask interface passes, by name, and attngrad reads (it passes more:
+    allow_is_causal_skip, dtype, config, ..., which attngrad's masks do not need)."""
+
+    batch_size: int
+    q_length: int
+    kv_length: int
+    q_offset: int | Tensor  # the first query's position (a tensor with a static cache)
+    kv_offset: int
+    mask_function: Callable  # (b, h, q_idx, kv_idx) -> whether the key takes part
+    attention_mask: Optional[Tensor]  # (B, Lk) 2-D padding, True or 1 = a real token
+    use_vmap: bool
+    device: torch.device | str
+
+
+# transformers' own defaults for what its interface may leave out (`sdpa_mask`'s)
+MASK_DEFAULTS: MaskArguments = dict(q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+                                    use_vmap=False, device="cpu")
+
+
+def evaluate_mask_function(arguments: MaskArguments, fixed_form: bool = False) -> CompactMask:
     """A mask function no Pattern reads, with the padding of the 2-D `attention_mask`:
     evaluated by transformers' `sdpa_mask` a few rows at a time (its semantics exactly),
     as key bounds where every row sees one interval of keys (always, with `fixed_form`:
-    `mask_functions.evaluate_rows`)."""
+    `mask_functions.evaluate_rows`). `arguments` holds every field of `MaskArguments`."""
     from transformers.masking_utils import sdpa_mask
 
+    attention_mask = arguments["attention_mask"]
     if attention_mask is not None:
         attention_mask = attention_mask.to(torch.bool)  # 0/1 as transformers' own preprocessing leaves it
+    batch_size, q_length, kv_length, device = (arguments[n] for n in ("batch_size", "q_length", "kv_length", "device"))
 
     def rows_of(start: int, stop: int) -> Tensor:
-        return sdpa_mask(batch_size=batch_size, q_length=stop - start, kv_length=kv_length,
-                         q_offset=q_offset + start, kv_offset=kv_offset, mask_function=mask_function,
-                         attention_mask=attention_mask, allow_is_causal_skip=False,
-                         allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
+        return sdpa_mask(**{**arguments, "q_length": stop - start, "q_offset": arguments["q_offset"] + start,
+                            "attention_mask": attention_mask}, allow_is_causal_skip=False,
+                         allow_is_bidirectional_skip=False)
 
     evaluated = evaluate_rows(rows_of, batch_size, 1, q_length, kv_length, device, fixed_form)
     return CompactMask(q_length, kv_length, evaluated=evaluated)

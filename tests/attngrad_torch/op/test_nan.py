@@ -18,6 +18,7 @@ from attngrad.torch import attention, use_implementation  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
 
 from ...conftest import EXACT, rel_err  # noqa: E402
+from ..conftest import make_call  # noqa: E402
 
 B, H, HKV, LQ, LK, D, DV = 2, 2, 1, 7, 9, 5, 4
 BACKENDS = ("tiles", "torch-ops", "triton")
@@ -192,10 +193,12 @@ def test_given_sums_pass_and_its_ring_parts_keep_nan(where, index):
     k_rep, v_rep, tk_rep, tv_rep = (t.repeat_interleave(H // HKV, 1) for t in (k, v, tk, tv))  # the kernels' GQA
     out, row_max, inv_sum = native.attention_forward(q, k_rep, v_rep, None, scale)
     assert inv_sum[1, 0, 3].isnan() if where == 0 else inv_sum[0].isnan().all()  # the rows it reached
-    args = (q, k_rep, v_rep, None, None, 0, row_max, inv_sum, None, scale, 0.0, 0.0, tq, tk_rep, tv_rep, None)
+    call = make_call(q, k_rep, v_rep, scale=scale)
+    inputs = dict(row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk_rep, tv=tv_rep, tbias=None)
     centre = torch.zeros(B, H, LQ, 1, dtype=torch.float64)
-    kernels_higher.attention_jvp(*args, centre=torch.zeros_like(centre), centre_sums=centre)
-    delta_t = (dout * kernels_higher.attention_jvp(*args)).sum(-1, keepdim=True) + (tdout * out).sum(-1, keepdim=True)
+    kernels_higher.attention_jvp(call, **inputs, row_sums=dict(centre=torch.zeros_like(centre), centre_sums=centre))
+    delta_t = (dout * kernels_higher.attention_jvp(call, **inputs)).sum(-1, keepdim=True) + \
+        (tdout * out).sum(-1, keepdim=True)
     whole = native.attention_backward_jvp_given_sums(dout, q, k_rep, v_rep, out, row_max, inv_sum, None, scale,
                                                      tdout, tq, tk_rep, tv_rep, centre, delta_t)
     parts = [native.attention_backward_jvp_given_sums(

@@ -27,8 +27,11 @@ from .cases import (  # noqa: E402
     given_row_sums,
     needs_tiles,
     random_inputs,
+    torch_ops_first_order,
     whole_row_settings,
 )
+
+TANGENTS = ("tdout", "tq", "tk", "tv", "tbias")  # the backward JVP's tangents by name, as the tests draw them
 
 
 @needs_tiles
@@ -56,9 +59,9 @@ def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k
                                         softcap=softcap)
         grads = native.attention_backward(dout, q, k, v, *ours, causal, scale, chunks=chunks, mask=mask, bias=bias,
                                           seed=seed, dropout_p=dropout_p, bias_grad=bias_grad, softcap=softcap)
-    theirs = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
-    their_grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, *theirs, causal, scale, softcap,
-                                             dropout_p, bias_grad)
+    call = make_call(q, k, v, mask, bias, seed=torch.tensor(seed), causal=causal, scale=scale, softcap=softcap,
+                     dropout_p=dropout_p)
+    theirs, their_grads = torch_ops_first_order(call, dout, bias_grad)
     assert (grads[3] is None) is (not bias_grad)
     grads, their_grads = grads[: 3 + bias_grad], their_grads[: 3 + bias_grad]
     names = ("out", "row_max", "inv_sum", "dq", "dk", "dv", "dbias")
@@ -91,14 +94,16 @@ def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, grou
     g = torch.Generator().manual_seed(seed + 1)
     gq, gk, gv, gbias = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
                          for t, keep in zip((q, k, v, bias if bias_grad else None), present))
-    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
+    call = make_call(q, k, v, mask, bias, seed=torch.tensor(seed), causal=causal, scale=scale, softcap=softcap,
+                     dropout_p=dropout_p)
+    out, row_max, inv_sum = kernels.attention_forward(call)
     with whole_row_settings(rows, transposed_keys):
         ours = native.attention_double_backward(dout, q, k, v, out, row_max, inv_sum, causal, scale, dout_grad,
                                                 gq, gk, gv, chunks=chunks, mask=mask, bias=bias, gbias=gbias,
                                                 seed=seed, dropout_p=dropout_p, bias_grad=bias_grad, softcap=softcap)
-    theirs = kernels_higher.attention_double_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal,
-                                                      scale, softcap, dropout_p, bias_grad, dout_grad, gq, gk, gv,
-                                                      gbias)
+    theirs = kernels_higher.attention_double_backward(call, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum,
+                                                      bias_grad=bias_grad, dout_grad=dout_grad, gq=gq, gk=gk, gv=gv,
+                                                      gbias=gbias)
     assert (ours[0] is None) is (not dout_grad) and (ours[4] is None) is (not bias_grad)
     names = ("g_dout", "g_q", "g_k", "g_v", "g_bias")
     kept = [i for i in range(5) if theirs[i] is not None]
@@ -128,12 +133,13 @@ def test_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, l
     g = torch.Generator().manual_seed(seed + 1)
     tq, tk, tv, tbias = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
                          for t, keep in zip((q, k, v, bias), present))
-    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
+    call = make_call(q, k, v, mask, bias, seed=torch.tensor(seed), causal=causal, scale=scale, softcap=softcap,
+                     dropout_p=dropout_p)
+    out, row_max, inv_sum = kernels.attention_forward(call)
     with whole_row_settings(rows, transposed_keys):
         ours = native.attention_jvp(q, k, v, row_max, inv_sum, causal, scale, tq, tk, tv, mask=mask, bias=bias,
                                     tbias=tbias, seed=seed, dropout_p=dropout_p, softcap=softcap)
-    theirs = kernels_higher.attention_jvp(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap,
-                                          dropout_p, tq, tk, tv, tbias)
+    theirs = kernels_higher.attention_jvp(call, row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv, tbias=tbias)
     assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
     assert_all_close({"out_t": ours}, {"out_t": theirs}, floor_fraction=1e-3)
 
@@ -162,7 +168,10 @@ def test_backward_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups,
     g = torch.Generator().manual_seed(seed + 1)
     tangents = [torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
                 for t, keep in zip((dout, q, k, v, bias), present)]
-    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
+    call = make_call(q, k, v, mask, bias, seed=torch.tensor(seed), causal=causal, scale=scale, softcap=softcap,
+                     dropout_p=dropout_p)
+    out, row_max, inv_sum = kernels.attention_forward(call)
+    stats = dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum)
     with whole_row_settings(rows, transposed_keys):
         ours, both = (native.attention_backward_jvp(dout, q, k, v, out, row_max, inv_sum, causal, scale, *tangents[:4],
                                                     mask=mask, bias=bias, tbias=tangents[4], seed=seed,
@@ -170,13 +179,12 @@ def test_backward_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups,
                                                     softcap=softcap, with_backward=with_backward)
                       for with_backward in (False, True))
     assert all(a is b is None or torch.equal(a, b) for a, b in zip(both[4:], ours))
-    grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, softcap,
-                                       dropout_p, bias_grad)
+    grads = kernels.attention_backward(call, **stats, bias_grad=bias_grad)
     grad_names = ("dq", "dk", "dv", "dbias")[: 3 + bias_grad]
     assert (both[3] is None) is (not bias_grad)
     assert_all_close(dict(zip(grad_names, both[:4])), dict(zip(grad_names, grads)), floor_fraction=1e-3)
-    theirs = kernels_higher.attention_backward_jvp(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal,
-                                                   scale, softcap, dropout_p, bias_grad, *tangents)
+    theirs = kernels_higher.attention_backward_jvp(call, **stats, bias_grad=bias_grad,
+                                                   **dict(zip(TANGENTS, tangents)))
     assert (ours[3] is None) is (not bias_grad)
     names = ("dq_t", "dk_t", "dv_t", "dbias_t")[: 3 + bias_grad]
     for a, b in zip(ours, theirs):
@@ -220,21 +228,22 @@ def test_backward_jvp_given_sums_matches_the_torch_ops_kernels(batch, kv_heads, 
     g = torch.Generator().manual_seed(seed + 1)
     tangents = [torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
                 for t, keep in zip((dout, q, k, v, bias), present)]
-    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
-    centre, delta_t = given_row_sums(dout, q, k, v, out, row_max, inv_sum, mask, bias, seed, causal, scale, softcap,
-                                dropout_p, tangents)
+    call = make_call(q, k, v, mask, bias, seed=torch.tensor(seed), causal=causal, scale=scale, softcap=softcap,
+                     dropout_p=dropout_p)
+    out, row_max, inv_sum = kernels.attention_forward(call)
+    stats = dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum)
+    centre, delta_t = given_row_sums(call, stats, tangents)
     with native.TILING.override(block_rows=blocks[0], block_keys=blocks[1]):
         ours, both = (native.attention_backward_jvp_given_sums(
             dout, q, k, v, out, row_max, inv_sum, causal, scale, *tangents[:4], centre, delta_t, mask=mask, bias=bias,
             tbias=tangents[4], seed=seed, dropout_p=dropout_p, chunks=chunks, softcap=softcap,
             with_backward=with_backward) for with_backward in (False, True))
     assert all(torch.equal(a, b) for a, b in zip(both[3:], ours))
-    grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, softcap,
-                                       dropout_p, False)
+    grads = kernels.attention_backward(call, **stats, bias_grad=False)
     assert_all_close(dict(zip(("dq", "dk", "dv"), both[:3])), dict(zip(("dq", "dk", "dv"), grads[:3])),
                      floor_fraction=1e-3)
-    theirs = kernels_higher.attention_backward_jvp(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal,
-                                                   scale, softcap, dropout_p, False, *tangents)[:3]
+    theirs = kernels_higher.attention_backward_jvp(call, **stats, bias_grad=False,
+                                                   **dict(zip(TANGENTS, tangents)))[:3]
     names = ("dq_t", "dk_t", "dv_t")
     if at_most_one_key(causal, len_q, len_k, mask, bias):
         # P is 1 or 0 whatever the scores: dq and dk do not move (rounding noise on both sides)
@@ -257,9 +266,10 @@ def test_backward_jvp_given_sums_on_a_part_of_the_keys(causal, dropout_p):
     g = torch.Generator().manual_seed(5)
     tangents = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (dout, q, k, v)] + [None]
     scale, seed, split = 0.3, 11, 13
-    out, row_max, inv_sum = kernels.attention_forward(q, k, v, None, None, seed, causal, scale, 0.0, dropout_p)
-    centre, delta_t = given_row_sums(dout, q, k, v, out, row_max, inv_sum, None, None, seed, causal, scale, 0.0,
-                                dropout_p, tangents)
+    call = make_call(q, k, v, seed=torch.tensor(seed), causal=causal, scale=scale, dropout_p=dropout_p)
+    out, row_max, inv_sum = kernels.attention_forward(call)
+    stats = dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum)
+    centre, delta_t = given_row_sums(call, stats, tangents)
     whole = native.attention_backward_jvp_given_sums(dout, q, k, v, out, row_max, inv_sum, causal, scale,
                                                      *tangents[:4], centre, delta_t, seed=seed, dropout_p=dropout_p)
     parts = []
@@ -271,8 +281,8 @@ def test_backward_jvp_given_sums_on_a_part_of_the_keys(causal, dropout_p):
             tangents[1], tk, tv, centre, delta_t, seed=native.Placement(seed, 0, lo, 0, 1), dropout_p=dropout_p))
     joined = (parts[0][0] + parts[1][0], torch.cat([parts[0][1], parts[1][1]], 2),
               torch.cat([parts[0][2], parts[1][2]], 2))
-    theirs = kernels_higher.attention_backward_jvp(dout, q, k, v, None, None, seed, out, row_max, inv_sum, causal,
-                                                   scale, 0.0, dropout_p, False, *tangents)[:3]
+    theirs = kernels_higher.attention_backward_jvp(call, **stats, bias_grad=False,
+                                                   **dict(zip(TANGENTS, tangents)))[:3]
     names = ("dq_t", "dk_t", "dv_t")
     assert_all_close(dict(zip(names, whole)), dict(zip(names, theirs)))
     assert_all_close(dict(zip(names, joined)), dict(zip(names, theirs)))
@@ -289,8 +299,8 @@ def test_forward_jvp_writes_each_rows_centre():
     tq, tk, tv = (torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (q, k, v))
     centre = torch.full((2, 4, 37), float("nan"), dtype=torch.float64)
     out, row_max, inv_sum, _ = native.attention_forward_jvp(q, k, v, 0, 0.3, tq, tk, tv, mask=mask, centre=centre)
-    theirs, _ = given_row_sums(dout, q, k, v, out, row_max, inv_sum, mask, None, 0, 0, 0.3, 0.0, 0.0,
-                          (None, tq, tk, tv, None))
+    stats = dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum)
+    theirs, _ = given_row_sums(make_call(q, k, v, mask, causal=0, scale=0.3), stats, (None, tq, tk, tv, None))
     assert float(centre[0, :, 5].abs().max()) == 0.0
     assert_all_close({"centre": centre}, {"centre": theirs[..., 0]})
 
@@ -428,8 +438,7 @@ def test_bias_gradient_parts_add_up(shape, expanded):
     bias = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     if expanded:
         bias = bias.expand(2, 4, 37, 300)
-    stats = kernels.attention_forward(q, k, v, None, bias, 0, 0, 0.3, 0.0, 0.0)
-    theirs = kernels.attention_backward(dout, q, k, v, None, bias, 0, *stats, 0, 0.3, 0.0, 0.0, True)
+    stats, theirs = torch_ops_first_order(make_call(q, k, v, bias=bias, causal=0, scale=0.3), dout, bias_grad=True)
     with native.TILING.override(block_keys=64):
         for chunks in (1, 3):
             ours = native.attention_backward(dout, q, k, v, *stats, 0, 0.3, chunks=chunks, bias=bias, bias_grad=True)
@@ -529,9 +538,9 @@ def test_narrow_band_tiles_from_transposed_keys_match_the_torch_ops_kernels(
                                           **options)
     # a quarter of block_rows wherever the blocks cover any score (else the cost ties at 0)
     assert taken["forward"] == taken["backward"] == (taken["forward"][1] <= 4, taken["forward"][1])
-    theirs = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p, bounds=bounds)
-    their_grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, *theirs, causal, scale, softcap,
-                                             dropout_p, bias_grad, bounds=bounds)
+    call = make_call(q, k, v, mask, bias, bounds, seed=torch.tensor(seed), causal=causal, scale=scale,
+                     softcap=softcap, dropout_p=dropout_p)
+    theirs, their_grads = torch_ops_first_order(call, dout, bias_grad)
     grads, their_grads = grads[: 3 + bias_grad], their_grads[: 3 + bias_grad]
     names = ("out", "row_max", "inv_sum", "dq", "dk", "dv", "dbias")
     keys = torch.arange(len_k)

@@ -10,6 +10,7 @@ from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E4
 from attngrad.torch.backends.torch_ops import higher_order as kernels_higher  # noqa: E402
 
 from ....conftest import EXACT, assert_all_close, rel_err  # noqa: E402
+from ...conftest import make_call  # noqa: E402
 from .cases import needs_tiles, query_blocks_taken, random_inputs  # noqa: E402
 
 
@@ -64,10 +65,11 @@ def test_double_backward_at_its_own_block_heights(len_q, len_k, causal, rows):
     g = torch.Generator().manual_seed(6)
     gq, gk, gv = (torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (q, k, v))
     scale = 24**-0.5
-    out, row_max, inv_sum = kernels.attention_forward(q, k, v, None, None, 0, causal, scale, 0.0, 0.0)
+    call = make_call(q, k, v, causal=causal, scale=scale)
+    out, row_max, inv_sum = kernels.attention_forward(call)
     ours = native.attention_double_backward(dout, q, k, v, out, row_max, inv_sum, causal, scale, True, gq, gk, gv)
-    theirs = kernels_higher.attention_double_backward(dout, q, k, v, None, None, 0, out, row_max, inv_sum, causal,
-                                                      scale, 0.0, 0.0, False, True, gq, gk, gv, None)
+    theirs = kernels_higher.attention_double_backward(call, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum,
+                                                      bias_grad=False, dout_grad=True, gq=gq, gk=gk, gv=gv, gbias=None)
     names = ("g_dout", "g_q", "g_k", "g_v")
     assert_all_close(dict(zip(names, ours[:4])), dict(zip(names, theirs[:4])))
 

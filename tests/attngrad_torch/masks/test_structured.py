@@ -27,6 +27,7 @@ from attngrad.torch.masks import version_cache as kept  # noqa: E402
 from attngrad.torch.masks.structured import _structure, structure  # noqa: E402
 
 from ...conftest import assert_all_close  # noqa: E402
+from ..conftest import make_call  # noqa: E402
 
 B, H, HKV, L, D, DV = 2, 4, 2, 23, 8, 6
 DOUBLE = torch.float64
@@ -500,8 +501,7 @@ def test_a_structure_made_where_it_cannot_serve_later_calls_is_not_kept():
         mask, bias = torch.rand(L, L) > 0.3, torch.randn(L, L, dtype=DOUBLE)
         for _ in range(2):
             assert_all_close({"masked": attention(q, k, v, attn_mask=mask, attn_bias=bias)},
-                             {"masked": kernels.attention_forward(q, k, v, mask, bias, 0, None, D ** -0.5, 0.0,
-                                                                  0.0)[0]})
+                             {"masked": kernels.attention_forward(make_call(q, k, v, mask, bias, scale=D ** -0.5))[0]})
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     dout = randn(B, H, L, D, seed=4)
     grads = torch.autograd.grad(attention(*leaves, is_causal=True, window=(3, None)), leaves, dout)

@@ -12,6 +12,7 @@ from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E4
 from attngrad.torch.op import dropout  # noqa: E402
 
 from ...conftest import EXACT, rel_err  # noqa: E402
+from ..conftest import make_call  # noqa: E402
 
 CASES = {
     "full": dict(),
@@ -132,8 +133,9 @@ def test_a_ring_steps_bits_do_not_depend_on_the_thread_count(many_blocks):
         out, row_max, inv_sum = ops.attention_forward(**options)
         grads = ops.attention_backward(**options, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=True)
         sums = torch.zeros(1, 3, 150, 1)
-        share = kernels_higher.attention_jvp(q, k, v, None, bias, seed, row_max, inv_sum, 40, 0.2, 0.0, 0.1, tq, None,
-                                             None, None, centre=torch.zeros_like(sums), centre_sums=sums)
+        call = make_call(q, k, v, bias=bias, seed=seed.tensor(), causal=40, scale=0.2, dropout_p=0.1)
+        share = kernels_higher.attention_jvp(call, row_max=row_max, inv_sum=inv_sum, tq=tq, tk=None, tv=None,
+                                             tbias=None, row_sums=dict(centre=torch.zeros_like(sums), centre_sums=sums))
         return [out, row_max, inv_sum, *grads, share, sums]
 
     threads = torch.get_num_threads()

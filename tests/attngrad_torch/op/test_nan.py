@@ -194,14 +194,16 @@ def test_given_sums_pass_and_its_ring_parts_keep_nan(where, index):
     k_rep, v_rep, tk_rep, tv_rep = (t.repeat_interleave(H // HKV, 1) for t in (k, v, tk, tv))  # the kernels' GQA
     out, row_max, inv_sum = native.attention_forward(make_call(q, k_rep, v_rep, scale=scale))
     assert inv_sum[1, 0, 3].isnan() if where == 0 else inv_sum[0].isnan().all()  # the rows it reached
-    args = (q, k_rep, v_rep, None, None, 0, row_max, inv_sum, None, scale, 0.0, 0.0, tq, tk_rep, tv_rep, None)
+    call = make_call(q, k_rep, v_rep, scale=scale)
+    jvp_inputs = dict(row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk_rep, tv=tv_rep, tbias=None)
     centre = torch.zeros(B, H, LQ, 1, dtype=torch.float64)
-    kernels_higher.attention_jvp(*args, centre=torch.zeros_like(centre), centre_sums=centre)
-    delta_t = (dout * kernels_higher.attention_jvp(*args)).sum(-1, keepdim=True) + (tdout * out).sum(-1, keepdim=True)
+    kernels_higher.attention_jvp(call, **jvp_inputs, row_sums=dict(centre=torch.zeros_like(centre),
+                                                                   centre_sums=centre))
+    delta_t = (dout * kernels_higher.attention_jvp(call, **jvp_inputs)).sum(-1, keepdim=True) + \
+        (tdout * out).sum(-1, keepdim=True)
     inputs = dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, tdout=tdout, tq=tq,
                   row_sums=dict(centre=centre, delta_t=delta_t))
-    whole = native.attention_backward_jvp_given_sums(make_call(q, k_rep, v_rep, scale=scale),
-                                                     dict(inputs, tk=tk_rep, tv=tv_rep))
+    whole = native.attention_backward_jvp_given_sums(call, dict(inputs, tk=tk_rep, tv=tv_rep))
     parts = [native.attention_backward_jvp_given_sums(
         make_call(q, k_rep[:, :, lo:hi], v_rep[:, :, lo:hi], scale=scale, seed=Placement(0, 0, lo, 0, 1).tensor()),
         dict(inputs, tk=tk_rep[:, :, lo:hi], tv=tv_rep[:, :, lo:hi])) for lo, hi in ((0, 4), (4, LK))]

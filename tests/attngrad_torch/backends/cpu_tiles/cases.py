@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import strategies as st  # noqa: E402
 
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
+from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
 from attngrad.torch.backends.torch_ops import higher_order as kernels_higher  # noqa: E402
 from attngrad.torch.op.call import AttentionCall  # noqa: E402
 from attngrad.torch.op.dropout import Placement  # noqa: E402
@@ -123,14 +124,25 @@ def query_blocks_taken(monkeypatch, q, k, v, dout, causal, **masks) -> dict:
     return rows
 
 
-def given_row_sums(dout, q, k, v, out, row_max, inv_sum, mask, bias, seed, causal, scale, softcap, dropout_p, tangents):
-    """The torch-ops kernels' whole-row sums (B, H, Lq, 1) for tangents (tdO, tQ, tK, tV,
-    tbias): the centre rowsum(P * S') and D' = rowsum(tdO * O + dO * O')."""
+def torch_ops_first_order(call, dout, bias_grad=False):
+    """The torch-ops kernels' forward and backward of an `AttentionCall`: (out, row_max,
+    inv_sum) and (dq, dk, dv, dbias or None)."""
+    out, row_max, inv_sum = kernels.attention_forward(call)
+    grads = kernels.attention_backward(call, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad)
+    return (out, row_max, inv_sum), grads
+
+
+def given_row_sums(call, stats, tangents):
+    """The torch-ops kernels' whole-row sums (B, H, Lq, 1) of an `AttentionCall` for
+    tangents (tdO, tQ, tK, tV, tbias): the centre rowsum(P * S') and D' = rowsum(tdO * O + dO * O').
+    `stats`: dout and the forward's out, row_max, inv_sum by name."""
     tdout, tq, tk, tv, tbias = tangents
+    q, dout, out = call.q, stats["dout"], stats["out"]
     centre = torch.zeros(*q.shape[:3], 1, dtype=q.dtype)
-    args = (q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, tq, tk, tv, tbias)
-    kernels_higher.attention_jvp(*args, centre=torch.zeros_like(centre), centre_sums=centre)  # adds rowsum(P * S')
-    delta_t = (dout * kernels_higher.attention_jvp(*args)).sum(-1, keepdim=True)
+    inputs = dict(row_max=stats["row_max"], inv_sum=stats["inv_sum"], tq=tq, tk=tk, tv=tv, tbias=tbias)
+    # adds rowsum(P * S') into centre
+    kernels_higher.attention_jvp(call, **inputs, row_sums=dict(centre=torch.zeros_like(centre), centre_sums=centre))
+    delta_t = (dout * kernels_higher.attention_jvp(call, **inputs)).sum(-1, keepdim=True)
     if tdout is not None:
         delta_t += (tdout * out).sum(-1, keepdim=True)
     return centre, delta_t

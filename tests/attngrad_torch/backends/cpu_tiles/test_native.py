@@ -30,8 +30,11 @@ from .cases import (  # noqa: E402
     needs_tiles,
     random_inputs,
     tiles_call,
+    torch_ops_first_order,
     whole_row_settings,
 )
+
+TANGENTS = ("tdout", "tq", "tk", "tv", "tbias")  # the backward JVP's tangents by name, as the tests draw them
 
 
 @needs_tiles
@@ -58,9 +61,7 @@ def test_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k
     with native.TILING.override(**dict(zip(("block_rows", "block_keys", "value_slice"), blocks))):
         ours = native.attention_forward(call)
         grads = native.attention_backward(call, after_forward(dout, ours, bias_grad=bias_grad), chunks=chunks)
-    theirs = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
-    their_grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, *theirs, causal, scale, softcap,
-                                             dropout_p, bias_grad)
+    theirs, their_grads = torch_ops_first_order(call, dout, bias_grad)
     assert (grads[3] is None) is (not bias_grad)
     grads, their_grads = grads[: 3 + bias_grad], their_grads[: 3 + bias_grad]
     names = ("out", "row_max", "inv_sum", "dq", "dk", "dv", "dbias")
@@ -93,15 +94,13 @@ def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, grou
     g = torch.Generator().manual_seed(seed + 1)
     gq, gk, gv, gbias = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
                          for t, keep in zip((q, k, v, bias if bias_grad else None), present))
-    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
     call = tiles_call(q, k, v, causal, scale, seed, mask=mask, bias=bias, dropout_p=dropout_p, softcap=softcap)
+    out, row_max, inv_sum = kernels.attention_forward(call)
     inputs = after_forward(dout, (out, row_max, inv_sum), dout_grad=dout_grad, bias_grad=bias_grad, gq=gq, gk=gk,
                            gv=gv, gbias=gbias)
     with whole_row_settings(rows, transposed_keys):
         ours = native.attention_double_backward(call, inputs, chunks=chunks)
-    theirs = kernels_higher.attention_double_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal,
-                                                      scale, softcap, dropout_p, bias_grad, dout_grad, gq, gk, gv,
-                                                      gbias)
+    theirs = kernels_higher.attention_double_backward(call, **inputs)
     assert (ours[0] is None) is (not dout_grad) and (ours[4] is None) is (not bias_grad)
     names = ("g_dout", "g_q", "g_k", "g_v", "g_bias")
     kept = [i for i in range(5) if theirs[i] is not None]
@@ -131,12 +130,12 @@ def test_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, l
     g = torch.Generator().manual_seed(seed + 1)
     tq, tk, tv, tbias = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
                          for t, keep in zip((q, k, v, bias), present))
-    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
     call = tiles_call(q, k, v, causal, scale, seed, mask=mask, bias=bias, dropout_p=dropout_p, softcap=softcap)
+    out, row_max, inv_sum = kernels.attention_forward(call)
+    inputs = dict(row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv, tbias=tbias)
     with whole_row_settings(rows, transposed_keys):
-        ours = native.attention_jvp(call, dict(row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv, tbias=tbias))
-    theirs = kernels_higher.attention_jvp(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap,
-                                          dropout_p, tq, tk, tv, tbias)
+        ours = native.attention_jvp(call, inputs)
+    theirs = kernels_higher.attention_jvp(call, **inputs)
     assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
     assert_all_close({"out_t": ours}, {"out_t": theirs}, floor_fraction=1e-3)
 
@@ -165,21 +164,20 @@ def test_backward_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups,
     g = torch.Generator().manual_seed(seed + 1)
     tangents = [torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
                 for t, keep in zip((dout, q, k, v, bias), present)]
-    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
     call = tiles_call(q, k, v, causal, scale, seed, mask=mask, bias=bias, dropout_p=dropout_p, softcap=softcap)
-    inputs = after_forward(dout, (out, row_max, inv_sum), bias_grad=bias_grad,
-                           **dict(zip(("tdout", "tq", "tk", "tv", "tbias"), tangents)))
+    out, row_max, inv_sum = kernels.attention_forward(call)
+    stats = dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum)
+    inputs = dict(stats, bias_grad=bias_grad, **dict(zip(TANGENTS, tangents)))
     with whole_row_settings(rows, transposed_keys):
         ours, both = (native.attention_backward_jvp(call, inputs, with_backward=with_backward, chunks=chunks)
                       for with_backward in (False, True))
     assert all(a is b is None or torch.equal(a, b) for a, b in zip(both[4:], ours))
-    grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, softcap,
-                                       dropout_p, bias_grad)
+    grads = kernels.attention_backward(call, **stats, bias_grad=bias_grad)
     grad_names = ("dq", "dk", "dv", "dbias")[: 3 + bias_grad]
     assert (both[3] is None) is (not bias_grad)
     assert_all_close(dict(zip(grad_names, both[:4])), dict(zip(grad_names, grads)), floor_fraction=1e-3)
-    theirs = kernels_higher.attention_backward_jvp(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal,
-                                                   scale, softcap, dropout_p, bias_grad, *tangents)
+    theirs = kernels_higher.attention_backward_jvp(call, **stats, bias_grad=bias_grad,
+                                                   **dict(zip(TANGENTS, tangents)))
     assert (ours[3] is None) is (not bias_grad)
     names = ("dq_t", "dk_t", "dv_t", "dbias_t")[: 3 + bias_grad]
     for a, b in zip(ours, theirs):
@@ -223,22 +221,20 @@ def test_backward_jvp_given_sums_matches_the_torch_ops_kernels(batch, kv_heads, 
     g = torch.Generator().manual_seed(seed + 1)
     tangents = [torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
                 for t, keep in zip((dout, q, k, v, bias), present)]
-    out, row_max, inv_sum = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p)
-    centre, delta_t = given_row_sums(dout, q, k, v, out, row_max, inv_sum, mask, bias, seed, causal, scale, softcap,
-                                dropout_p, tangents)
     call = tiles_call(q, k, v, causal, scale, seed, mask=mask, bias=bias, dropout_p=dropout_p, softcap=softcap)
-    inputs = after_forward(dout, (out, row_max, inv_sum), row_sums=dict(centre=centre, delta_t=delta_t),
-                           **dict(zip(("tdout", "tq", "tk", "tv", "tbias"), tangents)))
+    out, row_max, inv_sum = kernels.attention_forward(call)
+    stats = dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum)
+    centre, delta_t = given_row_sums(call, stats, tangents)
+    inputs = dict(stats, row_sums=dict(centre=centre, delta_t=delta_t), **dict(zip(TANGENTS, tangents)))
     with native.TILING.override(block_rows=blocks[0], block_keys=blocks[1]):
         ours, both = (native.attention_backward_jvp_given_sums(call, inputs, with_backward=with_backward, chunks=chunks)
                       for with_backward in (False, True))
     assert all(torch.equal(a, b) for a, b in zip(both[3:], ours))
-    grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal, scale, softcap,
-                                       dropout_p, False)
+    grads = kernels.attention_backward(call, **stats, bias_grad=False)
     assert_all_close(dict(zip(("dq", "dk", "dv"), both[:3])), dict(zip(("dq", "dk", "dv"), grads[:3])),
                      floor_fraction=1e-3)
-    theirs = kernels_higher.attention_backward_jvp(dout, q, k, v, mask, bias, seed, out, row_max, inv_sum, causal,
-                                                   scale, softcap, dropout_p, False, *tangents)[:3]
+    theirs = kernels_higher.attention_backward_jvp(call, **stats, bias_grad=False,
+                                                   **dict(zip(TANGENTS, tangents)))[:3]
     names = ("dq_t", "dk_t", "dv_t")
     if at_most_one_key(causal, len_q, len_k, mask, bias):
         # P is 1 or 0 whatever the scores: dq and dk do not move (rounding noise on both sides)
@@ -261,13 +257,12 @@ def test_backward_jvp_given_sums_on_a_part_of_the_keys(causal, dropout_p):
     g = torch.Generator().manual_seed(5)
     tangents = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (dout, q, k, v)] + [None]
     scale, seed, split = 0.3, 11, 13
-    out, row_max, inv_sum = kernels.attention_forward(q, k, v, None, None, seed, causal, scale, 0.0, dropout_p)
-    centre, delta_t = given_row_sums(dout, q, k, v, out, row_max, inv_sum, None, None, seed, causal, scale, 0.0,
-                                dropout_p, tangents)
-    inputs = after_forward(dout, (out, row_max, inv_sum), row_sums=dict(centre=centre, delta_t=delta_t),
-                           **dict(zip(("tdout", "tq", "tk", "tv"), tangents)))
-    whole = native.attention_backward_jvp_given_sums(tiles_call(q, k, v, causal, scale, seed, dropout_p=dropout_p),
-                                                     inputs)
+    call = tiles_call(q, k, v, causal, scale, seed, dropout_p=dropout_p)
+    out, row_max, inv_sum = kernels.attention_forward(call)
+    stats = dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum)
+    centre, delta_t = given_row_sums(call, stats, tangents)
+    inputs = dict(stats, row_sums=dict(centre=centre, delta_t=delta_t), **dict(zip(TANGENTS[:4], tangents)))
+    whole = native.attention_backward_jvp_given_sums(call, inputs)
     parts = []
     for lo, hi in ((0, split), (split, 31)):
         part_causal = None if causal is None else causal - lo
@@ -277,8 +272,8 @@ def test_backward_jvp_given_sums_on_a_part_of_the_keys(causal, dropout_p):
         parts.append(native.attention_backward_jvp_given_sums(part, dict(inputs, tk=tk, tv=tv)))
     joined = (parts[0][0] + parts[1][0], torch.cat([parts[0][1], parts[1][1]], 2),
               torch.cat([parts[0][2], parts[1][2]], 2))
-    theirs = kernels_higher.attention_backward_jvp(dout, q, k, v, None, None, seed, out, row_max, inv_sum, causal,
-                                                   scale, 0.0, dropout_p, False, *tangents)[:3]
+    theirs = kernels_higher.attention_backward_jvp(call, **stats, bias_grad=False,
+                                                   **dict(zip(TANGENTS, tangents)))[:3]
     names = ("dq_t", "dk_t", "dv_t")
     assert_all_close(dict(zip(names, whole)), dict(zip(names, theirs)))
     assert_all_close(dict(zip(names, joined)), dict(zip(names, theirs)))
@@ -294,10 +289,11 @@ def test_forward_jvp_writes_each_rows_centre():
     g = torch.Generator().manual_seed(7)
     tq, tk, tv = (torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (q, k, v))
     centre = torch.full((2, 4, 37), float("nan"), dtype=torch.float64)
+    call = tiles_call(q, k, v, 0, 0.3, mask=mask)
     tangents = dict(tq=tq, tk=tk, tv=tv, row_sums=dict(centre_sums=centre))
-    out, row_max, inv_sum, _ = native.attention_forward_jvp(tiles_call(q, k, v, 0, 0.3, mask=mask), tangents)
-    theirs, _ = given_row_sums(dout, q, k, v, out, row_max, inv_sum, mask, None, 0, 0, 0.3, 0.0, 0.0,
-                          (None, tq, tk, tv, None))
+    out, row_max, inv_sum, _ = native.attention_forward_jvp(call, tangents)
+    stats = dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum)
+    theirs, _ = given_row_sums(call, stats, (None, tq, tk, tv, None))
     assert float(centre[0, :, 5].abs().max()) == 0.0
     assert_all_close({"centre": centre}, {"centre": theirs[..., 0]})
 
@@ -443,8 +439,7 @@ def test_bias_gradient_parts_add_up(shape, expanded):
     bias = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     if expanded:
         bias = bias.expand(2, 4, 37, 300)
-    stats = kernels.attention_forward(q, k, v, None, bias, 0, 0, 0.3, 0.0, 0.0)
-    theirs = kernels.attention_backward(dout, q, k, v, None, bias, 0, *stats, 0, 0.3, 0.0, 0.0, True)
+    stats, theirs = torch_ops_first_order(make_call(q, k, v, bias=bias, causal=0, scale=0.3), dout, bias_grad=True)
     with native.TILING.override(block_keys=64):
         for chunks in (1, 3):
             ours = native.attention_backward(tiles_call(q, k, v, 0, 0.3, bias=bias),
@@ -545,9 +540,9 @@ def test_narrow_band_tiles_from_transposed_keys_match_the_torch_ops_kernels(
         grads = native.attention_backward(call, after_forward(dout, ours, bias_grad=bias_grad), chunks=chunks)
     # a quarter of block_rows wherever the blocks cover any score (else the cost ties at 0)
     assert taken["forward"] == taken["backward"] == (taken["forward"][1] <= 4, taken["forward"][1])
-    theirs = kernels.attention_forward(q, k, v, mask, bias, seed, causal, scale, softcap, dropout_p, bounds=bounds)
-    their_grads = kernels.attention_backward(dout, q, k, v, mask, bias, seed, *theirs, causal, scale, softcap,
-                                             dropout_p, bias_grad, bounds=bounds)
+    call = make_call(q, k, v, mask, bias, bounds, seed=torch.tensor(seed), causal=causal, scale=scale,
+                     softcap=softcap, dropout_p=dropout_p)
+    theirs, their_grads = torch_ops_first_order(call, dout, bias_grad)
     grads, their_grads = grads[: 3 + bias_grad], their_grads[: 3 + bias_grad]
     names = ("out", "row_max", "inv_sum", "dq", "dk", "dv", "dbias")
     keys = torch.arange(len_k)

@@ -13,6 +13,7 @@ from attngrad.torch.masks import block_map  # noqa: E402
 from attngrad.torch.masks import version_cache as kept  # noqa: E402
 
 from ....conftest import EXACT, assert_all_close, rel_err  # noqa: E402
+from ...conftest import make_call  # noqa: E402
 from ...test_functional import math_sdpa  # noqa: E402
 from .cases import (  # noqa: E402
     after_forward,
@@ -21,6 +22,7 @@ from .cases import (  # noqa: E402
     tiles_call,
     tiles_counted,
     tiles_not_empty,
+    torch_ops_first_order,
 )
 
 
@@ -37,7 +39,7 @@ def test_a_kept_block_map_follows_its_tensors(monkeypatch, tuned):
     bias[..., 8:] = float("-inf")  # the second key block, in place
     out, after = tiles_counted(lambda: native.attention_forward(call))
     assert before == again and after < before, (before, again, after)
-    assert rel_err(out[0], kernels.attention_forward(q, k, v, None, bias, 0, None, 0.5, 0.0, 0.0)[0]) < EXACT
+    assert rel_err(out[0], kernels.attention_forward(make_call(q, k, v, bias=bias, scale=0.5))[0]) < EXACT
 
 
 @needs_tiles
@@ -67,11 +69,12 @@ def test_tiles_skip_what_a_padding_mask_excludes(causal):
         # second's last three are padding alone (more under the causal diagonals)
         assert empty >= 4 * 6 * (2 + 3)
         assert forward_tiles == backward_tiles == tiles == 2 * 4 * 6 * 5 - empty
-        theirs = kernels.attention_forward(q, k, v, mask, float_mask, 0, causal, 0.3, 0.0, 0.0)
-        their_grads = kernels.attention_backward(dout, q, k, v, mask, float_mask, 0, *theirs, causal, 0.3, 0.0, 0.0,
-                                                 False)
-        their_second = kernels_higher.attention_double_backward(dout, q, k, v, mask, float_mask, 0, *theirs, causal,
-                                                                0.3, 0.0, 0.0, False, True, *cotangents, None)
+        call = make_call(q, k, v, mask, float_mask, causal=causal, scale=0.3)
+        theirs, their_grads = torch_ops_first_order(call, dout)
+        (out, row_max, inv_sum), (gq, gk, gv) = theirs, cotangents
+        their_second = kernels_higher.attention_double_backward(call, dout=dout, out=out, row_max=row_max,
+                                                                inv_sum=inv_sum, bias_grad=False, dout_grad=True,
+                                                                gq=gq, gk=gk, gv=gv, gbias=None)
         names = ("out", "row_max", "inv_sum", "dq", "dk", "dv", "g_dout", "g_q", "g_k", "g_v")
         assert_all_close(dict(zip(names, (*ours, *grads, *second))),
                          dict(zip(names, (*theirs, *their_grads[:3], *their_second[:4]))))
@@ -112,8 +115,8 @@ def test_unmasked_tiles_give_the_bits_of_masked_ones(monkeypatch, causal, tuned)
     assert made and min(made) > 10, made
     for name, a, b in zip(("out", "row_max", "inv_sum", "dq", "dk", "dv"), ours, computed):
         assert torch.equal(a, b), name
-    theirs = kernels.attention_forward(q.double(), k.double(), v.double(), mask, bias.double(), 0, causal, 0.3,
-                                       2.0, 0.0)
+    theirs = kernels.attention_forward(make_call(q.double(), k.double(), v.double(), mask, bias.double(),
+                                                 causal=causal, scale=0.3, softcap=2.0))
     assert rel_err(ours[0].double(), theirs[0]) < 1e-5  # float32 against float64: the map is the right one
 
 
@@ -140,9 +143,8 @@ def test_tiles_skip_what_a_causal_window_excludes(with_mask):
     # per head, of 10 x 8 tiles, the window and the diagonal leave 2 or 3 per query block
     assert empty >= 2 * 2 * (10 * 8 - 3 * 10)
     assert forward_tiles == backward_tiles == tiles == all_tiles - empty
-    theirs = kernels.attention_forward(q, k, v, mask, None, 0, 0, 0.3, 0.0, 0.0, bounds=bounds)
-    their_grads = kernels.attention_backward(dout, q, k, v, mask, None, 0, *theirs, 0, 0.3, 0.0, 0.0, False,
-                                             bounds=bounds)[:3]
+    theirs, their_grads = torch_ops_first_order(make_call(q, k, v, mask, bounds=bounds, causal=0, scale=0.3), dout)
+    their_grads = their_grads[:3]
     names = ("out", "row_max", "inv_sum", "dq", "dk", "dv")
     assert_all_close(dict(zip(names, (*ours, *grads))), dict(zip(names, (*theirs, *their_grads))))
 
@@ -165,9 +167,8 @@ def test_a_query_block_that_sees_no_key_computes_no_tile(monkeypatch, tuned):
     grads, backward_tiles = tiles_counted(lambda: native.attention_backward(call, after_forward(dout, ours))[:3])
     assert forward_tiles == backward_tiles == tiles
     assert not ours[0][:, :, 4:8].any() and not grads[0][:, :, 4:8].any()
-    theirs = kernels.attention_forward(q, k, v, None, None, 0, None, 0.3, 0.0, 0.0, bounds=bounds)
-    their_grads = kernels.attention_backward(dout, q, k, v, None, None, 0, *theirs, None, 0.3, 0.0, 0.0, False,
-                                             bounds=bounds)[:3]
+    theirs, their_grads = torch_ops_first_order(make_call(q, k, v, bounds=bounds, scale=0.3), dout)
+    their_grads = their_grads[:3]
     names = ("out", "row_max", "inv_sum", "dq", "dk", "dv")
     assert_all_close(dict(zip(names, (*ours, *grads))), dict(zip(names, (*theirs, *their_grads))))
 

@@ -64,11 +64,11 @@ def test_double_backward_at_its_own_block_heights(len_q, len_k, causal, rows):
     g = torch.Generator().manual_seed(6)
     gq, gk, gv = (torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (q, k, v))
     scale = 24**-0.5
-    out, row_max, inv_sum = kernels.attention_forward(q, k, v, None, None, 0, causal, scale, 0.0, 0.0)
-    inputs = after_forward(dout, (out, row_max, inv_sum), dout_grad=True, gq=gq, gk=gk, gv=gv)
-    ours = native.attention_double_backward(tiles_call(q, k, v, causal, scale), inputs)
-    theirs = kernels_higher.attention_double_backward(dout, q, k, v, None, None, 0, out, row_max, inv_sum, causal,
-                                                      scale, 0.0, 0.0, False, True, gq, gk, gv, None)
+    call = tiles_call(q, k, v, causal, scale)
+    out, row_max, inv_sum = kernels.attention_forward(call)
+    inputs = after_forward(dout, (out, row_max, inv_sum), dout_grad=True, bias_grad=False, gq=gq, gk=gk, gv=gv)
+    ours = native.attention_double_backward(call, inputs)
+    theirs = kernels_higher.attention_double_backward(call, **inputs, gbias=None)
     names = ("g_dout", "g_q", "g_k", "g_v")
     assert_all_close(dict(zip(names, ours[:4])), dict(zip(names, theirs[:4])))
 

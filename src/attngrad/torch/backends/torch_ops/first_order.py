@@ -32,7 +32,7 @@ rowsum(dO * O), which carries O's rounding, dq was up to 4x less accurate than P
 float32 on rows of few keys (issue 58). The forward's E V~ sums over `Tiling.value_slice` keys at a
 time, for float32 accuracy.
 The causal mask is a diagonal: key j is visible to query i when j <= i + c, where c (the
-argument `causal`, None for no causal mask) is 0 for PyTorch's top-left alignment and
+call's `causal`, None for no causal mask) is 0 for PyTorch's top-left alignment and
 Lk - Lq for the bottom-right one. Lk' is Lk, or for a causal block only the keys any of its
 rows may see (j <= last row + c), which halves the work; dK~ and dV~ then grow by key
 prefixes (`KeyGradient`). Key bounds (1 or B, Lq, 2), which the structured masks become
@@ -54,16 +54,20 @@ Everything is computed in float32 (float64 for float64 inputs) whatever the inpu
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from dataclasses import replace
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
 from ...masks.block_map import excluded, key_range
-from ...masks.blocks import MaskBlocks
-from ...op.dropout import Placement, keep_scale_into
+from ...op.call import AttentionCall, PassInputs, ScoreMasks
+from ...op.dropout import keep_scale_into
 from ...precision import compute_dtype
 from .tiling import TILING
+
+if TYPE_CHECKING:  # typing's from Python 3.11; the annotations are never evaluated
+    from typing_extensions import Unpack
 
 
 def blocks(batch: int, heads: int, len_q: int, len_k: int, causal: int | None, min_rows: int | None = None,
@@ -97,8 +101,6 @@ def blocks(batch: int, heads: int, len_q: int, len_k: int, causal: int | None, m
     return out
 
 
-
-
 def row_slice(t: Tensor | None, start: int, stop: int, keys: int, first: int = 0) -> Tensor | None:
     """The rows start:stop and keys first:keys of a (..., Lq or 1, Lk or 1) broadcastable tensor."""
     if t is None:
@@ -116,17 +118,25 @@ class Operands(NamedTuple):
     q_scaled: Tensor  # scale * Q, (B, H, Lq, d)
     k_rep: Tensor  # K~, (B, H, Lk, d)
     v_rep: Tensor  # V~, (B, H, Lk, dv)
-    bias: Tensor | None
+    masks: ScoreMasks  # the call's, its bias in the compute dtype (as `scores_into` adds it)
 
 
-def operands(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> Operands:
-    """Both passes' inputs in the compute dtype: keys and values repeated over each GQA
+def operands(call: AttentionCall) -> Operands:
+    """Every pass's inputs in the compute dtype: keys and values repeated over each GQA
     group (O(L) memory), and the scale folded into Q once."""
+    q, k, v, bias = call.q, call.k, call.v, call.bias
     work = compute_dtype(q.dtype)
     groups = q.shape[1] // k.shape[1] if k.shape[1] else 1  # H = Hkv = 0: no heads at all
     k_rep = (k.repeat_interleave(groups, dim=1) if groups > 1 else k).to(work)
     v_rep = (v.repeat_interleave(groups, dim=1) if groups > 1 else v).to(work)
-    return Operands(work, groups, q.to(work) * scale, k_rep, v_rep, None if bias is None else bias.to(work))
+    masks = call.masks if bias is None else replace(call.masks, bias=bias.to(work))
+    return Operands(work, groups, q.to(work) * call.scale, k_rep, v_rep, masks)
+
+
+def excludes_keys(masks: ScoreMasks) -> bool:
+    """Whether a mask, a bias, the causal diagonal, key bounds or a mask kept per block can
+    leave a row fewer keys than the call's (`single_key_rows`)."""
+    return any(t is not None for t in (masks.mask, masks.bias, masks.causal, masks.bounds, masks.blocks))
 
 
 def with_column(t: Tensor, column: Tensor | float) -> Tensor:
@@ -186,31 +196,29 @@ class ScoreTiles:
         return self.flat[index][: math.prod(shape)].view(shape)
 
 
-def scores_into(
-    out: Tensor, q_blk: Tensor, k: Tensor, mask: Tensor | None, bias: Tensor | None, start: int, stop: int,
-    causal: int | None, bounds: Tensor | None = None, first: int = 0, softcap: float = 0.0,
-    tanh_out: Tensor | None = None, mask_blocks: MaskBlocks | None = None,
-) -> Tensor:
-    """S = Q_blk K^T + bias into `out` (B, H, R, keys - first) for keys first:keys, excluded
-    entries at -inf: by the mask, the causal diagonal, and the key `bounds` (1 or B, Lq, 2)
-    [lo, hi) of each row, and a mask kept per block (`mask_blocks`), read for this tile alone.
-    q_blk carries the scale already. With `softcap` c, S = c tanh(A / c)
-    + bias for A = Q_blk K^T, and tanh(A / c) is left in `tanh_out` where given (the
-    derivatives need it)."""
+def scores_into(out: Tensor, q_blk: Tensor, k: Tensor, masks: ScoreMasks, start: int, stop: int, first: int = 0,
+                tanh_out: Tensor | None = None) -> Tensor:
+    """S = Q_blk K^T + bias into `out` (B, H, R, keys - first) for rows start:stop and keys
+    first:keys, excluded entries at -inf: by the mask, the causal diagonal, the key bounds
+    (1 or B, Lq, 2) [lo, hi) of each row, and a mask kept per block, read for this tile
+    alone (`masks`, its bias in `out`'s dtype). q_blk carries the scale already. With a soft
+    cap c, S = c tanh(A / c) + bias for A = Q_blk K^T, and tanh(A / c) is left in `tanh_out`
+    where given (the derivatives need it)."""
     keys = first + out.shape[-1]
     torch.matmul(q_blk, k[..., first:keys, :].transpose(-1, -2), out=out)
+    softcap = masks.softcap
     if softcap:
         capped = torch.div(out, softcap, out=tanh_out if tanh_out is not None else out).tanh_()
         torch.mul(capped, softcap, out=out)
-    b = row_slice(bias, start, stop, keys, first)
+    b = row_slice(masks.bias, start, stop, keys, first)
     if b is not None:
         out.add_(b)
-    allowed = row_slice(mask, start, stop, keys, first)
+    allowed = row_slice(masks.mask, start, stop, keys, first)
     if allowed is not None:
         out.masked_fill_(~allowed, float("-inf"))
-    if mask_blocks is not None:
-        out.masked_fill_(~mask_blocks.entries(start, stop, first, keys), float("-inf"))
-    outside = excluded(start, stop, first, keys, causal, bounds, out.device)  # (1 or b, R, keys - first)
+    if masks.blocks is not None:
+        out.masked_fill_(~masks.blocks.entries(start, stop, first, keys), float("-inf"))
+    outside = excluded(start, stop, first, keys, masks.causal, masks.bounds, out.device)  # (1 or b, R, keys - first)
     if outside is not None:
         out.masked_fill_(outside[:, None], float("-inf"))
     return out
@@ -257,28 +265,25 @@ def _probs_times_values(e: Tensor, v: Tensor) -> Tensor:
     return out
 
 
-def attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, seed: int,
-    causal: int | None, scale: float, softcap: float, dropout_p: float, bounds: Tensor | None = None,
-    mask_blocks: MaskBlocks | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+def attention_forward(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, H, Lq, dv) in q's dtype; row max m and inverse row sum 1/l, (B, H, Lq) each,
-    in the compute dtype). `bounds`: the key bounds of `scores_into`."""
+    in the compute dtype)."""
+    q, v = call.q, call.v
     batch, heads, len_q, _ = q.shape
-    len_k = k.shape[-2]
-    work, _, q_scaled, k_rep, v_rep, bias = operands(q, k, v, bias, scale)
+    len_k = call.k.shape[-2]
+    work, _, q_scaled, k_rep, v_rep, masks = operands(call)
+    placement, dropout_p = call.placement, call.dropout_p  # the placement once: it reads the seed tensor
     out = torch.empty(batch, heads, len_q, v.shape[-1], dtype=q.dtype, device=q.device)
     row_max = torch.zeros(batch, heads, len_q, dtype=work, device=q.device)
     inv_sum = torch.zeros(batch, heads, len_q, dtype=work, device=q.device)
-    plan = blocks(batch, heads, len_q, len_k, causal, bounds=bounds)
+    plan = blocks(batch, heads, len_q, len_k, call.causal, bounds=call.bounds)
     tiles = ScoreTiles(2 if dropout_p > 0.0 else 1, plan, batch, heads, work, q.device)
     for start, stop, first, keys in plan:
         if keys == first:  # no key at all for these rows
             out[:, :, start:stop] = 0
             continue
         shape = (batch, heads, stop - start, keys - first)
-        s = scores_into(tiles.get(0, shape), q_scaled[:, :, start:stop], k_rep, mask, bias, start, stop, causal, bounds,
-                        first, softcap, mask_blocks=mask_blocks)
+        s = scores_into(tiles.get(0, shape), q_scaled[:, :, start:stop], k_rep, masks, start, stop, first)
         m = s.amax(dim=-1, keepdim=True)  # (B, H, R, 1)
         # empty rows (m = -inf): any finite shift; m NaN or +inf (a NaN or Inf arrived) stays,
         # so that l, 1/l and the row's output come out NaN
@@ -290,7 +295,7 @@ def attention_forward(
         row_max[:, :, start:stop] = m.squeeze(-1)
         inv_sum[:, :, start:stop] = inv.squeeze(-1)
         if dropout_p > 0.0:
-            e = e.mul_(keep_scale_into(tiles.get(1, shape), seed, start, dropout_p, first))
+            e = e.mul_(keep_scale_into(tiles.get(1, shape), placement, start, dropout_p, first))
         o = _probs_times_values(e, v_rep[..., first:keys, :])  # (B, H, R, dv), normalised here: cheaper than P
         # an empty row's O is 0, even where 0 x NaN (a NaN value among the keys) left NaN
         out[:, :, start:stop] = o.mul_(inv).masked_fill_(empty, 0.0).to(q.dtype)
@@ -322,22 +327,23 @@ def add_block_to_bias(grad: Tensor, block: Tensor, start: int, stop: int, keys: 
     target += _reduce_to(block, target.shape)
 
 
-def attention_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, seed: int,
-    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: int | None, scale: float, softcap: float, dropout_p: float, bias_grad: bool,
-    bounds: Tensor | None = None, mask_blocks: MaskBlocks | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+def attention_backward(call: AttentionCall,
+                       **inputs: Unpack[PassInputs]) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv, dbias or None), each in its input's dtype and shape. `out` is read only
-    where the keys are a part of each row's (a ring step's placement, `seed`): else D comes
-    from each block's own dP."""
+    where the keys are a part of each row's (a ring step's placement, the call's seed): else
+    D comes from each block's own dP."""
+    q, k, v, bias, scale, softcap = call.q, call.k, call.v, call.bias, call.scale, call.softcap
+    dout, row_max, inv_sum, bias_grad = inputs["dout"], inputs["row_max"], inputs["inv_sum"], inputs["bias_grad"]
     batch, heads, len_q, width = q.shape
     len_k, width_v = k.shape[-2], v.shape[-1]
-    work, groups, q_scaled, k_rep, v_rep, bias_work = operands(q, k, v, bias, scale)
+    work, groups, q_scaled, k_rep, v_rep, masks = operands(call)
+    placement, dropout_p = call.placement, call.dropout_p  # the placement once: it reads the seed tensor
     dout_w = dout.to(work)
     # D = rowsum(dO * O) where the call's keys are a part of each row's (a ring step); else
     # each block's own rowsum(P dP), below
-    partial = Placement.of(seed).partial_rows
-    delta = (dout_w * out.to(work)).sum(dim=-1, keepdim=True) if partial else None  # (B, H, Lq, 1)
+    delta = None  # (B, H, Lq, 1)
+    if placement.partial_rows:
+        delta = (dout_w * inputs["out"].to(work)).sum(dim=-1, keepdim=True)
     # The row offset -m rides in the GEMM as an extra column (`with_column`):
     # [scale Q | -m] [K~ | 1]^T = S - m (before bias and masks)
     q_shifted, k_ones = with_column(q_scaled, -row_max[..., None]), with_column(k_rep, 1.0)
@@ -351,9 +357,9 @@ def attention_backward(
     dbias = None
     if bias_grad:
         dbias = (torch.empty if written_once else torch.zeros)(bias.shape, dtype=work, device=q.device)
-    plan = blocks(batch, heads, len_q, len_k, causal, bounds=bounds)
+    plan = blocks(batch, heads, len_q, len_k, call.causal, bounds=call.bounds)
     tiles = ScoreTiles(3 + (dropout_p > 0.0) + bool(softcap), plan, batch, heads, work, q.device)
-    masked = any(t is not None for t in (mask, bias, causal, bounds, mask_blocks))
+    masked = excludes_keys(masks)
     for start, stop, first, keys in plan:
         r, width = stop - start, keys - first
         if keys == first:  # rows that see no key send nothing back
@@ -368,17 +374,16 @@ def attention_backward(
         shape = (batch, heads, r, width)
         if softcap:  # the cap comes before the shift: S - m = c tanh(A / c) + bias - m
             capped = tiles.get(len(tiles.flat) - 1, shape)  # tanh(A / c)
-            e = scores_into(tiles.get(0, shape), q_scaled[:, :, start:stop], k_rep, mask, bias_work, start, stop, causal,
-                            bounds, first, softcap, capped, mask_blocks).sub_(row_max[:, :, start:stop, None]).exp_()
+            e = scores_into(tiles.get(0, shape), q_scaled[:, :, start:stop], k_rep, masks, start, stop, first,
+                            capped).sub_(row_max[:, :, start:stop, None]).exp_()
         else:
-            e = scores_into(tiles.get(0, shape), q_shifted[:, :, start:stop], k_ones, mask, bias_work, start, stop,
-                            causal, bounds, first, mask_blocks=mask_blocks).exp_()
+            e = scores_into(tiles.get(0, shape), q_shifted[:, :, start:stop], k_ones, masks, start, stop, first).exp_()
         single = single_key_rows(e, masked, inv)
         # forward: O = (E * Z) V~ / l  ->  dP / l = (dO' V~^T) * Z,  dV~ += (E * Z)^T dO'
         # forward: P = softmax(S)  ->  dS = P * (dP - D) = E * (dP - D) / l
         dp = torch.matmul(do_blk, v_rep[..., first:keys, :].transpose(-1, -2), out=tiles.get(1, shape))  # dP / l
         if dropout_p > 0.0:
-            z = keep_scale_into(tiles.get(3, shape), seed, start, dropout_p, first)
+            z = keep_scale_into(tiles.get(3, shape), placement, start, dropout_p, first)
             dp.mul_(z)
             dv_sum.add(z.mul_(e), do_blk, first)
         else:

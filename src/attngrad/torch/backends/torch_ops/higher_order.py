@@ -44,12 +44,12 @@ against PyTorch and against each other (<g, J t> = <J^T g, t>).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from ...masks.blocks import MaskBlocks
+from ...op.call import AttentionCall, PassInputs
 from ...op.dropout import keep_scale_into
 from ...op.key_constant_bias import sink_share
 from .first_order import (
@@ -57,6 +57,7 @@ from .first_order import (
     ScoreTiles,
     add_block_to_bias,
     blocks,
+    excludes_keys,
     operands,
     row_slice,
     scores_into,
@@ -64,6 +65,9 @@ from .first_order import (
     with_column,
 )
 from .tiling import TILING
+
+if TYPE_CHECKING:  # typing's from Python 3.11; the annotations are never evaluated
+    from typing_extensions import Unpack
 
 
 def _repeat(t: Optional[Tensor], groups: int, work: torch.dtype) -> Optional[Tensor]:
@@ -132,34 +136,45 @@ class _Softcap:
         self.curve.mul_(raw)
 
 
+class _Gradients(NamedTuple):
+    """A second-order pass's sums in the compute dtype: shaped like Q, for K~ and V~, and
+    like the bias (None unless asked)."""
+
+    q: Tensor
+    k: KeyGradient
+    v: KeyGradient
+    bias: Optional[Tensor]
+
+
 class _Recompute:
     """Per block: P = exp(S - m) / l and Z = keep / (1 - p), as the first-order passes had
-    them, in reused score-sized buffers (fresh 16 MiB tiles would cost more in page faults
-    than the arithmetic on them)."""
+    them from the call and the inputs' row statistics, in reused score-sized buffers (fresh
+    16 MiB tiles would cost more in page faults than the arithmetic on them)."""
 
-    def __init__(self, q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers: int,
-                 bounds: Optional[Tensor] = None, mask_blocks: Optional[MaskBlocks] = None):
-        self.batch, self.heads, self.len_q, _ = q.shape
-        self.len_k = k.shape[-2]
-        ops = operands(q, k, v, bias, scale)
+    def __init__(self, call: AttentionCall, inputs: PassInputs, buffers: int) -> None:
+        self.batch, self.heads, self.len_q, _ = call.q.shape
+        self.len_k = call.k.shape[-2]
+        ops = operands(call)
         self.work, self.groups, self.q_scaled, self.k_rep, self.v_rep = ops.work, ops.groups, ops.q_scaled, ops.k_rep, ops.v_rep
-        self.bias, self.mask, self.seed = ops.bias, mask, seed
-        self.row_max, self.inv_sum = row_max, inv_sum
+        self.masks = ops.masks
+        row_max = inputs["row_max"]
+        self.row_max, self.inv_sum = row_max, inputs["inv_sum"]
         # [scale Q | -m] [K~ | 1]^T = S - m in one GEMM (see kernels.with_column)
         self.q_shifted, self.k_ones = with_column(self.q_scaled, -row_max[..., None]), with_column(self.k_rep, 1.0)
         self.q_scaled, self.k_rep = self.q_shifted[..., :-1], self.k_ones[..., :-1]  # views: no second copy kept
-        self.causal, self.scale, self.softcap, self.dropout_p = causal, scale, softcap, dropout_p
-        self.bounds, self.mask_blocks = bounds, mask_blocks
-        self.masked = any(t is not None for t in (mask, bias, causal, bounds, mask_blocks))
+        self.scale, self.dropout_p = call.scale, call.dropout_p
+        self.placement = call.placement  # once: it reads the seed tensor
+        self.masked = excludes_keys(self.masks)
         # Long sequences get taller blocks than the first-order passes: these do 2.5-6
         # forwards' worth of GEMMs per tile, and 16-row GEMMs are thin (JVP at L=16384:
         # 10.6 s with 32-row blocks, 7.7 s with 128), for some more memory (128 rows x L
         # keys x B H per tile).
-        self.plan = blocks(self.batch, self.heads, self.len_q, self.len_k, causal, TILING().higher_min_rows, bounds)
+        self.plan = blocks(self.batch, self.heads, self.len_q, self.len_k, call.causal, TILING().higher_min_rows,
+                           call.bounds)
         # after the pass's own: Z with dropout, then tanh(A / c) and the slope with softcap
-        self.z_index, self.softcap_index = buffers, buffers + (dropout_p > 0.0)
-        count = self.softcap_index + (2 if softcap else 0)
-        self.tiles = ScoreTiles(count, self.plan, self.batch, self.heads, self.work, q.device)
+        self.z_index, self.softcap_index = buffers, buffers + (self.dropout_p > 0.0)
+        count = self.softcap_index + (2 if self.masks.softcap else 0)
+        self.tiles = ScoreTiles(count, self.plan, self.batch, self.heads, self.work, call.q.device)
         self.capped: Optional[_Softcap] = None  # the current block's
 
     def tile(self, index: int, start: int, stop: int, cols: slice) -> Tensor:
@@ -171,24 +186,24 @@ class _Recompute:
         (B, H, R, keys) in buffers 0 and z_index; P is exactly 1 on a single-key row's key
         (`kernels.single_key_rows`), and the caller sets such a row's dS to 0. With a
         softcap, `capped` holds the block's derivatives of the cap."""
-        if self.softcap:  # the cap comes before the shift: S - m = c tanh(A / c) + bias - m
+        softcap = self.masks.softcap
+        if softcap:  # the cap comes before the shift: S - m = c tanh(A / c) + bias - m
             capped = self.tile(self.softcap_index, start, stop, cols)
-            s = scores_into(self.tile(0, start, stop, cols), self.q_scaled[:, :, start:stop], self.k_rep, self.mask,
-                            self.bias, start, stop, self.causal, self.bounds, cols.start, self.softcap, capped,
-                            self.mask_blocks)
+            s = scores_into(self.tile(0, start, stop, cols), self.q_scaled[:, :, start:stop], self.k_rep, self.masks,
+                            start, stop, cols.start, capped)
             s.sub_(self.row_max[:, :, start:stop, None])
-            self.capped = _Softcap(capped, self.tile(self.softcap_index + 1, start, stop, cols), self.softcap)
+            self.capped = _Softcap(capped, self.tile(self.softcap_index + 1, start, stop, cols), softcap)
         else:
-            s = scores_into(self.tile(0, start, stop, cols), self.q_shifted[:, :, start:stop], self.k_ones, self.mask,
-                            self.bias, start, stop, self.causal, self.bounds, cols.start,
-                            mask_blocks=self.mask_blocks)  # S - m
+            s = scores_into(self.tile(0, start, stop, cols), self.q_shifted[:, :, start:stop], self.k_ones, self.masks,
+                            start, stop, cols.start)  # S - m
         e = s.exp_()
         inv = self.inv_sum[:, :, start:stop, None]
         single = single_key_rows(e, self.masked, inv)
         p = e.mul_(inv)
         z = None
         if self.dropout_p > 0.0:
-            z = keep_scale_into(self.tile(self.z_index, start, stop, cols), self.seed, start, self.dropout_p, cols.start)
+            z = keep_scale_into(self.tile(self.z_index, start, stop, cols), self.placement, start, self.dropout_p,
+                                cols.start)
         return p, z, single
 
     def each_block(self) -> Iterator[tuple[int, int, slice, Tensor, Optional[Tensor], Optional[Tensor]]]:
@@ -203,7 +218,8 @@ class _Recompute:
     def score_form(self, a_q: Optional[Tensor], b_k: Optional[Tensor], c: Optional[Tensor]) -> _ScoreForm:
         """The S'/T form for query-side `a_q` (B, H, Lq, d), key-side `b_k` (B, Hkv, Lk, d)
         and a bias-shaped `c`, in the compute dtype."""
-        return _ScoreForm(self.q_scaled, self.k_rep, _to(a_q, self.work, self.scale), _repeat(b_k, self.groups, self.work), _to(c, self.work))
+        return _ScoreForm(self.q_scaled, self.k_rep, _to(a_q, self.work, self.scale),
+                          _repeat(b_k, self.groups, self.work), _to(c, self.work))
 
     def values_with_ones(self) -> Tensor:
         """[V~ | 1] (B, H, Lk, dv + 1), so that [dO | -D] [V~ | 1]^T = dP - D is one GEMM;
@@ -212,14 +228,34 @@ class _Recompute:
         self.v_rep = v_ones[..., :-1]
         return v_ones
 
-    def gradient_accumulators(self, bias_grad: bool) -> tuple[Tensor, KeyGradient, KeyGradient, Optional[Tensor]]:
+    def gradient_accumulators(self, bias_grad: bool) -> _Gradients:
         """Zeros shaped like Q (contiguous, whatever the inputs' strides), sums for K~ and V~,
         and, when asked, zeros shaped like the bias, in the compute dtype."""
         dq = torch.zeros_like(self.q_scaled, memory_format=torch.contiguous_format)
         dk = KeyGradient(self.k_rep, self.k_rep.shape[-1])
         dv = KeyGradient(self.v_rep, self.v_rep.shape[-1])
-        bias = torch.zeros(self.bias.shape, dtype=self.work, device=self.q_scaled.device) if bias_grad else None
-        return dq, dk, dv, bias
+        bias = torch.zeros(self.masks.bias.shape, dtype=self.work, device=self.q_scaled.device) if bias_grad else None
+        return _Gradients(dq, dk, dv, bias)
+
+    def back_through_scores(self, x: Tensor, ds: Tensor, key_side: Optional[Tensor], query_side: Optional[Tensor],
+                            into: _Gradients, rows: slice, cols: slice, x_bias: Optional[Tensor] = None) -> None:
+        """How both second-order passes end, for the block of `rows` and keys `cols`. A
+        score-shaped tile X (dS~ or g_S) goes back through S = scale Q K~^T + bias, and
+        dS = P * (dP - D) meets the key-side and query-side tangents or cotangents (K~', Q' or
+        gK~, gQ) of dQ = scale dS K~, dK~ = scale dS^T Q, summed `into` q, k and bias (where
+        not None):
+            dq[rows] = scale (X K~ + dS key_side),  dk += X^T (scale Q) + dS^T query_side,  dbias += X
+        (query_side carries the scale already). With a softcap, X and dS are taken in A (dA~
+        or g_A, and dA), and the bias, added after the cap, gets `x_bias` (dS~ or g_S) instead."""
+        into.q[:, :, rows] = _sum_of_products(
+            (x, self.k_rep[..., cols, :], self.scale),
+            None if key_side is None else (ds, key_side[..., cols, :], self.scale),
+        )
+        into.k.add(x, self.q_scaled[:, :, rows], cols.start)
+        if query_side is not None:
+            into.k.add(ds, query_side[:, :, rows], cols.start)
+        if into.bias is not None:
+            add_block_to_bias(into.bias, x if x_bias is None else x_bias, rows.start, rows.stop, cols.stop, cols.start)
 
 
 def _add_matmul(acc: Tensor, a: Tensor, b: Tensor, *, alpha: float = 1.0) -> None:
@@ -240,28 +276,6 @@ def _sum_of_products(*terms: Optional[tuple[Tensor, Tensor, float]]) -> Tensor:
     for a, b, alpha in present[1:]:
         _add_matmul(out, a, b, alpha=alpha)
     return out
-
-
-def _back_through_scores(
-    r: _Recompute, x: Tensor, ds: Tensor, key_side: Optional[Tensor], query_side: Optional[Tensor],
-    dq: Tensor, dk: KeyGradient, dbias: Optional[Tensor], start: int, stop: int, cols: slice,
-    x_bias: Optional[Tensor] = None,
-) -> None:
-    """How both second-order passes end, for one block. A score-shaped tile X (dS~ or g_S)
-    goes back through S = scale Q K~^T + bias, and dS = P * (dP - D) meets the key-side and
-    query-side tangents or cotangents (K~', Q' or gK~, gQ) of dQ = scale dS K~, dK~ = scale dS^T Q:
-        dq[rows] = scale (X K~ + dS key_side),  dk += X^T (scale Q) + dS^T query_side,  dbias += X
-    (query_side carries the scale already). With a softcap, X and dS are taken in A (dA~ or
-    g_A, and dA), and the bias, added after the cap, gets `x_bias` (dS~ or g_S) instead."""
-    rows = slice(start, stop)
-    dq[:, :, rows] = _sum_of_products(
-        (x, r.k_rep[..., cols, :], r.scale), None if key_side is None else (ds, key_side[..., cols, :], r.scale)
-    )
-    dk.add(x, r.q_scaled[:, :, rows], cols.start)
-    if query_side is not None:
-        dk.add(ds, query_side[:, :, rows], cols.start)
-    if dbias is not None:
-        add_block_to_bias(dbias, x if x_bias is None else x_bias, start, stop, cols.stop, cols.start)
 
 
 def _times(t: Tensor, z: Optional[Tensor], out: Tensor) -> Tensor:
@@ -315,29 +329,25 @@ def _rows(t: Optional[Tensor], start: int, stop: int) -> Optional[Tensor]:
     return None if t is None else t[:, :, start:stop]
 
 
-def attention_jvp(
-    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
-    row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float,
-    tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
-    bounds: Optional[Tensor] = None, mask_blocks: Optional[MaskBlocks] = None,
-    centre: Optional[Tensor] = None, centre_sums: Optional[Tensor] = None, sink: bool = False,
-) -> Tensor:
+def attention_jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> Tensor:
     """O' (B, H, Lq, dv) in q's dtype; an absent tangent is zero.
 
-    For a part of each row's keys (`centre`, `centre_sums`: see `_softmax_jacobian_times`):
-    with `centre` = 0, the result is this part of (P * S' * Z) V~ + (P * Z) V~', and this
-    part of rowsum(P * S') is added into `centre_sums` (B, H, Lq, 1, compute dtype); the
-    whole O' is then the parts' sum less rowsum(P * S') O."""
-    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=3, bounds=bounds,
-                    mask_blocks=mask_blocks)
-    form = r.score_form(tq, tk, tbias)
-    tv_rep = _repeat(tv, r.groups, r.work)
-    out_t = torch.zeros(r.batch, r.heads, r.len_q, v.shape[-1], dtype=r.work, device=q.device)
+    For a part of each row's keys (`row_sums`: `centre` and `centre_sums`, see
+    `_softmax_jacobian_times`): with `centre` = 0, the result is this part of
+    (P * S' * Z) V~ + (P * Z) V~', and this part of rowsum(P * S') is added into
+    `centre_sums` (B, H, Lq, 1, compute dtype); the whole O' is then the parts' sum less
+    rowsum(P * S') O."""
+    sums = inputs.get("row_sums") or {}
+    centre, centre_sums = sums.get("centre"), sums.get("centre_sums")
+    r = _Recompute(call, inputs, buffers=3)
+    form = r.score_form(inputs["tq"], inputs["tk"], inputs["tbias"])
+    tv_rep = _repeat(inputs["tv"], r.groups, r.work)
+    out_t = torch.zeros(r.batch, r.heads, r.len_q, call.v.shape[-1], dtype=r.work, device=call.q.device)
     for start, stop, cols, p, z, _single in r.each_block():  # a single-key row's P' is 0 exactly
         s_t = form.tile_into(r.tile(1, start, stop, cols), start, stop, cols, r.capped)  # S'
         if centre is None and centre_sums is None:  # whole rows: P' = P ((S' - c) - (t - c))
             _, t_c = _centre_on_the_peak(p, s_t, r.tile(2, start, stop, cols), _sink_share(r, slice(start, stop), r.work)
-                                         if sink else None)
+                                         if call.sink else None)
             p_t = torch.sub(s_t, t_c, out=r.tile(2, start, stop, cols)).mul_(p)
         else:
             p_t = _softmax_jacobian_times(p, s_t, r.tile(2, start, stop, cols), _rows(centre, start, stop),
@@ -348,7 +358,7 @@ def attention_jvp(
             (p_t.mul_(z) if z is not None else p_t, r.v_rep[..., cols, :], 1.0),
             None if tv_rep is None else (_times(p, z, scratch), tv_rep[..., cols, :], 1.0),
         )
-    return out_t.to(q.dtype)
+    return out_t.to(call.q.dtype)
 
 
 def _sink_share(r: _Recompute, rows: slice, dtype: torch.dtype) -> Tensor:
@@ -378,34 +388,33 @@ def _delta(dout: Tensor, out: Tensor, work: torch.dtype) -> Tensor:
     return (dout.to(work) * out.to(work)).sum(dim=-1, keepdim=True)
 
 
-def attention_backward_jvp(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
-    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float, bias_grad: bool,
-    tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor],
-    bounds: Optional[Tensor] = None, mask_blocks: Optional[MaskBlocks] = None,
-    centre: Optional[Tensor] = None, delta_t: Optional[Tensor] = None, sink: bool = False,
-    peak: Optional[Tensor] = None, sink_rows: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+def attention_backward_jvp(call: AttentionCall,
+                           **inputs: Unpack[PassInputs]) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Tangents of (dq, dk, dv, dbias or None), each in its input's dtype and shape.
 
-    For a part of each row's keys, the whole rows' sums are given (B, H, Lq, 1, compute
-    dtype): `centre` = rowsum(P * S') and `delta_t` = D~ = rowsum(dO' * O + dO * O'); with
-    `peak` c (S' at each row's most probable key), `centre` is t - c (the tiles' forward JVP
-    leaves them so).
+    For a part of each row's keys, the whole rows' sums are given (`row_sums`, B, H, Lq, 1,
+    compute dtype): `centre` = rowsum(P * S') and `delta_t` = D~ = rowsum(dO' * O + dO * O');
+    with `peak` c (S' at each row's most probable key), `centre` is t - c (the tiles' forward
+    JVP leaves them so).
 
     A bias constant along the keys gets each whole row's sum of dS~ in closed form, the
-    tangent of D P_sink (`key_constant_bias`): P_sink (D~ - t D), and 0 without a `sink`;
-    `sink_rows` (B, H, Lq), where given, takes that term of every row (`sink_logits`)."""
+    tangent of D P_sink (`key_constant_bias`): P_sink (D~ - t D), and 0 without the call's
+    sink; `sink_rows` (B, H, Lq), where given, takes that term of every row (`sink_logits`)."""
+    sums = inputs.get("row_sums") or {}
+    centre, delta_t, peak = sums.get("centre"), sums.get("delta_t"), sums.get("peak")
+    dout, bias_grad, sink, sink_rows = inputs["dout"], inputs["bias_grad"], call.sink, inputs.get("sink_rows")
     _check_sink_rows(sink_rows, sink, centre)
-    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=5, bounds=bounds,
-                    mask_blocks=mask_blocks)
+    r = _Recompute(call, inputs, buffers=5)
     work = r.work
-    form = r.score_form(tq, tk, tbias)
-    tq_s, tk_rep, tv_rep = _to(tq, work, scale), _repeat(tk, r.groups, work), _repeat(tv, r.groups, work)
-    do_w, tdo_w = dout.to(work), _to(tdout, work)
-    delta = _delta(dout, out, work)
-    dq_t, dk_t, dv_t, dbias_t = r.gradient_accumulators(bias_grad)
-    row_constant = _rows_give_the_bias(bias_grad, bias, centre)
+    tq, tk = inputs["tq"], inputs["tk"]
+    form = r.score_form(tq, tk, inputs["tbias"])
+    tq_s, tk_rep, tv_rep = _to(tq, work, call.scale), _repeat(tk, r.groups, work), _repeat(inputs["tv"], r.groups, work)
+    do_w, tdo_w = dout.to(work), _to(inputs["tdout"], work)
+    delta = _delta(dout, inputs["out"], work)
+    grads = r.gradient_accumulators(bias_grad)
+    row_constant = _rows_give_the_bias(bias_grad, call.bias, centre)
+    # the sums each block's tiles go into: not a bias constant along the keys (its closed form, below)
+    through_scores = grads._replace(bias=None) if row_constant else grads
     for start, stop, cols, p, z, single in r.each_block():
         rows = slice(start, stop)
         do_blk, v_blk = do_w[:, :, rows], r.v_rep[..., cols, :]
@@ -440,9 +449,9 @@ def attention_backward_jvp(
             delta_t_blk = torch.mul(p_t, dp, out=scratch).sum(dim=-1, keepdim=True)
             delta_t_blk += torch.mul(p, dp_t, out=scratch).sum(dim=-1, keepdim=True)
         # backward: dV~ = (P * Z)^T dO  ->  dV~~ = (P' * Z)^T dO + (P * Z)^T dO'
-        dv_t.add(_times(p_t, z, scratch), do_blk, cols.start)
+        grads.v.add(_times(p_t, z, scratch), do_blk, cols.start)
         if tdo_w is not None:
-            dv_t.add(_times(p, z, scratch), tdo_w[:, :, rows], cols.start)
+            grads.v.add(_times(p, z, scratch), tdo_w[:, :, rows], cols.start)
         dp.sub_(delta[:, :, rows])  # dP - D
         if single is not None:  # D = dP exactly there, and dS = 0 (as in `kernels`)
             dp.masked_fill_(single, 0.0)
@@ -454,58 +463,57 @@ def attention_backward_jvp(
             ds_t = cap.curve.mul_(ds).addcmul_(cap.slope, ds_t)
             ds = cap.slope.mul_(ds)
         # backward: dQ = scale dS K~, dK~ = scale dS^T Q, dbias = dS  ->  product rule on each
-        _back_through_scores(r, ds_t, ds, tk_rep, tq_s, dq_t, dk_t, None if row_constant else dbias_t, start, stop,
-                             cols, ds_bias)
+        r.back_through_scores(ds_t, ds, tk_rep, tq_s, through_scores, rows, cols, ds_bias)
         if (row_constant or sink_rows is not None) and sink:  # rowsum(dS~) = the tangent of D P_sink
             share = _sink_share(r, rows, delta_t_blk.dtype)
             per_row = share * (delta_t_blk - t_row * delta[:, :, rows])  # P_sink (D~ - t D)
             if row_constant:
-                add_block_to_bias(dbias_t, per_row, start, stop, 1)
+                add_block_to_bias(grads.bias, per_row, start, stop, 1)
             if sink_rows is not None:
                 sink_rows[:, :, rows] = per_row[..., 0]
     return (
-        dq_t.to(q.dtype),
-        dk_t.total(r.groups).to(k.dtype),
-        dv_t.total(r.groups).to(v.dtype),
-        None if dbias_t is None else dbias_t.to(bias.dtype),
+        grads.q.to(call.q.dtype),
+        grads.k.total(r.groups).to(call.k.dtype),
+        grads.v.total(r.groups).to(call.v.dtype),
+        None if grads.bias is None else grads.bias.to(call.bias.dtype),
     )
 
 
 def attention_double_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
-    out: Tensor, row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float, bias_grad: bool,
-    dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
-    bounds: Optional[Tensor] = None, mask_blocks: Optional[MaskBlocks] = None,
-    centre: Optional[Tensor] = None, g_centre: Optional[Tensor] = None, sink: bool = False,
-    sink_rows: Optional[Tensor] = None,
+    call: AttentionCall, **inputs: Unpack[PassInputs]
 ) -> tuple[Optional[Tensor], Tensor, Tensor, Tensor, Optional[Tensor]]:
     """(g_dout or None, g_q, g_k, g_v, g_bias or None): the gradients, with respect to the
     backward's inputs, of <gq, dq> + <gk, dk> + <gv, dv> + <gbias, dbias>; an absent cotangent
     is zero. g_dout only with `dout_grad`: a gradient penalty's dO is a constant, and g_dout
     takes two of the twelve score-sized products per block.
 
-    For a part of each row's keys, the whole rows' sums are given (B, H, Lq, 1, compute
-    dtype; `double_backward_row_sums`): `centre` = t = rowsum(P * T) and `g_centre` =
+    For a part of each row's keys, the whole rows' sums are given (`row_sums`, B, H, Lq, 1,
+    compute dtype; `double_backward_row_sums`): `centre` = t = rowsum(P * T) and `g_centre` =
     rowsum(P * g_P).
 
-    With a `sink` (`ops.add_sink`) P sums to 1 - P_sink on a row, and the per-row t D left
-    out of g_P returns as t D P_sink in rowsum(P * g_P), P_sink = exp(-m) / l. A bias
+    With the call's sink (`ops.add_sink`) P sums to 1 - P_sink on a row, and the per-row t D
+    left out of g_P returns as t D P_sink in rowsum(P * g_P), P_sink = exp(-m) / l. A bias
     constant along the keys gets each whole row's sum of g_S in closed form, P_sink (u - t D)
     with u that row sum, and 0 without a sink: summing g_S would cancel down to it.
     `sink_rows` (B, H, Lq), where given, takes that term of every row (`sink_logits`)."""
+    sums = inputs.get("row_sums") or {}
+    centre, g_centre = sums.get("centre"), sums.get("g_centre")
+    dout, bias_grad, sink, sink_rows = inputs["dout"], inputs["bias_grad"], call.sink, inputs.get("sink_rows")
     _check_sink_rows(sink_rows, sink, centre)
-    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=5, bounds=bounds,
-                    mask_blocks=mask_blocks)
+    r = _Recompute(call, inputs, buffers=5)
     work = r.work
-    form = r.score_form(gq, gk, gbias if bias_grad else None)  # T
-    gq_s, gk_rep, gv_rep = _to(gq, work, scale), _repeat(gk, r.groups, work), _repeat(gv, r.groups, work)
-    width_v = v.shape[-1]
+    gq, gk = inputs["gq"], inputs["gk"]
+    form = r.score_form(gq, gk, inputs["gbias"] if bias_grad else None)  # T
+    gq_s, gk_rep, gv_rep = _to(gq, work, call.scale), _repeat(gk, r.groups, work), _repeat(inputs["gv"], r.groups, work)
+    width_v = call.v.shape[-1]
     # [dO | -D] [V~ | 1]^T = dP - D in one GEMM without dropout (see kernels.with_column)
-    do_w, delta = dout.to(work), _delta(dout, out, work)
-    v_ones = r.values_with_ones() if dropout_p == 0.0 else None
-    g_do = torch.zeros(*dout.shape, dtype=work, device=dout.device) if dout_grad else None
-    g_q, g_k, g_v, g_bias = r.gradient_accumulators(bias_grad)
-    row_constant = _rows_give_the_bias(bias_grad, bias, centre)
+    do_w, delta = dout.to(work), _delta(dout, inputs["out"], work)
+    v_ones = r.values_with_ones() if call.dropout_p == 0.0 else None
+    g_do = torch.zeros(*dout.shape, dtype=work, device=dout.device) if inputs["dout_grad"] else None
+    grads = r.gradient_accumulators(bias_grad)
+    row_constant = _rows_give_the_bias(bias_grad, call.bias, centre)
+    # the sums each block's tiles go into: not a bias constant along the keys (its closed form, below)
+    through_scores = grads._replace(bias=None) if row_constant else grads
     for start, stop, cols, p, z, single in r.each_block():
         rows = slice(start, stop)
         do_rows, v_blk = with_column(do_w[:, :, rows], -delta[:, :, rows]), r.v_rep[..., cols, :]  # [dO | -D]
@@ -530,7 +538,7 @@ def attention_double_backward(
         g_dp = torch.mul(p, t_form, out=scratch)
         # through dP = (dO V~^T) * Z
         g_dp_z = g_dp.mul_(z) if z is not None else g_dp
-        g_v.add(g_dp_z, do_blk, cols.start)
+        grads.v.add(g_dp_z, do_blk, cols.start)
         g_p = t_form.mul_(dp)  # (dP - D) * (T - t), in T's buffer
         # through dV~ = (P * Z)^T dO, with dP's path to dO beside it
         if g_do is not None:
@@ -557,44 +565,36 @@ def attention_double_backward(
             g_s_bias, cap = g_s, r.capped
             g_s = cap.curve.mul_(ds).addcmul_(cap.slope, g_s)
             ds = cap.slope.mul_(ds)
-        _back_through_scores(r, g_s, ds, gk_rep, gq_s, g_q, g_k, None if row_constant else g_bias, start, stop, cols,
-                             g_s_bias)
+        r.back_through_scores(g_s, ds, gk_rep, gq_s, through_scores, rows, cols, g_s_bias)
         if (row_constant or sink_rows is not None) and sink:  # rowsum(g_S) = rowsum(P * g_P) - u rowsum(P)
             per_row = share * (u_row - t_row * delta[:, :, rows])  # = P_sink (u - t D)
             if row_constant:
-                add_block_to_bias(g_bias, per_row, start, stop, 1)
+                add_block_to_bias(grads.bias, per_row, start, stop, 1)
             if sink_rows is not None:
                 sink_rows[:, :, rows] = per_row[..., 0]
     return (
         None if g_do is None else g_do.to(dout.dtype),
-        g_q.to(q.dtype),
-        g_k.total(r.groups).to(k.dtype),
-        g_v.total(r.groups).to(v.dtype),
-        None if g_bias is None else g_bias.to(bias.dtype),
+        grads.q.to(call.q.dtype),
+        grads.k.total(r.groups).to(call.k.dtype),
+        grads.v.total(r.groups).to(call.v.dtype),
+        None if grads.bias is None else grads.bias.to(call.bias.dtype),
     )
 
 
-
-
-def double_backward_row_sums(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], seed: int,
-    row_max: Tensor, inv_sum: Tensor, causal: Optional[int], scale: float, softcap: float, dropout_p: float, bias_grad: bool,
-    gq: Optional[Tensor], gk: Optional[Tensor], gv: Optional[Tensor], gbias: Optional[Tensor],
-    bounds: Optional[Tensor] = None, mask_blocks: Optional[MaskBlocks] = None,
-) -> tuple[Tensor, Tensor]:
+def double_backward_row_sums(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple[Tensor, Tensor]:
     """This call's keys' part of the double backward's two row sums, for a ring step
     (B, H, Lq, 1 each, compute dtype): rowsum(P * T), and rowsum(P * (dP * T + (dO gV~^T) * Z)).
+    Its `row_sums` come empty: given only so that a backend that takes rows' sums runs it.
 
     Over a whole row, with t = rowsum(P * T), D = rowsum(P * dP) and rowsum(P) = 1 (or P = 0),
         rowsum(P * g_P) = rowsum(P * ((dP - D) (T - t) + (dO gV~^T) Z))
                         = rowsum(P * (dP T + (dO gV~^T) Z)) - t D,
     so one pass over the keys gives both, for `attention_double_backward`'s centre and g_centre."""
-    r = _Recompute(q, k, v, mask, bias, seed, row_max, inv_sum, causal, scale, softcap, dropout_p, buffers=3, bounds=bounds,
-                    mask_blocks=mask_blocks)
-    form = r.score_form(gq, gk, gbias if bias_grad else None)  # T
-    gv_rep = _repeat(gv, r.groups, r.work)
-    do_w = dout.to(r.work)
-    t_sum = torch.zeros(r.batch, r.heads, r.len_q, 1, dtype=r.work, device=q.device)
+    r = _Recompute(call, inputs, buffers=3)
+    form = r.score_form(inputs["gq"], inputs["gk"], inputs["gbias"] if inputs["bias_grad"] else None)  # T
+    gv_rep = _repeat(inputs["gv"], r.groups, r.work)
+    do_w = inputs["dout"].to(r.work)
+    t_sum = torch.zeros(r.batch, r.heads, r.len_q, 1, dtype=r.work, device=call.q.device)
     u_sum = torch.zeros_like(t_sum)
     for start, stop, cols, p, z, _single in r.each_block():
         rows = slice(start, stop)

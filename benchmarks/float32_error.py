@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attngrad.torch import attention, use_implementation
+from attngrad.torch import attention, use_backend
 
 
 def math_sdpa(*args, **kwargs):
@@ -121,7 +121,7 @@ def main() -> None:
     args = parser.parse_args()
 
     def allowed() -> contextlib.AbstractContextManager:
-        return use_implementation(args.implementation) if args.implementation else contextlib.nullcontext()
+        return use_backend(args.implementation) if args.implementation else contextlib.nullcontext()
 
     length, seeds = (256, 2) if args.quick else (1024, 4)
     from attngrad.torch import scaled_dot_product_attention as ours_sdpa

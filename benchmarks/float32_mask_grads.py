@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attngrad.torch import scaled_dot_product_attention, use_implementation
+from attngrad.torch import scaled_dot_product_attention, use_backend
 
 NAMES = ("out", "dq", "dk", "dv", "dmask")
 RANDOM_SHAPES = ("Lk", "Lq,1", "1,Lk", "H,1,Lk", "B,1,1,Lk", "1,H,Lq,1", "H,Lq,Lk", "B,H,Lq,Lk")
@@ -90,7 +90,7 @@ def results(fn, case, dtype, backend=None):
     """(out, dq, dk, dv, dmask) of fn in `dtype`, and out's autograd node's name; with
     `backend`, the forward and the backward both on that one of attngrad's."""
     leaves = [case[n].to(dtype).requires_grad_() for n in ("q", "k", "v", "mask")]
-    with use_implementation(backend) if backend else contextlib.nullcontext():
+    with use_backend(backend) if backend else contextlib.nullcontext():
         out = fn(*leaves)
         grads = torch.autograd.grad(out, leaves, case["dout"].to(dtype))
     return [t.detach() for t in (out, *grads)], type(out.grad_fn).__name__

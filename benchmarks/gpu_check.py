@@ -207,7 +207,7 @@ def check_one(job: tuple) -> Row:
     import torch
 
     from attngrad.check.torch_backend import every_derivative
-    from attngrad.torch import use_implementation
+    from attngrad.torch import use_backend
 
     f = next(x for x in FEATURES if x.name == features_name)
     row, start = Row(f.name, dtype_name, d), time.perf_counter()
@@ -217,7 +217,7 @@ def check_one(job: tuple) -> Row:
         truth = every_derivative(call.theirs, call.primals, 30)
         dtype = torch_dtype(dtype_name)
         inputs = tuple(p.to(dtype) if p.is_floating_point() else p for p in call.primals)
-        with use_implementation("triton"):
+        with use_backend("triton"):
             ours = every_derivative(call.ours, inputs, 30)
             again = every_derivative(call.ours, inputs, 30)
         yardstick = every_derivative(call.theirs, inputs, 30) if dtype_name != DOUBLE else {}
@@ -244,7 +244,7 @@ def dropout_bits(device: str) -> bool:
     dropout.py's (PyTorch operators, on the CPU), at a whole call and at an offset placement."""
     import torch
 
-    from attngrad.torch import use_implementation
+    from attngrad.torch import use_backend
     from attngrad.torch.op import dropout
     from attngrad.torch.op.autograd import attention as differentiable
     from attngrad.torch.op.call import AttentionCall, ScoreMasks
@@ -256,7 +256,7 @@ def dropout_bits(device: str) -> bool:
     same = True
     for placement in (dropout.Placement(987654321987), dropout.Placement(-5, 7, 3, 2)):
         masks = ScoreMasks(mask=None, bias=None, bounds=None, causal=None, softcap=0.0, sink=False, blocks=None)
-        with use_implementation("triton"):
+        with use_backend("triton"):
             out = differentiable(AttentionCall(q, k, v, masks, placement.tensor(), 0.25, p))
         expected = dropout.keep_scale_torch(torch.empty(2, 3, 200, lk, dtype=torch.float32), placement.seed,
                                             placement.row_offset, p, placement.key_offset, placement.head_offset)
@@ -388,7 +388,7 @@ def _step(case: Timed, ours: bool):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from attngrad.torch import scaled_dot_product_attention, use_implementation
+    from attngrad.torch import scaled_dot_product_attention, use_backend
 
     dtype = torch_dtype(case.dtype)
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -401,7 +401,7 @@ def _step(case: Timed, ours: bool):
     def sdpa(q, k, v):
         kwargs = dict(attn_mask=bias, is_causal=case.causal)
         if ours:
-            with use_implementation("triton"):
+            with use_backend("triton"):
                 return scaled_dot_product_attention(q, k, v, **kwargs)
         if case.yardstick == "math":
             with sdpa_kernel(SDPBackend.MATH):

@@ -23,14 +23,14 @@ def triton_backward(d: int, causal: bool) -> Callable[[], tuple]:
     (its forward run once, here) and returns the gradients of q, k and v."""
     import torch
 
-    from attngrad.torch import scaled_dot_product_attention, use_implementation
+    from attngrad.torch import scaled_dot_product_attention, use_backend
 
     leaves, dout = inputs(d)
-    with use_implementation("triton"):
+    with use_backend("triton"):
         out = scaled_dot_product_attention(*leaves, is_causal=causal)
 
     def backward() -> tuple:
-        with use_implementation("triton"):
+        with use_backend("triton"):
             return torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
     return backward

@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     from gpu_light_call import inputs
     from torch.profiler import ProfilerActivity, profile
 
-    from attngrad.torch import scaled_dot_product_attention, use_implementation
+    from attngrad.torch import scaled_dot_product_attention, use_backend
 
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     for d in (64, 128):
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
             for name in ("attngrad", "pytorch"):
                 def step():
                     if name == "attngrad":
-                        with use_implementation("triton"):
+                        with use_backend("triton"):
                             out = scaled_dot_product_attention(*leaves, is_causal=causal)
                     else:
                         out = F.scaled_dot_product_attention(*leaves, is_causal=causal)

@@ -48,7 +48,7 @@ def _setup(name: str, d: int, candidate: Optional[tuple], causal: bool, dense: b
     (key_side with dQ's ordered adds)."""
     import torch
 
-    from attngrad.torch import scaled_dot_product_attention, use_implementation
+    from attngrad.torch import scaled_dot_product_attention, use_backend
     from attngrad.torch.backends.triton import launch
 
     options = dict(dense_walks=dense, fused_backward=way == "fused", light_key_side=way == "light")
@@ -57,16 +57,16 @@ def _setup(name: str, d: int, candidate: Optional[tuple], causal: bool, dense: b
     leaves, dout = inputs(d)
 
     def forward():
-        with torch.no_grad(), use_implementation("triton"), launch.TUNING.override(**options):
+        with torch.no_grad(), use_backend("triton"), launch.TUNING.override(**options):
             return scaled_dot_product_attention(*leaves, is_causal=causal)
 
     if name == "forward":
         return forward
-    with use_implementation("triton"), launch.TUNING.override(**options):
+    with use_backend("triton"), launch.TUNING.override(**options):
         out = scaled_dot_product_attention(*leaves, is_causal=causal)
 
     def backward():
-        with use_implementation("triton"), launch.TUNING.override(**options):
+        with use_backend("triton"), launch.TUNING.override(**options):
             torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
     return backward

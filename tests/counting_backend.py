@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from attngrad.torch import use_implementation
+from attngrad.torch import use_backend
 from attngrad.torch.backends import torch_ops
 from attngrad.torch.op import dispatch
 from attngrad.torch.op.call import AttentionCall
@@ -39,7 +39,7 @@ def registered_counting_backend() -> Iterator[CountingBackend]:
     counting = CountingBackend()
     dispatch.register(counting.backend, before=dispatch.registered()[0])
     try:
-        with use_implementation(counting.name):
+        with use_backend(counting.name):
             yield counting
     finally:
         dispatch.unregister(counting.name)

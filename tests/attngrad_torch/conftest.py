@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from attngrad.torch import use_implementation  # noqa: E402
+from attngrad.torch import use_backend  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
@@ -33,11 +33,11 @@ BACKENDS = ("tiles", "torch-ops")
 def backend(request):
     """Each backend alone, skipped where it does not run here; the test fails if any pass
     ran on another one."""
-    status = {b.name: b for b in dispatch.backends()}[request.param]
+    status = {b.name: b for b in dispatch.list_backends()}[request.param]
     if not status.available:
         pytest.skip(f"backend {request.param} does not run here: {status.reason}")
     before = dict(dispatch.ran)
-    with use_implementation(request.param):
+    with use_backend(request.param):
         yield request.param
     ran = {backend for (pass_name, backend), count in dispatch.ran.items() if count > before.get((pass_name, backend), 0)}
     assert ran <= {request.param}, f"passes ran on {ran}"

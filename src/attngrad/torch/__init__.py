@@ -4,8 +4,8 @@
 gradient of a float attention mask; `MultiheadAttention` is a drop-in for
 `torch.nn.MultiheadAttention` built on it; `attention` is the same op with a boolean mask,
 a float bias and the causal mask in any combination. All run wherever the tensors are;
-`backends()` lists the backends that run the passes (the compiled tiles, the torch-ops
-kernels, ...), `use_implementation` chooses among them, and `ran` counts what ran.
+`list_backends()` lists the backends that run the passes (the compiled tiles, the torch-ops
+kernels, ...), `use_backend` chooses among them, and `ran` counts what ran.
 `replace_sdpa()` sends every call of PyTorch's own function inside a block to attngrad,
 in any model that makes one. The compiled CPU tiles keep the gradient of a bias of the
 scores' size between calls (`from attngrad.torch.backends.cpu_tiles import buffer_cache`:
@@ -20,13 +20,13 @@ operators and sends each to a backend (`op.dispatch`); each backend is one packa
 `backends`; `masks` holds masks in every form. docs/design.md draws it.
 """
 
-from . import backends as _backends  # noqa: F401  (registers the backends)
+from . import backends  # registers the backends
 from .functional import attention, scaled_dot_product_attention
 from .masks.functions import create_block_mask
 from .masks.version_cache import forget_masks
 from .mha import MultiheadAttention
-from .op.dispatch import backends, ran, use_implementation
+from .op.dispatch import list_backends, ran, use_backend, use_implementation
 from .sdpa_mode import SDPACalls, replace_sdpa
 
-__all__ = ["MultiheadAttention", "SDPACalls", "attention", "backends", "create_block_mask", "forget_masks", "ran",
-           "replace_sdpa", "scaled_dot_product_attention", "use_implementation"]
+__all__ = ["MultiheadAttention", "SDPACalls", "attention", "backends", "create_block_mask", "forget_masks",
+           "list_backends", "ran", "replace_sdpa", "scaled_dot_product_attention", "use_backend", "use_implementation"]

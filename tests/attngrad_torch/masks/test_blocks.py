@@ -264,14 +264,14 @@ TRITON_CASES = {  # small: the interpreter runs every program instance in Python
 def test_every_pass_reads_the_blocks_in_triton(name):
     """The same in the Triton kernels, run by Triton's interpreter (float64)."""
     pytest.importorskip("triton")
-    from attngrad.torch import use_implementation
+    from attngrad.torch import use_backend
     from attngrad.torch.backends import triton as triton_backend
     from attngrad.torch.op import dispatch
 
     if not triton_backend.interpreting():
         pytest.skip("the Triton kernels are compiled here (TRITON_INTERPRET=0): tests/attngrad_torch/backends/triton/test_triton.py")
     before = dict(dispatch.ran)
-    with use_implementation("triton"):
+    with use_backend("triton"):
         _every_pass(Case(**TRITON_CASES[name]))
     assert {key[1] for key, count in dispatch.ran.items() if count > before.get(key, 0)} == {"triton"}
 

@@ -20,7 +20,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from attngrad.torch import attention, backends, forget_masks, use_implementation  # noqa: E402
+from attngrad.torch import attention, forget_masks, list_backends, use_backend  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
 from attngrad.torch.masks import version_cache as kept  # noqa: E402
@@ -220,7 +220,7 @@ def test_second_order_with_the_key_side_in_place(monkeypatch, name, tuned):
     case = Case(**CASES[name])
     dout = randn(*case.q.shape[:-1], DV, seed=30)
     cotangents = tuple(randn(*p.shape, seed=40 + i) for i, p in enumerate(case.primals))
-    with use_implementation("tiles"):
+    with use_backend("tiles"):
         ours = (*double_backward(case.ours, case.primals, dout, cotangents),
                 *hessian_vector_products(case.ours, case.primals))
     theirs = (*double_backward(case.theirs, case.primals, dout, cotangents),
@@ -255,11 +255,11 @@ def structured_calls(draw):
 
 # the CPU backends: Triton's interpreter (seconds a call) has its structures in test_triton
 @settings(max_examples=40, deadline=None)
-@given(structured_calls(), st.sampled_from([b.name for b in backends() if b.available and b.name != "triton"]))
+@given(structured_calls(), st.sampled_from([b.name for b in list_backends() if b.available and b.name != "triton"]))
 def test_random_structures_match_the_math_kernel(options, implementation_name):
     case = Case(**options)
     dout = randn(*case.q.shape[:-1], DV, seed=7)
-    with use_implementation(implementation_name):
+    with use_backend(implementation_name):
         ours = gradients(case.ours, case.primals, dout)
         tangents = tuple(randn(*p.shape, seed=8 + i) for i, p in enumerate(case.primals))
         ours_t = torch.func.jvp(case.ours, case.primals, tangents)[1]
@@ -339,7 +339,7 @@ def test_sides_and_diagonals_past_every_key_are_the_open_ones(implementation):
     a diagonal below every row sees nothing."""
     q, k = randn(B, H, 9, D, seed=1), randn(B, H, 13, D, seed=2)
     huge = sys.maxsize
-    with use_implementation(implementation):
+    with use_backend(implementation):
         for window, open_window in (((2, huge), (2, None)), ((huge, 1), (None, 1)), ((10**30, 0), (None, 0))):
             assert torch.equal(attention(q, k, k, window=window), attention(q, k, k, window=open_window)), window
         plain = dict(out=attention(q, k, k))  # a causal pass sums in its own order: equal to 1e-12

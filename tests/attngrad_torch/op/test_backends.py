@@ -9,10 +9,10 @@ torch = pytest.importorskip("torch")
 from attngrad.torch import (  # noqa: E402
     MultiheadAttention,
     attention,
-    backends,
+    list_backends,
     ran,
     scaled_dot_product_attention,
-    use_implementation,
+    use_backend,
 )
 from attngrad.torch.op import dispatch  # noqa: E402
 from attngrad.torch.op.call import PASSES, schema  # noqa: E402
@@ -25,8 +25,26 @@ def randn(*shape, seed, grad=True):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64, requires_grad=grad)
 
 
+def test_the_old_names_still_work_and_say_they_are_deprecated():
+    """`use_implementation` and `attngrad.torch.backends()` were renamed `use_backend` and
+    `list_backends()`; the old ones still work, with a FutureWarning. `attngrad.torch.backends`
+    is the package of the backends, which the function's name shadowed (its modules imported
+    by a dotted name failed)."""
+    import importlib
+
+    import attngrad.torch
+
+    with pytest.warns(FutureWarning, match="use_backend"):
+        with attngrad.torch.use_implementation("torch-ops"):
+            assert dispatch.allowed() == ("torch-ops",)
+    with pytest.warns(FutureWarning, match="list_backends"):
+        assert attngrad.torch.backends() == list_backends()
+    native = importlib.import_module("attngrad.torch.backends.cpu_tiles.native")
+    assert attngrad.torch.backends.cpu_tiles.native is native
+
+
 def test_backends_lists_tiles_and_torch_ops_and_says_why_one_does_not_run():
-    statuses = {b.name: b for b in backends()}
+    statuses = {b.name: b for b in list_backends()}
     assert list(statuses)[:3] == ["tiles", "triton", "torch-ops"]  # the order of preference
     assert statuses["torch-ops"].available and statuses["torch-ops"].reason is None
     tiles = statuses["tiles"]
@@ -64,17 +82,17 @@ def test_every_pass_of_every_entry_point_runs_on_a_new_backend(counting_backend)
 
 def test_a_call_no_allowed_backend_takes_raises_with_each_ones_reason():
     q = randn(1, 1, 3, 2, seed=1, grad=False)
-    with use_implementation("torch-ops"):
+    with use_backend("torch-ops"):
         before = dict(ran)
         attention(q, q, q)
         assert ran[("forward", "torch-ops")] == before.get(("forward", "torch-ops"), 0) + 1
     empty = q[..., :0, :]
-    with use_implementation("tiles"):
+    with use_backend("tiles"):
         with pytest.raises(RuntimeError, match="no allowed backend runs this forward call.*tiles: it (takes no empty|is "
                                                "unavailable)"):
             attention(q, empty, empty)
-    with pytest.raises(ValueError, match="use_implementation takes one or more of"):
-        with use_implementation("flash"):
+    with pytest.raises(ValueError, match="use_backend takes one or more of"):
+        with use_backend("flash"):
             pass
 
 
@@ -83,7 +101,7 @@ def test_which_rows_sums_the_tiles_take():
     tiles take the backward's JVP given the centre and D' without a bias gradient, and the
     forward's JVP asked for the centre; everything else goes to a backend that takes it all
     (torch-ops), as do sums held by a torch.func transform's tensors."""
-    if dict((b.name, b.available) for b in backends())["tiles"] is not True:
+    if dict((b.name, b.available) for b in list_backends())["tiles"] is not True:
         pytest.skip("the compiled tiles are not built here")
     q = randn(1, 2, 5, 4, seed=2, grad=False)
     call = make_call(q, q, q, bias=randn(5, 5, seed=3, grad=False))

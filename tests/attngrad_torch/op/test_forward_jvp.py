@@ -14,7 +14,7 @@ import torch.autograd.forward_ad as forward_ad  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from attngrad.torch import ran, scaled_dot_product_attention, use_implementation  # noqa: E402
+from attngrad.torch import ran, scaled_dot_product_attention, use_backend  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.op import ops  # noqa: E402
 from attngrad.torch.op.dropout import Placement  # noqa: E402
@@ -75,7 +75,7 @@ def test_the_one_pass_equals_the_forward_then_the_jvp(case, small_blocks):
         out, row_max_f, inv_sum_f, out_t = ops.run_pass("forward_jvp", call, tangents)
     assert ran[("forward_jvp", "tiles")] == 1
     for backend in ("tiles", "torch-ops"):
-        with use_implementation(backend):
+        with use_backend(backend):
             ref_out, row_max, inv_sum = ops.run_pass("forward", call, {})
             ref_t = ops.run_pass("jvp", call, dict(row_max=row_max, inv_sum=inv_sum, **tangents))
             composed = ops.run_pass("forward_jvp", call, tangents) if backend == "torch-ops" else None
@@ -211,7 +211,7 @@ def test_every_jvp_pass_of_a_call_with_a_sink_agrees(len_k):
     call = make_call(q, k, v, sink=True, scale=0.5)
     results = []
     for backend in ("tiles", "torch-ops"):
-        with use_implementation(backend):
+        with use_backend(backend):
             _, row_max, inv_sum = ops.run_pass("forward", call, {})
             results.append(ops.run_pass("jvp", call, dict(row_max=row_max, inv_sum=inv_sum, **tangents)))
             results.append(ops.run_pass("forward_jvp", call, tangents)[-1])

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attngrad.check.torch_backend import every_derivative  # noqa: E402
-from attngrad.torch import attention, use_implementation  # noqa: E402
+from attngrad.torch import attention, use_backend  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
 from attngrad.torch.op.dropout import Placement  # noqa: E402
 
@@ -29,7 +29,7 @@ BACKENDS = ("tiles", "torch-ops", "triton")
 def backend(request, many_blocks):
     """Each backend alone (Triton's in its interpreter, on these CPU tensors), skipped where
     it does not run here; the test fails if a pass ran on another."""
-    status = {b.name: b for b in dispatch.backends()}[request.param]
+    status = {b.name: b for b in dispatch.list_backends()}[request.param]
     if not status.available:
         pytest.skip(f"backend {request.param} does not run here: {status.reason}")
     if request.param == "triton":
@@ -37,7 +37,7 @@ def backend(request, many_blocks):
         if not triton_backend.interpreting():
             pytest.skip("Triton's kernels are compiled here (TRITON_INTERPRET=0): these tests are on CPU tensors")
     before = dict(dispatch.ran)
-    with use_implementation(request.param):
+    with use_backend(request.param):
         yield request.param
     ran = {name for key, count in dispatch.ran.items() if count > before.get(key, 0) for name in key[1:]}
     assert ran <= {request.param}, f"passes ran on {ran}"

@@ -9,12 +9,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attngrad.torch import backends, use_implementation  # noqa: E402
+from attngrad.torch import list_backends, use_backend  # noqa: E402
 from attngrad.torch.op import dropout  # noqa: E402
 from attngrad.torch.op import ops as op  # noqa: E402
 from attngrad.torch.op.dropout import Placement  # noqa: E402
 
-IMPLEMENTATIONS = [b.name for b in backends() if b.available]
+IMPLEMENTATIONS = [b.name for b in list_backends() if b.available]
 
 
 def _rel(a, b):
@@ -39,7 +39,7 @@ def test_a_head_group_draws_the_wholes_masks(implementation):
     whole call's output for those heads, dropout included, in both implementations."""
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, 6, 30, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    with use_implementation(implementation):
+    with use_backend(implementation):
         whole, _, _ = op.attention_forward(q, k, v, None, None, None, torch.tensor(7), 0, 0.3, 0.0, 0.4)
         part, _, _ = op.attention_forward(q[:, 2:5], k[:, 2:5], v[:, 2:5], None, None, None,
                                           Placement(7, head_offset=2).tensor(), 0, 0.3, 0.0, 0.4)
@@ -78,7 +78,7 @@ def test_parts_of_rows_and_keys_add_up_to_the_whole(implementation, causal, drop
     mask[:, :, 7, :] = False
     mask[:, :, 7, [2, 15]] = True  # a row with one key in each of two parts
     bias = torch.randn(B, H, L, L, generator=g, dtype=torch.float64)
-    with use_implementation(implementation):
+    with use_backend(implementation):
         seed = torch.tensor(1234)
         out, row_max, inv_sum = op.attention_forward(q, k, v, mask, bias, None, seed, causal, 0.4, 0.0, dropout_p)
         whole = op.attention_backward(q, k, v, mask, bias, None, seed, causal, 0.4, 0.0, dropout_p, dout=dout, out=out,

@@ -44,7 +44,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from attngrad.check.compare import error_figure  # noqa: E402
 from attngrad.check.torch_backend import every_derivative  # noqa: E402
-from attngrad.torch import attention, use_implementation  # noqa: E402
+from attngrad.torch import attention, use_backend  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
 
@@ -334,7 +334,7 @@ def check(d: Draw, backends: tuple) -> None:
     failures = []
     for backend in backends:
         before = dict(dispatch.ran)
-        with use_implementation(backend):
+        with use_backend(backend):
             ours = call.named(every_derivative(call.ours, call.primals, d.seed % 1000))
         ran = {name for key, count in dispatch.ran.items() if count > before.get(key, 0) for name in key[1:]}
         assert ran <= {backend}, f"{backend}: passes ran on {ran}"
@@ -369,7 +369,7 @@ def small_tiles(many_blocks, monkeypatch, tuned):
 
 
 def available(name: str) -> bool:
-    return {b.name: b for b in dispatch.backends()}[name].available
+    return {b.name: b for b in dispatch.list_backends()}[name].available
 
 
 # the fixture only sets module constants, the same for every draw

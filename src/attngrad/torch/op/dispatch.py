@@ -15,13 +15,13 @@ with `row_sums=True` takes. Registered today, in order of preference:
     "torch-ops"  PyTorch operators over score tiles (`backends.torch_ops`): every call,
                  on any device; the portable one
 
-`use_implementation(...)`, in the manner of `torch.nn.attention.sdpa_kernel`, restricts the
+`use_backend(...)`, in the manner of `torch.nn.attention.sdpa_kernel`, restricts the
 choice while it is active; a call that none of the allowed backends takes raises, naming
 each one's reason, instead of silently taking another. `ran` counts what ran, per pass and
-backend (`attngrad bench` records it); `backends()` lists the registered backends and
+backend (`attngrad bench` records it); `list_backends()` lists the registered backends and
 whether each runs here.
 
-    with use_implementation("torch-ops"):
+    with use_backend("torch-ops"):
         out = scaled_dot_product_attention(q, k, v)
     ran.most_common()  # [(('forward', 'torch-ops'), 1)]
 """
@@ -29,6 +29,8 @@ whether each runs here.
 from __future__ import annotations
 
 import collections
+import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -112,7 +114,7 @@ def registered() -> tuple[str, ...]:
     return tuple(_registry)
 
 
-def backends() -> list[BackendStatus]:
+def list_backends() -> list[BackendStatus]:
     """Every registered backend, whether it runs on this machine, and why not where it does not."""
     statuses = []
     for backend in _registry.values():
@@ -122,7 +124,7 @@ def backends() -> list[BackendStatus]:
 
 
 @contextmanager
-def use_implementation(*names: str) -> Iterator[None]:
+def use_backend(*names: str) -> Iterator[None]:
     """Allow only the backends `names` ("tiles", "torch-ops", ...) inside the block. Like
     PyTorch's `sdpa_kernel`, the choice is global (autograd's backward runs the passes later,
     and may run them on another thread), so it also governs backward passes run inside the
@@ -130,12 +132,19 @@ def use_implementation(*names: str) -> Iterator[None]:
     global _allowed
     unknown = [name for name in names if name not in _registry]
     if unknown or not names:
-        raise ValueError(f"use_implementation takes one or more of {registered()}; got {names}")
+        raise ValueError(f"use_backend takes one or more of {registered()}; got {names}")
     previous, _allowed = _allowed, tuple(names)
     try:
         yield
     finally:
         _allowed = previous
+
+
+def use_implementation(*names: str) -> contextlib.AbstractContextManager[None]:
+    """`use_backend`'s old name, deprecated: "backend" is the word everywhere else."""
+    warnings.warn("attngrad.torch.use_implementation is deprecated; use attngrad.torch.use_backend, which takes the "
+                  "same names", FutureWarning, stacklevel=2)
+    return use_backend(*names)
 
 
 def allowed() -> tuple[str, ...]:

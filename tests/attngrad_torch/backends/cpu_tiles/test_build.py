@@ -129,9 +129,9 @@ def test_a_compiler_without_openmp_still_builds_the_tiles(tmp_path):
             assert native.library() is not None, native.build_info.reason
         assert any("without OpenMP" in str(w.message) for w in caught), [str(w.message) for w in caught]
         assert "-fattngrad-no-such-flag" not in native_build.flags(openmp=False)
-        from attngrad.torch import attention, ran, use_implementation
+        from attngrad.torch import attention, ran, use_backend
         q = torch.randn(1, 2, 9, 4, dtype=torch.float64)
-        with use_implementation("tiles"):
+        with use_backend("tiles"):
             out = attention(q, q, q, is_causal=True)
         ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
         assert float((out - ref).abs().max()) < 1e-12 and ran[("forward", "tiles")] == 1

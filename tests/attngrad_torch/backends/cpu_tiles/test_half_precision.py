@@ -58,7 +58,7 @@ def test_half_precision_runs_on_the_tiles(dtype, is_causal):
     rounded to bfloat16 as PyTorch's kernels round them, with float32 sums); the torch-ops
     kernels (float32 throughout) give the same numbers up to about a rounding of the
     half-precision results."""
-    from attngrad.torch import attention, ran, use_implementation
+    from attngrad.torch import attention, ran, use_backend
 
     g = torch.Generator().manual_seed(4)
     q, k, v, dout, tq, tk, tv = (torch.randn(2, 4, 37, 16, generator=g).to(dtype) for _ in range(7))
@@ -78,7 +78,7 @@ def test_half_precision_runs_on_the_tiles(dtype, is_causal):
     ran.clear()
     ours = everything()
     assert {("forward", "tiles"), ("backward", "tiles"), ("forward_jvp", "tiles")} <= set(ran)
-    with use_implementation("torch-ops"):
+    with use_backend("torch-ops"):
         theirs = everything()
     eps = torch.finfo(dtype).eps
     for i, (a, b) in enumerate(zip(ours, theirs)):

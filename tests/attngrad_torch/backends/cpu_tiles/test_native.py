@@ -472,19 +472,19 @@ def test_what_the_tiles_take():
 def test_use_implementation_chooses_and_counts():
     """The choice is the user's: torch-ops alone, tiles alone (a call they cannot run raises,
     never silently runs elsewhere), and `ran` says what ran, backward passes included."""
-    from attngrad.torch import ran, use_implementation
+    from attngrad.torch import ran, use_backend
 
     q, k, v, dout = random_inputs(1, 2, 2, 5, 6, 4, 4, torch.float64, 0)
     q.requires_grad_()
     ran.clear()
-    with use_implementation("torch-ops"):
+    with use_backend("torch-ops"):
         out = scaled_dot_product_attention(q, k, v)
         out.backward(dout)
     assert dict(ran) == {("forward", "torch-ops"): 1, ("backward", "torch-ops"): 1}
     if native.library() is None:
         return
     ran.clear()
-    with use_implementation("tiles"):
+    with use_backend("tiles"):
         scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
         with pytest.raises(RuntimeError, match="no allowed backend runs this forward call.*tiles: it takes no empty dimension"):
             scaled_dot_product_attention(q, k[..., :0, :], v[..., :0, :])  # an empty axis
@@ -496,7 +496,7 @@ def test_use_implementation_chooses_and_counts():
         assert ran[("double_backward", "tiles")] == 1
     assert dispatch.allowed() == dispatch.registered()
     with pytest.raises(ValueError, match="one or more of"):
-        with use_implementation("flash"):
+        with use_backend("flash"):
             pass
 
 

@@ -229,7 +229,7 @@ def test_padding_narrows_the_tiles_and_every_derivative_holds(many_blocks, is_ca
     whose gradient the backward writes entry by entry (the narrowed-off columns as 0):
     output, dq, dk, dv, dbias, a JVP and a double backward equal PyTorch's math backend to
     1e-12 in float64."""
-    from attngrad.torch import attention, use_implementation
+    from attngrad.torch import attention, use_backend
 
     g = torch.Generator().manual_seed(21)
     q = torch.randn(2, 3, 17, 8, generator=g, dtype=torch.float64, requires_grad=True)
@@ -249,7 +249,7 @@ def test_padding_narrows_the_tiles_and_every_derivative_holds(many_blocks, is_ca
     seen = allowed.any(-1, keepdim=True)  # rows that see no key: 0 in attngrad, NaN in PyTorch
 
     def ours(q, k, v, bias):
-        with use_implementation("tiles"):
+        with use_backend("tiles"):
             return attention(q, k, v, attn_mask=keep, attn_bias=bias, is_causal=is_causal)
 
     def theirs(q, k, v, bias):

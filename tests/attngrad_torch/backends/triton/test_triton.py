@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from attngrad.check.torch_backend import every_derivative  # noqa: E402
-from attngrad.torch import attention, use_implementation  # noqa: E402
+from attngrad.torch import attention, use_backend  # noqa: E402
 from attngrad.torch.backends import triton as triton_backend  # noqa: E402
 from attngrad.torch.backends.triton import launch  # noqa: E402
 from attngrad.torch.backends.triton.kernels import dq_rank  # noqa: E402
@@ -42,7 +42,7 @@ interpreted = pytest.mark.skipif(not INTERPRETED, reason="the Triton kernels are
 def on_triton():
     """Only the triton backend runs; the test fails if a pass ran elsewhere."""
     before = dict(dispatch.ran)
-    with use_implementation("triton"):
+    with use_backend("triton"):
         yield
     ran = {name for key, count in dispatch.ran.items() if count > before.get(key, 0) for name in key[1:]}
     assert ran <= {"triton"}, f"passes ran on {ran}"
@@ -203,12 +203,12 @@ def test_dropout_mask_is_the_cpu_tiles_bit_for_bit():
     k = randn(2, 3, lk, 16, seed=1)
     v = torch.eye(lk, dtype=DOUBLE).expand(2, 3, lk, lk)
     for placement in (dropout.Placement(987654321987), dropout.Placement(-5, 7, 3, 2)):
-        with use_implementation("triton"):
+        with use_backend("triton"):
             out = op_attention(q, k, v, seed=placement.tensor(), dropout_p=p)
         expected = dropout.keep_scale_torch(torch.empty(2, 3, 21, lk, dtype=DOUBLE), placement.seed,
                                             placement.row_offset, p, placement.key_offset, placement.head_offset)
         assert torch.equal(out * lk, expected)
-        with use_implementation("tiles"):
+        with use_backend("tiles"):
             assert torch.equal(op_attention(q, k, v, seed=placement.tensor(), dropout_p=p), out)
 
 
@@ -222,7 +222,7 @@ def test_float32_error_is_within_twice_the_cpu_tiles(tiles_of, name):
     single = tuple(p.float() for p in case.primals)
     errors = {}
     for implementation in ("triton", "tiles"):
-        with use_implementation(implementation):
+        with use_backend(implementation):
             ours = every_derivative(case.ours, single, 40)
         errors[implementation] = {n: rel_err(ours[n].double(), truth[n]) for n in ours}
     for n, error in errors["triton"].items():
@@ -263,20 +263,20 @@ def test_same_inputs_same_bits(on_triton, tiles_of, device):
 def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
     monkeypatch.setattr(triton_backend, "interpreting", lambda: False)
     q = randn(1, 1, 4, 16, seed=1)
-    with use_implementation("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+    with use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         attention(q, q, q)
 
 
 @interpreted
 def test_wide_heads_are_refused_by_name():
     q = randn(1, 1, 4, 257, seed=1)
-    with use_implementation("triton"), pytest.raises(RuntimeError, match="head widths up to 256; got d=257"):
+    with use_backend("triton"), pytest.raises(RuntimeError, match="head widths up to 256; got d=257"):
         attention(q, q, q)
 
 
 @interpreted
 def test_triton_is_listed_among_the_backends():
-    status = {b.name: b for b in dispatch.backends()}
+    status = {b.name: b for b in dispatch.list_backends()}
     assert status["triton"].available
     assert dispatch.registered().index("triton") < dispatch.registered().index("torch-ops")
 
@@ -309,7 +309,7 @@ def test_a_light_call_has_no_per_score_operand_or_option(monkeypatch, option, li
     monkeypatch.setattr(launch, "blocks_for", lambda *args, **kwargs: seen.append(kwargs["light"]) or launch.TUNING().interpreted)
     monkeypatch.setattr(launch, "Plan", lambda call, blocks: (_ for _ in ()).throw(RuntimeError("planned")))
     q = randn(2, 2, 9, 16, seed=1)
-    with use_implementation("triton"), pytest.raises(RuntimeError, match="planned"):
+    with use_backend("triton"), pytest.raises(RuntimeError, match="planned"):
         attention(q, q, q, **option)
     assert seen == [light]
 

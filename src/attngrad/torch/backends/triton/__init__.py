@@ -1,6 +1,6 @@
 """The "triton" backend: every pass of attention as fused Triton kernels in O(L) memory, for
 GPUs (`launch`, `kernels`, `tiles`). It takes CUDA tensors by default where triton is
-installed. CPU tensors it takes only when chosen (`use_implementation("triton")`) and under
+installed. CPU tensors it takes only when chosen (`use_backend("triton")`) and under
 Triton's interpreter (TRITON_INTERPRET=1 before triton is first imported), which runs the
 same kernels on NumPy: how its numbers are tested without a GPU. `attngrad gpu-report` compiles every kernel variant for sm_80 and
 sm_90 ahead of time (`compile_report`).
@@ -87,7 +87,7 @@ def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]
         return "its tensors are on more than one device"
     if device.type == "cpu":
         if "torch-ops" in dispatch.allowed():  # the interpreter is for tests: only when chosen
-            return "it takes CPU tensors only when chosen without torch-ops (use_implementation('triton'))"
+            return "it takes CPU tensors only when chosen without torch-ops (use_backend('triton'))"
         if not interpreting():
             return "it runs CPU tensors only in Triton's interpreter (set TRITON_INTERPRET=1 before the first call)"
         if _late_interpreter():

@@ -27,7 +27,7 @@ import torch
 from ..torch.arguments import build_call
 from ..torch.op import dropout as attngrad_dropout
 from ..torch.op.autograd import attention
-from ..torch.op.dispatch import backends, use_implementation
+from ..torch.op.dispatch import list_backends, use_backend
 from .cases import Case
 from .torch_oracle import AttendOptions, computation
 
@@ -139,8 +139,8 @@ def check_backend(case: Case, tol: float) -> list[BackendRow]:
     # Every backend that runs here, on the check's CPU tensors: Triton's only in its
     # interpreter, far too slow for every case (tests/attngrad_torch/backends/triton/test_triton.py holds it to
     # the math path instead).
-    for implementation in [b.name for b in backends() if b.available and b.name != "triton"]:
-        with use_implementation(implementation):
+    for implementation in [b.name for b in list_backends() if b.available and b.name != "triton"]:
+        with use_backend(implementation):
             ours = _derivatives(computation(case, _attngrad_attention), primals, dout, tangents, weights)
         for derivative in DERIVATIVES:
             vs_math = _worst(ours[derivative], math[derivative], floors[derivative])

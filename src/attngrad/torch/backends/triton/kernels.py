@@ -248,7 +248,7 @@ def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, sq0, sq1, sq
              BD: tl.constexpr, BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr,
              ACC: tl.constexpr, CENTRE: tl.constexpr = False, SINK: tl.constexpr = False):
     """The whole-row sums a backward-type pass needs before its walks, for the form F (S' or
-    T, `tiles.score_form`), into ROW_SUMS (B, H, Lq, tiles.SUMS): x = t - c, y, c, c2 and the
+    T, `tiles.score_form`), into ROW_SUMS (B, H, tiles.SUMS, Lq): x = t - c, y, c, c2 and the
     peak key's index (`tiles.load_row_sums`), with t = rowsum(P F) and
         BACKWARD_JVP     y = D~ = rowsum(P (F - t) dP + P dP~),  dP~ = (dO2 V^T + dO V2^T) Z
         DOUBLE_BACKWARD  y = u - c2,  u = rowsum(P g_P) + t D P_sink,
@@ -367,13 +367,13 @@ def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, sq0, sq1, sq
         # g_P - c2 = (a - a*) - (t - c)(b - b*), c2 = a* - (t - c) b*; the sink's a = D c, b = -D
         y = y1 - x_less * y2 + p_sink * ((d_row * c - a_top) + x_less * (d_row + b_top))
         c2 = a_top - x_less * b_top
-    out = ROW_SUMS + (rows + offs_m) * SUMS
+    out = ROW_SUMS + rows * SUMS + offs_m
     inside = offs_m < Lq
     tl.store(out, x_less, mask=inside)
-    tl.store(out + 1, y, mask=inside)
-    tl.store(out + 2, c, mask=inside)
-    tl.store(out + 3, c2, mask=inside)
-    tl.store(out + 4, peak.to(ACC), mask=inside)
+    tl.store(out + Lq, y, mask=inside)
+    tl.store(out + 2 * Lq, c, mask=inside)
+    tl.store(out + 3 * Lq, c2, mask=inside)
+    tl.store(out + 4 * Lq, peak.to(ACC), mask=inside)
 
 
 @triton.jit

@@ -94,13 +94,15 @@ _TABLE: dict[tuple[str, str, int], Blocks] = {
     ("backward_jvp", "half", 64): Blocks(32, 32, 8, 1, slice=32),
     ("backward_jvp", "half", 128): Blocks(32, 32, 8, 1, slice=64, registers=255),
     ("backward_jvp", "float32", 64): Blocks(16, 16, 8, 1, slice=32, registers=255),
-    ("backward_jvp", "float32", 128): Blocks(16, 16, 4, 1, slice=64, registers=255),
+    # centred (`kernels.row_sums`), the float32 key side of these two took 16x16 w4 and slices of
+    # 32 (backward's JVP) or 64 to compile for sm_80 without spills (Triton 3.9; not timed)
+    ("backward_jvp", "float32", 128): Blocks(16, 16, 4, 1, slice=32, registers=255),
     ("backward_jvp", "tf32", 64): Blocks(32, 32, 8, 1, slice=32, registers=255),
     ("backward_jvp", "tf32", 128): Blocks(32, 16, 8, 1, slice=64),
     ("double_backward", "half", 64): Blocks(32, 32, 8, 1, slice=32, registers=255),
     ("double_backward", "half", 128): Blocks(32, 32, 8, 1, slice=64),
     ("double_backward", "float32", 64): Blocks(32, 16, 8, 1, slice=32, registers=255),
-    ("double_backward", "float32", 128): Blocks(32, 16, 8, 1, slice=64, registers=255),
+    ("double_backward", "float32", 128): Blocks(16, 16, 4, 1, slice=64, registers=255),
     ("double_backward", "tf32", 64): Blocks(32, 16, 8, 1, slice=32),
     ("double_backward", "tf32", 128): Blocks(32, 16, 8, 1, slice=64),
 }
@@ -457,7 +459,7 @@ class _Second:
         kernels.row_dot[(triton.cdiv(plan.Lq, block), plan.B * plan.H)](
             self.do, out, self.delta, *_strides(self.do), *_strides(out), plan.H, plan.Lq, plan.DV, BM=block,
             BDV=padded_width(plan.DV), ACC=_acc(call.q.dtype), num_warps=4, num_stages=1)
-        self.sums: Optional[Tensor] = None  # (B, H, Lq, SUMS), from `_row_sums`
+        self.sums: Optional[Tensor] = None  # (B, H, SUMS, Lq), from `_row_sums`
 
     def tensors(self) -> list:
         return [self.q, self.k, self.v, self.do, self.q2, self.k2, self.v2, self.do2, self.row_max, self.inv_sum,
@@ -475,7 +477,7 @@ class _Second:
 
 
 def _row_sums(plan: Plan, inputs: _Second, mode: int) -> None:
-    inputs.sums = torch.empty(plan.B, plan.H, plan.Lq, SUMS.value, dtype=plan.acc_dtype, device=plan.device)
+    inputs.sums = torch.empty(plan.B, plan.H, SUMS.value, plan.Lq, dtype=plan.acc_dtype, device=plan.device)
     kernels.row_sums[(plan.n_q, plan.B * plan.H)](
         *inputs.tensors(), *inputs.strides(), *inputs.c_args(), *plan.masks, *plan.walks("keys"), *plan.sizes,
         MODE=mode, **inputs.switches(), **plan.switches, CENTRE=plan.centre, SINK=plan.call.sink, **plan.launch)
@@ -568,7 +570,7 @@ def _sink_terms(plan: Plan, inputs: _Second, mode: int) -> Tensor:
     t - c, D~ or u - c2, c, c2)."""
     per_row = inputs.delta.double()
     if mode != BACKWARD:
-        x_less, y, c, c2 = inputs.sums.double().unbind(-1)[:4]
+        x_less, y, c, c2 = inputs.sums.double().unbind(-2)[:4]
         y = y if mode == BACKWARD_JVP else c2 + y  # u
         per_row = y - (c + x_less) * per_row
     return sink_share(inputs.row_max, inputs.inv_sum) * per_row.view(plan.B, plan.H, plan.Lq)

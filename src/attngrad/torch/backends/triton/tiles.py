@@ -20,7 +20,7 @@ import triton.language as tl
 
 # the pass a backward-type kernel runs (a constexpr)
 BACKWARD, BACKWARD_JVP, DOUBLE_BACKWARD = 0, 1, 2
-# the row sums a backward-type pass reads, per row (B, H, Lq, SUMS) (`kernels.row_sums`)
+# the row sums a backward-type pass reads, (B, H, SUMS, Lq) (`kernels.row_sums`)
 SUMS = tl.constexpr(5)
 
 # Triton 3.9's interpreter multiplies bfloat16 tiles wrongly in tl.dot (float16 is right):
@@ -140,34 +140,28 @@ def load_rows(ptr, offs_m, Lq):
 
 @triton.jit
 def load_row_sums(ptr, offs_m, Lq, CENTRE: tl.constexpr):
-    """The (BM,) row sums of a backward-type pass from a contiguous (B, H, Lq, SUMS) tensor
-    at the (b, h) of `ptr` (`kernels.row_sums`): (x, y, c, c2, peak), with c, c2 and the
-    peak's key index read only where the pass is CENTREd, else 0, 0 and -1 (none; a compiled
-    kernel's tuple holds no None)."""
-    rows = ptr + offs_m * SUMS
+    """The (BM,) row sums of a backward-type pass from a contiguous (B, H, SUMS, Lq) tensor
+    at the (b, h) of `ptr` (`kernels.row_sums`): (x, y), and where the pass is CENTREd
+    (x, y, c, c2, peak) with the centres and the peak key's index (-1: none)."""
     inside = offs_m < Lq
-    x = tl.load(rows, mask=inside, other=0.0)
-    y = tl.load(rows + 1, mask=inside, other=0.0)
-    c = tl.zeros_like(x)
-    c2 = tl.zeros_like(x)
-    peak = tl.full(x.shape, -1, tl.int32)
+    x = tl.load(ptr + offs_m, mask=inside, other=0.0)
+    y = tl.load(ptr + Lq + offs_m, mask=inside, other=0.0)
     if CENTRE:
-        c = tl.load(rows + 2, mask=inside, other=0.0)
-        c2 = tl.load(rows + 3, mask=inside, other=0.0)
-        peak = tl.load(rows + 4, mask=inside, other=-1.0).to(tl.int32)
-    return x, y, c, c2, peak
+        c = tl.load(ptr + 2 * Lq + offs_m, mask=inside, other=0.0)
+        c2 = tl.load(ptr + 3 * Lq + offs_m, mask=inside, other=0.0)
+        peak = tl.load(ptr + 4 * Lq + offs_m, mask=inside, other=-1.0).to(tl.int32)
+        sums = (x, y, c, c2, peak)
+    else:
+        sums = (x, y)
+    return sums
 
 
 @triton.jit
-def off_peak(values, centre, peak, offs_n, CENTRE: tl.constexpr):
-    """values - c per row, exactly 0 at the row's peak key (the key its sums are centred on,
-    `kernels.row_sums`); values unchanged where the pass is not CENTREd. The peak's own term
-    is 0 by its index, not by recomputing its value: another kernel's S' there need not have
-    the same bits as the row sums' one."""
-    if CENTRE:
-        return tl.where(offs_n[None, :] == peak[:, None], 0.0, values - centre[:, None])
-    else:
-        return values
+def off_peak(values, centre, at_peak):
+    """values - c per row, and exactly 0 at the row's peak key (`at_peak`, the key its sums
+    are centred on, `kernels.row_sums`): by its index, not by subtracting, since another
+    kernel's S' there need not have the row sums' bits."""
+    return tl.where(at_peak, 0.0, values - centre[:, None])
 
 
 @triton.jit
@@ -283,9 +277,11 @@ def tile_terms(MODE: tl.constexpr, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, t
         to_bias = ds
         da2 = da
     elif MODE == 1:
-        x_row, y_row, c_row, _, peak = sums
+        x_row, y_row = sums[0], sums[1]
         form, raw = score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP, BD, SD, IP, ACC)
-        pt = p * (off_peak(form, c_row, peak, offs_n, CENTRE) - x_row[:, None])
+        if CENTRE:
+            form = off_peak(form, sums[2], offs_n[None, :] == sums[4][:, None])
+        pt = p * (form - x_row[:, None])
         dpt = tl.zeros(dp.shape, ACC)
         if do2 is not None:
             dpt = dot_nt(do2, v, dpt, BDV, SDV, IP)
@@ -301,9 +297,12 @@ def tile_terms(MODE: tl.constexpr, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, t
         if SOFTCAP:
             da2 = slope * to_bias + curve * raw * ds
     else:
-        x_row, y_row, c_row, c2_row, peak = sums
+        x_row, y_row = sums[0], sums[1]
         form, raw = score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP, BD, SD, IP, ACC)
-        centred = off_peak(form, c_row, peak, offs_n, CENTRE) - x_row[:, None]
+        if CENTRE:
+            at_peak = offs_n[None, :] == sums[4][:, None]
+            form = off_peak(form, sums[2], at_peak)
+        centred = form - x_row[:, None]
         g_dp = p * centred
         g_p = dpd * centred
         if v2 is not None:
@@ -315,7 +314,9 @@ def tile_terms(MODE: tl.constexpr, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, t
             w = g_dp * z
         else:
             w = g_dp
-        to_bias = p * (off_peak(g_p, c2_row, peak, offs_n, CENTRE) - y_row[:, None])
+        if CENTRE:
+            g_p = off_peak(g_p, sums[3], at_peak)
+        to_bias = p * (g_p - y_row[:, None])
         da2 = to_bias
         if SOFTCAP:
             da2 = slope * to_bias + curve * raw * ds

@@ -91,7 +91,7 @@ _TABLE: dict[tuple[str, str, int], Blocks] = {
     ("backward", "float32", 128): Blocks(32, 32, 8, 1, slice=32, registers=255),
     ("backward", "tf32", 64): Blocks(32, 32, 8, 1, slice=32, registers=255),
     ("backward", "tf32", 128): Blocks(32, 32, 8, 1, slice=64, registers=255),
-    ("backward_jvp", "half", 64): Blocks(32, 32, 8, 1, slice=32),
+    ("backward_jvp", "half", 64): Blocks(32, 32, 8, 1, slice=32, registers=255),  # ptxas's own choice spilled 12 B
     ("backward_jvp", "half", 128): Blocks(32, 32, 8, 1, slice=64, registers=255),
     ("backward_jvp", "float32", 64): Blocks(16, 16, 8, 1, slice=32, registers=255),
     # centred (`kernels.row_sums`), the float32 key side of these two took 16x16 w4 and slices of

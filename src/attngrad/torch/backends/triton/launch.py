@@ -103,7 +103,7 @@ _TABLE: dict[tuple[str, str, int], Blocks] = {
     ("double_backward", "half", 128): Blocks(32, 32, 8, 1, slice=64),
     ("double_backward", "float32", 64): Blocks(32, 16, 8, 1, slice=32, registers=255),
     ("double_backward", "float32", 128): Blocks(16, 16, 4, 1, slice=64, registers=255),
-    ("double_backward", "tf32", 64): Blocks(32, 16, 8, 1, slice=32),
+    ("double_backward", "tf32", 64): Blocks(32, 16, 8, 1, slice=32, registers=255),  # ptxas's own spilled row_sums
     ("double_backward", "tf32", 128): Blocks(32, 16, 8, 1, slice=64),
 }
 # float64, and d = 256 beyond the forward: one entry for every pass, not swept

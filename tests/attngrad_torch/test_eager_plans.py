@@ -11,6 +11,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from attngrad.torch import attention, eager_plans, scaled_dot_product_attention, use_implementation  # noqa: E402
+from attngrad.torch.arguments import ATTENTION  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
 
@@ -94,7 +95,9 @@ def test_a_signature_is_planned_once_and_counted(monkeypatch):
         scaled_dot_product_attention(q.double(), k.double(), v.double())
         attention(q, k, v, is_causal=1)  # True == 1, but another diagonal
         attention(q, k, v, is_causal=True)
+        attention(q, k, v, is_causal=True, attn_mask=None, dropout_p=0.0, window=None)  # defaults: the same plan
     assert len(builds) == 7
+    assert eager_plans.KEYED < ATTENTION.names
 
 
 @needs_tiles

@@ -49,7 +49,7 @@ class BackendRow:
 
 
 def _attngrad_attention(q, k, v, *, allowed, bias, is_causal, enable_gqa, dropout_p, keep_mask):
-    call, layout = build_call(q, k, v, mask=allowed, bias=bias, dropout_p=dropout_p, is_causal=is_causal,
+    call, layout = build_call(q, k, v, attn_mask=allowed, attn_bias=bias, dropout_p=dropout_p, is_causal=is_causal,
                               enable_gqa=enable_gqa, seed=torch.tensor(SEED))
     return layout.unfold(attention(call))
 

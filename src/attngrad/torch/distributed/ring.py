@@ -16,15 +16,15 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
+from typing_extensions import Unpack  # typing's from Python 3.11
 
-from ..arguments import check_sinks
+from ..arguments import STRUCTURED, check_sinks
 from ..layout import Layout, default_scale
 from ..masks.structured import structure
 from ..op import sink_logits
 from ..op.autograd import THIRD_ORDER, Final
-from .call_checks import start_call
+from .call_checks import SHARDED, ShardedOptions, start_call
 from .ring_comm import Ring
 from .ring_passes import ring_backward, ring_backward_jvp, ring_double_backward, ring_forward, ring_jvp
 from .ring_plan import RingPlan
@@ -150,26 +150,8 @@ class RingAttentionBackward(torch.autograd.Function):
                 dsinks_t if dsinks_t is not None else dq_t.new_empty(0))
 
 
-def ring_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    group: Optional[dist.ProcessGroup] = None,
-    is_causal: bool | str = False,
-    attn_bias: Optional[Tensor] = None,
-    attn_mask: Optional[Tensor] = None,
-    key_padding: Optional[Tensor] = None,
-    window: Optional[tuple[Optional[int], Optional[int]]] = None,
-    document_ids: Optional[Tensor] = None,
-    cu_seqlens: Optional[Tensor] = None,
-    softcap: Optional[float] = None,
-    sinks: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    scale: Optional[float] = None,
-    enable_gqa: bool = False,
-    layout: str = "contiguous",
-) -> Tensor:
+@SHARDED.signed
+def ring_attention(query: Tensor, key: Tensor, value: Tensor, **options: Unpack[ShardedOptions]) -> Tensor:
     """Attention of this rank's queries to the whole sequence, whose shards the ranks of
     `group` hold (`shard_sequence` with `layout`); the same on every rank of the group.
 
@@ -188,32 +170,30 @@ def ring_attention(
     document_ids of the whole sequence, (..., L)); dropout masks equal the one-process
     call's on the whole sequence with the seed of rank 0.
     """
-    group = group_of(group)
-    seed = start_call("ring_attention", group, query, key, value, layout=layout, is_causal=is_causal, attn_mask=attn_mask,
-                      attn_bias=attn_bias, softcap=softcap, dropout_p=dropout_p, enable_gqa=enable_gqa, window=window,
-                      sinks=sinks)
+    options = SHARDED.complete("ring_attention", options)
+    group = group_of(options["group"])
+    seed = start_call("ring_attention", group, query, key, value, options)
     ring = Ring(group)
-    shard = query.shape[-2]
-    sharding = Sharding(layout, ring.size, shard * ring.size)
-    folded = Layout(query, key, value, enable_gqa)
+    sharding = Sharding(options["layout"], ring.size, query.shape[-2] * ring.size)
+    folded = Layout(query, key, value, options["enable_gqa"])
     length = sharding.length
-    logits = None
-    if sinks is not None:  # the steps take a zero-logit sink, the logits in the bias out of autograd's sight
-        logits = check_sinks(sinks, folded, query)
+    attn_bias, logits = options["attn_bias"], None
+    if options["sinks"] is not None:  # the steps take a zero-logit sink, the logits in the bias out of autograd's sight
+        logits = check_sinks(options["sinks"], folded, query)
         shift = -logits[0].detach().to(query.dtype)[:, None, None]  # (H, 1, 1)
         attn_bias = shift if attn_bias is None else attn_bias + shift
-    mask = None if attn_mask is None else folded.fold_mask(attn_mask, "attn_mask", length)
+    mask = None if options["attn_mask"] is None else folded.fold_mask(options["attn_mask"], "attn_mask", length)
     bias = None if attn_bias is None else folded.fold_mask(attn_bias, "attn_bias", length)
-    structured = dict(key_padding=key_padding, window=window, document_ids=document_ids, cu_seqlens=cu_seqlens)
+    structured = {name: options[name] for name in STRUCTURED}
     bounds = None
     if any(x is not None for x in structured.values()):
         batch = () if folded.flat else tuple(folded.batch)
-        bounds, keep = structure(batch, length, length, 0 if is_causal else None, query.device, **structured)
+        bounds, keep = structure(batch, length, length, 0 if options["is_causal"] else None, query.device, **structured)
         if bounds is not None:  # this rank's rows
             bounds = bounds[:, sharding.positions(ring.rank, bounds.device)]
         if keep is not None:
             mask = keep if mask is None else mask & keep
-    plan = RingPlan(ring, sharding, bool(is_causal), bounds, mask, bias, seed, default_scale(query, scale), float(softcap or 0.0),
-                    float(dropout_p), sink=sinks is not None)
+    plan = RingPlan(ring, sharding, bool(options["is_causal"]), bounds, mask, bias, seed, default_scale(query, options["scale"]),
+                    float(options["softcap"] or 0.0), float(options["dropout_p"]), sink=logits is not None)
     out = RingAttention.apply(folded.q, folded.k, folded.v, bias, logits, plan)[0]
     return folded.unfold(out)

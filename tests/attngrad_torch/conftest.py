@@ -11,7 +11,7 @@ from attngrad.torch import use_backend  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
-from attngrad.torch.op.autograd import attention as differentiable_attention  # noqa: E402
+from attngrad.torch.op.autograd import differentiable_attention  # noqa: E402
 from attngrad.torch.op.call import AttentionCall, ScoreMasks  # noqa: E402
 
 from ..counting_backend import registered_counting_backend  # noqa: E402

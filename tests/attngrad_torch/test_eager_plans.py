@@ -10,7 +10,8 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from attngrad.torch import attention, eager_plans, scaled_dot_product_attention, use_implementation  # noqa: E402
+from attngrad.torch import attention, eager_plans, scaled_dot_product_attention, use_backend  # noqa: E402
+from attngrad.torch.arguments import ATTENTION  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
 
@@ -94,19 +95,21 @@ def test_a_signature_is_planned_once_and_counted(monkeypatch):
         scaled_dot_product_attention(q.double(), k.double(), v.double())
         attention(q, k, v, is_causal=1)  # True == 1, but another diagonal
         attention(q, k, v, is_causal=True)
+        attention(q, k, v, is_causal=True, attn_mask=None, dropout_p=0.0, window=None)  # defaults: the same plan
     assert len(builds) == 7
+    assert eager_plans.KEYED < ATTENTION.names
 
 
 @needs_tiles
 def test_a_plan_follows_the_backends_and_their_settings(monkeypatch, tuned):
-    """use_implementation, a change of the registry and the tiles' block sizes make a new
+    """use_backend, a change of the registry and the tiles' block sizes make a new
     signature: the plan never runs a backend that is not allowed, nor stale blocks."""
     builds = _count_builds(monkeypatch)
     q, k, v = (torch.randn(1, 2, n, 16) for n in (3, 40, 40))
     with torch.no_grad():
         scaled_dot_product_attention(q, k, v)
         before = dispatch.ran[("forward", "torch-ops")]
-        with use_implementation("torch-ops"):
+        with use_backend("torch-ops"):
             scaled_dot_product_attention(q, k, v)
             scaled_dot_product_attention(q, k, v)
         assert dispatch.ran[("forward", "torch-ops")] - before == 2

@@ -364,6 +364,29 @@ def test_attention_entry_point_takes_mask_bias_and_causal_together(many_blocks):
         attention(q, k, v, attn_bias=mask)
 
 
+def test_attention_shows_its_declared_options_and_names_an_unknown_one():
+    """attention(query, key, value, **options) shows every declared option as a keyword-only
+    parameter with its type and default (help, inspect), and an unknown name raises
+    TypeError naming it, the nearest declared one and the rest, as Python would."""
+    import inspect
+
+    from attngrad.torch import attention
+    from attngrad.torch.arguments import DEFAULTS, AttentionOptions
+
+    parameters = inspect.signature(attention).parameters
+    assert list(parameters)[:3] == ["query", "key", "value"]
+    options = {name: p for name, p in parameters.items() if p.kind == inspect.Parameter.KEYWORD_ONLY}
+    assert set(options) == set(AttentionOptions.__annotations__) == set(parameters) - {"query", "key", "value"}
+    assert {name: p.default for name, p in options.items()} == {name: DEFAULTS.get(name) for name in options}
+    assert options["is_causal"].default is False and options["attn_mask"].annotation is not inspect.Parameter.empty
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(TypeError, match=r"attention\(\) got an unexpected keyword argument 'attn_msk'\. "
+                                        r"Did you mean 'attn_mask'\? It takes query, key, value and attn_mask, "):
+        attention(q, q, q, attn_msk=None)  # None: the plain call's path checks it too
+    with pytest.raises(TypeError, match="unexpected keyword argument 'causal'"):
+        attention(q, q, q, causal=True)
+
+
 @pytest.mark.parametrize("dtype,bar", [(torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
 def test_half_precision_inputs_compute_in_float32(dtype, bar):
     """Inputs and outputs stay in their dtype; the blocks are computed in float32, so the

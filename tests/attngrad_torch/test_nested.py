@@ -15,6 +15,8 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 from attngrad.torch import MultiheadAttention, attention, scaled_dot_product_attention  # noqa: E402
+from attngrad.torch.arguments import ATTENTION  # noqa: E402
+from attngrad.torch.nested import PER_SEQUENCE  # noqa: E402
 
 from ..conftest import assert_all_close  # noqa: E402
 
@@ -100,7 +102,10 @@ def test_multihead_attention_trains_on_jagged_inputs(is_causal):
 
 
 def test_what_jagged_inputs_cannot_take_is_named():
+    assert PER_SEQUENCE < ATTENTION.names  # declared options, of which the others are refused
     (q_rows, q), (_, k) = jagged([3, 4], 2), jagged([3, 4, 5], 2)
+    with pytest.raises(ValueError, match="attn_bias, key_padding"):  # every one given, in declared order
+        attention(q, q, q, key_padding=torch.tensor([3, 4]), attn_bias=torch.zeros(1), attn_mask=None)
     with pytest.raises(ValueError, match="attn_mask"):
         scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="window"):

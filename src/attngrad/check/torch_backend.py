@@ -26,7 +26,7 @@ import torch
 
 from ..torch.arguments import build_call
 from ..torch.op import dropout as attngrad_dropout
-from ..torch.op.autograd import attention
+from ..torch.op.autograd import differentiable_attention
 from ..torch.op.dispatch import list_backends, use_backend
 from .cases import Case
 from .torch_oracle import AttendOptions, computation
@@ -49,9 +49,9 @@ class BackendRow:
 
 
 def _attngrad_attention(q, k, v, options: AttendOptions):
-    call, layout = build_call(q, k, v, mask=options.allowed, bias=options.bias, dropout_p=options.dropout_p,
+    call, layout = build_call(q, k, v, attn_mask=options.allowed, attn_bias=options.bias, dropout_p=options.dropout_p,
                               is_causal=options.is_causal, enable_gqa=options.enable_gqa, seed=torch.tensor(SEED))
-    return layout.unfold(attention(call))
+    return layout.unfold(differentiable_attention(call))
 
 
 def _with_attngrad_dropout(case: Case) -> Case:

@@ -9,10 +9,11 @@ run the plan alone. That is all a plan skips: checks whose verdict the signature
 decisions made from it. Its Python took 13 us where the full path's took 48; after a decode
 step has streamed its whole cache through the CPU's caches, 72 us against 161 (Intel Xeon).
 
-Only plain calls have plans: q, k, v and is_causal, scale, enable_gqa alone (no mask, bias,
-structured mask, soft cap, sinks or dropout), on plain tensors, eagerly (no torch.compile,
-torch.func transform, function or dispatch mode, forward-mode level) and with nothing to
-differentiate. Everything else takes the full path, as does a backend without a plan.
+Only plain calls have plans: q, k, v and is_causal, scale, enable_gqa alone (`KEYED`; every
+other option absent or at its default: no mask, bias, structured mask, soft cap, sinks or
+dropout), on plain tensors, eagerly (no torch.compile, torch.func transform, function or
+dispatch mode, forward-mode level) and with nothing to differentiate. Everything else takes
+the full path, as does a backend without a plan.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 
-from .arguments import build_call
+from .arguments import ATTENTION, DEFAULTS, AttentionOptions, build_call
 from .layout import fold, unfold
 from .op import dispatch
 from .op.checks import check_fields
 
 KEPT = 64  # signatures kept, least recently used first out
+KEYED = frozenset({"is_causal", "scale", "enable_gqa"})  # the options a plan's signature holds
+_USUAL = KEYED | {"dropout_p"}  # scaled_dot_product_attention's, which a plain call passes
 _plans: collections.OrderedDict = collections.OrderedDict()
 _NO_PLAN = object()  # the signature's backend has none: the full path, without asking again
 
@@ -50,6 +53,18 @@ def _plain(query: Any, key: Any, value: Any) -> bool:
     return not (wrapped(query) or wrapped(key) or wrapped(value))
 
 
+def _plain_options(options: AttentionOptions) -> bool:
+    """Whether a call's options are those a plan takes: any of `KEYED`, and every other one
+    declared and None or, where its default is not None (dropout_p's 0), falsy. An unknown
+    name is not: the full path names it. (`forward` tries the usual call first.)"""
+    for name, value in options.items():
+        if name in KEYED:
+            continue
+        if name not in ATTENTION.names or value is not None and not (name in DEFAULTS and not value):
+            return False
+    return True
+
+
 def _make(query: Tensor, key: Tensor, value: Tensor, is_causal: Any, scale: Optional[float],
           enable_gqa: bool) -> Any:
     """The plan of this call's signature, or _NO_PLAN; the full path's errors for a bad call."""
@@ -59,6 +74,9 @@ def _make(query: Tensor, key: Tensor, value: Tensor, is_causal: Any, scale: Opti
     if prepared is None:
         return _NO_PLAN
     batch, heads, kv_heads, flat = layout.batch, layout.heads, layout.kv_heads, layout.flat
+    if layout.q is query and layout.k is key and layout.v is value:
+        # (B, H, L, E) inputs, as the signature's shapes say: nothing to fold or unfold (0.5 us a call)
+        return lambda q, k, v: prepared(q, k, v)[0]
 
     def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = prepared(fold(q, batch, heads), fold(k, batch, kv_heads), fold(v, batch, kv_heads))[0]
@@ -67,13 +85,17 @@ def _make(query: Tensor, key: Tensor, value: Tensor, is_causal: Any, scale: Opti
     return run
 
 
-def forward(query: Tensor, key: Tensor, value: Tensor, is_causal: Any, scale: Optional[float],
-            enable_gqa: bool) -> Optional[Tensor]:
-    """attention(query, key, value, is_causal=..., scale=..., enable_gqa=...) from the plan of
-    its signature, made at its first call; None where the call has no plan (the caller takes
-    the full path)."""
+def forward(query: Tensor, key: Tensor, value: Tensor, options: AttentionOptions) -> Optional[Tensor]:
+    """attention(query, key, value, **options) from the plan of its signature, made at its
+    first call; None where the call has no plan (the caller takes the full path)."""
+    get = options.get
+    # the usual call's options are checked without a loop: a tiny call's time counts
+    if not (_USUAL.issuperset(options) and not get("dropout_p") or _plain_options(options)):
+        return None
     if not _plain(query, key, value):
         return None
+    is_causal, enable_gqa = get("is_causal", DEFAULTS["is_causal"]), get("enable_gqa", DEFAULTS["enable_gqa"])
+    scale = get("scale")
     if type(is_causal) not in (bool, int, str) or not (scale is None or type(scale) in (float, int)):
         return None  # options of other types: the full path's checks say what is wrong
     signature = (query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(), query.dtype,

@@ -8,17 +8,17 @@ generator (so `torch.manual_seed` makes runs repeat).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack  # typing's from Python 3.11
 
 from . import eager_plans
-from .arguments import build_call
+from .arguments import ATTENTION, AttentionOptions, build_call
 from .layout import FLOATS, describe_shapes
 from .nested import is_jagged, jagged_attention
-from .op.autograd import attention as differentiable_attention
+from .op.autograd import differentiable_attention
 
 
 def _causal_bias_type() -> Optional[type]:
@@ -27,6 +27,9 @@ def _causal_bias_type() -> Optional[type]:
     except ImportError:  # older torch: no such masks exist there
         return None
     return CausalBias
+
+
+_CAUSAL_BIAS = _causal_bias_type()  # once: the import statement took 0.8 us of every call
 
 
 def scaled_dot_product_attention(
@@ -53,7 +56,7 @@ def scaled_dot_product_attention(
         raise TypeError(f"is_causal must be a bool, as in PyTorch; got {is_causal!r}. A bottom-right causal mask: "
                         f"attn_mask=torch.nn.attention.bias.causal_lower_right(Lq, Lk), or attngrad.torch.attention("
                         f"..., is_causal='bottom_right')")
-    causal_bias = _causal_bias_type()
+    causal_bias = _CAUSAL_BIAS
     if attn_mask is not None and not isinstance(attn_mask, (Tensor, *(() if causal_bias is None else (causal_bias,)))):
         raise TypeError(f"attn_mask must be a torch.Tensor or a CausalBias (or None); got {type(attn_mask).__name__}")
     if is_jagged(query):
@@ -82,35 +85,20 @@ def scaled_dot_product_attention(
     # attention()'s own path for a mask, save that a float mask's errors name it attn_mask, as
     # the user passed it, not attention()'s attn_bias
     boolean = attn_mask.dtype == torch.bool
-    call, layout = build_call(query, key, value, mask=attn_mask if boolean else None,
-                              bias=None if boolean else attn_mask, dropout_p=dropout_p, scale=scale,
+    call, layout = build_call(query, key, value, attn_mask=attn_mask if boolean else None,
+                              attn_bias=None if boolean else attn_mask, dropout_p=dropout_p, scale=scale,
                               enable_gqa=enable_gqa, bias_name="attn_mask")
     return layout.unfold(differentiable_attention(call))
 
 
-def attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    attn_mask: Optional[Tensor] = None,
-    attn_bias: Optional[Tensor] = None,
-    is_causal: bool | int | str = False,
-    key_padding: Optional[Tensor] = None,
-    window: Optional[tuple[Optional[int], Optional[int]]] = None,
-    document_ids: Optional[Tensor] = None,
-    cu_seqlens: Optional[Tensor] = None,
-    softcap: Optional[float] = None,
-    sinks: Optional[Tensor] = None,
-    mask_mod: Optional[Callable] = None,
-    block_mask: Any = None,
-    dropout_p: float = 0.0,
-    scale: Optional[float] = None,
-    enable_gqa: bool = False,
-) -> Tensor:
+# The options are declared once, in `arguments.AttentionOptions`; the signature that help()
+# and inspect show lists them from there.
+@ATTENTION.signed
+def attention(query: Tensor, key: Tensor, value: Tensor, **options: Unpack[AttentionOptions]) -> Tensor:
     """attngrad's own entry point: a boolean `attn_mask` (True = take part), a float
     `attn_bias` (learned or not), the causal mask and the structured masks below, in any
-    combination. Shapes as in `scaled_dot_product_attention`.
+    combination. Shapes as in `scaled_dot_product_attention`. The options, keyword-only,
+    are those `arguments.AttentionOptions` declares, with `arguments.DEFAULTS`.
 
     is_causal: False; True or "top_left" (query i sees keys j <= i, PyTorch's `is_causal`);
     or "bottom_right" (j <= i + Lk - Lq: the last query sees every key, flash-attn's
@@ -158,23 +146,11 @@ def attention(
     kernel can skip the masked half. Here the tiles that the causal or a structured mask
     excludes are skipped whatever else is given: a window of w keys costs O(L w).
     """
-    if (attn_mask is None and attn_bias is None and key_padding is None and window is None and document_ids is None
-            and cu_seqlens is None and softcap is None and sinks is None and mask_mod is None and block_mask is None
-            and not dropout_p):  # a repeated call that nothing differentiates runs from its plan
-        out = eager_plans.forward(query, key, value, is_causal, scale, enable_gqa)
-        if out is not None:
-            return out
+    out = eager_plans.forward(query, key, value, options)  # a repeated call that nothing differentiates
+    if out is not None:  # its options were all declared ones
+        return out
+    ATTENTION.check("attention", options)  # here, for the error to name attention()
     if is_jagged(query):
-        per_token = dict(attn_mask=attn_mask, attn_bias=attn_bias, key_padding=key_padding, window=window,
-                         document_ids=document_ids, cu_seqlens=cu_seqlens, mask_mod=mask_mod, block_mask=block_mask)
-        given = [name for name, value in per_token.items() if value is not None]
-        if given or is_causal not in (False, True, "top_left"):
-            raise ValueError(f"with nested jagged inputs each sequence sees its own keys, causal or not (top-left); "
-                             f"{', '.join(given) or f'is_causal={is_causal!r}'} cannot be added to that")
-        return jagged_attention(query, key, value, attend=attention, is_causal=bool(is_causal), softcap=softcap,
-                                sinks=sinks, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
-    call, layout = build_call(query, key, value, mask=attn_mask, bias=attn_bias, dropout_p=dropout_p,
-                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, key_padding=key_padding,
-                              window=window, document_ids=document_ids, cu_seqlens=cu_seqlens, softcap=softcap,
-                              sinks=sinks, mask_mod=mask_mod, block_mask=block_mask)
+        return jagged_attention(query, key, value, attend=attention, **options)
+    call, layout = build_call(query, key, value, **options)
     return layout.unfold(differentiable_attention(call))

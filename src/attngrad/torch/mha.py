@@ -27,7 +27,7 @@ from .arguments import build_call
 from .functional import attention as attention_function
 from .nested import is_jagged
 from .op import dropout as dropout_masks
-from .op.autograd import attention
+from .op.autograd import differentiable_attention
 from .precision import compute_dtype
 
 
@@ -158,8 +158,9 @@ class MultiheadAttention(nn.Module):
         mask, bias = self._merge_masks(key_padding_mask, attn_mask, batch, len_q, len_k, query.dtype)
         dropout_p = self.dropout if self.training else 0.0
         seed = torch.randint(0, 2**62, (), dtype=torch.int64) if dropout_p > 0.0 else torch.zeros((), dtype=torch.int64)
-        call, layout = build_call(q, k, v, mask=mask, bias=bias, dropout_p=dropout_p, is_causal=is_causal, seed=seed)
-        attn = layout.unfold(attention(call))
+        call, layout = build_call(q, k, v, attn_mask=mask, attn_bias=bias, dropout_p=dropout_p, is_causal=is_causal,
+                                  seed=seed)
+        attn = layout.unfold(differentiable_attention(call))
         out = self.out_proj(attn.transpose(1, 2).reshape(batch, len_q, self.embed_dim))  # (N, L, E)
 
         weights = None

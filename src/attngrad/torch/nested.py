@@ -14,8 +14,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack  # typing's from Python 3.11
 
+from .arguments import ATTENTION, AttentionOptions
 from .masks.functions import EvaluatedMask
+
+# The options a jagged call takes: each sequence's own. Every other one masks tokens, and
+# the sequences are the mask already.
+PER_SEQUENCE = frozenset({"is_causal", "softcap", "sinks", "dropout_p", "scale", "enable_gqa"})
 
 
 def is_jagged(t: Any) -> bool:
@@ -50,11 +56,19 @@ def row_bounds(q_offsets: Tensor, k_offsets: Tensor, causal: bool) -> Tensor:
     return torch.stack([lo, hi], -1)[None]
 
 
-def jagged_attention(query: Tensor, key: Tensor, value: Tensor, *, attend: Any, is_causal: bool = False,
-                     **options: Any) -> Tensor:
-    """`attend(q, k, v, block_mask=..., is_causal=False, **options)` (attngrad's `attention`)
-    on the packed values of jagged (B, H, j, E) query, key and value; the result as a
-    jagged (B, H, j, Ev) tensor on query's offsets."""
+def jagged_attention(query: Tensor, key: Tensor, value: Tensor, *, attend: Any,
+                     **options: Unpack[AttentionOptions]) -> Tensor:
+    """`attend(q, k, v, block_mask=..., **options)` (attngrad's `attention`) on the packed
+    values of jagged (B, H, j, E) query, key and value, each sequence's rows seeing its own
+    keys (`row_bounds`); the result as a jagged (B, H, j, Ev) tensor on query's offsets. A
+    ValueError names an option that is not `PER_SEQUENCE`, or a causal mask other than each
+    sequence's top-left one."""
+    options = ATTENTION.with_defaults(options)
+    is_causal = options["is_causal"]
+    given = [name for name, value in options.items() if name not in PER_SEQUENCE and value is not None]
+    if given or is_causal not in (False, True, "top_left"):
+        raise ValueError(f"with nested jagged inputs each sequence sees its own keys, causal or not (top-left); "
+                         f"{', '.join(given) or f'is_causal={is_causal!r}'} cannot be added to that")
     q, q_offsets = _packed(query, "query")
     k, k_offsets = _packed(key, "key")
     v, v_offsets = _packed(value, "value")
@@ -62,8 +76,10 @@ def jagged_attention(query: Tensor, key: Tensor, value: Tensor, *, attend: Any, 
         raise ValueError(f"key and value must hold the same sequences, as many as query's: query has "
                          f"{len(q_offsets) - 1}, key lengths {k_offsets.diff().tolist()}, "
                          f"value lengths {v_offsets.diff().tolist()}")
-    bounds = row_bounds(q_offsets, k_offsets, is_causal)
+    bounds = row_bounds(q_offsets, k_offsets, bool(is_causal))
     shape = (1, 1, q.shape[-2], k.shape[-2])
-    out = attend(q, k, v, block_mask=EvaluatedMask(shape, bounds=bounds.to(q.device)), **options)  # (1, H, total, Ev)
+    per_sequence = {name: options[name] for name in PER_SEQUENCE if name != "is_causal"}  # causal: in the bounds
+    block_mask = EvaluatedMask(shape, bounds=bounds.to(q.device))
+    out = attend(q, k, v, block_mask=block_mask, **per_sequence)  # (1, H, total, Ev)
     values = out.squeeze(0).transpose(0, 1)  # (total, H, Ev)
     return torch.nested.nested_tensor_from_jagged(values, q_offsets).transpose(1, 2)

@@ -7,9 +7,12 @@ the same at every size, and 3 is the odd one.)"""
 from __future__ import annotations
 
 import functools
+import inspect
 
 import pytest
+import torch
 
+from attngrad.torch import attention, distributed
 from attngrad.torch.distributed.launch import spawn
 
 from . import cases
@@ -74,3 +77,20 @@ def test_the_example_trains_as_in_one_process() -> None:
         example = result["example"]
         assert example["last"] < example["first"]  # it learns
         assert example["difference"] < 1e-5, example  # float32 rounding, summed in another order
+
+
+@pytest.mark.parametrize("entry", ["ring_attention", "all_to_all_attention"])
+def test_the_sharded_entry_points_take_the_shared_options_with_their_own(entry: str) -> None:
+    """ring_attention and all_to_all_attention show attention's options but the mask
+    functions, plus group and layout, with their defaults; an unknown name raises before any
+    process group is needed."""
+    function = getattr(distributed, entry)
+    ours = inspect.signature(function).parameters
+    shared = {name: p.default for name, p in inspect.signature(attention).parameters.items()
+              if name not in ("mask_mod", "block_mask")}
+    assert {name: p.default for name, p in ours.items() if name in shared} == shared
+    assert set(ours) == set(shared) | {"group", "layout"}
+    assert ours["layout"].default == "contiguous" and ours["group"].default is None
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match=f"{entry}\\(\\) got an unexpected keyword argument 'mask_mod'"):
+        function(q, q, q, mask_mod=None)

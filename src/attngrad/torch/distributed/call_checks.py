@@ -1,6 +1,7 @@
-"""What every sharded attention call checks before its first exchange: its own arguments,
-then that every rank of the group calls with the same shapes and options (`agree`), which
-also hands every rank rank 0's dropout seed."""
+"""The options of the sharded entry points (`ShardedOptions`: every entry point's, the group
+and the layout), and what every sharded call checks before its first exchange: its own
+arguments, then that every rank of the group calls with the same shapes and options
+(`agree`), which also hands every rank rank 0's dropout seed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..arguments import DEFAULTS, Declaration, Options
 from ..layout import FLOATS, check_tensors
 from .ring_comm import agree
 from .sharding import LAYOUTS
@@ -18,14 +20,28 @@ from .sharding import LAYOUTS
 IS_CAUSAL = {False: 0, True: 1, "top_left": 1, "bottom_right": 1}  # Lq = Lk: both alignments agree
 
 
+class ShardedOptions(Options, total=False):
+    """The options of `ring_attention` and `all_to_all_attention`: those every entry point
+    takes (`Options`, over the whole sequence; is_causal without an int diagonal), the group
+    and the layout."""
+
+    group: Optional[dist.ProcessGroup]  # the ranks that hold the sequence's shards; None: the default group
+    layout: str  # how the sequence is sharded: "contiguous" or "zigzag" (`sharding`)
+
+
+SHARDED = Declaration(ShardedOptions, {**DEFAULTS, "layout": "contiguous"})
+
+
 def _shape(t: Optional[Tensor]) -> tuple:
     return () if t is None else tuple(t.shape)
 
 
-def start_call(what: str, group: dist.ProcessGroup, query: Tensor, key: Tensor, value: Tensor, *, layout: str,
-               is_causal: bool | str, attn_mask: Optional[Tensor], attn_bias: Optional[Tensor], softcap: Optional[float],
-               dropout_p: float, enable_gqa: bool, window: Optional[tuple], sinks: Optional[Tensor] = None) -> int:
-    """Check the call `what` here and against the other ranks; return the dropout seed."""
+def start_call(what: str, group: dist.ProcessGroup, query: Tensor, key: Tensor, value: Tensor,
+               options: ShardedOptions) -> int:
+    """Check the call `what` (its `options` complete: `SHARDED.complete`) here and against the
+    other ranks; return the dropout seed."""
+    layout, is_causal, dropout_p = options["layout"], options["is_causal"], options["dropout_p"]
+    attn_mask, attn_bias, softcap = options["attn_mask"], options["attn_bias"], options["softcap"]
     check_tensors(query, key, value, dropout_p)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
@@ -41,8 +57,14 @@ def start_call(what: str, group: dist.ProcessGroup, query: Tensor, key: Tensor, 
     if softcap is not None and not (isinstance(softcap, (int, float)) and 0.0 < softcap < math.inf):
         raise ValueError(f"softcap must be a positive finite number (or None); got {softcap!r}")
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if dropout_p > 0.0 else 0
-    options = (FLOATS.index(query.dtype), IS_CAUSAL[is_causal], LAYOUTS.index(layout), round(dropout_p * 2**32),
-               int(enable_gqa), round((softcap or 0.0) * 2**20), *(w if w is not None else -1 for w in (window or (-2, -2))))
     facts = dict(query=query.shape, key=key.shape, value=value.shape, attn_bias=_shape(attn_bias),
-                 attn_mask=_shape(attn_mask), sinks=_shape(sinks), options=options)
+                 attn_mask=_shape(attn_mask), sinks=_shape(options["sinks"]), options=_agreed_options(query, options))
     return agree(group, what, facts, seed)
+
+
+def _agreed_options(query: Tensor, options: ShardedOptions) -> tuple[int, ...]:
+    """The options every rank must share, as integers (`agree`)."""
+    window = options["window"]
+    return (FLOATS.index(query.dtype), IS_CAUSAL[options["is_causal"]], LAYOUTS.index(options["layout"]),
+            round(options["dropout_p"] * 2**32), int(options["enable_gqa"]), round((options["softcap"] or 0.0) * 2**20),
+            *(w if w is not None else -1 for w in (window or (-2, -2))))

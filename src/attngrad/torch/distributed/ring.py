@@ -13,18 +13,20 @@ products and the gradient through a JVP all run round the ring; a third derivati
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
+from typing_extensions import Unpack  # typing's from Python 3.11
 
-from ..arguments import check_sinks
+from ..arguments import STRUCTURED, check_sinks
 from ..layout import Layout, default_scale
 from ..masks.structured import structure
 from ..op import sink_logits
 from ..op.autograd import THIRD_ORDER, Final
-from .call_checks import start_call
+from ..op.call import ScoreMasks
+from .call_checks import SHARDED, ShardedOptions, start_call
 from .ring_comm import Ring
 from .ring_passes import ring_backward, ring_backward_jvp, ring_double_backward, ring_forward, ring_jvp
 from .ring_plan import RingPlan
@@ -33,6 +35,17 @@ from .sharding import Sharding, group_of
 
 def _sinks_grad(sinks: Optional[Tensor], per_row: Optional[Tensor]) -> Optional[Tensor]:
     return None if sinks is None or per_row is None else sink_logits.to_sinks(per_row, sinks)
+
+
+def _final(ring_pass: Callable, plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, **inputs: Any) -> Any:
+    """`ring_pass(plan, q, k, v, **inputs)` as a leaf of differentiation (`Final`: a derivative
+    of its results raises), with every input handed to it as an argument, in autograd's sight."""
+    names = tuple(inputs)
+
+    def run(q: Tensor, k: Tensor, v: Tensor, *values: Any) -> Any:
+        return ring_pass(plan, q, k, v, **dict(zip(names, values)))
+
+    return Final.apply(run, THIRD_ORDER, q, k, v, *inputs.values())
 
 
 class RingAttention(torch.autograd.Function):
@@ -80,8 +93,10 @@ class RingTangent(torch.autograd.Function):
     bias and the sinks that backward's JVP along t. out and the row statistics are caches."""
 
     @staticmethod
-    def forward(q, k, v, bias, sinks, out, row_max, inv_sum, tq, tk, tv, tbias, tsinks, plan: RingPlan):
-        return ring_jvp(plan, q, k, v, out, row_max, inv_sum, tq, tk, tv, _bias_tangent(bias, tbias, tsinks))[0]
+    def forward(*inputs: Any):  # autograd takes the tensors one by one
+        q, k, v, bias, sinks, out, row_max, inv_sum, tq, tk, tv, tbias, tsinks, plan = inputs
+        return ring_jvp(plan, q, k, v, out=out, row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv,
+                        tbias=_bias_tangent(bias, tbias, tsinks))[0]
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
@@ -96,11 +111,10 @@ class RingTangent(torch.autograd.Function):
             return (None,) * 14
         c = c.contiguous()
         bias_grad = bias is not None and (ctx.needs_input_grad[3] or ctx.needs_input_grad[11])
-        caches = (out, row_max, inv_sum)
-        dq, dk, dv, dbias = Final.apply(ring_backward, THIRD_ORDER, ctx.plan, c, q, k, v, *caches, bias_grad)
-        tdq, tdk, tdv, tdbias, sink_rows = Final.apply(
-            ring_backward_jvp, THIRD_ORDER, ctx.plan, c, q, k, v, *caches, bias_grad, None, tq, tk, tv,
-            _bias_tangent(bias, tbias, tsinks))
+        backward = dict(dout=c, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad)
+        dq, dk, dv, dbias = _final(ring_backward, ctx.plan, q, k, v, **backward)
+        tdq, tdk, tdv, tdbias, sink_rows = _final(ring_backward_jvp, ctx.plan, q, k, v, **backward, tdout=None, tq=tq,
+                                                  tk=tk, tv=tv, tbias=_bias_tangent(bias, tbias, tsinks))
         dsinks = None if sinks is None else sink_logits.grad(sinks, c, out, row_max, inv_sum)
         return (tdq, tdk, tdv, tdbias if bias_grad else None, _sinks_grad(sinks, sink_rows), None, None, None,
                 dq if tq is not None else None, dk if tk is not None else None, dv if tv is not None else None,
@@ -112,8 +126,10 @@ class RingAttentionBackward(torch.autograd.Function):
     once more."""
 
     @staticmethod
-    def forward(dout, q, k, v, bias, sinks, out, row_max, inv_sum, plan: RingPlan, bias_grad: bool):
-        dq, dk, dv, dbias = ring_backward(plan, dout, q, k, v, out, row_max, inv_sum, bias_grad)
+    def forward(*inputs: Any):  # autograd takes the tensors one by one
+        dout, q, k, v, bias, sinks, out, row_max, inv_sum, plan, bias_grad = inputs
+        dq, dk, dv, dbias = ring_backward(plan, q, k, v, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum,
+                                          bias_grad=bias_grad)
         dsinks = q.new_empty(0) if sinks is None else sink_logits.grad(sinks, dout, out, row_max, inv_sum)
         return dq, dk, dv, dbias if dbias is not None else q.new_empty(0), dsinks
 
@@ -128,48 +144,33 @@ class RingAttentionBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, gq: Tensor, gk: Tensor, gv: Tensor, gbias: Tensor, gsinks: Tensor):
         dout_grad = ctx.needs_input_grad[0]
-        *saved, bias, sinks = ctx.saved_tensors
+        dout, q, k, v, out, row_max, inv_sum, bias, sinks = ctx.saved_tensors
         gsinks = gsinks if sinks is not None else None
         # a cotangent of the logits' gradient reaches the steps' bias, whose gradient then gives theirs
         g_bias_asked = ctx.bias_grad or gsinks is not None
-        g_dout, g_q, g_k, g_v, g_bias, sink_rows = Final.apply(
-            ring_double_backward, THIRD_ORDER, ctx.plan, *saved, g_bias_asked, dout_grad, gq, gk, gv,
-            _bias_tangent(bias, gbias if ctx.bias_grad else None, gsinks))
+        g_dout, g_q, g_k, g_v, g_bias, sink_rows = _final(
+            ring_double_backward, ctx.plan, q, k, v, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum,
+            bias_grad=g_bias_asked, dout_grad=dout_grad, gq=gq, gk=gk, gv=gv,
+            gbias=_bias_tangent(bias, gbias if ctx.bias_grad else None, gsinks))
         return (g_dout if dout_grad else None, g_q, g_k, g_v, g_bias if ctx.bias_grad else None,
                 _sinks_grad(sinks, sink_rows), None, None, None, None, None)
 
     @staticmethod
-    def jvp(ctx: Any, tdout, tq, tk, tv, tbias, tsinks, _tout, _tmax, _tinv, _tplan, _tbias_grad):
-        *saved, bias, sinks = ctx.saved_tensors
+    def jvp(ctx: Any, *tangents: Any):  # one per input of forward
+        tdout, tq, tk, tv, tbias, tsinks = tangents[:6]
+        dout, q, k, v, out, row_max, inv_sum, bias, sinks = ctx.saved_tensors
         tsinks = tsinks if sinks is not None else None
-        dq_t, dk_t, dv_t, dbias_t, sink_rows = Final.apply(
-            ring_backward_jvp, THIRD_ORDER, ctx.plan, *saved, ctx.bias_grad, tdout, tq, tk, tv,
-            _bias_tangent(bias, tbias if bias is not None else None, tsinks))
+        dq_t, dk_t, dv_t, dbias_t, sink_rows = _final(
+            ring_backward_jvp, ctx.plan, q, k, v, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum,
+            bias_grad=ctx.bias_grad, tdout=tdout, tq=tq, tk=tk, tv=tv,
+            tbias=_bias_tangent(bias, tbias if bias is not None else None, tsinks))
         dsinks_t = _sinks_grad(sinks, sink_rows)
         return (dq_t, dk_t, dv_t, dbias_t if dbias_t is not None else dq_t.new_empty(0),
                 dsinks_t if dsinks_t is not None else dq_t.new_empty(0))
 
 
-def ring_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    group: Optional[dist.ProcessGroup] = None,
-    is_causal: bool | str = False,
-    attn_bias: Optional[Tensor] = None,
-    attn_mask: Optional[Tensor] = None,
-    key_padding: Optional[Tensor] = None,
-    window: Optional[tuple[Optional[int], Optional[int]]] = None,
-    document_ids: Optional[Tensor] = None,
-    cu_seqlens: Optional[Tensor] = None,
-    softcap: Optional[float] = None,
-    sinks: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    scale: Optional[float] = None,
-    enable_gqa: bool = False,
-    layout: str = "contiguous",
-) -> Tensor:
+@SHARDED.signed
+def ring_attention(query: Tensor, key: Tensor, value: Tensor, **options: Unpack[ShardedOptions]) -> Tensor:
     """Attention of this rank's queries to the whole sequence, whose shards the ranks of
     `group` hold (`shard_sequence` with `layout`); the same on every rank of the group.
 
@@ -188,32 +189,32 @@ def ring_attention(
     document_ids of the whole sequence, (..., L)); dropout masks equal the one-process
     call's on the whole sequence with the seed of rank 0.
     """
-    group = group_of(group)
-    seed = start_call("ring_attention", group, query, key, value, layout=layout, is_causal=is_causal, attn_mask=attn_mask,
-                      attn_bias=attn_bias, softcap=softcap, dropout_p=dropout_p, enable_gqa=enable_gqa, window=window,
-                      sinks=sinks)
+    options = SHARDED.complete("ring_attention", options)
+    group = group_of(options["group"])
+    seed = start_call("ring_attention", group, query, key, value, options)
     ring = Ring(group)
-    shard = query.shape[-2]
-    sharding = Sharding(layout, ring.size, shard * ring.size)
-    folded = Layout(query, key, value, enable_gqa)
+    sharding = Sharding(options["layout"], ring.size, query.shape[-2] * ring.size)
+    folded = Layout(query, key, value, options["enable_gqa"])
     length = sharding.length
-    logits = None
-    if sinks is not None:  # the steps take a zero-logit sink, the logits in the bias out of autograd's sight
-        logits = check_sinks(sinks, folded, query)
+    attn_bias, logits = options["attn_bias"], None
+    if options["sinks"] is not None:  # the steps take a zero-logit sink, the logits in the bias out of autograd's sight
+        logits = check_sinks(options["sinks"], folded, query)
         shift = -logits[0].detach().to(query.dtype)[:, None, None]  # (H, 1, 1)
         attn_bias = shift if attn_bias is None else attn_bias + shift
-    mask = None if attn_mask is None else folded.fold_mask(attn_mask, "attn_mask", length)
+    mask = None if options["attn_mask"] is None else folded.fold_mask(options["attn_mask"], "attn_mask", length)
     bias = None if attn_bias is None else folded.fold_mask(attn_bias, "attn_bias", length)
-    structured = dict(key_padding=key_padding, window=window, document_ids=document_ids, cu_seqlens=cu_seqlens)
+    causal = 0 if options["is_causal"] else None  # top-left over the whole sequence: Lq = Lk
+    structured = {name: options[name] for name in STRUCTURED}
     bounds = None
     if any(x is not None for x in structured.values()):
         batch = () if folded.flat else tuple(folded.batch)
-        bounds, keep = structure(batch, length, length, 0 if is_causal else None, query.device, **structured)
+        bounds, keep = structure(batch, length, length, causal, query.device, **structured)
         if bounds is not None:  # this rank's rows
             bounds = bounds[:, sharding.positions(ring.rank, bounds.device)]
         if keep is not None:
             mask = keep if mask is None else mask & keep
-    plan = RingPlan(ring, sharding, bool(is_causal), bounds, mask, bias, seed, default_scale(query, scale), float(softcap or 0.0),
-                    float(dropout_p), sink=sinks is not None)
+    masks = ScoreMasks(mask=mask, bias=bias, bounds=bounds, causal=causal, softcap=float(options["softcap"] or 0.0),
+                       sink=logits is not None)
+    plan = RingPlan(ring, sharding, masks, seed, default_scale(query, options["scale"]), float(options["dropout_p"]))
     out = RingAttention.apply(folded.q, folded.k, folded.v, bias, logits, plan)[0]
     return folded.unfold(out)

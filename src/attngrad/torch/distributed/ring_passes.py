@@ -26,8 +26,10 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack  # typing's from Python 3.11
 
 from ..op import dispatch
+from ..op.call import PassInputs
 from ..op.key_constant_bias import sink_share
 from ..op.ops import add_sink, run_op
 from ..precision import compute_dtype
@@ -132,17 +134,24 @@ def ring_forward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tenso
 
     each_step(plan, [plan.split(k), plan.split(v)], unit_forward)
     out, row_max, inv_sum = (plan.join(list(parts)) for parts in zip(*(m.result() for m in merges)))
-    if plan.sink:  # the whole rows' statistics take the sink in; every later pass reads it from 1/l
+    if plan.masks.sink:  # the whole rows' statistics take the sink in; every later pass reads it from 1/l
         out, row_max, inv_sum = add_sink(out, row_max, inv_sum)
     return out.to(q.dtype), row_max, inv_sum
 
 
-class _Rows:
-    """This rank's row-side tensors (B, H, L / P, .) as chunks, and query-side sums."""
+ROW_INPUTS = ("dout", "out", "row_max", "inv_sum", "tdout", "tq", "gq")  # the pass inputs shaped like this rank's rows
 
-    def __init__(self, plan: RingPlan, **tensors: Optional[Tensor]) -> None:
+
+class _Rows:
+    """This rank's row-side tensors (B, H, L / P, .) as chunks: q, the pass's `ROW_INPUTS`
+    (None where not given) and `more`; and query-side sums."""
+
+    def __init__(self, plan: RingPlan, q: Tensor, inputs: PassInputs, **more: Tensor) -> None:
         self.plan = plan
-        for name, t in tensors.items():
+        self.q = plan.split(q)
+        for name in ROW_INPUTS:
+            setattr(self, name, plan.split(inputs.get(name)))
+        for name, t in more.items():
             setattr(self, name, plan.split(t))
 
     def zeros(self, like: Tensor, work: torch.dtype, width: Optional[int] = None) -> list[Tensor]:
@@ -156,7 +165,7 @@ def _add_to(total: Optional[Tensor], unit: Unit, part: Optional[Tensor]) -> None
 
 
 def _bias_total(plan: RingPlan, wanted: bool, work: torch.dtype) -> Optional[Tensor]:
-    return torch.zeros(plan.bias.shape, dtype=work, device=plan.bias.device) if wanted else None
+    return torch.zeros(plan.masks.bias.shape, dtype=work, device=plan.masks.bias.device) if wanted else None
 
 
 def _key_results(k: Tensor, v: Tensor, sums: list[list[Tensor]], plan: RingPlan) -> tuple[Tensor, Tensor]:
@@ -167,11 +176,13 @@ def _of(chunks: Optional[list[Tensor]], i: int) -> Optional[Tensor]:
     return None if chunks is None else chunks[i]
 
 
-def ring_backward(plan: RingPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor,
-                  inv_sum: Tensor, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """(dq, dk, dv, dbias or None) of this rank's shard."""
+def ring_backward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor,
+                  **inputs: Unpack[PassInputs]) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """(dq, dk, dv, dbias or None) of this rank's shard, given the backward's inputs (dout,
+    out, row_max, inv_sum, bias_grad)."""
     work = compute_dtype(q.dtype)
-    r = _Rows(plan, dout=dout, q=q, out=out, row_max=row_max, inv_sum=inv_sum)
+    bias_grad = inputs["bias_grad"]
+    r = _Rows(plan, q, inputs)
     dq, dbias = r.zeros(q, work), _bias_total(plan, bias_grad, work)
 
     def unit_backward(unit: Unit, block: Block) -> list[Tensor]:
@@ -186,14 +197,15 @@ def ring_backward(plan: RingPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
     ks, vs = plan.split(k), plan.split(v)
     sums = each_step(plan, [ks, vs], unit_backward, [_zeros(ks, work), _zeros(vs, work)])
     dk, dv = _key_results(k, v, sums, plan)
-    return plan.join(dq).to(q.dtype), dk, dv, None if dbias is None else dbias.to(plan.bias.dtype)
+    return plan.join(dq).to(q.dtype), dk, dv, None if dbias is None else dbias.to(plan.masks.bias.dtype)
 
 
-def ring_jvp(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor, inv_sum: Tensor,
-             tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], tbias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """(O', c): the output's tangent, and c = rowsum(P S') (B, H, L / P, 1, compute dtype)."""
+def ring_jvp(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, **inputs: Unpack[PassInputs]) -> tuple[Tensor, Tensor]:
+    """(O', c): the output's tangent, and c = rowsum(P S') (B, H, L / P, 1, compute dtype),
+    given out, row_max, inv_sum and the tangents tq, tk, tv, tbias (each None or absent: 0)."""
     work = compute_dtype(q.dtype)
-    r = _Rows(plan, q=q, out=out, row_max=row_max, inv_sum=inv_sum, tq=tq)
+    out, tbias = inputs["out"], inputs.get("tbias")
+    r = _Rows(plan, q, inputs)
     out_t, centre = r.zeros(out, work), r.zeros(out, work, 1)
     uncentred = torch.zeros_like(centre[0])
 
@@ -205,7 +217,8 @@ def ring_jvp(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_m
             tq=_of(r.tq, i), tk=_of(tk_blk, j), tv=_of(tv_blk, j), tbias=piece(tbias, unit.rows, unit.cols),
             row_sums=dict(centre=uncentred, centre_sums=centre[i]))
 
-    each_step(plan, [plan.split(k), plan.split(v), plan.split(tk), plan.split(tv)], unit_jvp)
+    block = [plan.split(k), plan.split(v), plan.split(inputs.get("tk")), plan.split(inputs.get("tv"))]
+    each_step(plan, block, unit_jvp)
     for i in range(plan.chunks):
         out_t[i] -= centre[i] * r.out[i].to(work)  # O' = sum of parts - c O
     return plan.join(out_t).to(q.dtype), plan.join(centre)
@@ -214,26 +227,27 @@ def ring_jvp(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_m
 def _sink_rows(plan: RingPlan, row_max: Tensor, inv_sum: Tensor, x: Tensor, y: Tensor, delta: Tensor) -> Optional[Tensor]:
     """Each whole row's share of the sink logits' result, P_sink (Y - X D) (B, H, L / P), from
     its sums X, Y (t and D~, or t and u) and D: the one-process passes' `sink_rows`."""
-    if not plan.sink:
+    if not plan.masks.sink:
         return None
     return sink_share(row_max, inv_sum) * (y.double() - x.double() * delta.double())[..., 0]
 
 
-def ring_backward_jvp(plan: RingPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor,
-                      inv_sum: Tensor, bias_grad: bool, tdout: Optional[Tensor], tq: Optional[Tensor], tk: Optional[Tensor],
-                      tv: Optional[Tensor], tbias: Optional[Tensor]
+def ring_backward_jvp(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, **inputs: Unpack[PassInputs]
                       ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """Tangents of (dq, dk, dv, dbias or None) along (dO', Q', K', V', bias'), and with a sink
-    each row's P_sink (D~ - t D) (`sink_logits`), else None."""
+    each row's P_sink (D~ - t D) (`sink_logits`), else None; given the backward's inputs and
+    the tangents tdout, tq, tk, tv, tbias (each None or absent: 0)."""
     work = compute_dtype(q.dtype)
-    out_t, centre = ring_jvp(plan, q, k, v, out, row_max, inv_sum, tq, tk, tv, tbias)
+    dout, out, row_max, inv_sum = inputs["dout"], inputs["out"], inputs["row_max"], inputs["inv_sum"]
+    bias_grad = inputs["bias_grad"]
+    tdout, tbias = inputs.get("tdout"), inputs.get("tbias")
+    out_t, centre = ring_jvp(plan, q, k, v, **inputs)
     delta_t = (dout.to(work) * out_t.to(work)).sum(dim=-1, keepdim=True)  # D~ = rowsum(dO' O + dO O')
     if tdout is not None:
         delta_t += (tdout.to(work) * out.to(work)).sum(dim=-1, keepdim=True)
     delta = (dout.to(work) * out.to(work)).sum(dim=-1, keepdim=True)
     sink_rows = _sink_rows(plan, row_max, inv_sum, centre, delta_t, delta)
-    r = _Rows(plan, dout=dout, q=q, out=out, row_max=row_max, inv_sum=inv_sum, tdout=tdout, tq=tq, centre=centre,
-              delta_t=delta_t)
+    r = _Rows(plan, q, inputs, centre=centre, delta_t=delta_t)
     dq_t, dbias_t = r.zeros(q, work), _bias_total(plan, bias_grad, work)
 
     def unit_backward_jvp(unit: Unit, block: Block) -> list[Tensor]:
@@ -249,24 +263,26 @@ def ring_backward_jvp(plan: RingPlan, dout: Tensor, q: Tensor, k: Tensor, v: Ten
         return [dk_u, dv_u]
 
     ks, vs = plan.split(k), plan.split(v)
-    sums = each_step(plan, [ks, vs, plan.split(tk), plan.split(tv)], unit_backward_jvp, [_zeros(ks, work), _zeros(vs, work)])
+    block = [ks, vs, plan.split(inputs.get("tk")), plan.split(inputs.get("tv"))]
+    sums = each_step(plan, block, unit_backward_jvp, [_zeros(ks, work), _zeros(vs, work)])
     dk_t, dv_t = _key_results(k, v, sums, plan)
-    return (plan.join(dq_t).to(q.dtype), dk_t, dv_t, None if dbias_t is None else dbias_t.to(plan.bias.dtype),
+    return (plan.join(dq_t).to(q.dtype), dk_t, dv_t, None if dbias_t is None else dbias_t.to(plan.masks.bias.dtype),
             sink_rows)
 
 
-def ring_double_backward(plan: RingPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, row_max: Tensor,
-                         inv_sum: Tensor, bias_grad: bool, dout_grad: bool, gq: Optional[Tensor], gk: Optional[Tensor],
-                         gv: Optional[Tensor], gbias: Optional[Tensor],
+def ring_double_backward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, **inputs: Unpack[PassInputs]
                          ) -> tuple[Optional[Tensor], Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """(g_dout or None, g_q, g_k, g_v, g_bias or None, sink rows or None): the gradients of
     <gq, dq> + <gk, dk> + <gv, dv> + <gbias, dbias>, as the double_backward op, and with a
-    sink each row's P_sink (u - t D) (`sink_logits`)."""
+    sink each row's P_sink (u - t D) (`sink_logits`); given the backward's inputs, dout_grad
+    and the cotangents gq, gk, gv, gbias (each None or absent: 0)."""
     work = compute_dtype(q.dtype)
-    gbias = gbias if bias_grad else None
-    r = _Rows(plan, dout=dout, q=q, out=out, row_max=row_max, inv_sum=inv_sum, gq=gq)
+    dout, out, row_max, inv_sum = inputs["dout"], inputs["out"], inputs["row_max"], inputs["inv_sum"]
+    bias_grad, dout_grad = inputs["bias_grad"], inputs["dout_grad"]
+    gbias = inputs.get("gbias") if bias_grad else None
+    r = _Rows(plan, q, inputs)
     ks, vs = plan.split(k), plan.split(v)
-    block = [ks, vs, plan.split(gk), plan.split(gv)]
+    block = [ks, vs, plan.split(inputs.get("gk")), plan.split(inputs.get("gv"))]
     t_sum, u_sum = r.zeros(out, work, 1), r.zeros(out, work, 1)
 
     def unit_row_sums(unit: Unit, block: Block) -> None:
@@ -306,4 +322,4 @@ def ring_double_backward(plan: RingPlan, dout: Tensor, q: Tensor, k: Tensor, v: 
     sums = each_step(plan, block, unit_double_backward, [_zeros(ks, work), _zeros(vs, work)])
     g_k, g_v = _key_results(k, v, sums, plan)
     return (None if g_dout is None else plan.join(g_dout).to(dout.dtype), plan.join(g_q).to(q.dtype), g_k, g_v,
-            None if g_bias is None else g_bias.to(plan.bias.dtype), sink_rows)
+            None if g_bias is None else g_bias.to(plan.masks.bias.dtype), sink_rows)

@@ -48,10 +48,7 @@ class Unit:
     j: int
     rows: slice  # the query chunk's rows in this rank's shard
     cols: slice  # the key chunk's positions in the whole sequence
-    causal: Optional[int]
-    bounds: Optional[Tensor]  # (1 or B, C, 2) int64, in the chunk's keys
-    mask: Optional[Tensor]
-    bias: Optional[Tensor]
+    masks: ScoreMasks  # its pieces of the rank's: key bounds (1 or B, C, 2) in the chunk's keys, or a diagonal
     dropout: Placement
 
     @property
@@ -62,22 +59,21 @@ class Unit:
 class RingPlan:
     """Every step's units for this rank, and the options every unit shares.
 
-    `bounds` (1 or B, L / P, 2): the whole sequence's key bounds of this rank's rows, or
-    None; `causal`: the causal diagonal without other structure; `mask` and `bias`: folded
-    to (b, h, L / P, L), or None."""
+    `masks` are this rank's rows' against the whole sequence's keys: `mask` and `bias` folded
+    to (b, h, L / P, L), or None; `bounds` (1 or B, L / P, 2) the whole sequence's key bounds,
+    or None; `causal` 0 (top-left over the whole sequence) or None; `softcap`; and `sink`:
+    each row's softmax has a zero-logit sink, merged in once the rows are whole (the steps
+    have none). `seed` is rank 0's dropout seed."""
 
-    def __init__(self, ring: Ring, sharding: Sharding, causal: bool, bounds: Optional[Tensor], mask: Optional[Tensor],
-                 bias: Optional[Tensor], seed: int, scale: float, softcap: float, dropout_p: float,
-                 sink: bool = False) -> None:
-        self.ring, self.sharding = ring, sharding
-        self.sink = sink  # each row's softmax has a zero-logit sink: merged in once the rows are whole
-        self.scale, self.softcap, self.dropout_p = scale, softcap, dropout_p
-        self.mask, self.bias = mask, bias
+    def __init__(self, ring: Ring, sharding: Sharding, masks: ScoreMasks, seed: int, scale: float,
+                 dropout_p: float) -> None:
+        self.ring, self.sharding, self.masks = ring, sharding, masks
+        self.scale, self.dropout_p = scale, dropout_p
         self.chunks = len(sharding.chunks(ring.rank))
-        self.units = [self._units(step, causal, bounds, seed) for step in range(ring.size)]
+        self.units = [self._units(step, seed) for step in range(ring.size)]
 
-    def _units(self, step: int, causal: bool, bounds: Optional[Tensor], seed: int) -> list[Unit]:
-        size = self.sharding.chunk
+    def _units(self, step: int, seed: int) -> list[Unit]:
+        size, masks = self.sharding.chunk, self.masks
         partial = int(self.sharding.pieces > 1)  # each row's keys are in more than one unit
         units = []
         for i, q_start in enumerate(self.sharding.starts(self.ring.rank)):
@@ -85,27 +81,27 @@ class RingPlan:
             for j, k_start in enumerate(self.sharding.starts(self.ring.owner(step))):
                 cols = slice(k_start, k_start + size)
                 diagonal, unit_bounds = None, None
-                if bounds is not None:
-                    unit_bounds = (bounds[:, rows] - k_start).clamp_(0, size)
+                if masks.bounds is not None:  # the causal diagonal among them
+                    unit_bounds = (masks.bounds[:, rows] - k_start).clamp_(0, size)
                     state = classify(unit_bounds[..., 0], unit_bounds[..., 1], 0, size)
                     if state == EMPTY:
                         continue  # no row sees a key of this chunk
                     unit_bounds = None if state == FULL else unit_bounds.contiguous()
-                elif causal:
-                    diagonal = q_start - k_start
+                elif masks.causal is not None:
+                    diagonal = q_start - k_start + masks.causal
                     state = classify(*row_intervals(size, size, diagonal, None), 0, size)
                     if state == EMPTY:
                         continue  # even the chunk's last row is before its first key
                     if state == FULL:
                         diagonal = None  # even the first row is past its last key
-                units.append(Unit(i, j, rows, cols, diagonal, unit_bounds, piece(self.mask, rows, cols),
-                                  piece(self.bias, rows, cols), Placement(seed, q_start, k_start, 0, partial)))
+                unit_masks = ScoreMasks(mask=piece(masks.mask, rows, cols), bias=piece(masks.bias, rows, cols),
+                                        bounds=unit_bounds, causal=diagonal, softcap=masks.softcap)
+                units.append(Unit(i, j, rows, cols, unit_masks, Placement(seed, q_start, k_start, 0, partial)))
         return units
 
     def call(self, unit: Unit, q: Tensor, k: Tensor, v: Tensor) -> AttentionCall:
         """The attention call of `unit` on its query chunk `q` and key chunks `k`, `v`."""
-        masks = ScoreMasks(mask=unit.mask, bias=unit.bias, bounds=unit.bounds, causal=unit.causal, softcap=self.softcap)
-        return AttentionCall(q, k, v, masks, unit.seed, self.scale, self.dropout_p)
+        return AttentionCall(q, k, v, unit.masks, unit.seed, self.scale, self.dropout_p)
 
     def split(self, t: Optional[Tensor]) -> Optional[list[Tensor]]:
         """A (B, H, L / P, .) shard as its chunks: views (a step's op copies what it needs

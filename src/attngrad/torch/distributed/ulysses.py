@@ -18,12 +18,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from typing_extensions import Unpack  # typing's from Python 3.11
 
-from ..arguments import build_call
+from ..arguments import ATTENTION, build_call
 from ..layout import Layout
-from ..op.autograd import attention
+from ..op.autograd import differentiable_attention
 from ..op.dropout import Placement
-from .call_checks import start_call
+from .call_checks import SHARDED, ShardedOptions, start_call
 from .ring_comm import waited
 from .sharding import Sharding, group_of
 
@@ -115,45 +116,27 @@ def _rows_to_heads(t: Optional[Tensor], trade: _Trade, heads: int, rank: int) ->
     return _AllToAll.apply(t, trade, True)
 
 
-def all_to_all_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    group: Optional[dist.ProcessGroup] = None,
-    is_causal: bool | str = False,
-    attn_bias: Optional[Tensor] = None,
-    attn_mask: Optional[Tensor] = None,
-    key_padding: Optional[Tensor] = None,
-    window: Optional[tuple[Optional[int], Optional[int]]] = None,
-    document_ids: Optional[Tensor] = None,
-    cu_seqlens: Optional[Tensor] = None,
-    softcap: Optional[float] = None,
-    sinks: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    scale: Optional[float] = None,
-    enable_gqa: bool = False,
-    layout: str = "contiguous",
-) -> Tensor:
+@SHARDED.signed
+def all_to_all_attention(query: Tensor, key: Tensor, value: Tensor, **options: Unpack[ShardedOptions]) -> Tensor:
     """`ring_attention`'s arguments and result, computed by trading sequence shards for
     head groups (Ulysses): H (and Hkv, or else key and value repeat to H heads) must be a
     multiple of the world size P. Each rank holds (B, H / P, L, E) during the attention:
     the same size as its shard of all heads; a bias with rows is traded to
     (b, H / P, L, L). Two all-to-alls per call each way, none per step. `sinks` (H,): as in
     `attngrad.torch.attention`; each rank takes its head group's."""
-    group = group_of(group)
-    seed = start_call("all_to_all_attention", group, query, key, value, layout=layout, is_causal=is_causal,
-                      attn_mask=attn_mask, attn_bias=attn_bias, softcap=softcap, dropout_p=dropout_p,
-                      enable_gqa=enable_gqa, window=window, sinks=sinks)
+    options = SHARDED.complete("all_to_all_attention", options)
+    group = group_of(options["group"])
+    seed = start_call("all_to_all_attention", group, query, key, value, options)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    folded = Layout(query, key, value, enable_gqa)
+    folded = Layout(query, key, value, options["enable_gqa"])
     if folded.heads % world:  # every rank raises alike: they agreed on the shapes
         raise ValueError(f"all_to_all_attention splits the {folded.heads} query heads over {world} ranks: "
                          f"they must be a multiple of it (query {tuple(query.shape)}); use ring_attention")
-    trade = _Trade(group, layout, query.shape[-2])
+    trade = _Trade(group, options["layout"], query.shape[-2])
     length = trade.sharding.length
     q, k, v = folded.q, folded.k, folded.v
     k, v = _heads_of(k, folded.heads, world), _heads_of(v, folded.heads, world)
+    attn_mask, attn_bias, sinks = options["attn_mask"], options["attn_bias"], options["sinks"]
     mask = None if attn_mask is None else _rows_to_heads(folded.fold_mask(attn_mask, "attn_mask", length), trade,
                                                         folded.heads, rank)
     bias = None if attn_bias is None else _rows_to_heads(folded.fold_mask(attn_bias, "attn_bias", length), trade,
@@ -161,9 +144,9 @@ def all_to_all_attention(
     q, k, v = (_AllToAll.apply(t, trade, True) for t in (q, k, v))
     head_offset = rank * (folded.heads // world)
     heads_here = folded.heads // world
-    call, _ = build_call(q, k, v, mask=mask, bias=bias, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                         enable_gqa=k.shape[1] != q.shape[1], seed=Placement(seed, 0, 0, head_offset).tensor(),
-                         key_padding=key_padding, window=window, document_ids=document_ids, cu_seqlens=cu_seqlens,
-                         softcap=softcap, sinks=None if sinks is None else sinks[head_offset:head_offset + heads_here])
-    return folded.unfold(_AllToAll.apply(attention(call), trade, False))
-
+    # the one-process call's options (not the group's nor the layout), on this rank's head group
+    here = {name: value for name, value in options.items() if name in ATTENTION.names}
+    here.update(attn_mask=mask, attn_bias=bias, enable_gqa=k.shape[1] != q.shape[1],
+                sinks=None if sinks is None else sinks[head_offset:head_offset + heads_here])
+    call, _ = build_call(q, k, v, seed=Placement(seed, 0, 0, head_offset).tensor(), **here)
+    return folded.unfold(_AllToAll.apply(differentiable_attention(call), trade, False))

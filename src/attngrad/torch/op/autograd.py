@@ -550,7 +550,7 @@ def _forward_mode_only(call: AttentionCall) -> Optional[tuple[AttentionCall, dic
     return dataclasses.replace(call, q=primals["q"], k=primals["k"], v=primals["v"], masks=masks), tangents
 
 
-def attention(call: AttentionCall) -> Tensor:
+def differentiable_attention(call: AttentionCall) -> Tensor:
     """The differentiable attention of `call`, on (B, H, L, E) tensors: its output."""
     if _untracked(call.tensors()):
         return run_op("forward", call)[0]

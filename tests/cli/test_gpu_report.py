@@ -89,7 +89,7 @@ def test_the_backward_jvp_compiles_for_sm80_without_spills(reports):
 
 def test_the_uncentred_half_precision_walks_compile(reports):
     """The backward-type walks of float16 read their row sums without the centres
-    (`tiles.load_row_sums`, CENTRE off): a compiled kernel's tuple may not hold None, which
+    (`tile_ops.load_row_sums`, CENTRE off): a compiled kernel's tuple may not hold None, which
     the interpreter allows, so only a compile shows it."""
     code, stdout = reports["half_double_backward"]
     assert code == 0 and "0 failed" in stdout, stdout

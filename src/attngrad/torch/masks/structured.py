@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, TypedDict
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
 from ..layout import broadcast_shapes, rows_rule
 from . import version_cache
@@ -183,20 +184,32 @@ def _cu_seqlens_bounds(rows: Tensor, length: int) -> Tensor:
     return torch.stack([cu.gather(-1, document), cu.gather(-1, document + 1)], dim=-1)
 
 
-def structure(
-    batch: tuple, len_q: int, len_k: int, causal: Optional[int], device: torch.device, *,
-    key_padding: Optional[Tensor] = None, window: Optional[tuple] = None, document_ids: Optional[Tensor] = None,
-    cu_seqlens: Optional[Tensor] = None,
-) -> Structure:
+class StructuredMasks(TypedDict, total=False):
+    """The structured masks a call may take, as `attention` does (each absent or None: none)."""
+
+    key_padding: Optional[Tensor]
+    window: Optional[tuple]
+    document_ids: Optional[Tensor]
+    cu_seqlens: Optional[Tensor]
+
+
+def structure(batch: tuple, len_q: int, len_k: int, causal: Optional[int], device: torch.device,
+              **masks: Unpack[StructuredMasks]) -> Structure:
     """The key bounds (and, for padding with holes, a keep-mask) of the structured masks
     given, for a call with batch dimensions `batch` and causal diagonal `causal`. Kept while
     the tensors given live unchanged (`version_cache.value`): a model's layers share one structure,
     and the tiles then find the block maps they keep for its bounds."""
-    window = None if window is None else _checked_window(window)
-    sources = (key_padding, document_ids, cu_seqlens)
+    unknown = set(masks) - set(StructuredMasks.__annotations__)
+    if unknown:
+        raise TypeError(f"structure() got unexpected structured masks {sorted(unknown)}")
+    masks = {name: masks.get(name) for name in StructuredMasks.__annotations__}
+    if masks["window"] is not None:
+        masks["window"] = _checked_window(masks["window"])
+    window = masks["window"]
+    sources = (masks["key_padding"], masks["document_ids"], masks["cu_seqlens"])
 
     def make() -> Structure:
-        return _structure(batch, len_q, len_k, causal, device, key_padding, window, document_ids, cu_seqlens)
+        return _structure(batch, len_q, len_k, causal, device, masks)
 
     if not version_cache.keepable(*sources):
         return make()
@@ -204,8 +217,8 @@ def structure(
 
 
 def _structure(batch: tuple, len_q: int, len_k: int, causal: Optional[int], device: torch.device,
-               key_padding: Optional[Tensor], window: Optional[tuple], document_ids: Optional[Tensor],
-               cu_seqlens: Optional[Tensor]) -> Structure:
+               masks: StructuredMasks) -> Structure:
+    key_padding, window, document_ids, cu_seqlens = (masks[n] for n in StructuredMasks.__annotations__)
     parts: list[Tensor] = []
     keep = None
     if key_padding is not None:

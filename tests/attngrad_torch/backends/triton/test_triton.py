@@ -539,7 +539,7 @@ def test_the_backward_type_passes_centre_peaked_rows(on_triton, seed, with_sinks
 def test_the_walks_zero_the_peak_by_its_index(on_triton, monkeypatch):
     """A compiled walk need not compute S' at the peak key with the row sums' bits. With the
     centres c and c2 moved by a few ulps, as another kernel's rounding might move them, the
-    peak's term stays 0 (`tiles.off_peak`) and the passes stay within 1e-12 of the exact HVP;
+    peak's term stays 0 (`tile_ops.off_peak`) and the passes stay within 1e-12 of the exact HVP;
     subtracting the centre there instead erred 3.5e-11."""
     row_sums = launch._row_sums
 

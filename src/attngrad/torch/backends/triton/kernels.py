@@ -19,7 +19,7 @@ Shapes: q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), any strides; row
 (B, H, Lq) contiguous; the block map (B, H, query blocks, key blocks) int8 (1 = empty) and
 the walks' ranges (B, H, blocks, 2) [first, stop) may be expanded views (stride 0). The
 mask and bias arguments are 4-D views broadcast to (B, H, Lq, Lk) by their strides.
-fmeta (float64): [scale, cap, 1 / cap, 1 / (1 - p)]; meta (int64): `tiles.keep_scale`.
+fmeta (float64): [scale, cap, 1 / cap, 1 / (1 - p)]; meta (int64): `tile_ops.keep_scale`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import (
+from .tile_ops import (
     SUMS,
     dot_nt,
     keep_scale,
@@ -248,8 +248,8 @@ def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, sq0, sq1, sq
              BD: tl.constexpr, BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr,
              ACC: tl.constexpr, CENTRE: tl.constexpr = False, SINK: tl.constexpr = False):
     """The whole-row sums a backward-type pass needs before its walks, for the form F (S' or
-    T, `tiles.score_form`), into ROW_SUMS (B, H, tiles.SUMS, Lq): x = t - c, y, c, c2 and the
-    peak key's index (`tiles.load_row_sums`), with t = rowsum(P F) and
+    T, `tile_ops.score_form`), into ROW_SUMS (B, H, tile_ops.SUMS, Lq): x = t - c, y, c, c2 and the
+    peak key's index (`tile_ops.load_row_sums`), with t = rowsum(P F) and
         BACKWARD_JVP     y = D~ = rowsum(P (F - t) dP + P dP~),  dP~ = (dO2 V^T + dO V2^T) Z
         DOUBLE_BACKWARD  y = u - c2,  u = rowsum(P g_P) + t D P_sink,
                          g_P = b (F - t) + E,  b = dP - D (0 on a row of one key),  E = (dO V2^T) Z
@@ -279,7 +279,7 @@ def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, sq0, sq1, sq
     m_row = load_rows(M + rows, offs_m, Lq)
     inv = load_rows(INV + rows, offs_m, Lq)
     d_row = load_rows(DELTA + rows, offs_m, Lq)
-    single = inv == 1.0  # a row of one key alone: b = 0 there (`tiles.tile_terms`)
+    single = inv == 1.0  # a row of one key alone: b = 0 there (`tile_ops.tile_terms`)
     top = tl.full((BM,), float("-inf"), ACC)  # the peak's score
     if SINK:
         top = tl.zeros((BM,), ACC)
@@ -391,7 +391,7 @@ def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, OUT_Q, OUT
                BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr,
                CENTRE: tl.constexpr = False):
-    """Per query block: OUT_Q = scale (A2 K + A K2) (dQ, its tangent, or g_Q; `tiles.tile_terms`);
+    """Per query block: OUT_Q = scale (A2 K + A K2) (dQ, its tangent, or g_Q; `tile_ops.tile_terms`);
     with DOUT_GRAD, OUT_DO = W V + (P Z) V2 (the double backward's g_dO); with BIAS_DIRECT,
     each tile's term to the bias stored into DBIAS, a zeroed tensor of the scores' own shape.
     OUT_Q and OUT_DO are contiguous."""
@@ -528,7 +528,7 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, OUT_K, OUT_V
              CENTRE: tl.constexpr = False):
     """Per key block of one key/value head, over the G query heads of its group in order:
     OUT_K = scale (A2^T Q + A^T Q2) and OUT_V = W^T dO + (P Z)^T dO2 (dK and dV, their
-    tangents, or g_K and g_V; `tiles.tile_terms`). qrng holds each key block's query blocks.
+    tangents, or g_K and g_V; `tile_ops.tile_terms`). qrng holds each key block's query blocks.
     OUT_K and OUT_V are contiguous (B, Hkv, Lk, .).
 
     FUSED (the backward of a call whose walks are contiguous runs): also adds each tile's

@@ -37,7 +37,7 @@ from ...op.key_constant_bias import is_key_constant, rows_to_bias, sink_share
 from ...op.tuning import Tuning
 from ...precision import compute_dtype
 from . import kernels
-from .tiles import BACKWARD, BACKWARD_JVP, DOUBLE_BACKWARD, SUMS
+from .tile_ops import BACKWARD, BACKWARD_JVP, DOUBLE_BACKWARD, SUMS
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ operators and sends each to a backend (`op.dispatch`); each backend is one packa
 """
 
 from . import backends  # registers the backends
+from .arguments import AttentionOptions
 from .functional import attention, scaled_dot_product_attention
 from .masks.functions import create_block_mask
 from .masks.version_cache import forget_masks
@@ -28,5 +29,5 @@ from .mha import MultiheadAttention
 from .op.dispatch import list_backends, ran, use_backend, use_implementation
 from .sdpa_mode import SDPACalls, replace_sdpa
 
-__all__ = ["MultiheadAttention", "SDPACalls", "attention", "backends", "create_block_mask", "forget_masks",
+__all__ = ["AttentionOptions", "MultiheadAttention", "SDPACalls", "attention", "backends", "create_block_mask", "forget_masks",
            "list_backends", "ran", "replace_sdpa", "scaled_dot_product_attention", "use_backend", "use_implementation"]

@@ -440,7 +440,8 @@ def test_a_structure_is_kept_while_its_tensors_live_unchanged():
     assert structure((B,), L, L, None, cpu, key_padding=lengths, window=(4, None))[0] is not first
     lengths[1] = 12  # in place: the version counter moves
     written, _ = structure((B,), L, L, 0, cpu, key_padding=lengths, window=(4, None))
-    made = _structure((B,), L, L, 0, cpu, lengths, (4, None), None, None).bounds
+    made = _structure((B,), L, L, 0, cpu, dict(key_padding=lengths, window=(4, None), document_ids=None,
+                                                  cu_seqlens=None)).bounds
     assert written is not first and torch.equal(written, made) and not torch.equal(first, made)
     copied, _ = structure((B,), L, L, 0, cpu, key_padding=lengths.clone(), window=(4, None))
     assert copied is not written and torch.equal(copied, written)

@@ -252,7 +252,8 @@ def tile_terms(MODE: tl.constexpr, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, t
 
     CENTREd, as the row sums are: S' - t (or T - t) is taken as (S' - c) - (t - c), c its value
     at the row's peak key, and g_P - u as (g_P - c2) - (u - c2), each 0 at the peak by its
-    index (`off_peak`); the sums hold x = t - c and y = D~ or u - c2. Uncentred, c = c2 = 0.
+    index (`off_peak`); the sums hold x = t - c and y = D~ or u - c2. Uncentred (half, TF32),
+    the sums are (t, D~ or u) alone: c = c2 = 0 and no peak.
 
     Returns (P Z, W, to the bias, to Q and K, to Q and K with the second inputs): W = P Z, P' Z
     or g_dP Z (what goes to V's side), "to the bias" dS, dS~ or g_S, and "to Q and K" the

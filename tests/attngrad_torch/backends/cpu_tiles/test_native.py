@@ -37,6 +37,19 @@ from .cases import (  # noqa: E402
 TANGENTS = ("tdout", "tq", "tk", "tv", "tbias")  # the backward JVP's tangents by name, as the tests draw them
 
 
+def drawn_like(seed, tensors, present):
+    """Random float64 tensors shaped like `tensors`, None where `present` says 0 or the tensor is None."""
+    g = torch.Generator().manual_seed(seed + 1)
+    return [torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
+            for t, keep in zip(tensors, present)]
+
+
+def torch_ops_stats(call, dout):
+    """dout and the torch-ops kernels' forward results (out, row_max, inv_sum), by name."""
+    out, row_max, inv_sum = kernels.attention_forward(call)
+    return dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum)
+
+
 @needs_tiles
 @settings(max_examples=40, deadline=None)
 @given(
@@ -91,13 +104,10 @@ def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, grou
     scale, causal = dim**-0.5, causal_offset(causal, len_q, len_k)
     mask, bias = drawn_masks(masking, batch, kv_heads * groups, len_q, len_k, torch.float64, seed)
     bias_grad = bias_grad and bias is not None
-    g = torch.Generator().manual_seed(seed + 1)
-    gq, gk, gv, gbias = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
-                         for t, keep in zip((q, k, v, bias if bias_grad else None), present))
+    gq, gk, gv, gbias = drawn_like(seed, (q, k, v, bias if bias_grad else None), present)
     call = tiles_call(q, k, v, causal, scale, seed, mask=mask, bias=bias, dropout_p=dropout_p, softcap=softcap)
-    out, row_max, inv_sum = kernels.attention_forward(call)
-    inputs = after_forward(dout, (out, row_max, inv_sum), dout_grad=dout_grad, bias_grad=bias_grad, gq=gq, gk=gk,
-                           gv=gv, gbias=gbias)
+    inputs = dict(torch_ops_stats(call, dout), dout_grad=dout_grad, bias_grad=bias_grad, gq=gq, gk=gk, gv=gv,
+                  gbias=gbias)
     with whole_row_settings(rows, transposed_keys):
         ours = native.attention_double_backward(call, inputs, chunks=chunks)
     theirs = kernels_higher.attention_double_backward(call, **inputs)
@@ -127,9 +137,7 @@ def test_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, l
     q, k, v, _ = random_inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
     scale, causal = dim**-0.5, causal_offset(causal, len_q, len_k)
     mask, bias = drawn_masks(masking, batch, kv_heads * groups, len_q, len_k, torch.float64, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    tq, tk, tv, tbias = (torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
-                         for t, keep in zip((q, k, v, bias), present))
+    tq, tk, tv, tbias = drawn_like(seed, (q, k, v, bias), present)
     call = tiles_call(q, k, v, causal, scale, seed, mask=mask, bias=bias, dropout_p=dropout_p, softcap=softcap)
     out, row_max, inv_sum = kernels.attention_forward(call)
     inputs = dict(row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv, tbias=tbias)
@@ -161,12 +169,9 @@ def test_backward_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups,
     scale, causal = dim**-0.5, causal_offset(causal, len_q, len_k)
     mask, bias = drawn_masks(masking, batch, kv_heads * groups, len_q, len_k, torch.float64, seed)
     bias_grad = bias_grad and bias is not None
-    g = torch.Generator().manual_seed(seed + 1)
-    tangents = [torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
-                for t, keep in zip((dout, q, k, v, bias), present)]
+    tangents = drawn_like(seed, (dout, q, k, v, bias), present)
     call = tiles_call(q, k, v, causal, scale, seed, mask=mask, bias=bias, dropout_p=dropout_p, softcap=softcap)
-    out, row_max, inv_sum = kernels.attention_forward(call)
-    stats = dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum)
+    stats = torch_ops_stats(call, dout)
     inputs = dict(stats, bias_grad=bias_grad, **dict(zip(TANGENTS, tangents)))
     with whole_row_settings(rows, transposed_keys):
         ours, both = (native.attention_backward_jvp(call, inputs, with_backward=with_backward, chunks=chunks)
@@ -218,12 +223,9 @@ def test_backward_jvp_given_sums_matches_the_torch_ops_kernels(batch, kv_heads, 
     q, k, v, dout = random_inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
     scale, causal = dim**-0.5, causal_offset(causal, len_q, len_k)
     mask, bias = drawn_masks(masking, batch, kv_heads * groups, len_q, len_k, torch.float64, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    tangents = [torch.randn(t.shape, generator=g, dtype=torch.float64) if keep and t is not None else None
-                for t, keep in zip((dout, q, k, v, bias), present)]
+    tangents = drawn_like(seed, (dout, q, k, v, bias), present)
     call = tiles_call(q, k, v, causal, scale, seed, mask=mask, bias=bias, dropout_p=dropout_p, softcap=softcap)
-    out, row_max, inv_sum = kernels.attention_forward(call)
-    stats = dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum)
+    stats = torch_ops_stats(call, dout)
     centre, delta_t = given_row_sums(call, stats, tangents)
     inputs = dict(stats, row_sums=dict(centre=centre, delta_t=delta_t), **dict(zip(TANGENTS, tangents)))
     with native.TILING.override(block_rows=blocks[0], block_keys=blocks[1]):
@@ -258,8 +260,7 @@ def test_backward_jvp_given_sums_on_a_part_of_the_keys(causal, dropout_p):
     tangents = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (dout, q, k, v)] + [None]
     scale, seed, split = 0.3, 11, 13
     call = tiles_call(q, k, v, causal, scale, seed, dropout_p=dropout_p)
-    out, row_max, inv_sum = kernels.attention_forward(call)
-    stats = dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum)
+    stats = torch_ops_stats(call, dout)
     centre, delta_t = given_row_sums(call, stats, tangents)
     inputs = dict(stats, row_sums=dict(centre=centre, delta_t=delta_t), **dict(zip(TANGENTS[:4], tangents)))
     whole = native.attention_backward_jvp_given_sums(call, inputs)

@@ -1,7 +1,8 @@
 """The layout's rules, checked on the source: modules import one another without a cycle, no
 source file grows past 1,000 lines, attngrad.torch reaches its compiled tiles through
 PyTorch's extension machinery alone (no ctypes, no library file names, no compiler run by
-hand), and attngrad.torch's files lie in their layers, each importing only those below:
+hand), no function below the public entry points takes more than 8 parameters, and
+attngrad.torch's files lie in their layers, each importing only those below:
 
     precision, layout        the shared rules: the dtypes taken, how inputs of any rank fold
     masks/                   masks in every form, and what is made from them
@@ -167,3 +168,52 @@ def test_a_stray_module_at_the_top_is_found(tmp_path):
     shutil.copytree(TORCH, copy, ignore=shutil.ignore_patterns("__pycache__", "csrc"))
     (copy / "helpers.py").write_text("")
     assert layout_violations(copy) == ["helpers.py: a module at the top that is no entry point or shared rule"]
+
+
+# The public entry points, whose options users pass by keyword as PyTorch's own take them:
+# attngrad.torch's, and the NumPy reference's twins of scaled_dot_product_attention and
+# MultiheadAttention.forward, where its options are declared once (the flavors pass them on).
+LONG_SIGNATURES = {
+    "torch/functional.py": {"attention", "scaled_dot_product_attention"},
+    "torch/mha.py": {"__init__", "forward"},
+    "torch/distributed/ring.py": {"ring_attention"},
+    "torch/distributed/ulysses.py": {"all_to_all_attention"},
+    "reference/sdpa.py": {"sdpa_forward"},
+    "reference/mha.py": {"mha_forward"},
+}
+MAX_PARAMETERS = 8
+
+
+def long_signatures(root: Path = PACKAGE) -> list[str]:
+    """Functions and methods under `root` with more than MAX_PARAMETERS parameters (self and
+    cls not counted, *args and **kwargs one each), outside the entry points; Triton's
+    @triton.jit kernels aside, whose arguments the GPU issue packs."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        exempt = LONG_SIGNATURES.get(path.relative_to(root).as_posix(), set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name in exempt:
+                continue
+            if any(ast.unparse(d).endswith("jit") or ast.unparse(d).startswith("triton.jit") for d in node.decorator_list):
+                continue
+            a = node.args
+            names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)] + [p.arg for p in (a.vararg, a.kwarg) if p]
+            count = len(names) - (names[:1] in (["self"], ["cls"]))
+            if count > MAX_PARAMETERS:
+                found.append(f"{path.relative_to(root)}:{node.lineno} {node.name}: {count} parameters")
+    return found
+
+
+def test_no_function_below_the_entry_points_takes_more_than_8_parameters():
+    """The call goes down whole (`AttentionCall`, a pass's inputs as one mapping), not unpacked
+    into long parameter lists."""
+    assert long_signatures() == []
+
+
+def test_a_long_signature_is_found(tmp_path):
+    copy = tmp_path / "attngrad"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "csrc"))
+    target = copy / "torch" / "op" / "call.py"
+    target.write_text(target.read_text() + "\n\ndef unpacked(q, k, v, mask, bias, causal, scale, softcap, dropout_p):\n"
+                      "    pass\n")
+    assert long_signatures(copy) == [f"torch/op/call.py:{len(target.read_text().splitlines()) - 1} unpacked: 9 parameters"]

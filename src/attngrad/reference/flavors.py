@@ -16,9 +16,10 @@ decoder stream x gets only the query path. The grads keep each path so this is v
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 import numpy as np
+from typing_extensions import Unpack  # typing's from Python 3.11
 
 from .mha import MHACache, mha_backward, mha_forward
 from .params import MHAParams
@@ -42,17 +43,24 @@ class CrossAttentionGrads(NamedTuple):
     dattn_mask: np.ndarray | None
 
 
+class CrossOptions(TypedDict, total=False):
+    """The options of `mha_forward` that every flavor passes on as given (each flavor's
+    masks of its own aside); `mha_forward` says what each does."""
+
+    attn_mask: Any  # (Lq, Lk) or (B * H, Lq, Lk): boolean (True = blocked) or float (added)
+    dropout_p: float
+    dropout_seed: int | None
+    keep_mask: Any
+
+
+class SelfOptions(CrossOptions, total=False):
+    """A self-attention flavor's options: the shared ones and its own key padding."""
+
+    key_padding_mask: Any  # (B, L), True = padding
+
+
 def self_attention_forward(
-    x: Any,
-    params: MHAParams,
-    num_heads: int,
-    *,
-    is_causal: bool = False,
-    key_padding_mask: Any = None,
-    attn_mask: Any = None,
-    dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
-    keep_mask: Any = None,
+    x: Any, params: MHAParams, num_heads: int, *, is_causal: bool = False, **options: Unpack[SelfOptions]
 ) -> tuple[np.ndarray, MHACache]:
     """Self-attention: x (B, L, E) is query, key and value. Options as in `mha_forward`."""
     if params.kdim != params.embed_dim or params.vdim != params.embed_dim:
@@ -60,21 +68,20 @@ def self_attention_forward(
             f"self-attention needs kdim = vdim = E; the parameters have E={params.embed_dim}, "
             f"kdim={params.kdim}, vdim={params.vdim}"
         )
-    return mha_forward(
-        x, x, x, params, num_heads, is_causal=is_causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-        dropout_p=dropout_p, dropout_seed=dropout_seed, keep_mask=keep_mask,
-    )
+    return mha_forward(x, x, x, params, num_heads, is_causal=is_causal, **options)
 
 
-def encoder_self_attention_forward(x: Any, params: MHAParams, num_heads: int, **options: Any) -> tuple[np.ndarray, MHACache]:
-    """Encoder self-attention: every position of x (B, L, E) attends to every unpadded one.
-    Options: key_padding_mask, attn_mask, dropout_p, dropout_seed, keep_mask."""
+def encoder_self_attention_forward(
+    x: Any, params: MHAParams, num_heads: int, **options: Unpack[SelfOptions]
+) -> tuple[np.ndarray, MHACache]:
+    """Encoder self-attention: every position of x (B, L, E) attends to every unpadded one."""
     return self_attention_forward(x, params, num_heads, is_causal=False, **options)
 
 
-def decoder_self_attention_forward(x: Any, params: MHAParams, num_heads: int, **options: Any) -> tuple[np.ndarray, MHACache]:
-    """Decoder masked self-attention: position i of x (B, L, E) attends to positions j <= i.
-    Options: key_padding_mask, attn_mask, dropout_p, dropout_seed, keep_mask."""
+def decoder_self_attention_forward(
+    x: Any, params: MHAParams, num_heads: int, **options: Unpack[SelfOptions]
+) -> tuple[np.ndarray, MHACache]:
+    """Decoder masked self-attention: position i of x (B, L, E) attends to positions j <= i."""
     return self_attention_forward(x, params, num_heads, is_causal=True, **options)
 
 
@@ -89,16 +96,8 @@ decoder_self_attention_backward = self_attention_backward
 
 
 def encoder_decoder_attention_forward(
-    x: Any,
-    memory: Any,
-    params: MHAParams,
-    num_heads: int,
-    *,
-    memory_key_padding_mask: Any = None,
-    attn_mask: Any = None,
-    dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
-    keep_mask: Any = None,
+    x: Any, memory: Any, params: MHAParams, num_heads: int, *, memory_key_padding_mask: Any = None,
+    **options: Unpack[CrossOptions]
 ) -> tuple[np.ndarray, MHACache]:
     """Encoder-decoder (cross) attention: decoder states x (B, Lq, E) query the encoder
     output memory (B, Lk, kdim); `memory_key_padding_mask` (B, Lk) marks source padding."""
@@ -106,10 +105,7 @@ def encoder_decoder_attention_forward(
         raise ValueError(
             f"the memory feeds both key and value, so kdim must equal vdim; got kdim={params.kdim}, vdim={params.vdim}"
         )
-    return mha_forward(
-        x, memory, memory, params, num_heads, key_padding_mask=memory_key_padding_mask, attn_mask=attn_mask,
-        dropout_p=dropout_p, dropout_seed=dropout_seed, keep_mask=keep_mask,
-    )
+    return mha_forward(x, memory, memory, params, num_heads, key_padding_mask=memory_key_padding_mask, **options)
 
 
 def encoder_decoder_attention_backward(dout: Any, cache: MHACache) -> CrossAttentionGrads:

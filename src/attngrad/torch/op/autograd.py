@@ -56,9 +56,6 @@ from .ops import CALL_NAMES, empty_results, run_op, run_pass
 
 _Q, _K, _V, _BIAS, _SINKS = (CALL_NAMES.index(name) for name in ("q", "k", "v", "bias", "sinks"))
 _DIFFERENTIABLE = ("q", "k", "v", "bias", "sinks")  # the call's fields with derivatives
-assert CALL_NAMES == ("q", "k", "v", "mask", "bias", "bounds", "seed", "causal", "scale", "softcap", "dropout_p", "sinks",
-                      "mask_blocks", "mask_tiles"), \
-    "the Functions' forward signatures spell out the call's fields"
 
 _BACKWARD_INPUTS = ("dout", "out", "row_max", "inv_sum", "bias_grad")  # AttentionBackward's, before the call's
 
@@ -69,12 +66,15 @@ def _untracked(tensors: Any) -> bool:
     """Whether nothing can differentiate a pass's results: eager (no torch.compile, no
     torch.func transform), no forward-mode level open, and autograd either off or tracking
     none of `tensors`. There a pass runs as the op alone, without a Function's node and saved
-    tensors (a decode step, an evaluation, a backward without create_graph)."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    tensors (a decode step, an evaluation, a backward without create_graph). Under
+    torch.compile, Dynamo's own rule for a Function: autograd off or tracking none of them."""
+    tracked = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+    if torch.compiler.is_compiling():
+        # Dynamo would inline the Function's forward, and there hands a *args forward its ctx (torch 2.13)
+        return not tracked
+    if torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0:  # tangents may ride along
         return False
-    if forward_ad._current_level >= 0:  # dual tensors may carry tangents
-        return False
-    return not torch.is_grad_enabled() or not any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+    return not tracked
 
 
 class _Function(torch.autograd.Function):
@@ -405,10 +405,8 @@ class Attention(_Function):
     generate_vmap_rule = True  # vmap runs the custom ops once per batched slice
 
     @staticmethod
-    def forward(q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sinks, mask_blocks, mask_tiles,
-                deferred):
-        # the call's fields (`CALL_NAMES`) spelled out: Dynamo traces no *args forward
-        fields = (q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sinks, mask_blocks, mask_tiles)
+    def forward(*args: Any):
+        *fields, deferred = args
         if deferred is not None:
             return deferred.hold(AttentionCall.from_fields(dict(zip(CALL_NAMES, fields))), {})
         return _pass("forward", *fields)
@@ -464,9 +462,8 @@ class AttentionBackward(_Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(dout, out, row_max, inv_sum, bias_grad: bool, q, k, v, mask, bias, bounds, seed, causal, scale, softcap,
-                dropout_p, sinks, mask_blocks, mask_tiles, deferred):
-        fields = (q, k, v, mask, bias, bounds, seed, causal, scale, softcap, dropout_p, sinks, mask_blocks, mask_tiles)
+    def forward(*args: Any):
+        dout, out, row_max, inv_sum, bias_grad, *fields, deferred = args
         if deferred is not None:
             return deferred.hold(AttentionCall.from_fields(dict(zip(CALL_NAMES, fields))), {"bias_grad": bias_grad})
         return _pass("backward", *fields, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad)

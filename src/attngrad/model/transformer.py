@@ -164,12 +164,28 @@ def _sublayer_forward(
     return y, (pre_ln, norm_cache, body_cache, keep)
 
 
-def _sublayer_runner(params: dict[str, np.ndarray], config: TransformerConfig, dropout: Dropout) -> Callable:
-    """sub(x, body, norm_prefix, name) = _sublayer_forward with this model's norms, LN placement and dropout."""
-    def sub(x: np.ndarray, body: Callable, norm: str, name: str) -> tuple[np.ndarray, tuple]:
-        return _sublayer_forward(x, body, _norm(params, norm), config.pre_ln, dropout, name)
-
-    return sub
+def _stack_forward(
+    params: dict[str, np.ndarray], config: TransformerConfig, dropout: Dropout, x: np.ndarray, side: str,
+    sublayers: Callable[[str], list[tuple[str, Callable | None]]],
+) -> tuple[np.ndarray, list[tuple], Any]:
+    """x through the `config.layers` layers of `side` ("enc" or "dec"), then its final norm
+    under pre-LN: (x, each layer's sublayer caches, the final norm's cache). `sublayers(prefix)`
+    lists a layer's sublayers in order as (name, body); the k-th is normed by ln{k + 1}, and a
+    body of None (a decoder without memory has no cross attention) is skipped, its cache None."""
+    layers = []
+    for i in range(config.layers):
+        caches = []
+        for k, (name, body) in enumerate(sublayers(f"{side}.{i}")):
+            cache = None
+            if body is not None:
+                x, cache = _sublayer_forward(x, body, _norm(params, f"{side}.{i}.ln{k + 1}"), config.pre_ln, dropout,
+                                             f"{side}.{i}.{name}")
+            caches.append(cache)
+        layers.append(tuple(caches))
+    final = None
+    if config.pre_ln:
+        x, final = layer_norm_forward(x, *_norm(params, f"{side}.ln"))
+    return x, layers, final
 
 
 def _sublayer_backward(
@@ -281,16 +297,10 @@ def encode(params: dict[str, np.ndarray], config: TransformerConfig, src: np.nda
     """The encoder: src (B, S) -> (memory (B, S, D), cache)."""
     padding = src == PAD  # (B, S), True = padding, as torch's key_padding_mask
     x, embed_cache = _embed(src, params["src_embed"], dropout, "src_embed")
-    sub = _sublayer_runner(params, config, dropout)
-    layers = []
-    for i in range(config.layers):
-        p = f"enc.{i}"
-        x, c1 = sub(x, _self_attention(params, f"{p}.attn", config, dropout, causal=False, padding=padding), f"{p}.ln1", f"{p}.attn")
-        x, c2 = sub(x, _feed_forward(params, f"{p}.ffn"), f"{p}.ln2", f"{p}.ffn")
-        layers.append((c1, c2))
-    final = None
-    if config.pre_ln:
-        x, final = layer_norm_forward(x, *_norm(params, "enc.ln"))
+    x, layers, final = _stack_forward(params, config, dropout, x, "enc", lambda p: [
+        ("attn", _self_attention(params, f"{p}.attn", config, dropout, causal=False, padding=padding)),
+        ("ffn", _feed_forward(params, f"{p}.ffn")),
+    ])
     return x, (embed_cache, layers, final, padding)
 
 
@@ -298,19 +308,11 @@ def decode(params: dict[str, np.ndarray], config: TransformerConfig, tgt: np.nda
            src_padding: np.ndarray | None, dropout: Dropout = NO_DROPOUT):
     """The decoder and the output projection: tgt (B, T) -> (logits (B, T, V), cache)."""
     y, embed_cache = _embed(tgt, params["tgt_embed"], dropout, "tgt_embed")
-    sub = _sublayer_runner(params, config, dropout)
-    layers = []
-    for i in range(config.layers):
-        p = f"dec.{i}"
-        y, c1 = sub(y, _self_attention(params, f"{p}.self", config, dropout, causal=True, padding=None), f"{p}.ln1", f"{p}.self")
-        c2 = None
-        if memory is not None:
-            y, c2 = sub(y, _cross_attention(params, f"{p}.cross", config, dropout, memory, src_padding), f"{p}.ln2", f"{p}.cross")
-        y, c3 = sub(y, _feed_forward(params, f"{p}.ffn"), f"{p}.ln3", f"{p}.ffn")
-        layers.append((c1, c2, c3))
-    final = None
-    if config.pre_ln:
-        y, final = layer_norm_forward(y, *_norm(params, "dec.ln"))
+    y, layers, final = _stack_forward(params, config, dropout, y, "dec", lambda p: [
+        ("self", _self_attention(params, f"{p}.self", config, dropout, causal=True, padding=None)),
+        ("cross", None if memory is None else _cross_attention(params, f"{p}.cross", config, dropout, memory, src_padding)),
+        ("ffn", _feed_forward(params, f"{p}.ffn")),
+    ])
     weight = params["tgt_embed"] if config.tie_output else params["out.w"]
     logits, out_cache = linear_forward(y, weight, params["out.b"])  # (B, T, V)
     return logits, (embed_cache, layers, final, out_cache)

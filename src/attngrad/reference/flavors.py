@@ -16,13 +16,14 @@ decoder stream x gets only the query path. The grads keep each path so this is v
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, TypedDict
+from typing import Any, NamedTuple
 
 import numpy as np
 from typing_extensions import Unpack  # typing's from Python 3.11
 
 from .mha import MHACache, mha_backward, mha_forward
 from .params import MHAParams
+from .sdpa import DropoutOptions
 
 
 class SelfAttentionGrads(NamedTuple):
@@ -43,14 +44,11 @@ class CrossAttentionGrads(NamedTuple):
     dattn_mask: np.ndarray | None
 
 
-class CrossOptions(TypedDict, total=False):
+class CrossOptions(DropoutOptions, total=False):
     """The options of `mha_forward` that every flavor passes on as given (each flavor's
     masks of its own aside); `mha_forward` says what each does."""
 
     attn_mask: Any  # (Lq, Lk) or (B * H, Lq, Lk): boolean (True = blocked) or float (added)
-    dropout_p: float
-    dropout_seed: int | None
-    keep_mask: Any
 
 
 class SelfOptions(CrossOptions, total=False):

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
+from typing_extensions import Unpack  # typing's from Python 3.11
 
 from .linear import LinearCache, linear_backward, linear_forward, merge_heads, split_heads
 from .params import MHAParams
-from .sdpa import SDPACache, sdpa_backward, sdpa_forward
+from .sdpa import DropoutOptions, SDPACache, sdpa_backward, sdpa_forward
 from .validate import as_bool_array, as_float_array, common_dtype, require_broadcastable, require_ndim
 
 
@@ -110,24 +111,15 @@ def _attn_mask_to_4d(attn_mask: np.ndarray, batch: int, heads: int, len_q: int, 
 
 
 def mha_forward(
-    query: Any,
-    key: Any,
-    value: Any,
-    params: MHAParams,
-    num_heads: int,
-    *,
-    key_padding_mask: Any = None,
-    attn_mask: Any = None,
-    is_causal: bool = False,
-    dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
-    keep_mask: Any = None,
+    query: Any, key: Any, value: Any, params: MHAParams, num_heads: int, *,
+    key_padding_mask: Any = None, attn_mask: Any = None, is_causal: bool = False, **dropout: Unpack[DropoutOptions],
 ) -> tuple[np.ndarray, MHACache]:
     """Multi-head attention. Returns (out (B, Lq, E), cache).
 
     query (B, Lq, E), key (B, Lk, kdim), value (B, Lk, vdim); masks as in the module
-    docstring. Dropout acts on the attention weights, its keep-mask (B, H, Lq, Lk) given
-    or drawn from `dropout_seed` and kept in the cache.
+    docstring. Dropout (dropout_p, dropout_seed, keep_mask: `sdpa_forward`'s) acts on the
+    attention weights, its keep-mask (B, H, Lq, Lk) given or drawn from `dropout_seed` and
+    kept in the cache.
     """
     p, _ = _check_params(params, num_heads)
     q_in = as_float_array("query", query)
@@ -177,20 +169,11 @@ def mha_forward(
         bias=bias,
         is_causal=is_causal,
         enable_gqa=kv_heads != num_heads,
-        dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
-        keep_mask=keep_mask,
+        **dropout,
     )  # (B, H, Lq, dh)
     out, out_cache = linear_forward(merge_heads(attn), p.w_o, p.b_o)  # (B, Lq, E)
-    cache = MHACache(
-        num_heads=num_heads,
-        q_proj=q_cache,
-        k_proj=k_cache,
-        v_proj=v_cache,
-        attention=attn_cache,
-        out_proj=out_cache,
-        attn_mask_shape=None if bias is None else np.shape(attn_mask),
-    )
+    cache = MHACache(num_heads=num_heads, q_proj=q_cache, k_proj=k_cache, v_proj=v_cache, attention=attn_cache,
+                     out_proj=out_cache, attn_mask_shape=None if bias is None else np.shape(attn_mask))
     return out, cache
 
 

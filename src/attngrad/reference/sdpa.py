@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 import numpy as np
 
@@ -104,6 +104,14 @@ def _check_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, enable_gqa: bool) ->
             raise ValueError(
                 f"grouped-query attention needs H a multiple of Hkv; got H={heads}, Hkv={kv_heads} ({shapes})"
             )
+
+
+class DropoutOptions(TypedDict, total=False):
+    """`sdpa_forward`'s dropout, as the functions built on it pass it on."""
+
+    dropout_p: float
+    dropout_seed: int | None
+    keep_mask: Any
 
 
 def sdpa_forward(

@@ -40,9 +40,15 @@ def rows(report: BenchReport) -> list[list[str]]:
             "-" if over_plain is None else f"{over_plain:.2f}x",
             "-" if gflops is None else f"{gflops:.0f}", "-" if gflops is None else f"{100 * _share(r, report):.0f}%",
             _mib(r, "attngrad"), _mib(r, "torch-default"), _mib(r, "torch-math"),
-            "+".join(dict.fromkeys(RAN_SHORT[choice] for choice in r.ran.values())) or "-",
+            _ran(r),
         ])
     return out
+
+
+def _ran(result: CaseResult) -> str:
+    """The implementations of our passes, and for bfloat16 what multiplied on the tiles."""
+    ran = "+".join(dict.fromkeys(RAN_SHORT[choice] for choice in result.ran.values())) or "-"
+    return ran if result.products is None else f"{ran} ({result.products})"
 
 
 def _share(result: CaseResult, report: BenchReport) -> float:
@@ -62,7 +68,7 @@ def markdown(report: BenchReport) -> str:
         "time over theirs (below 1 is faster); 'over plain' is our time over our own fwd+bwd call without mask, "
         "bias, dropout or cap at the same L, causality, dtype and batch, timed in the same interleaving; "
         "% peak is our GFLOP/s (FlashAttention's convention) over the GEMM's, timed once in every round "
-        "(the median over the rounds); MiB is peak memory beyond inputs, outputs and gradients, each case in a fresh process; 'ours ran' is the implementation of attngrad's passes (compiled tiles, torch-ops kernels). Cases are "
+        "(the median over the rounds); MiB is peak memory beyond inputs, outputs and gradients, each case in a fresh process; 'ours ran' is the implementation of attngrad's passes (compiled tiles, torch-ops kernels), and for bfloat16 what multiplied on the tiles (oneDNN's brgemm on AMX or AVX512-BF16, or MKL's bfloat16 GEMM). Cases are "
         "fwd+bwd unless named jvp (forward and output tangent), double-backward (forward, backward with "
         "create_graph, backward again), hvp (forward over reverse: the JVP of the gradient) or decode (the "
         "forward of one query row against L keys, no gradient); 'refused' means "

@@ -61,6 +61,7 @@ class CaseResult:
     memory: dict[str, dict[str, Any]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)  # implementation -> why
     ran: dict[str, str] = field(default_factory=dict)  # attngrad's pass -> implementation that ran it
+    products: str | None = None  # what multiplied a bfloat16 case's tiles (cpu_tiles.native.bf16_products)
     apart: list[str] = field(default_factory=list)  # implementations timed after the interleaved rounds
     rounds: list[dict[str, float]] = field(default_factory=list)  # each round's times, interleaved
     gemm_size: int = GEMM_SIZE  # the n of the n^3 GEMM timed in each round
@@ -117,6 +118,7 @@ class BenchReport:
                     "memory": r.memory,
                     "skipped": r.skipped,
                     "attngrad_ran": r.ran,
+                    "bf16_products": r.products,
                     "timed_apart": r.apart,
                 }
                 for r in self.results
@@ -184,6 +186,10 @@ def run_bench(
                 implementations.remove(impl)
                 result.skipped[impl] = "refused: " + (str(error).strip().splitlines() or [type(error).__name__])[0]
         result.ran = {pass_name: choice for pass_name, choice in sorted(ran)}
+        if case.dtype == "bfloat16" and "tiles" in result.ran.values():
+            from ..torch.backends.cpu_tiles import native
+
+            result.products = native.bf16_products()
         if reference is not None:
             runs[PLAIN](inputs)  # its warm-up
             implementations.append(PLAIN)

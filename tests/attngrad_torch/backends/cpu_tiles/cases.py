@@ -149,9 +149,10 @@ def given_row_sums(call, stats, tangents):
 
 
 def brgemm_route_on() -> int:
-    """Turns bfloat16's brgemm route on and returns the route before; skips where there is none."""
+    """Turns bfloat16's brgemm route on and returns the choice that restores the route before
+    (`brgemm_path`'s 0 or 1); skips where there is none."""
     ops = torch.ops.attngrad_tiles
-    before = ops.brgemm_path(-1)
+    before = 1 if ops.brgemm_path(-1) else 0
     try:
         ops.brgemm_path(1)
     except RuntimeError as error:

@@ -1,5 +1,10 @@
 """float16 and bfloat16 on the compiled tiles: the GEMMs behind them, each bfloat16 route
-(oneDNN's brgemm on AMX, MKL's bfloat16 GEMM) and PyTorch's switch for it."""
+(oneDNN's brgemm on AMX or on AVX512-BF16, MKL's bfloat16 GEMM) and PyTorch's switch for it."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -156,7 +161,7 @@ def test_bfloat16_products_follow_torch_backends_mkldnn():
             off = step()
         finally:
             torch.backends.mkldnn.enabled = enabled
-        assert ops.brgemm_path(-1) == 1
+        assert ops.brgemm_path(-1) != 0
         ops.brgemm_path(0)
         mkl = step()
     finally:
@@ -199,3 +204,39 @@ def test_bfloat16_products_on_either_gemm_path(is_causal):
         if 0 in results:
             assert rel_err(results[0][i], ours) < torch.finfo(torch.bfloat16).eps / 8, i
         assert 1e-5 < rel_err(ours, float_products[i]) < torch.finfo(torch.bfloat16).eps, i
+
+
+def _cpu_has(flag: str) -> bool:
+    return bool(torch._C._cpu._get_cpu_capability().get(flag))
+
+
+@needs_tiles
+@pytest.mark.skipif(not _cpu_has("avx512_bf16"), reason="the CPU has no AVX512-BF16")
+def test_the_brgemm_route_without_the_matrix_units():
+    """Where oneDNN may not use AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 here, as on an AMD
+    Zen 4 that has none), bfloat16's brgemm runs on AVX512-BF16's dot products from the same
+    VNNI copies: the route test above passes there in a fresh process (every pass against MKL's
+    GEMM alone, the same bits on 1 and 2 threads), and the route says what it is. Held lower
+    still (AVX2), oneDNN refuses the first product, and MKL's GEMM takes over for good."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+    root = Path(__file__).resolve().parents[4]
+    ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          f"{Path(__file__).relative_to(root)}::test_bfloat16_products_on_either_route"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0 and "2 passed" in ran.stdout, ran.stdout[-2000:] + ran.stderr[-2000:]
+    script = """
+import torch
+from attngrad.torch import scaled_dot_product_attention
+from attngrad.torch.backends.cpu_tiles import build, native
+build.library()
+print(native.bf16_products())
+q, k, v = (torch.randn(1, 2, 512, 64, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(3))
+scaled_dot_product_attention(q, k, v, is_causal=True)
+print(native.bf16_products())
+"""
+    for isa, before, after in (("AVX512_CORE_BF16", "AVX512-BF16", "AVX512-BF16"), ("AVX2", "AVX512-BF16", "MKL")):
+        routes = subprocess.run([sys.executable, "-c", script], env={**os.environ, "ONEDNN_MAX_CPU_ISA": isa},
+                                capture_output=True, text=True, timeout=300)
+        assert routes.returncode == 0, routes.stderr[-2000:]
+        first, then = routes.stdout.split("\n")[:2]
+        assert before in first and after in then, (isa, routes.stdout)

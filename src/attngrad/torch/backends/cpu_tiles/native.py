@@ -60,6 +60,16 @@ def status() -> str:
             f"them once: {fresh_build_seconds():.1f} s on this machine, then cached)")
 
 
+# What `bf16_products` names each route of the C++ `bf16_route` (bf16_products.h)
+BF16_ROUTES = {0: "MKL bf16 GEMM", 1: "oneDNN brgemm on AMX", 2: "oneDNN brgemm on AVX512-BF16"}
+
+
+def bf16_products() -> str:
+    """What multiplies bfloat16 here: oneDNN's brgemm on the matrix units (AMX-BF16) or on
+    AVX512-BF16's dot products, else MKL's bfloat16 GEMM (`attngrad_tiles.brgemm_path`)."""
+    return BF16_ROUTES[int(_ops().brgemm_path(-1))]
+
+
 def _ops():
     """The ops, the library loaded first (the tiles backend asks `library()` before it calls)."""
     if library() is None:

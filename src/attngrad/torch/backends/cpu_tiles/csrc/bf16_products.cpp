@@ -93,31 +93,40 @@ const float* rounded_float(const uint16_t* a, index_t count, std::vector<float>&
 
 bool bf16_gemm_reads_copies() { return cblas_gemm_bf16bf16f32 && !use_aten_gemm.load(std::memory_order_relaxed); }
 
-// -1 until asked, then whether the CPU has the matrix units' bfloat16 products (AMX-BF16)
-// and PyTorch's cpublas packs bfloat16 for its brgemm: where it has neither (an AMD Zen 4
-// has AVX512-BF16 alone), MKL's bfloat16 GEMM was what was measured. The tests flip it
-// through the op attngrad_tiles::brgemm_path to cover both routes.
+// -1 until asked, then the route of bfloat16's products (Bf16Route): oneDNN's brgemm on the
+// matrix units where the CPU has AMX-BF16 and PyTorch's cpublas packs bfloat16 for it; else
+// on AVX512-BF16's dot products where the CPU has them (an AMD Zen 4, an Intel CPU without
+// AMX, or ONEDNN_MAX_CPU_ISA set below AMX): cpublas's brgemm takes bfloat16 in VNNI pairs
+// from avx512_core up, and the pairs are made here (pack_vnni); else MKL's bfloat16 GEMM.
+// The tests flip it through the op attngrad_tiles::brgemm_path to cover every route.
 std::atomic<int> brgemm_route{-1};
 
-bool use_brgemm() {
+int bf16_route() {
     // cpublas's brgemm refuses while torch.backends.mkldnn is off: asked at every call, and
     // the CPU's answer kept only once asked with it on
-    if (!bf16_gemm_reads_copies() || !at::globalContext().userEnabledMkldnn()) return false;
+    if (!bf16_gemm_reads_copies() || !at::globalContext().userEnabledMkldnn()) return kBf16Mkl;
     int route = brgemm_route.load(std::memory_order_relaxed);
     if (route < 0) {
-        bool can = false;
+        route = kBf16Mkl;
         try {
             const auto capabilities = at::cpu::get_cpu_capabilities();
-            const auto amx = capabilities.find("amx_bf16");
-            can = amx != capabilities.end() && amx->second.isBool() && amx->second.toBool() &&
-                  at::native::cpublas::could_pack(at::kBFloat16);
+            const auto has = [&](const char* name) {
+                const auto found = capabilities.find(name);
+                return found != capabilities.end() && found->second.isBool() && found->second.toBool();
+            };
+            if (has("amx_bf16") && at::native::cpublas::could_pack(at::kBFloat16)) {
+                route = kBf16BrgemmAmx;
+            } else if (has("avx512_bf16")) {
+                route = kBf16BrgemmAvx512;
+            }
         } catch (const std::exception&) {
         }
-        route = can ? 1 : 0;
         brgemm_route.store(route, std::memory_order_relaxed);
     }
-    return route == 1;
+    return route;
 }
+
+bool use_brgemm() { return bf16_route() != kBf16Mkl; }
 
 void round_to_bf16(const float* x, index_t n, uint16_t* out) { round_row(x, n, out); }
 
@@ -215,6 +224,21 @@ RoundedInputs::RoundedInputs(const AttngradCall& c) {
 
 namespace {
 
+// brgemm_bf16, or false where oneDNN refused (its effective ISA below what the CPU reported:
+// ONEDNN_MAX_CPU_ISA under avx512_core) and nothing was written; MKL's GEMM from then on,
+// rather than a refusal per product
+bool brgemm_taken(index_t m, index_t n, index_t k, const uint16_t* a, index_t lda, const uint32_t* b, index_t ldb,
+                  bool add, float* c, index_t ldc) {
+    try {
+        brgemm_bf16(m, n, k, a, lda, b, ldb, add, c, ldc);
+        return true;
+    } catch (const std::exception&) {
+        release_brgemm();
+        brgemm_route.store(kBf16Mkl, std::memory_order_relaxed);
+        return false;
+    }
+}
+
 // C (m x n, ldc) = alpha A B + beta C by oneDNN's brgemm, for A (m x k, lda) bfloat16 and B
 // given in VNNI words (k/2 rows of ldb words), k even; false where the call does not suit
 // it (beta other than 0 or 1) or the kernel refused, and nothing was written
@@ -230,12 +254,7 @@ bool brgemm_product(index_t m, index_t n, index_t k, float alpha, const uint16_t
         scratch.resize(m * n);
         out = scratch.data(), ldo = n;
     }
-    try {
-        brgemm_bf16(m, n, k, a, lda, b, ldb, direct && beta == 1.0f, out, ldo);
-    } catch (const std::exception&) {
-        release_brgemm();
-        return false;
-    }
+    if (!brgemm_taken(m, n, k, a, lda, b, ldb, direct && beta == 1.0f, out, ldo)) return false;
     if (direct) {
         if (alpha != 1.0f) {
             for (index_t i = 0; i < m; ++i) {
@@ -337,21 +356,23 @@ void TransposedKeyGrads::add(Scratch& w, index_t bh, index_t r0, index_t rows, i
     for (auto [tile, tile16, a_t, a, out, width_out] :
          {std::tuple{p, p16, dout_t_.data() + t * dim_v_ * ld_, dout + (bh * rows_ + r0) * dim_v_, w.dv_t.data(), dim_v_},
           std::tuple{ds, ds16, q_t_.data() + t * dim_ * ld_, q + (bh * rows_ + r0) * dim_, w.dk_t.data(), dim_}}) {
-        if (!shape) {  // the sum untransposed on MKL's GEMM: (width_out x width) += A^T tile
-            gemm_bf16(true, false, width_out, width, rows, 1.0f, a, width_out, tile, width, 1.0f, out + j0,
-                      block_keys_, inputs);
-            continue;
+        if (shape) {
+            // the tile's rows in pairs: word (r / 2, j) = (x[r][j], x[r + 1][j]) (rows even here)
+            w.pairs.resize(rows / 2 * width);
+            for (index_t r = 0; r < rows; r += 2) {
+                const uint16_t* lo = tile16 + r * width;
+                const uint16_t* hi = lo + width;
+                uint32_t* words = w.pairs.data() + r / 2 * width;
+                for (index_t j = 0; j < width; ++j) words[j] = vnni_word(lo[j], hi[j]);
+            }
+            // (width_out x width) += A (width_out x rows: the block's rows transposed) B
+            if (brgemm_taken(width_out, width, rows, a_t, ld_, w.pairs.data(), width, true, out + j0, block_keys_)) {
+                continue;
+            }
         }
-        // the tile's rows in pairs: word (r / 2, j) = (x[r][j], x[r + 1][j]) (rows even here)
-        w.pairs.resize(rows / 2 * width);
-        for (index_t r = 0; r < rows; r += 2) {
-            const uint16_t* lo = tile16 + r * width;
-            const uint16_t* hi = lo + width;
-            uint32_t* words = w.pairs.data() + r / 2 * width;
-            for (index_t j = 0; j < width; ++j) words[j] = vnni_word(lo[j], hi[j]);
-        }
-        // (width_out x width) += A (width_out x rows: the block's rows transposed) B
-        brgemm_bf16(width_out, width, rows, a_t, ld_, w.pairs.data(), width, true, out + j0, block_keys_);
+        // the sum untransposed on MKL's GEMM: (width_out x width) += A^T tile
+        gemm_bf16(true, false, width_out, width, rows, 1.0f, a, width_out, tile, width, 1.0f, out + j0, block_keys_,
+                  inputs);
     }
 }
 

@@ -75,9 +75,14 @@ void gemm_bf16(bool trans_a, bool trans_b, index_t m, index_t n, index_t k, floa
 // Whether gemm_bf16 runs MKL's bfloat16 GEMM (the one that reads rounded copies)
 bool bf16_gemm_reads_copies();
 
-// Whether gemm_bf16 runs oneDNN's batch-reduce GEMM (PyTorch's cpublas::brgemm) on the
-// products whose B is a pass input (RoundedInputs): where the CPU has AMX-BF16 and PyTorch
-// packs bfloat16 (cpublas::could_pack); MKL's bfloat16 GEMM runs the rest
+// The route of bfloat16's products: oneDNN's batch-reduce GEMM (PyTorch's cpublas::brgemm)
+// on the products whose B is a pass input (RoundedInputs), on the matrix units (AMX-BF16,
+// where PyTorch packs bfloat16: cpublas::could_pack) or on AVX512-BF16's dot products; or
+// MKL's bfloat16 GEMM alone. MKL's GEMM runs every other product on either brgemm route.
+enum Bf16Route : int { kBf16Mkl = 0, kBf16BrgemmAmx = 1, kBf16BrgemmAvx512 = 2 };
+int bf16_route();
+
+// Whether gemm_bf16 runs oneDNN's brgemm on the products it takes (either brgemm route)
 bool use_brgemm();
 
 // x[0, n) rounded to bfloat16 into out, as gemm_bf16 rounds its operands

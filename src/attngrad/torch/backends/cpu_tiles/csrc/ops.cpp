@@ -597,17 +597,18 @@ int64_t gemm_path_op(int64_t choose) {
     return use_aten_gemm.load() ? 1 : 0;
 }
 
-// Whether bfloat16 products whose B is a pass input run on oneDNN's brgemm (use_brgemm):
-// choose -1 asks, 0 turns it off (MKL's bfloat16 GEMM for all), 1 on where PyTorch packs
-// bfloat16 on this CPU; returns the route in effect after the call (0 or 1).
+// Whether bfloat16 products whose B is a pass input run on oneDNN's brgemm (bf16_route):
+// choose -1 asks, 0 turns it off (MKL's bfloat16 GEMM for all), 1 on where this CPU has a
+// brgemm route; returns the route in effect after the call: 0 MKL's GEMM, 1 brgemm on the
+// matrix units (AMX-BF16), 2 brgemm on AVX512-BF16.
 int64_t brgemm_path_op(int64_t choose) {
     TORCH_CHECK(choose >= -1 && choose <= 1, "attngrad_tiles.brgemm_path: choose is ", choose,
                 ", expected -1, 0 or 1");
-    if (choose >= 0) brgemm_route.store(choose == 1 ? -1 : 0);
-    TORCH_CHECK(choose != 1 || use_brgemm(), "attngrad_tiles.brgemm_path: no brgemm route here: the CPU lacks "
-                "AMX-BF16, PyTorch's cpublas does not pack bfloat16, torch.backends.mkldnn is off, or MKL's "
-                "bfloat16 GEMM is not in this process");
-    return use_brgemm() ? 1 : 0;
+    if (choose >= 0) brgemm_route.store(choose == 1 ? -1 : kBf16Mkl);
+    TORCH_CHECK(choose != 1 || use_brgemm(), "attngrad_tiles.brgemm_path: no brgemm route here: the CPU has "
+                "neither AMX-BF16 (with PyTorch packing bfloat16) nor AVX512-BF16, torch.backends.mkldnn is off, "
+                "or MKL's bfloat16 GEMM is not in this process");
+    return bf16_route();
 }
 
 // The number of parts a bias gradient's buffer holds: 1, or `chunks` where the bias is

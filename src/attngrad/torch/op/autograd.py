@@ -63,11 +63,11 @@ THIRD_ORDER = "attngrad attention has derivatives up to second order; a third wa
 
 
 def _untracked(tensors: Any) -> bool:
-    """Whether nothing can differentiate a pass's results: eager (no torch.compile, no
-    torch.func transform), no forward-mode level open, and autograd either off or tracking
-    none of `tensors`. There a pass runs as the op alone, without a Function's node and saved
-    tensors (a decode step, an evaluation, a backward without create_graph). Under
-    torch.compile, Dynamo's own rule for a Function: autograd off or tracking none of them."""
+    """Whether nothing can differentiate a pass's results: no torch.func transform, no
+    forward-mode level open, and autograd either off or tracking none of `tensors` (under
+    torch.compile, that last alone: Dynamo's own rule for a Function). There a pass runs as the
+    op alone, without a Function's node and saved tensors (a decode step, an evaluation, a
+    backward without create_graph)."""
     tracked = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
     if torch.compiler.is_compiling():
         # Dynamo would inline the Function's forward, and there hands a *args forward its ctx (torch 2.13)

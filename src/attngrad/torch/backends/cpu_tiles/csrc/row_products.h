@@ -10,6 +10,7 @@
 // either GEMM path.
 #pragma once
 
+#include <cmath>
 #include <cstring>
 
 #include "tiles_math.h"
@@ -75,9 +76,10 @@ void row_times_transposed(index_t n, index_t k, T alpha, const T* a, const T* b,
     constexpr index_t lanes = sizeof(V) / sizeof(T);
     const index_t whole = k / lanes * lanes;
     // a . b_j: its lanes over the whole vectors, their tree, then the last k mod lanes in turn
+    // (std::fma: as sum += a * b GCC vectorised them by the target's width, bits by -march)
     const auto finish = [&](V lanes_sum, const T* bj) {
         T sum = sum_of_lanes(lanes_sum);
-        for (index_t e = whole; e < k; ++e) sum += a[e] * bj[e];
+        for (index_t e = whole; e < k; ++e) sum = std::fma(a[e], bj[e], sum);
         return sum;
     };
     const index_t pairs = k / (2 * lanes) * (2 * lanes);

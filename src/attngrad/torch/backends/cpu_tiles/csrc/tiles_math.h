@@ -140,7 +140,7 @@ inline double wide_row_sum(index_t n, Term&& term, Tail&& tail) {
 }
 
 // rowsum(a * b) of a row of n, in double: 8 lanes of exact float products (or of doubles'),
-// the last n mod 8 one by one
+// the last n mod 8 one by one (std::fma: see the row operations below)
 template <typename T>
 inline double wide_dot(const T* a, const T* b, index_t n) {
     doublev lanes{};
@@ -159,7 +159,7 @@ inline double wide_dot(const T* a, const T* b, index_t n) {
         }
     }
     double sum = lanes_sum(lanes);
-    for (; j < n; ++j) sum += double(a[j]) * double(b[j]);
+    for (; j < n; ++j) sum = std::fma(double(a[j]), double(b[j]), sum);
     return sum;
 }
 
@@ -204,7 +204,10 @@ inline floatv tanh_cap(floatv x) {
 inline double tanh_cap(double x) { return std::tanh(x); }
 
 // Each row operation below has a loop over elements, which float32 also runs on a row's
-// last n mod 16 entries, and a float32 version over 16-float vectors.
+// last n mod 16 entries, and a float32 version over 16-float vectors. A loop's sum of
+// products is std::fma(a, b, sum), one rounding each, in any build: as sum += a * b GCC
+// vectorised the sum in order (products rounded, then added) by the target's vector width
+// and made FMAs of the entries left over, so the bits changed with -march (float64 JVPs).
 
 // max_j x_j (-inf for n = 0)
 template <typename T>
@@ -325,7 +328,7 @@ wide_t<T> probs_and_dot_each(T* p, const T* t, index_t n, T m, T inv) {
     wide_t<T> sum = 0;
     for (index_t j = 0; j < n; ++j) {
         p[j] = exp_score(p[j] - m) * inv;
-        sum += p[j] * t[j];
+        sum = std::fma(p[j], t[j], sum);
     }
     return sum;
 }
@@ -358,7 +361,7 @@ wide_t<T> scale_and_dot_each(T* p, const T* t, index_t n, T inv) {
     wide_t<T> sum = 0;
     for (index_t j = 0; j < n; ++j) {
         p[j] *= inv;
-        sum += p[j] * t[j];
+        sum = std::fma(p[j], t[j], sum);
     }
     return sum;
 }
@@ -392,7 +395,7 @@ T second_order_terms_each(const T* p, T* t, T* dp, T* x, index_t n, T t_sum, T d
     for (index_t j = 0; j < n; ++j) {
         const T t_centred = t[j] - t_sum, dp_centred = dp[j] - d_row;
         const T g_p = dp_centred * t_centred + x[j];
-        sum += p[j] * g_p;
+        sum = std::fma(p[j], g_p, sum);
         x[j] = g_p;
         t[j] = p[j] * t_centred;
         dp[j] = p[j] * dp_centred;
@@ -478,8 +481,9 @@ inline index_t peak_of(const float* p, index_t n) {
 // |x| eps: float64 backward JVPs erred up to 1e-10 so); centred, the peak's term of the sum
 // is 0 exactly. Where the sink is the most probable entry, c = x_sink (a row that gives the
 // sink 0.9997 of its weight erred 2.4e-12 centred on its one key). rowsum(P) = 1 - P_sink,
-// so t - c = rowsum(P (x - c)) + P_sink (x_sink - c). Summed in double as wide_row_sum does
-// for float32.
+// so t - c = rowsum(P (x - c)) + P_sink (x_sink - c). Summed in double: float32 as
+// wide_row_sum does, float64 in wide_dot's 8 lanes (as a plain loop's sum, which GCC
+// vectorised by the target's width, its bits changed with -march; and 8 chains run faster).
 template <typename T>
 T peak_value(const T* p, const T* x, index_t n, T p_sink, T x_sink) {
     const index_t at = peak_of(p, n);
@@ -490,11 +494,8 @@ template <typename T>
 std::pair<T, T> centre_on_peak_each(const T* p, T* x, index_t n, T p_sink, T x_sink) {
     if (n == 0) return {T(0), T(0)};
     const T c = peak_value(p, x, n, p_sink, x_sink);
-    wide_t<T> sum = 0;
-    for (index_t j = 0; j < n; ++j) {
-        x[j] -= c;
-        sum += p[j] * x[j];
-    }
+    shift_row(x, n, c);
+    const wide_t<T> sum = wide_dot(p, x, n);
     return {c, static_cast<T>(sum + static_cast<wide_t<T>>(p_sink) * (static_cast<wide_t<T>>(x_sink) - c))};
 }
 

@@ -402,7 +402,7 @@ def test_light_half_calls_walk_without_the_tile_map_to_the_same_bits(on_triton, 
 
     def spy(self, *args, **kwargs):
         made(self, *args, **kwargs)
-        switches.append(self.switches["DENSE"])
+        switches.append(self.switches.DENSE)
 
     monkeypatch.setattr(launch.Plan, "__init__", spy)
     tiles_of(16)

@@ -49,7 +49,7 @@ NO_SPILL_DTYPES = ("float16", "bfloat16", "float32", "float32-tf32")
 @dataclass(frozen=True)
 class Launch:
     """One recorded kernel launch: the pass it belongs to, the kernel, its arguments in
-    order, its constexprs and launch options."""
+    order, those passed by name (the constexprs among them) and its launch options."""
 
     pass_name: str
     kernel: Any
@@ -173,33 +173,42 @@ def record_launches(dtype: torch.dtype, width: int, features: str, tf32: bool = 
     return into[1:]
 
 
+def _bound(record: Launch) -> dict:
+    """The launch's arguments by parameter name, defaults filled in."""
+    bound = record.kernel.signature.bind(*record.args, **record.constexprs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _named_constexprs(record: Launch) -> dict:
+    """The constexpr parameters' values by name, a `tile_ops.Switches` spread into its fields."""
+    values = _bound(record)
+    named = {p.name: values[p.name] for p in record.kernel.params if p.is_constexpr}
+    switches = named.pop("SW", None)
+    return {**named, **(switches._asdict() if switches is not None else {})}
+
+
 def _specialise(record: Launch, backend) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, attrs) as Triton's JIT makes them for these arguments."""
+    """(signature, constexprs, attrs) as Triton's JIT makes them for these arguments: a tuple
+    argument's kind is the tuple of its items' kinds, and its constexprs (a None, an integer
+    1) and attributes (16-byte alignment, divisibility by 16) are keyed by their path,
+    (parameter index, item index, ...), as those of a lone argument are by (index,)."""
     from triton._C.libtriton import native_specialize_impl
+    from triton._utils import find_paths_if, get_iterable_path
     from triton.backends.compiler import BaseBackend
 
     fn = record.kernel
-    signature, constexprs, attrs = {}, {}, {}
-    named = dict(record.constexprs)
-    for index, param in enumerate(fn.params):
-        if index < len(record.args):
-            if param.is_constexpr:
-                raise ValueError(f"{fn.__name__}: constexpr {param.name} passed by position")
-            arg = record.args[index]
-        elif param.is_constexpr:  # passed by name, or left at its default
-            signature[param.name] = "constexpr"
-            constexprs[(index,)] = named.pop(param.name, param.default)
-            continue
-        else:  # a pointer or number passed by name, or left at its default
-            arg = named.pop(param.name, param.default)
-        kind, spec = native_specialize_impl(BaseBackend, arg, False, True, True)
-        signature[param.name] = kind
-        if kind == "constexpr":
-            constexprs[(index,)] = arg
-        elif isinstance(spec, str):
-            attrs[(index,)] = backend.parse_attr(spec)
-    if named:
-        raise ValueError(f"{fn.__name__}: no parameter {sorted(named)}")
+    values = list(_bound(record).values())
+    kinds, specs = [], []
+    for param, value in zip(fn.params, values):
+        kind, spec = ("constexpr", "") if param.is_constexpr else native_specialize_impl(BaseBackend, value, False,
+                                                                                          True, True)
+        kinds.append(kind)
+        specs.append(spec)
+    signature = {param.name: kind for param, kind in zip(fn.params, kinds)}
+    constexprs = {path: get_iterable_path(values, path) for path in find_paths_if(kinds, lambda _, k: k == "constexpr")}
+    attrs = {path: backend.parse_attr(get_iterable_path(specs, path))
+             for path in find_paths_if(specs, lambda _, spec: isinstance(spec, str))}
     return signature, constexprs, attrs
 
 
@@ -243,7 +252,7 @@ def compile_launch(record: Launch, arch: int) -> tuple[int, int, int]:
 def _block_label(record: Launch) -> str:
     """"BMxBN wW sS", then "/S" where the products take S columns of the head width at a
     time, and "rN" where ptxas is allowed N registers."""
-    c, options = record.constexprs, record.options
+    c, options = _named_constexprs(record), record.options
     tile = f"{c['BM']}x{c['BN']}" if "BN" in c else f"{c['BM']} rows"
     label = f"{tile} w{options['num_warps']} s{options['num_stages']}"
     if "SD" in c and (c["SD"] < c["BD"] or c["SDV"] < c["BDV"]):
@@ -267,7 +276,7 @@ def compile_report(dtypes: Sequence[str] = tuple(DTYPES), widths: Sequence[int] 
                     for record in record_launches(DTYPES[dtype_name], width, feature,
                                                   tf32=dtype_name.endswith("tf32"), passes=passes, arch=arch):
                         key = (arch, record.kernel.__name__, str(record.options),
-                               tuple(sorted((k, str(v)) for k, v in record.constexprs.items())))
+                               tuple(sorted((k, str(v)) for k, v in _named_constexprs(record).items())))
                         if key in seen:
                             continue
                         seen.add(key)

@@ -20,6 +20,28 @@ Shapes: q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), any strides; row
 the walks' ranges (B, H, blocks, 2) [first, stop) may be expanded views (stride 0). The
 mask and bias arguments are 4-D views broadcast to (B, H, Lq, Lk) by their strides.
 fmeta (float64): [scale, cap, 1 / cap, 1 / (1 - p)]; meta (int64): `tile_ops.keep_scale`.
+
+Arguments come packed in Triton's tuple arguments, built once per call (`launch.Plan`):
+
+    tensors     the kernel's pointers, unpacked on its first line (None where absent)
+    strides     each of q, k, v, and o or dO: a 4-tuple (sq, sk, sv, so or sd; the tangents
+                and cotangents share their input's); a bias-shaped tensor beside its own
+                (tbias stb, cbias sc, DBIAS sg)
+    masks       what `tile_ops.scores` reads: (bias, its strides, mask, its strides, key bounds,
+                their (batch, row) strides, the mask kept per block's index, its (batch, head,
+                row) strides, its tiles)
+    tile_map    (the block map, its strides); walks (their ranges, their first three strides)
+    sizes       `tile_ops.Sizes` (H, G, Lq, Lk, D, DV, causal)
+    SW          the call's constexprs, one `tile_ops.Switches`; a pass's own (MODE, CENTRE,
+                the HAS_ of its second inputs, ...) stay apart
+
+Triton specialises each integer in a tuple as it does a lone integer argument (a 1 becomes a
+constexpr, a multiple of 16 is known divisible for aligned loads), so the kernels compile to
+the PTX of flat arguments (Triton 3.9, `attngrad gpu-report` at d = 64 and 128 for sm_80 and
+sm_90: each of its 740 variants, key_side's less three parameters it never read).
+A tuple unpacked in a kernel gives values, not constexprs: the tile's sizes, which tl.arange
+needs constant, are taken from SW by name (`BM: tl.constexpr = SW.BM`), and the switches read
+as SW.CAUSAL.
 """
 
 from __future__ import annotations
@@ -54,8 +76,7 @@ def _floats(fmeta, ACC: tl.constexpr):
 
 
 @triton.jit
-def row_dot(DO, O, DELTA, sd0, sd1, sd2, sd3, so0, so1, so2, so3, H, Lq, DV, BM: tl.constexpr, BDV: tl.constexpr,
-            ACC: tl.constexpr):
+def row_dot(DO, O, DELTA, sd, so, H, Lq, DV, BM: tl.constexpr, BDV: tl.constexpr, ACC: tl.constexpr):
     """D = rowsum(dO * O) in ACC, per block of rows: (B, H, Lq) contiguous."""
     qb = tl.program_id(0)
     bh = tl.program_id(1)
@@ -63,51 +84,54 @@ def row_dot(DO, O, DELTA, sd0, sd1, sd2, sd3, so0, so1, so2, so3, H, Lq, DV, BM:
     h = (bh % H).to(tl.int64)
     offs_m = qb * BM + tl.arange(0, BM)
     offs_dv = tl.arange(0, BDV)
-    do = load_tile(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV).to(ACC)
-    o = load_tile(O + b * so0 + h * so1, so2, so3, offs_m, offs_dv, Lq, DV).to(ACC)
+    do = load_tile(DO + b * sd[0] + h * sd[1], sd[2], sd[3], offs_m, offs_dv, Lq, DV).to(ACC)
+    o = load_tile(O + b * so[0] + h * so[1], so[2], so[3], offs_m, offs_dv, Lq, DV).to(ACC)
     tl.store(DELTA + (b * H + h) * Lq + offs_m, tl.sum(do * o, 1), mask=offs_m < Lq)
 
 
 @triton.jit
-def forward(Q, K, V, O, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, so0, so1, so2, so3,
-            bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles, meta,
-            fmeta,
-            tmap, st0, st1, st2, st3, rng, sr0, sr1, sr2, H, G, Lq, Lk, D, DV, causal,
-            HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
-            MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
-            SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DENSE: tl.constexpr,
-            BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-            BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr):
+def forward(tensors, strides, masks, meta, fmeta, tile_map, walks, sizes, SW: tl.constexpr):
+    Q, K, V, O, M, INV = tensors
+    sq, sk, sv, so = strides
+    tmap, st = tile_map
+    rng, sr = walks
+    H, G, Lq, Lk, D, DV, causal = sizes
+    BM: tl.constexpr = SW.BM
+    BN: tl.constexpr = SW.BN
+    BD: tl.constexpr = SW.BD
+    BDV: tl.constexpr = SW.BDV
+    SD: tl.constexpr = SW.SD
+    IP: tl.constexpr = SW.IP
+    ACC: tl.constexpr = SW.ACC
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     hk = h // G
-    scale, cap, inv_cap, keep_value = _floats(fmeta, ACC)
+    floats = _floats(fmeta, ACC)  # (scale, cap, 1 / cap, 1 / (1 - p))
+    keep_value = floats[3]
     offs_m = qb * BM + tl.arange(0, BM)
     offs_dv = tl.arange(0, BDV)
-    q = operand(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
+    q = operand(Q + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, Lq, D, BD, SD)
     m_i = tl.full((BM,), float("-inf"), ACC)
     l_i = tl.zeros((BM,), ACC)
     acc = tl.zeros((BM, BDV), ACC)
-    walk = rng + b * sr0 + h * sr1 + qb * sr2
-    tiles = tmap + b * st0 + h * st1 + qb * st2
+    walk = rng + b * sr[0] + h * sr[1] + qb * sr[2]
+    tiles = tmap + b * st[0] + h * st[1] + qb * st[2]
     for kb in range(tl.load(walk), tl.load(walk + 1)):
-        if DENSE or tl.load(tiles + kb * st3) == 0:
+        if SW.DENSE or tl.load(tiles + kb * st[3]) == 0:
             offs_n = kb * BN + tl.arange(0, BN)
-            k = operand(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
+            k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
             qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
-            s, _ = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm, sbn,
-                          mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles, HAS_BIAS,
-                          HAS_MASK, HAS_BLOCKS, MR, MK, HAS_BOUNDS, CAUSAL, SOFTCAP)
+            s, _ = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: any finite shift
             alpha = tl.exp(m_i - shift)
             e = tl.exp(s - shift[:, None])
             l_i = l_i * alpha + tl.sum(e, 1)
-            if DROPOUT:
+            if SW.DROPOUT:
                 e = e * keep_scale(meta, b, h, offs_m, offs_n, keep_value)
-            v = load_tile(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+            v = load_tile(V + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, offs_dv, Lk, DV)
             acc = acc * alpha[:, None] + mm(e.to(v.dtype), v, IP, ACC)
             m_i = m_new
     # l = 0 only where a row saw no key (its O 0, even where 0 x NaN left NaN in acc); a row
@@ -117,23 +141,14 @@ def forward(Q, K, V, O, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1
     rows = (b * H + h) * Lq + offs_m
     tl.store(M + rows, tl.where(m_i == float("-inf"), 0.0, m_i), mask=offs_m < Lq)
     tl.store(INV + rows, inv, mask=offs_m < Lq)
-    out = O + b * so0 + h * so1 + offs_m[:, None] * so2 + offs_dv[None, :] * so3
+    out = O + b * so[0] + h * so[1] + offs_m[:, None] * so[2] + offs_dv[None, :] * so[3]
     tl.store(out, tl.where(empty[:, None], 0.0, acc * inv[:, None]).to(O.dtype.element_ty),
              mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < DV))
 
 
 @triton.jit
-def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3,
-        so0, so1, so2, so3, tbias, stb, sth, stm, stn,
-        bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles, meta,
-        fmeta,
-        tmap, st0, st1, st2, st3, rng, sr0, sr1, sr2, H, G, Lq, Lk, D, DV, causal,
-        HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_TBIAS: tl.constexpr,
-        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
-            MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
-        SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DENSE: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-        BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr,
+def jvp(tensors, strides, tbias, stb, masks, meta, fmeta, tile_map, walks, sizes, HAS_TQ: tl.constexpr,
+        HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_TBIAS: tl.constexpr, SW: tl.constexpr,
         CENTRE: tl.constexpr = False, SINK: tl.constexpr = False):
     """O' = (P' Z) V + (P Z) V' with P' = P (S' - t), t = rowsum(P S'), in one walk. With
     CENTRE, centred on each row's peak as the tiles are (`centre_on_peak`): with c S' at the most probable key
@@ -146,18 +161,31 @@ def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
     and TF32 kernels, whose products' rounding is far above what centring saves, and which
     it would make spill). The tangents share q's (TQ), k's (TK) and v's (TV) strides; 1/l
     and m are the forward's."""
+    Q, K, V, TQ, TK, TV, OT, M, INV = tensors
+    sq, sk, sv, so = strides
+    tmap, st = tile_map
+    rng, sr = walks
+    H, G, Lq, Lk, D, DV, causal = sizes
+    BM: tl.constexpr = SW.BM
+    BN: tl.constexpr = SW.BN
+    BD: tl.constexpr = SW.BD
+    BDV: tl.constexpr = SW.BDV
+    SD: tl.constexpr = SW.SD
+    IP: tl.constexpr = SW.IP
+    ACC: tl.constexpr = SW.ACC
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     hk = h // G
-    scale, cap, inv_cap, keep_value = _floats(fmeta, ACC)
+    floats = _floats(fmeta, ACC)  # (scale, cap, 1 / cap, 1 / (1 - p))
+    scale, keep_value = floats[0], floats[3]
     offs_m = qb * BM + tl.arange(0, BM)
     offs_dv = tl.arange(0, BDV)
-    q = operand(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
+    q = operand(Q + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, Lq, D, BD, SD)
     tq = None
     if HAS_TQ:
-        tq = operand(TQ + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
+        tq = operand(TQ + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, Lq, D, BD, SD)
     rows = (b * H + h) * Lq
     m_row = load_rows(M + rows, offs_m, Lq)
     inv = load_rows(INV + rows, offs_m, Lq)
@@ -169,24 +197,22 @@ def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
     p_sum = tl.zeros((BM,), ACC)  # rowsum(P), what x moves by per unit of c
     acc_o = tl.zeros((BM, BDV), ACC)
     acc_s = tl.zeros((BM, BDV), ACC)
-    walk = rng + b * sr0 + h * sr1 + qb * sr2
-    tiles = tmap + b * st0 + h * st1 + qb * st2
+    walk = rng + b * sr[0] + h * sr[1] + qb * sr[2]
+    tiles = tmap + b * st[0] + h * st[1] + qb * st[2]
     for kb in range(tl.load(walk), tl.load(walk + 1)):
-        if DENSE or tl.load(tiles + kb * st3) == 0:
+        if SW.DENSE or tl.load(tiles + kb * st[3]) == 0:
             offs_n = kb * BN + tl.arange(0, BN)
-            k = operand(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
+            k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
             qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
-            s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm, sbn,
-                           mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles, HAS_BIAS,
-                           HAS_MASK, HAS_BLOCKS, MR, MK, HAS_BOUNDS, CAUSAL, SOFTCAP)
+            s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW)
             p = tl.exp(s - m_row[:, None]) * inv[:, None]
             tk = None
             if HAS_TK:
-                tk = operand(TK + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
+                tk = operand(TK + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
             t_bias = None
             if HAS_TBIAS:
-                t_bias = load_score_like(tbias, b, h, offs_m, offs_n, Lq, Lk, stb, sth, stm, stn, ACC)
-            sp, _ = score_form(q, k, tq, tk, th, t_bias, scale, SOFTCAP, BD, SD, IP, ACC)
+                t_bias = load_score_like(tbias, stb, b, h, offs_m, offs_n, Lq, Lk, ACC)
+            sp, _ = score_form(q, k, tq, tk, th, t_bias, scale, SW.SOFTCAP, BD, SD, IP, ACC)
             sp_less = sp
             if CENTRE:  # a more probable key in this tile: c becomes its S', and the sums move with it
                 tile_top = tl.max(s, 1)
@@ -201,20 +227,20 @@ def jvp(Q, K, V, TQ, TK, TV, OT, M, INV, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
                 sp_less = sp - centre[:, None]
                 p_sum += tl.sum(p, 1)
             x += tl.sum(p * sp_less, 1)
-            if DROPOUT:
+            if SW.DROPOUT:
                 p = p * keep_scale(meta, b, h, offs_m, offs_n, keep_value)
-            v = load_tile(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+            v = load_tile(V + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, offs_dv, Lk, DV)
             acc_o += mm(p.to(v.dtype), v, IP, ACC)
             acc_s += mm((p * sp_less).to(v.dtype), v, IP, ACC)
             if HAS_TV:
-                tv = load_tile(TV + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)
+                tv = load_tile(TV + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, offs_dv, Lk, DV)
                 acc_s += mm(p.to(tv.dtype), tv, IP, ACC)
     t_less = x  # t - c
     if CENTRE and SINK:  # rowsum(P) = 1 - P_sink: t - c = x - c P_sink, P_sink = exp(-m) / l (0 on a row that sees no key)
         seen = inv != 0
         p_sink = tl.where(seen, tl.exp(tl.log(tl.where(seen, inv, 1.0)) - m_row), 0.0)
         t_less = x - centre * p_sink
-    out = OT + b * so0 + h * so1 + offs_m[:, None] * so2 + offs_dv[None, :] * so3
+    out = OT + b * so[0] + h * so[1] + offs_m[:, None] * so[2] + offs_dv[None, :] * so[3]
     tl.store(out, (acc_s - t_less[:, None] * acc_o).to(OT.dtype.element_ty),
              mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < DV))
 
@@ -235,18 +261,9 @@ def _at(values, where):
 
 
 @triton.jit
-def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
-             sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3, cbias, scb, sch, scm, scn,
-             bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
-             meta, fmeta,
-             tmap, st0, st1, st2, st3, rng, sr0, sr1, sr2, H, G, Lq, Lk, D, DV, causal,
-             MODE: tl.constexpr, HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr,
-             HAS_DO2: tl.constexpr, HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-             HAS_BLOCKS: tl.constexpr, MR: tl.constexpr, MK: tl.constexpr, HAS_BOUNDS: tl.constexpr,
-             CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DENSE: tl.constexpr,
-             BM: tl.constexpr, BN: tl.constexpr,
-             BD: tl.constexpr, BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr,
-             ACC: tl.constexpr, CENTRE: tl.constexpr = False, SINK: tl.constexpr = False):
+def row_sums(tensors, strides, cbias, sc, masks, meta, fmeta, tile_map, walks, sizes, MODE: tl.constexpr,
+             HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr, HAS_DO2: tl.constexpr,
+             HAS_C: tl.constexpr, SW: tl.constexpr, CENTRE: tl.constexpr = False, SINK: tl.constexpr = False):
     """The whole-row sums a backward-type pass needs before its walks, for the form F (S' or
     T, `tile_ops.score_form`), into ROW_SUMS (B, H, tile_ops.SUMS, Lq): x = t - c, y, c, c2 and the
     peak key's index (`tile_ops.load_row_sums`), with t = rowsum(P F) and
@@ -260,21 +277,35 @@ def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, sq0, sq1, sq
     t's rounding. The peak is found as the walk goes: where a tile holds a more probable
     key, the sums so far move to the new centre (as `jvp` does). A sink is an entry of score
     0, F = 0, dP = 0 and E = 0 (so b = -D and g_P = t D), and the first peak of a row."""
+    Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS = tensors
+    sq, sk, sv, sd = strides
+    tmap, st = tile_map
+    rng, sr = walks
+    H, G, Lq, Lk, D, DV, causal = sizes
+    BM: tl.constexpr = SW.BM
+    BN: tl.constexpr = SW.BN
+    BD: tl.constexpr = SW.BD
+    BDV: tl.constexpr = SW.BDV
+    SD: tl.constexpr = SW.SD
+    SDV: tl.constexpr = SW.SDV
+    IP: tl.constexpr = SW.IP
+    ACC: tl.constexpr = SW.ACC
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     hk = h // G
-    scale, cap, inv_cap, keep_value = _floats(fmeta, ACC)
+    floats = _floats(fmeta, ACC)  # (scale, cap, 1 / cap, 1 / (1 - p))
+    scale, keep_value = floats[0], floats[3]
     offs_m = qb * BM + tl.arange(0, BM)
-    q = operand(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
-    do = operand(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, Lq, DV, BDV, SDV)
+    q = operand(Q + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, Lq, D, BD, SD)
+    do = operand(DO + b * sd[0] + h * sd[1], sd[2], sd[3], offs_m, Lq, DV, BDV, SDV)
     q2 = None
     if HAS_Q2:
-        q2 = operand(Q2 + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
+        q2 = operand(Q2 + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, Lq, D, BD, SD)
     do2 = None
     if HAS_DO2:
-        do2 = operand(DO2 + b * sd0 + h * sd1, sd2, sd3, offs_m, Lq, DV, BDV, SDV)
+        do2 = operand(DO2 + b * sd[0] + h * sd[1], sd[2], sd[3], offs_m, Lq, DV, BDV, SDV)
     rows = (b * H + h) * Lq
     m_row = load_rows(M + rows, offs_m, Lq)
     inv = load_rows(INV + rows, offs_m, Lq)
@@ -296,33 +327,31 @@ def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, sq0, sq1, sq
     b_top = tl.zeros((BM,), ACC)  # b* = b at the peak
     if CENTRE and SINK:
         b_top = -d_row
-    walk = rng + b * sr0 + h * sr1 + qb * sr2
-    tiles = tmap + b * st0 + h * st1 + qb * st2
+    walk = rng + b * sr[0] + h * sr[1] + qb * sr[2]
+    tiles = tmap + b * st[0] + h * st[1] + qb * st[2]
     for kb in range(tl.load(walk), tl.load(walk + 1)):
-        if DENSE or tl.load(tiles + kb * st3) == 0:
+        if SW.DENSE or tl.load(tiles + kb * st[3]) == 0:
             offs_n = kb * BN + tl.arange(0, BN)
-            k = operand(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
-            v = operand(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
+            k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
+            v = operand(V + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, Lk, DV, BDV, SDV)
             qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
-            s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm, sbn,
-                           mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles, HAS_BIAS,
-                           HAS_MASK, HAS_BLOCKS, MR, MK, HAS_BOUNDS, CAUSAL, SOFTCAP)
+            s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW)
             p = tl.exp(s - m_row[:, None]) * inv[:, None]
             k2 = None
             if HAS_K2:
-                k2 = operand(K2 + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
+                k2 = operand(K2 + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
             c_tile = None
             if HAS_C:
-                c_tile = load_score_like(cbias, b, h, offs_m, offs_n, Lq, Lk, scb, sch, scm, scn, ACC)
-            form, _ = score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP, BD, SD, IP, ACC)
+                c_tile = load_score_like(cbias, sc, b, h, offs_m, offs_n, Lq, Lk, ACC)
+            form, _ = score_form(q, k, q2, k2, th, c_tile, scale, SW.SOFTCAP, BD, SD, IP, ACC)
             dp = dot_nt(do, v, tl.zeros((BM, BN), ACC), BDV, SDV, IP)
             extra = tl.zeros((BM, BN), ACC)
             if HAS_DO2:
                 extra = dot_nt(do2, v, extra, BDV, SDV, IP)
             if HAS_V2:
-                v2 = operand(V2 + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
+                v2 = operand(V2 + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, Lk, DV, BDV, SDV)
                 extra = dot_nt(do, v2, extra, BDV, SDV, IP)
-            if DROPOUT:
+            if SW.DROPOUT:
                 z = keep_scale(meta, b, h, offs_m, offs_n, keep_value)
                 dp = dp * z
                 extra = extra * z
@@ -377,41 +406,45 @@ def row_sums(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, sq0, sq1, sq
 
 
 @triton.jit
-def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, OUT_Q, OUT_DO, DBIAS,
-               sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3,
-               sgb, sgh, sgm, sgn, cbias, scb, sch, scm, scn,
-               bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
-               meta, fmeta,
-               tmap, st0, st1, st2, st3, rng, sr0, sr1, sr2, H, G, Lq, Lk, D, DV, causal,
+def query_side(tensors, OUT_Q, OUT_DO, DBIAS, strides, sg, cbias, sc, masks, meta, fmeta, tile_map, walks, sizes,
                MODE: tl.constexpr, HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr,
                HAS_DO2: tl.constexpr, HAS_C: tl.constexpr, DOUT_GRAD: tl.constexpr, BIAS_DIRECT: tl.constexpr,
-               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
-            MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
-               SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DENSE: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-               BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr,
-               CENTRE: tl.constexpr = False):
+               SW: tl.constexpr, CENTRE: tl.constexpr = False):
     """Per query block: OUT_Q = scale (A2 K + A K2) (dQ, its tangent, or g_Q; `tile_ops.tile_terms`);
     with DOUT_GRAD, OUT_DO = W V + (P Z) V2 (the double backward's g_dO); with BIAS_DIRECT,
     each tile's term to the bias stored into DBIAS, a zeroed tensor of the scores' own shape.
     OUT_Q and OUT_DO are contiguous."""
+    Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS = tensors
+    sq, sk, sv, sd = strides
+    tmap, st = tile_map
+    rng, sr = walks
+    H, G, Lq, Lk, D, DV, causal = sizes
+    BM: tl.constexpr = SW.BM
+    BN: tl.constexpr = SW.BN
+    BD: tl.constexpr = SW.BD
+    BDV: tl.constexpr = SW.BDV
+    SD: tl.constexpr = SW.SD
+    SDV: tl.constexpr = SW.SDV
+    IP: tl.constexpr = SW.IP
+    ACC: tl.constexpr = SW.ACC
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     hk = h // G
-    scale, cap, inv_cap, keep_value = _floats(fmeta, ACC)
+    floats = _floats(fmeta, ACC)  # (scale, cap, 1 / cap, 1 / (1 - p))
+    scale, inv_cap, keep_value = floats[0], floats[2], floats[3]
     offs_m = qb * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
-    q = operand(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
-    do = operand(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, Lq, DV, BDV, SDV)
+    q = operand(Q + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, Lq, D, BD, SD)
+    do = operand(DO + b * sd[0] + h * sd[1], sd[2], sd[3], offs_m, Lq, DV, BDV, SDV)
     q2 = None
     if HAS_Q2:
-        q2 = operand(Q2 + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
+        q2 = operand(Q2 + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, Lq, D, BD, SD)
     do2 = None
     if HAS_DO2:
-        do2 = operand(DO2 + b * sd0 + h * sd1, sd2, sd3, offs_m, Lq, DV, BDV, SDV)
+        do2 = operand(DO2 + b * sd[0] + h * sd[1], sd[2], sd[3], offs_m, Lq, DV, BDV, SDV)
     rows = (b * H + h) * Lq
     m_row = load_rows(M + rows, offs_m, Lq)
     inv = load_rows(INV + rows, offs_m, Lq)
@@ -421,33 +454,31 @@ def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, OUT_Q, OUT
         sums = load_row_sums(ROW_SUMS + rows * SUMS, offs_m, Lq, CENTRE)
     acc_q = tl.zeros((BM, BD), ACC)
     acc_do = tl.zeros((BM, BDV), ACC)
-    walk = rng + b * sr0 + h * sr1 + qb * sr2
-    tiles = tmap + b * st0 + h * st1 + qb * st2
+    walk = rng + b * sr[0] + h * sr[1] + qb * sr[2]
+    tiles = tmap + b * st[0] + h * st[1] + qb * st[2]
     for kb in range(tl.load(walk), tl.load(walk + 1)):
-        if DENSE or tl.load(tiles + kb * st3) == 0:
+        if SW.DENSE or tl.load(tiles + kb * st[3]) == 0:
             offs_n = kb * BN + tl.arange(0, BN)
-            k = operand(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
-            v = operand(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
+            k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
+            v = operand(V + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, Lk, DV, BDV, SDV)
             qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
-            s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm, sbn,
-                           mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles, HAS_BIAS,
-                           HAS_MASK, HAS_BLOCKS, MR, MK, HAS_BOUNDS, CAUSAL, SOFTCAP)
+            s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW)
             p = tl.exp(s - m_row[:, None]) * inv[:, None]
             z = None
-            if DROPOUT:
+            if SW.DROPOUT:
                 z = keep_scale(meta, b, h, offs_m, offs_n, keep_value)
             k2 = None
             if HAS_K2:
-                k2 = operand(K2 + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
+                k2 = operand(K2 + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
             v2 = None
             if HAS_V2:
-                v2 = operand(V2 + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
+                v2 = operand(V2 + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, Lk, DV, BDV, SDV)
             c_tile = None
             if HAS_C:
-                c_tile = load_score_like(cbias, b, h, offs_m, offs_n, Lq, Lk, scb, sch, scm, scn, ACC)
+                c_tile = load_score_like(cbias, sc, b, h, offs_m, offs_n, Lq, Lk, ACC)
             pz, w, to_bias, da, da2 = tile_terms(MODE, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, th, d_row, inv,
-                                                 sums, offs_n, scale, inv_cap, SOFTCAP, DROPOUT, CENTRE, BD, SD, BDV,
-                                                 SDV, IP, ACC)
+                                                 sums, offs_n, scale, inv_cap, SW.SOFTCAP, SW.DROPOUT, CENTRE, BD,
+                                                 SD, BDV, SDV, IP, ACC)
             # the products out to the head width take whole tiles, loaded only now
             acc_q += mm(da2.to(K.dtype.element_ty), whole(k, BD, SD), IP, ACC)
             if MODE != 0:
@@ -458,7 +489,7 @@ def query_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, OUT_Q, OUT
                 if HAS_V2:
                     acc_do += mm(pz.to(V2.dtype.element_ty), whole(v2, BDV, SDV), IP, ACC)
             if BIAS_DIRECT:
-                target = DBIAS + b * sgb + h * sgh + offs_m[:, None] * sgm + offs_n[None, :] * sgn
+                target = DBIAS + b * sg[0] + h * sg[1] + offs_m[:, None] * sg[2] + offs_n[None, :] * sg[3]
                 tl.store(target, to_bias.to(DBIAS.dtype.element_ty),
                          mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk))
     out_rows = (b * H + h) * Lq + offs_m
@@ -510,33 +541,34 @@ def add_in_order(DQ, LOCKS, part, rows, offs_m, offs_d, Lq, D, lock, rank, WAIT:
 
 
 @triton.jit
-def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, OUT_K, OUT_V,
-             sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3,
-             cbias, scb, sch, scm, scn,
-             bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
-             meta, fmeta,
-             tmap, st0, st1, st2, st3, qrng, sr0, sr1, sr2, H, G, Lq, Lk, D, DV, causal,
-             MODE: tl.constexpr, HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr,
-             HAS_DO2: tl.constexpr, HAS_C: tl.constexpr,
-             HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
-            MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
-             SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DENSE: tl.constexpr,
-             BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-             BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr,
-             DQ=None, LOCKS=None, krng=None, skr0=0, skr1=0, skr2=0,
-             FUSED: tl.constexpr = False, ROTATE: tl.constexpr = False, WAIT: tl.constexpr = False,
-             CENTRE: tl.constexpr = False):
+def key_side(tensors, OUT_K, OUT_V, strides, cbias, sc, masks, meta, fmeta, tile_map, walks, sizes, MODE: tl.constexpr,
+             HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr, HAS_DO2: tl.constexpr,
+             HAS_C: tl.constexpr, SW: tl.constexpr, DQ=None, LOCKS=None, key_walks=None, FUSED: tl.constexpr = False,
+             ROTATE: tl.constexpr = False, WAIT: tl.constexpr = False, CENTRE: tl.constexpr = False):
     """Per key block of one key/value head, over the G query heads of its group in order:
     OUT_K = scale (A2^T Q + A^T Q2) and OUT_V = W^T dO + (P Z)^T dO2 (dK and dV, their
-    tangents, or g_K and g_V; `tile_ops.tile_terms`). qrng holds each key block's query blocks.
+    tangents, or g_K and g_V; `tile_ops.tile_terms`). walks: each key block's query blocks.
     OUT_K and OUT_V are contiguous (B, Hkv, Lk, .).
 
     FUSED (the backward of a call whose walks are contiguous runs): also adds each tile's
     dS K into DQ, a zeroed (B, H, Lq, D) buffer in ACC, in the fixed order of `dq_rank`
-    (LOCKS: one counter per query block, zeroed; krng: each query block's key blocks), so
+    (LOCKS: one counter per query block, zeroed; key_walks: each query block's key blocks), so
     that no query-side walk recomputes S and dP: 5 products per tile instead of 7. Without
     ROTATE the programs take the key blocks from the last down, so that each waits only on
     programs launched before it."""
+    Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS = tensors
+    sq, sk, sv, sd = strides
+    tmap, st = tile_map
+    qrng, sr = walks
+    H, G, Lq, Lk, D, DV, causal = sizes
+    BM: tl.constexpr = SW.BM
+    BN: tl.constexpr = SW.BN
+    BD: tl.constexpr = SW.BD
+    BDV: tl.constexpr = SW.BDV
+    SD: tl.constexpr = SW.SD
+    SDV: tl.constexpr = SW.SDV
+    IP: tl.constexpr = SW.IP
+    ACC: tl.constexpr = SW.ACC
     kb = tl.program_id(0)
     if FUSED and not ROTATE:
         kb = tl.num_programs(0) - 1 - kb
@@ -544,33 +576,34 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, OUT_K, OUT_V
     hkv = H // G
     b = (bhk // hkv).to(tl.int64)
     hk = (bhk % hkv).to(tl.int64)
-    scale, cap, inv_cap, keep_value = _floats(fmeta, ACC)
+    floats = _floats(fmeta, ACC)  # (scale, cap, 1 / cap, 1 / (1 - p))
+    scale, inv_cap, keep_value = floats[0], floats[2], floats[3]
     offs_n = kb * BN + tl.arange(0, BN)
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
-    k = operand(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
-    v = operand(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
+    k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
+    v = operand(V + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, Lk, DV, BDV, SDV)
     k2 = None
     if HAS_K2:
-        k2 = operand(K2 + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
+        k2 = operand(K2 + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
     v2 = None
     if HAS_V2:
-        v2 = operand(V2 + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
+        v2 = operand(V2 + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, Lk, DV, BDV, SDV)
     acc_k = tl.zeros((BN, BD), ACC)
     acc_v = tl.zeros((BN, BDV), ACC)
     for g in range(G):
         h = hk * G + g
-        walk = qrng + b * sr0 + h * sr1 + kb * sr2
+        walk = qrng + b * sr[0] + h * sr[1] + kb * sr[2]
         rows = (b * H + h) * Lq
         first = tl.load(walk)
         for i in range(first, tl.load(walk + 1)):
             qb = i
             if ROTATE:
                 qb = (kb + i) % tl.cdiv(Lq, BM)
-            if DENSE or tl.load(tmap + b * st0 + h * st1 + qb * st2 + kb * st3) == 0:
+            if SW.DENSE or tl.load(tmap + b * st[0] + h * st[1] + qb * st[2] + kb * st[3]) == 0:
                 offs_m = qb * BM + tl.arange(0, BM)
-                q = operand(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
-                do = operand(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, Lq, DV, BDV, SDV)
+                q = operand(Q + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, Lq, D, BD, SD)
+                do = operand(DO + b * sd[0] + h * sd[1], sd[2], sd[3], offs_m, Lq, DV, BDV, SDV)
                 m_row = load_rows(M + rows, offs_m, Lq)
                 inv = load_rows(INV + rows, offs_m, Lq)
                 d_row = load_rows(DELTA + rows, offs_m, Lq)
@@ -578,26 +611,23 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, OUT_K, OUT_V
                 if MODE != 0:
                     sums = load_row_sums(ROW_SUMS + rows * SUMS, offs_m, Lq, CENTRE)
                 qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
-                s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh, sbm,
-                               sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
-                               HAS_BIAS, HAS_MASK, HAS_BLOCKS, MR, MK, HAS_BOUNDS, CAUSAL,
-                               SOFTCAP)
+                s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW)
                 p = tl.exp(s - m_row[:, None]) * inv[:, None]
                 z = None
-                if DROPOUT:
+                if SW.DROPOUT:
                     z = keep_scale(meta, b, h, offs_m, offs_n, keep_value)
                 q2 = None
                 if HAS_Q2:
-                    q2 = operand(Q2 + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
+                    q2 = operand(Q2 + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, Lq, D, BD, SD)
                 do2 = None
                 if HAS_DO2:
-                    do2 = operand(DO2 + b * sd0 + h * sd1, sd2, sd3, offs_m, Lq, DV, BDV, SDV)
+                    do2 = operand(DO2 + b * sd[0] + h * sd[1], sd[2], sd[3], offs_m, Lq, DV, BDV, SDV)
                 c_tile = None
                 if HAS_C:
-                    c_tile = load_score_like(cbias, b, h, offs_m, offs_n, Lq, Lk, scb, sch, scm, scn, ACC)
+                    c_tile = load_score_like(cbias, sc, b, h, offs_m, offs_n, Lq, Lk, ACC)
                 pz, w, to_bias, da, da2 = tile_terms(MODE, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, th, d_row, inv,
-                                                     sums, offs_n, scale, inv_cap, SOFTCAP, DROPOUT, CENTRE, BD, SD,
-                                                     BDV, SDV, IP, ACC)
+                                                     sums, offs_n, scale, inv_cap, SW.SOFTCAP, SW.DROPOUT, CENTRE,
+                                                     BD, SD, BDV, SDV, IP, ACC)
                 # the products out to the head width take whole tiles, loaded only now
                 acc_k += mm(tl.trans(da2).to(Q.dtype.element_ty), whole(q, BD, SD), IP, ACC)
                 if MODE != 0:
@@ -612,7 +642,8 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, OUT_K, OUT_V
                     n_q = tl.cdiv(Lq, BM)
                     stop = 0
                     if not ROTATE:
-                        stop = tl.load(krng + b * skr0 + h * skr1 + qb * skr2 + 1)
+                        krng, skr = key_walks
+                        stop = tl.load(krng + b * skr[0] + h * skr[1] + qb * skr[2] + 1)
                     rank = dq_rank(kb, qb, i - first, n_q, tl.num_programs(0), stop, ROTATE)
                     add_in_order(DQ, LOCKS, part, rows, offs_m, offs_d, Lq, D, (b * H + h) * n_q + qb, rank, WAIT)
     out_rows = (b * hkv + hk) * Lk + offs_n
@@ -623,16 +654,24 @@ def key_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, OUT_K, OUT_V
 
 
 @triton.jit
-def key_side_light(Q, K, V, DO, M, INV, DELTA, OUT_K, OUT_V, sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3,
-                   sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3, bounds, sob, som, fmeta, qrng, sr0, sr1, sr2,
-                   H, G, Lq, Lk, D, DV, causal, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, IP: tl.constexpr,
-                   ACC: tl.constexpr):
+def key_side_light(tensors, OUT_K, OUT_V, strides, key_bounds, fmeta, walks, sizes, SW: tl.constexpr):
     """key_side's backward (dK, dV) for a light call (`launch.is_light`) whose walks are
     contiguous, in the keys' orientation, as FlashAttention-2's dK/dV loop: S^T = K Q^T and
     dP^T = V dO^T come out as the left operands of dV += P^T dO and dK += dS^T Q, where
     key_side transposes P and dS in registers for them (a trip through shared memory each;
     on an H200 at d = 64, key_side took 1.65x query_side's time per product)."""
+    Q, K, V, DO = tensors[:4]
+    M, INV, DELTA = tensors[8:11]
+    sq, sk, sv, sd = strides
+    bounds, sob = key_bounds
+    qrng, sr = walks
+    H, G, Lq, Lk, D, DV, causal = sizes
+    BM: tl.constexpr = SW.BM
+    BN: tl.constexpr = SW.BN
+    BD: tl.constexpr = SW.BD
+    BDV: tl.constexpr = SW.BDV
+    IP: tl.constexpr = SW.IP
+    ACC: tl.constexpr = SW.ACC
     kb = tl.program_id(0)
     bhk = tl.program_id(1)
     hkv = H // G
@@ -642,27 +681,27 @@ def key_side_light(Q, K, V, DO, M, INV, DELTA, OUT_K, OUT_V, sq0, sq1, sq2, sq3,
     offs_n = kb * BN + tl.arange(0, BN)
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
-    k = load_tile(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, offs_d, Lk, D)  # (BN, BD)
-    v = load_tile(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, offs_dv, Lk, DV)  # (BN, BDV)
+    k = load_tile(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, offs_d, Lk, D)  # (BN, BD)
+    v = load_tile(V + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, offs_dv, Lk, DV)  # (BN, BDV)
     acc_k = tl.zeros((BN, BD), ACC)
     acc_v = tl.zeros((BN, BDV), ACC)
     for g in range(G):
         h = hk * G + g
-        walk = qrng + b * sr0 + h * sr1 + kb * sr2
+        walk = qrng + b * sr[0] + h * sr[1] + kb * sr[2]
         rows = (b * H + h) * Lq
         for qb in range(tl.load(walk), tl.load(walk + 1)):
             offs_m = qb * BM + tl.arange(0, BM)
-            q = load_tile(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, offs_d, Lq, D)  # (BM, BD)
-            do = load_tile(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, offs_dv, Lq, DV)  # (BM, BDV)
+            q = load_tile(Q + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, offs_d, Lq, D)  # (BM, BD)
+            do = load_tile(DO + b * sd[0] + h * sd[1], sd[2], sd[3], offs_m, offs_dv, Lq, DV)  # (BM, BDV)
             m_row = load_rows(M + rows, offs_m, Lq)
             inv = load_rows(INV + rows, offs_m, Lq)
             d_row = load_rows(DELTA + rows, offs_m, Lq)
             st = mm(k, tl.trans(q), IP, ACC) * scale  # (BN, BM)
             keep = (offs_n[:, None] < Lk) & (offs_m[None, :] < Lq)
-            if CAUSAL:
+            if SW.CAUSAL:
                 keep = keep & (offs_n[:, None] <= offs_m[None, :] + causal)
-            if HAS_BOUNDS:
-                row = bounds + b * sob + offs_m * som
+            if SW.HAS_BOUNDS:
+                row = bounds + b * sob[0] + offs_m * sob[1]
                 lo = tl.load(row, mask=offs_m < Lq, other=0)
                 hi = tl.load(row + 1, mask=offs_m < Lq, other=0)
                 keep = keep & (offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :])
@@ -680,32 +719,35 @@ def key_side_light(Q, K, V, DO, M, INV, DELTA, OUT_K, OUT_V, sq0, sq1, sq2, sq3,
 
 
 @triton.jit
-def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, DBIAS,
-              sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sd0, sd1, sd2, sd3,
-              sgb, sgh, sgm, sgn, cbias, scb, sch, scm, scn,
-              bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
-              meta, fmeta,
-              tmap, st0, st1, st2, st3, krng, skr0, skr1, skr2,
-              B, H, G, Lq, Lk, D, DV, causal, BIAS_H,
+def bias_side(tensors, DBIAS, strides, sg, cbias, sc, masks, meta, fmeta, tile_map, walks, B, sizes, BIAS_H,
               MODE: tl.constexpr, HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr,
-              HAS_DO2: tl.constexpr, HAS_C: tl.constexpr, BATCH_BROADCAST: tl.constexpr,
-              HEADS_BROADCAST: tl.constexpr, ROWS_BROADCAST: tl.constexpr, KEYS_BROADCAST: tl.constexpr,
-              HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
-            MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
-              SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DENSE: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-              BDV: tl.constexpr, SD: tl.constexpr, SDV: tl.constexpr, IP: tl.constexpr, ACC: tl.constexpr,
+              HAS_DO2: tl.constexpr, HAS_C: tl.constexpr, BATCH_BROADCAST: tl.constexpr, HEADS_BROADCAST: tl.constexpr,
+              ROWS_BROADCAST: tl.constexpr, KEYS_BROADCAST: tl.constexpr, SW: tl.constexpr,
               CENTRE: tl.constexpr = False):
     """Per block of the bias's own (1 or B, BIAS_H = 1 or H, 1 or Lq, 1 or Lk) shape: the sum of the
     tiles' terms to the bias (dS, dS~ or g_S) over the batch entries, heads, rows and keys
     that the block's entries broadcast to, in a fixed order (no atomics). DBIAS is
     contiguous in the bias's 4-D shape."""
+    Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS = tensors
+    sq, sk, sv, sd = strides
+    tmap, st = tile_map
+    krng, skr = walks
+    H, G, Lq, Lk, D, DV, causal = sizes
+    BM: tl.constexpr = SW.BM
+    BN: tl.constexpr = SW.BN
+    BD: tl.constexpr = SW.BD
+    BDV: tl.constexpr = SW.BDV
+    SD: tl.constexpr = SW.SD
+    SDV: tl.constexpr = SW.SDV
+    IP: tl.constexpr = SW.IP
+    ACC: tl.constexpr = SW.ACC
     rb = tl.program_id(0)
     kb_own = tl.program_id(1)
     entry = tl.program_id(2)
     b_own = entry // BIAS_H
     h_own = entry % BIAS_H
-    scale, cap, inv_cap, keep_value = _floats(fmeta, ACC)
+    floats = _floats(fmeta, ACC)  # (scale, cap, 1 / cap, 1 / (1 - p))
+    scale, inv_cap, keep_value = floats[0], floats[2], floats[3]
     acc = tl.zeros((BM, BN), ACC)
     b_first = b_own
     b_count = 1
@@ -731,7 +773,7 @@ def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, DBIAS,
                 q_count = n_q
             for q_step in range(q_count):
                 qb = q_first + q_step
-                walk = krng + b * skr0 + h * skr1 + qb * skr2
+                walk = krng + b * skr[0] + h * skr[1] + qb * skr[2]
                 if KEYS_BROADCAST:
                     k_first = tl.load(walk).to(tl.int32)
                     k_count = (tl.load(walk + 1) - tl.load(walk)).to(tl.int32)
@@ -740,13 +782,14 @@ def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, DBIAS,
                     k_count = 1
                 for k_step in range(k_count):
                     kb = k_first + k_step
-                    if tl.load(tmap + b * st0 + h * st1 + qb * st2 + kb * st3) == 0:  # kb_own may lie off the walk
+                    # kb_own may lie off the walk
+                    if tl.load(tmap + b * st[0] + h * st[1] + qb * st[2] + kb * st[3]) == 0:
                         offs_m = qb * BM + tl.arange(0, BM)
                         offs_n = kb * BN + tl.arange(0, BN)
-                        q = operand(Q + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
-                        do = operand(DO + b * sd0 + h * sd1, sd2, sd3, offs_m, Lq, DV, BDV, SDV)
-                        k = operand(K + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
-                        v = operand(V + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
+                        q = operand(Q + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, Lq, D, BD, SD)
+                        do = operand(DO + b * sd[0] + h * sd[1], sd[2], sd[3], offs_m, Lq, DV, BDV, SDV)
+                        k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
+                        v = operand(V + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, Lk, DV, BDV, SDV)
                         m_row = load_rows(M + rows, offs_m, Lq)
                         inv = load_rows(INV + rows, offs_m, Lq)
                         d_row = load_rows(DELTA + rows, offs_m, Lq)
@@ -754,44 +797,41 @@ def bias_side(Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS, DBIAS,
                         if MODE != 0:
                             sums = load_row_sums(ROW_SUMS + rows * SUMS, offs_m, Lq, CENTRE)
                         qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
-                        s, th = scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap, bias, sbb, sbh,
-                                       sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm,
-                                       btiles, HAS_BIAS, HAS_MASK,
-                                       HAS_BLOCKS, MR, MK, HAS_BOUNDS, CAUSAL, SOFTCAP)
+                        s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW)
                         p = tl.exp(s - m_row[:, None]) * inv[:, None]
                         z = None
-                        if DROPOUT:
+                        if SW.DROPOUT:
                             z = keep_scale(meta, b, h, offs_m, offs_n, keep_value)
                         q2 = None
                         if HAS_Q2:
-                            q2 = operand(Q2 + b * sq0 + h * sq1, sq2, sq3, offs_m, Lq, D, BD, SD)
+                            q2 = operand(Q2 + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, Lq, D, BD, SD)
                         k2 = None
                         if HAS_K2:
-                            k2 = operand(K2 + b * sk0 + hk * sk1, sk2, sk3, offs_n, Lk, D, BD, SD)
+                            k2 = operand(K2 + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
                         v2 = None
                         if HAS_V2:
-                            v2 = operand(V2 + b * sv0 + hk * sv1, sv2, sv3, offs_n, Lk, DV, BDV, SDV)
+                            v2 = operand(V2 + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, Lk, DV, BDV, SDV)
                         do2 = None
                         if HAS_DO2:
-                            do2 = operand(DO2 + b * sd0 + h * sd1, sd2, sd3, offs_m, Lq, DV, BDV, SDV)
+                            do2 = operand(DO2 + b * sd[0] + h * sd[1], sd[2], sd[3], offs_m, Lq, DV, BDV, SDV)
                         c_tile = None
                         if HAS_C:
-                            c_tile = load_score_like(cbias, b, h, offs_m, offs_n, Lq, Lk, scb, sch, scm, scn, ACC)
+                            c_tile = load_score_like(cbias, sc, b, h, offs_m, offs_n, Lq, Lk, ACC)
                         _, _, to_bias, _, _ = tile_terms(MODE, q, k, v, do, q2, k2, v2, do2, c_tile, p, z, th, d_row,
-                                                         inv, sums, offs_n, scale, inv_cap, SOFTCAP, DROPOUT, CENTRE,
-                                                         BD, SD, BDV, SDV, IP, ACC)
+                                                         inv, sums, offs_n, scale, inv_cap, SW.SOFTCAP, SW.DROPOUT,
+                                                         CENTRE, BD, SD, BDV, SDV, IP, ACC)
                         acc += to_bias
-    out = DBIAS + b_own * sgb + h_own * sgh
+    out = DBIAS + b_own * sg[0] + h_own * sg[1]
     offs_r = rb * BM + tl.arange(0, BM)
     offs_c = kb_own * BN + tl.arange(0, BN)
     if ROWS_BROADCAST:
         if KEYS_BROADCAST:
             tl.store(out, tl.sum(tl.sum(acc, 1), 0).to(DBIAS.dtype.element_ty))
         else:
-            tl.store(out + offs_c * sgn, tl.sum(acc, 0).to(DBIAS.dtype.element_ty), mask=offs_c < Lk)
+            tl.store(out + offs_c * sg[3], tl.sum(acc, 0).to(DBIAS.dtype.element_ty), mask=offs_c < Lk)
     else:
         if KEYS_BROADCAST:
-            tl.store(out + offs_r * sgm, tl.sum(acc, 1).to(DBIAS.dtype.element_ty), mask=offs_r < Lq)
+            tl.store(out + offs_r * sg[2], tl.sum(acc, 1).to(DBIAS.dtype.element_ty), mask=offs_r < Lq)
         else:
-            tl.store(out + offs_r[:, None] * sgm + offs_c[None, :] * sgn, acc.to(DBIAS.dtype.element_ty),
+            tl.store(out + offs_r[:, None] * sg[2] + offs_c[None, :] * sg[3], acc.to(DBIAS.dtype.element_ty),
                      mask=(offs_r[:, None] < Lq) & (offs_c[None, :] < Lk))

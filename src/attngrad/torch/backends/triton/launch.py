@@ -37,7 +37,7 @@ from ...op.key_constant_bias import is_key_constant, rows_to_bias, sink_share
 from ...op.tuning import Tuning
 from ...precision import compute_dtype
 from . import kernels
-from .tile_ops import BACKWARD, BACKWARD_JVP, DOUBLE_BACKWARD, SUMS
+from .tile_ops import BACKWARD, BACKWARD_JVP, DOUBLE_BACKWARD, SUMS, Sizes, Switches
 
 
 @dataclass(frozen=True)
@@ -228,8 +228,14 @@ def input_precision(dtype: torch.dtype, device: torch.device) -> str:
     return "ieee"
 
 
-def _strides(t: Optional[Tensor], n: int = 4) -> list:
-    return [0] * n if t is None else list(t.stride())
+def _strides(t: Optional[Tensor]) -> tuple:
+    """A 4-D tensor's strides as one kernel argument (0s for an absent one)."""
+    return (0, 0, 0, 0) if t is None else tuple(t.stride())
+
+
+def _strides_of(*tensors: Tensor) -> tuple:
+    """Each tensor's strides, one tuple each, as one kernel argument."""
+    return tuple(_strides(t) for t in tensors)
 
 
 def _as_scores(t: Optional[Tensor], shape: tuple) -> Optional[Tensor]:
@@ -305,9 +311,9 @@ def _block_map(call: AttentionCall, blocks: Blocks) -> tuple[Tensor, Tensor, Ten
 
 
 class Plan:
-    """One call's arguments for the kernels at one tile size: pointers and strides, the
-    block map (B, H, query blocks, key blocks) and its walks, the dropout's and the scalars'
-    tensors, and the constexpr switches."""
+    """One call's arguments for the kernels at one tile size, packed once (`kernels` says how
+    they are laid out): the score masks, the block map (B, H, query blocks, key blocks) and its
+    walks, the dropout's and the scalars' tensors, the sizes and the constexpr switches."""
 
     def __init__(self, call: AttentionCall, blocks: Blocks) -> None:
         q, k, v = call.q, call.k, call.v
@@ -325,7 +331,7 @@ class Plan:
         mask = None if mask is None else mask.view(torch.uint8)
         bias = _as_scores(call.bias, shape)
         bounds = None if call.bounds is None else call.bounds.contiguous()
-        bound_strides = [0, 0] if bounds is None else [0 if bounds.shape[0] == 1 else bounds.stride(0), bounds.stride(1)]
+        bound_strides = (0, 0) if bounds is None else (0 if bounds.shape[0] == 1 else bounds.stride(0), bounds.stride(1))
         placement = call.placement
         meta = [as_int64(placement.seed), placement.row_offset, placement.key_offset,
                 placement.head_offset, threshold(call.dropout_p)]
@@ -336,26 +342,32 @@ class Plan:
         mask_blocks = call.blocks
         tile_map, key_walks, query_walks, dense = _block_map(call, blocks)
         self.tile_map = tile_map.expand(self.B, self.H, self.n_q, self.n_k)
-        self.key_walks = key_walks.expand(self.B, self.H, self.n_q, 2)
-        self.query_walks = query_walks.expand(self.B, self.H, self.n_k, 2)
+        key_walks = key_walks.expand(self.B, self.H, self.n_q, 2)
+        query_walks = query_walks.expand(self.B, self.H, self.n_k, 2)
         causal = 0 if call.causal is None else int(call.causal)
-        block_args, block_sizes = [None, 0, 0, 0, None], (1, 1)
+        block_args, block_sizes = (None, (0, 0, 0), None), (1, 1)
         if mask_blocks is not None:  # (1 or B, 1 or H, ., .) index of (T, R, K) tiles; broadcast axes of stride 0
             index = mask_blocks.index.contiguous()
-            block_strides = [0 if index.shape[axis] == 1 else index.stride(axis) for axis in (0, 1)]
-            block_args = [index, *block_strides, index.stride(2), mask_blocks.tiles.contiguous().view(torch.uint8)]
+            block_strides = tuple(0 if index.shape[axis] == 1 else index.stride(axis) for axis in (0, 1))
+            block_args = (index, (*block_strides, index.stride(2)), mask_blocks.tiles.contiguous().view(torch.uint8))
             block_sizes = mask_blocks.block
-        self.masks = [bias, *_strides(bias), mask, *_strides(mask), bounds, *bound_strides, *block_args, self.meta,
-                      self.fmeta, self.tile_map, *_strides(self.tile_map)]
-        self.sizes = [self.H, self.G, self.Lq, self.Lk, self.D, self.DV, causal]
-        self.switches = dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None, HAS_BLOCKS=mask_blocks is not None,
-                             MR=block_sizes[0], MK=block_sizes[1], HAS_BOUNDS=bounds is not None,
-                             CAUSAL=call.causal is not None, SOFTCAP=bool(cap), DROPOUT=call.dropout_p > 0.0,
-                             DENSE=dense and options.dense_walks and is_light(call) and dtype_class(q.dtype) == "half",
-                             BM=blocks.rows, BN=blocks.keys, BD=padded_width(self.D), BDV=padded_width(self.DV),
-                             SD=_slice(blocks, self.D), SDV=_slice(blocks, self.DV),
-                             IP=input_precision(q.dtype, self.device), ACC=_acc(q.dtype))
-        # FMA contraction on, stated: Triton 3.9 warns that its default changes in 3.10
+        self.key_bounds = (bounds, bound_strides)
+        self.masks = (bias, _strides(bias), mask, _strides(mask), *self.key_bounds, *block_args)
+        self.sizes = Sizes(self.H, self.G, self.Lq, self.Lk, self.D, self.DV, causal)
+        self.switches = Switches(
+            HAS_BIAS=bias is not None, HAS_MASK=mask is not None, HAS_BLOCKS=mask_blocks is not None,
+            MR=block_sizes[0], MK=block_sizes[1], HAS_BOUNDS=bounds is not None, CAUSAL=call.causal is not None,
+            SOFTCAP=bool(cap), DROPOUT=call.dropout_p > 0.0,
+            DENSE=dense and options.dense_walks and is_light(call) and dtype_class(q.dtype) == "half",
+            BM=blocks.rows, BN=blocks.keys, BD=padded_width(self.D), BDV=padded_width(self.DV),
+            SD=_slice(blocks, self.D), SDV=_slice(blocks, self.DV), IP=input_precision(q.dtype, self.device),
+            ACC=_acc(q.dtype))
+        # what a walk over the tiles reads beside its own tensors, per orientation: the score
+        # masks, the dropout's and the scalars' tensors, the tile map, the walks (each query
+        # block's key blocks, or each key block's query blocks)
+        tiles = (self.tile_map, _strides(self.tile_map))
+        self.walks = {of: (walks, _strides(walks)[:3]) for of, walks in (("keys", key_walks), ("queries", query_walks))}
+        self.walk_args = {of: (self.masks, self.meta, self.fmeta, tiles, walks) for of, walks in self.walks.items()}
         # the fused backward: every walk a contiguous run (so the key blocks that add into a
         # query block are a run too). ROTATE, where every key block walks every query block,
         # waits both ways between a head's key blocks, so all of them must be resident at once:
@@ -363,22 +375,18 @@ class Plan:
         contiguous_light = dense and is_light(call) and (not on_gpu(call) or dtype_class(q.dtype) == "half")
         self.fused = options.fused_backward and contiguous_light
         self.light_keys = options.light_key_side and contiguous_light
-        self.bounds, self.bound_strides = bounds, bound_strides
         full = call.causal is None and bounds is None
         self.rotate = full and (self.device.type != "cuda" or self.n_k <= _multiprocessors(
             self.device.index if self.device.index is not None else torch.cuda.current_device()))
         # each row's sums centred on its peak key (`kernels.row_sums`) in float64 and IEEE
         # float32, whose peak index (kept in the compute dtype) is exact below 2^24 keys; the
         # half and TF32 kernels' rounding is far above what centring saves, and it would make them spill
-        self.centre = (q.dtype == torch.float64 or (q.dtype == torch.float32 and self.switches["IP"] == "ieee"
+        self.centre = (q.dtype == torch.float64 or (q.dtype == torch.float32 and self.switches.IP == "ieee"
                                                     and self.Lk < 2 ** 24))
+        # FMA contraction on, stated: Triton 3.9 warns that its default changes in 3.10
         self.launch = dict(num_warps=blocks.warps, num_stages=blocks.stages, enable_fp_fusion=True)
         if blocks.registers:
             self.launch["maxnreg"] = blocks.registers
-
-    def walks(self, of: str) -> list:
-        walks = self.key_walks if of == "keys" else self.query_walks
-        return [walks, *_strides(walks)[:3]]
 
     def rows(self) -> Tensor:
         return torch.empty(self.B, self.H, self.Lq, dtype=self.acc_dtype, device=self.device)
@@ -417,8 +425,8 @@ def forward(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
     out = torch.empty(plan.B, plan.H, plan.Lq, plan.DV, dtype=q.dtype, device=q.device)
     row_max, inv_sum = plan.rows(), plan.rows()
     kernels.forward[(plan.n_q, plan.B * plan.H)](
-        q, k, v, out, row_max, inv_sum, *_strides(q), *_strides(k), *_strides(v), *_strides(out), *plan.masks,
-        *plan.walks("keys"), *plan.sizes, **plan.switches, **plan.launch)
+        (q, k, v, out, row_max, inv_sum), _strides_of(q, k, v, out), *plan.walk_args["keys"], plan.sizes,
+        SW=plan.switches, **plan.launch)
     return out, row_max, inv_sum
 
 
@@ -431,11 +439,10 @@ def jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> Tensor:
     out_t = torch.empty(plan.B, plan.H, plan.Lq, plan.DV, dtype=q.dtype, device=q.device)
     t_bias = _as_scores(tbias, plan.scores_shape)
     kernels.jvp[(plan.n_q, plan.B * plan.H)](
-        q, k, v, tq, tk, tv, out_t, inputs["row_max"].contiguous(), inputs["inv_sum"].contiguous(), *_strides(q),
-        *_strides(k), *_strides(v), *_strides(out_t), t_bias, *_strides(t_bias), *plan.masks, *plan.walks("keys"),
-        *plan.sizes,
+        (q, k, v, tq, tk, tv, out_t, inputs["row_max"].contiguous(), inputs["inv_sum"].contiguous()),
+        _strides_of(q, k, v, out_t), t_bias, _strides(t_bias), *plan.walk_args["keys"], plan.sizes,
         HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None, HAS_TBIAS=tbias is not None,
-        CENTRE=plan.centre, SINK=call.sink, **plan.switches, **plan.launch)
+        SW=plan.switches, CENTRE=plan.centre, SINK=call.sink, **plan.launch)
     return out_t
 
 
@@ -457,19 +464,16 @@ class _Second:
         self.delta = plan.rows()  # D = rowsum(dO * O)
         block = 64 if on_gpu(call) else 16
         kernels.row_dot[(triton.cdiv(plan.Lq, block), plan.B * plan.H)](
-            self.do, out, self.delta, *_strides(self.do), *_strides(out), plan.H, plan.Lq, plan.DV, BM=block,
+            self.do, out, self.delta, _strides(self.do), _strides(out), plan.H, plan.Lq, plan.DV, BM=block,
             BDV=padded_width(plan.DV), ACC=_acc(call.q.dtype), num_warps=4, num_stages=1)
         self.sums: Optional[Tensor] = None  # (B, H, SUMS, Lq), from `_row_sums`
+        self.strides = _strides_of(self.q, self.k, self.v, self.do)  # the second set's too
+        self.c_args = (self.c, _strides(self.c))
 
-    def tensors(self) -> list:
-        return [self.q, self.k, self.v, self.do, self.q2, self.k2, self.v2, self.do2, self.row_max, self.inv_sum,
-                self.delta, self.sums]
-
-    def strides(self) -> list:
-        return [*_strides(self.q), *_strides(self.k), *_strides(self.v), *_strides(self.do)]
-
-    def c_args(self) -> list:
-        return [self.c, *_strides(self.c)]
+    def tensors(self) -> tuple:
+        """The twelve tensors every backward-type kernel takes first (the row sums once made)."""
+        return (self.q, self.k, self.v, self.do, self.q2, self.k2, self.v2, self.do2, self.row_max, self.inv_sum,
+                self.delta, self.sums)
 
     def switches(self) -> dict:
         return dict(HAS_Q2=self.q2 is not None, HAS_K2=self.k2 is not None, HAS_V2=self.v2 is not None,
@@ -479,8 +483,8 @@ class _Second:
 def _row_sums(plan: Plan, inputs: _Second, mode: int) -> None:
     inputs.sums = torch.empty(plan.B, plan.H, SUMS.value, plan.Lq, dtype=plan.acc_dtype, device=plan.device)
     kernels.row_sums[(plan.n_q, plan.B * plan.H)](
-        *inputs.tensors(), *inputs.strides(), *inputs.c_args(), *plan.masks, *plan.walks("keys"), *plan.sizes,
-        MODE=mode, **inputs.switches(), **plan.switches, CENTRE=plan.centre, SINK=plan.call.sink, **plan.launch)
+        inputs.tensors(), inputs.strides, *inputs.c_args, *plan.walk_args["keys"], plan.sizes, MODE=mode,
+        **inputs.switches(), SW=plan.switches, CENTRE=plan.centre, SINK=plan.call.sink, **plan.launch)
 
 
 def _bias_is_direct(plan: Plan) -> bool:
@@ -511,26 +515,23 @@ def _backward_walks(plan: Plan, inputs: _Second, mode: int, bias_grad: bool,
     if fused:
         dq = torch.zeros(plan.B, plan.H, plan.Lq, plan.D, dtype=plan.acc_dtype, device=q.device)
         locks = torch.zeros(plan.B * plan.H * plan.n_q, dtype=torch.int32, device=q.device)
-        key_walks = plan.walks("keys")
-        fused_args = dict(DQ=dq, LOCKS=locks, krng=key_walks[0], skr0=key_walks[1], skr1=key_walks[2],
-                          skr2=key_walks[3], FUSED=True, ROTATE=plan.rotate,
+        fused_args = dict(DQ=dq, LOCKS=locks, key_walks=plan.walks["keys"], FUSED=True, ROTATE=plan.rotate,
                           # the interpreter runs the programs in turn: in rotation none could wait
                           WAIT=on_gpu(call) or not plan.rotate)
     else:
         kernels.query_side[(plan.n_q, plan.B * plan.H)](
-            *inputs.tensors(), out_q, out_do, bias_out if direct else None, *inputs.strides(),
-            *_strides(bias_out if direct else None), *inputs.c_args(), *plan.masks, *plan.walks("keys"), *plan.sizes,
-            MODE=mode, DOUT_GRAD=dout_grad, BIAS_DIRECT=direct, **inputs.switches(), **plan.switches,
-            CENTRE=plan.centre, **plan.launch)
+            inputs.tensors(), out_q, out_do, bias_out if direct else None, inputs.strides,
+            _strides(bias_out if direct else None), *inputs.c_args, *plan.walk_args["keys"], plan.sizes, MODE=mode,
+            **inputs.switches(), DOUT_GRAD=dout_grad, BIAS_DIRECT=direct, SW=plan.switches, CENTRE=plan.centre,
+            **plan.launch)
     out_k = torch.empty(plan.B, plan.Hkv, plan.Lk, plan.D, dtype=k.dtype, device=q.device)
     out_v = torch.empty(plan.B, plan.Hkv, plan.Lk, plan.DV, dtype=v.dtype, device=q.device)
     if mode == BACKWARD and plan.light_keys and not fused:
         _key_side_light(plan, inputs, out_k, out_v)
     else:
         kernels.key_side[(plan.n_k, plan.B * plan.Hkv)](
-            *inputs.tensors(), out_k, out_v, *inputs.strides(), *inputs.c_args(), *plan.masks,
-            *plan.walks("queries"), *plan.sizes, MODE=mode, **inputs.switches(), **plan.switches, **fused_args,
-            CENTRE=plan.centre, **plan.launch)
+            inputs.tensors(), out_k, out_v, inputs.strides, *inputs.c_args, *plan.walk_args["queries"], plan.sizes,
+            MODE=mode, **inputs.switches(), SW=plan.switches, **fused_args, CENTRE=plan.centre, **plan.launch)
     if fused:
         out_q = fused_args["DQ"].mul_(call.scale).to(q.dtype)  # scale, as query_side applies it, then round
     if row_constant:
@@ -544,12 +545,9 @@ def _key_side_light(plan: Plan, inputs: _Second, out_k: Tensor, out_v: Tensor) -
     """dK and dV of a light call's backward (`kernels.key_side_light`), on the key side's tiles."""
     blocks = _blocks(plan.call, "key_side")
     kplan = plan if blocks == plan.blocks else Plan(plan.call, blocks)  # the backward's own tiles, or its own
-    switches = kplan.switches
     kernels.key_side_light[(kplan.n_k, kplan.B * kplan.Hkv)](
-        inputs.q, inputs.k, inputs.v, inputs.do, inputs.row_max, inputs.inv_sum, inputs.delta, out_k, out_v,
-        *inputs.strides(), kplan.bounds, *kplan.bound_strides, kplan.fmeta, *kplan.walks("queries"), *kplan.sizes,
-        HAS_BOUNDS=switches["HAS_BOUNDS"], CAUSAL=switches["CAUSAL"], BM=switches["BM"], BN=switches["BN"],
-        BD=switches["BD"], BDV=switches["BDV"], IP=switches["IP"], ACC=switches["ACC"], **kplan.launch)
+        inputs.tensors(), out_k, out_v, inputs.strides, kplan.key_bounds, kplan.fmeta, kplan.walks["queries"],
+        kplan.sizes, SW=kplan.switches, **kplan.launch)
 
 
 def _row_constant_bias(plan: Plan, inputs: _Second, mode: int) -> Tensor:
@@ -583,11 +581,10 @@ def _bias_side(plan: Plan, inputs: _Second, mode: int, bias_out: Tensor) -> None
     rows_broadcast, keys_broadcast = br == 1 and plan.Lq > 1, bk == 1 and plan.Lk > 1
     grid = (1 if rows_broadcast else plan.n_q, 1 if keys_broadcast else plan.n_k, bb * bh)
     kernels.bias_side[grid](
-        *inputs.tensors(), bias_out, *inputs.strides(), *_strides(bias_out), *inputs.c_args(), *plan.masks,
-        *plan.walks("keys"), plan.B, *plan.sizes, bh, MODE=mode,
-        BATCH_BROADCAST=bb == 1 and plan.B > 1, HEADS_BROADCAST=bh == 1 and plan.H > 1,
-        ROWS_BROADCAST=rows_broadcast, KEYS_BROADCAST=keys_broadcast, **inputs.switches(), **plan.switches,
-        CENTRE=plan.centre, **plan.launch)
+        inputs.tensors(), bias_out, inputs.strides, _strides(bias_out), *inputs.c_args, *plan.walk_args["keys"],
+        plan.B, plan.sizes, bh, MODE=mode, **inputs.switches(), BATCH_BROADCAST=bb == 1 and plan.B > 1,
+        HEADS_BROADCAST=bh == 1 and plan.H > 1, ROWS_BROADCAST=rows_broadcast, KEYS_BROADCAST=keys_broadcast,
+        SW=plan.switches, CENTRE=plan.centre, **plan.launch)
 
 
 def backward(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple:

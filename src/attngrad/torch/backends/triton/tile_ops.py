@@ -11,9 +11,14 @@ The products over the head width (S = Q K^T, dP = dO V^T and the tangent or cota
 forms) take their operands SD (or SDV) columns at a time (`operand`): an FMA product (IEEE
 float32, float64) holds a whole inner row of each operand per thread, so a pass with many of
 them spills unless the width is cut into slices.
+
+A call's sizes and its constexprs reach the kernels as one tuple argument each (`Sizes`,
+`Switches`), read by name; `kernels` says how the rest of their arguments are packed.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
@@ -22,6 +27,47 @@ import triton.language as tl
 BACKWARD, BACKWARD_JVP, DOUBLE_BACKWARD = 0, 1, 2
 # the row sums a backward-type pass reads, (B, H, SUMS, Lq) (`kernels.row_sums`)
 SUMS = tl.constexpr(5)
+
+
+class Sizes(NamedTuple):
+    """A call's sizes, one kernel argument: the query heads, the GQA group (query heads per
+    key/value head), the lengths, the head widths and the causal diagonal's offset."""
+
+    H: int
+    G: int
+    Lq: int
+    Lk: int
+    D: int
+    DV: int
+    causal: int
+
+
+class Switches(NamedTuple):
+    """A call's constexprs at one tile size, one kernel argument (`SW`, a tuple of constexprs
+    read by name): what takes part in the scores (`scores`), the mask kept per block's block
+    (MR rows x MK keys), dropout, walks that skip no tile (DENSE: the tile map unread), the tile
+    (BM x BN), the padded head widths and the columns their products take at a time, the
+    products' precision and the compute dtype."""
+
+    HAS_BIAS: bool
+    HAS_MASK: bool
+    HAS_BLOCKS: bool
+    MR: int
+    MK: int
+    HAS_BOUNDS: bool
+    CAUSAL: bool
+    SOFTCAP: bool
+    DROPOUT: bool
+    DENSE: bool
+    BM: int
+    BN: int
+    BD: int
+    BDV: int
+    SD: int
+    SDV: int
+    IP: str
+    ACC: tl.dtype
+
 
 # Triton 3.9's interpreter multiplies bfloat16 tiles wrongly in tl.dot (float16 is right):
 # there, bfloat16 operands are widened to float32 first, which keeps every product exact.
@@ -165,42 +211,44 @@ def off_peak(values, centre, at_peak):
 
 
 @triton.jit
-def scores(qk, b, h, offs_m, offs_n, Lq, Lk, causal, scale, cap, inv_cap,
-           bias, sbb, sbh, sbm, sbn, mask, smb, smh, smm, smn, bounds, sob, som, blocks, sxb, sxh, sxm, btiles,
-           HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BLOCKS: tl.constexpr, MR: tl.constexpr,
-           MK: tl.constexpr, HAS_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr):
+def scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW: tl.constexpr):
     """(S, tanh(A / c)) for the product qk = Q K^T of a tile: S = scale qk (capped: c tanh(A / c)),
     plus the bias, at -inf where the key does not take part (outside the call, past the causal
     diagonal j <= i + causal, outside the row's key bounds [lo, hi), masked out, or left out by
     the mask kept per block: entry (i, j) is btiles[blocks[b, h, i // MR, j // MK], i % MR, j % MK],
-    `mask_blocks`). Without a cap the second result is A itself, unused."""
+    `mask_blocks`). Without a cap the second result is A itself, unused. sizes: `Sizes`; floats:
+    (scale, cap, 1 / cap, ...); masks: the score masks as the kernels take them (`kernels`)."""
+    scale, cap, inv_cap = floats[0], floats[1], floats[2]
+    bias, sb, mask, sm, bounds, sob, blocks, sx, btiles = masks
+    Lq, Lk = sizes.Lq, sizes.Lk
     a = qk * scale
-    if SOFTCAP:
+    if SW.SOFTCAP:
         th = tanh(a * inv_cap)
         s = cap * th
     else:
         th = a
         s = a
     inside = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
-    if HAS_BIAS:
-        s += tl.load(bias + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_n[None, :] * sbn, mask=inside,
+    if SW.HAS_BIAS:
+        s += tl.load(bias + b * sb[0] + h * sb[1] + offs_m[:, None] * sb[2] + offs_n[None, :] * sb[3], mask=inside,
                      other=0.0).to(s.dtype)
     keep = inside
-    if CAUSAL:
-        keep = keep & (offs_n[None, :] <= offs_m[:, None] + causal)
-    if HAS_BOUNDS:
-        row = bounds + b * sob + offs_m * som
+    if SW.CAUSAL:
+        keep = keep & (offs_n[None, :] <= offs_m[:, None] + sizes.causal)
+    if SW.HAS_BOUNDS:
+        row = bounds + b * sob[0] + offs_m * sob[1]
         lo = tl.load(row, mask=offs_m < Lq, other=0)
         hi = tl.load(row + 1, mask=offs_m < Lq, other=0)
         keep = keep & (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
-    if HAS_MASK:
-        allowed = tl.load(mask + b * smb + h * smh + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=inside, other=0)
+    if SW.HAS_MASK:
+        allowed = tl.load(mask + b * sm[0] + h * sm[1] + offs_m[:, None] * sm[2] + offs_n[None, :] * sm[3],
+                          mask=inside, other=0)
         keep = keep & (allowed != 0)
-    if HAS_BLOCKS:
+    if SW.HAS_BLOCKS:
         # 32-bit offsets, as everywhere here: the backend refuses tensors of 2^31 elements or more
-        tile = tl.load(blocks + b * sxb + h * sxh + (offs_m // MR)[:, None] * sxm + (offs_n // MK)[None, :],
+        tile = tl.load(blocks + b * sx[0] + h * sx[1] + (offs_m // SW.MR)[:, None] * sx[2] + (offs_n // SW.MK)[None, :],
                        mask=inside, other=0)
-        entry = tile * (MR * MK) + ((offs_m % MR) * MK)[:, None] + (offs_n % MK)[None, :]
+        entry = tile * (SW.MR * SW.MK) + ((offs_m % SW.MR) * SW.MK)[:, None] + (offs_n % SW.MK)[None, :]
         keep = keep & (tl.load(btiles + entry, mask=inside, other=0) != 0)
     return tl.where(keep, s, float("-inf")), th
 
@@ -227,10 +275,10 @@ def score_form(q, k, q2, k2, th, c_tile, scale, SOFTCAP: tl.constexpr, BD: tl.co
 
 
 @triton.jit
-def load_score_like(ptr, b, h, offs_m, offs_n, Lq, Lk, sb, sh, sm, sn, ACC: tl.constexpr):
-    """A (BM, BN) tile of a bias-shaped tensor (a bias tangent or cotangent), 0 outside."""
+def load_score_like(ptr, s, b, h, offs_m, offs_n, Lq, Lk, ACC: tl.constexpr):
+    """A (BM, BN) tile of a bias-shaped tensor (a bias tangent or cotangent) of strides s, 0 outside."""
     inside = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
-    return tl.load(ptr + b * sb + h * sh + offs_m[:, None] * sm + offs_n[None, :] * sn, mask=inside,
+    return tl.load(ptr + b * s[0] + h * s[1] + offs_m[:, None] * s[2] + offs_n[None, :] * s[3], mask=inside,
                    other=0.0).to(ACC)
 
 

@@ -223,6 +223,8 @@ def test_the_brgemm_route_without_the_matrix_units():
     ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                           f"{Path(__file__).relative_to(root)}::test_bfloat16_products_on_either_route"],
                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    if ran.returncode == 0 and "2 skipped" in ran.stdout:  # no brgemm route there at all (no MKL, mkldnn off)
+        pytest.skip(ran.stdout[-500:])
     assert ran.returncode == 0 and "2 passed" in ran.stdout, ran.stdout[-2000:] + ran.stderr[-2000:]
     script = """
 import torch

@@ -101,6 +101,27 @@ bool bf16_gemm_reads_copies() { return cblas_gemm_bf16bf16f32 && !use_aten_gemm.
 // The tests flip it through the op attngrad_tiles::brgemm_path to cover every route.
 std::atomic<int> brgemm_route{-1};
 
+namespace {
+
+// Whether oneDNN's brgemm runs a bfloat16 product here: it refuses where its effective ISA is
+// below what the CPU reports (ONEDNN_MAX_CPU_ISA under avx512_core). Asked once, before any
+// product, so that a route is whole: no call mixes the two routes' sums
+bool brgemm_runs() {
+    const uint16_t a[2 * 2] = {};
+    const uint32_t b[64] = {};
+    float c[2 * 64];
+    try {
+        brgemm_bf16(2, 64, 2, a, 2, b, 64, false, c, 64);
+    } catch (const std::exception&) {
+        release_brgemm();
+        return false;
+    }
+    release_brgemm();
+    return true;
+}
+
+}  // namespace
+
 int bf16_route() {
     // cpublas's brgemm refuses while torch.backends.mkldnn is off: asked at every call, and
     // the CPU's answer kept only once asked with it on
@@ -121,6 +142,7 @@ int bf16_route() {
             }
         } catch (const std::exception&) {
         }
+        if (route != kBf16Mkl && !brgemm_runs()) route = kBf16Mkl;
         brgemm_route.store(route, std::memory_order_relaxed);
     }
     return route;
@@ -224,9 +246,8 @@ RoundedInputs::RoundedInputs(const AttngradCall& c) {
 
 namespace {
 
-// brgemm_bf16, or false where oneDNN refused (its effective ISA below what the CPU reported:
-// ONEDNN_MAX_CPU_ISA under avx512_core) and nothing was written; MKL's GEMM from then on,
-// rather than a refusal per product
+// brgemm_bf16, or false where the kernel refused and nothing was written (the caller's
+// product then runs on MKL's GEMM)
 bool brgemm_taken(index_t m, index_t n, index_t k, const uint16_t* a, index_t lda, const uint32_t* b, index_t ldb,
                   bool add, float* c, index_t ldc) {
     try {
@@ -234,7 +255,6 @@ bool brgemm_taken(index_t m, index_t n, index_t k, const uint16_t* a, index_t ld
         return true;
     } catch (const std::exception&) {
         release_brgemm();
-        brgemm_route.store(kBf16Mkl, std::memory_order_relaxed);
         return false;
     }
 }

@@ -42,6 +42,8 @@ from typing import Optional
 
 DOUBLE = "float64"
 DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16")
+# float32 with split products on the tensor cores (`launch.Options.float32_products`): opt-in
+SPLIT = ("tf32x3", "bf16x6")
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ SMALL = {"plain": (37, 83), "causal": (83, 83), "window-sinks": (83, 83), "docum
 def torch_dtype(name: str):
     import torch
 
-    return torch.float32 if name == "tf32" else getattr(torch, name)
+    return torch.float32 if name in ("tf32", *SPLIT) else getattr(torch, name)
 
 
 def randn(shape, seed, device, dtype=None):
@@ -208,6 +210,7 @@ def check_one(job: tuple) -> Row:
 
     from attngrad.check.torch_backend import every_derivative
     from attngrad.torch import use_backend
+    from attngrad.torch.backends.triton import launch
 
     f = next(x for x in FEATURES if x.name == features_name)
     row, start = Row(f.name, dtype_name, d), time.perf_counter()
@@ -217,7 +220,8 @@ def check_one(job: tuple) -> Row:
         truth = every_derivative(call.theirs, call.primals, 30)
         dtype = torch_dtype(dtype_name)
         inputs = tuple(p.to(dtype) if p.is_floating_point() else p for p in call.primals)
-        with use_backend("triton"):
+        products = dtype_name if dtype_name in SPLIT else "ieee"
+        with use_backend("triton"), launch.TUNING.override(float32_products=products):
             ours = every_derivative(call.ours, inputs, 30)
             again = every_derivative(call.ours, inputs, 30)
         yardstick = every_derivative(call.theirs, inputs, 30) if dtype_name != DOUBLE else {}
@@ -310,7 +314,8 @@ def _bad(row: Row) -> bool:
     """float64 over 1e-12, NaN anywhere, or another dtype over 2x PyTorch's math path in the
     same dtype plus one unit roundoff of the products' type (the two sum in other orders).
     TF32 is judged against PyTorch's float32 products where its math path does not use TF32."""
-    floor = {"float32": 2.0**-24, "tf32": 2.0**-11, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+    floor = {"float32": 2.0**-24, "tf32": 2.0**-11, "bfloat16": 2.0**-8, "float16": 2.0**-11,
+             "tf32x3": 2.0**-24, "bf16x6": 2.0**-24}  # the split products judged as float32 is
     for ours, theirs in row.errors.values():
         if not math.isfinite(ours):
             return True
@@ -337,7 +342,7 @@ def _summary(rows: list) -> None:
              "double backward": tuple(f"gg_{n}" for n in ("q", "k", "v", "extra", "dout")),
              "hvp": tuple(f"hvp_{n}" for n in ("q", "k", "v", "extra")),
              "reverse over forward": tuple(f"rof_{n}" for n in ("q", "k", "v", "extra", "tq", "tk", "tv", "textra"))}
-    for dtype in DTYPES:
+    for dtype in DTYPES + SPLIT:
         cells = []
         for kind, names in kinds.items():
             pairs = [r.errors[n] for r in rows if r.dtype == dtype and not r.failure for n in names if n in r.errors
@@ -365,6 +370,7 @@ class Timed:
     causal: bool = False
     mode: str = "train"  # forward, train (fwd+bwd), bias (train with an (H, L, L) bias's gradient), jvp, double, hvp
     yardstick: str = "default"  # default or math
+    products: str = "ieee"  # float32's products on our side (`launch.Options.float32_products`)
 
 
 def _timed_cases(quick: bool) -> list:
@@ -376,6 +382,8 @@ def _timed_cases(quick: bool) -> list:
                 cases.append(Timed(f"{mode} d={d}", "bfloat16", 4, H, L, d, causal, mode))
     cases.append(Timed("train d=128", "float16", 4, 16, L, 128, True, "train"))
     cases.append(Timed("train d=64 ieee", "float32", 4, 16, L // 2, 64, False, "train"))
+    for products in SPLIT:
+        cases.append(Timed(f"train d=64 {products}", "float32", 4, 16, L // 2, 64, False, "train", products=products))
     cases.append(Timed("bias grad d=64", "bfloat16", 1, 16, L // 2, 64, False, "bias"))
     for mode in ("jvp", "double", "hvp"):
         cases.append(Timed(f"{mode} d=64", "bfloat16", 1, 16, L // 2, 64, True, mode, "math"))
@@ -389,6 +397,7 @@ def _step(case: Timed, ours: bool):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from attngrad.torch import scaled_dot_product_attention, use_backend
+    from attngrad.torch.backends.triton import launch
 
     dtype = torch_dtype(case.dtype)
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -401,39 +410,49 @@ def _step(case: Timed, ours: bool):
     def sdpa(q, k, v):
         kwargs = dict(attn_mask=bias, is_causal=case.causal)
         if ours:
-            with use_backend("triton"):
+            with use_backend("triton"), launch.TUNING.override(float32_products=case.products):
                 return scaled_dot_product_attention(q, k, v, **kwargs)
         if case.yardstick == "math":
             with sdpa_kernel(SDPBackend.MATH):
                 return F.scaled_dot_product_attention(q, k, v, **kwargs)
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    if case.mode == "forward":
+    return mode_step(case.mode, sdpa, (q, k, v), dout, tangents), (q, k, v, dout, bias, tangents)
+
+
+def mode_step(mode: str, sdpa, primals: tuple, dout, tangents: tuple):
+    """One step of `mode` through sdpa(q, k, v): forward (no gradient), train or bias (forward
+    and backward), jvp (forward + JVP), double (the double backward) or hvp (forward over
+    reverse, as attngrad bench takes it)."""
+    import torch
+
+    q, k, v = primals
+    leaves = [t.clone().requires_grad_() for t in primals]
+    if mode == "forward":
         def step():
             with torch.no_grad():
                 sdpa(q, k, v)
-    elif case.mode in ("train", "bias"):
+    elif mode in ("train", "bias"):
         def step():
             sdpa(*leaves).backward(dout)
-    elif case.mode == "jvp":
+    elif mode == "jvp":
         def step():
-            torch.func.jvp(sdpa, (q, k, v), tangents)
-    elif case.mode == "double":
+            torch.func.jvp(sdpa, primals, tangents)
+    elif mode == "double":
         def step():
             grads = torch.autograd.grad(sdpa(*leaves), leaves, dout, create_graph=True)
             torch.autograd.backward(grads, tangents)
-    else:  # forward-over-reverse HVP, as attngrad bench takes it
+    else:
         vjp = lambda q, k, v, do: torch.func.vjp(sdpa, q, k, v)[1](do)  # noqa: E731
 
         def step():
-            torch.func.jvp(vjp, (q, k, v, dout), tangents + (dout,))
-    return step, (q, k, v, dout, bias, tangents)
+            torch.func.jvp(vjp, (*primals, dout), tangents + (dout,))
+    return step
 
 
 def _flops(case: Timed) -> float:
     forward = 4 * case.B * case.H * case.L * case.L * case.d * (0.5 if case.causal else 1.0)
-    return forward * {"forward": 1.0, "train": 3.5, "bias": 3.5}.get(case.mode, float("nan"))
+    return forward * {"forward": 1.0, "train": 3.5, "bias": 3.5, "jvp": 3.0}.get(case.mode, float("nan"))
 
 
 def run_time(quick: bool, rounds: int, out_dir: Optional[str]) -> None:
@@ -500,7 +519,8 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--interpret", action="store_true", help="CPU tensors in Triton's interpreter (no GPU)")
     parser.add_argument("--arch", type=int, default=90, help="with --interpret: the tiles of this GPU (90: sm_90)")
     parser.add_argument("--widths", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES + SPLIT,
+                        help="tf32x3 and bf16x6: float32 with split products (opt-in; not in the default)")
     parser.add_argument("--quick", action="store_true", help="time at L=1024, not 4096")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None, help="a folder for check.jsonl and time.jsonl")

@@ -7,13 +7,13 @@ for spills by `attngrad gpu-report --features light plain`).
 
     python benchmarks/gpu_tiles.py --workers 12              # the sweep
     python benchmarks/gpu_tiles.py --final --out DIR         # the table now against the old one
-    python benchmarks/gpu_tiles.py --dense --out DIR         # pipelined walks against the branching ones
+    python benchmarks/gpu_tiles.py --split --out DIR         # walks split by masking against whole ones
     python benchmarks/gpu_tiles.py --fused --out DIR         # the fused backward against the split one
     python benchmarks/gpu_tiles.py --key-side --out DIR      # key_side_light against key_side
 
-`--dense` times the table's tiles with the walks' branch on the tile map (`launch.Options.dense_walks`
-False) against the branch-free walks that Triton pipelines, at 1 to 3 stages, and a few
-other tiles at 2 and 3 stages. `--fused` times the backward split into query_side and
+`--split` times the walks that take the tiles needing no masking in a loop of their own
+(`launch.Options.interior_tiles`, the default) against walks that take every tile in the
+masked loop, at the table's tiles and 1 to 3 stages, and a few other tiles at 2 and 3 stages. `--fused` times the backward split into query_side and
 key_side (7 products per tile, `launch.Options.fused_backward` False) against key_side fused with
 dQ's ordered adds (5 products), at the table's tile and others.
 """
@@ -41,9 +41,9 @@ BEFORE = {("forward", 64): (128, 64, 8, 2), ("forward", 128): (64, 64, 8, 2), ("
           ("backward", 128): (64, 32, 8, 1, 16)}
 
 
-def _setup(name: str, d: int, candidate: Optional[tuple], causal: bool, dense: bool = True, way: str = "light"):
+def _setup(name: str, d: int, candidate: Optional[tuple], causal: bool, split: bool = True, way: str = "light"):
     """One call's step with `candidate` as sm_90's light tile of pass `name` (None: the
-    table's own), its walks branch-free (`dense`) or reading the tile map, its backward's key
+    table's own), its walks split by masking (`split`) or not, its backward's key
     side `way`: "light" (`kernels.key_side_light`), "split" (`kernels.key_side`) or "fused"
     (key_side with dQ's ordered adds)."""
     import torch
@@ -51,7 +51,7 @@ def _setup(name: str, d: int, candidate: Optional[tuple], causal: bool, dense: b
     from attngrad.torch import scaled_dot_product_attention, use_backend
     from attngrad.torch.backends.triton import launch
 
-    options = dict(dense_walks=dense, fused_backward=way == "fused", light_key_side=way == "light")
+    options = dict(interior_tiles=split, fused_backward=way == "fused", light_key_side=way == "light")
     if candidate is not None:
         launch._HOPPER_LIGHT[(name, "half", d)] = launch.Blocks(*candidate)
     leaves, dout = inputs(d)
@@ -97,9 +97,9 @@ def final_jobs(widths) -> list:
     return jobs
 
 
-def dense_jobs(widths) -> list:
-    """The table's tiles with branching walks, against branch-free walks at 1 to 3 stages,
-    and other tiles pipelined, causal and not."""
+def split_jobs(widths) -> list:
+    """The table's tiles with whole walks (every tile masked), against split walks at 1 to 3
+    stages, and other tiles split, causal and not."""
     from attngrad.torch.backends.triton import launch
 
     more = {"forward": [(128, 64, 4), (128, 128, 4), (128, 128, 8)],
@@ -149,7 +149,7 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     parser.add_argument("--widths", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--final", action="store_true", help="the table against the old entries")
-    parser.add_argument("--dense", action="store_true", help="pipelined walks against branching ones")
+    parser.add_argument("--split", action="store_true", help="walks split by masking against whole ones")
     parser.add_argument("--fused", action="store_true", help="the fused backward against the split one")
     parser.add_argument("--key-side", action="store_true", help="key_side_light against key_side")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of each job (median)")
@@ -161,7 +161,7 @@ def main(argv: Optional[list] = None) -> int:
     from attngrad.torch.backends.triton import launch
 
     todo = (key_side_jobs(args.widths) if args.key_side else fused_jobs(args.widths) if args.fused
-            else dense_jobs(args.widths) if args.dense
+            else split_jobs(args.widths) if args.split
             else final_jobs(args.widths) if args.final else sweep_jobs(args.widths))
     with multiprocessing.get_context("spawn").Pool(args.workers) as pool:  # compile in parallel
         for line in pool.imap_unordered(compile_one, todo):
@@ -187,15 +187,15 @@ def main(argv: Optional[list] = None) -> int:
     for job, ts in times.items():
         if not ts:
             continue
-        name, d, candidate, causal, dense, way = (*job, True, "light")[:6]
+        name, d, candidate, causal, split, way = (*job, True, "light")[:6]
         ms = sorted(ts)[len(ts) // 2]
         flops = 4 * B * (2048 // d) * L * L * d * (0.5 if causal else 1.0) * (1.0 if name == "forward" else 2.5)
         entry = table.get((name, "half", d)) or table[("backward", "half", d)]
         label = "table " + str(tuple(vars(entry).values())) if candidate is None else str(candidate)
-        label += "" if dense else " branching"
+        label += "" if split else " whole"
         label += "" if name == "forward" else f" {way}"
         name = "forward" if name == "forward" else "backward"
-        results.append(dict(name=name, d=d, causal=causal, tile=label, dense=dense, way=way, ms=ms,
+        results.append(dict(name=name, d=d, causal=causal, tile=label, split=split, way=way, ms=ms,
                             tflops=flops / ms / 1e9, rounds=ts))
     results.sort(key=lambda r: (r["name"], r["d"], r["causal"], r["ms"]))
     for r in results:

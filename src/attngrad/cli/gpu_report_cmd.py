@@ -10,7 +10,8 @@ from .arg_types import positive_int
 
 # compile_report's choices, spelled here so that `attngrad --help` imports neither torch
 # nor triton (a test checks that the two agree)
-DTYPES = ("float16", "bfloat16", "float32", "float32-tf32", "float64")
+DTYPES = ("float16", "bfloat16", "float32", "float32-tf32", "float32-tf32x3", "float32-bf16x6", "float64")
+DEFAULT_DTYPES = ("float16", "bfloat16", "float32", "float32-tf32", "float64")
 WIDTHS = (64, 128, 256)
 ARCHS = (80, 90)
 FEATURES = ("plain", "all", "broadcast-bias", "light")
@@ -18,9 +19,11 @@ PASSES = ("forward", "backward", "jvp", "backward_jvp", "double_backward")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=list(DTYPES), metavar="DTYPE",
-                        help=f"input dtypes: {', '.join(DTYPES)} (float32-tf32: float32 with TF32 products) "
-                        "(default: all)")
+    parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=list(DEFAULT_DTYPES), metavar="DTYPE",
+                        help=f"input dtypes: {', '.join(DTYPES)} (float32-tf32: float32 with TF32 products; "
+                        "-tf32x3 and -bf16x6: split products, `Options.float32_products`, opt-in, their spills "
+                        "allowed) "
+                        f"(default: {' '.join(DEFAULT_DTYPES)})")
     parser.add_argument("--widths", nargs="+", type=positive_int, default=list(WIDTHS), metavar="D",
                         help=f"head widths (default: {' '.join(map(str, WIDTHS))})")
     parser.add_argument("--archs", nargs="+", type=int, choices=ARCHS, default=list(ARCHS), metavar="SM",

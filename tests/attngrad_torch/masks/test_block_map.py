@@ -20,6 +20,7 @@ from attngrad.torch.masks.block_map import (  # noqa: E402
     key_ranges,
     row_intervals,
     tile_map,
+    unmasked_tiles,
 )
 
 
@@ -61,6 +62,8 @@ def _check(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys):
     assert torch.equal(got, want)
     exact = _reference(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys, exact=True)
     assert not bool((got & ~exact).any()), "a tile with an entry that takes part was excluded"
+    want_unmasked = _unmasked_tiles_reference(len_q, len_k, causal, bounds, mask, block_rows, block_keys)
+    assert torch.equal(unmasked_tiles(scores, block_rows, block_keys).expand_as(want_unmasked), want_unmasked)
     ranges = key_ranges(len_q, len_k, causal, None, block_rows, kept_keys(mask, bias, len_q, block_rows))
     kinds = tile_map(scores, block_rows, block_keys, ranges=ranges)
     assert kinds.dtype == torch.uint8 and kinds.is_contiguous() and kinds.shape == got.shape
@@ -71,6 +74,26 @@ def _check(len_q, len_k, causal, bounds, mask, bias, block_rows, block_keys):
     walked = _walked(ranges, kinds.shape, block_keys)
     assert torch.equal(torch.where(walked, kinds, 0), torch.where(walked, want_kinds, 0))
     return got
+
+
+def _unmasked_tiles_reference(len_q, len_k, causal, bounds, mask, block_rows, block_keys):
+    """(B', H', query blocks, key blocks): True where the tile lies wholly inside (Lq, Lk) and
+    every entry of it takes part by the intervals and the mask."""
+    batch = max([1] + [t.shape[0] for t in (bounds, mask) if t is not None])
+    heads = 1 if mask is None else mask.shape[1]
+    lo, hi = row_intervals(len_q, len_k, causal, bounds)
+    keys = torch.arange(len_k)
+    takes = ((keys >= lo[..., None]) & (keys < hi[..., None]))[:, None]  # (1 or B, 1, Lq, Lk)
+    if mask is not None:
+        takes = takes & mask
+    takes = takes.expand(batch, heads, len_q, len_k)
+    n_q, n_k = -(-len_q // block_rows), -(-len_k // block_keys)
+    out = torch.zeros(batch, heads, n_q, n_k, dtype=torch.bool)
+    for i in range(len_q // block_rows):
+        for j in range(len_k // block_keys):
+            tile = takes[:, :, i * block_rows:(i + 1) * block_rows, j * block_keys:(j + 1) * block_keys]
+            out[:, :, i, j] = tile.flatten(2).all(2)
+    return out
 
 
 def _walked(ranges, shape, block_keys):

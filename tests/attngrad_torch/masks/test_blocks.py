@@ -96,19 +96,21 @@ def test_blocks_hold_the_mask_exactly(drawn):
 
 @settings(max_examples=25, deadline=None)
 @given(masks(), st.integers(1, 12), st.integers(1, 12))
-def test_tiles_with_no_entry_are_exact(drawn, block_rows, block_keys):
+def test_tiles_with_no_entry_or_every_entry_are_exact(drawn, block_rows, block_keys):
     """The kernels' tiles of any size skipped by the blocks: exactly those whose blocks are
-    all EMPTY."""
+    all EMPTY; and walked unmasked: exactly those whose blocks are all FULL."""
     mask, block = drawn
     blocks = mask_blocks.from_dense(mask, block)
     len_q, len_k = mask.shape[2:]
     none = mask_blocks.blocks_with_no_entry(blocks, len_q, len_k, block_rows, block_keys)
-    kept = blocks.index != EMPTY
+    every = mask_blocks.blocks_all_full(blocks, len_q, len_k, block_rows, block_keys)
     for i in range(none.shape[2]):
         for j in range(none.shape[3]):
             rows = slice(i * block_rows // block[0], ((i + 1) * block_rows - 1) // block[0] + 1)
             keys = slice(j * block_keys // block[1], ((j + 1) * block_keys - 1) // block[1] + 1)
-            assert torch.equal(none[:, :, i, j], ~kept[:, :, rows, keys].flatten(2).any(2))
+            classes = blocks.index[:, :, rows, keys].flatten(2)
+            assert torch.equal(none[:, :, i, j], (classes == EMPTY).all(2))
+            assert torch.equal(every[:, :, i, j], (classes == FULL).all(2))
 
 
 def numbered_plainly(mask, block, rows_per_chunk):

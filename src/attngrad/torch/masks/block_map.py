@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .blocks import MaskBlocks, blocks_with_no_entry
+from .blocks import MaskBlocks, blocks_all_full, blocks_with_no_entry
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -202,6 +202,29 @@ def empty_tiles(scores: ScoreFilter, block_rows: int, block_keys: int) -> Tensor
     excluded, _ = _classified(scores, block_rows, block_keys, None, False)
     return excluded.expand(*excluded.shape[:2], -(-scores.len_q // block_rows),
                            -(-scores.len_k // block_keys)).contiguous()
+
+
+def unmasked_tiles(scores: ScoreFilter, block_rows: int, block_keys: int) -> Tensor:
+    """Which tiles of block_rows x block_keys need no masking: (1 or B, 1 or H, query blocks,
+    key blocks) boolean, True where the tile lies wholly inside (Lq, Lk) and every entry of
+    it takes part by its rows' intervals, the boolean mask and the mask kept per block. The
+    bias is a value, not a mask: it is not read here (a tile the bias makes -inf throughout
+    is one `empty_tiles` skips, so callers take the two together)."""
+    len_q, len_k = scores.len_q, scores.len_k
+    lo, hi = row_intervals(len_q, len_k, scores.causal, scores.bounds)  # (1 or B, Lq)
+    n_q, n_k = -(-len_q // block_rows), -(-len_k // block_keys)
+    whole = len_q // block_rows  # the query blocks with no row past Lq
+    first = torch.arange(n_k) * block_keys
+    lo_top = lo[:, :whole * block_rows].reshape(lo.shape[0], whole, block_rows).amax(-1)
+    hi_low = hi[:, :whole * block_rows].reshape(hi.shape[0], whole, block_rows).amin(-1)
+    inside = (lo_top[..., None] <= first) & (hi_low[..., None] >= first + block_keys) & (first + block_keys <= len_k)
+    full = torch.zeros(lo.shape[0], 1, n_q, n_k, dtype=torch.bool)
+    full[:, 0, :whole] = inside
+    if scores.mask is not None:
+        full = full & _whole_tiles(scores.mask, block_rows, block_keys).all(3).all(-1)
+    if scores.blocks is not None:
+        full = full & blocks_all_full(scores.blocks, len_q, len_k, block_rows, block_keys).cpu()
+    return full
 
 
 # The kinds of tile in a tile map: the mask and bias applied entry by entry, not computed,

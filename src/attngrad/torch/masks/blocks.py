@@ -128,11 +128,24 @@ def from_dense(mask: Tensor, block: tuple[int, int] = BLOCK) -> MaskBlocks:
 def blocks_with_no_entry(blocks: MaskBlocks, len_q: int, len_k: int, block_rows: int, block_keys: int) -> Tensor:
     """(1 or B, 1 or H, query blocks, key blocks) bool for tiles of block_rows x block_keys:
     True where every block of the mask the tile overlaps is EMPTY (so no entry of it takes
-    part). Exact on the blocks' classes, counted over each tile's rectangle of blocks by a
-    summed-area table, O(blocks) whatever the tiles' sizes."""
+    part). Exact on the blocks' classes."""
+    return _every_block_is(EMPTY, blocks, len_q, len_k, block_rows, block_keys)
+
+
+def blocks_all_full(blocks: MaskBlocks, len_q: int, len_k: int, block_rows: int, block_keys: int) -> Tensor:
+    """`blocks_with_no_entry`'s twin: True where every block the tile overlaps is FULL (so
+    every entry of it takes part, and the mask need not be read there)."""
+    return _every_block_is(FULL, blocks, len_q, len_k, block_rows, block_keys)
+
+
+def _every_block_is(kind: int, blocks: MaskBlocks, len_q: int, len_k: int, block_rows: int,
+                    block_keys: int) -> Tensor:
+    """Per tile of block_rows x block_keys, whether every block of the mask it overlaps has
+    class `kind`: the others counted over each tile's rectangle of blocks by a summed-area
+    table, O(blocks) whatever the tiles' sizes."""
     r, k = blocks.block
-    open_ = (blocks.index != EMPTY).to(torch.int32)
-    table = torch.nn.functional.pad(open_.cumsum(2).cumsum(3), (1, 0, 1, 0))  # (b, h, nq + 1, nk + 1)
+    other = (blocks.index != kind).to(torch.int32)
+    table = torch.nn.functional.pad(other.cumsum(2).cumsum(3), (1, 0, 1, 0))  # (b, h, nq + 1, nk + 1)
     n_q, n_k = -(-len_q // block_rows), -(-len_k // block_keys)
     q0 = torch.arange(n_q) * block_rows
     k0 = torch.arange(n_k) * block_keys

@@ -103,6 +103,10 @@ class Case:
         if mask:
             self.mask = randn(B, 1, len_q, len_k, seed=5, device=device) > -0.7
             self.mask[..., 0] = True  # every row keeps a key
+            if mask == "holes":  # kept whole but for a few tiles' entries: the others need no masking
+                self.mask[:] = True
+                self.mask[0, :, 3:12, 5:7] = False
+                self.mask[:, :, 20:24, 20] = False
             self.options["attn_mask"] = self.mask
             allowed &= self.mask
         if window is not None:
@@ -159,6 +163,11 @@ CASES = {
     "dropout-per-key-bias": dict(dropout_p=0.3, causal=True, bias=(B, 1, 1, LK), blocks=32),
     "sliced-heads": dict(d=24, dv=20, causal="bottom_right", len_q=11, softcap=2.0, bias=(1, H, 1, LK), blocks=32,
                          slice=16),
+    # tiles that need no masking (`block_map.unmasked_tiles`), walked in their own loop: of
+    # the whole tiles (query blocks 0 and 1 of 3, key blocks 0 and 1 of 3), the diagonal (15)
+    # and the mask's holes leave (1, 0) unmasked, (0, 0) in the second batch entry alone
+    "interior-bias-softcap-holes": dict(causal="bottom_right", len_q=33, len_k=48, softcap=2.0, bias=(B, H, 33, 48),
+                                        mask="holes", blocks=16),
 }
 
 
@@ -391,43 +400,57 @@ def test_walks_with_a_hole_are_not_dense():
     assert launch._dense(holed, launch._walks(holed)[1])  # its columns have no hole: its row has
 
 
+def test_walk_lists_take_the_tiles_that_need_no_masking_first():
+    """`launch._walk_lists`: per block, [n unmasked, n kept, the unmasked blocks in order, then
+    the other kept ones in order, padding], for each query block's key blocks and each key
+    block's query blocks."""
+    empty = torch.ones(4, 4, dtype=torch.bool).triu(1)[None, None]  # causal: True is skipped
+    empty[..., 3, 1] = True  # a hole
+    interior = torch.ones(4, 4, dtype=torch.bool).tril(-1)[None, None]  # below the diagonal
+    keys, queries = launch._walk_lists(empty, interior)
+    assert keys.dtype == torch.int32 and keys.shape == (1, 1, 4, 6)
+    assert [row[:2 + int(row[1])] for row in keys[0, 0].tolist()] == [
+        [0, 1, 0], [1, 2, 0, 1], [2, 3, 0, 1, 2], [2, 3, 0, 2, 3]]
+    assert [row[:2 + int(row[1])] for row in queries[0, 0].tolist()] == [
+        [3, 4, 1, 2, 3, 0], [1, 2, 2, 1], [1, 2, 3, 2], [0, 1, 3]]
+
+
 @interpreted
-def test_light_half_calls_walk_without_the_tile_map_to_the_same_bits(on_triton, tiles_of, monkeypatch,
-                                                                      tuned):
-    """A light call in half precision (causal, key bounds, GQA) walks dense: its loops read no
-    tile map (DENSE), which lets Triton pipeline them on a GPU. Walks that read the map
-    (`launch.Options.dense_walks` False) give the same bits, and a call with a mask reads it."""
-    switches = []
+def test_walks_split_or_whole_agree(on_triton, tiles_of, monkeypatch, tuned):
+    """Walks that take the tiles needing no masking in a loop of their own (the default) and
+    walks that take every tile in the masked loop (`Options.interior_tiles` off) agree to
+    float64's rounding; the lists hold such tiles only where asked. A tile's entry in the
+    masked loop has the bits it has unmasked: kernels whose walks take the same list in one
+    loop (`Blocks.split` off) give the split walks' bits."""
+    tiles_of(16)
+    counts = []
     made = launch.Plan.__init__
 
     def spy(self, *args, **kwargs):
         made(self, *args, **kwargs)
-        switches.append(self.switches.DENSE)
+        counts.append(int(self.lists["keys"][0][..., 0].sum()))
 
     monkeypatch.setattr(launch.Plan, "__init__", spy)
-    tiles_of(16)
-    q = randn(2, 2, 37, 16, seed=1, dtype=torch.float16)
-    k, v = randn(2, 1, 41, 16, seed=2, dtype=torch.float16), randn(2, 1, 41, 16, seed=3, dtype=torch.float16)
-    dout = randn(2, 2, 37, 16, seed=4, dtype=torch.float16)
+    q, k, v = (randn(2, 2, 40, 16, seed=s) for s in range(3))
+    dout = randn(2, 2, 40, 16, seed=4)
 
-    def step(dense: bool, **options) -> tuple:
-        tuned(launch.TUNING, dense_walks=dense)
-        switches.clear()
+    def step(split: bool) -> tuple:
+        tuned(launch.TUNING, interior_tiles=split)
+        counts.clear()
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = attention(*leaves, enable_gqa=True, **options)
+        out = attention(*leaves, is_causal=True)
         return (out, *torch.autograd.grad(out, leaves, dout))
 
-    # rows of up to 10 keys (tiles of 16 keep 1 or 2), the second batch entry's last 11 keys padding
-    window = dict(is_causal=True, window=(9, None), key_padding=torch.tensor([41, 30]))
-    dense = step(True, **window)
-    assert switches and all(switches)
-    branching = step(False, **window)
-    assert switches and not any(switches)
-    assert all(torch.equal(a, b) for a, b in zip(dense, branching))
-    mask = randn(2, 1, 37, 41, seed=5) > -0.5
-    mask[..., 0] = True
-    step(True, attn_mask=mask)
-    assert switches and not any(switches)
+    split = step(True)
+    assert counts and all(n > 0 for n in counts)
+    tuned(launch.TUNING, interpreted=launch.Blocks(16, 16, 1, 1, split=False))
+    one_loop = step(True)
+    assert counts and all(n > 0 for n in counts)
+    assert all(torch.equal(a, b) for a, b in zip(split, one_loop))
+    whole = step(False)
+    assert counts and not any(counts)
+    for a, b in zip(split, whole):
+        assert rel_err(a, b) <= 1e-14
 
 
 @interpreted
@@ -637,3 +660,44 @@ class _Spy:
             self.into.append(self.name + (" fused" if kwargs.get("FUSED") else ""))
             return self.kernel[grid](*args, **kwargs)
         return launch_
+
+
+@interpreted
+def test_a_compiled_step_on_triton_is_one_graph_with_eagers_bits(on_triton):
+    """torch.compile(fullgraph=True) over a call to attention on the Triton backend: Dynamo
+    traces it whole (the op is opaque to it), AOTAutograd its backward, and the output and
+    gradients are eager's bits."""
+    torch._dynamo.reset()
+    q, k, v = (randn(2, 2, 20, 16, seed=s).requires_grad_() for s in range(3))
+    dout = randn(2, 2, 20, 16, seed=3)
+
+    def step(forward):
+        out = forward(q, k, v)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    def forward(q, k, v):
+        return attention(q, k, v, is_causal=True) * 2.0
+
+    compiled = step(torch.compile(forward, fullgraph=True, backend="aot_eager"))
+    assert all(torch.equal(a, b) for a, b in zip(compiled, step(forward)))
+
+
+def test_float32_products_are_chosen_by_the_option(tuned):
+    """IEEE float32 on a GPU multiplies as `Options.float32_products` says (FMA by default, or
+    a split product on the tensor cores); allow_tf32 still means TF32, and
+    a name Triton does not take is refused by name."""
+    cuda = torch.device("cuda")
+    assert launch.input_precision(torch.float32, cuda) == "ieee"
+    tuned(launch.TUNING, float32_products="tf32x3")
+    assert launch.input_precision(torch.float32, cuda) == "tf32x3"
+    assert launch.input_precision(torch.float16, cuda) == "ieee"
+    assert launch.input_precision(torch.float32, torch.device("cpu")) == "ieee"  # the interpreter's products
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert launch.input_precision(torch.float32, cuda) == "tf32"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    tuned(launch.TUNING, float32_products="fp32x9")
+    with pytest.raises(ValueError, match="float32_products='fp32x9'"):
+        launch.input_precision(torch.float32, cuda)

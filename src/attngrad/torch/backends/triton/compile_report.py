@@ -31,7 +31,10 @@ from ...precision import compute_dtype
 
 PASSES = ("forward", "backward", "jvp", "backward_jvp", "double_backward")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-          "float32-tf32": torch.float32, "float64": torch.float64}
+          "float32-tf32": torch.float32, "float32-tf32x3": torch.float32, "float32-bf16x6": torch.float32,
+          "float64": torch.float64}
+# float32 dtypes' products on the tensor cores, by name (Triton's input_precision)
+PRODUCTS = {"float32-tf32": "tf32", "float32-tf32x3": "tf32x3", "float32-bf16x6": "bf16x6"}
 WIDTHS = (64, 128, 256)
 ARCHS = (80, 90)
 # What each feature set turns on: "plain" nothing; "all" every option that adds code to a
@@ -43,7 +46,7 @@ ARCHS = (80, 90)
 FEATURES = ("plain", "all", "broadcast-bias", "light")
 # Where a spill fails the check: head widths up to 128 in float16, bfloat16 and float32.
 NO_SPILL_WIDTH = 128
-NO_SPILL_DTYPES = ("float16", "bfloat16", "float32", "float32-tf32")
+NO_SPILL_DTYPES = ("float16", "bfloat16", "float32", "float32-tf32")  # the split products are opt-in, untimed
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ class _Recorder:
 
 
 @contextlib.contextmanager
-def _recording(into: list, tf32: bool, arch: int) -> Iterator[None]:
+def _recording(into: list, products: str, arch: int) -> Iterator[None]:
     """Launches recorded instead of run, with the tiles of a GPU of compute capability
     `arch` (and TF32 for float32 if asked)."""
     from . import kernels, launch
@@ -111,8 +114,8 @@ def _recording(into: list, tf32: bool, arch: int) -> Iterator[None]:
     launch.kernels = types.SimpleNamespace(**{n: _Recorder(getattr(kernels, n), into) for n in names})
     launch.on_gpu = lambda call: True
     launch.arch_of = lambda device: arch
-    if tf32:
-        launch.input_precision = lambda dtype, device: "tf32" if dtype == torch.float32 else "ieee"
+    if products != "ieee":
+        launch.input_precision = lambda dtype, device: products if dtype == torch.float32 else "ieee"
     try:
         yield
     finally:
@@ -145,7 +148,7 @@ def _call(dtype: torch.dtype, width: int, features: str) -> tuple[AttentionCall,
     return call, tangents
 
 
-def record_launches(dtype: torch.dtype, width: int, features: str, tf32: bool = False,
+def record_launches(dtype: torch.dtype, width: int, features: str, products: str = "ieee",
                     passes: Sequence[str] = PASSES, arch: int = 90) -> list[Launch]:
     """The launches of the given passes of one call on a GPU of compute capability `arch`:
     forward, backward with the bias gradient, JVP, the backward's JVP and the double
@@ -166,7 +169,7 @@ def record_launches(dtype: torch.dtype, width: int, features: str, tf32: bool = 
                                                           gk=t.get("tk"), gv=t.get("tv"), gbias=t.get("tbias")),
     }
     into: list = [[""]]
-    with _recording(into, tf32, arch):
+    with _recording(into, products, arch):
         for name in passes:
             into[0][0] = name
             runs[name]()
@@ -274,7 +277,8 @@ def compile_report(dtypes: Sequence[str] = tuple(DTYPES), widths: Sequence[int] 
             for feature in features:
                 for arch in archs:
                     for record in record_launches(DTYPES[dtype_name], width, feature,
-                                                  tf32=dtype_name.endswith("tf32"), passes=passes, arch=arch):
+                                                  products=PRODUCTS.get(dtype_name, "ieee"), passes=passes,
+                                                  arch=arch):
                         key = (arch, record.kernel.__name__, str(record.options),
                                tuple(sorted((k, str(v)) for k, v in _named_constexprs(record).items())))
                         if key in seen:

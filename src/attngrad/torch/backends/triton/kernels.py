@@ -15,9 +15,14 @@ backward adds dQ's parts in an order fixed by counters, `add_in_order`).
     bias_side   per block of the bias's own shape: dbias (or its tangent, or g_bias),
                 summed over the axes the bias broadcasts along
 
+Each walk takes its block's tiles from a list (`launch._walk_lists`) in two loops: those
+that need no masking (`block_map.unmasked_tiles`: the masks neither read nor applied), then
+the others; no branch in either, so that Triton pipelines both.
+
 Shapes: q (B, H, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), any strides; row statistics
-(B, H, Lq) contiguous; the block map (B, H, query blocks, key blocks) int8 (1 = empty) and
-the walks' ranges (B, H, blocks, 2) [first, stop) may be expanded views (stride 0). The
+(B, H, Lq) contiguous; the walks' lists (B, H, blocks, 2 + other blocks), the walks' ranges
+(B, H, blocks, 2) [first, stop) and the block map (B, H, query blocks, key blocks) int8
+(1 = empty; bias_side's) may be expanded views (stride 0). The
 mask and bias arguments are 4-D views broadcast to (B, H, Lq, Lk) by their strides.
 fmeta (float64): [scale, cap, 1 / cap, 1 / (1 - p)]; meta (int64): `tile_ops.keep_scale`.
 
@@ -30,7 +35,8 @@ Arguments come packed in Triton's tuple arguments, built once per call (`launch.
     masks       what `tile_ops.scores` reads: (bias, its strides, mask, its strides, key bounds,
                 their (batch, row) strides, the mask kept per block's index, its (batch, head,
                 row) strides, its tiles)
-    tile_map    (the block map, its strides); walks (their ranges, their first three strides)
+    walks       (the walks' lists, their first three strides); the ranges and the block map
+                likewise, where a kernel takes them
     sizes       `tile_ops.Sizes` (H, G, Lq, Lk, D, DV, causal)
     SW          the call's constexprs, one `tile_ops.Switches`; a pass's own (MODE, CENTRE,
                 the HAS_ of its second inputs, ...) stay apart
@@ -61,7 +67,9 @@ from .tile_ops import (
     operand,
     score_form,
     scores,
+    segment,
     tile_terms,
+    walk_list,
     whole,
 )
 
@@ -90,11 +98,9 @@ def row_dot(DO, O, DELTA, sd, so, H, Lq, DV, BM: tl.constexpr, BDV: tl.constexpr
 
 
 @triton.jit
-def forward(tensors, strides, masks, meta, fmeta, tile_map, walks, sizes, SW: tl.constexpr):
+def forward(tensors, strides, masks, meta, fmeta, walks, sizes, SW: tl.constexpr):
     Q, K, V, O, M, INV = tensors
     sq, sk, sv, so = strides
-    tmap, st = tile_map
-    rng, sr = walks
     H, G, Lq, Lk, D, DV, causal = sizes
     BM: tl.constexpr = SW.BM
     BN: tl.constexpr = SW.BN
@@ -116,14 +122,15 @@ def forward(tensors, strides, masks, meta, fmeta, tile_map, walks, sizes, SW: tl
     m_i = tl.full((BM,), float("-inf"), ACC)
     l_i = tl.zeros((BM,), ACC)
     acc = tl.zeros((BM, BDV), ACC)
-    walk = rng + b * sr[0] + h * sr[1] + qb * sr[2]
-    tiles = tmap + b * st[0] + h * st[1] + qb * st[2]
-    for kb in range(tl.load(walk), tl.load(walk + 1)):
-        if SW.DENSE or tl.load(tiles + kb * st[3]) == 0:
+    order, n_in, n_all = walk_list(walks, b, h, qb)
+    for part in tl.static_range(0 if SW.SPLIT else 1, 2):  # the tiles that need no masking, then the others
+        lo, hi = segment(0, n_in, n_all, part == 1, SW.SPLIT)
+        for i in range(lo, hi):
+            kb = tl.load(order + i)
             offs_n = kb * BN + tl.arange(0, BN)
             k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
             qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
-            s, _ = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW)
+            s, _ = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW, part == 1)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: any finite shift
             alpha = tl.exp(m_i - shift)
@@ -147,7 +154,7 @@ def forward(tensors, strides, masks, meta, fmeta, tile_map, walks, sizes, SW: tl
 
 
 @triton.jit
-def jvp(tensors, strides, tbias, stb, masks, meta, fmeta, tile_map, walks, sizes, HAS_TQ: tl.constexpr,
+def jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, HAS_TQ: tl.constexpr,
         HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_TBIAS: tl.constexpr, SW: tl.constexpr,
         CENTRE: tl.constexpr = False, SINK: tl.constexpr = False):
     """O' = (P' Z) V + (P Z) V' with P' = P (S' - t), t = rowsum(P S'), in one walk. With
@@ -163,8 +170,6 @@ def jvp(tensors, strides, tbias, stb, masks, meta, fmeta, tile_map, walks, sizes
     and m are the forward's."""
     Q, K, V, TQ, TK, TV, OT, M, INV = tensors
     sq, sk, sv, so = strides
-    tmap, st = tile_map
-    rng, sr = walks
     H, G, Lq, Lk, D, DV, causal = sizes
     BM: tl.constexpr = SW.BM
     BN: tl.constexpr = SW.BN
@@ -197,14 +202,15 @@ def jvp(tensors, strides, tbias, stb, masks, meta, fmeta, tile_map, walks, sizes
     p_sum = tl.zeros((BM,), ACC)  # rowsum(P), what x moves by per unit of c
     acc_o = tl.zeros((BM, BDV), ACC)
     acc_s = tl.zeros((BM, BDV), ACC)
-    walk = rng + b * sr[0] + h * sr[1] + qb * sr[2]
-    tiles = tmap + b * st[0] + h * st[1] + qb * st[2]
-    for kb in range(tl.load(walk), tl.load(walk + 1)):
-        if SW.DENSE or tl.load(tiles + kb * st[3]) == 0:
+    order, n_in, n_all = walk_list(walks, b, h, qb)
+    for part in tl.static_range(0 if SW.SPLIT else 1, 2):  # the tiles that need no masking, then the others
+        lo, hi = segment(0, n_in, n_all, part == 1, SW.SPLIT)
+        for i in range(lo, hi):
+            kb = tl.load(order + i)
             offs_n = kb * BN + tl.arange(0, BN)
             k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
             qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
-            s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW)
+            s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW, part == 1)
             p = tl.exp(s - m_row[:, None]) * inv[:, None]
             tk = None
             if HAS_TK:
@@ -261,7 +267,7 @@ def _at(values, where):
 
 
 @triton.jit
-def row_sums(tensors, strides, cbias, sc, masks, meta, fmeta, tile_map, walks, sizes, MODE: tl.constexpr,
+def row_sums(tensors, strides, cbias, sc, masks, meta, fmeta, walks, sizes, MODE: tl.constexpr,
              HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr, HAS_DO2: tl.constexpr,
              HAS_C: tl.constexpr, SW: tl.constexpr, CENTRE: tl.constexpr = False, SINK: tl.constexpr = False):
     """The whole-row sums a backward-type pass needs before its walks, for the form F (S' or
@@ -279,8 +285,6 @@ def row_sums(tensors, strides, cbias, sc, masks, meta, fmeta, tile_map, walks, s
     0, F = 0, dP = 0 and E = 0 (so b = -D and g_P = t D), and the first peak of a row."""
     Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS = tensors
     sq, sk, sv, sd = strides
-    tmap, st = tile_map
-    rng, sr = walks
     H, G, Lq, Lk, D, DV, causal = sizes
     BM: tl.constexpr = SW.BM
     BN: tl.constexpr = SW.BN
@@ -327,15 +331,16 @@ def row_sums(tensors, strides, cbias, sc, masks, meta, fmeta, tile_map, walks, s
     b_top = tl.zeros((BM,), ACC)  # b* = b at the peak
     if CENTRE and SINK:
         b_top = -d_row
-    walk = rng + b * sr[0] + h * sr[1] + qb * sr[2]
-    tiles = tmap + b * st[0] + h * st[1] + qb * st[2]
-    for kb in range(tl.load(walk), tl.load(walk + 1)):
-        if SW.DENSE or tl.load(tiles + kb * st[3]) == 0:
+    order, n_in, n_all = walk_list(walks, b, h, qb)
+    for part in tl.static_range(0 if SW.SPLIT else 1, 2):  # the tiles that need no masking, then the others
+        lo, hi = segment(0, n_in, n_all, part == 1, SW.SPLIT)
+        for i in range(lo, hi):
+            kb = tl.load(order + i)
             offs_n = kb * BN + tl.arange(0, BN)
             k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
             v = operand(V + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, Lk, DV, BDV, SDV)
             qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
-            s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW)
+            s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW, part == 1)
             p = tl.exp(s - m_row[:, None]) * inv[:, None]
             k2 = None
             if HAS_K2:
@@ -406,7 +411,7 @@ def row_sums(tensors, strides, cbias, sc, masks, meta, fmeta, tile_map, walks, s
 
 
 @triton.jit
-def query_side(tensors, OUT_Q, OUT_DO, DBIAS, strides, sg, cbias, sc, masks, meta, fmeta, tile_map, walks, sizes,
+def query_side(tensors, OUT_Q, OUT_DO, DBIAS, strides, sg, cbias, sc, masks, meta, fmeta, walks, sizes,
                MODE: tl.constexpr, HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr,
                HAS_DO2: tl.constexpr, HAS_C: tl.constexpr, DOUT_GRAD: tl.constexpr, BIAS_DIRECT: tl.constexpr,
                SW: tl.constexpr, CENTRE: tl.constexpr = False):
@@ -416,8 +421,6 @@ def query_side(tensors, OUT_Q, OUT_DO, DBIAS, strides, sg, cbias, sc, masks, met
     OUT_Q and OUT_DO are contiguous."""
     Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS = tensors
     sq, sk, sv, sd = strides
-    tmap, st = tile_map
-    rng, sr = walks
     H, G, Lq, Lk, D, DV, causal = sizes
     BM: tl.constexpr = SW.BM
     BN: tl.constexpr = SW.BN
@@ -454,15 +457,16 @@ def query_side(tensors, OUT_Q, OUT_DO, DBIAS, strides, sg, cbias, sc, masks, met
         sums = load_row_sums(ROW_SUMS + rows * SUMS, offs_m, Lq, CENTRE)
     acc_q = tl.zeros((BM, BD), ACC)
     acc_do = tl.zeros((BM, BDV), ACC)
-    walk = rng + b * sr[0] + h * sr[1] + qb * sr[2]
-    tiles = tmap + b * st[0] + h * st[1] + qb * st[2]
-    for kb in range(tl.load(walk), tl.load(walk + 1)):
-        if SW.DENSE or tl.load(tiles + kb * st[3]) == 0:
+    order, n_in, n_all = walk_list(walks, b, h, qb)
+    for part in tl.static_range(0 if SW.SPLIT else 1, 2):  # the tiles that need no masking, then the others
+        lo, hi = segment(0, n_in, n_all, part == 1, SW.SPLIT)
+        for i in range(lo, hi):
+            kb = tl.load(order + i)
             offs_n = kb * BN + tl.arange(0, BN)
             k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
             v = operand(V + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, Lk, DV, BDV, SDV)
             qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
-            s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW)
+            s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW, part == 1)
             p = tl.exp(s - m_row[:, None]) * inv[:, None]
             z = None
             if SW.DROPOUT:
@@ -541,25 +545,25 @@ def add_in_order(DQ, LOCKS, part, rows, offs_m, offs_d, Lq, D, lock, rank, WAIT:
 
 
 @triton.jit
-def key_side(tensors, OUT_K, OUT_V, strides, cbias, sc, masks, meta, fmeta, tile_map, walks, sizes, MODE: tl.constexpr,
+def key_side(tensors, OUT_K, OUT_V, strides, cbias, sc, masks, meta, fmeta, walks, sizes, MODE: tl.constexpr,
              HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr, HAS_DO2: tl.constexpr,
-             HAS_C: tl.constexpr, SW: tl.constexpr, DQ=None, LOCKS=None, key_walks=None, FUSED: tl.constexpr = False,
-             ROTATE: tl.constexpr = False, WAIT: tl.constexpr = False, CENTRE: tl.constexpr = False):
+             HAS_C: tl.constexpr, SW: tl.constexpr, DQ=None, LOCKS=None, key_walks=None, query_ranges=None,
+             FUSED: tl.constexpr = False, ROTATE: tl.constexpr = False, WAIT: tl.constexpr = False,
+             CENTRE: tl.constexpr = False):
     """Per key block of one key/value head, over the G query heads of its group in order:
     OUT_K = scale (A2^T Q + A^T Q2) and OUT_V = W^T dO + (P Z)^T dO2 (dK and dV, their
-    tangents, or g_K and g_V; `tile_ops.tile_terms`). walks: each key block's query blocks.
-    OUT_K and OUT_V are contiguous (B, Hkv, Lk, .).
+    tangents, or g_K and g_V; `tile_ops.tile_terms`). walks: each key block's query blocks,
+    as lists. OUT_K and OUT_V are contiguous (B, Hkv, Lk, .).
 
     FUSED (the backward of a call whose walks are contiguous runs): also adds each tile's
     dS K into DQ, a zeroed (B, H, Lq, D) buffer in ACC, in the fixed order of `dq_rank`
-    (LOCKS: one counter per query block, zeroed; key_walks: each query block's key blocks), so
+    (LOCKS: one counter per query block, zeroed; key_walks and query_ranges: each query block's
+    key blocks and each key block's query blocks, as ranges, every tile masked), so
     that no query-side walk recomputes S and dP: 5 products per tile instead of 7. Without
     ROTATE the programs take the key blocks from the last down, so that each waits only on
     programs launched before it."""
     Q, K, V, DO, Q2, K2, V2, DO2, M, INV, DELTA, ROW_SUMS = tensors
     sq, sk, sv, sd = strides
-    tmap, st = tile_map
-    qrng, sr = walks
     H, G, Lq, Lk, D, DV, causal = sizes
     BM: tl.constexpr = SW.BM
     BN: tl.constexpr = SW.BN
@@ -593,14 +597,25 @@ def key_side(tensors, OUT_K, OUT_V, strides, cbias, sc, masks, meta, fmeta, tile
     acc_v = tl.zeros((BN, BDV), ACC)
     for g in range(G):
         h = hk * G + g
-        walk = qrng + b * sr[0] + h * sr[1] + kb * sr[2]
         rows = (b * H + h) * Lq
-        first = tl.load(walk)
-        for i in range(first, tl.load(walk + 1)):
-            qb = i
-            if ROTATE:
-                qb = (kb + i) % tl.cdiv(Lq, BM)
-            if SW.DENSE or tl.load(tmap + b * st[0] + h * st[1] + qb * st[2] + kb * st[3]) == 0:
+        if FUSED:  # a contiguous run of query blocks, every tile in the masked loop
+            qrng, sr = query_ranges
+            order = qrng + b * sr[0] + h * sr[1] + kb * sr[2]
+            first = tl.load(order)
+            n_in = first
+            n_all = tl.load(order + 1)
+        else:
+            first = 0
+            order, n_in, n_all = walk_list(walks, b, h, kb)
+        for part in tl.static_range(0 if SW.SPLIT else 1, 2):  # the tiles that need no masking, then the others
+            lo, hi = segment(first, n_in, n_all, part == 1, SW.SPLIT)
+            for i in range(lo, hi):
+                if FUSED:
+                    qb = i
+                    if ROTATE:
+                        qb = (kb + i) % tl.cdiv(Lq, BM)
+                else:
+                    qb = tl.load(order + i)
                 offs_m = qb * BM + tl.arange(0, BM)
                 q = operand(Q + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, Lq, D, BD, SD)
                 do = operand(DO + b * sd[0] + h * sd[1], sd[2], sd[3], offs_m, Lq, DV, BDV, SDV)
@@ -611,7 +626,7 @@ def key_side(tensors, OUT_K, OUT_V, strides, cbias, sc, masks, meta, fmeta, tile
                 if MODE != 0:
                     sums = load_row_sums(ROW_SUMS + rows * SUMS, offs_m, Lq, CENTRE)
                 qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
-                s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW)
+                s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW, part == 1)
                 p = tl.exp(s - m_row[:, None]) * inv[:, None]
                 z = None
                 if SW.DROPOUT:
@@ -638,14 +653,14 @@ def key_side(tensors, OUT_K, OUT_V, strides, cbias, sc, masks, meta, fmeta, tile
                     if HAS_DO2:
                         acc_v += mm(tl.trans(pz).to(DO2.dtype.element_ty), whole(do2, BDV, SDV), IP, ACC)
                 if FUSED:
-                    part = mm(da2.to(K.dtype.element_ty), whole(k, BD, SD), IP, ACC)
+                    dq_part = mm(da2.to(K.dtype.element_ty), whole(k, BD, SD), IP, ACC)
                     n_q = tl.cdiv(Lq, BM)
                     stop = 0
                     if not ROTATE:
                         krng, skr = key_walks
                         stop = tl.load(krng + b * skr[0] + h * skr[1] + qb * skr[2] + 1)
                     rank = dq_rank(kb, qb, i - first, n_q, tl.num_programs(0), stop, ROTATE)
-                    add_in_order(DQ, LOCKS, part, rows, offs_m, offs_d, Lq, D, (b * H + h) * n_q + qb, rank, WAIT)
+                    add_in_order(DQ, LOCKS, dq_part, rows, offs_m, offs_d, Lq, D, (b * H + h) * n_q + qb, rank, WAIT)
     out_rows = (b * hkv + hk) * Lk + offs_n
     tl.store(OUT_K + out_rows[:, None] * D + offs_d[None, :], (acc_k * scale).to(OUT_K.dtype.element_ty),
              mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D))
@@ -797,7 +812,7 @@ def bias_side(tensors, DBIAS, strides, sg, cbias, sc, masks, meta, fmeta, tile_m
                         if MODE != 0:
                             sums = load_row_sums(ROW_SUMS + rows * SUMS, offs_m, Lq, CENTRE)
                         qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
-                        s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW)
+                        s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW, True)
                         p = tl.exp(s - m_row[:, None]) * inv[:, None]
                         z = None
                         if SW.DROPOUT:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -30,7 +30,7 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from ...masks import version_cache
-from ...masks.block_map import ScoreFilter, empty_tiles
+from ...masks.block_map import ScoreFilter, empty_tiles, unmasked_tiles
 from ...op.call import AttentionCall, PassInputs
 from ...op.dropout import as_int64, keep_value, threshold
 from ...op.key_constant_bias import is_key_constant, rows_to_bias, sink_share
@@ -43,9 +43,10 @@ from .tile_ops import BACKWARD, BACKWARD_JVP, DOUBLE_BACKWARD, SUMS, Sizes, Swit
 @dataclass(frozen=True)
 class Blocks:
     """A kernel's tile (rows x keys), its launch shape on a GPU, the columns of the head width
-    its products over that width take at a time (0: the whole width at once), and the
+    its products over that width take at a time (0: the whole width at once), the
     registers per thread ptxas may use (0: its own choice, which can stop at 128 and spill
-    where 255 would not)."""
+    where 255 would not), and whether its walks take the tiles that need no masking in a
+    loop of their own (`tile_ops.segment`; off where the second loop made them spill)."""
 
     rows: int
     keys: int
@@ -53,6 +54,7 @@ class Blocks:
     stages: int = 2
     slice: int = 0
     registers: int = 0
+    split: bool = True
 
 
 
@@ -66,14 +68,17 @@ class Blocks:
 # columns (32 in half precision) with 255 registers, not swept (float64 at d <= 128: at
 # most 300 bytes of spills, from 18 KB over the whole width). Any other key gets 16x16
 # with 4 warps. docs/gpu.md says why the tiles shrink with the pass and why the slices.
+# The walks' lists (2026-11-29) made eleven entries spill, pipelined or not: each took the
+# first candidate of `benchmarks/tile_candidates.py` that compiles clean (its own tile with
+# 255 registers, or its walks in one loop, or one stage, or half its rows), not yet timed.
 _TABLE: dict[tuple[str, str, int], Blocks] = {
-    ("forward", "half", 64): Blocks(128, 64, 8, 2),
-    ("forward", "half", 128): Blocks(64, 64, 8, 2),
+    ("forward", "half", 64): Blocks(64, 64, 8, 2),
+    ("forward", "half", 128): Blocks(64, 64, 8, 2, registers=255, split=False),
     ("forward", "half", 256): Blocks(64, 32, 8, 2),
     ("forward", "float32", 64): Blocks(64, 32, 8, 2),
-    ("forward", "float32", 128): Blocks(64, 32, 8, 2, slice=32),
+    ("forward", "float32", 128): Blocks(64, 32, 8, 1, slice=32, registers=255),
     ("forward", "float32", 256): Blocks(32, 32, 8, 2),
-    ("forward", "tf32", 64): Blocks(128, 64, 8, 2, slice=32),
+    ("forward", "tf32", 64): Blocks(64, 64, 8, 2, slice=32),
     ("forward", "tf32", 128): Blocks(64, 64, 8, 2, slice=64),
     ("forward", "tf32", 256): Blocks(32, 32, 8, 2),
     ("forward", "float64", 64): Blocks(64, 64, 8, 2, slice=16),
@@ -86,22 +91,22 @@ _TABLE: dict[tuple[str, str, int], Blocks] = {
     ("jvp", "tf32", 64): Blocks(64, 32, 8, 1, slice=32),
     ("jvp", "tf32", 128): Blocks(32, 32, 8, 1, slice=64),
     ("backward", "half", 64): Blocks(64, 32, 8, 1),
-    ("backward", "half", 128): Blocks(64, 32, 8, 1, slice=16),
-    ("backward", "float32", 64): Blocks(64, 32, 8, 1, registers=255),
-    ("backward", "float32", 128): Blocks(32, 32, 8, 1, slice=32, registers=255),
+    ("backward", "half", 128): Blocks(32, 32, 8, 1, slice=16, registers=255),
+    ("backward", "float32", 64): Blocks(32, 32, 8, 1, registers=255),
+    ("backward", "float32", 128): Blocks(16, 32, 8, 1, slice=32, registers=255),
     ("backward", "tf32", 64): Blocks(32, 32, 8, 1, slice=32, registers=255),
     ("backward", "tf32", 128): Blocks(32, 32, 8, 1, slice=64, registers=255),
     ("backward_jvp", "half", 64): Blocks(32, 32, 8, 1, slice=32, registers=255),  # ptxas's own choice spilled 12 B
-    ("backward_jvp", "half", 128): Blocks(32, 32, 8, 1, slice=64, registers=255),
+    ("backward_jvp", "half", 128): Blocks(32, 32, 8, 1, slice=64, registers=255, split=False),
     ("backward_jvp", "float32", 64): Blocks(16, 16, 8, 1, slice=32, registers=255),
     # centred (`kernels.row_sums`), the float32 key side of these two took 16x16 w4 and slices of
     # 32 (backward's JVP) or 64 to compile for sm_80 without spills (Triton 3.9; not timed)
     ("backward_jvp", "float32", 128): Blocks(16, 16, 4, 1, slice=32, registers=255),
-    ("backward_jvp", "tf32", 64): Blocks(32, 32, 8, 1, slice=32, registers=255),
+    ("backward_jvp", "tf32", 64): Blocks(16, 32, 8, 1, slice=32, registers=255),
     ("backward_jvp", "tf32", 128): Blocks(32, 16, 8, 1, slice=64),
     ("double_backward", "half", 64): Blocks(32, 32, 8, 1, slice=32, registers=255),
-    ("double_backward", "half", 128): Blocks(32, 32, 8, 1, slice=64),
-    ("double_backward", "float32", 64): Blocks(32, 16, 8, 1, slice=32, registers=255),
+    ("double_backward", "half", 128): Blocks(32, 32, 8, 1, slice=64, registers=255),
+    ("double_backward", "float32", 64): Blocks(16, 16, 8, 1, slice=32, registers=255),
     ("double_backward", "float32", 128): Blocks(16, 16, 4, 1, slice=64, registers=255),
     ("double_backward", "tf32", 64): Blocks(32, 16, 8, 1, slice=32, registers=255),  # ptxas's own spilled row_sums
     ("double_backward", "tf32", 128): Blocks(32, 16, 8, 1, slice=64),
@@ -116,9 +121,10 @@ MAX_WIDTH = 256
 # Hopper (sm_90) tiles for light calls: no bias, boolean mask, block mask, softcap or
 # dropout (causal, key bounds and GQA allowed). Such a call keeps fewer values per score,
 # so larger tiles fit 255 registers; these were the fastest, on an H200 with the walks
-# pipelined (Triton 3.6; `benchmarks/gpu_tiles.py --dense`), among those that compile for
-# sm_90 without spills (Triton 3.9, `attngrad gpu-report --features light`): a second stage
-# spills the backward's key_side at d = 128. Products over the whole head width: a
+# pipelined (Triton 3.6, 2026-11-27: `benchmarks/gpu_tiles.py`, each walk one masked loop
+# over a contiguous run then), among those that compile for sm_90 without spills (Triton
+# 3.9, `attngrad gpu-report --features light`): a second stage spills the backward's
+# key_side at d = 128. Products over the whole head width: a
 # slice of the width costs the tensor cores more than the registers it frees here. Other
 # GPUs and heavier calls keep `_TABLE` (sm_80 spilled at the earlier entries).
 _HOPPER_LIGHT: dict[tuple[str, str, int], Blocks] = {
@@ -137,18 +143,22 @@ class Options:
     # the interpreter runs one program at a time on NumPy: the smallest tiles tl.dot takes,
     # which also cross many block boundaries at the tests' small shapes, over the whole width
     interpreted: Blocks = Blocks(16, 16, 1, 1)
-    # a light call's walks in half precision (`is_light`: the causal diagonal, windows,
-    # documents and padding keep every row's and column's tiles contiguous; `_dense` checks
-    # it) leave the tile map unread (DENSE), so their loops carry no branch and Triton
-    # pipelines them (sm_90: the forward's shared memory 24 -> 104 KiB at 3 stages). Other
-    # calls read it: their tiles were chosen without pipelining (`gpu_tiles.py --dense`)
-    dense_walks: bool = True
+    # each walk takes the tiles that need no masking first, in a loop that applies none (no
+    # mask, bounds or causal test read, the bias loaded unmasked), then the others in a loop
+    # that applies them (`_walk_lists`). Off: every tile in the second loop, in key order
+    # (a sweep's A/B; the sums' order, so their rounding, differs between the two)
+    interior_tiles: bool = True
     # the backward of a light call whose walks are contiguous runs (`Plan.fused`): one walk
     # per key block that adds its parts of dQ in a fixed order (`kernels.dq_rank`), 5
     # products per tile where query_side and key_side take 7; in half precision on a GPU,
     # everywhere in the interpreter. Off: on an H200 it took 1.29-1.57x the split backward's
     # time, the ordered adds' waits and loads being the cost (docs/gpu.md)
     fused_backward: bool = False
+    # IEEE float32's products (allow_tf32 off): "ieee", FMA on the CUDA cores, or a split
+    # product on the tensor cores, "tf32x3", "bf16x3" or "bf16x6" (Triton's input_precision;
+    # TF32's tiles, uncentred as TF32 is). "ieee" until a GPU has measured the others'
+    # accuracy against float64 beside its, and their time (`gpu_check.py`, dtypes tf32x3, bf16x6)
+    float32_products: str = "ieee"
     # the backward's key side of such a call in the keys' orientation
     # (`kernels.key_side_light`), on tiles of its own where sm_90's table has a "key_side"
     # entry. Off until a GPU has timed it (`gpu_tiles.py --key-side`)
@@ -220,12 +230,22 @@ def _acc(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+# the split products `Options.float32_products` may name (Triton's input_precision on NVIDIA)
+SPLIT_PRODUCTS = ("tf32x3", "bf16x3", "bf16x6")
+
+
 def input_precision(dtype: torch.dtype, device: torch.device) -> str:
     """float32 GEMMs in TF32 where PyTorch's matmul may use it (on CUDA, when
-    torch.backends.cuda.matmul.allow_tf32), else in full float32 ("ieee")."""
-    if dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+    torch.backends.cuda.matmul.allow_tf32), else as `Options.float32_products` says: in full
+    float32 ("ieee", FMA on the CUDA cores) or a split product on the tensor cores."""
+    if dtype != torch.float32 or device.type != "cuda":
+        return "ieee"
+    if torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
-    return "ieee"
+    products = TUNING().float32_products
+    if products != "ieee" and products not in SPLIT_PRODUCTS:
+        raise ValueError(f"attngrad triton: float32_products={products!r}; expected 'ieee' or one of {SPLIT_PRODUCTS}")
+    return products
 
 
 def _strides(t: Optional[Tensor]) -> tuple:
@@ -278,6 +298,24 @@ def _dense(empty: Tensor, walks: Tensor) -> bool:
     return int((walks[..., 1] - walks[..., 0]).sum()) == int((~empty).sum())
 
 
+def _walk_lists(empty: Tensor, interior: Tensor) -> tuple[Tensor, Tensor]:
+    """Each query block's key blocks and each key block's query blocks to walk, as lists:
+    (..., blocks, 2 + other blocks) int32, [n interior, n kept, the interior blocks in order,
+    then the others kept in order, then padding]. Read one entry an iteration, a list leaves
+    the loops without a branch on the tile map, so that Triton pipelines them."""
+    kept, interior = torch.broadcast_tensors(~empty, interior & ~empty)
+
+    def lists(kept: Tensor, interior: Tensor) -> Tensor:
+        n = kept.shape[-1]
+        index = torch.arange(n)
+        rank = torch.where(interior, index, torch.where(kept, n + index, 2 * n + index))
+        order = rank.sort(-1).values % n
+        return torch.cat([interior.sum(-1, keepdim=True), kept.sum(-1, keepdim=True), order], -1) \
+            .to(torch.int32).contiguous()
+
+    return lists(kept, interior), lists(kept.transpose(-1, -2), interior.transpose(-1, -2))
+
+
 @functools.lru_cache(maxsize=64)
 def _on_device(values: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A few scalars as a tensor on `device`, made once per value (the kernels only read it):
@@ -285,11 +323,23 @@ def _on_device(values: tuple, dtype: torch.dtype, device: torch.device) -> Tenso
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def _block_map(call: AttentionCall, blocks: Blocks) -> tuple[Tensor, Tensor, Tensor, bool]:
-    """The tile map (1 or B, 1 or H, n_q, n_k) int8 (1: skipped), its walks (`_walks`), on
-    the call's device, for tiles of `blocks`, and whether every walk is dense (no skipped
-    tile between its first and its stop: then the kernels' DENSE leaves the map unread, and
-    their loops carry no branch, which Triton's pipeliner needs). Made on the CPU (a mask and key bounds are
+class BlockMap(NamedTuple):
+    """A call's tiles at one tile size, on its device: the tile map (1 or B, 1 or H, n_q, n_k)
+    int8 (1: skipped), the walks as ranges [first, stop) per query block and per key block
+    (`_walks`), the walks as lists (`_walk_lists`), and whether every range is dense (no
+    skipped tile between its first and its stop: the fused backward and key_side_light walk
+    the ranges then)."""
+
+    tile_map: Tensor
+    key_ranges: Tensor
+    query_ranges: Tensor
+    key_lists: Tensor
+    query_lists: Tensor
+    dense: bool
+
+
+def _block_map(call: AttentionCall, blocks: Blocks) -> BlockMap:
+    """The call's `BlockMap` for tiles of `blocks`. Made on the CPU (a mask and key bounds are
     copied there), which costs milliseconds of host time a call (20 ms for a plain call at
     L = 4096 on 2 cores), so they are kept while the mask, the bounds and the mask kept per
     block live unchanged (`version_cache`); a call with none of them keeps one per shape."""
@@ -297,17 +347,22 @@ def _block_map(call: AttentionCall, blocks: Blocks) -> tuple[Tensor, Tensor, Ten
     sources = (call.mask, call.bounds, None if mask_blocks is None else mask_blocks.index,
                None if mask_blocks is None else mask_blocks.tiles)
     len_q, len_k, device = call.q.shape[2], call.k.shape[2], call.q.device
+    split = TUNING().interior_tiles
 
-    def make() -> tuple[Tensor, Tensor, Tensor, bool]:
+    def make() -> BlockMap:
         bounds = None if call.bounds is None else call.bounds.contiguous().cpu()
         scores = ScoreFilter(len_q, len_k, call.causal, bounds, _narrowed(call.mask),
                              blocks=None if mask_blocks is None else mask_blocks.to("cpu"))
         empty = empty_tiles(scores, blocks.rows, blocks.keys)  # (1 or B, 1 or H, n_q, n_k)
-        key_walks, query_walks = _walks(empty)
-        dense = _dense(empty, key_walks) and _dense(empty, query_walks)
-        return empty.to(torch.int8).to(device), key_walks.to(device), query_walks.to(device), dense
+        interior = unmasked_tiles(scores, blocks.rows, blocks.keys) if split else torch.zeros(1, 1, 1, 1, dtype=torch.bool)
+        key_ranges, query_ranges = _walks(empty)
+        key_lists, query_lists = _walk_lists(empty, interior)
+        dense = _dense(empty, key_ranges) and _dense(empty, query_ranges)
+        return BlockMap(empty.to(torch.int8).to(device), key_ranges.to(device), query_ranges.to(device),
+                        key_lists.to(device), query_lists.to(device), dense)
 
-    return version_cache.value("triton_block_map", (len_q, len_k, call.causal, blocks.rows, blocks.keys, device), sources, make)
+    return version_cache.value("triton_block_map", (len_q, len_k, call.causal, blocks.rows, blocks.keys, split, device),
+                               sources, make)
 
 
 class Plan:
@@ -340,10 +395,13 @@ class Plan:
         self.fmeta = _on_device((call.scale, cap, 1.0 / cap if cap else 0.0, keep_value(call.dropout_p)),
                                 torch.float64, self.device)
         mask_blocks = call.blocks
-        tile_map, key_walks, query_walks, dense = _block_map(call, blocks)
-        self.tile_map = tile_map.expand(self.B, self.H, self.n_q, self.n_k)
-        key_walks = key_walks.expand(self.B, self.H, self.n_q, 2)
-        query_walks = query_walks.expand(self.B, self.H, self.n_k, 2)
+        tiles = _block_map(call, blocks)
+        dense = tiles.dense
+        self.tile_map = tiles.tile_map.expand(self.B, self.H, self.n_q, self.n_k)
+        ranges = {"keys": tiles.key_ranges.expand(self.B, self.H, self.n_q, 2),
+                  "queries": tiles.query_ranges.expand(self.B, self.H, self.n_k, 2)}
+        lists = {"keys": tiles.key_lists.expand(self.B, self.H, self.n_q, 2 + self.n_k),
+                 "queries": tiles.query_lists.expand(self.B, self.H, self.n_k, 2 + self.n_q)}
         causal = 0 if call.causal is None else int(call.causal)
         block_args, block_sizes = (None, (0, 0, 0), None), (1, 1)
         if mask_blocks is not None:  # (1 or B, 1 or H, ., .) index of (T, R, K) tiles; broadcast axes of stride 0
@@ -357,17 +415,17 @@ class Plan:
         self.switches = Switches(
             HAS_BIAS=bias is not None, HAS_MASK=mask is not None, HAS_BLOCKS=mask_blocks is not None,
             MR=block_sizes[0], MK=block_sizes[1], HAS_BOUNDS=bounds is not None, CAUSAL=call.causal is not None,
-            SOFTCAP=bool(cap), DROPOUT=call.dropout_p > 0.0,
-            DENSE=dense and options.dense_walks and is_light(call) and dtype_class(q.dtype) == "half",
+            SOFTCAP=bool(cap), DROPOUT=call.dropout_p > 0.0, SPLIT=blocks.split,
             BM=blocks.rows, BN=blocks.keys, BD=padded_width(self.D), BDV=padded_width(self.DV),
             SD=_slice(blocks, self.D), SDV=_slice(blocks, self.DV), IP=input_precision(q.dtype, self.device),
             ACC=_acc(q.dtype))
         # what a walk over the tiles reads beside its own tensors, per orientation: the score
-        # masks, the dropout's and the scalars' tensors, the tile map, the walks (each query
-        # block's key blocks, or each key block's query blocks)
-        tiles = (self.tile_map, _strides(self.tile_map))
-        self.walks = {of: (walks, _strides(walks)[:3]) for of, walks in (("keys", key_walks), ("queries", query_walks))}
-        self.walk_args = {of: (self.masks, self.meta, self.fmeta, tiles, walks) for of, walks in self.walks.items()}
+        # masks, the dropout's and the scalars' tensors, the walks' lists (each query block's
+        # key blocks, or each key block's query blocks); the ranges for the walks that take
+        # contiguous runs, the tile map for bias_side's
+        self.ranges = {of: (walks, _strides(walks)[:3]) for of, walks in ranges.items()}
+        self.lists = {of: (walks, _strides(walks)[:3]) for of, walks in lists.items()}
+        self.walk_args = {of: (self.masks, self.meta, self.fmeta, self.lists[of]) for of in lists}
         # the fused backward: every walk a contiguous run (so the key blocks that add into a
         # query block are a run too). ROTATE, where every key block walks every query block,
         # waits both ways between a head's key blocks, so all of them must be resident at once:
@@ -400,7 +458,7 @@ def on_gpu(call: AttentionCall) -> bool:
 
 def _blocks(call: AttentionCall, pass_name: str) -> Blocks:
     width = max(call.q.shape[-1], call.v.shape[-1])
-    tf32 = input_precision(call.q.dtype, call.q.device) == "tf32"
+    tf32 = input_precision(call.q.dtype, call.q.device) != "ieee"  # tensor-core products take TF32's tiles
     gpu = on_gpu(call)
     return blocks_for(pass_name, call.q.dtype, width, interpreted=not gpu, tf32=tf32,
                       arch=arch_of(call.q.device) if gpu else 0, light=is_light(call))
@@ -515,7 +573,8 @@ def _backward_walks(plan: Plan, inputs: _Second, mode: int, bias_grad: bool,
     if fused:
         dq = torch.zeros(plan.B, plan.H, plan.Lq, plan.D, dtype=plan.acc_dtype, device=q.device)
         locks = torch.zeros(plan.B * plan.H * plan.n_q, dtype=torch.int32, device=q.device)
-        fused_args = dict(DQ=dq, LOCKS=locks, key_walks=plan.walks["keys"], FUSED=True, ROTATE=plan.rotate,
+        fused_args = dict(DQ=dq, LOCKS=locks, key_walks=plan.ranges["keys"],
+                          query_ranges=plan.ranges["queries"], FUSED=True, ROTATE=plan.rotate,
                           # the interpreter runs the programs in turn: in rotation none could wait
                           WAIT=on_gpu(call) or not plan.rotate)
     else:
@@ -546,7 +605,7 @@ def _key_side_light(plan: Plan, inputs: _Second, out_k: Tensor, out_v: Tensor) -
     blocks = _blocks(plan.call, "key_side")
     kplan = plan if blocks == plan.blocks else Plan(plan.call, blocks)  # the backward's own tiles, or its own
     kernels.key_side_light[(kplan.n_k, kplan.B * kplan.Hkv)](
-        inputs.tensors(), out_k, out_v, inputs.strides, kplan.key_bounds, kplan.fmeta, kplan.walks["queries"],
+        inputs.tensors(), out_k, out_v, inputs.strides, kplan.key_bounds, kplan.fmeta, kplan.ranges["queries"],
         kplan.sizes, SW=kplan.switches, **kplan.launch)
 
 
@@ -581,7 +640,8 @@ def _bias_side(plan: Plan, inputs: _Second, mode: int, bias_out: Tensor) -> None
     rows_broadcast, keys_broadcast = br == 1 and plan.Lq > 1, bk == 1 and plan.Lk > 1
     grid = (1 if rows_broadcast else plan.n_q, 1 if keys_broadcast else plan.n_k, bb * bh)
     kernels.bias_side[grid](
-        inputs.tensors(), bias_out, inputs.strides, _strides(bias_out), *inputs.c_args, *plan.walk_args["keys"],
+        inputs.tensors(), bias_out, inputs.strides, _strides(bias_out), *inputs.c_args, plan.masks, plan.meta,
+        plan.fmeta, (plan.tile_map, _strides(plan.tile_map)), plan.ranges["keys"],
         plan.B, plan.sizes, bh, MODE=mode, **inputs.switches(), BATCH_BROADCAST=bb == 1 and plan.B > 1,
         HEADS_BROADCAST=bh == 1 and plan.H > 1, ROWS_BROADCAST=rows_broadcast, KEYS_BROADCAST=keys_broadcast,
         SW=plan.switches, CENTRE=plan.centre, **plan.launch)

@@ -45,8 +45,8 @@ class Sizes(NamedTuple):
 class Switches(NamedTuple):
     """A call's constexprs at one tile size, one kernel argument (`SW`, a tuple of constexprs
     read by name): what takes part in the scores (`scores`), the mask kept per block's block
-    (MR rows x MK keys), dropout, walks that skip no tile (DENSE: the tile map unread), the tile
-    (BM x BN), the padded head widths and the columns their products take at a time, the
+    (MR rows x MK keys), dropout, whether the walks take the tiles that need no masking in a
+    loop of their own (SPLIT, `segment`), the tile (BM x BN), the padded head widths and the columns their products take at a time, the
     products' precision and the compute dtype."""
 
     HAS_BIAS: bool
@@ -58,7 +58,7 @@ class Switches(NamedTuple):
     CAUSAL: bool
     SOFTCAP: bool
     DROPOUT: bool
-    DENSE: bool
+    SPLIT: bool
     BM: int
     BN: int
     BD: int
@@ -211,13 +211,40 @@ def off_peak(values, centre, at_peak):
 
 
 @triton.jit
-def scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW: tl.constexpr):
+def walk_list(lists, b, h, own):
+    """The walk of block `own` of head (b, h) from its list (`launch._walk_lists`): (a pointer to
+    its first block, how many need no masking, how many in all)."""
+    walks, sl = lists
+    base = walks + b * sl[0] + h * sl[1] + own * sl[2]
+    return base + 2, tl.load(base), tl.load(base + 1)
+
+
+@triton.jit
+def segment(start, n_interior, n_all, MASKED: tl.constexpr, SPLIT: tl.constexpr):
+    """The positions [lo, hi) of a walk's list that its loop over the tiles needing no
+    masking (MASKED off) or over the others takes: [start, n_interior), then [n_interior,
+    n_all). Without SPLIT the masked loop takes them all, [start, n_all), and the other none."""
+    if not SPLIT:
+        if MASKED:
+            return start, n_all
+        else:
+            return start, start
+    elif MASKED:
+        return n_interior, n_all
+    else:
+        return start, n_interior
+
+
+@triton.jit
+def scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW: tl.constexpr, MASKED: tl.constexpr):
     """(S, tanh(A / c)) for the product qk = Q K^T of a tile: S = scale qk (capped: c tanh(A / c)),
     plus the bias, at -inf where the key does not take part (outside the call, past the causal
     diagonal j <= i + causal, outside the row's key bounds [lo, hi), masked out, or left out by
     the mask kept per block: entry (i, j) is btiles[blocks[b, h, i // MR, j // MK], i % MR, j % MK],
-    `mask_blocks`). Without a cap the second result is A itself, unused. sizes: `Sizes`; floats:
-    (scale, cap, 1 / cap, ...); masks: the score masks as the kernels take them (`kernels`)."""
+    `mask_blocks`). Without MASKED the tile is one every entry of which takes part
+    (`block_map.unmasked_tiles`): none of that is read or applied. Without a cap the second
+    result is A itself, unused. sizes: `Sizes`; floats: (scale, cap, 1 / cap, ...); masks:
+    the score masks as the kernels take them (`kernels`)."""
     scale, cap, inv_cap = floats[0], floats[1], floats[2]
     bias, sb, mask, sm, bounds, sob, blocks, sx, btiles = masks
     Lq, Lk = sizes.Lq, sizes.Lk
@@ -230,27 +257,32 @@ def scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW: tl.constexpr):
         s = a
     inside = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
     if SW.HAS_BIAS:
-        s += tl.load(bias + b * sb[0] + h * sb[1] + offs_m[:, None] * sb[2] + offs_n[None, :] * sb[3], mask=inside,
-                     other=0.0).to(s.dtype)
-    keep = inside
-    if SW.CAUSAL:
-        keep = keep & (offs_n[None, :] <= offs_m[:, None] + sizes.causal)
-    if SW.HAS_BOUNDS:
-        row = bounds + b * sob[0] + offs_m * sob[1]
-        lo = tl.load(row, mask=offs_m < Lq, other=0)
-        hi = tl.load(row + 1, mask=offs_m < Lq, other=0)
-        keep = keep & (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
-    if SW.HAS_MASK:
-        allowed = tl.load(mask + b * sm[0] + h * sm[1] + offs_m[:, None] * sm[2] + offs_n[None, :] * sm[3],
-                          mask=inside, other=0)
-        keep = keep & (allowed != 0)
-    if SW.HAS_BLOCKS:
-        # 32-bit offsets, as everywhere here: the backend refuses tensors of 2^31 elements or more
-        tile = tl.load(blocks + b * sx[0] + h * sx[1] + (offs_m // SW.MR)[:, None] * sx[2] + (offs_n // SW.MK)[None, :],
-                       mask=inside, other=0)
-        entry = tile * (SW.MR * SW.MK) + ((offs_m % SW.MR) * SW.MK)[:, None] + (offs_n % SW.MK)[None, :]
-        keep = keep & (tl.load(btiles + entry, mask=inside, other=0) != 0)
-    return tl.where(keep, s, float("-inf")), th
+        at = bias + b * sb[0] + h * sb[1] + offs_m[:, None] * sb[2] + offs_n[None, :] * sb[3]
+        if MASKED:
+            s += tl.load(at, mask=inside, other=0.0).to(s.dtype)
+        else:
+            s += tl.load(at).to(s.dtype)
+    if MASKED:
+        keep = inside
+        if SW.CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None] + sizes.causal)
+        if SW.HAS_BOUNDS:
+            row = bounds + b * sob[0] + offs_m * sob[1]
+            lo = tl.load(row, mask=offs_m < Lq, other=0)
+            hi = tl.load(row + 1, mask=offs_m < Lq, other=0)
+            keep = keep & (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+        if SW.HAS_MASK:
+            allowed = tl.load(mask + b * sm[0] + h * sm[1] + offs_m[:, None] * sm[2] + offs_n[None, :] * sm[3],
+                              mask=inside, other=0)
+            keep = keep & (allowed != 0)
+        if SW.HAS_BLOCKS:
+            # 32-bit offsets, as everywhere here: the backend refuses tensors of 2^31 elements or more
+            tile = tl.load(blocks + b * sx[0] + h * sx[1] + (offs_m // SW.MR)[:, None] * sx[2]
+                           + (offs_n // SW.MK)[None, :], mask=inside, other=0)
+            entry = tile * (SW.MR * SW.MK) + ((offs_m % SW.MR) * SW.MK)[:, None] + (offs_n % SW.MK)[None, :]
+            keep = keep & (tl.load(btiles + entry, mask=inside, other=0) != 0)
+        s = tl.where(keep, s, float("-inf"))
+    return s, th
 
 
 @triton.jit

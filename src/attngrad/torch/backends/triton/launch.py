@@ -68,7 +68,7 @@ class Blocks:
 # columns (32 in half precision) with 255 registers, not swept (float64 at d <= 128: at
 # most 300 bytes of spills, from 18 KB over the whole width). Any other key gets 16x16
 # with 4 warps. docs/gpu.md says why the tiles shrink with the pass and why the slices.
-# The walks' lists (2026-11-29) made eleven entries spill, pipelined or not: each took the
+# The branch-free walks (2026-11-29) made eleven entries spill, pipelined or not: each took the
 # first candidate of `benchmarks/tile_candidates.py` that compiles clean (its own tile with
 # 255 registers, or its walks in one loop, or one stage, or half its rows), not yet timed.
 _TABLE: dict[tuple[str, str, int], Blocks] = {

@@ -159,8 +159,8 @@ class Options:
     # TF32's tiles, uncentred as TF32 is). "ieee" until a GPU has measured the others'
     # accuracy against float64 beside its, and their time (`gpu_check.py`, dtypes tf32x3, bf16x6)
     float32_products: str = "ieee"
-    # the backward's key side of such a call in the keys' orientation
-    # (`kernels.key_side_light`), on tiles of its own where sm_90's table has a "key_side"
+    # the backward's key side of a light call whose walks are contiguous runs, in the keys'
+    # orientation (`kernels.key_side_light`), on tiles of its own where sm_90's table has a "key_side"
     # entry. Off until a GPU has timed it (`gpu_tiles.py --key-side`)
     light_key_side: bool = False
 

@@ -124,9 +124,7 @@ def _step(peer: str, case: Timed, device: str) -> Callable[[], None]:
 
 
 def peers_of(case: Timed) -> list[str]:
-    if case.mode in ("forward", "train"):
-        return ["attngrad", "torch", "flex"]
-    if case.mode == "bias":
+    if case.mode in ("forward", "train", "bias"):
         return ["attngrad", "torch", "flex"]
     if case.mode == "jvp":
         return ["attngrad", "jvp-flash", "math"]

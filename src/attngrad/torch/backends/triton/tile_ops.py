@@ -222,17 +222,15 @@ def walk_list(lists, b, h, own):
 @triton.jit
 def segment(start, n_interior, n_all, MASKED: tl.constexpr, SPLIT: tl.constexpr):
     """The positions [lo, hi) of a walk's list that its loop over the tiles needing no
-    masking (MASKED off) or over the others takes: [start, n_interior), then [n_interior,
-    n_all). Without SPLIT the masked loop takes them all, [start, n_all), and the other none."""
-    if not SPLIT:
-        if MASKED:
-            return start, n_all
-        else:
-            return start, start
-    elif MASKED:
+    masking (MASKED off; the kernels run it only with SPLIT) or over the others takes:
+    [start, n_interior), then [n_interior, n_all); without SPLIT the masked loop takes the
+    whole list, [start, n_all)."""
+    if not MASKED:
+        return start, n_interior
+    elif SPLIT:
         return n_interior, n_all
     else:
-        return start, n_interior
+        return start, n_all
 
 
 @triton.jit

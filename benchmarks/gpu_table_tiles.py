@@ -26,7 +26,7 @@ from typing import Optional
 from gpu_check import mode_step
 from tile_candidates import _candidates, check, label
 
-MODES = {"forward": "forward", "backward": "train", "jvp": "jvp", "backward_jvp": "hvp",
+MODES = {"forward": "forward", "backward": "train", "jvp": "jvp", "forward_jvp": "jvp", "backward_jvp": "hvp",
          "double_backward": "double"}
 
 

@@ -47,19 +47,23 @@ def _candidates(entry) -> list:
 
 
 def check(key: tuple, candidate) -> tuple[int, str]:
-    """(spill bytes, where) of one candidate of one entry: its pass compiled in every feature
-    set for every target, stopping at the first variant that spills or fails (0, "" if none)."""
+    """(spill bytes, where) of one candidate of one entry: its pass (and the passes that take
+    its tiles) compiled in every feature set for every target, stopping at the first variant
+    that spills or fails (0, "" if none)."""
     from attngrad.torch.backends.triton import compile_report, launch
 
     pass_name, kind, width = key
     launch._TABLE[key] = candidate
+    passes = (pass_name,)
+    if pass_name == "jvp" and ("forward_jvp", kind, width) not in launch._TABLE:  # it takes the JVP's tiles
+        passes += ("forward_jvp",)
     for dtype in KINDS[kind]:
         for features in ("all", "broadcast-bias", "light", "plain"):  # the heaviest first
             for arch in ARCHS:
                 try:
                     records = compile_report.record_launches(compile_report.DTYPES[dtype], width, features,
                                                              products=compile_report.PRODUCTS.get(dtype, "ieee"),
-                                                             passes=(pass_name,),
+                                                             passes=passes,
                                                              arch=arch)
                     for record in records:
                         _, spills, _ = compile_report.compile_launch(record, arch)

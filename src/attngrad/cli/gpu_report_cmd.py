@@ -15,7 +15,7 @@ DEFAULT_DTYPES = ("float16", "bfloat16", "float32", "float32-tf32", "float64")
 WIDTHS = (64, 128, 256)
 ARCHS = (80, 90)
 FEATURES = ("plain", "all", "broadcast-bias", "light")
-PASSES = ("forward", "backward", "jvp", "backward_jvp", "double_backward")
+PASSES = ("forward", "backward", "jvp", "forward_jvp", "backward_jvp", "double_backward")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ import math
 import types
 
 import pytest
+from hypothesis import given, settings
 
 torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
@@ -21,11 +22,12 @@ from attngrad.torch import attention, use_backend  # noqa: E402
 from attngrad.torch.backends import triton as triton_backend  # noqa: E402
 from attngrad.torch.backends.triton import launch  # noqa: E402
 from attngrad.torch.backends.triton.kernels import dq_rank  # noqa: E402
-from attngrad.torch.op import dispatch, dropout  # noqa: E402
+from attngrad.torch.op import dispatch, dropout, ops  # noqa: E402
 from attngrad.torch.op.call import ScoreMasks  # noqa: E402
 
-from ....conftest import assert_all_close, rel_err  # noqa: E402
+from ....conftest import EXACT, assert_all_close, rel_err  # noqa: E402
 from ...conftest import op_attention  # noqa: E402
+from ...op.test_forward_jvp import calls  # noqa: E402
 
 B, H, HKV, LQ, LK, D, DV = 2, 2, 1, 19, 23, 16, 8
 DOUBLE = torch.float64
@@ -701,3 +703,23 @@ def test_float32_products_are_chosen_by_the_option(tuned):
     tuned(launch.TUNING, float32_products="fp32x9")
     with pytest.raises(ValueError, match="float32_products='fp32x9'"):
         launch.input_precision(torch.float32, cuda)
+
+
+@interpreted
+@settings(max_examples=30, deadline=None)
+@given(calls())
+def test_the_forward_and_its_jvp_take_one_walk(case):
+    """float64, every option (masks whose rows see one key or none, bias and its tangent,
+    causal, soft cap, dropout, a sink, GQA, Lq != Lk, transposed inputs, absent tangents):
+    out, the row statistics (a sink's share in them) and out's tangent from the one walk
+    (`kernels.forward_jvp`) equal the tiles' forward (with `ops.add_sink`) and JVP."""
+    call, tangents = case
+    before = dispatch.ran[("forward_jvp", "triton")]
+    with use_backend("triton"):
+        fused = ops.run_pass("forward_jvp", call, tangents)
+    assert dispatch.ran[("forward_jvp", "triton")] == before + 1
+    with use_backend("tiles"):
+        out, row_max, inv_sum = ops.run_pass("forward", call, {})
+        out_t = ops.run_pass("jvp", call, dict(row_max=row_max, inv_sum=inv_sum, **tangents))
+    for name, got, want in zip(("out", "row_max", "inv_sum", "out_t"), fused, (out, row_max, inv_sum, out_t)):
+        assert rel_err(got, want) < EXACT, name

@@ -130,7 +130,8 @@ def _pass(name: str):
 
 BACKEND = dispatch.register(dispatch.Backend(
     name="triton",
-    passes={name: _pass(name) for name in ("forward", "backward", "jvp", "backward_jvp", "double_backward")},
+    passes={name: _pass(name) for name in ("forward", "backward", "jvp", "forward_jvp", "backward_jvp",
+                                          "double_backward")},
     unavailable=_unavailable,
     refuses=_refuses,
     description="fused Triton kernels: CUDA, every pass (CPU tensors in Triton's interpreter)",

@@ -29,7 +29,7 @@ from ...masks import blocks as mask_blocks
 from ...op.call import AttentionCall, ScoreMasks
 from ...precision import compute_dtype
 
-PASSES = ("forward", "backward", "jvp", "backward_jvp", "double_backward")
+PASSES = ("forward", "backward", "jvp", "forward_jvp", "backward_jvp", "double_backward")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
           "float32-tf32": torch.float32, "float32-tf32x3": torch.float32, "float32-bf16x6": torch.float32,
           "float64": torch.float64}
@@ -109,7 +109,7 @@ def _recording(into: list, products: str, arch: int) -> Iterator[None]:
     `arch` (and TF32 for float32 if asked)."""
     from . import kernels, launch
 
-    names = ("forward", "jvp", "row_sums", "query_side", "key_side", "bias_side", "row_dot", "key_side_light")
+    names = ("forward", "jvp", "forward_jvp", "row_sums", "query_side", "key_side", "bias_side", "row_dot", "key_side_light")
     saved = (launch.kernels, launch.on_gpu, launch.input_precision, launch.arch_of)
     launch.kernels = types.SimpleNamespace(**{n: _Recorder(getattr(kernels, n), into) for n in names})
     launch.on_gpu = lambda call: True
@@ -151,8 +151,8 @@ def _call(dtype: torch.dtype, width: int, features: str) -> tuple[AttentionCall,
 def record_launches(dtype: torch.dtype, width: int, features: str, products: str = "ieee",
                     passes: Sequence[str] = PASSES, arch: int = 90) -> list[Launch]:
     """The launches of the given passes of one call on a GPU of compute capability `arch`:
-    forward, backward with the bias gradient, JVP, the backward's JVP and the double
-    backward (with g_dO)."""
+    forward, backward with the bias gradient, JVP, the forward with its JVP, the backward's
+    JVP and the double backward (with g_dO)."""
     from . import launch
 
     call, t = _call(dtype, width, features)
@@ -164,6 +164,7 @@ def record_launches(dtype: torch.dtype, width: int, features: str, products: str
         "forward": lambda: launch.forward(call),
         "backward": lambda: launch.backward(call, **stats),
         "jvp": lambda: launch.jvp(call, row_max=rows, inv_sum=rows, **tangents),
+        "forward_jvp": lambda: launch.forward_jvp(call, **tangents),
         "backward_jvp": lambda: launch.backward_jvp(call, **stats, tdout=out if t else None, **tangents),
         "double_backward": lambda: launch.double_backward(call, **stats, dout_grad=True, gq=t.get("tq"),
                                                           gk=t.get("tk"), gv=t.get("tv"), gbias=t.get("tbias")),

@@ -5,6 +5,7 @@ backward adds dQ's parts in an order fixed by counters, `add_in_order`).
 
     forward     per query block: online softmax (FlashAttention-2), O, m and 1/l
     jvp         per query block: O' = sum (P Z S') V + (P Z) V' - rowsum(P S') O, one pass
+    forward_jvp per query block: forward and jvp in one online-softmax walk (O, m, 1/l and O')
     row_sums    per query block: the row sums of the backward's JVP or the double backward, centred
                 on each row's peak key (kept for the walks)
     query_side  per query block: dQ (or its tangent, or g_Q and g_dO)
@@ -249,6 +250,122 @@ def jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, HAS_TQ: 
     out = OT + b * so[0] + h * so[1] + offs_m[:, None] * so[2] + offs_dv[None, :] * so[3]
     tl.store(out, (acc_s - t_less[:, None] * acc_o).to(OT.dtype.element_ty),
              mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def forward_jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, HAS_TQ: tl.constexpr,
+                HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_TBIAS: tl.constexpr, SW: tl.constexpr,
+                CENTRE: tl.constexpr = False, SINK: tl.constexpr = False):
+    """The forward and its JVP in one walk, 6 products per tile where `forward` and `jvp` take
+    2 + 6: the online softmax of `forward` (shift m, l = rowsum(e), e = exp(S - m)) carries
+    beside (e Z) V the sums x = rowsum(e (S' - c)) and (e Z (S' - c)) V + (e Z) V', all
+    rescaled together when m moves. With CENTRE, c is S' at the most probable key so far (as
+    `jvp` centres), and moving it adds (c_old - c) times l to x and times (e Z) V to the other.
+    A sink (SINK) is an entry of score 0, S' 0 and value 0: it adds exp(-m) to l and starts c
+    at 0. Then 1/l, O = (e Z) V / l, t - c = x / l - c P_sink and
+    O' = ((e Z (S' - c)) V + (e Z) V' - (t - c) (e Z) V) / l. Row statistics as `forward`
+    leaves them with `ops.add_sink` applied; O and O' share strides (so)."""
+    Q, K, V, TQ, TK, TV, O, OT, M, INV = tensors
+    sq, sk, sv, so = strides
+    H, G, Lq, Lk, D, DV, causal = sizes
+    BM: tl.constexpr = SW.BM
+    BN: tl.constexpr = SW.BN
+    BD: tl.constexpr = SW.BD
+    BDV: tl.constexpr = SW.BDV
+    SD: tl.constexpr = SW.SD
+    IP: tl.constexpr = SW.IP
+    ACC: tl.constexpr = SW.ACC
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // G
+    floats = _floats(fmeta, ACC)  # (scale, cap, 1 / cap, 1 / (1 - p))
+    scale, keep_value = floats[0], floats[3]
+    offs_m = qb * BM + tl.arange(0, BM)
+    offs_dv = tl.arange(0, BDV)
+    q = operand(Q + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, Lq, D, BD, SD)
+    tq = None
+    if HAS_TQ:
+        tq = operand(TQ + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, Lq, D, BD, SD)
+    m_i = tl.full((BM,), float("-inf"), ACC)
+    l_i = tl.zeros((BM,), ACC)
+    x = tl.zeros((BM,), ACC)  # rowsum(e (S' - c))
+    acc_o = tl.zeros((BM, BDV), ACC)  # (e Z) V
+    acc_s = tl.zeros((BM, BDV), ACC)  # (e Z (S' - c)) V + (e Z) V'
+    centre = tl.zeros((BM,), ACC)  # c: S' at the most probable key so far
+    top = tl.full((BM,), float("-inf"), ACC)  # that key's score (a sink's 0 to start with)
+    if SINK:
+        top = tl.zeros((BM,), ACC)
+    order, n_in, n_all = walk_list(walks, b, h, qb)
+    for part in tl.static_range(0 if SW.SPLIT else 1, 2):  # the tiles that need no masking, then the others
+        lo, hi = segment(0, n_in, n_all, part == 1, SW.SPLIT)
+        for i in range(lo, hi):
+            kb = tl.load(order + i)
+            offs_n = kb * BN + tl.arange(0, BN)
+            k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
+            qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
+            s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW, part == 1)
+            tile_top = tl.max(s, 1)
+            m_new = tl.maximum(m_i, tile_top)
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: any finite shift
+            alpha = tl.exp(m_i - shift)
+            e = tl.exp(s - shift[:, None])
+            tk = None
+            if HAS_TK:
+                tk = operand(TK + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
+            t_bias = None
+            if HAS_TBIAS:
+                t_bias = load_score_like(tbias, stb, b, h, offs_m, offs_n, Lq, Lk, ACC)
+            sp, _ = score_form(q, k, tq, tk, th, t_bias, scale, SW.SOFTCAP, BD, SD, IP, ACC)
+            l_i = l_i * alpha
+            x = x * alpha
+            acc_o = acc_o * alpha[:, None]
+            acc_s = acc_s * alpha[:, None]
+            sp_less = sp
+            if CENTRE:  # a more probable key in this tile: c becomes its S', and the sums move with it
+                sp_top = tl.max(tl.where(s == tile_top[:, None], sp, float("-inf")), 1)  # (of tied keys, any will do)
+                moved = tile_top > top
+                new_centre = tl.where(moved, sp_top, centre)
+                move = tl.where(moved, centre - new_centre, 0.0)
+                x += move * l_i
+                acc_s += move[:, None] * acc_o
+                centre = new_centre
+                top = tl.where(moved, tile_top, top)
+                sp_less = sp - centre[:, None]
+            l_i += tl.sum(e, 1)
+            x += tl.sum(e * sp_less, 1)
+            if SW.DROPOUT:
+                e = e * keep_scale(meta, b, h, offs_m, offs_n, keep_value)
+            v = load_tile(V + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, offs_dv, Lk, DV)
+            acc_o += mm(e.to(v.dtype), v, IP, ACC)
+            acc_s += mm((e * sp_less).to(v.dtype), v, IP, ACC)
+            if HAS_TV:
+                tv = load_tile(TV + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, offs_dv, Lk, DV)
+                acc_s += mm(e.to(tv.dtype), tv, IP, ACC)
+            m_i = m_new
+    # l = 0 only where a row saw no key (O and O' 0); a row that a NaN or Inf reached has l
+    # NaN, and keeps 1/l, O and O' NaN. A sink's weight is exp(-m) / (l + exp(-m)) =
+    # 1 / (1 + l exp(m)), which stays finite where exp(-m) overflows (then 1/l and O are 0)
+    empty = l_i == 0
+    if SINK:
+        seen_m = tl.where(empty, 0.0, m_i)
+        inv = tl.where(empty, 0.0, 1.0 / (l_i + tl.exp(-seen_m)))
+    else:
+        inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))  # no 1 / 0 computed, even masked away
+    t_less = x * inv  # t - c, less c P_sink where a sink holds a share of the row
+    if CENTRE and SINK:
+        t_less -= centre / (1.0 + l_i * tl.exp(seen_m))
+    rows = (b * H + h) * Lq + offs_m
+    tl.store(M + rows, tl.where(m_i == float("-inf"), 0.0, m_i), mask=offs_m < Lq)
+    tl.store(INV + rows, inv, mask=offs_m < Lq)
+    at = offs_m[:, None] * so[2] + offs_dv[None, :] * so[3]
+    inside = (offs_m[:, None] < Lq) & (offs_dv[None, :] < DV)
+    out = acc_o * inv[:, None]
+    tl.store(O + b * so[0] + h * so[1] + at, tl.where(empty[:, None], 0.0, out).to(O.dtype.element_ty), mask=inside)
+    out_t = (acc_s - t_less[:, None] * acc_o) * inv[:, None]
+    tl.store(OT + b * so[0] + h * so[1] + at, tl.where(empty[:, None], 0.0, out_t).to(OT.dtype.element_ty),
+             mask=inside)
 
 
 @triton.jit

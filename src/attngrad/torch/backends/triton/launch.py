@@ -4,6 +4,7 @@ launches the kernels of `kernels` in order.
 
     forward          forward
     jvp              jvp
+    forward_jvp      forward_jvp (the two above in one walk)
     backward         row_dot (D), then query_side, key_side, then bias_side where the bias
                      gradient is reduced (a bias with the scores' own shape is written by
                      query_side); a light call whose walks are contiguous: query_side and
@@ -90,6 +91,10 @@ _TABLE: dict[tuple[str, str, int], Blocks] = {
     ("jvp", "float32", 128): Blocks(32, 16, 8, 1, slice=64),
     ("jvp", "tf32", 64): Blocks(64, 32, 8, 1, slice=32),
     ("jvp", "tf32", 128): Blocks(32, 32, 8, 1, slice=64),
+    # the fused forward and JVP takes the JVP's tiles (`blocks_for`) but here, where they spilled
+    # 120 B on sm_80 with every feature (half the keys keeps the query block's reuse of K and V;
+    # two stages compile clean too, at d = 128 they spilled 152 B on sm_90)
+    ("forward_jvp", "half", 64): Blocks(64, 32, 8, 2, slice=32),
     ("backward", "half", 64): Blocks(64, 32, 8, 1),
     ("backward", "half", 128): Blocks(32, 32, 8, 1, slice=16, registers=255),
     ("backward", "float32", 64): Blocks(32, 32, 8, 1, registers=255),
@@ -199,6 +204,8 @@ def blocks_for(pass_name: str, dtype: torch.dtype, width: int, interpreted: bool
         return _HOPPER_LIGHT[key]
     if pass_name == "key_side":  # the backward's tiles, where the key side has none of its own
         return blocks_for("backward", dtype, width, interpreted, tf32, arch, light)
+    if pass_name == "forward_jvp" and key not in _TABLE:  # the JVP's, which holds as much per row
+        return blocks_for("jvp", dtype, width, interpreted, tf32, arch, light)
     return _TABLE.get(key, Blocks(16, 16, 4, 1))
 
 
@@ -502,6 +509,26 @@ def jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> Tensor:
         HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None, HAS_TBIAS=tbias is not None,
         SW=plan.switches, CENTRE=plan.centre, SINK=call.sink, **plan.launch)
     return out_t
+
+
+def forward_jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, row_max, inv_sum, out's tangent) from one walk (`kernels.forward_jvp`): 6
+    products per tile where the forward and the JVP take 8; a sink's share already in out
+    and inv_sum, as `ops.add_sink` gives the forward's."""
+    plan = _plan(call, "forward_jvp")
+    q, tq = _same_strides(call.q, inputs["tq"])
+    k, tk = _same_strides(call.k, inputs["tk"])
+    v, tv = _same_strides(call.v, inputs["tv"])
+    tbias = inputs["tbias"]
+    out = torch.empty(plan.B, plan.H, plan.Lq, plan.DV, dtype=q.dtype, device=q.device)
+    out_t = torch.empty_like(out)
+    row_max, inv_sum = plan.rows(), plan.rows()
+    t_bias = _as_scores(tbias, plan.scores_shape)
+    kernels.forward_jvp[(plan.n_q, plan.B * plan.H)](
+        (q, k, v, tq, tk, tv, out, out_t, row_max, inv_sum), _strides_of(q, k, v, out), t_bias, _strides(t_bias),
+        *plan.walk_args["keys"], plan.sizes, HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
+        HAS_TBIAS=tbias is not None, SW=plan.switches, CENTRE=plan.centre, SINK=call.sink, **plan.launch)
+    return out, row_max, inv_sum, out_t
 
 
 class _Second:

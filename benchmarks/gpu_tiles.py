@@ -10,12 +10,15 @@ for spills by `attngrad gpu-report --features light plain`).
     python benchmarks/gpu_tiles.py --split --out DIR         # walks split by masking against whole ones
     python benchmarks/gpu_tiles.py --fused --out DIR         # the fused backward against the split one
     python benchmarks/gpu_tiles.py --key-side --out DIR      # key_side_light against key_side
+    python benchmarks/gpu_tiles.py --exp2 --out DIR          # scores in base 2 against natural
 
 `--split` times the walks that take the tiles needing no masking in a loop of their own
 (`launch.Options.interior_tiles`, the default) against walks that take every tile in the
 masked loop, at the table's tiles and 1 to 3 stages, and a few other tiles at 2 and 3 stages. `--fused` times the backward split into query_side and
 key_side (7 products per tile, `launch.Options.fused_backward` False) against key_side fused with
-dQ's ordered adds (5 products), at the table's tile and others.
+dQ's ordered adds (5 products), at the table's tile and others. `--exp2` times the table's
+tiles with log2(e) folded into the scale (`launch.Options.exp2_dtypes`, the default) against
+`tl.exp` of natural scores.
 """
 
 from __future__ import annotations
@@ -41,17 +44,19 @@ BEFORE = {("forward", 64): (128, 64, 8, 2), ("forward", 128): (64, 64, 8, 2), ("
           ("backward", 128): (64, 32, 8, 1, 16)}
 
 
-def _setup(name: str, d: int, candidate: Optional[tuple], causal: bool, split: bool = True, way: str = "light"):
+def _setup(name: str, d: int, candidate: Optional[tuple], causal: bool, split: bool = True, way: str = "light",
+           exp2: bool = True):
     """One call's step with `candidate` as sm_90's light tile of pass `name` (None: the
     table's own), its walks split by masking (`split`) or not, its backward's key
     side `way`: "light" (`kernels.key_side_light`), "split" (`kernels.key_side`) or "fused"
-    (key_side with dQ's ordered adds)."""
+    (key_side with dQ's ordered adds), its scores in base 2 (`exp2`) or natural."""
     import torch
 
     from attngrad.torch import scaled_dot_product_attention, use_backend
     from attngrad.torch.backends.triton import launch
 
-    options = dict(interior_tiles=split, fused_backward=way == "fused", light_key_side=way == "light")
+    options = dict(interior_tiles=split, fused_backward=way == "fused", light_key_side=way == "light",
+                   exp2_dtypes=(torch.float16, torch.bfloat16) if exp2 else ())
     if candidate is not None:
         launch._HOPPER_LIGHT[(name, "half", d)] = launch.Blocks(*candidate)
     leaves, dout = inputs(d)
@@ -144,6 +149,13 @@ def key_side_jobs(widths) -> list:
     return jobs
 
 
+def exp2_jobs(widths) -> list:
+    """The table's tiles, the backward's key side split (the default), scores in base 2
+    against natural, causal and not."""
+    return [(name, d, None, causal, True, "split", exp2)
+            for name, d, causal, exp2 in itertools.product(("forward", "backward"), widths, (False, True), (True, False))]
+
+
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
@@ -152,6 +164,7 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--split", action="store_true", help="walks split by masking against whole ones")
     parser.add_argument("--fused", action="store_true", help="the fused backward against the split one")
     parser.add_argument("--key-side", action="store_true", help="key_side_light against key_side")
+    parser.add_argument("--exp2", action="store_true", help="scores in base 2 against natural")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of each job (median)")
     parser.add_argument("--out", default=None, help="a folder for tiles.jsonl")
     args = parser.parse_args(argv)
@@ -160,7 +173,8 @@ def main(argv: Optional[list] = None) -> int:
 
     from attngrad.torch.backends.triton import launch
 
-    todo = (key_side_jobs(args.widths) if args.key_side else fused_jobs(args.widths) if args.fused
+    todo = (exp2_jobs(args.widths) if args.exp2 else key_side_jobs(args.widths) if args.key_side
+            else fused_jobs(args.widths) if args.fused
             else split_jobs(args.widths) if args.split
             else final_jobs(args.widths) if args.final else sweep_jobs(args.widths))
     with multiprocessing.get_context("spawn").Pool(args.workers) as pool:  # compile in parallel
@@ -187,15 +201,16 @@ def main(argv: Optional[list] = None) -> int:
     for job, ts in times.items():
         if not ts:
             continue
-        name, d, candidate, causal, split, way = (*job, True, "light")[:6]
+        name, d, candidate, causal, split, way, exp2 = (*job, *(True, "light", True)[len(job) - 4:])  # `_setup`'s defaults
         ms = sorted(ts)[len(ts) // 2]
         flops = 4 * B * (2048 // d) * L * L * d * (0.5 if causal else 1.0) * (1.0 if name == "forward" else 2.5)
         entry = table.get((name, "half", d)) or table[("backward", "half", d)]
         label = "table " + str(tuple(vars(entry).values())) if candidate is None else str(candidate)
         label += "" if split else " whole"
+        label += "" if exp2 else " base-e"
         label += "" if name == "forward" else f" {way}"
         name = "forward" if name == "forward" else "backward"
-        results.append(dict(name=name, d=d, causal=causal, tile=label, split=split, way=way, ms=ms,
+        results.append(dict(name=name, d=d, causal=causal, tile=label, split=split, way=way, exp2=exp2, ms=ms,
                             tflops=flops / ms / 1e9, rounds=ts))
     results.sort(key=lambda r: (r["name"], r["d"], r["causal"], r["ms"]))
     for r in results:

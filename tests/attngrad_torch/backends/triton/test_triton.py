@@ -26,7 +26,7 @@ from attngrad.torch.op import dispatch, dropout, ops  # noqa: E402
 from attngrad.torch.op.call import ScoreMasks  # noqa: E402
 
 from ....conftest import EXACT, assert_all_close, rel_err  # noqa: E402
-from ...conftest import op_attention  # noqa: E402
+from ...conftest import make_call, op_attention  # noqa: E402
 from ...op.test_forward_jvp import calls  # noqa: E402
 
 B, H, HKV, LQ, LK, D, DV = 2, 2, 1, 19, 23, 16, 8
@@ -723,3 +723,27 @@ def test_the_forward_and_its_jvp_take_one_walk(case):
         out_t = ops.run_pass("jvp", call, dict(row_max=row_max, inv_sum=inv_sum, **tangents))
     for name, got, want in zip(("out", "row_max", "inv_sum", "out_t"), fused, (out, row_max, inv_sum, out_t)):
         assert rel_err(got, want) < EXACT, name
+
+
+@interpreted
+@pytest.mark.parametrize("key_side", ["split", "light", "fused"])
+def test_scores_in_base_two_give_every_derivative_and_natural_row_maxima(on_triton, tiles_of, tuned, key_side):
+    """log2(e) folded into the scale (`Options.exp2_dtypes`, half precision by default),
+    forced here for float64: a light call's every derivative (causal bottom-right, GQA,
+    Lq != Lk, several blocks) within 1e-12 of the math path, on each way the backward takes
+    a light call's key side; and the row maxima the forward and its fused JVP store are in
+    natural units, as the kernels that take no base 2 (`jvp`, `row_sums`) read them."""
+    tiles_of(16)
+    tuned(launch.TUNING, light_key_side=key_side == "light", fused_backward=key_side == "fused")
+    case = Case("cpu", causal="bottom_right", len_q=21, len_k=37)
+    call = make_call(case.q, case.k, case.v, causal=16, sink=True)
+    tangents = dict(tq=randn(*case.q.shape, seed=8), tk=None, tv=None, tbias=None)
+    natural = [launch.forward(call), ops.run_pass("forward_jvp", call, tangents)]
+    with launch.TUNING.override(exp2_dtypes=(DOUBLE,)):
+        assert launch.Plan(call, launch.TUNING().interpreted).switches.EXP2
+        in_base_two = [launch.forward(call), ops.run_pass("forward_jvp", call, tangents)]
+        ours = every_derivative(case.ours, case.primals, 30)
+    for got, want in zip(in_base_two, natural):
+        for a, b in zip(got, want):
+            assert rel_err(a, b) < 1e-14
+    assert_all_close(ours, every_derivative(case.theirs, case.primals, 30))

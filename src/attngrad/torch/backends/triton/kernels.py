@@ -58,7 +58,10 @@ import triton.language as tl
 
 from .tile_ops import (
     SUMS,
+    base_exp,
     dot_nt,
+    from_base,
+    in_base,
     keep_scale,
     load_row_sums,
     load_rows,
@@ -70,6 +73,7 @@ from .tile_ops import (
     scores,
     segment,
     tile_terms,
+    to_base,
     walk_list,
     whole,
 )
@@ -117,6 +121,7 @@ def forward(tensors, strides, masks, meta, fmeta, walks, sizes, SW: tl.constexpr
     hk = h // G
     floats = _floats(fmeta, ACC)  # (scale, cap, 1 / cap, 1 / (1 - p))
     keep_value = floats[3]
+    score_floats = in_base(floats, SW.EXP2)  # the scores, the shift and m in base 2 where EXP2
     offs_m = qb * BM + tl.arange(0, BM)
     offs_dv = tl.arange(0, BDV)
     q = operand(Q + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, Lq, D, BD, SD)
@@ -131,11 +136,11 @@ def forward(tensors, strides, masks, meta, fmeta, walks, sizes, SW: tl.constexpr
             offs_n = kb * BN + tl.arange(0, BN)
             k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
             qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
-            s, _ = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW, part == 1)
+            s, _ = scores(qk, b, h, offs_m, offs_n, sizes, score_floats, masks, SW, part == 1)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: any finite shift
-            alpha = tl.exp(m_i - shift)
-            e = tl.exp(s - shift[:, None])
+            alpha = base_exp(m_i - shift, SW.EXP2)
+            e = base_exp(s - shift[:, None], SW.EXP2)
             l_i = l_i * alpha + tl.sum(e, 1)
             if SW.DROPOUT:
                 e = e * keep_scale(meta, b, h, offs_m, offs_n, keep_value)
@@ -147,7 +152,7 @@ def forward(tensors, strides, masks, meta, fmeta, walks, sizes, SW: tl.constexpr
     empty = l_i == 0
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))  # no 1 / 0 computed, even masked away
     rows = (b * H + h) * Lq + offs_m
-    tl.store(M + rows, tl.where(m_i == float("-inf"), 0.0, m_i), mask=offs_m < Lq)
+    tl.store(M + rows, tl.where(m_i == float("-inf"), 0.0, from_base(m_i, SW.EXP2)), mask=offs_m < Lq)
     tl.store(INV + rows, inv, mask=offs_m < Lq)
     out = O + b * so[0] + h * so[1] + offs_m[:, None] * so[2] + offs_dv[None, :] * so[3]
     tl.store(out, tl.where(empty[:, None], 0.0, acc * inv[:, None]).to(O.dtype.element_ty),
@@ -282,6 +287,7 @@ def forward_jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, 
     hk = h // G
     floats = _floats(fmeta, ACC)  # (scale, cap, 1 / cap, 1 / (1 - p))
     scale, keep_value = floats[0], floats[3]
+    score_floats = in_base(floats, SW.EXP2)  # the scores, the shift and m in base 2 where EXP2 (S' is not)
     offs_m = qb * BM + tl.arange(0, BM)
     offs_dv = tl.arange(0, BDV)
     q = operand(Q + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, Lq, D, BD, SD)
@@ -305,12 +311,12 @@ def forward_jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, 
             offs_n = kb * BN + tl.arange(0, BN)
             k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
             qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
-            s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW, part == 1)
+            s, th = scores(qk, b, h, offs_m, offs_n, sizes, score_floats, masks, SW, part == 1)
             tile_top = tl.max(s, 1)
             m_new = tl.maximum(m_i, tile_top)
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: any finite shift
-            alpha = tl.exp(m_i - shift)
-            e = tl.exp(s - shift[:, None])
+            alpha = base_exp(m_i - shift, SW.EXP2)
+            e = base_exp(s - shift[:, None], SW.EXP2)
             tk = None
             if HAS_TK:
                 tk = operand(TK + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
@@ -350,14 +356,14 @@ def forward_jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, 
     empty = l_i == 0
     if SINK:
         seen_m = tl.where(empty, 0.0, m_i)
-        inv = tl.where(empty, 0.0, 1.0 / (l_i + tl.exp(-seen_m)))
+        inv = tl.where(empty, 0.0, 1.0 / (l_i + base_exp(-seen_m, SW.EXP2)))
     else:
         inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))  # no 1 / 0 computed, even masked away
     t_less = x * inv  # t - c, less c P_sink where a sink holds a share of the row
     if CENTRE and SINK:
-        t_less -= centre / (1.0 + l_i * tl.exp(seen_m))
+        t_less -= centre / (1.0 + l_i * base_exp(seen_m, SW.EXP2))
     rows = (b * H + h) * Lq + offs_m
-    tl.store(M + rows, tl.where(m_i == float("-inf"), 0.0, m_i), mask=offs_m < Lq)
+    tl.store(M + rows, tl.where(m_i == float("-inf"), 0.0, from_base(m_i, SW.EXP2)), mask=offs_m < Lq)
     tl.store(INV + rows, inv, mask=offs_m < Lq)
     at = offs_m[:, None] * so[2] + offs_dv[None, :] * so[3]
     inside = (offs_m[:, None] < Lq) & (offs_dv[None, :] < DV)
@@ -583,8 +589,8 @@ def query_side(tensors, OUT_Q, OUT_DO, DBIAS, strides, sg, cbias, sc, masks, met
             k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
             v = operand(V + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, Lk, DV, BDV, SDV)
             qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
-            s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW, part == 1)
-            p = tl.exp(s - m_row[:, None]) * inv[:, None]
+            s, th = scores(qk, b, h, offs_m, offs_n, sizes, in_base(floats, SW.EXP2), masks, SW, part == 1)
+            p = base_exp(s - to_base(m_row, SW.EXP2)[:, None], SW.EXP2) * inv[:, None]
             z = None
             if SW.DROPOUT:
                 z = keep_scale(meta, b, h, offs_m, offs_n, keep_value)
@@ -743,8 +749,8 @@ def key_side(tensors, OUT_K, OUT_V, strides, cbias, sc, masks, meta, fmeta, walk
                 if MODE != 0:
                     sums = load_row_sums(ROW_SUMS + rows * SUMS, offs_m, Lq, CENTRE)
                 qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
-                s, th = scores(qk, b, h, offs_m, offs_n, sizes, floats, masks, SW, part == 1)
-                p = tl.exp(s - m_row[:, None]) * inv[:, None]
+                s, th = scores(qk, b, h, offs_m, offs_n, sizes, in_base(floats, SW.EXP2), masks, SW, part == 1)
+                p = base_exp(s - to_base(m_row, SW.EXP2)[:, None], SW.EXP2) * inv[:, None]
                 z = None
                 if SW.DROPOUT:
                     z = keep_scale(meta, b, h, offs_m, offs_n, keep_value)
@@ -810,6 +816,7 @@ def key_side_light(tensors, OUT_K, OUT_V, strides, key_bounds, fmeta, walks, siz
     b = (bhk // hkv).to(tl.int64)
     hk = (bhk % hkv).to(tl.int64)
     scale = tl.load(fmeta).to(ACC)
+    score_scale = in_base((scale, 0.0, 0.0, 0.0), SW.EXP2)[0]
     offs_n = kb * BN + tl.arange(0, BN)
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
@@ -828,7 +835,7 @@ def key_side_light(tensors, OUT_K, OUT_V, strides, key_bounds, fmeta, walks, siz
             m_row = load_rows(M + rows, offs_m, Lq)
             inv = load_rows(INV + rows, offs_m, Lq)
             d_row = load_rows(DELTA + rows, offs_m, Lq)
-            st = mm(k, tl.trans(q), IP, ACC) * scale  # (BN, BM)
+            st = mm(k, tl.trans(q), IP, ACC) * score_scale  # (BN, BM), in base 2 where EXP2
             keep = (offs_n[:, None] < Lk) & (offs_m[None, :] < Lq)
             if SW.CAUSAL:
                 keep = keep & (offs_n[:, None] <= offs_m[None, :] + causal)
@@ -837,7 +844,7 @@ def key_side_light(tensors, OUT_K, OUT_V, strides, key_bounds, fmeta, walks, siz
                 lo = tl.load(row, mask=offs_m < Lq, other=0)
                 hi = tl.load(row + 1, mask=offs_m < Lq, other=0)
                 keep = keep & (offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :])
-            pt = tl.exp(tl.where(keep, st, float("-inf")) - m_row[None, :]) * inv[None, :]
+            pt = base_exp(tl.where(keep, st, float("-inf")) - to_base(m_row, SW.EXP2)[None, :], SW.EXP2) * inv[None, :]
             dpt = mm(v, tl.trans(do), IP, ACC)  # (BN, BM)
             # a row with 1/l = 1 had one key alone: its dP - D is rounding, and set to 0 (`tile_terms`)
             dst = pt * tl.where(inv[None, :] == 1.0, 0.0, dpt - d_row[None, :])

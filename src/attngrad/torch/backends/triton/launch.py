@@ -168,6 +168,10 @@ class Options:
     # orientation (`kernels.key_side_light`), on tiles of its own where sm_90's table has a "key_side"
     # entry. Off until a GPU has timed it (`gpu_tiles.py --key-side`)
     light_key_side: bool = False
+    # the dtypes whose scores are taken in base 2, log2(e) folded into the scale (`tile_ops.in_base`),
+    # where a call has no bias or cap: one multiply per score fewer in every kernel a light call runs
+    # but `jvp` and `row_sums`; the row maxima are stored in natural units all the same
+    exp2_dtypes: tuple = (torch.float16, torch.bfloat16)
 
 
 TUNING: Tuning[Options] = Tuning("attngrad_triton_tuning", Options())
@@ -423,6 +427,7 @@ class Plan:
             HAS_BIAS=bias is not None, HAS_MASK=mask is not None, HAS_BLOCKS=mask_blocks is not None,
             MR=block_sizes[0], MK=block_sizes[1], HAS_BOUNDS=bounds is not None, CAUSAL=call.causal is not None,
             SOFTCAP=bool(cap), DROPOUT=call.dropout_p > 0.0, SPLIT=blocks.split,
+            EXP2=q.dtype in options.exp2_dtypes and bias is None and not cap,
             BM=blocks.rows, BN=blocks.keys, BD=padded_width(self.D), BDV=padded_width(self.DV),
             SD=_slice(blocks, self.D), SDV=_slice(blocks, self.DV), IP=input_precision(q.dtype, self.device),
             ACC=_acc(q.dtype))

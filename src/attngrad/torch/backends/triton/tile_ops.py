@@ -46,7 +46,7 @@ class Switches(NamedTuple):
     """A call's constexprs at one tile size, one kernel argument (`SW`, a tuple of constexprs
     read by name): what takes part in the scores (`scores`), the mask kept per block's block
     (MR rows x MK keys), dropout, whether the walks take the tiles that need no masking in a
-    loop of their own (SPLIT, `segment`), the tile (BM x BN), the padded head widths and the columns their products take at a time, the
+    loop of their own (SPLIT, `segment`), whether the scores are in base 2 (EXP2, `in_base`), the tile (BM x BN), the padded head widths and the columns their products take at a time, the
     products' precision and the compute dtype."""
 
     HAS_BIAS: bool
@@ -59,6 +59,7 @@ class Switches(NamedTuple):
     SOFTCAP: bool
     DROPOUT: bool
     SPLIT: bool
+    EXP2: bool
     BM: int
     BN: int
     BD: int
@@ -208,6 +209,48 @@ def off_peak(values, centre, at_peak):
     are centred on, `kernels.row_sums`): by its index, not by subtracting, since another
     kernel's S' there need not have the row sums' bits."""
     return tl.where(at_peak, 0.0, values - centre[:, None])
+
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def in_base(floats, EXP2: tl.constexpr):
+    """The floats `scores` takes, with log2(e) folded into the scale where EXP2: the scores
+    (of a call without bias or cap) then come in base 2, and exp(S - m) is exp2(S2 - m2),
+    one multiply per score fewer than `tl.exp`'s own (ex2 of x log2(e))."""
+    if EXP2:
+        return floats[0] * LOG2E, floats[1], floats[2], floats[3]
+    else:
+        return floats
+
+
+@triton.jit
+def base_exp(x, EXP2: tl.constexpr):
+    """exp of a difference of scores in their base (`in_base`)."""
+    if EXP2:
+        return tl.exp2(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def to_base(m, EXP2: tl.constexpr):
+    """Row maxima (stored in natural units) in the scores' base."""
+    if EXP2:
+        return m * LOG2E
+    else:
+        return m
+
+
+@triton.jit
+def from_base(m, EXP2: tl.constexpr):
+    """Row maxima in the scores' base, in natural units (as stored)."""
+    if EXP2:
+        return m * LN2
+    else:
+        return m
 
 
 @triton.jit

@@ -11,6 +11,7 @@ for spills by `attngrad gpu-report --features light plain`).
     python benchmarks/gpu_tiles.py --fused --out DIR         # the fused backward against the split one
     python benchmarks/gpu_tiles.py --key-side --out DIR      # key_side_light against key_side
     python benchmarks/gpu_tiles.py --exp2 --out DIR          # scores in base 2 against natural
+    python benchmarks/gpu_tiles.py --tma --out DIR           # tensor descriptors against pointer loads
 
 `--split` times the walks that take the tiles needing no masking in a loop of their own
 (`launch.Options.interior_tiles`, the default) against walks that take every tile in the
@@ -18,7 +19,8 @@ masked loop, at the table's tiles and 1 to 3 stages, and a few other tiles at 2 
 key_side (7 products per tile, `launch.Options.fused_backward` False) against key_side fused with
 dQ's ordered adds (5 products), at the table's tile and others. `--exp2` times the table's
 tiles with log2(e) folded into the scale (`launch.Options.exp2_dtypes`, the default) against
-`tl.exp` of natural scores.
+`tl.exp` of natural scores. `--tma` times the table's tiles with the walks' loads through
+tensor descriptors (`launch.Options.tensor_descriptors`) against pointer loads, at 1 to 3 stages.
 """
 
 from __future__ import annotations
@@ -45,18 +47,19 @@ BEFORE = {("forward", 64): (128, 64, 8, 2), ("forward", 128): (64, 64, 8, 2), ("
 
 
 def _setup(name: str, d: int, candidate: Optional[tuple], causal: bool, split: bool = True, way: str = "light",
-           exp2: bool = True):
+           exp2: bool = True, tma: bool = False):
     """One call's step with `candidate` as sm_90's light tile of pass `name` (None: the
     table's own), its walks split by masking (`split`) or not, its backward's key
     side `way`: "light" (`kernels.key_side_light`), "split" (`kernels.key_side`) or "fused"
-    (key_side with dQ's ordered adds), its scores in base 2 (`exp2`) or natural."""
+    (key_side with dQ's ordered adds), its scores in base 2 (`exp2`) or natural, its walks'
+    loads through tensor descriptors (`tma`) or pointers."""
     import torch
 
     from attngrad.torch import scaled_dot_product_attention, use_backend
     from attngrad.torch.backends.triton import launch
 
     options = dict(interior_tiles=split, fused_backward=way == "fused", light_key_side=way == "light",
-                   exp2_dtypes=(torch.float16, torch.bfloat16) if exp2 else ())
+                   exp2_dtypes=(torch.float16, torch.bfloat16) if exp2 else (), tensor_descriptors=tma)
     if candidate is not None:
         launch._HOPPER_LIGHT[(name, "half", d)] = launch.Blocks(*candidate)
     leaves, dout = inputs(d)
@@ -156,6 +159,36 @@ def exp2_jobs(widths) -> list:
             for name, d, causal, exp2 in itertools.product(("forward", "backward"), widths, (False, True), (True, False))]
 
 
+def tma_jobs(widths) -> list:
+    """The table's tiles at 1 to 3 stages, the backward's key side split (the default), loads
+    through tensor descriptors against pointers, causal and not."""
+    from attngrad.torch.backends.triton import launch
+
+    jobs = []
+    for name, d, causal in itertools.product(("forward", "backward"), widths, (False, True)):
+        table = tuple(vars(launch._HOPPER_LIGHT[(name, "half", d)]).values())[:3]
+        jobs.append((name, d, None, causal, True, "split", True, False))
+        jobs += [(name, d, table + (stages,), causal, True, "split", True, True) for stages in (1, 2, 3)]
+    return jobs
+
+
+def same_bits_through_descriptors(d: int, causal: bool) -> bool:
+    """Whether the forward's output and the backward's gradients are bit for bit the same with
+    the loads through tensor descriptors as through pointers (the same values loaded)."""
+    import torch
+
+    from attngrad.torch import scaled_dot_product_attention, use_backend
+    from attngrad.torch.backends.triton import launch
+
+    leaves, dout = inputs(d)
+    results = []
+    for tma in (False, True):
+        with use_backend("triton"), launch.TUNING.override(tensor_descriptors=tma):
+            out = scaled_dot_product_attention(*leaves, is_causal=causal)
+            results.append((out, *torch.autograd.grad(out, leaves, dout)))
+    return all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
@@ -165,6 +198,7 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--fused", action="store_true", help="the fused backward against the split one")
     parser.add_argument("--key-side", action="store_true", help="key_side_light against key_side")
     parser.add_argument("--exp2", action="store_true", help="scores in base 2 against natural")
+    parser.add_argument("--tma", action="store_true", help="tensor descriptors against pointer loads")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of each job (median)")
     parser.add_argument("--out", default=None, help="a folder for tiles.jsonl")
     args = parser.parse_args(argv)
@@ -173,7 +207,8 @@ def main(argv: Optional[list] = None) -> int:
 
     from attngrad.torch.backends.triton import launch
 
-    todo = (exp2_jobs(args.widths) if args.exp2 else key_side_jobs(args.widths) if args.key_side
+    todo = (tma_jobs(args.widths) if args.tma else exp2_jobs(args.widths) if args.exp2
+            else key_side_jobs(args.widths) if args.key_side
             else fused_jobs(args.widths) if args.fused
             else split_jobs(args.widths) if args.split
             else final_jobs(args.widths) if args.final else sweep_jobs(args.widths))
@@ -181,6 +216,10 @@ def main(argv: Optional[list] = None) -> int:
         for line in pool.imap_unordered(compile_one, todo):
             if line:
                 print("compile failed", line, flush=True)
+    if args.tma:
+        for d, causal in itertools.product(args.widths, (False, True)):
+            print(f"d={d} causal={causal}: same bits through descriptors: {same_bits_through_descriptors(d, causal)}",
+                  flush=True)
     table = dict(launch._HOPPER_LIGHT)
     times: dict = {job: [] for job in todo}
     for _ in range(args.rounds):
@@ -201,16 +240,17 @@ def main(argv: Optional[list] = None) -> int:
     for job, ts in times.items():
         if not ts:
             continue
-        name, d, candidate, causal, split, way, exp2 = (*job, *(True, "light", True)[len(job) - 4:])  # `_setup`'s defaults
+        name, d, candidate, causal, split, way, exp2, tma = (*job, *(True, "light", True, False)[len(job) - 4:])
         ms = sorted(ts)[len(ts) // 2]
         flops = 4 * B * (2048 // d) * L * L * d * (0.5 if causal else 1.0) * (1.0 if name == "forward" else 2.5)
         entry = table.get((name, "half", d)) or table[("backward", "half", d)]
         label = "table " + str(tuple(vars(entry).values())) if candidate is None else str(candidate)
         label += "" if split else " whole"
         label += "" if exp2 else " base-e"
+        label += " tma" if tma else ""
         label += "" if name == "forward" else f" {way}"
         name = "forward" if name == "forward" else "backward"
-        results.append(dict(name=name, d=d, causal=causal, tile=label, split=split, way=way, exp2=exp2, ms=ms,
+        results.append(dict(name=name, d=d, causal=causal, tile=label, split=split, way=way, exp2=exp2, tma=tma, ms=ms,
                             tflops=flops / ms / 1e9, rounds=ts))
     results.sort(key=lambda r: (r["name"], r["d"], r["causal"], r["ms"]))
     for r in results:

@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "sm_90's own tiles in half precision) (default: all four)")
     parser.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES), metavar="PASS",
                         help=f"passes whose kernels to compile: {', '.join(PASSES)} (default: all)")
+    parser.add_argument("--tensor-descriptors", action="store_true",
+                        help="the walks' loads through tensor descriptors (TMA) where the backend would take them "
+                        "with `Options.tensor_descriptors` on: sm_90, products over the whole head width")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/gpu.md's)")
 
 
@@ -55,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     with console.status("compiling") as status:
         rows = compile_report(args.dtypes, args.widths, args.archs, args.features, args.passes,
                               progress=lambda r: status.update(f"compiled {r.kernel} ({r.pass_name}) {r.dtype} "
-                                                               f"d={r.width} sm_{r.arch}"))
+                                                               f"d={r.width} sm_{r.arch}"),
+                              tensor_descriptors=args.tensor_descriptors)
     headers = ("kernel", "pass", "features", "dtype", "d", "sm", "tile", "regs", "spill B",
                "smem KiB", "s")
     cells = [(r.kernel, r.pass_name, r.features, r.dtype, str(r.width), str(r.arch), r.block,

@@ -747,3 +747,48 @@ def test_scores_in_base_two_give_every_derivative_and_natural_row_maxima(on_trit
         for a, b in zip(got, want):
             assert rel_err(a, b) < 1e-14
     assert_all_close(ours, every_derivative(case.theirs, case.primals, 30))
+
+
+@interpreted
+@pytest.mark.parametrize("name", ["gqa", "window-sinks", "documents-padding"])
+def test_tensor_descriptors_load_what_the_pointers_load(on_triton, tiles_of, tuned, monkeypatch, name):
+    """K and V (the forward, its fused JVP, the backward's query side, their tangents) and Q
+    and dO (the key side) through tensor descriptors (`Options.tensor_descriptors`, TMA on a
+    GPU): every derivative bit for bit what the pointer loads give, and the descriptors taken
+    in each of those kernels."""
+    case = case_of(name, tiles_of)
+    taken = []
+    made = launch._descriptors
+
+    def counted(plan, rows, *tensors):
+        descriptors = made(plan, rows, *tensors)
+        taken.append(descriptors is not None)
+        return descriptors
+
+    monkeypatch.setattr(launch, "_descriptors", counted)
+    pointers = every_derivative(case.ours, case.primals, 30)
+    assert taken and not any(taken)
+    taken.clear()
+    tuned(launch.TUNING, tensor_descriptors=True)
+    described = every_derivative(case.ours, case.primals, 30)
+    assert taken and all(taken)
+    for key, value in pointers.items():
+        assert torch.equal(described[key], value), key
+
+
+def test_tensor_descriptors_only_where_tma_takes_the_tensors(tuned):
+    """`launch._descriptors`: none unless asked; none for a tensor whose last axis is not
+    contiguous, whose row stride is not a multiple of 16 bytes, or for products taken by
+    slices of the width; else one per tensor, blocks of one head's rows by the padded width."""
+    q, k = randn(2, 4, 19, 24, seed=1), randn(2, 2, 23, 24, seed=2)
+    v = randn(2, 2, 23, 8, seed=3)
+    call = make_call(q, k, v)
+    plan = launch.Plan(call, launch.Blocks(16, 32, 1, 1))
+    assert launch._descriptors(plan, 32, k, v) is None
+    tuned(launch.TUNING, tensor_descriptors=True)
+    k_d, v_d, absent = launch._descriptors(plan, 32, k, v, None)
+    assert (k_d.block_shape, v_d.block_shape, absent) == ([1, 1, 32, 32], [1, 1, 32, 16], None)
+    assert launch._descriptors(plan, 32, k.transpose(-1, -2).contiguous().transpose(-1, -2), v) is None
+    assert launch._descriptors(plan, 32, k, randn(2, 2, 23, 3, seed=4)) is None  # rows of 24 bytes
+    sliced = launch.Plan(call, launch.Blocks(16, 32, 1, 1, slice=16))
+    assert launch._descriptors(sliced, 32, k, v) is None

@@ -254,11 +254,11 @@ def compile_launch(record: Launch, arch: int) -> tuple[int, int, int]:
 
 
 def _block_label(record: Launch) -> str:
-    """"BMxBN wW sS", then "/S" where the products take S columns of the head width at a
+    """"BMxBN wW sS" (" tma" where the walks load through tensor descriptors), then "/S" where the products take S columns of the head width at a
     time, and "rN" where ptxas is allowed N registers."""
     c, options = _named_constexprs(record), record.options
     tile = f"{c['BM']}x{c['BN']}" if "BN" in c else f"{c['BM']} rows"
-    label = f"{tile} w{options['num_warps']} s{options['num_stages']}"
+    label = f"{tile} w{options['num_warps']} s{options['num_stages']}" + (" tma" if c.get("TMA") else "")
     if "SD" in c and (c["SD"] < c["BD"] or c["SDV"] < c["BDV"]):
         label += f" /{min(c['SD'], c['SDV'])}"
     if options.get("maxnreg"):
@@ -268,9 +268,19 @@ def _block_label(record: Launch) -> str:
 
 def compile_report(dtypes: Sequence[str] = tuple(DTYPES), widths: Sequence[int] = WIDTHS,
                    archs: Sequence[int] = ARCHS, features: Sequence[str] = FEATURES,
-                   passes: Sequence[str] = PASSES, progress: Optional[Callable[[Row], None]] = None) -> list[Row]:
+                   passes: Sequence[str] = PASSES, progress: Optional[Callable[[Row], None]] = None,
+                   tensor_descriptors: bool = False) -> list[Row]:
     """Every distinct kernel variant of the given calls, compiled for every target with the
-    target's tiles."""
+    target's tiles (with `tensor_descriptors`, the walks' loads through TMA where
+    `launch._descriptors` takes them: sm_90)."""
+    from . import launch
+
+    with launch.TUNING.override(tensor_descriptors=tensor_descriptors):
+        return _compile_all(dtypes, widths, archs, features, passes, progress)
+
+
+def _compile_all(dtypes: Sequence[str], widths: Sequence[int], archs: Sequence[int], features: Sequence[str],
+                 passes: Sequence[str], progress: Optional[Callable[[Row], None]]) -> list[Row]:
     rows = []
     for dtype_name in dtypes:
         for width in widths:

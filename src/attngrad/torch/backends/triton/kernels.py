@@ -72,6 +72,7 @@ from .tile_ops import (
     score_form,
     scores,
     segment,
+    tile_of,
     tile_terms,
     to_base,
     walk_list,
@@ -103,7 +104,10 @@ def row_dot(DO, O, DELTA, sd, so, H, Lq, DV, BM: tl.constexpr, BDV: tl.constexpr
 
 
 @triton.jit
-def forward(tensors, strides, masks, meta, fmeta, walks, sizes, SW: tl.constexpr):
+def forward(tensors, strides, masks, meta, fmeta, walks, sizes, descriptors, SW: tl.constexpr,
+            TMA: tl.constexpr = False):
+    """With TMA, K's and V's tiles come through `descriptors` (tensor descriptors of the
+    (B, Hkv, Lk, d) tensors, blocks of (1, 1, BN, BD), zero outside: `launch._descriptors`)."""
     Q, K, V, O, M, INV = tensors
     sq, sk, sv, so = strides
     H, G, Lq, Lk, D, DV, causal = sizes
@@ -134,7 +138,10 @@ def forward(tensors, strides, masks, meta, fmeta, walks, sizes, SW: tl.constexpr
         for i in range(lo, hi):
             kb = tl.load(order + i)
             offs_n = kb * BN + tl.arange(0, BN)
-            k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
+            if TMA:
+                k = tile_of(descriptors[0], b, hk, kb * BN, BN, BD)
+            else:
+                k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
             qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
             s, _ = scores(qk, b, h, offs_m, offs_n, sizes, score_floats, masks, SW, part == 1)
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -144,7 +151,10 @@ def forward(tensors, strides, masks, meta, fmeta, walks, sizes, SW: tl.constexpr
             l_i = l_i * alpha + tl.sum(e, 1)
             if SW.DROPOUT:
                 e = e * keep_scale(meta, b, h, offs_m, offs_n, keep_value)
-            v = load_tile(V + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, offs_dv, Lk, DV)
+            if TMA:
+                v = tile_of(descriptors[1], b, hk, kb * BN, BN, BDV)
+            else:
+                v = load_tile(V + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, offs_dv, Lk, DV)
             acc = acc * alpha[:, None] + mm(e.to(v.dtype), v, IP, ACC)
             m_i = m_new
     # l = 0 only where a row saw no key (its O 0, even where 0 x NaN left NaN in acc); a row
@@ -258,9 +268,9 @@ def jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, HAS_TQ: 
 
 
 @triton.jit
-def forward_jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, HAS_TQ: tl.constexpr,
+def forward_jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, descriptors, HAS_TQ: tl.constexpr,
                 HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_TBIAS: tl.constexpr, SW: tl.constexpr,
-                CENTRE: tl.constexpr = False, SINK: tl.constexpr = False):
+                CENTRE: tl.constexpr = False, SINK: tl.constexpr = False, TMA: tl.constexpr = False):
     """The forward and its JVP in one walk, 6 products per tile where `forward` and `jvp` take
     2 + 6: the online softmax of `forward` (shift m, l = rowsum(e), e = exp(S - m)) carries
     beside (e Z) V the sums x = rowsum(e (S' - c)) and (e Z (S' - c)) V + (e Z) V', all
@@ -269,7 +279,8 @@ def forward_jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, 
     A sink (SINK) is an entry of score 0, S' 0 and value 0: it adds exp(-m) to l and starts c
     at 0. Then 1/l, O = (e Z) V / l, t - c = x / l - c P_sink and
     O' = ((e Z (S' - c)) V + (e Z) V' - (t - c) (e Z) V) / l. Row statistics as `forward`
-    leaves them with `ops.add_sink` applied; O and O' share strides (so)."""
+    leaves them with `ops.add_sink` applied; O and O' share strides (so). With TMA, K, V and
+    their tangents come through `descriptors`, as in `forward`."""
     Q, K, V, TQ, TK, TV, O, OT, M, INV = tensors
     sq, sk, sv, so = strides
     H, G, Lq, Lk, D, DV, causal = sizes
@@ -309,7 +320,10 @@ def forward_jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, 
         for i in range(lo, hi):
             kb = tl.load(order + i)
             offs_n = kb * BN + tl.arange(0, BN)
-            k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
+            if TMA:
+                k = tile_of(descriptors[0], b, hk, kb * BN, BN, BD)
+            else:
+                k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
             qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
             s, th = scores(qk, b, h, offs_m, offs_n, sizes, score_floats, masks, SW, part == 1)
             tile_top = tl.max(s, 1)
@@ -319,7 +333,10 @@ def forward_jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, 
             e = base_exp(s - shift[:, None], SW.EXP2)
             tk = None
             if HAS_TK:
-                tk = operand(TK + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
+                if TMA:
+                    tk = tile_of(descriptors[2], b, hk, kb * BN, BN, BD)
+                else:
+                    tk = operand(TK + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
             t_bias = None
             if HAS_TBIAS:
                 t_bias = load_score_like(tbias, stb, b, h, offs_m, offs_n, Lq, Lk, ACC)
@@ -343,11 +360,17 @@ def forward_jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, 
             x += tl.sum(e * sp_less, 1)
             if SW.DROPOUT:
                 e = e * keep_scale(meta, b, h, offs_m, offs_n, keep_value)
-            v = load_tile(V + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, offs_dv, Lk, DV)
+            if TMA:
+                v = tile_of(descriptors[1], b, hk, kb * BN, BN, BDV)
+            else:
+                v = load_tile(V + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, offs_dv, Lk, DV)
             acc_o += mm(e.to(v.dtype), v, IP, ACC)
             acc_s += mm((e * sp_less).to(v.dtype), v, IP, ACC)
             if HAS_TV:
-                tv = load_tile(TV + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, offs_dv, Lk, DV)
+                if TMA:
+                    tv = tile_of(descriptors[3], b, hk, kb * BN, BN, BDV)
+                else:
+                    tv = load_tile(TV + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, offs_dv, Lk, DV)
                 acc_s += mm(e.to(tv.dtype), tv, IP, ACC)
             m_i = m_new
     # l = 0 only where a row saw no key (O and O' 0); a row that a NaN or Inf reached has l
@@ -537,7 +560,7 @@ def row_sums(tensors, strides, cbias, sc, masks, meta, fmeta, walks, sizes, MODE
 def query_side(tensors, OUT_Q, OUT_DO, DBIAS, strides, sg, cbias, sc, masks, meta, fmeta, walks, sizes,
                MODE: tl.constexpr, HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr,
                HAS_DO2: tl.constexpr, HAS_C: tl.constexpr, DOUT_GRAD: tl.constexpr, BIAS_DIRECT: tl.constexpr,
-               SW: tl.constexpr, CENTRE: tl.constexpr = False):
+               SW: tl.constexpr, CENTRE: tl.constexpr = False, descriptors=None, TMA: tl.constexpr = False):
     """Per query block: OUT_Q = scale (A2 K + A K2) (dQ, its tangent, or g_Q; `tile_ops.tile_terms`);
     with DOUT_GRAD, OUT_DO = W V + (P Z) V2 (the double backward's g_dO); with BIAS_DIRECT,
     each tile's term to the bias stored into DBIAS, a zeroed tensor of the scores' own shape.
@@ -586,8 +609,12 @@ def query_side(tensors, OUT_Q, OUT_DO, DBIAS, strides, sg, cbias, sc, masks, met
         for i in range(lo, hi):
             kb = tl.load(order + i)
             offs_n = kb * BN + tl.arange(0, BN)
-            k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
-            v = operand(V + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, Lk, DV, BDV, SDV)
+            if TMA:
+                k = tile_of(descriptors[0], b, hk, kb * BN, BN, BD)
+                v = tile_of(descriptors[1], b, hk, kb * BN, BN, BDV)
+            else:
+                k = operand(K + b * sk[0] + hk * sk[1], sk[2], sk[3], offs_n, Lk, D, BD, SD)
+                v = operand(V + b * sv[0] + hk * sv[1], sv[2], sv[3], offs_n, Lk, DV, BDV, SDV)
             qk = dot_nt(q, k, tl.zeros((BM, BN), ACC), BD, SD, IP)
             s, th = scores(qk, b, h, offs_m, offs_n, sizes, in_base(floats, SW.EXP2), masks, SW, part == 1)
             p = base_exp(s - to_base(m_row, SW.EXP2)[:, None], SW.EXP2) * inv[:, None]
@@ -672,7 +699,7 @@ def key_side(tensors, OUT_K, OUT_V, strides, cbias, sc, masks, meta, fmeta, walk
              HAS_Q2: tl.constexpr, HAS_K2: tl.constexpr, HAS_V2: tl.constexpr, HAS_DO2: tl.constexpr,
              HAS_C: tl.constexpr, SW: tl.constexpr, DQ=None, LOCKS=None, key_walks=None, query_ranges=None,
              FUSED: tl.constexpr = False, ROTATE: tl.constexpr = False, WAIT: tl.constexpr = False,
-             CENTRE: tl.constexpr = False):
+             CENTRE: tl.constexpr = False, descriptors=None, TMA: tl.constexpr = False):
     """Per key block of one key/value head, over the G query heads of its group in order:
     OUT_K = scale (A2^T Q + A^T Q2) and OUT_V = W^T dO + (P Z)^T dO2 (dK and dV, their
     tangents, or g_K and g_V; `tile_ops.tile_terms`). walks: each key block's query blocks,
@@ -740,8 +767,12 @@ def key_side(tensors, OUT_K, OUT_V, strides, cbias, sc, masks, meta, fmeta, walk
                 else:
                     qb = tl.load(order + i)
                 offs_m = qb * BM + tl.arange(0, BM)
-                q = operand(Q + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, Lq, D, BD, SD)
-                do = operand(DO + b * sd[0] + h * sd[1], sd[2], sd[3], offs_m, Lq, DV, BDV, SDV)
+                if TMA:
+                    q = tile_of(descriptors[0], b, h, qb * BM, BM, BD)
+                    do = tile_of(descriptors[1], b, h, qb * BM, BM, BDV)
+                else:
+                    q = operand(Q + b * sq[0] + h * sq[1], sq[2], sq[3], offs_m, Lq, D, BD, SD)
+                    do = operand(DO + b * sd[0] + h * sd[1], sd[2], sd[3], offs_m, Lq, DV, BDV, SDV)
                 m_row = load_rows(M + rows, offs_m, Lq)
                 inv = load_rows(INV + rows, offs_m, Lq)
                 d_row = load_rows(DELTA + rows, offs_m, Lq)

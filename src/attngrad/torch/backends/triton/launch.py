@@ -172,6 +172,10 @@ class Options:
     # where a call has no bias or cap: one multiply per score fewer in every kernel a light call runs
     # but `jvp` and `row_sums`; the row maxima are stored in natural units all the same
     exp2_dtypes: tuple = (torch.float16, torch.bfloat16)
+    # the forward's K and V tiles through tensor descriptors (TMA on sm_90; in the interpreter for
+    # the tests), where K and V allow them (`_key_descriptors`) and the products take the whole
+    # width. Off until a GPU has timed it (`gpu_tiles.py --tma`)
+    tensor_descriptors: bool = False
 
 
 TUNING: Tuning[Options] = Tuning("attngrad_triton_tuning", Options())
@@ -489,14 +493,42 @@ def _same_strides(*tensors: Optional[Tensor]) -> list:
     return [None if t is None else t.contiguous() for t in tensors]
 
 
+def _descriptors(plan: Plan, rows: int, *tensors: Optional[Tensor]) -> Optional[tuple]:
+    """Tensor descriptors of (B, H, L, width) tensors that a walk loads `rows` rows of at a
+    time (4-D, blocks of (1, 1, rows, the padded width); None for an absent tensor) where
+    `Options.tensor_descriptors` asks for them, the target has TMA (sm_90 and later; the
+    interpreter too, in any dtype), the products run on the tensor cores (half precision,
+    TF32: an FMA product's operands held a row per thread spilled kilobytes when TMA put
+    them in shared memory) over the whole width, and each tensor is as TMA takes one:
+    16-byte aligned, its last axis contiguous, every other stride a positive multiple of 16
+    bytes. Else None: the kernels' pointer loads, for all of them."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    sw = plan.switches
+    if not TUNING().tensor_descriptors or sw.SD != sw.BD or sw.SDV != sw.BDV:
+        return None
+    tensor_cores = plan.call.q.dtype in (torch.float16, torch.bfloat16) or sw.IP != "ieee"
+    if on_gpu(plan.call) and (arch_of(plan.device) < 90 or not tensor_cores):
+        return None
+    present = [t for t in tensors if t is not None]
+    for t in present:
+        size = t.element_size()
+        if t.data_ptr() % 16 or t.stride(-1) != 1 or any(s <= 0 or s * size % 16 for s in t.stride()[:-1]):
+            return None
+    return tuple(None if t is None else TensorDescriptor(t, list(t.shape), list(t.stride()),
+                                                         [1, 1, rows, padded_width(t.shape[-1])])
+                 for t in tensors)
+
+
 def forward(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
     plan = _plan(call, "forward")
     q, k, v = call.q, call.k, call.v
     out = torch.empty(plan.B, plan.H, plan.Lq, plan.DV, dtype=q.dtype, device=q.device)
     row_max, inv_sum = plan.rows(), plan.rows()
+    descriptors = _descriptors(plan, plan.blocks.keys, k, v)
     kernels.forward[(plan.n_q, plan.B * plan.H)](
         (q, k, v, out, row_max, inv_sum), _strides_of(q, k, v, out), *plan.walk_args["keys"], plan.sizes,
-        SW=plan.switches, **plan.launch)
+        descriptors, SW=plan.switches, TMA=descriptors is not None, **plan.launch)
     return out, row_max, inv_sum
 
 
@@ -529,10 +561,12 @@ def forward_jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple[Tens
     out_t = torch.empty_like(out)
     row_max, inv_sum = plan.rows(), plan.rows()
     t_bias = _as_scores(tbias, plan.scores_shape)
+    descriptors = _descriptors(plan, plan.blocks.keys, k, v, tk, tv)
     kernels.forward_jvp[(plan.n_q, plan.B * plan.H)](
         (q, k, v, tq, tk, tv, out, out_t, row_max, inv_sum), _strides_of(q, k, v, out), t_bias, _strides(t_bias),
-        *plan.walk_args["keys"], plan.sizes, HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
-        HAS_TBIAS=tbias is not None, SW=plan.switches, CENTRE=plan.centre, SINK=call.sink, **plan.launch)
+        *plan.walk_args["keys"], plan.sizes, descriptors, HAS_TQ=tq is not None, HAS_TK=tk is not None,
+        HAS_TV=tv is not None, HAS_TBIAS=tbias is not None, SW=plan.switches, CENTRE=plan.centre, SINK=call.sink,
+        TMA=descriptors is not None, **plan.launch)
     return out, row_max, inv_sum, out_t
 
 
@@ -610,19 +644,22 @@ def _backward_walks(plan: Plan, inputs: _Second, mode: int, bias_grad: bool,
                           # the interpreter runs the programs in turn: in rotation none could wait
                           WAIT=on_gpu(call) or not plan.rotate)
     else:
+        descriptors = _descriptors(plan, plan.blocks.keys, inputs.k, inputs.v)
         kernels.query_side[(plan.n_q, plan.B * plan.H)](
             inputs.tensors(), out_q, out_do, bias_out if direct else None, inputs.strides,
             _strides(bias_out if direct else None), *inputs.c_args, *plan.walk_args["keys"], plan.sizes, MODE=mode,
             **inputs.switches(), DOUT_GRAD=dout_grad, BIAS_DIRECT=direct, SW=plan.switches, CENTRE=plan.centre,
-            **plan.launch)
+            descriptors=descriptors, TMA=descriptors is not None, **plan.launch)
     out_k = torch.empty(plan.B, plan.Hkv, plan.Lk, plan.D, dtype=k.dtype, device=q.device)
     out_v = torch.empty(plan.B, plan.Hkv, plan.Lk, plan.DV, dtype=v.dtype, device=q.device)
     if mode == BACKWARD and plan.light_keys and not fused:
         _key_side_light(plan, inputs, out_k, out_v)
     else:
+        descriptors = _descriptors(plan, plan.blocks.rows, inputs.q, inputs.do)
         kernels.key_side[(plan.n_k, plan.B * plan.Hkv)](
             inputs.tensors(), out_k, out_v, inputs.strides, *inputs.c_args, *plan.walk_args["queries"], plan.sizes,
-            MODE=mode, **inputs.switches(), SW=plan.switches, **fused_args, CENTRE=plan.centre, **plan.launch)
+            MODE=mode, **inputs.switches(), SW=plan.switches, **fused_args, CENTRE=plan.centre,
+            descriptors=descriptors, TMA=descriptors is not None, **plan.launch)
     if fused:
         out_q = fused_args["DQ"].mul_(call.scale).to(q.dtype)  # scale, as query_side applies it, then round
     if row_constant:

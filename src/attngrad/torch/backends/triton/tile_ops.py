@@ -180,6 +180,13 @@ def load_tile(ptr, s_row, s_col, offs_r, offs_c, n_r, n_c):
 
 
 @triton.jit
+def tile_of(descriptor, b, h, row, R: tl.constexpr, C: tl.constexpr):
+    """Rows [row, row + R) of head (b, h) of a (B, H, L, width) tensor descriptor with blocks of
+    (1, 1, R, C): an (R, C) tile, 0 outside the tensor (the descriptor's padding)."""
+    return descriptor.load([b.to(tl.int32), h.to(tl.int32), row, 0]).reshape(R, C)
+
+
+@triton.jit
 def load_rows(ptr, offs_m, Lq):
     """A (BM,) row statistic of a contiguous (B, H, Lq) tensor, at the (b, h) of `ptr`."""
     return tl.load(ptr + offs_m, mask=offs_m < Lq, other=0.0)

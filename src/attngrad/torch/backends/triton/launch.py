@@ -172,9 +172,9 @@ class Options:
     # where a call has no bias or cap: one multiply per score fewer in every kernel a light call runs
     # but `jvp` and `row_sums`; the row maxima are stored in natural units all the same
     exp2_dtypes: tuple = (torch.float16, torch.bfloat16)
-    # the forward's K and V tiles through tensor descriptors (TMA on sm_90; in the interpreter for
-    # the tests), where K and V allow them (`_key_descriptors`) and the products take the whole
-    # width. Off until a GPU has timed it (`gpu_tiles.py --tma`)
+    # the walks' loads through tensor descriptors (TMA on sm_90; in the interpreter for the tests):
+    # K and V in forward, forward_jvp and query_side, Q and dO in key_side, where the tensors and
+    # the products allow them (`_descriptors`). Off until a GPU has timed it (`gpu_tiles.py --tma`)
     tensor_descriptors: bool = False
 
 

@@ -77,6 +77,13 @@ WIDEN_BFLOAT16 = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
 
 @triton.jit
+def load_floats(fmeta, ACC: tl.constexpr):
+    """A call's float scalars in ACC: (scale, cap, 1 / cap, 1 / (1 - p))."""
+    return (tl.load(fmeta).to(ACC), tl.load(fmeta + 1).to(ACC), tl.load(fmeta + 2).to(ACC),
+            tl.load(fmeta + 3).to(ACC))
+
+
+@triton.jit
 def mm(a, b, IP: tl.constexpr, ACC: tl.constexpr):
     """a @ b summed in ACC, the products in the operands' dtype (float32 in TF32 if IP says so)."""
     if WIDEN_BFLOAT16 and a.dtype == tl.bfloat16:

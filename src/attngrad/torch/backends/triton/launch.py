@@ -532,18 +532,24 @@ def forward(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
     return out, row_max, inv_sum
 
 
-def jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> Tensor:
-    plan = _plan(call, "jvp")
+def _with_tangents(plan: Plan, inputs: PassInputs) -> tuple:
+    """(q, k, v, q', k', v') as the forward-mode kernels take them (each input and its tangent
+    with one set of strides; an absent tangent None), and the bias's tangent as scores."""
+    call = plan.call
     q, tq = _same_strides(call.q, inputs["tq"])
     k, tk = _same_strides(call.k, inputs["tk"])
     v, tv = _same_strides(call.v, inputs["tv"])
-    tbias = inputs["tbias"]
+    return (q, k, v, tq, tk, tv), _as_scores(inputs["tbias"], plan.scores_shape)
+
+
+def jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> Tensor:
+    plan = _plan(call, "jvp")
+    (q, k, v, tq, tk, tv), t_bias = _with_tangents(plan, inputs)
     out_t = torch.empty(plan.B, plan.H, plan.Lq, plan.DV, dtype=q.dtype, device=q.device)
-    t_bias = _as_scores(tbias, plan.scores_shape)
     kernels.jvp[(plan.n_q, plan.B * plan.H)](
         (q, k, v, tq, tk, tv, out_t, inputs["row_max"].contiguous(), inputs["inv_sum"].contiguous()),
         _strides_of(q, k, v, out_t), t_bias, _strides(t_bias), *plan.walk_args["keys"], plan.sizes,
-        HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None, HAS_TBIAS=tbias is not None,
+        HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None, HAS_TBIAS=t_bias is not None,
         SW=plan.switches, CENTRE=plan.centre, SINK=call.sink, **plan.launch)
     return out_t
 
@@ -553,19 +559,15 @@ def forward_jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple[Tens
     products per tile where the forward and the JVP take 8; a sink's share already in out
     and inv_sum, as `ops.add_sink` gives the forward's."""
     plan = _plan(call, "forward_jvp")
-    q, tq = _same_strides(call.q, inputs["tq"])
-    k, tk = _same_strides(call.k, inputs["tk"])
-    v, tv = _same_strides(call.v, inputs["tv"])
-    tbias = inputs["tbias"]
+    (q, k, v, tq, tk, tv), t_bias = _with_tangents(plan, inputs)
     out = torch.empty(plan.B, plan.H, plan.Lq, plan.DV, dtype=q.dtype, device=q.device)
     out_t = torch.empty_like(out)
     row_max, inv_sum = plan.rows(), plan.rows()
-    t_bias = _as_scores(tbias, plan.scores_shape)
     descriptors = _descriptors(plan, plan.blocks.keys, k, v, tk, tv)
     kernels.forward_jvp[(plan.n_q, plan.B * plan.H)](
         (q, k, v, tq, tk, tv, out, out_t, row_max, inv_sum), _strides_of(q, k, v, out), t_bias, _strides(t_bias),
         *plan.walk_args["keys"], plan.sizes, descriptors, HAS_TQ=tq is not None, HAS_TK=tk is not None,
-        HAS_TV=tv is not None, HAS_TBIAS=tbias is not None, SW=plan.switches, CENTRE=plan.centre, SINK=call.sink,
+        HAS_TV=tv is not None, HAS_TBIAS=t_bias is not None, SW=plan.switches, CENTRE=plan.centre, SINK=call.sink,
         TMA=descriptors is not None, **plan.launch)
     return out, row_max, inv_sum, out_t
 

@@ -46,8 +46,9 @@ class Switches(NamedTuple):
     """A call's constexprs at one tile size, one kernel argument (`SW`, a tuple of constexprs
     read by name): what takes part in the scores (`scores`), the mask kept per block's block
     (MR rows x MK keys), dropout, whether the walks take the tiles that need no masking in a
-    loop of their own (SPLIT, `segment`), whether the scores are in base 2 (EXP2, `in_base`), the tile (BM x BN), the padded head widths and the columns their products take at a time, the
-    products' precision and the compute dtype."""
+    loop of their own (SPLIT, `segment`), whether the scores are in base 2 (EXP2,
+    `in_base`), the tile (BM x BN), the padded head widths and the columns their products
+    take at a time, the products' precision and the compute dtype."""
 
     HAS_BIAS: bool
     HAS_MASK: bool

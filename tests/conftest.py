@@ -10,6 +10,15 @@ import os
 # on a GPU, TRITON_INTERPRET=0 makes the `gpu` tests compile them instead.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist's workers share the cores: each worker's OpenMP pool sized to every core
+# oversubscribes them, and a pool's barrier then waits on a thread the other worker holds (on
+# 2 cores under -n 2, a sinks test of 0.4 s alone took 58 s, test_sinks.py 200 s against 20).
+# Each worker gets its share, before anything starts OpenMP; tests that count threads set them.
+if "PYTEST_XDIST_WORKER" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // _workers))
+
 import numpy as np  # noqa: E402
 import pytest
 

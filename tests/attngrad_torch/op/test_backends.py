@@ -111,6 +111,15 @@ def test_which_rows_sums_the_tiles_take():
     assert dispatch.choose("backward_with_jvp", call, {**given, "bias_grad": False}).name == "tiles"
     assert dispatch.choose("backward_jvp", call, {**given, "bias_grad": True}).name == "torch-ops"
     assert dispatch.choose("forward_jvp", call, {"row_sums": {"centre_sums": centre}}).name == "tiles"
+    # an HVP's: the forward's JVP leaves t - c, c (and a peak index the tiles do not name), the
+    # backward's JVP takes them with O'; in float32 and float64, where the tiles centre
+    peak_index = torch.full((1, 2, 5, 1), -1, dtype=torch.int32)
+    forward_sums = {"centre_sums": centre, "peak_sums": centre, "peak_index": peak_index, "results": ()}
+    backward_sums = {"centre": centre, "peak": centre, "peak_index": peak_index, "out_t": q, "results": ()}
+    assert dispatch.choose("forward_jvp", call, {"row_sums": forward_sums}).name == "tiles"
+    assert dispatch.choose("backward_with_jvp", call, {"row_sums": backward_sums, "bias_grad": False}).name == "tiles"
+    half = make_call(*(q.to(torch.bfloat16),) * 3)
+    assert not dispatch.offered("forward_jvp", half, {"row_sums": forward_sums})
     assert dispatch.choose("jvp", call, {"row_sums": {"centre": centre, "centre_sums": centre}}).name == "torch-ops"
     assert dispatch.choose("double_backward", call, {"row_sums": {"centre": centre, "g_centre": centre}}).name == \
         "torch-ops"

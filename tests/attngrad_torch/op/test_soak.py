@@ -148,6 +148,31 @@ def test_a_workload_with_sinks_holds_memory_flat(workload):
     _assert_flat(*_soak(lambda: WORKLOADS[workload](model, x)))
 
 
+@pytest.mark.parametrize("workload", ["hvp", "meanflow"])
+def test_a_workload_on_triton_holds_memory_flat(workload):
+    """Triton's row sums handed from an HVP's forward to its backward (`_ForwardSums`, with the
+    peak keys' indices) and its forward with JVP in one walk, in Triton's interpreter; fewer
+    steps than the others take (the interpreter is slow), still many past the warm-up."""
+    from attngrad.torch import use_backend
+    from attngrad.torch.backends import triton as triton_backend
+    from attngrad.torch.op import dispatch
+
+    if not triton_backend.interpreting() or triton_backend._unavailable():
+        pytest.skip("Triton's interpreter is not on")
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(scaled_dot_product_attention, dim=16, heads=2)).double()
+    x = torch.randn(1, 12, 16, dtype=torch.float64)
+    before = dispatch.ran[("forward_jvp", "triton")]
+    with use_backend("triton"):
+        counts = []
+        for i in range(WARM_UP + 8):
+            WORKLOADS[workload](model, x)
+            if i + 1 in (WARM_UP, WARM_UP + 8):
+                counts.append(_reachable_tensors())
+    assert dispatch.ran[("forward_jvp", "triton")] == before + WARM_UP + 8
+    assert counts[-1] <= counts[0], f"reachable tensors grew over 8 steps: {counts}"
+
+
 @pytest.mark.parametrize("replaced", [False, True], ids=["attngrad", "replace_sdpa"])
 def test_generate_holds_memory_flat(replaced):
     transformers = pytest.importorskip("transformers")

@@ -50,6 +50,7 @@ try:  # private: where a torch version moves it, PyTorch's own apply runs instea
 except ImportError:  # pragma: no cover
     custom_function_call = None
 
+from ..precision import compute_dtype
 from . import dispatch
 from .call import AttentionCall
 from .ops import CALL_NAMES, empty_results, run_op, run_pass
@@ -130,20 +131,23 @@ class _ForwardSums:
     """What the forward's fused pass (forward_jvp) leaves the backward's (backward_with_jvp)
     of the same call: each row's centre t = rowsum(P * S') ((B, H, Lq, 1), compute dtype)
     and the output's tangent O', along the tangents of q, k, v and the bias it was given.
-    Along the same tangents, the backward's JVP needs no whole row: with t and D' =
-    rowsum(dO' * O + dO * O') it runs on the backward's tiles (the tiles backend's
-    `native.attention_backward_jvp_given_sums`, as a ring step's does): 5-8% less time per
-    matrix product than on whole rows at L=1024-4096."""
+    Along the same tangents, the backward's JVP needs no walk over whole rows: with t, O' and
+    D' = rowsum(dO' * O + dO * O'), which the backend makes from them, it runs on the
+    backward's tiles (the tiles backend's `native.attention_backward_jvp_given_sums`, as a
+    ring step's does: 5-8% less time per matrix product than on whole rows at L=1024-4096),
+    or Triton's walks skip their `row_sums` pass (`launch._given_row_sums`)."""
 
     def __init__(self, tangents: tuple) -> None:
         # weak: the tangents and O' are the forward-mode level's, and the sums serve only a
         # backward run inside that level (an HVP); a training step's graph must not keep them
         self._tangents = tuple(None if t is None else weakref.ref(t) for t in tangents)
-        # with peak and out_t, set once the forward's pass has made them: each row's t - c and c,
-        # c = S' at its most probable key, so that the backward's pass centres its rows as the
-        # forward's did (kernels_higher._centre_on_the_peak)
+        # with peak, peak_index and out_t, set once the forward's pass has made them: each row's
+        # t - c and c, c = S' at its most probable key (and that key's index where the backend
+        # names it, else -1), so that the backward's pass centres its rows as the forward's did
+        # (kernels_higher._centre_on_the_peak)
         self.centre: Optional[Tensor] = None
         self.peak: Optional[Tensor] = None
+        self.peak_index: Optional[Tensor] = None
         self._out_t: Optional[weakref.ref] = None
 
     @property
@@ -163,20 +167,16 @@ class _ForwardSums:
 
     def centre_sums(self, call: AttentionCall, inputs: dict, results: tuple) -> Optional[dict]:
         """The row sums to ask of the forward's pass, where a backend makes them; else None.
-        The pass writes its primal results into `results`, the forward's held ones."""
-        if call.q.dtype not in (torch.float32, torch.float64) or call.sinks is not None:
+        The pass writes its primal results into `results`, the forward's held ones, and the
+        peak key's index into "peak_index" where it names one (-1 where it does not: the
+        tiles find the peak by its value)."""
+        if call.sinks is not None:
             return None  # (the sinks' closed forms take the whole-row pass's sink_rows)
-        row_sums = {"centre_sums": call.q.new_empty(*call.q.shape[:3], 1),
-                    "peak_sums": call.q.new_empty(*call.q.shape[:3], 1), "results": results}
+        rows = (*call.q.shape[:3], 1)
+        row_sums = {"centre_sums": call.q.new_empty(rows, dtype=compute_dtype(call.q.dtype)),
+                    "peak_sums": call.q.new_empty(rows, dtype=compute_dtype(call.q.dtype)),
+                    "peak_index": call.q.new_full(rows, -1, dtype=torch.int32), "results": results}
         return row_sums if dispatch.offered("forward_jvp", call, {**inputs, "row_sums": row_sums}) else None
-
-    def delta_t(self, dout: Tensor, out: Tensor, tdout: Optional[Tensor]) -> Tensor:
-        """D' = rowsum(dO' * O + dO * O'), (B, H, Lq, 1) in the compute dtype."""
-        work = self.centre.dtype
-        delta_t = (dout.to(work) * self.out_t.to(work)).sum(dim=-1, keepdim=True)
-        if tdout is not None:
-            delta_t += (tdout.to(work) * out.to(work)).sum(dim=-1, keepdim=True)
-        return delta_t
 
 
 def _bound(pass_name: str, fields: list, deferred: Optional[_Deferred], sums: Optional[_ForwardSums],
@@ -203,11 +203,12 @@ def _bound(pass_name: str, fields: list, deferred: Optional[_Deferred], sums: Op
                 row_sums = sums.centre_sums(call, given, deferred.results)
                 if row_sums is not None:
                     results = run_pass(pass_name, call, {**given, "row_sums": row_sums})
-                    sums.centre, sums.peak, sums.out_t = row_sums["centre_sums"], row_sums["peak_sums"], results[-1]
+                    sums.centre, sums.peak, sums.peak_index = (row_sums[name] for name in
+                                                               ("centre_sums", "peak_sums", "peak_index"))
+                    sums.out_t = results[-1]
             else:
-                row_sums = {"centre": sums.centre, "peak": sums.peak,
-                            "delta_t": sums.delta_t(given["dout"], given["out"], given["tdout"]),
-                            "results": deferred.results[:3]}  # dq, dk, dv: no bias gradient here
+                row_sums = {"centre": sums.centre, "peak": sums.peak, "peak_index": sums.peak_index,
+                            "out_t": sums.out_t, "results": deferred.results[:3]}  # dq, dk, dv: no bias gradient
                 results = run_pass(pass_name, call, {**given, "row_sums": row_sums})
         if results is None:
             results = _pass(pass_name, *call_fields, **given)

@@ -8,8 +8,9 @@ backward, jvp, forward_jvp, backward_jvp, backward_with_jvp, double_backward), e
 backward_with_jvp are optional (`OPTIONAL_PASSES`: where no backend has one, the ops run its
 two passes in turn). The ops hand every pass to `run`, which takes
 the first registered backend that is allowed, available and takes the call. The ring's steps come through `run` too;
-their higher passes carry the whole rows' sums (`inputs["row_sums"]`), which only a backend
-with `row_sums=True` takes. Registered today, in order of preference:
+their higher passes carry the whole rows' sums (`inputs["row_sums"]`), as a Hessian-vector
+product's fused passes carry the sums one leaves the other: only a backend with
+`row_sums=True` is handed them, and its `refuses` says which it takes. Registered today, in order of preference:
 
     "tiles"      the compiled C++ tiles (`backends.cpu_tiles`): CPU, every pass, fast
     "torch-ops"  PyTorch operators over score tiles (`backends.torch_ops`): every call,
@@ -53,8 +54,9 @@ class Backend:
     """A backend: `passes` maps pass names to `fn(call, **inputs)`; `unavailable()` is None
     where it runs on this machine, else why not (asked at every call, so it may build
     lazily); `refuses(call, pass_name, inputs)` is None where it takes the call, else why
-    not; `row_sums`: its higher passes take a part of each row's keys given the whole rows'
-    sums (a ring step). `plans` maps pass names to planners (`plan`), and `settings()` is
+    not; `row_sums`: it may be handed rows' sums (a ring step's higher passes, on a part
+    of each row's keys; a Hessian-vector product's, `autograd._ForwardSums`), and its
+    `refuses` says which it takes. `plans` maps pass names to planners (`plan`), and `settings()` is
     what its plans depend on beyond the call (the tiles' block sizes)."""
 
     name: str
@@ -156,7 +158,7 @@ def _refusal(backend: Backend, call: AttentionCall, pass_name: str, inputs: dict
     if pass_name not in backend.passes:
         return f"it has no {pass_name} pass"
     if inputs.get("row_sums") is not None and not backend.row_sums:
-        return "it takes no part of each row's keys (a ring step's higher passes)"
+        return "it takes no rows' sums (a ring step's higher passes on a part of each row's keys)"
     reason = backend.unavailable()
     if reason is not None:
         return f"it is unavailable ({reason})"

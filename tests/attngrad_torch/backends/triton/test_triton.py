@@ -12,6 +12,7 @@ import types
 
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
@@ -565,14 +566,16 @@ def test_the_walks_zero_the_peak_by_its_index(on_triton, monkeypatch):
     """A compiled walk need not compute S' at the peak key with the row sums' bits. With the
     centres c and c2 moved by a few ulps, as another kernel's rounding might move them, the
     peak's term stays 0 (`tile_ops.off_peak`) and the passes stay within 1e-12 of the exact HVP;
-    subtracting the centre there instead erred 3.5e-11."""
-    row_sums = launch._row_sums
+    subtracting the centre there instead erred 3.5e-11. The HVP's backward takes its sums from
+    the forward's walk (`launch._given_row_sums`), the double backward from `row_sums`."""
+    def rounded_elsewhere(make):
+        def made(plan, inputs, *args):
+            make(plan, inputs, *args)
+            inputs.sums[:, :, 2:4] *= 1 + 2.0 ** -50
+        return made
 
-    def rounded_elsewhere(plan, inputs, mode):
-        row_sums(plan, inputs, mode)
-        inputs.sums[:, :, 2:4] *= 1 + 2.0 ** -50
-
-    monkeypatch.setattr(launch, "_row_sums", rounded_elsewhere)
+    monkeypatch.setattr(launch, "_row_sums", rounded_elsewhere(launch._row_sums))
+    monkeypatch.setattr(launch, "_given_row_sums", rounded_elsewhere(launch._given_row_sums))
     assert _peaked_rows_error(37, False) < 1e-12
 
 
@@ -792,3 +795,67 @@ def test_tensor_descriptors_only_where_tma_takes_the_tensors(tuned):
     assert launch._descriptors(plan, 32, k, randn(2, 2, 23, 3, seed=4)) is None  # rows of 24 bytes
     sliced = launch.Plan(call, launch.Blocks(16, 32, 1, 1, slice=16))
     assert launch._descriptors(sliced, 32, k, v) is None
+
+
+def _hvp_sums(call):
+    """The rows' sums a Hessian-vector product's forward asks of forward_jvp (`_ForwardSums`)."""
+    rows = (*call.q.shape[:3], 1)
+    return {"centre_sums": call.q.new_empty(rows), "peak_sums": call.q.new_empty(rows),
+            "peak_index": call.q.new_full(rows, -1, dtype=torch.int32)}
+
+
+@interpreted
+@settings(max_examples=10, deadline=None)  # 300 more by hand: every one within EXACT
+@given(calls(), st.booleans(), st.booleans())
+def test_an_hvps_backward_takes_its_row_sums_from_the_forwards_walk(case, with_tdout, bias_grad):
+    """float64, every option: forward_jvp leaves each row's t - c, c and peak key, and the
+    backward's JVP along the same tangents makes its row sums from them and O'
+    (`kernels.given_row_sums`, no `row_sums` walk), with dO's tangent or without, with the
+    bias's gradient or without; its results equal the tiles' whole-row backward's JVP."""
+    call, tangents = case
+    g = torch.Generator().manual_seed(call.q.shape[2] * 7 + call.k.shape[2])
+    dout = torch.randn(*call.q.shape[:3], call.v.shape[-1], generator=g, dtype=DOUBLE)
+    tdout = torch.randn(dout.shape, generator=g, dtype=DOUBLE) if with_tdout else None
+    bias_grad = bias_grad and call.bias is not None
+    sums = _hvp_sums(call)
+    with use_backend("triton"), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launch, "_row_sums", lambda *args: pytest.fail("the row_sums walk ran"))
+        out, row_max, inv_sum, out_t = ops.run_pass("forward_jvp", call, {**tangents, "row_sums": sums})
+        given_sums = {"centre": sums["centre_sums"], "peak": sums["peak_sums"], "peak_index": sums["peak_index"],
+                      "out_t": out_t}
+        inputs = dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad, tdout=tdout,
+                      **tangents)
+        before = dispatch.ran[("backward_jvp", "triton")]
+        got = ops.run_pass("backward_jvp", call, {**inputs, "row_sums": given_sums})
+        assert dispatch.ran[("backward_jvp", "triton")] == before + 1
+    with use_backend("tiles"):
+        want = ops.run_pass("backward_jvp", call, inputs)
+    for name, a, b in zip(("tq", "tk", "tv", "tbias"), got, want):
+        if b.numel():
+            assert rel_err(a, b) < EXACT, name
+
+
+@interpreted
+def test_triton_takes_an_hvps_row_sums_and_no_ring_steps():
+    """Triton takes the rows' sums a Hessian-vector product's passes carry, and refuses a ring
+    step's (a part of each row's keys: torch-ops takes those); torch-ops refuses an HVP's,
+    whose t - c it would read as a ring step's t."""
+    q = randn(1, 2, 5, 4, seed=2)
+    call = make_call(q, q, q)
+    centre = q.new_zeros(1, 2, 5, 1)
+    forward_sums = _hvp_sums(call)
+    backward_sums = {"centre": centre, "peak": centre, "peak_index": forward_sums["peak_index"], "out_t": q}
+    with use_backend("triton"):
+        assert dispatch.choose("forward_jvp", call, {"row_sums": forward_sums}).name == "triton"
+        assert dispatch.choose("backward_jvp", call, {"row_sums": backward_sums, "bias_grad": False}).name == "triton"
+        for pass_name, ring_sums in (("backward_jvp", {"centre": centre, "delta_t": centre}),
+                                     ("jvp", {"centre": centre, "centre_sums": centre}),
+                                     ("double_backward", {"centre": centre, "g_centre": centre})):
+            with pytest.raises(RuntimeError, match="a ring step's"):
+                dispatch.choose(pass_name, call, {"row_sums": ring_sums, "bias_grad": False})
+    with use_backend("torch-ops"), pytest.raises(RuntimeError, match="a ring step's rows' sums"):
+        dispatch.choose("backward_jvp", call, {"row_sums": backward_sums, "bias_grad": False})
+    # the kernel writes them by row index: a strided or short tensor is refused by name
+    strided = {**forward_sums, "peak_sums": q.new_empty(1, 2, 5, 2)[..., :1]}
+    with use_backend("triton"), pytest.raises(ValueError, match=r"row_sums' peak_sums must be contiguous .* \(1, 2, 5\)"):
+        ops.run_pass("forward_jvp", call, {"tq": q, "tk": None, "tv": None, "tbias": None, "row_sums": strided})

@@ -2,9 +2,10 @@
 or float64 (float16 computed in float32, bfloat16's products in bfloat16 with float32 sums;
 results returned in the inputs' dtypes). Registered first: where it takes a call, it is the fast one. It refuses tensors on
 other devices, an empty dimension, and of the passes given rows' sums (`row_sums`) all but
-two: the backward's JVP given each row's centre and D' (a ring step's, or a Hessian-vector
-product's with the forward's JVP's centre: `native.attention_backward_jvp_given_sums`,
-without a bias gradient), and the forward's JVP asked for each row's centre (`centre_sums`);
+two: the backward's JVP given each row's centre and D' (a ring step's), or the centre, its
+peak and O' (a Hessian-vector product's, from the forward's JVP; D' made here), both
+`native.attention_backward_jvp_given_sums`, without a bias gradient; and the forward's JVP
+asked for each row's centre (`centre_sums`), in float32 and float64;
 there the fused passes (forward_jvp, backward_with_jvp) also take the tensors to write their
 primal results into (`results`: a Hessian-vector product's Functions returned them before
 the pass ran). It is unavailable where the tiles cannot be built (`native.build_info.reason`
@@ -23,6 +24,13 @@ from ...op import dispatch, dropout
 from ...op.call import AttentionCall, PassInputs
 from ...precision import FLOATS
 from . import native
+
+# The sums a Hessian-vector product's passes carry (`autograd._ForwardSums`): forward_jvp
+# writes the first set (not "peak_index": the tiles find the peak by its value), and the
+# backward's JVP along the same tangents reads the second, D' made here from O'
+_HVP_SUMS = {"forward_jvp": {"centre_sums", "peak_sums", "peak_index"},
+             "backward_jvp": {"centre", "peak", "peak_index", "out_t"},
+             "backward_with_jvp": {"centre", "peak", "peak_index", "out_t"}}
 
 
 def _unavailable() -> Optional[str]:
@@ -50,10 +58,12 @@ def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]
             return "it writes the sink's rows on whole rows alone"
         sums = set(row_sums) - ({"results"} if pass_name in ("forward_jvp", "backward_with_jvp") else set())
         if pass_name in ("backward_jvp", "backward_with_jvp") and sums in ({"centre", "delta_t"},
-                                                                           {"centre", "peak", "delta_t"}):
+                                                                           _HVP_SUMS[pass_name]):
             return "it takes a bias gradient on whole rows alone" if inputs.get("bias_grad") else None
-        if pass_name == "forward_jvp" and sums in ({"centre_sums"}, {"centre_sums", "peak_sums"}):
-            return None
+        if pass_name == "forward_jvp" and sums in ({"centre_sums"}, _HVP_SUMS[pass_name]):
+            # a Hessian-vector product's half-precision forward keeps its whole-row backward's JVP
+            if sums == {"centre_sums"} or call.q.dtype in (torch.float32, torch.float64):
+                return None
         return f"it takes no rows' sums {sorted(row_sums)} in its {pass_name} pass"
     return None
 
@@ -104,15 +114,28 @@ def forward_jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple[Tens
 
 def _backward_jvp(call: AttentionCall, inputs: PassInputs, with_backward: bool) -> tuple:
     """The backward's JVP (with the backward first, where asked) on whole rows, or, given the
-    rows' sums {"centre", "delta_t"} ((B, H, Lq, 1), as a ring step has them; with "peak",
-    the centre less it, as the forward's JVP leaves them), on the backward's tiles: no bias
+    rows' sums {"centre", "delta_t"} ((B, H, Lq, 1), as a ring step has them; or {"centre",
+    "peak", "peak_index", "out_t"}, the centre less the peak and O', as the forward's JVP
+    leaves them), on the backward's tiles: no bias
     gradient there, nor its tangent. With the backward, row_sums' "results" (dq, dk, dv) take
     its results where given."""
-    if inputs.get("row_sums") is None:
+    row_sums = inputs.get("row_sums")
+    if row_sums is None:
         return native.attention_backward_jvp(call, inputs, with_backward=with_backward)
+    if "out_t" in row_sums:  # a Hessian-vector product's: D' from the forward's O'
+        inputs = {**inputs, "row_sums": {**row_sums, "delta_t": _delta_t(inputs, row_sums)}}
     results = native.attention_backward_jvp_given_sums(call, inputs, with_backward=with_backward)
     tangents = (*results[-3:], None)
     return (*results[:3], None, *tangents) if with_backward else tangents
+
+
+def _delta_t(inputs: PassInputs, row_sums: dict) -> Tensor:
+    """D' = rowsum(dO' * O + dO * O'), (B, H, Lq, 1) in the sums' dtype."""
+    work = row_sums["centre"].dtype
+    delta_t = (inputs["dout"].to(work) * row_sums["out_t"].to(work)).sum(dim=-1, keepdim=True)
+    if inputs.get("tdout") is not None:
+        delta_t += (inputs["tdout"].to(work) * inputs["out"].to(work)).sum(dim=-1, keepdim=True)
+    return delta_t
 
 
 def backward_jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple:

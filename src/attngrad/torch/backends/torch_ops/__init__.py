@@ -6,8 +6,21 @@ what it needs from the call and the inputs by name."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ...op import dispatch
+from ...op.call import AttentionCall
 from . import first_order, higher_order
+
+
+def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]:
+    """A Hessian-vector product's sums (`autograd._ForwardSums`) name the same rows' sums
+    differently (t - c beside the peak c): read as a ring step's, they would be wrong."""
+    row_sums = inputs.get("row_sums") or {}
+    if {"peak", "peak_sums", "peak_index", "out_t", "results"} & set(row_sums):
+        return f"it takes a ring step's rows' sums, not {sorted(row_sums)}"
+    return None
+
 
 BACKEND = dispatch.register(dispatch.Backend(
     name="torch-ops",
@@ -16,5 +29,6 @@ BACKEND = dispatch.register(dispatch.Backend(
                 double_backward=higher_order.attention_double_backward,
                 double_backward_row_sums=higher_order.double_backward_row_sums),
     row_sums=True,
+    refuses=_refuses,
     description="PyTorch operators over score tiles: every call, on any device",
 ))

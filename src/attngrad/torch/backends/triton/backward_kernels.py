@@ -33,17 +33,51 @@ from .tile_ops import (
 
 
 @triton.jit
+def _row_block(H, BM: tl.constexpr):
+    """The (b, h) and the query rows of a program that owns a block of rows."""
+    bh = tl.program_id(1)
+    return (bh // H).to(tl.int64), (bh % H).to(tl.int64), tl.program_id(0) * BM + tl.arange(0, BM)
+
+
+@triton.jit
+def _rowsum_of_product(X, sx, Y, sy, b, h, offs_m, Lq, DV, BDV: tl.constexpr, ACC: tl.constexpr):
+    """rowsum(X * Y) in ACC over the rows offs_m of two (B, H, Lq, DV) tensors at (b, h)."""
+    offs_dv = tl.arange(0, BDV)
+    x = load_tile(X + b * sx[0] + h * sx[1], sx[2], sx[3], offs_m, offs_dv, Lq, DV).to(ACC)
+    y = load_tile(Y + b * sy[0] + h * sy[1], sy[2], sy[3], offs_m, offs_dv, Lq, DV).to(ACC)
+    return tl.sum(x * y, 1)
+
+
+@triton.jit
 def row_dot(DO, O, DELTA, sd, so, H, Lq, DV, BM: tl.constexpr, BDV: tl.constexpr, ACC: tl.constexpr):
     """D = rowsum(dO * O) in ACC, per block of rows: (B, H, Lq) contiguous."""
-    qb = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = qb * BM + tl.arange(0, BM)
-    offs_dv = tl.arange(0, BDV)
-    do = load_tile(DO + b * sd[0] + h * sd[1], sd[2], sd[3], offs_m, offs_dv, Lq, DV).to(ACC)
-    o = load_tile(O + b * so[0] + h * so[1], so[2], so[3], offs_m, offs_dv, Lq, DV).to(ACC)
-    tl.store(DELTA + (b * H + h) * Lq + offs_m, tl.sum(do * o, 1), mask=offs_m < Lq)
+    b, h, offs_m = _row_block(H, BM)
+    tl.store(DELTA + (b * H + h) * Lq + offs_m, _rowsum_of_product(DO, sd, O, so, b, h, offs_m, Lq, DV, BDV, ACC),
+             mask=offs_m < Lq)
+
+
+@triton.jit
+def given_row_sums(tensors, sd, so, sot, forward_sums, ROW_SUMS, H, Lq, DV, HAS_DO2: tl.constexpr, BM: tl.constexpr,
+                   BDV: tl.constexpr, ACC: tl.constexpr):
+    """ROW_SUMS (B, H, tile_ops.SUMS, Lq) of a backward's JVP from the forward's JVP along the
+    same tangents (`forward_jvp` with SUMS), per block of rows, with no walk over the keys:
+    x = t - c, c and the peak's index as `forward_sums` ((B, H, Lq) each) hold them, c2 = 0,
+    and y = D~ = rowsum(dO * O') + rowsum(dO2 * O), which is `row_sums`' D~ summed by rows
+    instead of by keys (O' = (P (S' - t) Z) V + (P Z) V2). dO2 shares dO's strides."""
+    DO, O, OT, DO2 = tensors
+    b, h, offs_m = _row_block(H, BM)
+    y = _rowsum_of_product(DO, sd, OT, sot, b, h, offs_m, Lq, DV, BDV, ACC)
+    if HAS_DO2:
+        y += _rowsum_of_product(DO2, sd, O, so, b, h, offs_m, Lq, DV, BDV, ACC)
+    t_less, centre, peak = forward_sums
+    rows = (b * H + h) * Lq + offs_m
+    inside = offs_m < Lq
+    out = ROW_SUMS + (b * H + h) * SUMS * Lq + offs_m
+    tl.store(out, tl.load(t_less + rows, mask=inside), mask=inside)
+    tl.store(out + Lq, y, mask=inside)
+    tl.store(out + 2 * Lq, tl.load(centre + rows, mask=inside), mask=inside)
+    tl.store(out + 3 * Lq, tl.zeros((BM,), ACC), mask=inside)
+    tl.store(out + 4 * Lq, tl.load(peak + rows, mask=inside).to(ACC), mask=inside)
 
 
 @triton.jit

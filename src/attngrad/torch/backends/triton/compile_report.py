@@ -109,7 +109,8 @@ def _recording(into: list, products: str, arch: int) -> Iterator[None]:
     `arch` (and TF32 for float32 if asked)."""
     from . import kernels, launch
 
-    names = ("forward", "jvp", "forward_jvp", "row_sums", "query_side", "key_side", "bias_side", "row_dot", "key_side_light")
+    names = ("forward", "jvp", "forward_jvp", "row_sums", "given_row_sums", "query_side", "key_side", "bias_side",
+             "row_dot", "key_side_light")
     saved = (launch.kernels, launch.on_gpu, launch.input_precision, launch.arch_of)
     launch.kernels = types.SimpleNamespace(**{n: _Recorder(getattr(kernels, n), into) for n in names})
     launch.on_gpu = lambda call: True
@@ -152,7 +153,8 @@ def record_launches(dtype: torch.dtype, width: int, features: str, products: str
                     passes: Sequence[str] = PASSES, arch: int = 90) -> list[Launch]:
     """The launches of the given passes of one call on a GPU of compute capability `arch`:
     forward, backward with the bias gradient, JVP, the forward with its JVP, the backward's
-    JVP and the double backward (with g_dO)."""
+    JVP and the double backward (with g_dO); the forward with its JVP and the backward's JVP
+    also as a Hessian-vector product runs them, the one leaving the other its row sums."""
     from . import launch
 
     call, t = _call(dtype, width, features)
@@ -160,12 +162,18 @@ def record_launches(dtype: torch.dtype, width: int, features: str, products: str
     out = torch.zeros(*call.q.shape[:3], call.v.shape[-1], dtype=dtype)
     stats = dict(dout=out, out=out, row_max=rows, inv_sum=rows, bias_grad=call.bias is not None)
     tangents = dict(tq=t.get("tq"), tk=t.get("tk"), tv=t.get("tv"), tbias=t.get("tbias"))
+    sums = dict(centre_sums=rows[..., None], peak_sums=rows[..., None],
+                peak_index=torch.zeros(*rows.shape, 1, dtype=torch.int32))  # an HVP's (`autograd._ForwardSums`)
     runs = {
         "forward": lambda: launch.forward(call),
         "backward": lambda: launch.backward(call, **stats),
         "jvp": lambda: launch.jvp(call, row_max=rows, inv_sum=rows, **tangents),
-        "forward_jvp": lambda: launch.forward_jvp(call, **tangents),
-        "backward_jvp": lambda: launch.backward_jvp(call, **stats, tdout=out if t else None, **tangents),
+        "forward_jvp": lambda: (launch.forward_jvp(call, **tangents),
+                                launch.forward_jvp(call, **tangents, row_sums=dict(sums, results=(out, rows, rows)))),
+        "backward_jvp": lambda: (launch.backward_jvp(call, **stats, tdout=out if t else None, **tangents),
+                                 launch.backward_jvp(call, **stats, tdout=out if t else None, **tangents,
+                                                     row_sums=dict(centre=sums["centre_sums"], peak=sums["peak_sums"],
+                                                                   peak_index=sums["peak_index"], out_t=out))),
         "double_backward": lambda: launch.double_backward(call, **stats, dout_grad=True, gq=t.get("tq"),
                                                           gk=t.get("tk"), gv=t.get("tv"), gbias=t.get("tbias")),
     }

@@ -28,16 +28,20 @@ from .tile_ops import (
 
 
 @triton.jit
-def _recentre(s, tile_top, sp, top, centre, x, weight, acc_s, acc_o):
+def _recentre(s, tile_top, sp, offs_n, top, centre, peak, x, weight, acc_s, acc_o):
     """Where a row's tile holds a key more probable than `top` (its peak so far), the centre c
-    becomes that key's S' (of tied keys, any), and the sums centred on c move with it: x by
-    (c_old - c) `weight` (the probability summed so far), acc_s by (c_old - c) acc_o.
-    (c, top, x, acc_s) after the tile."""
-    sp_top = tl.max(tl.where(s == tile_top[:, None], sp, float("-inf")), 1)
+    becomes that key's S' (of tied keys, the largest S', then the first key), the peak that
+    key's index, and the sums centred on c move with it: x by (c_old - c) `weight` (the
+    probability summed so far), acc_s by (c_old - c) acc_o. (c, top, peak, x, acc_s) after
+    the tile; a NaN S' names no key."""
+    tied = s == tile_top[:, None]
+    sp_top = tl.max(tl.where(tied, sp, float("-inf")), 1)
+    at = tl.min(tl.where(tied & (sp == sp_top[:, None]), offs_n[None, :], 2147483647), 1)
     moved = tile_top > top
     new_centre = tl.where(moved, sp_top, centre)
+    new_peak = tl.where(moved, tl.where(at == 2147483647, -1, at), peak)
     move = tl.where(moved, centre - new_centre, 0.0)
-    return new_centre, tl.where(moved, tile_top, top), x + move * weight, acc_s + move[:, None] * acc_o
+    return new_centre, tl.where(moved, tile_top, top), new_peak, x + move * weight, acc_s + move[:, None] * acc_o
 
 
 @triton.jit
@@ -151,6 +155,7 @@ def jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, HAS_TQ: 
     top = tl.full((BM,), float("-inf"), ACC)  # that key's score
     if SINK:  # the sink is an entry of score 0 (its logit is in the bias) and S' 0: c = 0 until a key outweighs it
         top = tl.zeros((BM,), ACC)
+    peak = tl.full((BM,), -1, tl.int32)  # that key's index (unused here: `forward_jvp` stores it)
     x = tl.zeros((BM,), ACC)  # rowsum(P (S' - c))
     p_sum = tl.zeros((BM,), ACC)  # rowsum(P), what x moves by per unit of c
     acc_o = tl.zeros((BM, BDV), ACC)
@@ -174,7 +179,8 @@ def jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, HAS_TQ: 
             sp, _ = score_form(q, k, tq, tk, th, t_bias, scale, SW.SOFTCAP, BD, SD, IP, ACC)
             sp_less = sp
             if CENTRE:  # a more probable key in this tile: c becomes its S', and the sums move with it
-                centre, top, x, acc_s = _recentre(s, tl.max(s, 1), sp, top, centre, x, p_sum, acc_s, acc_o)
+                centre, top, peak, x, acc_s = _recentre(s, tl.max(s, 1), sp, offs_n, top, centre, peak, x, p_sum,
+                                                        acc_s, acc_o)
                 sp_less = sp - centre[:, None]
                 p_sum += tl.sum(p, 1)
             x += tl.sum(p * sp_less, 1)
@@ -199,7 +205,8 @@ def jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, HAS_TQ: 
 @triton.jit
 def forward_jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, descriptors, HAS_TQ: tl.constexpr,
                 HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_TBIAS: tl.constexpr, SW: tl.constexpr,
-                CENTRE: tl.constexpr = False, SINK: tl.constexpr = False, TMA: tl.constexpr = False):
+                CENTRE: tl.constexpr = False, SINK: tl.constexpr = False, TMA: tl.constexpr = False,
+                row_sums=None, SUMS: tl.constexpr = False):
     """The forward and its JVP in one walk, 6 products per tile where `forward` and `jvp` take
     2 + 6: the online softmax of `forward` (shift m, l = rowsum(e), e = exp(S - m)) carries
     beside (e Z) V the sums x = rowsum(e (S' - c)) and (e Z (S' - c)) V + (e Z) V', all
@@ -209,7 +216,10 @@ def forward_jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, 
     at 0. Then 1/l, O = (e Z) V / l, t - c = x / l - c P_sink and
     O' = ((e Z (S' - c)) V + (e Z) V' - (t - c) (e Z) V) / l. Row statistics as `forward`
     leaves them with `ops.add_sink` applied; O and O' share strides (so). With TMA, K, V and
-    their tangents come through `descriptors`, as in `forward`."""
+    their tangents come through `descriptors`, as in `forward`. With SUMS, each row's t - c,
+    c and the peak key's index (-1: none, or the sink) also go to `row_sums`, three
+    contiguous (B, H, Lq) tensors: what a backward's JVP along the same tangents takes
+    instead of `row_sums`' walk (`launch.given_row_sums`)."""
     Q, K, V, TQ, TK, TV, O, OT, M, INV = tensors
     sq, sk, sv, so = strides
     H, G, Lq, Lk, D, DV, causal = sizes
@@ -243,6 +253,7 @@ def forward_jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, 
     top = tl.full((BM,), float("-inf"), ACC)  # that key's score (a sink's 0 to start with)
     if SINK:
         top = tl.zeros((BM,), ACC)
+    peak = tl.full((BM,), -1, tl.int32)  # that key's index (-1: the sink's, or none)
     order, n_in, n_all = walk_list(walks, b, h, qb)
     for part in tl.static_range(0 if SW.SPLIT else 1, 2):  # the tiles that need no masking, then the others
         lo, hi = segment(0, n_in, n_all, part == 1, SW.SPLIT)
@@ -276,7 +287,8 @@ def forward_jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, 
             acc_s = acc_s * alpha[:, None]
             sp_less = sp
             if CENTRE:  # a more probable key in this tile: c becomes its S', and the sums move with it
-                centre, top, x, acc_s = _recentre(s, tile_top, sp, top, centre, x, l_i, acc_s, acc_o)
+                centre, top, peak, x, acc_s = _recentre(s, tile_top, sp, offs_n, top, centre, peak, x, l_i, acc_s,
+                                                        acc_o)
                 sp_less = sp - centre[:, None]
             l_i += tl.sum(e, 1)
             x += tl.sum(e * sp_less, 1)
@@ -317,3 +329,8 @@ def forward_jvp(tensors, strides, tbias, stb, masks, meta, fmeta, walks, sizes, 
     out_t = (acc_s - t_less[:, None] * acc_o) * inv[:, None]
     tl.store(OT + b * so[0] + h * so[1] + at, tl.where(empty[:, None], 0.0, out_t).to(OT.dtype.element_ty),
              mask=inside)
+    if SUMS:
+        t_less_out, centre_out, peak_out = row_sums
+        tl.store(t_less_out + rows, t_less, mask=offs_m < Lq)
+        tl.store(centre_out + rows, centre, mask=offs_m < Lq)
+        tl.store(peak_out + rows, peak, mask=offs_m < Lq)

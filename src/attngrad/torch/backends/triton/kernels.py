@@ -7,9 +7,12 @@ the same bits (the fused backward adds dQ's parts in an order fixed by counters,
 
     forward     per query block: online softmax (FlashAttention-2), O, m and 1/l
     jvp         per query block: O' = sum (P Z S') V + (P Z) V' - rowsum(P S') O, one pass
-    forward_jvp per query block: forward and jvp in one online-softmax walk (O, m, 1/l and O')
+    forward_jvp per query block: forward and jvp in one online-softmax walk (O, m, 1/l and O';
+                where asked, each row's t - c, c and peak key for a backward's JVP)
     row_sums    per query block: the row sums of the backward's JVP or the double backward, centred
                 on each row's peak key (kept for the walks)
+    given_row_sums  per query block: the backward's JVP's row sums from forward_jvp's and O',
+                with no walk over the keys
     query_side  per query block: dQ (or its tangent, or g_Q and g_dO)
     key_side    per key block, over the GQA group's query heads: dK, dV (or theirs); fused
                 with the backward's dQ for calls whose walks are contiguous runs (`dq_rank`)
@@ -57,11 +60,21 @@ from __future__ import annotations
 
 import triton
 
-from .backward_kernels import add_in_order, bias_side, dq_rank, key_side, key_side_light, query_side, row_dot, row_sums
+from .backward_kernels import (
+    add_in_order,
+    bias_side,
+    dq_rank,
+    given_row_sums,
+    key_side,
+    key_side_light,
+    query_side,
+    row_dot,
+    row_sums,
+)
 from .forward_kernels import forward, forward_jvp, jvp
 
-__all__ = ["add_in_order", "bias_side", "dq_rank", "forward", "forward_jvp", "jvp", "key_side", "key_side_light",
-           "query_side", "row_dot", "row_sums"]
+__all__ = ["add_in_order", "bias_side", "dq_rank", "forward", "forward_jvp", "given_row_sums", "jvp", "key_side",
+           "key_side_light", "query_side", "row_dot", "row_sums"]
 
 # Whether @triton.jit made the kernels interpreted (TRITON_INTERPRET=1 at import) or compiled.
 INTERPRETED = bool(triton.knobs.runtime.interpret)

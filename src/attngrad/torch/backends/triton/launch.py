@@ -10,7 +10,9 @@ launches the kernels of `kernels` in order.
                      query_side); a light call whose walks are contiguous: query_side and
                      key_side_light (or, with `Options.fused_backward`, key_side alone, fused
                      with dQ)
-    backward_jvp     row_sums (t - c, D~, the centre), then as backward
+    backward_jvp     row_sums (t - c, D~, the centre), then as backward; along the tangents
+                     of a forward_jvp that left its row sums (a Hessian-vector product),
+                     given_row_sums instead: D~ from O', no walk over the keys
     double_backward  row_sums (t - c, u - c2, the centres), then as backward
 
 Every result is written whole by its own program, so the bits do not depend on the launch
@@ -557,18 +559,30 @@ def jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> Tensor:
 def forward_jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, row_max, inv_sum, out's tangent) from one walk (`kernels.forward_jvp`): 6
     products per tile where the forward and the JVP take 8; a sink's share already in out
-    and inv_sum, as `ops.add_sink` gives the forward's."""
+    and inv_sum, as `ops.add_sink` gives the forward's. Given `row_sums` (a Hessian-vector
+    product's forward, `autograd._ForwardSums`), each row's t - c, c and peak key's index go
+    to its "centre_sums", "peak_sums" and "peak_index" ((B, H, Lq, 1), contiguous), and the
+    primal results into its "results" (out, row_max, inv_sum)."""
     plan = _plan(call, "forward_jvp")
     (q, k, v, tq, tk, tv), t_bias = _with_tangents(plan, inputs)
-    out = torch.empty(plan.B, plan.H, plan.Lq, plan.DV, dtype=q.dtype, device=q.device)
+    row_sums = inputs.get("row_sums")
+    if row_sums is not None and row_sums.get("results") is not None:
+        out, row_max, inv_sum = row_sums["results"]
+        _check_rows(plan, row_max=row_max, inv_sum=inv_sum)
+    else:
+        out = torch.empty(plan.B, plan.H, plan.Lq, plan.DV, dtype=q.dtype, device=q.device)
+        row_max, inv_sum = plan.rows(), plan.rows()
     out_t = torch.empty_like(out)
-    row_max, inv_sum = plan.rows(), plan.rows()
+    sums = None
+    if row_sums is not None:
+        sums = tuple(row_sums[name] for name in ("centre_sums", "peak_sums", "peak_index"))
+        _check_rows(plan, **{name: row_sums[name] for name in ("centre_sums", "peak_sums", "peak_index")})
     descriptors = _descriptors(plan, plan.blocks.keys, k, v, tk, tv)
     kernels.forward_jvp[(plan.n_q, plan.B * plan.H)](
         (q, k, v, tq, tk, tv, out, out_t, row_max, inv_sum), _strides_of(q, k, v, out), t_bias, _strides(t_bias),
         *plan.walk_args["keys"], plan.sizes, descriptors, HAS_TQ=tq is not None, HAS_TK=tk is not None,
         HAS_TV=tv is not None, HAS_TBIAS=t_bias is not None, SW=plan.switches, CENTRE=plan.centre, SINK=call.sink,
-        TMA=descriptors is not None, **plan.launch)
+        TMA=descriptors is not None, row_sums=sums, SUMS=sums is not None, **plan.launch)
     return out, row_max, inv_sum, out_t
 
 
@@ -611,6 +625,30 @@ def _row_sums(plan: Plan, inputs: _Second, mode: int) -> None:
     kernels.row_sums[(plan.n_q, plan.B * plan.H)](
         inputs.tensors(), inputs.strides, *inputs.c_args, *plan.walk_args["keys"], plan.sizes, MODE=mode,
         **inputs.switches(), SW=plan.switches, CENTRE=plan.centre, SINK=plan.call.sink, **plan.launch)
+
+
+def _check_rows(plan: Plan, **rows: Tensor) -> None:
+    """The per-row tensors a kernel writes by row index: contiguous, one entry per query row."""
+    for name, t in rows.items():
+        if t.numel() != plan.B * plan.H * plan.Lq or not t.is_contiguous() or t.device != plan.device:
+            raise ValueError(f"attngrad triton: row_sums' {name} must be contiguous on {plan.device} with one entry "
+                             f"per (batch, head, query row) {(plan.B, plan.H, plan.Lq)}; got {tuple(t.shape)}, "
+                             f"strides {t.stride()} on {t.device}")
+
+
+def _given_row_sums(plan: Plan, inputs: _Second, given: dict, out: Tensor) -> None:
+    """The row sums of a backward's JVP from the forward's JVP along the same tangents
+    (`given`: its "centre" t - c, "peak" c, "peak_index" ((B, H, Lq, 1) contiguous) and
+    "out_t" O'), with no walk over the keys (`kernels.given_row_sums`)."""
+    inputs.sums = torch.empty(plan.B, plan.H, SUMS.value, plan.Lq, dtype=plan.acc_dtype, device=plan.device)
+    out_t = given["out_t"]
+    # four (rows, dv) tiles held at once: float64 at dv = 128 spilled 312-328 B with 64 rows, 8 with 32
+    block = (16 if plan.acc_dtype == torch.float64 and plan.DV > 64 else 64) if on_gpu(plan.call) else 16
+    kernels.given_row_sums[(triton.cdiv(plan.Lq, block), plan.B * plan.H)](
+        (inputs.do, out, out_t, inputs.do2), _strides(inputs.do), _strides(out), _strides(out_t),
+        tuple(given[name].contiguous() for name in ("centre", "peak", "peak_index")), inputs.sums, plan.H, plan.Lq,
+        plan.DV, HAS_DO2=inputs.do2 is not None, BM=block, BDV=padded_width(plan.DV), ACC=_acc(plan.call.q.dtype),
+        num_warps=4, num_stages=1)
 
 
 def _bias_is_direct(plan: Plan) -> bool:
@@ -736,7 +774,11 @@ def _sink_rows(plan: Plan, inputs: _Second, mode: int, sink_rows: Optional[Tenso
 def backward_jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple:
     plan = _plan(call, "backward_jvp")
     second = _Second(plan, inputs, inputs["tq"], inputs["tk"], inputs["tv"], inputs["tdout"], inputs["tbias"])
-    _row_sums(plan, second, BACKWARD_JVP)  # t = rowsum(P S'), D~
+    given = inputs.get("row_sums")
+    if given is not None:  # a Hessian-vector product's: the forward's JVP left t - c and O'
+        _given_row_sums(plan, second, given, inputs["out"])
+    else:
+        _row_sums(plan, second, BACKWARD_JVP)  # t = rowsum(P S'), D~
     _sink_rows(plan, second, BACKWARD_JVP, inputs.get("sink_rows"))
     return _backward_walks(plan, second, BACKWARD_JVP, inputs["bias_grad"])[1:]
 

@@ -101,6 +101,15 @@ class PassInputs(TypedDict, total=False):
     sink_rows: Optional[Tensor]  # (B, H, Lq): each row's share of a sink logit's term (`sink_logits`)
 
 
+# The rows' sums a Hessian-vector product's passes carry (`autograd._ForwardSums`), by pass,
+# beside the "results" the fused passes write into: forward_jvp writes t - c, c and the peak
+# key's index (-1 where the backend does not name it), and the backward's JVP along the same
+# tangents reads them with O'
+HVP_SUMS = {"forward_jvp": frozenset({"centre_sums", "peak_sums", "peak_index"}),
+            "backward_jvp": frozenset({"centre", "peak", "peak_index", "out_t"}),
+            "backward_with_jvp": frozenset({"centre", "peak", "peak_index", "out_t"})}
+
+
 @dataclass(frozen=True)
 class Output:
     """One result of a pass: shaped like `like` (as in `Field`, "rows" in the compute dtype),

@@ -21,16 +21,9 @@ from torch import Tensor
 from typing_extensions import Unpack  # typing's from Python 3.11; attngrad takes 3.10
 
 from ...op import dispatch, dropout
-from ...op.call import AttentionCall, PassInputs
+from ...op.call import HVP_SUMS, AttentionCall, PassInputs
 from ...precision import FLOATS
 from . import native
-
-# The sums a Hessian-vector product's passes carry (`autograd._ForwardSums`): forward_jvp
-# writes the first set (not "peak_index": the tiles find the peak by its value), and the
-# backward's JVP along the same tangents reads the second, D' made here from O'
-_HVP_SUMS = {"forward_jvp": {"centre_sums", "peak_sums", "peak_index"},
-             "backward_jvp": {"centre", "peak", "peak_index", "out_t"},
-             "backward_with_jvp": {"centre", "peak", "peak_index", "out_t"}}
 
 
 def _unavailable() -> Optional[str]:
@@ -58,10 +51,11 @@ def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]
             return "it writes the sink's rows on whole rows alone"
         sums = set(row_sums) - ({"results"} if pass_name in ("forward_jvp", "backward_with_jvp") else set())
         if pass_name in ("backward_jvp", "backward_with_jvp") and sums in ({"centre", "delta_t"},
-                                                                           _HVP_SUMS[pass_name]):
+                                                                           HVP_SUMS[pass_name]):
             return "it takes a bias gradient on whole rows alone" if inputs.get("bias_grad") else None
-        if pass_name == "forward_jvp" and sums in ({"centre_sums"}, _HVP_SUMS[pass_name]):
-            # a Hessian-vector product's half-precision forward keeps its whole-row backward's JVP
+        if pass_name == "forward_jvp" and sums in ({"centre_sums"}, HVP_SUMS[pass_name]):
+            # an HVP's in float32/64 (its peak_index left -1: the tiles find the peak by its
+            # value, and make D' from O' themselves); a half-precision HVP keeps whole rows
             if sums == {"centre_sums"} or call.q.dtype in (torch.float32, torch.float64):
                 return None
         return f"it takes no rows' sums {sorted(row_sums)} in its {pass_name} pass"

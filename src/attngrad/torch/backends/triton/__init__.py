@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ...op import dispatch
-from ...op.call import AttentionCall
+from ...op.call import HVP_SUMS, AttentionCall
 from ...precision import FLOATS
 
 
@@ -113,19 +113,13 @@ def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]
     return _refuses_sums(call, pass_name, inputs.get("row_sums"))
 
 
-# The rows' sums a Hessian-vector product's passes carry (`autograd._ForwardSums`): forward_jvp
-# writes them, and the backward's JVP along the same tangents reads them; "results" are the
-# primal results forward_jvp writes into (the backward's, made by the backward pass, are ignored)
-_FORWARD_SUMS = {"forward_jvp": {"centre_sums", "peak_sums", "peak_index"},
-                 "backward_jvp": {"centre", "peak", "peak_index", "out_t"}}
-
-
 def _refuses_sums(call: AttentionCall, pass_name: str, row_sums: Optional[dict]) -> Optional[str]:
     """A Hessian-vector product's sums it takes; a ring step's (a part of each row's keys) it
     leaves to torch-ops."""
     if row_sums is None:
         return None
-    if call.partial_rows or set(row_sums) - {"results"} != _FORWARD_SUMS.get(pass_name):
+    # "results": what forward_jvp writes its primal results into (the backward's are the backward pass's)
+    if call.partial_rows or set(row_sums) - {"results"} != HVP_SUMS.get(pass_name):
         return f"it takes no rows' sums {sorted(row_sums)} in its {pass_name} pass (a ring step's)"
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     if any(wrapped(t) for t in (*row_sums.values(), *(row_sums.get("results") or ())) if isinstance(t, torch.Tensor)):

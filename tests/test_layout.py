@@ -10,7 +10,8 @@ importing only those below:
     op/                      the call, the ops and their contract, autograd, dispatch
     backends/<name>/         one package per backend, none importing another
     arguments, distributed/  the public arguments folded into a call; the sharded entry points
-    entry points             functional, mha, sdpa_mode, nested, eager_plans: anything above
+    entry points             functional, mha, sdpa_mode (with recomputation), nested, eager_plans:
+                             anything above
 
 so there is no cycle between packages either."""
 
@@ -96,7 +97,7 @@ def test_the_tiles_come_through_pytorchs_extension_machinery():
 
 
 TORCH = PACKAGE / "torch"
-ENTRY_POINTS = {"__init__", "functional", "mha", "sdpa_mode", "nested", "eager_plans"}
+ENTRY_POINTS = {"__init__", "functional", "mha", "sdpa_mode", "recomputation", "nested", "eager_plans"}
 SHARED = {"precision", "layout", "arguments"}
 BELOW = {  # what each layer may import from attngrad.torch, beside itself
     "precision": set(),

@@ -22,12 +22,11 @@ import collections
 from typing import Any, Optional
 
 import torch
-import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 
 from .arguments import ATTENTION, DEFAULTS, AttentionOptions, build_call
 from .layout import fold, unfold
-from .op import dispatch
+from .op import dispatch, regime
 from .op.checks import check_fields
 
 KEPT = 64  # signatures kept, least recently used first out
@@ -43,14 +42,7 @@ def _plain(query: Any, key: Any, value: Any) -> bool:
         return False
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return False
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return False
-    if forward_ad._current_level >= 0 or torch._C._len_torch_dispatch_stack() > 0:
-        return False
-    if torch._C._is_torch_function_mode_enabled():
-        return False
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # a dead transform's tensor
-    return not (wrapped(query) or wrapped(key) or wrapped(value))
+    return regime.unseen((query, key, value)) and not regime.forward_level_open()
 
 
 def _plain_options(options: AttentionOptions) -> bool:

@@ -8,6 +8,10 @@ mode every torch function call made while it is active, and the mode sends SDPA'
 Python level, above autograd and the functorch transforms, so `torch.func.jvp`, `vmap`,
 double backward and `torch.compile` see attngrad's op as if the model had called it.
 
+Inside `torch.utils.checkpoint` (either kind, selective checkpointing, the gradient
+checkpointing of diffusers, timm and transformers), the mode follows the forward into its
+recomputation in the backward (`recomputation`), which then takes the same backend.
+
 A call attngrad does not take (a tensor subclass such as DTensor, a strided nested tensor,
 arguments attngrad refuses and PyTorch accepts) goes to PyTorch's own function: counted
 in the `SDPACalls` the context yields and reported once per reason, never silently
@@ -33,6 +37,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from . import recomputation
 from .functional import scaled_dot_product_attention as attngrad_sdpa
 from .nested import is_jagged
 
@@ -114,6 +119,9 @@ class _SDPAMode(TorchFunctionMode):
             if torch.compiler.is_compiling():  # a graph cannot catch; the checks above hold there
                 self.calls.attngrad += 1
                 return attngrad_sdpa(**arguments)
+            if not recomputation.follow(self):
+                reason = "it runs inside torch.utils.checkpoint, whose recomputation attngrad cannot reach here"
+        if reason is None:
             try:
                 out = attngrad_sdpa(**arguments)
             except (TypeError, ValueError) as refusal:  # argument checks: nothing has run yet

@@ -43,17 +43,12 @@ from typing import Any, Optional
 import torch
 import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
-from torch._functorch.pyfunctorch import TransformType, retrieve_all_functorch_interpreters
-
-try:  # private: where a torch version moves it, PyTorch's own apply runs instead
-    from torch._functorch.autograd_function import custom_function_call
-except ImportError:  # pragma: no cover
-    custom_function_call = None
 
 from ..precision import compute_dtype
-from . import dispatch
+from . import dispatch, regime, traced_op
 from .call import AttentionCall
 from .ops import CALL_NAMES, empty_results, run_op, run_pass
+from .regime import Mode, Regime
 
 _Q, _K, _V, _BIAS, _SINKS = (CALL_NAMES.index(name) for name in ("q", "k", "v", "bias", "sinks"))
 _DIFFERENTIABLE = ("q", "k", "v", "bias", "sinks")  # the call's fields with derivatives
@@ -63,35 +58,22 @@ _BACKWARD_INPUTS = ("dout", "out", "row_max", "inv_sum", "bias_grad")  # Attenti
 THIRD_ORDER = "attngrad attention has derivatives up to second order; a third was asked for"
 
 
-def _untracked(tensors: Any) -> bool:
-    """Whether nothing can differentiate a pass's results: no torch.func transform, no
-    forward-mode level open, and autograd either off or tracking none of `tensors` (under
-    torch.compile, that last alone: Dynamo's own rule for a Function). There a pass runs as the
-    op alone, without a Function's node and saved tensors (a decode step, an evaluation, a
-    backward without create_graph)."""
-    tracked = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
-    if torch.compiler.is_compiling():
-        # Dynamo would inline the Function's forward, and there hands a *args forward its ctx (torch 2.13)
-        return not tracked
-    if torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0:  # tangents may ride along
-        return False
-    return not tracked
-
-
 class _Function(torch.autograd.Function):
     """A Function whose apply skips `torch.autograd.Function.apply`'s binding of default
     arguments (inspect.signature on every call: about a third of a small call's time, torch
     2.13); these forwards have none to bind. Under torch.func transforms it goes straight to
-    what PyTorch's apply calls there (`custom_function_call`); under torch.compile, PyTorch's
-    own apply runs."""
+    what PyTorch's apply calls there (`custom_function_call`); while a graph is made,
+    PyTorch's own apply runs."""
 
     @classmethod
     def apply(cls, *args: Any) -> Any:
-        if torch.compiler.is_compiling() or custom_function_call is None:
+        if regime.mode() is not Mode.EAGER:
             return super().apply(*args)
-        if torch._C._are_functorch_transforms_active():
-            return custom_function_call(cls, *args)
-        args = torch._functorch.utils.unwrap_dead_wrappers(args)
+        if regime.transforms_active():
+            if regime.custom_function_call is None:  # pragma: no cover
+                return super().apply(*args)
+            return regime.custom_function_call(cls, *args)  # what PyTorch's apply calls there
+        args = regime.unwrap_dead_wrappers(args)
         return super(torch.autograd.Function, cls).apply(*args)  # autograd's own node, no binding
 
 
@@ -106,6 +88,7 @@ class Final(_Function):
     generate_vmap_rule = True  # vmap runs the op once per batched slice
 
     @staticmethod
+    @regime.outside_dynamo
     def forward(fn: Callable, refusal: str, *args: Any):
         return fn(*args)
 
@@ -244,6 +227,7 @@ class Tangent(_Function):
     generate_vmap_rule = True
 
     @staticmethod
+    @regime.outside_dynamo
     def forward(run: Callable[..., Any], layout: dict, *tensors: Tensor):
         return run(*(t for i, t in enumerate(tensors) if i not in layout["caches_only"]))
 
@@ -254,12 +238,13 @@ class Tangent(_Function):
         ctx.set_materialize_grads(False)
 
     @staticmethod
+    @regime.outside_dynamo
     def backward(ctx: Any, c: Optional[Tensor]):
         saved, layout = ctx.saved_tensors, ctx.layout
         grads: list[Optional[Tensor]] = [None] * len(saved)
         if c is None:
             return (None, None, *grads)
-        if forward_ad._current_level >= 0 and not torch._C._are_functorch_transforms_active():
+        if regime.forward_level_open() and not regime.transforms_active():
             # a backward inside the eager dual level of the tangent it differentiates: the
             # tangents of its results would be third derivatives, which nothing asked for
             saved = tuple(None if t is None else forward_ad.unpack_dual(t).primal for t in saved)
@@ -324,7 +309,7 @@ def _tangents_of(fields: list, tangents: tuple) -> dict[str, Optional[Tensor]]:
 def _plain(t: Any) -> Any:
     """A tensor as the bottom of torch.func's wrappers holds it, out of every graph; anything
     else as it is."""
-    return _unwrapped(t).detach() if isinstance(t, Tensor) else t
+    return regime.unwrapped(t).detach() if isinstance(t, Tensor) else t
 
 
 class _Deferred:
@@ -373,18 +358,6 @@ class _Deferred:
         self.results = None
 
 
-def _defers() -> bool:
-    """Whether a Function applied now may be differentiated in forward mode and leave its
-    results to its jvp (`_Deferred`): eager, a dual level open or torch.func.jvp among the
-    transforms, and no vmap (whose generated rule runs the forward on its own)."""
-    if torch.compiler.is_compiling():
-        return False
-    if torch._C._are_functorch_transforms_active():
-        kinds = [interpreter.key() for interpreter in retrieve_all_functorch_interpreters()]
-        return TransformType.Jvp in kinds and all(kind in (TransformType.Jvp, TransformType.Grad) for kind in kinds)
-    return forward_ad._current_level >= 0
-
-
 def _save(ctx: Any, fields: tuple, *extra: Tensor) -> None:
     """Save the call's fields (tensors through autograd, options as they are) and `extra`."""
     tensors = [f if isinstance(f, Tensor) or f is None else None for f in fields]
@@ -406,6 +379,7 @@ class Attention(_Function):
     generate_vmap_rule = True  # vmap runs the custom ops once per batched slice
 
     @staticmethod
+    @regime.outside_dynamo
     def forward(*args: Any):
         *fields, deferred = args
         if deferred is not None:
@@ -421,6 +395,7 @@ class Attention(_Function):
         # They get zero tangents, and their incoming gradients are ignored.
 
     @staticmethod
+    @regime.outside_dynamo
     def backward(ctx: Any, dout: Tensor, _dmax: Tensor, _dinv: Tensor):
         fields, (out, row_max, inv_sum) = _saved(ctx)
         bias_grad = fields[_BIAS] is not None and ctx.needs_input_grad[_BIAS]
@@ -429,11 +404,12 @@ class Attention(_Function):
         # through q, k, v and bias, and a graph edge back into this node would only make
         # autograd rerun this backward on zeros
         inputs = (dout.contiguous(), out.detach(), row_max.detach(), inv_sum.detach(), bias_grad)
-        if _untracked((inputs[0], *fields)):  # no create_graph: the backward pass alone
+        now = Regime.now()
+        if now.untracked((inputs[0], *fields)):  # no create_graph: the backward pass alone
             dq, dk, dv, dbias, dsinks = _pass("backward", *fields, **dict(zip(_BACKWARD_INPUTS, inputs)))
         else:
             sums = ctx.deferred.sums if ctx.deferred is not None else None
-            deferred = _Deferred("backward", sums) if _defers() else None
+            deferred = _Deferred("backward", sums) if now.defers() else None
             dq, dk, dv, dbias, dsinks = AttentionBackward.apply(*inputs, *fields, deferred)
             if deferred is not None:
                 deferred.settle(fields, **dict(zip(_BACKWARD_INPUTS, inputs)))
@@ -443,6 +419,7 @@ class Attention(_Function):
         return (*grads, None)  # and none for `deferred`
 
     @staticmethod
+    @regime.outside_dynamo
     def jvp(ctx: Any, *tangents: Any):
         fields, (_out, row_max, inv_sum) = _saved(ctx)
         along = _tangents_of(fields, tangents)
@@ -463,6 +440,7 @@ class AttentionBackward(_Function):
     generate_vmap_rule = True
 
     @staticmethod
+    @regime.outside_dynamo
     def forward(*args: Any):
         dout, out, row_max, inv_sum, bias_grad, *fields, deferred = args
         if deferred is not None:
@@ -477,6 +455,7 @@ class AttentionBackward(_Function):
         ctx.set_materialize_grads(False)  # a gradient nobody used arrives as None: no work for it
 
     @staticmethod
+    @regime.outside_dynamo
     def backward(ctx: Any, gq: Tensor, gk: Tensor, gv: Tensor, gbias: Tensor, gsinks: Tensor):
         fields, (dout, out, row_max, inv_sum) = _saved(ctx)
         dout_grad = ctx.needs_input_grad[0]  # a gradient penalty's dout is a constant
@@ -491,6 +470,7 @@ class AttentionBackward(_Function):
         return (g_dout if dout_grad else None, None, None, None, None, *grads, None)
 
     @staticmethod
+    @regime.outside_dynamo
     def jvp(ctx: Any, tdout, _tout, _tmax, _tinv, _tbias_grad, *tangents: Any):
         fields, (dout, out, row_max, inv_sum) = _saved(ctx)
         along = _tangents_of(fields, tangents)
@@ -505,61 +485,75 @@ class AttentionBackward(_Function):
                       inv_sum=inv_sum, bias_grad=ctx.bias_grad, tdout=tdout, **along)
 
 
-class _AttentionTraced(Attention):
-    """Attention as torch.compile sees it: Dynamo refuses autograd.Functions that define jvp
-    (torch 2.13), so a compiled graph gets this twin without forward mode."""
-
-    jvp = torch.autograd.Function.jvp
-    apply = torch.autograd.Function.apply  # what Dynamo knows how to trace
-
-
-def _unwrapped(t: Tensor) -> Tensor:
-    """The plain tensor under torch.func's wrappers: where outer autograd tracks it."""
-    functorch = torch._C._functorch
-    while functorch.is_functorch_wrapped_tensor(t):
-        t = functorch.get_unwrapped(t)
-    return t
-
-
-def _forward_mode_only(call: AttentionCall) -> Optional[tuple[AttentionCall, dict[str, Optional[Tensor]]]]:
-    """Where forward mode alone differentiates `call` (a dual level open in eager, or
-    torch.func.jvp the innermost transform, with only vmaps outside it), no reverse mode
-    tracks its tensors or their tangents, and at least one carries a tangent: the call on the primals and the
-    tangents of q, k, v, bias, sinks (None: zero). Else None.
+def _forward_mode_only(call: AttentionCall, now: Regime) -> Optional[tuple[AttentionCall, dict[str, Optional[Tensor]]]]:
+    """Where forward mode alone differentiates `call` (`Regime.forward_mode_innermost`), no
+    reverse mode tracks its tensors or their tangents, and at least one carries a tangent:
+    the call on the primals and the tangents of q, k, v, bias, sinks (None: zero). Else None.
 
     There the forward and its JVP run as one pass (`forward_jvp`), which a Function cannot
     ask for: autograd runs its forward before it hands the jvp the tangents."""
-    if torch.compiler.is_compiling() or forward_ad._current_level < 0:
+    if not now.forward_mode_innermost():
         return None
-    if torch._C._are_functorch_transforms_active():
-        kinds = [interpreter.key() for interpreter in retrieve_all_functorch_interpreters()]
-        if kinds[-1] != TransformType.Jvp or any(kind != TransformType.Vmap for kind in kinds[:-1]):
-            return None
     primals, tangents = {}, {}
     for name in _DIFFERENTIABLE:
         t = getattr(call, name)
-        primals[name], tangents["t" + name] = (None, None) if t is None else forward_ad.unpack_dual(t)
+        primals[name], tangents["t" + name] = (None, None) if t is None else forward_ad.unpack_dual(t, level=now.level)
     # reverse mode tracking a primal or a tangent (the gradient through a JVP) needs the Functions
-    tracked = torch.is_grad_enabled() and any(t is not None and _unwrapped(t).requires_grad
-                                              for t in (*primals.values(), *tangents.values()))
-    if tracked or all(t is None for t in tangents.values()):
+    if now.tracks(regime.unwrapped(t) for t in (*primals.values(), *tangents.values()) if t is not None):
+        return None
+    if all(t is None for t in tangents.values()):
         return None
     masks = dataclasses.replace(call.masks, bias=primals["bias"], sinks=primals["sinks"])
     return dataclasses.replace(call, q=primals["q"], k=primals["k"], v=primals["v"], masks=masks), tangents
 
 
-def differentiable_attention(call: AttentionCall) -> Tensor:
-    """The differentiable attention of `call`, on (B, H, L, E) tensors: its output."""
-    if _untracked(call.tensors()):
+def differentiable_attention(call: AttentionCall, in_kernel: bool = False) -> Tensor:
+    """The differentiable attention of `call`, on (B, H, L, E) tensors: its output. The path
+    is decided here, from one `Regime`: while a graph is made, the operator (`traced_op`),
+    whose Autograd kernel comes back here (`in_kernel`) and takes `_traced`'s path; eagerly,
+    the op alone where nothing differentiates, the fused forward and JVP where forward mode
+    alone does, else the Functions."""
+    now = Regime.now(probe=_differentiable(call) if in_kernel else ())
+    if not now.eager:
+        return _traced(call, now) if in_kernel else traced_op.apply(call)
+    if now.untracked(call.tensors()):
         return run_op("forward", call)[0]
-    dual = _forward_mode_only(call)
+    dual = _forward_mode_only(call, now)
     if dual is not None:
         out, _row_max, _inv_sum, out_t = run_op("forward_jvp", dual[0], **dual[1])
-        return forward_ad.make_dual(out, out_t)
-    function = _AttentionTraced if torch.compiler.is_compiling() else Attention
+        return forward_ad.make_dual(out, out_t, level=now.level)
+    return _through_functions(call, now)
+
+
+def _through_functions(call: AttentionCall, now: Regime) -> Tensor:
     fields = [call.fields()[name] for name in CALL_NAMES]
-    deferred = _Deferred("forward") if _defers() else None
-    out = function.apply(*fields, deferred)[0]
+    deferred = _Deferred("forward") if now.defers() else None
+    out = Attention.apply(*fields, deferred)[0]
     if deferred is not None:
         deferred.settle(fields)
     return out
+
+
+def _traced(call: AttentionCall, now: Regime) -> Tensor:
+    """The operator's Autograd kernel while a graph is made of it: where no transform is
+    active and nothing tracks or carries a tangent of its tensors, the forward alone, as the
+    operator `IN_GRAPH`, which refuses when the graph runs any tangent or gradient the graph
+    would not give exactly; else (a transform, tracked tensors, a dual tensor made inside the
+    graph) the Functions, whose passes' ops the graph then holds."""
+    if not now.transforms and not now.tracks(call.tensors()) and not _has_tangents(call, now):
+        with torch._C._AutoDispatchBelowAutograd():
+            return traced_op.apply(call, traced_op.IN_GRAPH)
+    return _through_functions(call, now)
+
+
+def _has_tangents(call: AttentionCall, now: Regime) -> bool:
+    """Whether a tensor of the call carries a tangent at the open forward-mode level."""
+    return now.forward_level and any(forward_ad.unpack_dual(t, level=now.level).tangent is not None
+                                     for t in _differentiable(call) if t is not None)
+
+
+def _differentiable(call: AttentionCall) -> tuple:
+    return call.q, call.k, call.v, call.bias, call.sinks
+
+
+traced_op.register_autograd(differentiable_attention)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import dispatch, sink_logits, vmap_rules
+from . import dispatch, regime, sink_logits, vmap_rules
 from .call import (
     CALL_FIELDS,
     FIELDS,
@@ -66,6 +66,7 @@ def add_sink(out: Tensor, row_max: Tensor, inv_sum: Tensor) -> tuple[Tensor, Ten
     return (out * kept[..., None].to(out.dtype)).contiguous(), row_max, inv_sum * kept
 
 
+@regime.outside_dynamo
 def run_pass(pass_name: str, call: AttentionCall, inputs: dict[str, Any]) -> Any:
     """What the op of `pass_name` does: check the call and the pass's inputs, and run the pass
     on the backend the registry chooses (a call with sinks through `sink_logits`)."""
@@ -163,24 +164,9 @@ attention_forward, attention_backward, attention_jvp, attention_forward_jvp, att
 def run_op(pass_name: str, call: AttentionCall, **inputs: Any) -> Any:
     """Call the op of `pass_name` on `call` and the pass's inputs (by name; handed to the op
     in schema order, which Dynamo traces where it does not trace every keyword)."""
-    if _plain_eager((*call.tensors(), call.seed), inputs.values()):  # the op's own work, without the dispatcher's trip
+    # where nothing would see the op called, its own work, without the dispatcher's trip
+    # (about 35 us of a 200 us small call, torch 2.13)
+    if regime.unseen((*call.tensors(), call.seed), inputs.values()):
         return run_pass(pass_name, call, inputs)
     fields = {**call.fields(), **inputs}
     return OPS[pass_name](*(fields[name] for name in ARGUMENTS[pass_name]))
-
-
-def _plain_eager(tensors: tuple, inputs: Any) -> bool:
-    """Whether nothing would see the op called: eager (no torch.compile, no torch.func
-    transform, no function or dispatch mode) on plain tensors (the call's `tensors` and the
-    pass's `inputs`, of which the tensors count). There the dispatcher would only route the
-    call back to `run_pass` (about 35 us of a 200 us small call, torch 2.13)."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return False
-    if torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled():
-        return False
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # a transform's tensor, its level set aside
-    for group in (tensors, inputs):
-        for a in group:
-            if isinstance(a, Tensor) and (type(a) is not Tensor or wrapped(a)):
-                return False
-    return True

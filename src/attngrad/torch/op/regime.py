@@ -1,0 +1,196 @@
+"""Where a call runs, read once: the one place that asks PyTorch's private state.
+
+Every choice of a call's path is made from one `Regime`, read at the call's start:
+
+    DYNAMO   Dynamo is tracing this Python (torch.compile, torch.export): the call becomes
+             the one operator `attngrad::attention` (`traced_op`), a leaf of the graph, so
+             that AOTAutograd later differentiates it through its Autograd kernel, every
+             torch.func transform and forward-mode level included.
+    TRACING  code that runs while a graph is made but is not traced by Dynamo: that Autograd
+             kernel on fake tensors (AOTAutograd, make_fx). Always the Functions, never a
+             shortcut that reads a tensor's storage, since the tensors have none.
+    EAGER    anything else: the shortcuts are allowed (`eager_plans`, `ops.run_op`'s direct
+             call, `autograd._Deferred`'s fused passes).
+
+Beyond the mode, a `Regime` says which torch.func transforms are active (innermost last),
+whether a forward-mode level is open, and whether a function or dispatch mode is in force.
+
+The private torch APIs read here, with the torch versions they are known in (each is
+tested by `tests/attngrad_torch/op/test_regime.py`):
+
+    torch._C._are_functorch_transforms_active          2.0 - 2.13
+    torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters, TransformType
+                                                       2.1 - 2.13
+    torch._C._functorch.is_functorch_wrapped_tensor, get_unwrapped   2.0 - 2.13
+    torch._functorch.utils.unwrap_dead_wrappers        2.0 - 2.13
+    torch._functorch.autograd_function.custom_function_call          2.1 - 2.13
+    torch.autograd.forward_ad._current_level           1.11 - 2.13 (a Python global: eager only)
+    torch._VF._unpack_dual                             1.11 - 2.13
+    torch._C._len_torch_dispatch_stack, _is_torch_function_mode_enabled   2.0 - 2.13
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.autograd.forward_ad as forward_ad
+from torch import Tensor
+from torch._functorch.pyfunctorch import TransformType, retrieve_all_functorch_interpreters
+
+try:  # private: where a torch version moves it, PyTorch's own Function.apply runs instead
+    from torch._functorch.autograd_function import custom_function_call
+except ImportError:  # pragma: no cover
+    custom_function_call = None
+
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+transforms_active = _transforms_active = torch._C._are_functorch_transforms_active
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_mode = torch._C._is_torch_function_mode_enabled
+unwrap_dead_wrappers = torch._functorch.utils.unwrap_dead_wrappers
+_unpack_dual = torch._VF._unpack_dual  # at a given level, with or without forward_ad's global
+
+
+class Mode(enum.Enum):
+    EAGER = "eager"
+    DYNAMO = "dynamo"
+    TRACING = "tracing"
+
+
+def mode() -> Mode:
+    """Whether Dynamo traces this Python, a graph is being made without it, or neither."""
+    if not torch.compiler.is_compiling():
+        return Mode.EAGER
+    # Dynamo folds is_dynamo_compiling() to True in what it traces; code it runs (a kernel's
+    # fake propagation, AOTAutograd's tracing) sees False while is_compiling() holds
+    return Mode.DYNAMO if torch.compiler.is_dynamo_compiling() else Mode.TRACING
+
+
+@dataclass(frozen=True)
+class Regime:
+    """The state a call's path is decided from (see the module)."""
+
+    mode: Mode
+    transforms: tuple  # the active torch.func transforms' kinds, outermost first
+    level: int  # the open forward-mode level the call's tangents live at, or -1
+    modes: bool  # a TorchFunctionMode or TorchDispatchMode is in force
+    grad: bool  # grad mode
+
+    @classmethod
+    def now(cls, probe: tuple = ()) -> Regime:
+        """The state now. `probe`: tensors to ask for a tangent at level 0 where no Python
+        level is open: a compiled graph opens its dual levels in C++ alone, and hands the
+        operator's kernel dual tensors that forward_ad's global does not know of."""
+        current = mode()
+        if current is Mode.DYNAMO:  # the graph's operator decides later; Dynamo reads nothing else
+            return cls(current, (), -1, False, torch.is_grad_enabled())
+        transforms = ()
+        if _transforms_active():
+            transforms = tuple(interpreter.key() for interpreter in retrieve_all_functorch_interpreters())
+        level = forward_ad._current_level
+        if level < 0 and any(t is not None and _unpack_dual(t, 0).tangent is not None for t in probe):
+            level = 0
+        return cls(current, transforms, level, bool(_dispatch_modes() or _function_mode()), torch.is_grad_enabled())
+
+    @property
+    def forward_level(self) -> bool:
+        """A forward-mode level is open (forward_ad.dual_level, torch.func.jvp)."""
+        return self.level >= 0
+
+    @property
+    def eager(self) -> bool:
+        return self.mode is Mode.EAGER
+
+    @property
+    def quiet(self) -> bool:
+        """Eager, no transform, no forward-mode level and no mode: nothing but autograd sees
+        the call."""
+        return self.eager and not self.transforms and not self.forward_level and not self.modes
+
+    def tracks(self, tensors: Any) -> bool:
+        """Whether reverse mode tracks any of `tensors` now."""
+        return self.grad and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+
+    def untracked(self, tensors: Any) -> bool:
+        """Whether nothing can differentiate results computed from `tensors`: eager, no
+        transform or forward-mode level, and reverse mode tracking none of them. (While a
+        graph is made, forward mode may be open where no Python global says so: never.)"""
+        if not self.eager or self.transforms or self.forward_level:
+            return False
+        return not self.tracks(tensors)
+
+    def defers(self) -> bool:
+        """Whether a Function applied now may leave its results to its jvp's fused pass
+        (`autograd._Deferred`): eager, a dual level open or torch.func.jvp among the
+        transforms, and no vmap (whose generated rule runs the forward on its own)."""
+        if not self.eager:
+            return False
+        if self.transforms:
+            return TransformType.Jvp in self.transforms and all(
+                kind in (TransformType.Jvp, TransformType.Grad) for kind in self.transforms)
+        return self.forward_level
+
+    def forward_mode_innermost(self) -> bool:
+        """Eager, a forward-mode level open, and torch.func.jvp the innermost transform with
+        only vmaps outside it (or no transform): forward mode alone may see the call."""
+        if not self.eager or not self.forward_level:
+            return False
+        if not self.transforms:
+            return True
+        *outer, inner = self.transforms
+        return inner == TransformType.Jvp and all(kind == TransformType.Vmap for kind in outer)
+
+
+def is_wrapped(t: Any) -> bool:
+    """A torch.func transform's tensor (a live or a dead transform's)."""
+    return isinstance(t, Tensor) and _wrapped(t)
+
+
+def unwrapped(t: Tensor) -> Tensor:
+    """The plain tensor under torch.func's wrappers: where outer autograd tracks it."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
+
+
+def plain_tensors(*groups: Any) -> bool:
+    """Whether every tensor among the groups is a plain, unwrapped `torch.Tensor`."""
+    for group in groups:
+        for a in group:
+            if isinstance(a, Tensor) and (type(a) is not Tensor or _wrapped(a)):
+                return False
+    return True
+
+
+def unseen(*groups: Any) -> bool:
+    """Whether nothing but autograd and forward_ad would see an op called now on the
+    tensors among `groups`: eager (no compile, no torch.func transform, no function or
+    dispatch mode) and every tensor plain. There the dispatcher would only route the call
+    back to the op's own work. Asked without building a `Regime`: every call asks it."""
+    if torch.compiler.is_compiling() or _transforms_active() or _dispatch_modes() or _function_mode():
+        return False
+    return plain_tensors(*groups)
+
+
+def forward_level_open() -> bool:
+    return forward_ad._current_level >= 0
+
+
+def outside_dynamo(fn: Any) -> Any:
+    """`fn` and all it calls never traced by Dynamo: a Function's forward, backward and jvp,
+    and a pass's own work. Under Dynamo a call is the operator (`traced_op`), so Dynamo never
+    reaches them; but where torch.compile falls back to eager on a frame (a compiled function
+    called under a torch.func transform) it still compiles each frame called from it, and
+    would trace into a backend's kernels (Triton's interpreter among them). 0.4 us a call."""
+    return torch.compiler.disable(fn)
+
+
+def carries_tangent(t: Optional[Tensor]) -> bool:
+    """Whether `t` is a dual tensor at the open forward-mode level (at level 0 where no
+    Python level is open: a compiled graph's)."""
+    if t is None:
+        return False
+    return _unpack_dual(t, max(forward_ad._current_level, 0)).tangent is not None

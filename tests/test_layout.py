@@ -5,7 +5,8 @@ hand), no function below the public entry points takes more than 8 parameters (a
 kernel 30, its arguments packed), and attngrad.torch's files lie in their layers, each
 importing only those below:
 
-    precision, layout        the shared rules: the dtypes taken, how inputs of any rank fold
+    regime, precision,       the shared rules: where a call runs (the one reader of torch's
+    layout                   private state), the dtypes taken, how inputs of any rank fold
     masks/                   masks in every form, and what is made from them
     op/                      the call, the ops and their contract, autograd, dispatch
     backends/<name>/         one package per backend, none importing another
@@ -98,15 +99,16 @@ def test_the_tiles_come_through_pytorchs_extension_machinery():
 
 TORCH = PACKAGE / "torch"
 ENTRY_POINTS = {"__init__", "functional", "mha", "sdpa_mode", "recomputation", "nested", "eager_plans"}
-SHARED = {"precision", "layout", "arguments"}
+SHARED = {"precision", "layout", "regime", "arguments"}
 BELOW = {  # what each layer may import from attngrad.torch, beside itself
+    "regime": set(),
     "precision": set(),
     "layout": {"precision"},
-    "masks": {"precision", "layout"},
-    "op": {"precision", "layout", "masks"},
-    "backend": {"precision", "layout", "masks", "op"},
-    "arguments": {"precision", "layout", "masks", "op"},
-    "distributed": {"precision", "layout", "masks", "op", "arguments"},
+    "masks": {"regime", "precision", "layout"},
+    "op": {"regime", "precision", "layout", "masks"},
+    "backend": {"regime", "precision", "layout", "masks", "op"},
+    "arguments": {"regime", "precision", "layout", "masks", "op"},
+    "distributed": {"regime", "precision", "layout", "masks", "op", "arguments"},
 }
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from typing_extensions import Unpack  # typing's from Python 3.11
 
+from . import regime
 from .layout import FLOATS, Layout, check_optional_tensors, check_tensors, default_scale, describe_shapes, is_number
 from .masks.functions import evaluated_mask
 from .masks.structured import join_bounds, structure
@@ -107,7 +108,7 @@ def check_sinks(sinks: Tensor, layout: Layout, query: Tensor) -> Tensor:
     if sinks.device != query.device:
         raise ValueError(f"sinks is on {sinks.device} but query on {query.device}")
     readable = (type(sinks) is Tensor and sinks.device.type != "meta" and not torch.compiler.is_compiling()
-                and not torch._C._are_functorch_transforms_active())
+                and not regime.transforms_active())
     if readable and not bool(torch.isfinite(sinks).all()):  # -inf would shift the scores by +inf: NaN
         raise ValueError(f"sinks must be finite logits; got {sinks.tolist()}")
     return sinks[None]

@@ -24,9 +24,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from . import regime
 from .arguments import ATTENTION, DEFAULTS, AttentionOptions, build_call
 from .layout import fold, unfold
-from .op import dispatch, regime
+from .op import dispatch
 from .op.checks import check_fields
 
 KEPT = 64  # signatures kept, least recently used first out

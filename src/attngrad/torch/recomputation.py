@@ -17,11 +17,10 @@ checkpoint's recomputation run under the same mode (`follow`):
     reentrant (use_reentrant=True): the forward runs inside `CheckpointFunction.forward`,
         under no_grad; its ctx's `run_function` is wrapped.
 
-Private torch structures read here (torch 2.1 - 2.13): `torch._C._autograd.
-_top_saved_tensors_default_hooks`, the closure of checkpoint's pack hook holding a
-`torch.utils.checkpoint._CheckpointFrame` with `recompute_fn`, and
-`CheckpointFunction.forward`'s `ctx.run_function`. Where they are not as expected, `follow`
-returns False and the caller says so (`replace_sdpa`'s strict mode raises).
+Private torch structures read here (torch 2.1 - 2.13, listed with the rest in `regime`): the
+closure of checkpoint's pack hook holding a `torch.utils.checkpoint._CheckpointFrame` with
+`recompute_fn`, and `CheckpointFunction.forward`'s `ctx.run_function`. Where they are not as
+expected, `follow` returns False and the caller says so (`replace_sdpa`'s strict mode raises).
 """
 
 from __future__ import annotations
@@ -33,6 +32,8 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as checkpoint
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+from . import regime
 
 _FRAME = getattr(checkpoint, "_CheckpointFrame", None)
 _REENTRANT_FORWARD = checkpoint.CheckpointFunction.forward.__code__
@@ -54,7 +55,7 @@ def _under(mode: TorchFunctionMode, fn: Callable[..., Any]) -> Callable[..., Any
 
 def _non_reentrant_frame() -> Any:
     """The innermost non-reentrant checkpoint's frame whose forward is running, or None."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    hooks = regime.innermost_saved_tensor_hooks()
     if not hooks or _FRAME is None:
         return None
     for cell in getattr(hooks[0], "__closure__", None) or ():

@@ -35,9 +35,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from . import recomputation
+from . import recomputation, regime
 from .functional import scaled_dot_product_attention as attngrad_sdpa
 from .nested import is_jagged
 
@@ -89,7 +88,7 @@ def _not_taken(arguments: dict) -> Optional[str]:
             continue
         if t.is_nested:
             return f"{name} is a strided nested tensor (attngrad takes layout=torch.jagged)"
-        if is_traceable_wrapper_subclass(t):
+        if regime.is_wrapper_subclass(t):
             return f"{name} is a {type(t).__name__}, a tensor subclass attngrad's op has no rule for"
     return None  # anything else attngrad's own checks judge, naming the arguments
 

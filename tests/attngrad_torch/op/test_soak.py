@@ -173,6 +173,53 @@ def test_a_workload_on_triton_holds_memory_flat(workload):
     assert counts[-1] <= counts[0], f"reachable tensors grew over 8 steps: {counts}"
 
 
+def _compiled(step: Callable[[nn.Module, Tensor], None]) -> Callable[[nn.Module, Tensor], None]:
+    """The step with its model's JVP or backward through a compiled graph (the traced
+    operator, `op.traced_op`): the step's transform inside the compiled function."""
+    compiled = {}
+
+    def run(model: nn.Module, x: Tensor) -> None:
+        if "u" not in compiled:
+            def velocity(x: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
+                u, du = torch.func.jvp(model, (x,), (t,))
+                return u, du.detach()
+
+            compiled["u"] = torch.compile(velocity, backend="aot_eager", fullgraph=True)
+            compiled["plain"] = torch.compile(model, backend="aot_eager", fullgraph=True)
+        if step is _meanflow_step:
+            u, du = compiled["u"](x, torch.randn_like(x))
+            (u - du).square().mean().backward()
+        else:
+            compiled["plain"](x).square().mean().backward()
+
+    return run
+
+
+@pytest.mark.parametrize("workload", ["plain", "meanflow"])
+def test_a_compiled_workload_holds_memory_flat(workload):
+    """A compiled step's graph holds the passes the operator's kernels traced: a training
+    step, and MeanFlow's JVP inside the graph."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = nn.Sequential(Block(scaled_dot_product_attention), Block(scaled_dot_product_attention)).double()
+    for block in model:  # torch 2.13 cannot compile the JVP of a layer norm's learned affine, whatever the attention
+        block.norm = nn.LayerNorm(32, elementwise_affine=False)
+    x = torch.randn(2, 24, 32, dtype=torch.float64)
+    step = _compiled(WORKLOADS[workload])
+    _assert_flat(*_soak(lambda: step(model, x)))
+
+
+def test_a_checkpointed_workload_under_replace_sdpa_holds_memory_flat():
+    """The recomputation under the mode (`recomputation`): a wrapper per checkpoint, gone with it."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(F.scaled_dot_product_attention), Block(F.scaled_dot_product_attention)).double()
+    x = torch.randn(2, 24, 32, dtype=torch.float64)
+    with replace_sdpa(strict=True):
+        _assert_flat(*_soak(lambda: checkpoint(model, x, use_reentrant=False).square().mean().backward()))
+
+
 @pytest.mark.parametrize("replaced", [False, True], ids=["attngrad", "replace_sdpa"])
 def test_generate_holds_memory_flat(replaced):
     transformers = pytest.importorskip("transformers")

@@ -34,6 +34,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from .. import regime
 from . import blocks as mask_blocks
 from .blocks import MaskBlocks
 from .memo import remembered
@@ -107,9 +108,7 @@ def _bhqkv(mask_mod: Callable) -> Callable:
 
 def _indexable():
     """FlexAttention's context in which `tensor[q_idx]` with a 0-d index works under vmap."""
-    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
-
-    return TransformGetItemToIndex()
+    return regime.indexable_under_vmap()
 
 
 def _narrow_broadcast(kept: Tensor) -> Tensor:

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 from typing_extensions import Unpack
 
+from .. import regime
 from ..layout import broadcast_shapes, rows_rule
 from . import version_cache
 
@@ -69,7 +70,7 @@ def _transformed() -> bool:
     """Whether a torch.func transform is active (outside torch.compile): a tensor's values
     are then read inside an op (`_define_rows_op`), whose batching rule under vmap reads
     every slice's at once."""
-    return torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling()
+    return regime.transforms_active() and not torch.compiler.is_compiling()
 
 
 def _eager(t: Tensor) -> bool:

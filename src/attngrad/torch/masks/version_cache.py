@@ -27,6 +27,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from .. import regime
+
 KEPT = 64  # entries: a call's bounds, block maps and key ranges, for a few masks at a time
 _VALUES: collections.OrderedDict = collections.OrderedDict()
 
@@ -67,8 +69,8 @@ def keepable(*sources: Optional[Tensor]) -> bool:
     torch.func transforms, dispatch modes (a fake tensor made under one must not reach a
     later real call) and inference mode (its tensors cannot be saved for a later backward),
     and every source a plain tensor (or None)."""
-    return (not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
-            and torch._C._len_torch_dispatch_stack() == 0 and not torch.is_inference_mode_enabled()
+    return (not torch.compiler.is_compiling() and not regime.transforms_active()
+            and not regime.dispatch_modes() and not torch.is_inference_mode_enabled()
             and all(t is None or type(t) is Tensor for t in sources))
 
 

@@ -44,11 +44,12 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 
+from .. import regime
 from ..precision import compute_dtype
-from . import dispatch, regime, traced_op
+from ..regime import Mode, Regime
+from . import dispatch, traced_op
 from .call import AttentionCall
 from .ops import CALL_NAMES, empty_results, run_op, run_pass
-from .regime import Mode, Regime
 
 _Q, _K, _V, _BIAS, _SINKS = (CALL_NAMES.index(name) for name in ("q", "k", "v", "bias", "sinks"))
 _DIFFERENTIABLE = ("q", "k", "v", "bias", "sinks")  # the call's fields with derivatives
@@ -333,7 +334,7 @@ class _Deferred:
         return self.results
 
     def fill(self, results: tuple) -> None:
-        with torch._C._DisableFuncTorch(), torch.no_grad():
+        with regime.functorch_disabled(), torch.no_grad():
             for held, result in zip(self.results, results):
                 result = _plain(result)
                 if result.numel() and result.data_ptr() == held.data_ptr() and result.shape == held.shape:
@@ -352,7 +353,7 @@ class _Deferred:
         through autograd's C++ graph, which Python's collector cannot see, would keep the
         whole step alive."""
         if not self.filled:
-            with torch._C._DisableFuncTorch(), torch.no_grad():
+            with regime.functorch_disabled(), torch.no_grad():
                 plain = {name: _plain(t) for name, t in inputs.items()}
                 self.fill(_pass(self.plain, *(_plain(f) for f in fields), **plain))
         self.results = None
@@ -541,7 +542,7 @@ def _traced(call: AttentionCall, now: Regime) -> Tensor:
     would not give exactly; else (a transform, tracked tensors, a dual tensor made inside the
     graph) the Functions, whose passes' ops the graph then holds."""
     if not now.transforms and not now.tracks(call.tensors()) and not _has_tangents(call, now):
-        with torch._C._AutoDispatchBelowAutograd():
+        with regime.below_autograd():
             return traced_op.apply(call, traced_op.IN_GRAPH)
     return _through_functions(call, now)
 

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import dispatch, regime, sink_logits, vmap_rules
+from .. import regime
+from . import dispatch, sink_logits, vmap_rules
 from .call import (
     CALL_FIELDS,
     FIELDS,

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import regime, vmap_rules
+from .. import regime
+from . import vmap_rules
 from .call import FIELDS, AttentionCall, empty_like_field
 from .checks import check_fields
 from .ops import ARGUMENTS, DEFAULTS, run_pass
@@ -75,7 +76,7 @@ def _in_graph(*args: Any, **kwargs: Any) -> Tensor:
         raise NotImplementedError(UNDIFFERENTIATED.format(what="a dual tensor (forward_ad)"))
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise NotImplementedError(UNDIFFERENTIATED.format(what="a tensor that requires grad"))
-    with torch._C._AutoDispatchBelowAutograd():
+    with regime.below_autograd():
         return apply(call, IN_GRAPH)
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from typing_extensions import Unpack  # typing's from Python 3.11; attngrad takes 3.10
 
+from ... import regime
 from ...op import dispatch, dropout
 from ...op.call import HVP_SUMS, AttentionCall, PassInputs
 from ...precision import FLOATS
@@ -41,11 +42,10 @@ def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]
     if row_sums is not None:
         # a ring step under torch.func may hold a transform's tensors, which the compiled
         # tiles cannot read (the ops hand them plain ones)
-        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
         held = row_sums.get("results", ())  # a fused pass's primal results, written in place
         given = (*call.tensors(),
                  *(t for t in (*inputs.values(), *row_sums.values(), *held) if isinstance(t, Tensor)))
-        if any(wrapped(t) for t in given):
+        if any(regime.is_wrapped(t) for t in given):
             return "it reads plain tensors; this ring step holds a torch.func transform's"
         if inputs.get("sink_rows") is not None:
             return "it writes the sink's rows on whole rows alone"

@@ -24,6 +24,7 @@ import threading
 import torch
 from torch import Tensor
 
+from ... import regime
 from .tiling import TILING
 
 __all__ = ["cached_bytes", "empty", "empty_cache", "limit", "set_limit"]
@@ -33,7 +34,7 @@ DEFAULT_LIMIT = 1 << 30
 _lock = threading.RLock()  # cached_bytes() runs both inside and outside it
 _kept: collections.OrderedDict[tuple, Tensor] = collections.OrderedDict()
 _limit = DEFAULT_LIMIT
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # private; without it nothing is kept
+_storage_use_count = regime.storage_use_count  # private; without it nothing is kept
 
 
 def _wrapper_refs(base: Tensor) -> int:

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from ... import regime
 from ...op import dispatch
 from ...op.call import HVP_SUMS, AttentionCall
 from ...precision import FLOATS
@@ -121,8 +122,7 @@ def _refuses_sums(call: AttentionCall, pass_name: str, row_sums: Optional[dict])
     # "results": what forward_jvp writes its primal results into (the backward's are the backward pass's)
     if call.partial_rows or set(row_sums) - {"results"} != HVP_SUMS.get(pass_name):
         return f"it takes no rows' sums {sorted(row_sums)} in its {pass_name} pass (a ring step's)"
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    if any(wrapped(t) for t in (*row_sums.values(), *(row_sums.get("results") or ())) if isinstance(t, torch.Tensor)):
+    if any(regime.is_wrapped(t) for t in (*row_sums.values(), *(row_sums.get("results") or ()))):
         return "it reads plain tensors; these rows' sums are a torch.func transform's"
     return None
 

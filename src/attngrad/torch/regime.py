@@ -3,30 +3,35 @@
 Every choice of a call's path is made from one `Regime`, read at the call's start:
 
     DYNAMO   Dynamo is tracing this Python (torch.compile, torch.export): the call becomes
-             the one operator `attngrad::attention` (`traced_op`), a leaf of the graph, so
-             that AOTAutograd later differentiates it through its Autograd kernel, every
-             torch.func transform and forward-mode level included.
-    TRACING  code that runs while a graph is made but is not traced by Dynamo: that Autograd
-             kernel on fake tensors (AOTAutograd, make_fx). Always the Functions, never a
+             the one operator `attngrad::attention` (`op.traced_op`), a leaf of the graph,
+             which AOTAutograd later differentiates through its autograd and torch.func
+             kernels, every transform and forward-mode level included.
+    TRACING  code that runs while a graph is made but is not traced by Dynamo: those
+             kernels on fake tensors (AOTAutograd, make_fx). Always the Functions, never a
              shortcut that reads a tensor's storage, since the tensors have none.
     EAGER    anything else: the shortcuts are allowed (`eager_plans`, `ops.run_op`'s direct
              call, `autograd._Deferred`'s fused passes).
 
 Beyond the mode, a `Regime` says which torch.func transforms are active (innermost last),
-whether a forward-mode level is open, and whether a function or dispatch mode is in force.
+which forward-mode level is open, and whether grad mode is on. The eager fast paths ask
+`unseen` alone, without building one: every call asks it.
 
-The private torch APIs read here, with the torch versions they are known in (each is
-tested by `tests/attngrad_torch/op/test_regime.py`):
+The private torch APIs attngrad.torch reads are all read here, as torch 2.13 (the version
+tested, constraints.txt) has them; `tests/attngrad_torch/test_regime.py` checks each, so a
+torch that moves one fails there first:
 
-    torch._C._are_functorch_transforms_active          2.0 - 2.13
-    torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters, TransformType
-                                                       2.1 - 2.13
-    torch._C._functorch.is_functorch_wrapped_tensor, get_unwrapped   2.0 - 2.13
-    torch._functorch.utils.unwrap_dead_wrappers        2.0 - 2.13
-    torch._functorch.autograd_function.custom_function_call          2.1 - 2.13
-    torch.autograd.forward_ad._current_level           1.11 - 2.13 (a Python global: eager only)
-    torch._VF._unpack_dual                             1.11 - 2.13
-    torch._C._len_torch_dispatch_stack, _is_torch_function_mode_enabled   2.0 - 2.13
+    torch._C._are_functorch_transforms_active, torch._functorch.pyfunctorch's interpreters
+    torch._C._functorch.is_functorch_wrapped_tensor, get_unwrapped; unwrap_dead_wrappers
+    torch._functorch.autograd_function.custom_function_call (PyTorch's apply under a transform)
+    torch.autograd.forward_ad._current_level (a Python global: eager levels only), and
+    torch._VF._unpack_dual at a given level (a compiled graph opens its levels in C++ alone)
+    torch._C._len_torch_dispatch_stack, _is_torch_function_mode_enabled
+    torch._C._AutoDispatchBelowAutograd, _DisableFuncTorch
+    torch._C._storage_Use_Count (optional: the tiles' buffer cache keeps nothing without it)
+    torch.utils._python_dispatch.is_traceable_wrapper_subclass
+    torch._dynamo._trace_wrapped_higher_order_op.TransformGetItemToIndex (mask functions)
+    torch._C._autograd._top_saved_tensors_default_hooks; torch.utils.checkpoint's
+        _CheckpointFrame and CheckpointFunction (`recomputation`)
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any, Optional
 
 import torch
 import torch.autograd.forward_ad as forward_ad
+import torch.utils._python_dispatch
 from torch import Tensor
 from torch._functorch.pyfunctorch import TransformType, retrieve_all_functorch_interpreters
 
@@ -49,6 +55,10 @@ _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 transforms_active = _transforms_active = torch._C._are_functorch_transforms_active
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_mode = torch._C._is_torch_function_mode_enabled
+below_autograd = torch._C._AutoDispatchBelowAutograd  # a kernel's redispatch past autograd
+storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # a storage's references (the tiles' buffers)
+is_wrapper_subclass = torch.utils._python_dispatch.is_traceable_wrapper_subclass  # DTensor and its kind
+functorch_disabled = torch._C._DisableFuncTorch  # plain tensors' work inside a transform
 unwrap_dead_wrappers = torch._functorch.utils.unwrap_dead_wrappers
 _unpack_dual = torch._VF._unpack_dual  # at a given level, with or without forward_ad's global
 
@@ -75,7 +85,6 @@ class Regime:
     mode: Mode
     transforms: tuple  # the active torch.func transforms' kinds, outermost first
     level: int  # the open forward-mode level the call's tangents live at, or -1
-    modes: bool  # a TorchFunctionMode or TorchDispatchMode is in force
     grad: bool  # grad mode
 
     @classmethod
@@ -85,14 +94,14 @@ class Regime:
         operator's kernel dual tensors that forward_ad's global does not know of."""
         current = mode()
         if current is Mode.DYNAMO:  # the graph's operator decides later; Dynamo reads nothing else
-            return cls(current, (), -1, False, torch.is_grad_enabled())
+            return cls(current, (), -1, torch.is_grad_enabled())
         transforms = ()
         if _transforms_active():
             transforms = tuple(interpreter.key() for interpreter in retrieve_all_functorch_interpreters())
         level = forward_ad._current_level
         if level < 0 and any(t is not None and _unpack_dual(t, 0).tangent is not None for t in probe):
             level = 0
-        return cls(current, transforms, level, bool(_dispatch_modes() or _function_mode()), torch.is_grad_enabled())
+        return cls(current, transforms, level, torch.is_grad_enabled())
 
     @property
     def forward_level(self) -> bool:
@@ -102,12 +111,6 @@ class Regime:
     @property
     def eager(self) -> bool:
         return self.mode is Mode.EAGER
-
-    @property
-    def quiet(self) -> bool:
-        """Eager, no transform, no forward-mode level and no mode: nothing but autograd sees
-        the call."""
-        return self.eager and not self.transforms and not self.forward_level and not self.modes
 
     def tracks(self, tensors: Any) -> bool:
         """Whether reverse mode tracks any of `tensors` now."""
@@ -194,3 +197,20 @@ def carries_tangent(t: Optional[Tensor]) -> bool:
     if t is None:
         return False
     return _unpack_dual(t, max(forward_ad._current_level, 0)).tangent is not None
+
+
+def dispatch_modes() -> bool:
+    """Whether a TorchDispatchMode is in force (a fake tensor mode among them)."""
+    return _dispatch_modes() > 0
+
+
+def indexable_under_vmap() -> Any:
+    """FlexAttention's context in which `tensor[q_idx]` with a 0-d index works under vmap."""
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
+    return TransformGetItemToIndex()
+
+
+def innermost_saved_tensor_hooks() -> Any:
+    """The innermost saved-tensor hooks in force, (pack, unpack), or None."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)

@@ -121,3 +121,28 @@ def test_diffusers_gradient_checkpointing():
     assert calls.attngrad == 2 * plain.attngrad and not calls.pytorch
     for g, e in zip(got, expected):
         assert rel_err(g, e) < EXACT
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_transformers_gradient_checkpointing_under_replace_sdpa(reentrant):
+    """A model on transformers' own "sdpa" attention, checkpointed by transformers."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, torch_dtype=torch.float64)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double().train()
+    ids = torch.randint(0, 64, (2, 12))
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    with replace_sdpa(strict=True) as plain:
+        expected = grads()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    with replace_sdpa(strict=True) as calls:
+        got = grads()
+    assert plain.attngrad == 2 and calls.attngrad == 4 and not calls.pytorch
+    for g, e in zip(got, expected):
+        assert rel_err(g, e) < EXACT

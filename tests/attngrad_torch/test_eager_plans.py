@@ -1,5 +1,6 @@
 """Plans of repeated eager calls (attngrad.torch.eager_plans): the same bits as the full path,
-made once per signature, never where something could differentiate or see the call."""
+forward and backward, made once per signature, never where something but reverse mode could
+differentiate or see the call."""
 
 import gc
 import weakref
@@ -11,9 +12,10 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from attngrad.torch import attention, eager_plans, scaled_dot_product_attention, use_backend  # noqa: E402
-from attngrad.torch.arguments import ATTENTION  # noqa: E402
+from attngrad.torch.arguments import ATTENTION, build_call  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
+from attngrad.torch.op.autograd import differentiable_attention  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
 from .conftest import math_sdpa  # noqa: E402
@@ -29,9 +31,9 @@ def _fresh_plans():
 
 
 def _full_path(query, key, value, **options):
-    """The same call through the full path: inputs that require grad have no plan."""
-    leaves = [t.detach().requires_grad_() for t in (query, key, value)]
-    return attention(*leaves, **options).detach()
+    """The same call through the full path: its call built and differentiated without a plan."""
+    call, layout = build_call(query, key, value, **options)
+    return layout.unfold(differentiable_attention(call))
 
 
 def _count_builds(monkeypatch) -> list:
@@ -69,7 +71,7 @@ def test_a_plan_gives_the_full_paths_bits(shapes, dtype, is_causal, scale, trans
     options = dict(is_causal=is_causal, scale=scale, enable_gqa=gqa)
     with torch.no_grad():
         first, planned = attention(q, k, v, **options), attention(q, k, v, **options)
-    full = _full_path(q, k, v, **options)
+        full = _full_path(q, k, v, **options)
     assert first.shape == full.shape and first.dtype == full.dtype
     assert torch.equal(first, full) and torch.equal(planned, full)
     if dtype == torch.float64 and is_causal in (False, True):
@@ -116,20 +118,74 @@ def test_a_plan_follows_the_backends_and_their_settings(monkeypatch, tuned):
         tuned(native.TILING, block_keys=8)
         recorded, original = [], native._op
         op, names = original("forward")
-        monkeypatch.setattr(native, "_op", lambda name: (lambda *args: recorded.append(args) or op(*args), names))
+        monkeypatch.setattr(native, "_op", lambda name: (lambda *args: recorded.append(args) or op(*args), names)
+                            if name == "forward" else original(name))
         scaled_dot_product_attention(q, k, v)
     assert recorded and recorded[0][names.index("block_keys")] == 8
     assert len(builds) == 3
 
 
 @needs_tiles
+@settings(max_examples=25, deadline=None)
+@given(shapes=st.sampled_from(SHAPES), dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
+       is_causal=st.sampled_from([False, True, "bottom_right", 2]), transposed=st.booleans(),
+       grads=st.sampled_from(["qkv", "q", "kv"]), seed=st.integers(0, 2**16))
+def test_a_differentiated_plan_gives_the_full_paths_bits(shapes, dtype, is_causal, transposed, grads, seed):
+    """Inputs that require grad run the plan's forward and backward (`_Planned`): the output
+    and every gradient equal the full path's bit for bit, at the first call and from the
+    plan, for upstream gradients of any layout; float64 against PyTorch's math path."""
+    q_shape, k_shape = shapes
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in (q_shape, k_shape, k_shape))
+    if transposed:
+        q, k, v = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (q, k, v))
+    gqa = len(q_shape) >= 3 and q_shape[-3] != k_shape[-3]
+    options = dict(is_causal=is_causal, enable_gqa=gqa)
+    wanted = [t for name, t in zip("qkv", (q, k, v)) if name in grads]
+    for t in wanted:
+        t.requires_grad_()
+    dout = torch.randn(q_shape, generator=g, dtype=torch.float64).to(dtype).transpose(-1, -2).contiguous() \
+        .transpose(-1, -2)  # a non-contiguous upstream gradient
+    eager_plans.clear()  # hypothesis's examples share the test's fixture
+    before = dispatch.ran[("backward", "tiles")]
+    results = []
+    for run in (attention, attention, _full_path):
+        out = run(q, k, v, **options)
+        results.append((out.detach(), *torch.autograd.grad(out, wanted, dout)))
+    assert dispatch.ran[("backward", "tiles")] - before == 3
+    assert len(eager_plans._plans) == 1
+    first, planned, full = results
+    for a, b, c in zip(first, planned, full):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    if dtype == torch.float64 and is_causal in (False, True):
+        leaves = [t.detach().requires_grad_() for t in wanted]
+        byname = dict(zip([n for n in "qkv" if n in grads], leaves))
+        ref = math_sdpa(byname.get("q", q), byname.get("k", k), byname.get("v", v), is_causal=is_causal,
+                        enable_gqa=gqa)
+        for ours, theirs in zip(planned, (ref.detach(), *torch.autograd.grad(ref, leaves, dout))):
+            assert rel_err(ours, theirs) < EXACT
+
+
+@needs_tiles
+def test_a_planned_backward_differentiated_again_takes_the_full_paths():
+    """create_graph: the gradients are differentiated once more (a gradient penalty), through
+    the full path's backward, equal to it bit for bit."""
+    q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64, requires_grad=True) for n in (5, 7, 7))
+    w = torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    results = []
+    for run in (attention, attention, _full_path):
+        grads = torch.autograd.grad((run(q, k, v, is_causal=True) * w).sum(), (q, k, v), create_graph=True)
+        results.append(torch.autograd.grad(sum(g.square().sum() for g in grads), (q, k, v)))
+    for a, b, c in zip(*results):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    assert type(attention(q, k, v).grad_fn).__name__ == "_PlannedBackward"
+
+
+@needs_tiles
 def test_no_plan_where_something_could_differentiate_or_see_the_call():
-    """Inputs that require grad, a forward-mode level, torch.func transforms, a function mode,
-    masks and dropout take the full path: the plan cache stays empty."""
+    """A forward-mode level, torch.func transforms, a function mode, masks and dropout take
+    the full path: the plan cache stays empty."""
     q, k, v = (torch.randn(2, 2, n, 8, dtype=torch.float64) for n in (3, 5, 5))
-    out = scaled_dot_product_attention(q.requires_grad_(), k, v)
-    assert out.grad_fn is not None
-    q = q.detach()
     with torch.autograd.forward_ad.dual_level():
         dual = torch.autograd.forward_ad.make_dual(q, torch.ones_like(q))
         tangent = torch.autograd.forward_ad.unpack_dual(scaled_dot_product_attention(dual, k, v)).tangent
@@ -172,6 +228,8 @@ def test_a_plan_holds_no_tensor_and_the_cache_is_bounded():
     watched = weakref.ref(q)
     with torch.no_grad():
         scaled_dot_product_attention(q, k, v)
+    scaled_dot_product_attention(q.requires_grad_(), k, v).sum().backward()  # a differentiated plan
+    scaled_dot_product_attention(q, k, v).sum().backward()
     del q
     gc.collect()
     assert watched() is None

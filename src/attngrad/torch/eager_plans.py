@@ -1,25 +1,31 @@
-"""Repeated eager calls without differentiation, run from a plan: a decode loop's steps, an
-evaluation's layers.
+"""Repeated eager calls run from a plan: a decode loop's steps, an evaluation's layers, and a
+small model's training steps.
 
 The first call of a signature (the inputs' sizes, strides, dtypes and device, the options,
 `dispatch.state()`) goes the whole way: the public checks, the layout, the op's checks and
 the backend's choice, whose errors it raises. It leaves a plan: the folding of the inputs
-and the chosen backend's prepared forward (`dispatch.plan`). Later calls of the signature
-run the plan alone. That is all a plan skips: checks whose verdict the signature fixes, and
-decisions made from it. Its Python took 13 us where the full path's took 48; after a decode
-step has streamed its whole cache through the CPU's caches, 72 us against 161 (Intel Xeon).
+and the chosen backends' prepared forward and backward (`dispatch.plan`). Later calls of the
+signature run the plan alone. That is all a plan skips: checks whose verdict the signature
+fixes, and decisions made from it. A forward's Python took 13 us where the full path's took
+48; after a decode step has streamed its whole cache through the CPU's caches, 72 us
+against 161 (Intel Xeon).
 
 Only plain calls have plans: q, k, v and is_causal, scale, enable_gqa alone (`KEYED`; every
 other option absent or at its default: no mask, bias, structured mask, soft cap, sinks or
 dropout), on plain tensors, eagerly (no torch.compile, torch.func transform, function or
-dispatch mode, forward-mode level) and with nothing to differentiate. Everything else takes
-the full path, as does a backend without a plan.
+dispatch mode, forward-mode level). A call that reverse mode tracks runs through
+`_Planned`, a Function whose backward is the prepared backward pass (the same tiles, the
+same bits) and, where that backward is itself differentiated (create_graph), the full
+path's (`autograd.differentiable_backward`). Everything else takes the full path, as does
+a backend without a plan.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Any, Optional
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -28,6 +34,8 @@ from . import regime
 from .arguments import ATTENTION, DEFAULTS, AttentionOptions, build_call
 from .layout import fold, unfold
 from .op import dispatch
+from .op.autograd import differentiable_backward
+from .op.call import AttentionCall
 from .op.checks import check_fields
 
 KEPT = 64  # signatures kept, least recently used first out
@@ -38,12 +46,55 @@ _NO_PLAN = object()  # the signature's backend has none: the full path, without 
 
 
 def _plain(query: Any, key: Any, value: Any) -> bool:
-    """Whether nothing would see or differentiate a call on these inputs (see the module)."""
+    """Whether nothing but reverse mode would see a call on these inputs (see the module)."""
     if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
         return False
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return False
     return regime.unseen((query, key, value)) and not regime.forward_level_open()
+
+
+class _Planned(torch.autograd.Function):
+    """out = the plan's forward(q, k, v) (folded (B, H, L, E) tensors), its backward the plan's."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> Tensor:
+        out, row_max, inv_sum = plan.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, row_max, inv_sum)
+        ctx.plan = plan  # its prepared passes and options: no tensor of this Function's
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple:
+        q, k, v, out, row_max, inv_sum = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the gradients are differentiated again
+            return (*differentiable_backward(ctx.plan.call(q, k, v), dout, out, row_max, inv_sum), None)
+        return (*ctx.plan.backward(q, k, v, dout.contiguous(), out, row_max, inv_sum), None)
+
+
+def _planned(q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> Tensor:
+    """`_Planned` applied by autograd's own apply: PyTorch's binds default arguments first (a
+    few us), and no transform is active here (`_plain`)."""
+    return super(torch.autograd.Function, _Planned).apply(q, k, v, plan)
+
+
+class _Plan(NamedTuple):
+    """A signature's prepared passes: forward(q, k, v) -> (out, row_max, inv_sum) and, where
+    its backend has one, backward(q, k, v, dout, out, row_max, inv_sum) -> (dq, dk, dv), on
+    folded tensors; call(q, k, v), the signature's call on them; and the folding."""
+
+    forward: Callable[..., tuple]
+    backward: Optional[Callable[..., tuple]]
+    call: Callable[..., AttentionCall]
+    fold: Optional[tuple]  # (batch, heads, kv_heads, flat), or None for (B, H, L, E) inputs
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        differentiated = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if differentiated and self.backward is None:
+            return None
+        if self.fold is not None:
+            batch, heads, kv_heads, flat = self.fold
+            q, k, v = fold(q, batch, heads), fold(k, batch, kv_heads), fold(v, batch, kv_heads)
+        out = _planned(q, k, v, self) if differentiated else self.forward(q, k, v)[0]
+        return out if self.fold is None else unfold(out, self.fold[0], self.fold[3])
 
 
 def _plain_options(options: AttentionOptions) -> bool:
@@ -63,19 +114,17 @@ def _make(query: Tensor, key: Tensor, value: Tensor, is_causal: Any, scale: Opti
     """The plan of this call's signature, or _NO_PLAN; the full path's errors for a bad call."""
     call, layout = build_call(query, key, value, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     check_fields(call, {})
-    prepared = dispatch.plan("forward", call)
-    if prepared is None:
+    forward = dispatch.plan("forward", call)
+    if forward is None:
         return _NO_PLAN
-    batch, heads, kv_heads, flat = layout.batch, layout.heads, layout.kv_heads, layout.flat
-    if layout.q is query and layout.k is key and layout.v is value:
-        # (B, H, L, E) inputs, as the signature's shapes say: nothing to fold or unfold (0.5 us a call)
-        return lambda q, k, v: prepared(q, k, v)[0]
+    same = layout.q is query and layout.k is key and layout.v is value  # (B, H, L, E): nothing to fold
+    options = dataclasses.replace(call, q=None, k=None, v=None)  # kept: not the first call's tensors
 
-    def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        out = prepared(fold(q, batch, heads), fold(k, batch, kv_heads), fold(v, batch, kv_heads))[0]
-        return unfold(out, batch, flat)
+    def make_call(q: Tensor, k: Tensor, v: Tensor) -> AttentionCall:
+        return dataclasses.replace(options, q=q, k=k, v=v)
 
-    return run
+    return _Plan(forward, dispatch.plan("backward", call), make_call,
+                 None if same else (layout.batch, layout.heads, layout.kv_heads, layout.flat))
 
 
 def forward(query: Tensor, key: Tensor, value: Tensor, options: AttentionOptions) -> Optional[Tensor]:
@@ -103,7 +152,7 @@ def forward(query: Tensor, key: Tensor, value: Tensor, options: AttentionOptions
         _plans.move_to_end(signature)
     if plan is _NO_PLAN:
         return None
-    return plan(query, key, value)
+    return plan.run(query, key, value)
 
 
 def clear() -> None:

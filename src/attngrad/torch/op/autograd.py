@@ -486,6 +486,18 @@ class AttentionBackward(_Function):
                       inv_sum=inv_sum, bias_grad=ctx.bias_grad, tdout=tdout, **along)
 
 
+def differentiable_backward(call: AttentionCall, dout: Tensor, out: Tensor, row_max: Tensor,
+                            inv_sum: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of `call` (no bias, no sinks) for the upstream gradient `dout`, given the
+    forward's results, differentiable once more (`AttentionBackward`): what `Attention`'s
+    backward gives under create_graph, for a caller that ran the forward itself
+    (`eager_plans`)."""
+    fields = [call.fields()[name] for name in CALL_NAMES]
+    dq, dk, dv, _dbias, _dsinks = AttentionBackward.apply(dout.contiguous(), out.detach(), row_max.detach(),
+                                                          inv_sum.detach(), False, *fields, None)
+    return dq, dk, dv
+
+
 def _forward_mode_only(call: AttentionCall, now: Regime) -> Optional[tuple[AttentionCall, dict[str, Optional[Tensor]]]]:
     """Where forward mode alone differentiates `call` (`Regime.forward_mode_innermost`), no
     reverse mode tracks its tensors or their tangents, and at least one carries a tangent:

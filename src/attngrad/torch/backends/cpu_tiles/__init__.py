@@ -89,6 +89,20 @@ def plan_forward(call: AttentionCall) -> Optional[Callable[[Tensor, Tensor, Tens
     return run
 
 
+def plan_backward(call: AttentionCall) -> Optional[Callable[..., tuple[Tensor, Tensor, Tensor]]]:
+    """The backward (dq, dk, dv) prepared for calls like `call`, as `plan_forward`: run(q, k,
+    v, dout, out, row_max, inv_sum), each gradient in its input's dtype."""
+    if plan_forward(call) is None or call.q.device.type != "cpu":
+        return None
+    prepared = native.backward_plan(call)
+    dtypes = (call.q.dtype, call.k.dtype, call.v.dtype)
+
+    def run(*tensors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return tuple(g if g.dtype == dtype else g.to(dtype) for g, dtype in zip(prepared(*tensors), dtypes))
+
+    return run
+
+
 def backward(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple:
     return _in_dtypes_of(native.attention_backward(call, inputs), (call.q, call.k, call.v, call.bias))
 
@@ -167,6 +181,6 @@ BACKEND = dispatch.register(dispatch.Backend(
     refuses=_refuses,
     row_sums=True,  # the backward's JVP's, and the forward's JVP's centre (`_refuses`)
     description="compiled C++ tiles: CPU, every pass",
-    plans=dict(forward=plan_forward),
+    plans=dict(forward=plan_forward, backward=plan_backward),
     settings=native.settings,
 ), before="torch-ops" if "torch-ops" in dispatch.registered() else None)

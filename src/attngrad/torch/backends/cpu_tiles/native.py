@@ -382,6 +382,40 @@ def forward_plan(call: AttentionCall) -> Callable[[Tensor, Tensor, Tensor], tupl
     return run
 
 
+def backward_plan(call: AttentionCall) -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
+    """`attention_backward` of a call without masks, a bias or dropout, prepared as
+    `forward_plan` is: run(q, k, v, dout, out, row_max, inv_sum) -> (dq, dk, dv) in the
+    compute dtype, the same tiles, chunks and bits as the whole path's."""
+    q, k, v = call.q, call.k, call.v
+    work = compute_dtype(q.dtype)
+    bf16 = _bf16(q)
+    block_keys = _block_keys(None)
+    chunks = _chunks(_independent(k, None), -(-k.shape[2] // block_keys))
+    rows = _block_rows(q.shape[2], k.shape[2], call.causal, bf16)
+    layout = _Layout(rows, block_keys, chunks, _band_keys_transposed(q.shape[2], rows, None, bf16))
+    tensors = ("q", "k", "v", "dout", "out", "row_max", "inv_sum", "delta", "dq_parts", "dk", "dv")
+    given = dict(dict.fromkeys(tensors), dbias_parts=None, tile_map=None,
+                 key_ranges=_causal_key_ranges(q.shape[2], k.shape[2], call.causal, rows))
+    op, template = _arguments("backward", call, layout, {}, given)  # {}: no masks
+    names = _op("backward")[1]
+    at = [names.index(name) for name in tensors]
+    q_shape, k_shape, v_shape = tuple(q.shape), tuple(k.shape), tuple(v.shape)
+
+    def run(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor, row_max: Tensor,
+            inv_sum: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v, dout, out, row_max, inv_sum = _work(q, k, v, dout, out, row_max, inv_sum)
+        dq_parts = torch.empty((chunks, *q_shape), dtype=work)  # the pass zeroes its parts, dk and dv itself
+        dk, dv = torch.empty(k_shape, dtype=work), torch.empty(v_shape, dtype=work)
+        delta = torch.empty(q_shape[:-1], dtype=work)
+        args = list(template)
+        for i, t in zip(at, (q, k, v, dout, out, row_max, inv_sum, delta, dq_parts, dk, dv)):
+            args[i] = t
+        op(*args)
+        return _sum_parts(dq_parts), dk, dv
+
+    return run
+
+
 def _chunks(batch_kv_heads: int, blocks: int) -> int:
     """Work items of the backward passes are (batch, key/value head, chunk of blocks); each
     chunk sums its own copy of the gradients its blocks share, and the copies are added in

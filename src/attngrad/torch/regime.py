@@ -10,7 +10,7 @@ Every choice of a call's path is made from one `Regime`, read at the call's star
              kernels on fake tensors (AOTAutograd, make_fx). Always the Functions, never a
              shortcut that reads a tensor's storage, since the tensors have none.
     EAGER    anything else: the shortcuts are allowed (`eager_plans`, `ops.run_op`'s direct
-             call, `autograd._Deferred`'s fused passes).
+             call, `hvp_fusion.Deferred`'s fused passes).
 
 Beyond the mode, a `Regime` says which torch.func transforms are active (innermost last),
 which forward-mode level is open, and whether grad mode is on. The eager fast paths ask
@@ -126,7 +126,7 @@ class Regime:
 
     def defers(self) -> bool:
         """Whether a Function applied now may leave its results to its jvp's fused pass
-        (`autograd._Deferred`): eager, a dual level open or torch.func.jvp among the
+        (`hvp_fusion.Deferred`): eager, a dual level open or torch.func.jvp among the
         transforms, and no vmap (whose generated rule runs the forward on its own)."""
         if not self.eager:
             return False

@@ -11,7 +11,7 @@ import torch.autograd.forward_ad as forward_ad  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from attngrad.torch import MultiheadAttention, attention, ran, scaled_dot_product_attention  # noqa: E402
-from attngrad.torch.op import autograd, ops  # noqa: E402
+from attngrad.torch.op import hvp_fusion, ops  # noqa: E402
 
 from ...conftest import EXACT, assert_all_close, rel_err  # noqa: E402
 from ..conftest import op_attention  # noqa: E402
@@ -170,16 +170,15 @@ def test_an_hvp_runs_the_backwards_jvp_on_its_tiles_from_the_forwards_row_sums(m
     Both fused passes given sums write their primal results (out and its statistics; the
     gradient) straight into the tensors the Functions returned: nothing is copied there."""
     from attngrad.torch.backends.cpu_tiles import native
-    from attngrad.torch.op import autograd
 
     tuned(native.TILING, block_keys=5)
     case = Case(**CASES[name])
     given, copies = [], []
-    passes, fill = native.attention_backward_jvp_given_sums, autograd._Deferred.fill
+    passes, fill = native.attention_backward_jvp_given_sums, hvp_fusion.Deferred.fill
     monkeypatch.setattr(native, "attention_backward_jvp_given_sums", lambda *a, **k: given.append(1) or passes(*a, **k))
 
     def counted_fill(deferred, results):
-        copies.append(sum(h.numel() > 0 and h.data_ptr() != autograd._plain(r).data_ptr()
+        copies.append(sum(h.numel() > 0 and h.data_ptr() != hvp_fusion._plain(r).data_ptr()
                           for h, r in zip(deferred.results, results)))
         return fill(deferred, results)
 
@@ -187,7 +186,7 @@ def test_an_hvp_runs_the_backwards_jvp_on_its_tiles_from_the_forwards_row_sums(m
     tangents = tangents_like(case.primals, 70)
     results = {}
     for side, fn in (("ours", case.ours), ("theirs", case.theirs)):
-        monkeypatch.setattr(autograd._Deferred, "fill", counted_fill if side == "ours" else fill)
+        monkeypatch.setattr(hvp_fusion.Deferred, "fill", counted_fill if side == "ours" else fill)
         if dual_level:
             with forward_ad.dual_level():
                 leaves = [forward_ad.make_dual(p.clone().requires_grad_(), t) for p, t in zip(case.primals, tangents)]
@@ -498,7 +497,7 @@ def test_one_peaked_query_row_keeps_its_second_order_exact(backend, monkeypatch,
     float64 autograd: uncentred they erred 6e-13 to 3e-12 at these seeds, centred below 1.3e-13
     (3.2e-13 in the sanitizer's build)."""
     if not given_sums:
-        monkeypatch.setattr(autograd._ForwardSums, "along", lambda self, tangents: False)
+        monkeypatch.setattr(hvp_fusion.ForwardSums, "along", lambda self, tangents: False)
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, 4, n, w, generator=g, dtype=DOUBLE) for n, w in ((1, 33), (13, 33), (13, 3)))
     dout = torch.randn(1, 4, 1, 3, generator=g, dtype=DOUBLE)

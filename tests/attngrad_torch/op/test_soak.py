@@ -150,7 +150,7 @@ def test_a_workload_with_sinks_holds_memory_flat(workload):
 
 @pytest.mark.parametrize("workload", ["hvp", "meanflow"])
 def test_a_workload_on_triton_holds_memory_flat(workload):
-    """Triton's row sums handed from an HVP's forward to its backward (`_ForwardSums`, with the
+    """Triton's row sums handed from an HVP's forward to its backward (`hvp_fusion.ForwardSums`, with the
     peak keys' indices) and its forward with JVP in one walk, in Triton's interpreter; fewer
     steps than the others take (the interpreter is slow), still many past the warm-up."""
     from attngrad.torch import use_backend

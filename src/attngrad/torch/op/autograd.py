@@ -10,10 +10,10 @@ Function: the forward and its JVP in one pass, 6 matrix products where the two t
 
 Where forward mode and reverse mode both see a Function (a Hessian-vector product,
 torch.func.jvp of torch.func.grad; a dual level over tensors that require grad), its forward
-leaves its results to its jvp, which makes them with their tangents in one pass (`_Deferred`):
+leaves its results to its jvp, which makes them with their tangents in one pass (`hvp_fusion.Deferred`):
 forward_jvp for `Attention`, backward_with_jvp for `AttentionBackward`, 19 matrix products
 where the four passes take 22. The forward's pass also leaves each row's centre
-rowsum(P * S') and the output's tangent (`_ForwardSums`), from which the backward's pass, for
+rowsum(P * S') and the output's tangent (`hvp_fusion.ForwardSums`), from which the backward's pass, for
 the same tangents, runs on the backward's tiles rather than on whole rows.
 
 Because the first backward and the JVP are themselves differentiable Functions, double
@@ -22,7 +22,7 @@ over forward mode (torch.func.vjp of torch.func.jvp, jacrev(jacfwd(f))) work; a 
 derivative raises.
 
 No ctx keeps a tensor that holds its own Function's outputs: autograd's graph is C++, and a
-cycle through it is one Python's collector cannot free (`_Deferred.settle`). (torch.library's own register_autograd would be the shorter spelling,
+cycle through it is one Python's collector cannot free (`hvp_fusion.Deferred.settle`). (torch.library's own register_autograd would be the shorter spelling,
 but the wrapper it generates in torch 2.13 has no setup_context, and torch.func refuses
 it: pytorch#170834.)
 
@@ -36,7 +36,6 @@ tracks tensors among positional arguments only) and rebuild the `AttentionCall` 
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -45,11 +44,11 @@ import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 
 from .. import regime
-from ..precision import compute_dtype
 from ..regime import Mode, Regime
-from . import dispatch, traced_op
+from . import traced_op
 from .call import AttentionCall
-from .ops import CALL_NAMES, empty_results, run_op, run_pass
+from .hvp_fusion import Deferred, ForwardSums
+from .ops import CALL_NAMES, run_op
 
 _Q, _K, _V, _BIAS, _SINKS = (CALL_NAMES.index(name) for name in ("q", "k", "v", "bias", "sinks"))
 _DIFFERENTIABLE = ("q", "k", "v", "bias", "sinks")  # the call's fields with derivatives
@@ -111,67 +110,13 @@ def _pass(pass_name: str, *call_fields: Any, **inputs: Any) -> Any:
     return run_op(pass_name, AttentionCall.from_fields(dict(zip(CALL_NAMES, call_fields))), **inputs)
 
 
-class _ForwardSums:
-    """What the forward's fused pass (forward_jvp) leaves the backward's (backward_with_jvp)
-    of the same call: each row's centre t = rowsum(P * S') ((B, H, Lq, 1), compute dtype)
-    and the output's tangent O', along the tangents of q, k, v and the bias it was given.
-    Along the same tangents, the backward's JVP needs no walk over whole rows: with t, O' and
-    D' = rowsum(dO' * O + dO * O'), which the backend makes from them, it runs on the
-    backward's tiles (the tiles backend's `native.attention_backward_jvp_given_sums`, as a
-    ring step's does: 5-8% less time per matrix product than on whole rows at L=1024-4096),
-    or Triton's walks skip their `row_sums` pass (`launch._given_row_sums`)."""
-
-    def __init__(self, tangents: tuple) -> None:
-        # weak: the tangents and O' are the forward-mode level's, and the sums serve only a
-        # backward run inside that level (an HVP); a training step's graph must not keep them
-        self._tangents = tuple(None if t is None else weakref.ref(t) for t in tangents)
-        # with peak, peak_index and out_t, set once the forward's pass has made them: each row's
-        # t - c and c, c = S' at its most probable key (and that key's index where the backend
-        # names it, else -1), so that the backward's pass centres its rows as the forward's did
-        # (kernels_higher._centre_on_the_peak)
-        self.centre: Optional[Tensor] = None
-        self.peak: Optional[Tensor] = None
-        self.peak_index: Optional[Tensor] = None
-        self._out_t: Optional[weakref.ref] = None
-
-    @property
-    def out_t(self) -> Optional[Tensor]:
-        return None if self._out_t is None else self._out_t()
-
-    @out_t.setter
-    def out_t(self, out_t: Tensor) -> None:
-        self._out_t = weakref.ref(out_t)
-
-    def along(self, tangents: tuple) -> bool:
-        """Whether the sums were made along these very tangents (torch.func hands both passes
-        the same tensors), and O' is still alive."""
-        if self.centre is None or self.out_t is None:
-            return False
-        return all((a is None and b is None) or (a is not None and a() is b) for a, b in zip(self._tangents, tangents))
-
-    def centre_sums(self, call: AttentionCall, inputs: dict, results: tuple) -> Optional[dict]:
-        """The row sums to ask of the forward's pass, where a backend makes them; else None.
-        The pass writes its primal results into `results`, the forward's held ones, and the
-        peak key's index into "peak_index" where it names one (-1 where it does not: the
-        tiles find the peak by its value)."""
-        if call.sinks is not None:
-            return None  # (the sinks' closed forms take the whole-row pass's sink_rows)
-        rows = (*call.q.shape[:3], 1)
-        row_sums = {"centre_sums": call.q.new_empty(rows, dtype=compute_dtype(call.q.dtype)),
-                    "peak_sums": call.q.new_empty(rows, dtype=compute_dtype(call.q.dtype)),
-                    "peak_index": call.q.new_full(rows, -1, dtype=torch.int32), "results": results}
-        return row_sums if dispatch.offered("forward_jvp", call, {**inputs, "row_sums": row_sums}) else None
-
-
-def _bound(pass_name: str, fields: list, deferred: Optional[_Deferred], sums: Optional[_ForwardSums],
+def _bound(pass_name: str, fields: list, deferred: Optional[Deferred], sums: Optional[ForwardSums],
            inputs: dict) -> tuple[Callable[..., Any], list[Tensor]]:
     """The op of `pass_name` as a function of the call's and the inputs' tensors alone, and
     those tensors: torch.func's Function calls walk every argument at every level, so the
     options and absent inputs ride in the closure. With `deferred`, the op is a fused pass:
     its primal results fill `deferred`, and the rest are returned. With `sums`, forward_jvp
-    makes them where a backend can, and backward_with_jvp takes them (then the pass runs
-    through `ops.run_pass`, the op's own work, which takes the rows' sums, and writes its
-    primal results straight into `deferred`'s)."""
+    makes them where a backend can, and backward_with_jvp takes them (`ForwardSums.run`)."""
     names, values = tuple(inputs), [*fields, *inputs.values()]
     at = [i for i, value in enumerate(values) if isinstance(value, Tensor)]
 
@@ -183,17 +128,7 @@ def _bound(pass_name: str, fields: list, deferred: Optional[_Deferred], sums: Op
         results = None
         if sums is not None:
             call = AttentionCall.from_fields(dict(zip(CALL_NAMES, call_fields)))
-            if pass_name == "forward_jvp":
-                row_sums = sums.centre_sums(call, given, deferred.results)
-                if row_sums is not None:
-                    results = run_pass(pass_name, call, {**given, "row_sums": row_sums})
-                    sums.centre, sums.peak, sums.peak_index = (row_sums[name] for name in
-                                                               ("centre_sums", "peak_sums", "peak_index"))
-                    sums.out_t = results[-1]
-            else:
-                row_sums = {"centre": sums.centre, "peak": sums.peak, "peak_index": sums.peak_index,
-                            "out_t": sums.out_t, "results": deferred.results[:3]}  # dq, dk, dv: no bias gradient
-                results = run_pass(pass_name, call, {**given, "row_sums": row_sums})
+            results = sums.run(pass_name, call, given, deferred.results)
         if results is None:
             results = _pass(pass_name, *call_fields, **given)
         if deferred is None:
@@ -204,8 +139,8 @@ def _bound(pass_name: str, fields: list, deferred: Optional[_Deferred], sums: Op
     return run, [values[i] for i in at]
 
 
-def _final(pass_name: str, refusal: str, fields: list, deferred: Optional[_Deferred] = None,
-           sums: Optional[_ForwardSums] = None, **inputs: Any) -> Any:
+def _final(pass_name: str, refusal: str, fields: list, deferred: Optional[Deferred] = None,
+           sums: Optional[ForwardSums] = None, **inputs: Any) -> Any:
     """The op of `pass_name` as a leaf of differentiation (`Final`), every tensor handed to
     it as an argument, so that a torch.func transform unwraps each (`_bound`)."""
     run, tensors = _bound(pass_name, fields, deferred, sums, inputs)
@@ -275,8 +210,8 @@ class Tangent(_Function):
         raise NotImplementedError(THIRD_ORDER)
 
 
-def _tangent(pass_name: str, fields: list, caches: tuple, deferred: Optional[_Deferred] = None,
-             sums: Optional[_ForwardSums] = None, **inputs: Any) -> Tensor:
+def _tangent(pass_name: str, fields: list, caches: tuple, deferred: Optional[Deferred] = None,
+             sums: Optional[ForwardSums] = None, **inputs: Any) -> Tensor:
     """The op of `pass_name`, the jvp or the fused forward_jvp, whose last result is out_t,
     as a `Tangent`: out_t differentiable in reverse mode. `caches` are out, row_max and
     inv_sum (with `deferred`, the held results the pass fills), detached."""
@@ -305,58 +240,6 @@ def _tangents_of(fields: list, tangents: tuple) -> dict[str, Optional[Tensor]]:
     for a field the call lacks."""
     return {"t" + name: tangents[i] if fields[i] is not None else None
             for name, i in zip(_DIFFERENTIABLE, (_Q, _K, _V, _BIAS, _SINKS))}
-
-
-def _plain(t: Any) -> Any:
-    """A tensor as the bottom of torch.func's wrappers holds it, out of every graph; anything
-    else as it is."""
-    return regime.unwrapped(t).detach() if isinstance(t, Tensor) else t
-
-
-class _Deferred:
-    """The results a Function's forward leaves to its jvp: where forward mode will see the
-    Function, the jvp runs one fused pass for the results and their tangents, which
-    autograd's separate forward and jvp cannot ask for. The forward returns uninitialised
-    tensors (`hold`); the jvp's pass fills them (`fill`). Where no jvp ran after all (no input
-    carried a tangent), `settle` runs the plain pass (`plain`) into them.
-
-    The tensors are filled through `.data`, which leaves their version alone: autograd has
-    saved them (the forward's statistics) and the values are the ones it was promised."""
-
-    def __init__(self, plain: str, sums: Optional[_ForwardSums] = None) -> None:
-        self.plain = plain
-        self.results: Optional[tuple] = None
-        self.filled = False
-        self.sums = sums  # the forward's: what its fused pass leaves the backward's (`_ForwardSums`)
-
-    def hold(self, call: AttentionCall, inputs: dict) -> tuple:
-        self.results = empty_results(self.plain, call, inputs)
-        return self.results
-
-    def fill(self, results: tuple) -> None:
-        with regime.functorch_disabled(), torch.no_grad():
-            for held, result in zip(self.results, results):
-                result = _plain(result)
-                if result.numel() and result.data_ptr() == held.data_ptr() and result.shape == held.shape:
-                    continue  # the pass wrote this one in place (`_final` with sums)
-                held.data.copy_(result)
-        self.filled = True
-
-    def rest(self, results: tuple) -> tuple:
-        """The fused pass's results after the primal ones: the tangents."""
-        rest = results[len(self.results):]
-        return rest[0] if len(rest) == 1 else rest
-
-    def settle(self, fields: list, **inputs: Any) -> None:
-        """Fill the results if no jvp did, then let go of them: they are the Function's
-        outputs, and this object stays on its ctx, whose node they point back to. A cycle
-        through autograd's C++ graph, which Python's collector cannot see, would keep the
-        whole step alive."""
-        if not self.filled:
-            with regime.functorch_disabled(), torch.no_grad():
-                plain = {name: _plain(t) for name, t in inputs.items()}
-                self.fill(_pass(self.plain, *(_plain(f) for f in fields), **plain))
-        self.results = None
 
 
 def _save(ctx: Any, fields: tuple, *extra: Tensor) -> None:
@@ -410,7 +293,7 @@ class Attention(_Function):
             dq, dk, dv, dbias, dsinks = _pass("backward", *fields, **dict(zip(_BACKWARD_INPUTS, inputs)))
         else:
             sums = ctx.deferred.sums if ctx.deferred is not None else None
-            deferred = _Deferred("backward", sums) if now.defers() else None
+            deferred = Deferred("backward", sums) if now.defers() else None
             dq, dk, dv, dbias, dsinks = AttentionBackward.apply(*inputs, *fields, deferred)
             if deferred is not None:
                 deferred.settle(fields, **dict(zip(_BACKWARD_INPUTS, inputs)))
@@ -425,7 +308,7 @@ class Attention(_Function):
         fields, (_out, row_max, inv_sum) = _saved(ctx)
         along = _tangents_of(fields, tangents)
         if ctx.deferred is not None:  # the forward's results with the tangent, one pass
-            ctx.deferred.sums = _ForwardSums(tuple(along.values()))
+            ctx.deferred.sums = ForwardSums(tuple(along.values()))
             caches = tuple(t.detach() for t in ctx.deferred.results)  # filled by the pass, before the backward reads them
             out_t = _tangent("forward_jvp", fields, caches, ctx.deferred, ctx.deferred.sums, **along)
         else:
@@ -540,7 +423,7 @@ def differentiable_attention(call: AttentionCall, in_kernel: bool = False) -> Te
 
 def _through_functions(call: AttentionCall, now: Regime) -> Tensor:
     fields = [call.fields()[name] for name in CALL_NAMES]
-    deferred = _Deferred("forward") if now.defers() else None
+    deferred = Deferred("forward") if now.defers() else None
     out = Attention.apply(*fields, deferred)[0]
     if deferred is not None:
         deferred.settle(fields)

@@ -101,7 +101,7 @@ class PassInputs(TypedDict, total=False):
     sink_rows: Optional[Tensor]  # (B, H, Lq): each row's share of a sink logit's term (`sink_logits`)
 
 
-# The rows' sums a Hessian-vector product's passes carry (`autograd._ForwardSums`), by pass,
+# The rows' sums a Hessian-vector product's passes carry (`hvp_fusion.ForwardSums`), by pass,
 # beside the "results" the fused passes write into: forward_jvp writes t - c, c and the peak
 # key's index (-1 where the backend does not name it), and the backward's JVP along the same
 # tangents reads them with O'

@@ -55,7 +55,7 @@ class Backend:
     where it runs on this machine, else why not (asked at every call, so it may build
     lazily); `refuses(call, pass_name, inputs)` is None where it takes the call, else why
     not; `row_sums`: it may be handed rows' sums (a ring step's higher passes, on a part
-    of each row's keys; a Hessian-vector product's, `autograd._ForwardSums`), and its
+    of each row's keys; a Hessian-vector product's, `hvp_fusion.ForwardSums`), and its
     `refuses` says which it takes. `plans` maps pass names to planners (`plan`), and `settings()` is
     what its plans depend on beyond the call (the tiles' block sizes)."""
 

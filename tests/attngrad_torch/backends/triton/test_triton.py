@@ -798,7 +798,7 @@ def test_tensor_descriptors_only_where_tma_takes_the_tensors(tuned):
 
 
 def _hvp_sums(call):
-    """The rows' sums a Hessian-vector product's forward asks of forward_jvp (`_ForwardSums`)."""
+    """The rows' sums a Hessian-vector product's forward asks of forward_jvp (`hvp_fusion.ForwardSums`)."""
     rows = (*call.q.shape[:3], 1)
     return {"centre_sums": call.q.new_empty(rows), "peak_sums": call.q.new_empty(rows),
             "peak_index": call.q.new_full(rows, -1, dtype=torch.int32)}

@@ -475,7 +475,7 @@ def _sum_parts(parts: Tensor, out: Tensor | None = None) -> Tensor:
 
 def _results_into(results: Sequence[Tensor] | None, shapes: tuple, dtype: torch.dtype, pass_name: str) -> list:
     """The tensors a fused pass writes its primal results into: `results` (the ones a
-    Function's forward returned before the pass ran, `autograd._Deferred`), each checked
+    Function's forward returned before the pass ran, `hvp_fusion.Deferred`), each checked
     to be contiguous, on the CPU, of its shape and in the compute dtype; else new ones."""
     if results is None:
         return [torch.empty(shape, dtype=dtype) for shape in shapes]

@@ -14,7 +14,7 @@ from . import first_order, higher_order
 
 
 def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]:
-    """A Hessian-vector product's sums (`autograd._ForwardSums`) name the same rows' sums
+    """A Hessian-vector product's sums (`hvp_fusion.ForwardSums`) name the same rows' sums
     differently (t - c beside the peak c): read as a ring step's, they would be wrong."""
     row_sums = inputs.get("row_sums") or {}
     if {"peak", "peak_sums", "peak_index", "out_t", "results"} & set(row_sums):

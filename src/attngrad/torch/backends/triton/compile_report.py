@@ -163,7 +163,7 @@ def record_launches(dtype: torch.dtype, width: int, features: str, products: str
     stats = dict(dout=out, out=out, row_max=rows, inv_sum=rows, bias_grad=call.bias is not None)
     tangents = dict(tq=t.get("tq"), tk=t.get("tk"), tv=t.get("tv"), tbias=t.get("tbias"))
     sums = dict(centre_sums=rows[..., None], peak_sums=rows[..., None],
-                peak_index=torch.zeros(*rows.shape, 1, dtype=torch.int32))  # an HVP's (`autograd._ForwardSums`)
+                peak_index=torch.zeros(*rows.shape, 1, dtype=torch.int32))  # an HVP's (`hvp_fusion.ForwardSums`)
     runs = {
         "forward": lambda: launch.forward(call),
         "backward": lambda: launch.backward(call, **stats),

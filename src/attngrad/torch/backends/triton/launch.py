@@ -560,7 +560,7 @@ def forward_jvp(call: AttentionCall, **inputs: Unpack[PassInputs]) -> tuple[Tens
     """(out, row_max, inv_sum, out's tangent) from one walk (`kernels.forward_jvp`): 6
     products per tile where the forward and the JVP take 8; a sink's share already in out
     and inv_sum, as `ops.add_sink` gives the forward's. Given `row_sums` (a Hessian-vector
-    product's forward, `autograd._ForwardSums`), each row's t - c, c and peak key's index go
+    product's forward, `hvp_fusion.ForwardSums`), each row's t - c, c and peak key's index go
     to its "centre_sums", "peak_sums" and "peak_index" ((B, H, Lq, 1), contiguous), and the
     primal results into its "results" (out, row_max, inv_sum)."""
     plan = _plan(call, "forward_jvp")

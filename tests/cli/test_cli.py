@@ -148,3 +148,24 @@ def test_check_table_keeps_every_column(width):
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= width
     for header in ("flavor", "tensor", "shape", "vs autograd", "vs finite diff", "verdict", "W^Q", "pass"):
         assert header in text
+
+
+def test_build_finds_the_tiles_built_and_says_where(capsys):
+    """`attngrad build` where the tiles are built already (the suite's own cache): it loads
+    them and prints the library and the ATTNGRAD_CACHE that jobs set (the compile itself:
+    test_build.py's killed first use)."""
+    pytest.importorskip("torch")
+    from attngrad.torch.backends.cpu_tiles import native
+
+    if native.library() is None:
+        pytest.skip(f"no compiled tiles: {native.build_info.reason}")
+    assert main(["build"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("attngrad build: ") and out[0].endswith(str(native.build_info.path))
+    assert out[1].startswith("jobs load it with ATTNGRAD_CACHE=")
+
+
+def test_build_refuses_when_the_tiles_are_turned_off(monkeypatch, capsys):
+    monkeypatch.setenv("ATTNGRAD_NATIVE", "0")
+    assert main(["build"]) == 1
+    assert "ATTNGRAD_NATIVE=0" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import os
 import sys
 
 from .. import __version__
-from . import bench_cmd, check_cmd, formulas_cmd, generate_cmd, gpu_report_cmd, train_cmd
+from . import bench_cmd, build_cmd, check_cmd, formulas_cmd, generate_cmd, gpu_report_cmd, train_cmd
 
 COMMANDS = (  # (name, module, one-line help, description)
     ("check", check_cmd,
@@ -32,6 +32,11 @@ COMMANDS = (  # (name, module, one-line help, description)
      "Compile the Triton backend's kernels ahead of time for A100 (sm_80) and H100 (sm_90) with the tiles each "
      "pass uses, and report registers, spilled bytes and shared memory per variant (ptxas -v). Exit status 1 "
      "if a variant does not compile, or spills at a head width up to 128 in float16, bfloat16 or float32."),
+    ("build", build_cmd,
+     "compile the CPU tiles ahead of time (a container image, a cluster's set-up), into the cache or --cache",
+     "Compile attngrad.torch's CPU tiles into the cache folder (ATTNGRAD_CACHE, or --cache), or find them built "
+     "there, and print where and how long it took. Exit status 1 where they cannot be built (no compiler, "
+     "ATTNGRAD_NATIVE=0): attngrad.torch then runs its torch-ops fallback."),
     ("generate", generate_cmd,
      "decode with a trained checkpoint: reverse/copy/sort digits, or sample text",
      "Greedy-decode a digit sequence with a toy-task checkpoint, or sample text after a prompt with a "

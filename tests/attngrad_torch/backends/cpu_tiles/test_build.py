@@ -156,17 +156,18 @@ def test_a_build_says_so_on_stderr_and_a_cached_load_is_quiet(monkeypatch, tmp_p
 
     def build(folder, openmp):
         folder.mkdir(parents=True)
+        native_build._library_file(folder).write_bytes(b"")
         built.append(folder)
 
     monkeypatch.setattr(native_build, "_build", build)
     target = native_build._load_or_build(openmp=True)
     lines = capsys.readouterr().err.splitlines()
-    assert built == [target.parent]
+    assert built == [target.parent.with_name(f"{target.parent.name}.building-{os.getpid()}")]  # moved into place
     assert lines[0] == (f"attngrad: compiling the CPU tiles (once, cached in {target.parent}; usually 10-60 s)...")
     assert len(lines) == 2 and lines[1].startswith("attngrad: compiling the CPU tiles done in ")  # no count: no TTY
     monkeypatch.setattr(native_build, "_loaded", None)  # the next process finds the build
     monkeypatch.setattr(torch.ops, "load_library", lambda path: None)
-    assert native_build._load_or_build(openmp=True) == target and built == [target.parent]
+    assert native_build._load_or_build(openmp=True) == target and len(built) == 1
     assert capsys.readouterr().err == ""
 
 
@@ -223,3 +224,98 @@ def test_the_tiles_are_cached_and_keyed(monkeypatch, tmp_path):
     assert native_build._machine_key() == key
     monkeypatch.setenv("CXX", "g++-other")
     assert native_build._machine_key() != key
+
+
+def _stand_in_build(monkeypatch, tmp_path):
+    """The build module as a fresh process has it, its cache in tmp_path, its compiler a
+    stand-in that writes an empty library (nothing is loaded)."""
+    from attngrad.torch.backends.cpu_tiles import build as native_build
+
+    monkeypatch.setenv("ATTNGRAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_build, "_loaded", None)
+    for field in ("compiled", "seconds"):
+        monkeypatch.setattr(native_build.build_info, field, getattr(native_build.build_info, field))
+    built = []
+
+    def build(folder, openmp):
+        folder.mkdir(parents=True)
+        native_build._library_file(folder).write_bytes(b"")
+        built.append(folder)
+
+    monkeypatch.setattr(native_build, "_build", build)
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: None)
+    return native_build, built
+
+
+def test_what_a_killed_build_left_is_cleared_by_the_next(monkeypatch, tmp_path, capsys):
+    """A killed build's own folder, and a half-built folder in the final place with
+    cpp_extension's lock file in it (as a build killed before this scheme left it, which
+    made every later process wait forever), are removed by the next build."""
+    native_build, built = _stand_in_build(monkeypatch, tmp_path)
+    folder = tmp_path / f"{native_build.NAME}-{native_build._machine_key()}"
+    stale = folder.with_name(f"{folder.name}.building-999999")
+    (stale / "ops.o").parent.mkdir(parents=True)
+    (stale / "ops.o").write_bytes(b"half")
+    folder.mkdir()
+    (folder / "lock").write_text("")  # cpp_extension's FileBaton, its holder dead
+    target = native_build._load_or_build(openmp=True)
+    assert target == native_build._library_file(folder) and native_build._complete(folder)
+    assert not stale.exists() and not (folder / "lock").exists() and len(built) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name, f"{folder.name}.lock"]
+
+
+def test_a_wait_for_a_live_build_says_so_and_ends(monkeypatch, tmp_path):
+    """A build another live process holds: this one says once that it waits, naming the
+    folder and the holder, and gives up after ATTNGRAD_BUILD_WAIT seconds with an error that
+    says the same (library() then falls back to torch-ops with a warning)."""
+    import fcntl
+    import io
+
+    from attngrad.torch.backends.cpu_tiles import build as native_build
+
+    folder = tmp_path / "attngrad_tiles-key"
+    lock = folder.with_name(folder.name + ".lock")
+    monkeypatch.setenv("ATTNGRAD_BUILD_WAIT", "0.5")
+    with open(lock, "w") as held:  # another process's lock: flock is per open file
+        held.write("4242\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        said = io.StringIO()
+        with pytest.raises(TimeoutError, match=r"pid 4242\) was still compiling the CPU tiles into .*attngrad_tiles-key"):
+            with native_build._build_lock(folder, said):
+                pytest.fail("the lock was taken while another holder had it")
+    assert said.getvalue() == (f"attngrad: waiting for another process (pid 4242) compiling the CPU tiles into "
+                               f"{folder} (at most 0 s)\n")
+    with native_build._build_lock(folder, said):  # the holder gone (its file closed): taken at once
+        assert lock.read_text() == f"{os.getpid()}\n"
+
+
+@needs_tiles
+def test_a_first_use_killed_mid_compile_leaves_a_cache_the_next_one_builds_in(tmp_path):
+    """A real first use, killed (SIGKILL) while its compiler runs, as a scheduler's time
+    limit or an out-of-memory kill would: the next process builds and loads the tiles in the
+    usual time. (Built at -O0 in a cache of the test's own: the kill is the point here.)"""
+    import signal
+    import time
+
+    script = textwrap.dedent("""
+        from attngrad.torch.backends.cpu_tiles import build as native_build, native
+        native_build.FLAGS = ("-O0", *native_build.FLAGS[1:])
+        assert native.library() is not None, native.build_info.reason
+        print("loaded", native.build_info.compiled)
+    """)
+    env = {**os.environ, "ATTNGRAD_CACHE": str(tmp_path), "ATTNGRAD_BUILD_WAIT": "240"}
+    first = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(tmp_path.glob("*/build.ninja")):  # its compiler has started
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.1)
+        time.sleep(1.0)
+    finally:
+        first.send_signal(signal.SIGKILL)  # the Python process alone: its compiler runs on, orphaned
+        first.communicate()
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0 and done.stdout.strip() == "loaded True", done.stderr[-3000:]
+    assert not list(tmp_path.glob("*.building-*"))

@@ -10,6 +10,12 @@ use waits for it.
 
 ATTNGRAD_NATIVE=0 turns the tiles off; ATTNGRAD_CACHE names the cache folder (default
 $XDG_CACHE_HOME/attngrad or ~/.cache/attngrad); CXX names the compiler (default c++).
+
+A build never leaves a cache that blocks the next process: it runs under an OS lock beside
+its folder, which the kernel releases when the holder dies however it dies, into a folder
+of its own, moved into place whole once finished (`_build_into`). A process that finds a
+live build waits for it, says so, and gives up after ATTNGRAD_BUILD_WAIT seconds (900). The
+command `attngrad build` builds ahead of time.
 ATTNGRAD_SANITIZE=1 builds them with AddressSanitizer and UndefinedBehaviorSanitizer
 instead, into a folder of its own (for `scripts/sanitize_tiles.sh`, which preloads the
 sanitizer runtimes that a Python process needs for such a library). ATTNGRAD_MARCH names
@@ -165,6 +171,76 @@ def announced(folder: Path, stream: TextIO | None = None, tick: float = 1.0) -> 
 
 
 _loaded: Path | None = None  # the library this process has loaded (one per process: its ops' namespace)
+DEFAULT_BUILD_WAIT = 900.0  # seconds a process waits for another's build (ATTNGRAD_BUILD_WAIT)
+
+
+def _complete(folder: Path) -> bool:
+    """Whether `folder` holds a finished build: the marker is written last, and a build is
+    moved into place whole (`_build_into`), so a half-built folder never has it."""
+    return (folder / "build_seconds").exists() and _library_file(folder).exists()
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path, stream: TextIO | None = None) -> Iterator[None]:
+    """Held while this process builds into `folder`'s place: an OS lock (flock) on a file
+    beside it, released by the kernel when its holder ends however it ends (SIGKILL, an
+    out-of-memory kill), so no dead process can hold it. A wait for a live holder says so
+    once, naming the folder and the holder, and gives up after ATTNGRAD_BUILD_WAIT seconds
+    (default 900) with a TimeoutError that says the same."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover (no flock: one builder at a time is not enforced)
+        yield
+        return
+    stream = sys.stderr if stream is None else stream
+    wait = float(os.environ.get("ATTNGRAD_BUILD_WAIT") or DEFAULT_BUILD_WAIT)
+    path = folder.with_name(folder.name + ".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        start, said = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "?"
+                if time.monotonic() - start > wait:
+                    raise TimeoutError(f"another process (pid {holder}) was still compiling the CPU tiles into {folder} "
+                                       f"after {wait:.0f} s (ATTNGRAD_BUILD_WAIT); its lock is {path}") from None
+                if not said:
+                    stream.write(f"attngrad: waiting for another process (pid {holder}) compiling the CPU tiles into "
+                                 f"{folder} (at most {wait:.0f} s)\n")
+                    stream.flush()
+                    said = True
+                time.sleep(0.2)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build_into(folder: Path, openmp: bool) -> None:
+    """Build in a folder of this process's own and move it into `folder`'s place whole, with
+    the build lock held. What a killed build left (its own folder, or a half-built one at
+    `folder` from before this scheme) is removed first: only the lock's holder builds."""
+    import shutil
+
+    for stale in folder.parent.glob(f"{folder.name}.building-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if folder.exists():
+        shutil.rmtree(folder)
+    building = folder.with_name(f"{folder.name}.building-{os.getpid()}")
+    start = time.perf_counter()
+    with announced(folder):
+        _build(building, openmp)  # loads the library too, from `building` (the same file, moved below)
+    build_info.compiled, build_info.seconds = True, time.perf_counter() - start
+    (building / "build_seconds").write_text(f"{build_info.seconds:.3f}\n")
+    os.replace(building, folder)
 
 
 def _load_or_build(openmp: bool) -> Path:
@@ -172,8 +248,6 @@ def _load_or_build(openmp: bool) -> Path:
     global _loaded
     folder = _cache_dir() / f"{NAME}-{_machine_key(openmp)}"
     target = _library_file(folder)
-    # the marker is written after a build has finished: a library mid-build is never loaded
-    built = (folder / "build_seconds").exists()
     if _loaded != target:
         if _loaded is not None:
             # PyTorch takes one TORCH_LIBRARY per namespace and process: loading a second
@@ -181,16 +255,27 @@ def _load_or_build(openmp: bool) -> Path:
             # end the process in std::terminate
             raise RuntimeError(f"another build of the tiles is loaded in this process already ({_loaded}); a new "
                                "process loads this one")
-        if built:
+        built_here = False
+        if not _complete(folder):
+            with _build_lock(folder):
+                if not _complete(folder):  # else another process built it while this one waited
+                    _build_into(folder, openmp)
+                    built_here = True
+        if not built_here:
             torch.ops.load_library(str(target))
-        else:
-            start = time.perf_counter()
-            with announced(folder):
-                _build(folder, openmp)
-            build_info.compiled, build_info.seconds = True, time.perf_counter() - start
-            (folder / "build_seconds").write_text(f"{build_info.seconds:.3f}\n")
         _loaded = target
     return target
+
+
+def build(cache: Path | None = None) -> BuildInfo:
+    """Build the tiles ahead of time (a container image, a cluster's set-up): into `cache`
+    (default: ATTNGRAD_CACHE's folder), or find them built there; `build_info`, with the
+    library's path, or why it is unavailable."""
+    if cache is not None:
+        os.environ["ATTNGRAD_CACHE"] = str(cache)
+    library.cache_clear()
+    library()
+    return build_info
 
 
 @functools.cache

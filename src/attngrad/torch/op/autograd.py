@@ -10,11 +10,18 @@ Function: the forward and its JVP in one pass, 6 matrix products where the two t
 
 Where forward mode and reverse mode both see a Function (a Hessian-vector product,
 torch.func.jvp of torch.func.grad; a dual level over tensors that require grad), its forward
-leaves its results to its jvp, which makes them with their tangents in one pass (`hvp_fusion.Deferred`):
-forward_jvp for `Attention`, backward_with_jvp for `AttentionBackward`, 19 matrix products
-where the four passes take 22. The forward's pass also leaves each row's centre
-rowsum(P * S') and the output's tangent (`hvp_fusion.ForwardSums`), from which the backward's pass, for
-the same tangents, runs on the backward's tiles rather than on whole rows.
+leaves its results to its jvp, which makes them with their tangents in one pass
+(`hvp_fusion.Deferred`): forward_jvp for `Attention`, backward_with_jvp for
+`AttentionBackward`, 19 matrix products where the four passes take 22. The forward's pass
+also leaves each row's centre rowsum(P * S') and the output's tangent
+(`hvp_fusion.ForwardSums`), from which the backward's pass, for the same tangents, runs on
+the backward's tiles rather than on whole rows.
+
+Under Dynamo (torch.compile, torch.export) a call is the operator `attngrad::attention`
+(`traced_op`), whose autograd and torch.func kernels come back to `differentiable_attention`
+while AOTAutograd makes the graph: the Functions then give the compiled graph its passes,
+forward mode included. Which path a call takes is decided in `differentiable_attention`,
+from one `regime.Regime`.
 
 Because the first backward and the JVP are themselves differentiable Functions, double
 backward (create_graph=True), Hessian-vector products, torch.func.hessian, and reverse mode
@@ -22,9 +29,9 @@ over forward mode (torch.func.vjp of torch.func.jvp, jacrev(jacfwd(f))) work; a 
 derivative raises.
 
 No ctx keeps a tensor that holds its own Function's outputs: autograd's graph is C++, and a
-cycle through it is one Python's collector cannot free (`hvp_fusion.Deferred.settle`). (torch.library's own register_autograd would be the shorter spelling,
-but the wrapper it generates in torch 2.13 has no setup_context, and torch.func refuses
-it: pytorch#170834.)
+cycle through it is one Python's collector cannot free (`hvp_fusion.Deferred.settle`).
+(torch.library's own register_autograd would be the shorter spelling, but the wrapper it
+generates in torch 2.13 has no setup_context, and torch.func refuses it: pytorch#170834.)
 
 The forward saves the call's tensors, out, and per query row the score maximum and the
 inverse softmax denominator: O(L). `out`, the row statistics and `seed` reach

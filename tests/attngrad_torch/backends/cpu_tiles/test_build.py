@@ -146,27 +146,13 @@ def test_a_build_says_so_on_stderr_and_a_cached_load_is_quiet(monkeypatch, tmp_p
     """A first use waits 10-60 s for the build: it says so once on stderr, with the cache
     folder, then how long it took. A process that finds the build loads it in silence.
     (No compiler runs here: _build and the load are stand-ins.)"""
-    from attngrad.torch.backends.cpu_tiles import build as native_build
-
-    monkeypatch.setenv("ATTNGRAD_CACHE", str(tmp_path))
-    monkeypatch.setattr(native_build, "_loaded", None)  # as a fresh process, which loaded no build yet
-    for field in ("compiled", "seconds"):
-        monkeypatch.setattr(native_build.build_info, field, getattr(native_build.build_info, field))
-    built = []
-
-    def build(folder, openmp):
-        folder.mkdir(parents=True)
-        native_build._library_file(folder).write_bytes(b"")
-        built.append(folder)
-
-    monkeypatch.setattr(native_build, "_build", build)
+    native_build, built = _stand_in_build(monkeypatch, tmp_path)
     target = native_build._load_or_build(openmp=True)
     lines = capsys.readouterr().err.splitlines()
     assert built == [target.parent.with_name(f"{target.parent.name}.building-{os.getpid()}")]  # moved into place
     assert lines[0] == (f"attngrad: compiling the CPU tiles (once, cached in {target.parent}; usually 10-60 s)...")
     assert len(lines) == 2 and lines[1].startswith("attngrad: compiling the CPU tiles done in ")  # no count: no TTY
     monkeypatch.setattr(native_build, "_loaded", None)  # the next process finds the build
-    monkeypatch.setattr(torch.ops, "load_library", lambda path: None)
     assert native_build._load_or_build(openmp=True) == target and len(built) == 1
     assert capsys.readouterr().err == ""
 

@@ -15,7 +15,7 @@ from attngrad.torch import (  # noqa: E402
     use_backend,
 )
 from attngrad.torch.op import dispatch  # noqa: E402
-from attngrad.torch.op.call import PASSES, schema  # noqa: E402
+from attngrad.torch.op.call import PASSES, HvpSums, RingSums, schema  # noqa: E402
 
 from ...conftest import EXACT, rel_err  # noqa: E402
 from ..conftest import make_call, math_sdpa  # noqa: E402
@@ -106,27 +106,32 @@ def test_which_rows_sums_the_tiles_take():
     q = randn(1, 2, 5, 4, seed=2, grad=False)
     call = make_call(q, q, q, bias=randn(5, 5, seed=3, grad=False))
     centre, delta_t = q.new_zeros(1, 2, 5, 1), q.new_zeros(1, 2, 5, 1)
-    given = {"row_sums": {"centre": centre, "delta_t": delta_t}}
+    given = {"row_sums": RingSums(centre=centre, delta_t=delta_t)}
     assert dispatch.choose("backward_jvp", call, {**given, "bias_grad": False}).name == "tiles"
     assert dispatch.choose("backward_with_jvp", call, {**given, "bias_grad": False}).name == "tiles"
     assert dispatch.choose("backward_jvp", call, {**given, "bias_grad": True}).name == "torch-ops"
-    assert dispatch.choose("forward_jvp", call, {"row_sums": {"centre_sums": centre}}).name == "tiles"
+    assert dispatch.choose("forward_jvp", call, {"row_sums": RingSums(centre_sums=centre)}).name == "tiles"
     # an HVP's: the forward's JVP leaves t - c, c (and a peak index the tiles do not name), the
     # backward's JVP takes them with O'; in float32 and float64, where the tiles centre
     peak_index = torch.full((1, 2, 5, 1), -1, dtype=torch.int32)
-    forward_sums = {"centre_sums": centre, "peak_sums": centre, "peak_index": peak_index, "results": ()}
-    backward_sums = {"centre": centre, "peak": centre, "peak_index": peak_index, "out_t": q, "results": ()}
+    forward_sums = HvpSums(centre_sums=centre, peak_sums=centre, peak_index=peak_index, results=())
+    backward_sums = HvpSums(centre=centre, peak=centre, peak_index=peak_index, out_t=q, results=())
     assert dispatch.choose("forward_jvp", call, {"row_sums": forward_sums}).name == "tiles"
     assert dispatch.choose("backward_with_jvp", call, {"row_sums": backward_sums, "bias_grad": False}).name == "tiles"
     half = make_call(*(q.to(torch.bfloat16),) * 3)
     assert not dispatch.offered("forward_jvp", half, {"row_sums": forward_sums})
-    assert dispatch.choose("jvp", call, {"row_sums": {"centre": centre, "centre_sums": centre}}).name == "torch-ops"
-    assert dispatch.choose("double_backward", call, {"row_sums": {"centre": centre, "g_centre": centre}}).name == \
+    assert dispatch.choose("jvp", call, {"row_sums": RingSums(centre=centre, centre_sums=centre)}).name == "torch-ops"
+    assert dispatch.choose("double_backward", call, {"row_sums": RingSums(centre=centre, g_centre=centre)}).name == \
         "torch-ops"
+    # the type names the protocol: an HVP's sums are never read as a ring step's, nor untyped ones at all
+    with pytest.raises(RuntimeError, match="not a HvpSums"):
+        dispatch.choose("backward_jvp", call, {"row_sums": HvpSums(centre=centre, delta_t=delta_t), "bias_grad": False})
+    with pytest.raises(RuntimeError, match="not a dict"):
+        dispatch.choose("backward_jvp", call, {"row_sums": {"centre": centre, "delta_t": delta_t}, "bias_grad": False})
     seen = {}
 
     def choose(delta_t):
-        seen["name"] = dispatch.choose("backward_jvp", call, {"row_sums": {"centre": centre, "delta_t": delta_t},
+        seen["name"] = dispatch.choose("backward_jvp", call, {"row_sums": RingSums(centre=centre, delta_t=delta_t),
                                                                "bias_grad": False}).name
         return delta_t
 

@@ -29,7 +29,7 @@ from torch import Tensor
 from typing_extensions import Unpack  # typing's from Python 3.11
 
 from ..op import dispatch
-from ..op.call import PassInputs
+from ..op.call import PassInputs, RingSums
 from ..op.key_constant_bias import sink_share
 from ..op.ops import add_sink, run_op
 from ..precision import compute_dtype
@@ -215,7 +215,7 @@ def ring_jvp(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, **inputs: Unpack[P
         out_t[i] += dispatch.run(
             "jvp", plan.call(unit, r.q[i], k_blk[j], v_blk[j]), row_max=r.row_max[i], inv_sum=r.inv_sum[i],
             tq=_of(r.tq, i), tk=_of(tk_blk, j), tv=_of(tv_blk, j), tbias=piece(tbias, unit.rows, unit.cols),
-            row_sums=dict(centre=uncentred, centre_sums=centre[i]))
+            row_sums=RingSums(centre=uncentred, centre_sums=centre[i]))
 
     block = [plan.split(k), plan.split(v), plan.split(inputs.get("tk")), plan.split(inputs.get("tv"))]
     each_step(plan, block, unit_jvp)
@@ -257,7 +257,7 @@ def ring_backward_jvp(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, **inputs:
             "backward_jvp", plan.call(unit, r.q[i], k_blk[j], v_blk[j]), dout=r.dout[i], out=r.out[i],
             row_max=r.row_max[i], inv_sum=r.inv_sum[i], bias_grad=bias_grad, tdout=_of(r.tdout, i), tq=_of(r.tq, i),
             tk=_of(tk_blk, j), tv=_of(tv_blk, j), tbias=piece(tbias, unit.rows, unit.cols),
-            row_sums=dict(centre=r.centre[i], delta_t=r.delta_t[i]))
+            row_sums=RingSums(centre=r.centre[i], delta_t=r.delta_t[i]))
         dq_t[i] += dq_u
         _add_to(dbias_t, unit, dbias_u)
         return [dk_u, dv_u]
@@ -291,7 +291,7 @@ def ring_double_backward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, **inpu
         t_u, u_u = dispatch.run(
             "double_backward_row_sums", plan.call(unit, r.q[i], k_blk[j], v_blk[j]), dout=r.dout[i],
             row_max=r.row_max[i], inv_sum=r.inv_sum[i], bias_grad=bias_grad, gq=_of(r.gq, i), gk=_of(gk_blk, j),
-            gv=_of(gv_blk, j), gbias=piece(gbias, unit.rows, unit.cols), row_sums={})
+            gv=_of(gv_blk, j), gbias=piece(gbias, unit.rows, unit.cols), row_sums=RingSums())
         t_sum[i] += t_u
         u_sum[i] += u_u
 
@@ -312,7 +312,7 @@ def ring_double_backward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, **inpu
             "double_backward", plan.call(unit, r.q[i], k_blk[j], v_blk[j]), dout=r.dout[i], out=r.out[i],
             row_max=r.row_max[i], inv_sum=r.inv_sum[i], bias_grad=bias_grad, dout_grad=dout_grad, gq=_of(r.gq, i),
             gk=_of(gk_blk, j), gv=_of(gv_blk, j), gbias=piece(gbias, unit.rows, unit.cols),
-            row_sums=dict(centre=t_sum[i], g_centre=u_sum[i]))
+            row_sums=RingSums(centre=t_sum[i], g_centre=u_sum[i]))
         if g_dout is not None:
             g_dout[i] += g_dout_u
         g_q[i] += g_q_u

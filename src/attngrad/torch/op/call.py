@@ -95,10 +95,29 @@ class PassInputs(TypedDict, total=False):
     gv: Optional[Tensor]
     gbias: Optional[Tensor]
     gsinks: Optional[Tensor]
-    # a ring step's whole rows' sums, or what a fused pass writes into (only to a backend
-    # with `row_sums`; each backend's `refuses` says which it takes)
-    row_sums: Optional[dict[str, Any]]
+    # a ring step's whole rows' sums (`RingSums`) or a Hessian-vector product's (`HvpSums`),
+    # only to a backend with `row_sums`; each backend's `refuses` takes or refuses them by type
+    row_sums: Optional[RowSums]
     sink_rows: Optional[Tensor]  # (B, H, Lq): each row's share of a sink logit's term (`sink_logits`)
+
+
+class RowSums(dict):
+    """Rows' sums handed to a pass beside its inputs: tensors by name, of the protocol their
+    type names (a backend takes or refuses them by type: the same names mean other sums in
+    each). Untyped sums are refused everywhere."""
+
+
+class RingSums(RowSums):
+    """A ring step's: its keys are a part of each row's, and its higher passes take the whole
+    rows' sums first (`distributed.ring_passes`): "centre" (t = rowsum(P S')), with
+    "centre_sums" (forward_jvp: t written there), "delta_t" (the backward's JVP: D'),
+    "g_centre" (the double backward); empty for the double backward's own walk."""
+
+
+class HvpSums(RowSums):
+    """A Hessian-vector product's (`hvp_fusion.ForwardSums`), `HVP_SUMS` by pass, with
+    "results": the tensors a fused pass writes its primal results into (the forward's out,
+    row_max, inv_sum; the backward's dq, dk, dv)."""
 
 
 # The rows' sums a Hessian-vector product's passes carry (`hvp_fusion.ForwardSums`), by pass,

@@ -24,7 +24,7 @@ from torch import Tensor
 from .. import regime
 from ..precision import compute_dtype
 from . import dispatch
-from .call import AttentionCall
+from .call import AttentionCall, HvpSums
 from .ops import CALL_NAMES, empty_results, run_op, run_pass
 
 
@@ -74,9 +74,9 @@ class ForwardSums:
         if call.sinks is not None:
             return None  # (the sinks' closed forms take the whole-row pass's sink_rows)
         rows = (*call.q.shape[:3], 1)
-        row_sums = {"centre_sums": call.q.new_empty(rows, dtype=compute_dtype(call.q.dtype)),
-                    "peak_sums": call.q.new_empty(rows, dtype=compute_dtype(call.q.dtype)),
-                    "peak_index": call.q.new_full(rows, -1, dtype=torch.int32), "results": results}
+        row_sums = HvpSums(centre_sums=call.q.new_empty(rows, dtype=compute_dtype(call.q.dtype)),
+                           peak_sums=call.q.new_empty(rows, dtype=compute_dtype(call.q.dtype)),
+                           peak_index=call.q.new_full(rows, -1, dtype=torch.int32), results=results)
         return row_sums if dispatch.offered("forward_jvp", call, {**inputs, "row_sums": row_sums}) else None
 
     def run(self, pass_name: str, call: AttentionCall, given: dict, held: tuple) -> Optional[tuple]:
@@ -94,8 +94,8 @@ class ForwardSums:
                                                        ("centre_sums", "peak_sums", "peak_index"))
             self.out_t = results[-1]
             return results
-        row_sums = {"centre": self.centre, "peak": self.peak, "peak_index": self.peak_index, "out_t": self.out_t,
-                    "results": held[:3]}
+        row_sums = HvpSums(centre=self.centre, peak=self.peak, peak_index=self.peak_index, out_t=self.out_t,
+                           results=held[:3])
         return run_pass(pass_name, call, {**given, "row_sums": row_sums})
 
 

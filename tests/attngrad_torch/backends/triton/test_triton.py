@@ -24,7 +24,7 @@ from attngrad.torch.backends import triton as triton_backend  # noqa: E402
 from attngrad.torch.backends.triton import launch  # noqa: E402
 from attngrad.torch.backends.triton.kernels import dq_rank  # noqa: E402
 from attngrad.torch.op import dispatch, dropout, ops  # noqa: E402
-from attngrad.torch.op.call import ScoreMasks  # noqa: E402
+from attngrad.torch.op.call import HvpSums, RingSums, ScoreMasks  # noqa: E402
 
 from ....conftest import EXACT, assert_all_close, rel_err  # noqa: E402
 from ...conftest import make_call, op_attention  # noqa: E402
@@ -800,8 +800,8 @@ def test_tensor_descriptors_only_where_tma_takes_the_tensors(tuned):
 def _hvp_sums(call):
     """The rows' sums a Hessian-vector product's forward asks of forward_jvp (`hvp_fusion.ForwardSums`)."""
     rows = (*call.q.shape[:3], 1)
-    return {"centre_sums": call.q.new_empty(rows), "peak_sums": call.q.new_empty(rows),
-            "peak_index": call.q.new_full(rows, -1, dtype=torch.int32)}
+    return HvpSums(centre_sums=call.q.new_empty(rows), peak_sums=call.q.new_empty(rows),
+                   peak_index=call.q.new_full(rows, -1, dtype=torch.int32))
 
 
 @interpreted
@@ -821,8 +821,8 @@ def test_an_hvps_backward_takes_its_row_sums_from_the_forwards_walk(case, with_t
     with use_backend("triton"), pytest.MonkeyPatch.context() as patch:
         patch.setattr(launch, "_row_sums", lambda *args: pytest.fail("the row_sums walk ran"))
         out, row_max, inv_sum, out_t = ops.run_pass("forward_jvp", call, {**tangents, "row_sums": sums})
-        given_sums = {"centre": sums["centre_sums"], "peak": sums["peak_sums"], "peak_index": sums["peak_index"],
-                      "out_t": out_t}
+        given_sums = HvpSums(centre=sums["centre_sums"], peak=sums["peak_sums"], peak_index=sums["peak_index"],
+                             out_t=out_t)
         inputs = dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad, tdout=tdout,
                       **tangents)
         before = dispatch.ran[("backward_jvp", "triton")]
@@ -844,18 +844,18 @@ def test_triton_takes_an_hvps_row_sums_and_no_ring_steps():
     call = make_call(q, q, q)
     centre = q.new_zeros(1, 2, 5, 1)
     forward_sums = _hvp_sums(call)
-    backward_sums = {"centre": centre, "peak": centre, "peak_index": forward_sums["peak_index"], "out_t": q}
+    backward_sums = HvpSums(centre=centre, peak=centre, peak_index=forward_sums["peak_index"], out_t=q)
     with use_backend("triton"):
         assert dispatch.choose("forward_jvp", call, {"row_sums": forward_sums}).name == "triton"
         assert dispatch.choose("backward_jvp", call, {"row_sums": backward_sums, "bias_grad": False}).name == "triton"
-        for pass_name, ring_sums in (("backward_jvp", {"centre": centre, "delta_t": centre}),
-                                     ("jvp", {"centre": centre, "centre_sums": centre}),
-                                     ("double_backward", {"centre": centre, "g_centre": centre})):
+        for pass_name, ring_sums in (("backward_jvp", RingSums(centre=centre, delta_t=centre)),
+                                     ("jvp", RingSums(centre=centre, centre_sums=centre)),
+                                     ("double_backward", RingSums(centre=centre, g_centre=centre))):
             with pytest.raises(RuntimeError, match="a ring step's"):
                 dispatch.choose(pass_name, call, {"row_sums": ring_sums, "bias_grad": False})
     with use_backend("torch-ops"), pytest.raises(RuntimeError, match="a ring step's rows' sums"):
         dispatch.choose("backward_jvp", call, {"row_sums": backward_sums, "bias_grad": False})
     # the kernel writes them by row index: a strided or short tensor is refused by name
-    strided = {**forward_sums, "peak_sums": q.new_empty(1, 2, 5, 2)[..., :1]}
+    strided = HvpSums(forward_sums, peak_sums=q.new_empty(1, 2, 5, 2)[..., :1])
     with use_backend("triton"), pytest.raises(ValueError, match=r"row_sums' peak_sums must be contiguous .* \(1, 2, 5\)"):
         ops.run_pass("forward_jvp", call, {"tq": q, "tk": None, "tv": None, "tbias": None, "row_sums": strided})

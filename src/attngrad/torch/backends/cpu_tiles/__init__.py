@@ -22,13 +22,19 @@ from typing_extensions import Unpack  # typing's from Python 3.11; attngrad take
 
 from ... import regime
 from ...op import dispatch, dropout
-from ...op.call import HVP_SUMS, AttentionCall, PassInputs
+from ...op.call import HVP_SUMS, AttentionCall, HvpSums, PassInputs, RingSums
 from ...precision import FLOATS
 from . import native
 
 
 def _unavailable() -> Optional[str]:
     return None if native.library() is not None else native.build_info.reason
+
+
+# The ring's rows' sums the tiles take, by pass: a forward JVP's centre written, the
+# backward's JVP given the centre and D'
+_RING_SUMS = {"forward_jvp": {"centre_sums"}, "backward_jvp": {"centre", "delta_t"},
+              "backward_with_jvp": {"centre", "delta_t"}}
 
 
 def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]:
@@ -40,6 +46,8 @@ def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]
         return "it takes no empty dimension"
     row_sums = inputs.get("row_sums")
     if row_sums is not None:
+        if not isinstance(row_sums, (RingSums, HvpSums)):
+            return f"it takes a ring step's or an HVP's rows' sums (RingSums, HvpSums), not a {type(row_sums).__name__}"
         # a ring step under torch.func may hold a transform's tensors, which the compiled
         # tiles cannot read (the ops hand them plain ones)
         held = row_sums.get("results", ())  # a fused pass's primal results, written in place
@@ -49,16 +57,19 @@ def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]
             return "it reads plain tensors; this ring step holds a torch.func transform's"
         if inputs.get("sink_rows") is not None:
             return "it writes the sink's rows on whole rows alone"
-        sums = set(row_sums) - ({"results"} if pass_name in ("forward_jvp", "backward_with_jvp") else set())
-        if pass_name in ("backward_jvp", "backward_with_jvp") and sums in ({"centre", "delta_t"},
-                                                                           HVP_SUMS[pass_name]):
+        hvp = isinstance(row_sums, HvpSums)
+        sums = set(row_sums) - ({"results"} if hvp else set())
+        expected = HVP_SUMS.get(pass_name) if hvp else _RING_SUMS.get(pass_name)
+        if expected is None or sums != expected:
+            return f"it takes no rows' sums {sorted(row_sums)} in its {pass_name} pass"
+        if pass_name in ("backward_jvp", "backward_with_jvp"):
             return "it takes a bias gradient on whole rows alone" if inputs.get("bias_grad") else None
-        if pass_name == "forward_jvp" and sums in ({"centre_sums"}, HVP_SUMS[pass_name]):
-            # an HVP's in float32/64 (its peak_index left -1: the tiles find the peak by its
-            # value, and make D' from O' themselves); a half-precision HVP keeps whole rows
-            if sums == {"centre_sums"} or call.q.dtype in (torch.float32, torch.float64):
-                return None
-        return f"it takes no rows' sums {sorted(row_sums)} in its {pass_name} pass"
+        # forward_jvp: a ring step's; an HVP's in float32/64 (its peak_index left -1: the tiles
+        # find the peak by its value, and make D' from O' themselves); a half-precision HVP
+        # keeps whole rows
+        if not hvp or call.q.dtype in (torch.float32, torch.float64):
+            return None
+        return f"it takes an HVP's rows' sums in float32 and float64 alone; got {call.q.dtype}"
     return None
 
 
@@ -130,7 +141,7 @@ def _backward_jvp(call: AttentionCall, inputs: PassInputs, with_backward: bool) 
     row_sums = inputs.get("row_sums")
     if row_sums is None:
         return native.attention_backward_jvp(call, inputs, with_backward=with_backward)
-    if "out_t" in row_sums:  # a Hessian-vector product's: D' from the forward's O'
+    if isinstance(row_sums, HvpSums):  # D' from the forward's O'
         inputs = {**inputs, "row_sums": {**row_sums, "delta_t": _delta_t(inputs, row_sums)}}
     results = native.attention_backward_jvp_given_sums(call, inputs, with_backward=with_backward)
     tangents = (*results[-3:], None)

@@ -9,16 +9,17 @@ from __future__ import annotations
 from typing import Optional
 
 from ...op import dispatch
-from ...op.call import AttentionCall
+from ...op.call import AttentionCall, RingSums
 from . import first_order, higher_order
 
 
 def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]:
-    """A Hessian-vector product's sums (`hvp_fusion.ForwardSums`) name the same rows' sums
-    differently (t - c beside the peak c): read as a ring step's, they would be wrong."""
-    row_sums = inputs.get("row_sums") or {}
-    if {"peak", "peak_sums", "peak_index", "out_t", "results"} & set(row_sums):
-        return f"it takes a ring step's rows' sums, not {sorted(row_sums)}"
+    """A ring step's rows' sums alone: a Hessian-vector product's (`HvpSums`) name the same
+    rows' sums differently (t - c beside the peak c), and read as a ring step's they would be
+    wrong."""
+    row_sums = inputs.get("row_sums")
+    if row_sums is not None and not isinstance(row_sums, RingSums):
+        return f"it takes a ring step's rows' sums (RingSums), not a {type(row_sums).__name__}"
     return None
 
 

@@ -20,7 +20,7 @@ import torch
 
 from ... import regime
 from ...op import dispatch
-from ...op.call import HVP_SUMS, AttentionCall
+from ...op.call import HVP_SUMS, AttentionCall, HvpSums
 from ...precision import FLOATS
 
 
@@ -119,9 +119,11 @@ def _refuses_sums(call: AttentionCall, pass_name: str, row_sums: Optional[dict])
     leaves to torch-ops."""
     if row_sums is None:
         return None
+    if not isinstance(row_sums, HvpSums) or call.partial_rows:
+        return f"it takes an HVP's rows' sums (HvpSums) alone, not a {type(row_sums).__name__} (a ring step's)"
     # "results": what forward_jvp writes its primal results into (the backward's are the backward pass's)
-    if call.partial_rows or set(row_sums) - {"results"} != HVP_SUMS.get(pass_name):
-        return f"it takes no rows' sums {sorted(row_sums)} in its {pass_name} pass (a ring step's)"
+    if set(row_sums) - {"results"} != HVP_SUMS.get(pass_name):
+        return f"it takes no rows' sums {sorted(row_sums)} in its {pass_name} pass"
     if any(regime.is_wrapped(t) for t in (*row_sums.values(), *(row_sums.get("results") or ()))):
         return "it reads plain tensors; these rows' sums are a torch.func transform's"
     return None

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 
 from ...masks import blocks as mask_blocks
-from ...op.call import AttentionCall, ScoreMasks
+from ...op.call import AttentionCall, HvpSums, ScoreMasks
 from ...precision import compute_dtype
 
 PASSES = ("forward", "backward", "jvp", "forward_jvp", "backward_jvp", "double_backward")
@@ -162,18 +162,18 @@ def record_launches(dtype: torch.dtype, width: int, features: str, products: str
     out = torch.zeros(*call.q.shape[:3], call.v.shape[-1], dtype=dtype)
     stats = dict(dout=out, out=out, row_max=rows, inv_sum=rows, bias_grad=call.bias is not None)
     tangents = dict(tq=t.get("tq"), tk=t.get("tk"), tv=t.get("tv"), tbias=t.get("tbias"))
-    sums = dict(centre_sums=rows[..., None], peak_sums=rows[..., None],
-                peak_index=torch.zeros(*rows.shape, 1, dtype=torch.int32))  # an HVP's (`hvp_fusion.ForwardSums`)
+    sums = HvpSums(centre_sums=rows[..., None], peak_sums=rows[..., None],
+                   peak_index=torch.zeros(*rows.shape, 1, dtype=torch.int32))  # an HVP's (`hvp_fusion.ForwardSums`)
     runs = {
         "forward": lambda: launch.forward(call),
         "backward": lambda: launch.backward(call, **stats),
         "jvp": lambda: launch.jvp(call, row_max=rows, inv_sum=rows, **tangents),
         "forward_jvp": lambda: (launch.forward_jvp(call, **tangents),
-                                launch.forward_jvp(call, **tangents, row_sums=dict(sums, results=(out, rows, rows)))),
+                                launch.forward_jvp(call, **tangents, row_sums=HvpSums(sums, results=(out, rows, rows)))),
         "backward_jvp": lambda: (launch.backward_jvp(call, **stats, tdout=out if t else None, **tangents),
                                  launch.backward_jvp(call, **stats, tdout=out if t else None, **tangents,
-                                                     row_sums=dict(centre=sums["centre_sums"], peak=sums["peak_sums"],
-                                                                   peak_index=sums["peak_index"], out_t=out))),
+                                                     row_sums=HvpSums(centre=sums["centre_sums"], peak=sums["peak_sums"],
+                                                                      peak_index=sums["peak_index"], out_t=out))),
         "double_backward": lambda: launch.double_backward(call, **stats, dout_grad=True, gq=t.get("tq"),
                                                           gk=t.get("tk"), gv=t.get("tv"), gbias=t.get("tbias")),
     }

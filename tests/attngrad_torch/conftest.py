@@ -9,7 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from attngrad.torch import use_backend  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
-from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
+from attngrad.torch.backends.torch_ops import first_order  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
 from attngrad.torch.op.autograd import differentiable_attention  # noqa: E402
 from attngrad.torch.op.call import AttentionCall, ScoreMasks  # noqa: E402
@@ -22,7 +22,7 @@ def many_blocks(monkeypatch, tuned):
     """Small tiles in every backend, so that every test crosses many block boundaries, and
     short key slices in the forward's E V product (the last one shorter than the rest). The
     compiled tiles get 20-key blocks: a 16-wide vector and a scalar tail per row."""
-    tuned(kernels.TILING, tile_elements=1 << 9, min_rows=3, value_slice=4, higher_min_rows=3)
+    tuned(first_order.TILING, tile_elements=1 << 9, min_rows=3, value_slice=4, higher_min_rows=3)
     tuned(native.TILING, block_rows=3, block_keys=20, value_slice=4)
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F  # noqa: E402
 from attngrad.torch import attention as capped_attention  # noqa: E402
 from attngrad.torch import scaled_dot_product_attention  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
-from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
+from attngrad.torch.backends.torch_ops import first_order  # noqa: E402
 from attngrad.torch.op import dropout  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
@@ -405,7 +405,7 @@ def test_full_size_bias_gradient_with_causal_single_row_blocks(monkeypatch, head
     one-row causal blocks the unseen keys of each row must still come back as 0."""
     from attngrad.torch import attention
 
-    tuned(kernels.TILING, tile_elements=1, min_rows=1)
+    tuned(first_order.TILING, tile_elements=1, min_rows=1)
     q, k, v = make(batch=1, heads=heads, len_q=7, len_k=7)
     bias = torch.randn(1, heads, 7, 7, dtype=torch.float64, requires_grad=True)
     out = attention(q, k, v, attn_bias=bias, is_causal=True)

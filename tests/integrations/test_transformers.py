@@ -128,9 +128,9 @@ def test_mask_functions_it_does_not_read_are_evaluated_exactly(entries, monkeypa
     from transformers import masking_utils as mu
 
     from attngrad.integrations.transformers import mask_for_attngrad
-    from attngrad.torch.masks import functions as mask_functions
+    from attngrad.torch.masks import functions
 
-    monkeypatch.setattr(mask_functions, "ENTRIES", entries)
+    monkeypatch.setattr(functions, "ENTRIES", entries)
     padding = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 10])
     blocks = torch.tensor([[-1, -1, 0, 0, 0, 1, 1, -1, -1, -1], [2, 2, -1, 3, 3, 3, -1, -1, 4, 4]])
     cases = [

@@ -154,7 +154,7 @@ def evaluate_mask_function(arguments: MaskArguments, fixed_form: bool = False) -
     """A mask function no Pattern reads, with the padding of the 2-D `attention_mask`:
     evaluated by transformers' `sdpa_mask` a few rows at a time (its semantics exactly),
     as key bounds where every row sees one interval of keys (always, with `fixed_form`:
-    `mask_functions.evaluate_rows`). `arguments` holds every field of `MaskArguments`."""
+    `masks.functions.evaluate_rows`). `arguments` holds every field of `MaskArguments`."""
     from transformers.masking_utils import sdpa_mask
 
     attention_mask = arguments["attention_mask"]

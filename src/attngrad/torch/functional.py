@@ -132,7 +132,7 @@ def attention(query: Tensor, key: Tensor, value: Tensor, **options: Unpack[Atten
     block structure counts too: FlexAttention's rule). A mask whose every row sees one
     interval of keys (causal, windows, chunks, documents, prefix-LM, ...) becomes key
     bounds, nothing Lq x Lk; any other is written out as a boolean mask
-    (`mask_functions`). Both combine with every other mask here.
+    (`masks.functions`). Both combine with every other mask here.
 
     Nested jagged query, key and value ((B, H, j, E), as PyTorch's SDPA takes them) are
     packed sequences: each sees its own keys (causal within it with is_causal), no padding,

@@ -17,7 +17,7 @@ from torch.nn.attention.flex_attention import create_block_mask as flex_block_ma
 from torch.nn.attention.flex_attention import create_mask, flex_attention  # noqa: E402
 
 from attngrad.torch import attention, create_block_mask  # noqa: E402
-from attngrad.torch.masks import functions as mask_functions  # noqa: E402
+from attngrad.torch.masks import functions  # noqa: E402
 
 from ...conftest import assert_all_close  # noqa: E402
 
@@ -98,7 +98,7 @@ def test_interval_masks_become_bounds_whatever_the_chunks(mask_mod, entries, mon
     """The causal mask as the causal diagonal, the other rows' intervals as key bounds
     (1 or B, Lq, 2), the rest kept per block, each equal to FlexAttention's dense mask,
     whether one row or all are evaluated at once."""
-    monkeypatch.setattr(mask_functions, "ENTRIES", entries)
+    monkeypatch.setattr(functions, "ENTRIES", entries)
     evaluated = create_block_mask(mask_mod, B, H, LQ, LK)
     dense = create_mask(mask_mod, B, H, LQ, LK, device="cpu")
     assert torch.equal(evaluated.dense().expand(dense.shape), dense)
@@ -134,7 +134,7 @@ def test_flex_block_structure_counts():
     block_mask = flex_block_mask(causal, None, None, LQ, LK, device="cpu", BLOCK_SIZE=16)
     block_mask.mask_mod = lambda b, h, q_idx, kv_idx: q_idx >= 0  # every entry, but only in listed blocks
     out = attention(q, k, v, block_mask=block_mask)
-    assert block_mask in mask_functions._EVALUATED
+    assert block_mask in functions._EVALUATED
     listed = torch.arange(LK)[None, :] // 16 <= torch.arange(LQ)[:, None] // 16
     with sdpa_kernel(SDPBackend.MATH):
         expected = F.scaled_dot_product_attention(q, k, v, attn_mask=listed)
@@ -200,7 +200,7 @@ def test_function_masks_under_fullgraph_compile(mask_mod):
             compiled(q, k, v)
         return
     assert_all_close(results(compiled, q, k, v), results(lambda *t: attention(*t, mask_mod=mask_mod), q, k, v))
-    fixed = mask_functions.evaluate_rows(
+    fixed = functions.evaluate_rows(
         lambda start, stop: create_mask(mask_mod, B, H, LQ, LK, device="cpu")[:, :, start:stop], B, H, LQ, LK,
         fixed_form=True)
     assert (fixed.mask is None) == (mask_mod is not random_blocks)

@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from attngrad.torch import attention  # noqa: E402
-from attngrad.torch.masks import functions as mask_functions  # noqa: E402
+from attngrad.torch.masks import functions  # noqa: E402
 from attngrad.torch.masks import memo as mask_memo  # noqa: E402
 
 from ...conftest import assert_all_close  # noqa: E402
@@ -40,13 +40,13 @@ def evaluations(monkeypatch):
     """How many times a mask function was evaluated; the memo starts empty."""
     monkeypatch.setattr(mask_memo, "_KEPT", type(mask_memo._KEPT)())
     count = [0]
-    evaluate = mask_functions.create_block_mask
+    evaluate = functions.create_block_mask
 
     def counted(*args, **kwargs):
         count[0] += 1
         return evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(mask_functions, "create_block_mask", counted)
+    monkeypatch.setattr(functions, "create_block_mask", counted)
     return count
 
 

@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from attngrad.torch import attention, forget_masks, list_backends, use_backend  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
-from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
+from attngrad.torch.backends.torch_ops import first_order  # noqa: E402
 from attngrad.torch.masks import version_cache as kept  # noqa: E402
 from attngrad.torch.masks.structured import _structure, structure  # noqa: E402
 
@@ -37,7 +37,7 @@ DOUBLE = torch.float64
 def small_tiles(many_blocks, monkeypatch, tuned):
     """`many_blocks`'s small tiles, narrower still, in both backends, so that bands
     and documents cross many tile boundaries and whole tiles are skipped."""
-    tuned(kernels.TILING, higher_min_rows=3)
+    tuned(first_order.TILING, higher_min_rows=3)
     tuned(native.TILING, block_keys=8, narrow_block_keys=4, narrow_band=6, double_tile=24)
 
 
@@ -385,7 +385,7 @@ def test_torch_ops_blocks_hold_only_their_band():
     R + w - 1 keys at most, wherever they lie: the band, not the prefix."""
     length, keys = 64, 5
     bounds, _ = structure((1,), length, length, 0, torch.device("cpu"), window=(keys - 1, None))
-    plan = kernels.blocks(1, 1, length, length, 0, bounds=bounds)
+    plan = first_order.blocks(1, 1, length, length, 0, bounds=bounds)
     assert len(plan) > 3 and plan[-1][1] == length
     for start, stop, first, last in plan:
         assert first == max(0, start - keys + 1) and last == stop
@@ -502,7 +502,7 @@ def test_a_structure_made_where_it_cannot_serve_later_calls_is_not_kept():
         mask, bias = torch.rand(L, L) > 0.3, torch.randn(L, L, dtype=DOUBLE)
         for _ in range(2):
             assert_all_close({"masked": attention(q, k, v, attn_mask=mask, attn_bias=bias)},
-                             {"masked": kernels.attention_forward(make_call(q, k, v, mask, bias, scale=D ** -0.5))[0]})
+                             {"masked": first_order.attention_forward(make_call(q, k, v, mask, bias, scale=D ** -0.5))[0]})
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     dout = randn(B, H, L, D, seed=4)
     grads = torch.autograd.grad(attention(*leaves, is_causal=True, window=(3, None)), leaves, dout)

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 
 from attngrad.torch import attention  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
-from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
+from attngrad.torch.backends.torch_ops import first_order  # noqa: E402
 from attngrad.torch.op import dropout  # noqa: E402
 
 from ...conftest import EXACT, rel_err  # noqa: E402
@@ -117,7 +117,7 @@ def test_a_ring_steps_bits_do_not_depend_on_the_thread_count(many_blocks):
     rows, row and key offsets), forward and backward with dropout, a bias gradient and a
     causal diagonal, and the higher kernels given the whole rows' sums: bit-equal for 1 to
     4 threads."""
-    from attngrad.torch.backends.torch_ops import higher_order as kernels_higher
+    from attngrad.torch.backends.torch_ops import higher_order
     from attngrad.torch.op import ops
     from attngrad.torch.op.dropout import Placement
 
@@ -134,7 +134,7 @@ def test_a_ring_steps_bits_do_not_depend_on_the_thread_count(many_blocks):
         grads = ops.attention_backward(**options, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=True)
         sums = torch.zeros(1, 3, 150, 1)
         call = make_call(q, k, v, bias=bias, seed=seed.tensor(), causal=40, scale=0.2, dropout_p=0.1)
-        share = kernels_higher.attention_jvp(call, row_max=row_max, inv_sum=inv_sum, tq=tq, tk=None, tv=None,
+        share = higher_order.attention_jvp(call, row_max=row_max, inv_sum=inv_sum, tq=tq, tk=None, tv=None,
                                              tbias=None, row_sums=dict(centre=torch.zeros_like(sums), centre_sums=sums))
         return [out, row_max, inv_sum, *grads, share, sums]
 
@@ -200,9 +200,9 @@ def test_dropout_mask_does_not_depend_on_the_tiling(monkeypatch, tuned):
         out = attention(q, k, v, is_causal=True, dropout_p=0.4)
         return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
-    big, big_plan = run(), kernels.blocks(2, 3, 60, 60, 0)
-    tuned(kernels.TILING, tile_elements=1 << 9, min_rows=3)
-    small, small_plan = run(), kernels.blocks(2, 3, 60, 60, 0)
+    big, big_plan = run(), first_order.blocks(2, 3, 60, 60, 0)
+    tuned(first_order.TILING, tile_elements=1 << 9, min_rows=3)
+    small, small_plan = run(), first_order.blocks(2, 3, 60, 60, 0)
     assert len(big_plan) == 1 and len(small_plan) > 10
     for a, b in zip(big, small):
         assert rel_err(a, b) < EXACT

@@ -184,7 +184,7 @@ def test_given_sums_pass_and_its_ring_parts_keep_nan(where, index):
     native = pytest.importorskip("attngrad.torch.backends.cpu_tiles.native")
     if native.library() is None:
         pytest.skip(f"no compiled tiles: {native.build_info.reason}")
-    from attngrad.torch.backends.torch_ops import higher_order as kernels_higher
+    from attngrad.torch.backends.torch_ops import higher_order
     inputs = primals()
     inputs[where][index] = math.nan
     q, k, v = inputs
@@ -197,9 +197,9 @@ def test_given_sums_pass_and_its_ring_parts_keep_nan(where, index):
     call = make_call(q, k_rep, v_rep, scale=scale)
     jvp_inputs = dict(row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk_rep, tv=tv_rep, tbias=None)
     centre = torch.zeros(B, H, LQ, 1, dtype=torch.float64)
-    kernels_higher.attention_jvp(call, **jvp_inputs, row_sums=dict(centre=torch.zeros_like(centre),
+    higher_order.attention_jvp(call, **jvp_inputs, row_sums=dict(centre=torch.zeros_like(centre),
                                                                    centre_sums=centre))
-    delta_t = (dout * kernels_higher.attention_jvp(call, **jvp_inputs)).sum(-1, keepdim=True) + \
+    delta_t = (dout * higher_order.attention_jvp(call, **jvp_inputs)).sum(-1, keepdim=True) + \
         (tdout * out).sum(-1, keepdim=True)
     inputs = dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, tdout=tdout, tq=tq,
                   row_sums=dict(centre=centre, delta_t=delta_t))

@@ -10,7 +10,7 @@ Every pass is exact because every unit uses the whole rows' statistics:
     backward         each unit is the op's backward given the whole O, M and 1/l: dQ adds up
                      here, dK and dV add up as they travel with their block, and come home
     JVP              a unit gives its part of (P S' Z) V~ + (P Z) V~' and of c = rowsum(P S');
-                     O' = their sums less c O (`kernels_higher.attention_jvp`)
+                     O' = their sums less c O (`higher_order.attention_jvp`)
     backward's JVP   the JVP first (for c and D~ = rowsum(dO' O + dO O')), then units given both
     double backward  a first walk for t = rowsum(P T) and rowsum(P g_P), then units given both
 

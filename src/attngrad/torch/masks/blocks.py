@@ -1,5 +1,5 @@
 """A boolean mask kept per block: what a mask with holes inside its rows, or heads that
-differ, becomes, so that no Lq x Lk tensor is ever held for it (`mask_functions`).
+differ, becomes, so that no Lq x Lk tensor is ever held for it (`masks.functions`).
 
 FlexAttention's block mask lists which blocks of the score matrix are empty, full or
 partial and calls mask_mod inside the partial ones; here the partial blocks' entries are

@@ -6,7 +6,7 @@ the vmap rules, the autograd Functions, the backends and the ring all pass it on
 
 `FIELDS` names every argument any pass takes, with its schema type and the tensor whose
 shape it must have; `PASSES` lists each pass's extra inputs and its outputs. The ops' schemas
-(`ops`), their fake results, their shape checks (`op_checks.check_fields`) and their batching
+(`ops`), their fake results, their shape checks (`checks.check_fields`) and their batching
 rules (`vmap_rules`) are derived from these two tables, so a new option is one field here
 plus its kernel code.
 

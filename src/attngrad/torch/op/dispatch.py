@@ -7,12 +7,16 @@ backward, jvp, forward_jvp, backward_jvp, backward_with_jvp, double_backward), e
 `pass(call, **inputs)` with the pass's inputs by name; the fused passes forward_jvp and
 backward_with_jvp are optional (`OPTIONAL_PASSES`: where no backend has one, the ops run its
 two passes in turn). The ops hand every pass to `run`, which takes
-the first registered backend that is allowed, available and takes the call. The ring's steps come through `run` too;
-their higher passes carry the whole rows' sums (`inputs["row_sums"]`), as a Hessian-vector
-product's fused passes carry the sums one leaves the other: only a backend with
-`row_sums=True` is handed them, and its `refuses` says which it takes. Registered today, in order of preference:
+the first registered backend that is allowed, available and takes the call. The ring's
+steps come through `run` too; their higher passes carry the whole rows' sums
+(`inputs["row_sums"]`, a `call.RingSums`), as a Hessian-vector product's fused passes carry
+the sums one leaves the other (a `call.HvpSums`): only a backend with `row_sums=True` is
+handed them, and its `refuses` says which it takes. Registered today, in order of
+preference:
 
     "tiles"      the compiled C++ tiles (`backends.cpu_tiles`): CPU, every pass, fast
+    "triton"     the Triton kernels (`backends.triton`): CUDA tensors where triton is
+                 installed; CPU tensors in Triton's interpreter when chosen alone
     "torch-ops"  PyTorch operators over score tiles (`backends.torch_ops`): every call,
                  on any device; the portable one
 

@@ -45,7 +45,7 @@ class ForwardSums:
         # with peak, peak_index and out_t, set once the forward's pass has made them: each row's
         # t - c and c, c = S' at its most probable key (and that key's index where the backend
         # names it, else -1), so that the backward's pass centres its rows as the forward's did
-        # (kernels_higher._centre_on_the_peak)
+        # (higher_order._centre_on_the_peak)
         self.centre: Optional[Tensor] = None
         self.peak: Optional[Tensor] = None
         self.peak_index: Optional[Tensor] = None

@@ -9,7 +9,7 @@ builds the `AttentionCall`, checks it, and hands the pass to the backend registr
 (`dispatch.run`). So torch.compile sees one opaque operator per pass, torch.func.vmap runs
 it once over a folded batch (`vmap_rules`), and a new option touches no op.
 
-Every op checks its arguments (`op_checks`) before any kernel reads them, and returns
+Every op checks its arguments (`checks`) before any kernel reads them, and returns
 contiguous tensors, as its fake says it will. The higher passes refuse a call whose seed
 says its keys are a part of each row's: a ring step runs them through `dispatch.run` with
 the whole rows' sums instead.

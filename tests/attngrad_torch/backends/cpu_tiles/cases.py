@@ -12,8 +12,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import strategies as st  # noqa: E402
 
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
-from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
-from attngrad.torch.backends.torch_ops import higher_order as kernels_higher  # noqa: E402
+from attngrad.torch.backends.torch_ops import first_order, higher_order  # noqa: E402
 from attngrad.torch.op.call import AttentionCall  # noqa: E402
 from attngrad.torch.op.dropout import Placement  # noqa: E402
 
@@ -127,8 +126,8 @@ def query_blocks_taken(monkeypatch, q, k, v, dout, causal, **masks) -> dict:
 def torch_ops_first_order(call, dout, bias_grad=False):
     """The torch-ops kernels' forward and backward of an `AttentionCall`: (out, row_max,
     inv_sum) and (dq, dk, dv, dbias or None)."""
-    out, row_max, inv_sum = kernels.attention_forward(call)
-    grads = kernels.attention_backward(call, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad)
+    out, row_max, inv_sum = first_order.attention_forward(call)
+    grads = first_order.attention_backward(call, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad)
     return (out, row_max, inv_sum), grads
 
 
@@ -141,8 +140,8 @@ def given_row_sums(call, stats, tangents):
     centre = torch.zeros(*q.shape[:3], 1, dtype=q.dtype)
     inputs = dict(row_max=stats["row_max"], inv_sum=stats["inv_sum"], tq=tq, tk=tk, tv=tv, tbias=tbias)
     # adds rowsum(P * S') into centre
-    kernels_higher.attention_jvp(call, **inputs, row_sums=dict(centre=torch.zeros_like(centre), centre_sums=centre))
-    delta_t = (dout * kernels_higher.attention_jvp(call, **inputs)).sum(-1, keepdim=True)
+    higher_order.attention_jvp(call, **inputs, row_sums=dict(centre=torch.zeros_like(centre), centre_sums=centre))
+    delta_t = (dout * higher_order.attention_jvp(call, **inputs)).sum(-1, keepdim=True)
     if tdout is not None:
         delta_t += (tdout * out).sum(-1, keepdim=True)
     return centre, delta_t

@@ -29,11 +29,11 @@ def test_tiles_are_built_where_there_is_a_compiler():
 
 
 def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
-    from attngrad.torch.backends.cpu_tiles import build as native_build
+    from attngrad.torch.backends.cpu_tiles import build as tiles_build
 
     monkeypatch.setenv("ATTNGRAD_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a compiler that always fails
-    monkeypatch.setattr(native_build, "_loaded", None)  # as a fresh process, which loaded no build yet
+    monkeypatch.setattr(tiles_build, "_loaded", None)  # as a fresh process, which loaded no build yet
     native.library.cache_clear()
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -65,11 +65,11 @@ def test_a_second_build_in_one_process_is_refused_not_loaded(monkeypatch):
     changes under a process that has loaded the tiles (sources edited, another target CPU),
     the tiles fall back with a warning that says why, and nothing is built or loaded (a
     second library's registration would end the process)."""
-    from attngrad.torch.backends.cpu_tiles import build as native_build
+    from attngrad.torch.backends.cpu_tiles import build as tiles_build
 
     loaded = native.library()
     monkeypatch.setenv("ATTNGRAD_MARCH", "x86-64-v2")  # another key, not built in this cache
-    monkeypatch.setattr(native_build, "_build", lambda *args: pytest.fail("a second build was made"))
+    monkeypatch.setattr(tiles_build, "_build", lambda *args: pytest.fail("a second build was made"))
     native.library.cache_clear()
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -87,7 +87,7 @@ def test_a_failed_openmp_build_is_tried_again_without_it(monkeypatch):
     """Where the build with the OpenMP flag fails (Apple's clang refuses it), library()
     builds again without it and warns that the tiles run on one thread (the build itself:
     the next test, in scripts/portable_tiles.sh)."""
-    from attngrad.torch.backends.cpu_tiles import build as native_build
+    from attngrad.torch.backends.cpu_tiles import build as tiles_build
 
     loaded = native.library()
     tried = []
@@ -98,14 +98,14 @@ def test_a_failed_openmp_build_is_tried_again_without_it(monkeypatch):
             raise RuntimeError("c++: error: unrecognized command-line option '-fopenmp'")
         return loaded
 
-    monkeypatch.setattr(native_build, "_load_or_build", load_or_build)
+    monkeypatch.setattr(tiles_build, "_load_or_build", load_or_build)
     native.library.cache_clear()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert native.library() == loaded and native.build_info.reason is None
         assert tried == [True, False] and len(caught) == 1 and "without OpenMP" in str(caught[0].message)
-        assert "-fopenmp" in native_build.flags() and "-fopenmp" not in native_build.flags(openmp=False)
+        assert "-fopenmp" in tiles_build.flags() and "-fopenmp" not in tiles_build.flags(openmp=False)
     finally:
         monkeypatch.undo()
         native.library.cache_clear()
@@ -121,14 +121,14 @@ def test_a_compiler_without_openmp_still_builds_the_tiles(tmp_path):
     build of the tiles per process)."""
     script = textwrap.dedent("""
         import warnings, torch
-        from attngrad.torch.backends.cpu_tiles import build as native_build, native
-        native_build.OPENMP_FLAGS = ("-fopenmp", "-fattngrad-no-such-flag")
-        native_build.FLAGS = ("-O0", *native_build.FLAGS[1:])  # the fallback is the point here, not speed
+        from attngrad.torch.backends.cpu_tiles import build as tiles_build, native
+        tiles_build.OPENMP_FLAGS = ("-fopenmp", "-fattngrad-no-such-flag")
+        tiles_build.FLAGS = ("-O0", *tiles_build.FLAGS[1:])  # the fallback is the point here, not speed
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert native.library() is not None, native.build_info.reason
         assert any("without OpenMP" in str(w.message) for w in caught), [str(w.message) for w in caught]
-        assert "-fattngrad-no-such-flag" not in native_build.flags(openmp=False)
+        assert "-fattngrad-no-such-flag" not in tiles_build.flags(openmp=False)
         from attngrad.torch import attention, ran, use_backend
         q = torch.randn(1, 2, 9, 4, dtype=torch.float64)
         with use_backend("tiles"):
@@ -146,14 +146,14 @@ def test_a_build_says_so_on_stderr_and_a_cached_load_is_quiet(monkeypatch, tmp_p
     """A first use waits 10-60 s for the build: it says so once on stderr, with the cache
     folder, then how long it took. A process that finds the build loads it in silence.
     (No compiler runs here: _build and the load are stand-ins.)"""
-    native_build, built = _stand_in_build(monkeypatch, tmp_path)
-    target = native_build._load_or_build(openmp=True)
+    tiles_build, built = _stand_in_build(monkeypatch, tmp_path)
+    target = tiles_build._load_or_build(openmp=True)
     lines = capsys.readouterr().err.splitlines()
     assert built == [target.parent.with_name(f"{target.parent.name}.building-{os.getpid()}")]  # moved into place
     assert lines[0] == (f"attngrad: compiling the CPU tiles (once, cached in {target.parent}; usually 10-60 s)...")
     assert len(lines) == 2 and lines[1].startswith("attngrad: compiling the CPU tiles done in ")  # no count: no TTY
-    monkeypatch.setattr(native_build, "_loaded", None)  # the next process finds the build
-    assert native_build._load_or_build(openmp=True) == target and len(built) == 1
+    monkeypatch.setattr(tiles_build, "_loaded", None)  # the next process finds the build
+    assert tiles_build._load_or_build(openmp=True) == target and len(built) == 1
     assert capsys.readouterr().err == ""
 
 
@@ -163,21 +163,21 @@ def test_a_build_counts_its_seconds_on_a_terminal_alone():
     import io
     import time
 
-    from attngrad.torch.backends.cpu_tiles import build as native_build
+    from attngrad.torch.backends.cpu_tiles import build as tiles_build
 
     class Terminal(io.StringIO):
         def isatty(self):
             return True
 
     terminal = Terminal()
-    with native_build.announced("/cache/tiles", terminal, tick=0.01):
+    with tiles_build.announced("/cache/tiles", terminal, tick=0.01):
         time.sleep(0.1)
     first, second = terminal.getvalue().split("\n", 1)
     assert first == "attngrad: compiling the CPU tiles (once, cached in /cache/tiles; usually 10-60 s)..."
     assert second.startswith("\rattngrad: compiling, 0 s") and second.endswith("\rattngrad: compiling the CPU tiles "
                                                                                "done in 0 s\n")
     log = io.StringIO()
-    with pytest.raises(RuntimeError), native_build.announced("/cache/tiles", log, tick=0.01):
+    with pytest.raises(RuntimeError), tiles_build.announced("/cache/tiles", log, tick=0.01):
         time.sleep(0.05)
         raise RuntimeError("the compiler failed")
     assert log.getvalue().splitlines()[1:] == ["attngrad: compiling the CPU tiles failed after 0 s"]  # no count
@@ -188,64 +188,64 @@ def test_the_tiles_are_cached_and_keyed(monkeypatch, tmp_path):
     """The library sits in the cache folder, in a folder of its own key (sources, flags,
     compiler, CPU): a sanitizer build, another target CPU or another compiler gets another
     folder, and a process that finds the build loads it without compiling."""
-    from attngrad.torch.backends.cpu_tiles import build as native_build
+    from attngrad.torch.backends.cpu_tiles import build as tiles_build
 
     path = native.build_info.path
-    assert path.parent.parent == native_build._cache_dir() and path.exists()
+    assert path.parent.parent == tiles_build._cache_dir() and path.exists()
     assert (path.parent / "build_seconds").exists() and native.fresh_build_seconds() > 0
     assert native.library() is path and native.available()
     monkeypatch.setenv("ATTNGRAD_SANITIZE", "0")
-    key = native_build._machine_key()
+    key = tiles_build._machine_key()
     monkeypatch.setenv("ATTNGRAD_SANITIZE", "1")
-    assert native_build._machine_key() != key and "-fsanitize=address,undefined" in native_build.flags()
+    assert tiles_build._machine_key() != key and "-fsanitize=address,undefined" in tiles_build.flags()
     monkeypatch.setenv("ATTNGRAD_SANITIZE", "0")
     march = os.environ.get("ATTNGRAD_MARCH")  # scripts/portable_tiles.sh runs this test on x86-64-v3
     monkeypatch.setenv("ATTNGRAD_MARCH", "x86-64-v2")
-    assert "-march=x86-64-v2" in native_build.flags() and "-march=native" not in native_build.flags()
-    assert native_build._machine_key() != key
+    assert "-march=x86-64-v2" in tiles_build.flags() and "-march=native" not in tiles_build.flags()
+    assert tiles_build._machine_key() != key
     if march is None:
         monkeypatch.delenv("ATTNGRAD_MARCH")
     else:
         monkeypatch.setenv("ATTNGRAD_MARCH", march)
-    assert native_build._machine_key() == key
+    assert tiles_build._machine_key() == key
     monkeypatch.setenv("CXX", "g++-other")
-    assert native_build._machine_key() != key
+    assert tiles_build._machine_key() != key
 
 
 def _stand_in_build(monkeypatch, tmp_path):
     """The build module as a fresh process has it, its cache in tmp_path, its compiler a
     stand-in that writes an empty library (nothing is loaded)."""
-    from attngrad.torch.backends.cpu_tiles import build as native_build
+    from attngrad.torch.backends.cpu_tiles import build as tiles_build
 
     monkeypatch.setenv("ATTNGRAD_CACHE", str(tmp_path))
-    monkeypatch.setattr(native_build, "_loaded", None)
+    monkeypatch.setattr(tiles_build, "_loaded", None)
     for field in ("compiled", "seconds"):
-        monkeypatch.setattr(native_build.build_info, field, getattr(native_build.build_info, field))
+        monkeypatch.setattr(tiles_build.build_info, field, getattr(tiles_build.build_info, field))
     built = []
 
     def build(folder, openmp):
         folder.mkdir(parents=True)
-        native_build._library_file(folder).write_bytes(b"")
+        tiles_build._library_file(folder).write_bytes(b"")
         built.append(folder)
 
-    monkeypatch.setattr(native_build, "_build", build)
+    monkeypatch.setattr(tiles_build, "_build", build)
     monkeypatch.setattr(torch.ops, "load_library", lambda path: None)
-    return native_build, built
+    return tiles_build, built
 
 
 def test_what_a_killed_build_left_is_cleared_by_the_next(monkeypatch, tmp_path, capsys):
     """A killed build's own folder, and a half-built folder in the final place with
     cpp_extension's lock file in it (as a build killed before this scheme left it, which
     made every later process wait forever), are removed by the next build."""
-    native_build, built = _stand_in_build(monkeypatch, tmp_path)
-    folder = tmp_path / f"{native_build.NAME}-{native_build._machine_key()}"
+    tiles_build, built = _stand_in_build(monkeypatch, tmp_path)
+    folder = tmp_path / f"{tiles_build.NAME}-{tiles_build._machine_key()}"
     stale = folder.with_name(f"{folder.name}.building-999999")
     (stale / "ops.o").parent.mkdir(parents=True)
     (stale / "ops.o").write_bytes(b"half")
     folder.mkdir()
     (folder / "lock").write_text("")  # cpp_extension's FileBaton, its holder dead
-    target = native_build._load_or_build(openmp=True)
-    assert target == native_build._library_file(folder) and native_build._complete(folder)
+    target = tiles_build._load_or_build(openmp=True)
+    assert target == tiles_build._library_file(folder) and tiles_build._complete(folder)
     assert not stale.exists() and not (folder / "lock").exists() and len(built) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name, f"{folder.name}.lock"]
 
@@ -257,7 +257,7 @@ def test_a_wait_for_a_live_build_says_so_and_ends(monkeypatch, tmp_path):
     import fcntl
     import io
 
-    from attngrad.torch.backends.cpu_tiles import build as native_build
+    from attngrad.torch.backends.cpu_tiles import build as tiles_build
 
     folder = tmp_path / "attngrad_tiles-key"
     lock = folder.with_name(folder.name + ".lock")
@@ -268,11 +268,11 @@ def test_a_wait_for_a_live_build_says_so_and_ends(monkeypatch, tmp_path):
         fcntl.flock(held, fcntl.LOCK_EX)
         said = io.StringIO()
         with pytest.raises(TimeoutError, match=r"pid 4242\) was still compiling the CPU tiles into .*attngrad_tiles-key"):
-            with native_build._build_lock(folder, said):
+            with tiles_build._build_lock(folder, said):
                 pytest.fail("the lock was taken while another holder had it")
     assert said.getvalue() == (f"attngrad: waiting for another process (pid 4242) compiling the CPU tiles into "
                                f"{folder} (at most 0 s)\n")
-    with native_build._build_lock(folder, said):  # the holder gone (its file closed): taken at once
+    with tiles_build._build_lock(folder, said):  # the holder gone (its file closed): taken at once
         assert lock.read_text() == f"{os.getpid()}\n"
 
 
@@ -285,8 +285,8 @@ def test_a_first_use_killed_mid_compile_leaves_a_cache_the_next_one_builds_in(tm
     import time
 
     script = textwrap.dedent("""
-        from attngrad.torch.backends.cpu_tiles import build as native_build, native
-        native_build.FLAGS = ("-O0", *native_build.FLAGS[1:])
+        from attngrad.torch.backends.cpu_tiles import build as tiles_build, native
+        tiles_build.FLAGS = ("-O0", *tiles_build.FLAGS[1:])
         assert native.library() is not None, native.build_info.reason
         print("loaded", native.build_info.compiled)
     """)

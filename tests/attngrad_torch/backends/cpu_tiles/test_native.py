@@ -8,8 +8,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from attngrad.torch import scaled_dot_product_attention  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
-from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
-from attngrad.torch.backends.torch_ops import higher_order as kernels_higher  # noqa: E402
+from attngrad.torch.backends.torch_ops import first_order, higher_order  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
 from attngrad.torch.op.dropout import Placement  # noqa: E402
 
@@ -46,7 +45,7 @@ def drawn_like(seed, tensors, present):
 
 def torch_ops_stats(call, dout):
     """dout and the torch-ops kernels' forward results (out, row_max, inv_sum), by name."""
-    out, row_max, inv_sum = kernels.attention_forward(call)
+    out, row_max, inv_sum = first_order.attention_forward(call)
     return dict(dout=dout, out=out, row_max=row_max, inv_sum=inv_sum)
 
 
@@ -99,7 +98,7 @@ def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, grou
                                                            dout_grad, dropout_p, bias_grad, seed):
     """float64, any subset of the cotangents (gQ, gK, gV, and gbias with the bias's
     gradient), with and without g_dO, dropout, every block height and split of the query
-    blocks: `kernels_higher`'s results to 1e-12."""
+    blocks: `higher_order`'s results to 1e-12."""
     q, k, v, dout = random_inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
     scale, causal = dim**-0.5, causal_offset(causal, len_q, len_k)
     mask, bias = drawn_masks(masking, batch, kv_heads * groups, len_q, len_k, torch.float64, seed)
@@ -110,7 +109,7 @@ def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, grou
                   gbias=gbias)
     with whole_row_settings(rows, transposed_keys):
         ours = native.attention_double_backward(call, inputs, chunks=chunks)
-    theirs = kernels_higher.attention_double_backward(call, **inputs)
+    theirs = higher_order.attention_double_backward(call, **inputs)
     assert (ours[0] is None) is (not dout_grad) and (ours[4] is None) is (not bias_grad)
     names = ("g_dout", "g_q", "g_k", "g_v", "g_bias")
     kept = [i for i in range(5) if theirs[i] is not None]
@@ -133,17 +132,17 @@ def test_double_backward_tiles_match_the_torch_ops_kernels(batch, kv_heads, grou
 def test_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal, masking,
                                                rows, softcap, transposed_keys, dropout_p, present, seed):
     """float64, any subset of the tangents (tQ, tK, tV, tbias), masks and a bias of any
-    broadcast shape, dropout, every block height: `kernels_higher`'s output tangent to 1e-12."""
+    broadcast shape, dropout, every block height: `higher_order`'s output tangent to 1e-12."""
     q, k, v, _ = random_inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
     scale, causal = dim**-0.5, causal_offset(causal, len_q, len_k)
     mask, bias = drawn_masks(masking, batch, kv_heads * groups, len_q, len_k, torch.float64, seed)
     tq, tk, tv, tbias = drawn_like(seed, (q, k, v, bias), present)
     call = tiles_call(q, k, v, causal, scale, seed, mask=mask, bias=bias, dropout_p=dropout_p, softcap=softcap)
-    out, row_max, inv_sum = kernels.attention_forward(call)
+    out, row_max, inv_sum = first_order.attention_forward(call)
     inputs = dict(row_max=row_max, inv_sum=inv_sum, tq=tq, tk=tk, tv=tv, tbias=tbias)
     with whole_row_settings(rows, transposed_keys):
         ours = native.attention_jvp(call, inputs)
-    theirs = kernels_higher.attention_jvp(call, **inputs)
+    theirs = higher_order.attention_jvp(call, **inputs)
     assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
     assert_all_close({"out_t": ours}, {"out_t": theirs}, floor_fraction=1e-3)
 
@@ -162,7 +161,7 @@ def test_backward_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups,
                                                         bias_grad, present, seed):
     """float64, any subset of the tangents (tdO, tQ, tK, tV, tbias), masks and a bias of any
     broadcast shape with and without its gradient, dropout, every block height and split of
-    the query blocks: `kernels_higher`'s tangents of dq, dk, dv, dbias to 1e-12. The pass with
+    the query blocks: `higher_order`'s tangents of dq, dk, dv, dbias to 1e-12. The pass with
     the backward (`with_backward`) gives the same tangents bit for bit, and `kernels`'
     gradients to 1e-12."""
     q, k, v, dout = random_inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
@@ -177,11 +176,11 @@ def test_backward_jvp_tiles_match_the_torch_ops_kernels(batch, kv_heads, groups,
         ours, both = (native.attention_backward_jvp(call, inputs, with_backward=with_backward, chunks=chunks)
                       for with_backward in (False, True))
     assert all(a is b is None or torch.equal(a, b) for a, b in zip(both[4:], ours))
-    grads = kernels.attention_backward(call, **stats, bias_grad=bias_grad)
+    grads = first_order.attention_backward(call, **stats, bias_grad=bias_grad)
     grad_names = ("dq", "dk", "dv", "dbias")[: 3 + bias_grad]
     assert (both[3] is None) is (not bias_grad)
     assert_all_close(dict(zip(grad_names, both[:4])), dict(zip(grad_names, grads)), floor_fraction=1e-3)
-    theirs = kernels_higher.attention_backward_jvp(call, **stats, bias_grad=bias_grad,
+    theirs = higher_order.attention_backward_jvp(call, **stats, bias_grad=bias_grad,
                                                    **dict(zip(TANGENTS, tangents)))
     assert (ours[3] is None) is (not bias_grad)
     names = ("dq_t", "dk_t", "dv_t", "dbias_t")[: 3 + bias_grad]
@@ -218,7 +217,7 @@ def test_backward_jvp_given_sums_matches_the_torch_ops_kernels(batch, kv_heads, 
     """The backward's JVP on the backward's tiles, given each row's centre and D' (the
     torch-ops kernels' sums): float64, any subset of the tangents, masks and a bias of any
     broadcast shape, dropout, a soft cap, GQA, every tile size and split of the keys:
-    `kernels_higher`'s tangents of dq, dk, dv to 1e-12; with the backward, `kernels`'
+    `higher_order`'s tangents of dq, dk, dv to 1e-12; with the backward, `kernels`'
     gradients to 1e-12 and the same tangents bit for bit."""
     q, k, v, dout = random_inputs(batch, kv_heads * groups, kv_heads, len_q, len_k, dim, dim_v, torch.float64, seed)
     scale, causal = dim**-0.5, causal_offset(causal, len_q, len_k)
@@ -232,10 +231,10 @@ def test_backward_jvp_given_sums_matches_the_torch_ops_kernels(batch, kv_heads, 
         ours, both = (native.attention_backward_jvp_given_sums(call, inputs, with_backward=with_backward, chunks=chunks)
                       for with_backward in (False, True))
     assert all(torch.equal(a, b) for a, b in zip(both[3:], ours))
-    grads = kernels.attention_backward(call, **stats, bias_grad=False)
+    grads = first_order.attention_backward(call, **stats, bias_grad=False)
     assert_all_close(dict(zip(("dq", "dk", "dv"), both[:3])), dict(zip(("dq", "dk", "dv"), grads[:3])),
                      floor_fraction=1e-3)
-    theirs = kernels_higher.attention_backward_jvp(call, **stats, bias_grad=False,
+    theirs = higher_order.attention_backward_jvp(call, **stats, bias_grad=False,
                                                    **dict(zip(TANGENTS, tangents)))[:3]
     names = ("dq_t", "dk_t", "dv_t")
     if at_most_one_key(causal, len_q, len_k, mask, bias):
@@ -273,7 +272,7 @@ def test_backward_jvp_given_sums_on_a_part_of_the_keys(causal, dropout_p):
         parts.append(native.attention_backward_jvp_given_sums(part, dict(inputs, tk=tk, tv=tv)))
     joined = (parts[0][0] + parts[1][0], torch.cat([parts[0][1], parts[1][1]], 2),
               torch.cat([parts[0][2], parts[1][2]], 2))
-    theirs = kernels_higher.attention_backward_jvp(call, **stats, bias_grad=False,
+    theirs = higher_order.attention_backward_jvp(call, **stats, bias_grad=False,
                                                    **dict(zip(TANGENTS, tangents)))[:3]
     names = ("dq_t", "dk_t", "dv_t")
     assert_all_close(dict(zip(names, whole)), dict(zip(names, theirs)))

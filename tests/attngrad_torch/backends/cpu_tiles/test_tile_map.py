@@ -7,8 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
-from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
-from attngrad.torch.backends.torch_ops import higher_order as kernels_higher  # noqa: E402
+from attngrad.torch.backends.torch_ops import first_order, higher_order  # noqa: E402
 from attngrad.torch.masks import block_map  # noqa: E402
 from attngrad.torch.masks import version_cache as kept  # noqa: E402
 
@@ -39,7 +38,7 @@ def test_a_kept_block_map_follows_its_tensors(monkeypatch, tuned):
     bias[..., 8:] = float("-inf")  # the second key block, in place
     out, after = tiles_counted(lambda: native.attention_forward(call))
     assert before == again and after < before, (before, again, after)
-    assert rel_err(out[0], kernels.attention_forward(make_call(q, k, v, bias=bias, scale=0.5))[0]) < EXACT
+    assert rel_err(out[0], first_order.attention_forward(make_call(q, k, v, bias=bias, scale=0.5))[0]) < EXACT
 
 
 @needs_tiles
@@ -72,7 +71,7 @@ def test_tiles_skip_what_a_padding_mask_excludes(causal):
         call = make_call(q, k, v, mask, float_mask, causal=causal, scale=0.3)
         theirs, their_grads = torch_ops_first_order(call, dout)
         (out, row_max, inv_sum), (gq, gk, gv) = theirs, cotangents
-        their_second = kernels_higher.attention_double_backward(call, dout=dout, out=out, row_max=row_max,
+        their_second = higher_order.attention_double_backward(call, dout=dout, out=out, row_max=row_max,
                                                                 inv_sum=inv_sum, bias_grad=False, dout_grad=True,
                                                                 gq=gq, gk=gk, gv=gv, gbias=None)
         names = ("out", "row_max", "inv_sum", "dq", "dk", "dv", "g_dout", "g_q", "g_k", "g_v")
@@ -115,7 +114,7 @@ def test_unmasked_tiles_give_the_bits_of_masked_ones(monkeypatch, causal, tuned)
     assert made and min(made) > 10, made
     for name, a, b in zip(("out", "row_max", "inv_sum", "dq", "dk", "dv"), ours, computed):
         assert torch.equal(a, b), name
-    theirs = kernels.attention_forward(make_call(q.double(), k.double(), v.double(), mask, bias.double(),
+    theirs = first_order.attention_forward(make_call(q.double(), k.double(), v.double(), mask, bias.double(),
                                                  causal=causal, scale=0.3, softcap=2.0))
     assert rel_err(ours[0].double(), theirs[0]) < 1e-5  # float32 against float64: the map is the right one
 

@@ -6,8 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
-from attngrad.torch.backends.torch_ops import first_order as kernels  # noqa: E402
-from attngrad.torch.backends.torch_ops import higher_order as kernels_higher  # noqa: E402
+from attngrad.torch.backends.torch_ops import first_order, higher_order  # noqa: E402
 
 from ....conftest import EXACT, assert_all_close, rel_err  # noqa: E402
 from .cases import after_forward, needs_tiles, query_blocks_taken, random_inputs, tiles_call  # noqa: E402
@@ -56,7 +55,7 @@ def test_double_backward_at_its_own_block_heights(len_q, len_k, causal, rows):
     """The whole-row passes take blocks of 2 block_rows rows, a causal call's block_rows, and a
     short causal call's double backward fewer (`Tiling.whole_rows`, `double_causal_rows`). At the
     library's own settings, several blocks and a short last one (bottom-right where causal),
-    float64: `kernels_higher`'s results to 1e-12."""
+    float64: `higher_order`'s results to 1e-12."""
     causal = len_k - len_q if causal else None
     assert native._whole_row_split(torch.empty(1, 1, len_q, 1), torch.empty(1, 1, len_k, 1), {}, False, 1, causal,
                                    double_backward=True)[0] == rows
@@ -65,10 +64,10 @@ def test_double_backward_at_its_own_block_heights(len_q, len_k, causal, rows):
     gq, gk, gv = (torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (q, k, v))
     scale = 24**-0.5
     call = tiles_call(q, k, v, causal, scale)
-    out, row_max, inv_sum = kernels.attention_forward(call)
+    out, row_max, inv_sum = first_order.attention_forward(call)
     inputs = after_forward(dout, (out, row_max, inv_sum), dout_grad=True, bias_grad=False, gq=gq, gk=gk, gv=gv)
     ours = native.attention_double_backward(call, inputs)
-    theirs = kernels_higher.attention_double_backward(call, **inputs, gbias=None)
+    theirs = higher_order.attention_double_backward(call, **inputs, gbias=None)
     names = ("g_dout", "g_q", "g_k", "g_v")
     assert_all_close(dict(zip(names, ours[:4])), dict(zip(names, theirs[:4])))
 

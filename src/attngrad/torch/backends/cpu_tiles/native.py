@@ -5,18 +5,18 @@ a soft cap, dropout and GQA; float32 or float64 (float16 computed in float32, bf
 products in bfloat16 with float32 sums and softmax statistics), on the CPU; and the dropout
 keep-masks of `dropout` for the torch-ops kernels.
 
-The torch-ops kernels (`kernels`) run any case on any device, but each of their passes is a
+The torch-ops kernels (`first_order`) run any case on any device, but each of their passes is a
 separate sweep over a score tile too large for the cache. The compiled tiles fuse those
 passes per thread on tiles that stay in cache, as PyTorch's own flash kernel does, and
 reach its speed. They are a PyTorch C++ extension, built on first use by
 `torch.utils.cpp_extension` with the system's C++ compiler into a cache folder
-(`native_build`), whose TORCH_LIBRARY ops take tensors and options through their schemas
+(`build`), whose TORCH_LIBRARY ops take tensors and options through their schemas
 and check every size, dtype and layout against the others before touching memory. Their
 threads are PyTorch's own pool (at::parallel_for); their GEMMs the BLAS inside PyTorch (MKL
 on x86-64 Linux), or ATen's matrix product where PyTorch has no Fortran BLAS to link. Where
-the build is impossible, `library()` is None and `kernels` runs instead: the same numbers
+the build is impossible, `library()` is None and `first_order` runs instead: the same numbers
 to rounding, more slowly. ATTNGRAD_NATIVE, ATTNGRAD_CACHE, CXX and ATTNGRAD_SANITIZE: see
-`native_build`.
+`build`.
 
 The results do not depend on the thread count: work items own their outputs, and how
 the work is split into items depends on the shapes alone.
@@ -328,7 +328,7 @@ def _key_ranges(q: Tensor, k: Tensor, causal: int | None, block_rows: int, masks
 
 
 def attention_forward(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
-    """(out (B, H, Lq, dv), row max m, inverse row sum 1/l (B, H, Lq)): `kernels.attention_forward`'s results."""
+    """(out (B, H, Lq, dv), row max m, inverse row sum 1/l (B, H, Lq)): `first_order.attention_forward`'s results."""
     bf16, causal, bounds = _bf16(call.q), call.causal, call.bounds
     q, k, v = _work(call.q, call.k, call.v)
     batch, heads, len_q, _ = q.shape
@@ -494,7 +494,7 @@ _TANGENTS = ("tq", "tk", "tv")
 
 def attention_backward(call: AttentionCall, inputs: PassInputs,
                        chunks: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """(dq, dk, dv, dbias or None): `kernels.attention_backward`'s results for the cases
+    """(dq, dk, dv, dbias or None): `first_order.attention_backward`'s results for the cases
     the tiles backend takes, from the pass's `inputs` (dout, out, row_max, inv_sum,
     bias_grad); dbias in the bias's shape and the compute dtype. `chunks` splits each head's
     keys into that many work items (default: `_chunks`)."""
@@ -537,7 +537,7 @@ def _rows_per_block(len_k: int, most: int) -> int:
 
 def attention_double_backward(call: AttentionCall, inputs: PassInputs, chunks: int | None = None
                               ) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor | None]:
-    """(g_dout or None, g_q, g_k, g_v, g_bias or None): `kernels_higher.attention_double_backward`'s
+    """(g_dout or None, g_q, g_k, g_v, g_bias or None): `higher_order.attention_double_backward`'s
     results for the cases the tiles backend takes, from the pass's `inputs` (dout, out,
     row_max, inv_sum, bias_grad, dout_grad, gq, gk, gv, gbias, sink_rows), in the compute
     dtype; an absent cotangent is zero (`gbias`, dbias's, only with `bias_grad`). `chunks`
@@ -569,7 +569,7 @@ def dropout_keep_scale_into(out: Tensor, seed: int, row_start: int, threshold: i
 
 
 def attention_jvp(call: AttentionCall, inputs: PassInputs) -> Tensor:
-    """The output's tangent (B, H, Lq, dv): `kernels_higher.attention_jvp`'s result for the
+    """The output's tangent (B, H, Lq, dv): `higher_order.attention_jvp`'s result for the
     cases the tiles backend takes, from the pass's `inputs` (row_max, inv_sum, tq, tk, tv,
     tbias); an absent tangent is zero. With a sink, the rows' sums are centred with the
     sink's share (`centre_on_peak`)."""
@@ -658,7 +658,7 @@ def attention_backward_jvp_given_sums(call: AttentionCall, inputs: PassInputs, w
 
 def attention_backward_jvp(call: AttentionCall, inputs: PassInputs, with_backward: bool = False,
                            chunks: int | None = None) -> tuple[Tensor | None, ...]:
-    """The tangents of (dq, dk, dv, dbias or None): `kernels_higher.attention_backward_jvp`'s
+    """The tangents of (dq, dk, dv, dbias or None): `higher_order.attention_backward_jvp`'s
     results for the cases the tiles backend takes, from the pass's `inputs` (dout, out,
     row_max, inv_sum, bias_grad, tdout, tq, tk, tv, tbias, sink_rows), in the compute dtype;
     an absent tangent is zero. `chunks` splits each head's query blocks into that many work

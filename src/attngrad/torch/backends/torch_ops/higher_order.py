@@ -1,4 +1,4 @@
-"""Forward-mode and second-order attention, tiled like `kernels`: O(L) extra memory.
+"""Forward-mode and second-order attention, tiled like `first_order`: O(L) extra memory.
 
 Three kernels, each a loop over the same query blocks as the first-order passes, each
 recomputing P = exp(S - m) / l (and the dropout factor Z) from the kept row statistics:
@@ -9,7 +9,7 @@ recomputing P = exp(S - m) / l (and the dropout factor Z) from the kept row stat
     attention_double_backward the gradient of <(gQ, gK, gV, gbias), backward(...)> with
                               respect to (Q, K, V, bias, dO): reverse-mode over reverse-mode
 
-Shape legend and the forward as in `kernels`; per block of R rows every Lq x Lk quantity
+Shape legend and the forward as in `first_order`; per block of R rows every Lq x Lk quantity
 below is an (B, H, R, Lk') tile, rowsum keeps its axis, and K~, V~ repeat over GQA groups.
 The lines, derived in docs/derivation.md ("Forward mode and second order"):
 
@@ -184,7 +184,7 @@ class _Recompute:
     def probs(self, start: int, stop: int, cols: slice) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
         """(P, Z or None, the single-key rows or None) for one block and keys `cols`, P and Z
         (B, H, R, keys) in buffers 0 and z_index; P is exactly 1 on a single-key row's key
-        (`kernels.single_key_rows`), and the caller sets such a row's dS to 0. With a
+        (`first_order.single_key_rows`), and the caller sets such a row's dS to 0. With a
         softcap, `capped` holds the block's derivatives of the cap."""
         softcap = self.masks.softcap
         if softcap:  # the cap comes before the shift: S - m = c tanh(A / c) + bias - m
@@ -453,7 +453,7 @@ def attention_backward_jvp(call: AttentionCall,
         if tdo_w is not None:
             grads.v.add(_times(p, z, scratch), tdo_w[:, :, rows], cols.start)
         dp.sub_(delta[:, :, rows])  # dP - D
-        if single is not None:  # D = dP exactly there, and dS = 0 (as in `kernels`)
+        if single is not None:  # D = dP exactly there, and dS = 0 (as in `first_order`)
             dp.masked_fill_(single, 0.0)
         ds_t = p_t.mul_(dp).add_(dp_t.sub_(delta_t_blk).mul_(p))  # dS~, in P''s buffer
         ds = p.mul_(dp)  # dS, in P's buffer
@@ -531,7 +531,7 @@ def attention_double_backward(
             dp = torch.matmul(do_rows, v_ones[..., cols, :].transpose(-1, -2), out=dp_out)  # dP - D
         else:
             dp = torch.matmul(do_blk, v_blk.transpose(-1, -2), out=dp_out).mul_(z).add_(do_rows[..., width_v:])
-        if single is not None:  # D = dP exactly there, and dS = 0 (as in `kernels`)
+        if single is not None:  # D = dP exactly there, and dS = 0 (as in `first_order`)
             dp.masked_fill_(single, 0.0)
         # through dS = P * (dP - D), D = rowsum(P * dP): to dP, then to P
         t_form.sub_(t_less)  # T - t

@@ -28,7 +28,7 @@ from attngrad.check.compare import error_figure
 @pytest.fixture
 def tuned():
     """A backend's tuning changed for one test: `tuned(native.TILING, block_keys=8)` (each
-    backend's `op.tuning.Tuning`); every change is undone when the test ends."""
+    backend's or the masks' `tuning.Tuning`); every change is undone when the test ends."""
     with contextlib.ExitStack() as stack:
         yield lambda tuning, **changes: stack.enter_context(tuning.override(**changes))
 

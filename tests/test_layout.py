@@ -5,8 +5,9 @@ hand), no function below the public entry points takes more than 8 parameters (a
 kernel 30, its arguments packed), and attngrad.torch's files lie in their layers, each
 importing only those below:
 
-    regime, precision,       the shared rules: where a call runs (the one reader of torch's
-    layout                   private state), the dtypes taken, how inputs of any rank fold
+    regime, tuning,          the shared rules: where a call runs (the one reader of torch's
+    precision, layout        private state), tuning as data, the dtypes taken, how inputs of
+                             any rank fold
     masks/                   masks in every form, and what is made from them
     op/                      the call, the ops and their contract, autograd, dispatch
     backends/<name>/         one package per backend, none importing another
@@ -99,16 +100,17 @@ def test_the_tiles_come_through_pytorchs_extension_machinery():
 
 TORCH = PACKAGE / "torch"
 ENTRY_POINTS = {"__init__", "functional", "mha", "sdpa_mode", "recomputation", "nested", "eager_plans"}
-SHARED = {"precision", "layout", "regime", "arguments"}
+SHARED = {"precision", "layout", "regime", "tuning", "arguments"}
 BELOW = {  # what each layer may import from attngrad.torch, beside itself
     "regime": set(),
+    "tuning": set(),
     "precision": set(),
     "layout": {"precision"},
-    "masks": {"regime", "precision", "layout"},
-    "op": {"regime", "precision", "layout", "masks"},
-    "backend": {"regime", "precision", "layout", "masks", "op"},
-    "arguments": {"regime", "precision", "layout", "masks", "op"},
-    "distributed": {"regime", "precision", "layout", "masks", "op", "arguments"},
+    "masks": {"regime", "tuning", "precision", "layout"},
+    "op": {"regime", "tuning", "precision", "layout", "masks"},
+    "backend": {"regime", "tuning", "precision", "layout", "masks", "op"},
+    "arguments": {"regime", "tuning", "precision", "layout", "masks", "op"},
+    "distributed": {"regime", "tuning", "precision", "layout", "masks", "op", "arguments"},
 }
 
 

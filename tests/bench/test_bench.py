@@ -152,8 +152,8 @@ def test_the_math_backend_times_apart_where_its_tensors_are_large(monkeypatch):
     monkeypatch.setattr(runner, "make_inputs", lambda case: {})
     monkeypatch.setattr(runner, "gemm_peak_gflops", lambda size: 100.0)
     monkeypatch.setattr(runner, "machine_facts", lambda: dict(processor="a CPU", torch="2.13", date="today", threads=2))
-    monkeypatch.setattr(runner, "MATH_APART", small.heads * 64**2)  # 64 keys interleave, 128 do not
-    report = runner.run_bench([small, large], repeats=4, memory=False)
+    report = runner.run_bench([small, large], repeats=4, memory=False,
+                              math_apart=small.heads * 64**2)  # 64 keys interleave, 128 do not
     assert [r.apart for r in report.results] == [[], ["torch-math"]]
     timed = calls[len(calls) // 2:]  # the large case's: 4 warm-ups (one each), then 4 rounds
     assert timed[:4] == ["attngrad", "torch-default", "torch-math", PLAIN]

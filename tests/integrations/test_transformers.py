@@ -121,7 +121,7 @@ def _dense(mask: CompactMask, batch: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("entries", [7, 1 << 22])
-def test_mask_functions_it_does_not_read_are_evaluated_exactly(entries, monkeypatch):
+def test_mask_functions_it_does_not_read_are_evaluated_exactly(entries, tuned):
     """or_masks, chunks, blockwise overlays, a function of the test's own and one with holes
     inside rows, with padding and a cache offset: equal to transformers' own SDPA mask,
     as key bounds wherever every row is one interval."""
@@ -130,7 +130,7 @@ def test_mask_functions_it_does_not_read_are_evaluated_exactly(entries, monkeypa
     from attngrad.integrations.transformers import mask_for_attngrad
     from attngrad.torch.masks import functions
 
-    monkeypatch.setattr(functions, "ENTRIES", entries)
+    tuned(functions.EVALUATION, entries=entries)
     padding = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 10])
     blocks = torch.tensor([[-1, -1, 0, 0, 0, 1, 1, -1, -1, -1], [2, 2, -1, 3, 3, 3, -1, -1, 4, 4]])
     cases = [

@@ -141,9 +141,10 @@ def machine_facts() -> dict[str, Any]:
     }
 
 
-def _math_apart(case: BenchCase) -> bool:
-    """Whether PyTorch's math backend times apart from the others in `case` (MATH_APART)."""
-    return case.batch * case.heads * case.length**2 > MATH_APART
+def _math_apart(case: BenchCase, limit: int) -> bool:
+    """Whether PyTorch's math backend times apart from the others in `case` (past `limit`
+    scores: MATH_APART by default)."""
+    return case.batch * case.heads * case.length**2 > limit
 
 
 def run_bench(
@@ -154,9 +155,11 @@ def run_bench(
     memory: bool = True,
     progress: Callable[[str], None] | None = None,
     gemm_size: int = GEMM_SIZE,
+    math_apart: int = MATH_APART,
 ) -> BenchReport:
     """Time (and measure the memory of) every implementation on every case, beside a
-    `gemm_size`^3 float32 GEMM in every round (a smoke run takes a small one)."""
+    `gemm_size`^3 float32 GEMM in every round (a smoke run takes a small one); PyTorch's
+    math backend apart past `math_apart` scores (`MATH_APART`)."""
     from ..torch.op.dispatch import ran  # counts what attngrad's passes ran on
 
     peak = gemm_peak_gflops(gemm_size)
@@ -196,7 +199,7 @@ def run_bench(
         gemm = _gemm(gemm_size)
         runs[GEMM] = lambda _inputs: gemm()
         implementations.append(GEMM)
-        apart = [i for i in implementations if i == "torch-math" and _math_apart(case)]
+        apart = [i for i in implementations if i == "torch-math" and _math_apart(case, math_apart)]
         together = [i for i in implementations if i not in apart]
         order = random.Random(0)
         for _ in range(repeats):

@@ -165,11 +165,10 @@ def repeating_holes(b, h, len_q, len_k, block, seed):
     ((1, 2, 64, 40), (4, 4), 1, 2),  # one block row at a time
     ((2, 1, 33, 70), (8, 6), 100, 3),  # every row at once
 ])
-def test_tiles_are_numbered_as_when_deduplicated_all_at_once(monkeypatch, at_once, shape, block, rows_per_chunk,
-                                                            seed):
+def test_tiles_are_numbered_as_when_deduplicated_all_at_once(tuned, at_once, shape, block, rows_per_chunk, seed):
     """De-duplicating the partial tiles `at_once` at a time gives the index and tiles, bit
     for bit, of numbering every distinct tile by its first appearance over the whole mask."""
-    monkeypatch.setattr(mask_blocks, "TILES_AT_ONCE", at_once, raising=False)
+    tuned(mask_blocks.BLOCKING, tiles_at_once=at_once)
     mask = repeating_holes(*shape, block, seed)
     blocks = mask_blocks.from_rows(lambda start, stop: mask[:, :, start:stop], shape[:2], *shape[2:], rows_per_chunk,
                                    block)

@@ -94,11 +94,11 @@ def test_function_masks_equal_flex_attention(mask_mod, given, backend):
 
 @pytest.mark.parametrize("entries", [1, 200, 1 << 22])
 @pytest.mark.parametrize("mask_mod", MASKS, ids=lambda f: f.__name__)
-def test_interval_masks_become_bounds_whatever_the_chunks(mask_mod, entries, monkeypatch):
+def test_interval_masks_become_bounds_whatever_the_chunks(mask_mod, entries, tuned):
     """The causal mask as the causal diagonal, the other rows' intervals as key bounds
     (1 or B, Lq, 2), the rest kept per block, each equal to FlexAttention's dense mask,
     whether one row or all are evaluated at once."""
-    monkeypatch.setattr(functions, "ENTRIES", entries)
+    tuned(functions.EVALUATION, entries=entries)
     evaluated = create_block_mask(mask_mod, B, H, LQ, LK)
     dense = create_mask(mask_mod, B, H, LQ, LK, device="cpu")
     assert torch.equal(evaluated.dense().expand(dense.shape), dense)

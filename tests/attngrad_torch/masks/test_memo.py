@@ -38,7 +38,7 @@ def documents(b, h, q, kv):
 @pytest.fixture
 def evaluations(monkeypatch):
     """How many times a mask function was evaluated; the memo starts empty."""
-    monkeypatch.setattr(mask_memo, "_KEPT", type(mask_memo._KEPT)())
+    mask_memo.clear()
     count = [0]
     evaluate = functions.create_block_mask
 

@@ -1,4 +1,4 @@
-"""`op.tuning.Tuning`: a backend's tuning in force, changed inside a block and restored after."""
+"""`tuning.Tuning`: a backend's tuning in force, changed inside a block and restored after."""
 
 import dataclasses
 import threading
@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from attngrad.torch.backends.cpu_tiles import native
-from attngrad.torch.op.tuning import Tuning
+from attngrad.torch.tuning import Tuning
 
 
 @dataclasses.dataclass(frozen=True)

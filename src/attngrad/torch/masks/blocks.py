@@ -16,7 +16,7 @@ every backend reads (the compiled tiles, the Triton kernels, the torch-ops kerne
 False; nothing reads them. The memory is 4 bytes per block plus R K bytes per distinct
 partial pattern: a block-sparse mask of whole blocks holds no partial tile at all, a
 dilated one a handful, a random one at most what the dense mask would. Making it holds no
-more on top than the rows read at a time and `TILES_AT_ONCE` partial tiles (`from_rows`).
+more on top than the rows read at a time and `BLOCKING().tiles_at_once` partial tiles (`from_rows`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,20 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..tuning import Tuning
+
 EMPTY, FULL = 0, 1  # the tiles every MaskBlocks holds first
 BLOCK = (128, 128)  # (R, K) where the mask does not say: FlexAttention's default
-TILES_AT_ONCE = 64  # partial tiles copied out and de-duplicated at a time (1 MiB of 128 x 128)
+
+
+@dataclass(frozen=True)
+class Blocking:
+    """`tiles_at_once`: partial tiles copied out and de-duplicated at a time (1 MiB of 128 x 128)."""
+
+    tiles_at_once: int = 64
+
+
+BLOCKING: Tuning[Blocking] = Tuning("attngrad_mask_blocking", Blocking())
 
 
 @dataclass(frozen=True)
@@ -87,7 +98,7 @@ def from_rows(rows_of: Callable[[int, int], Tensor], shape: tuple, len_q: int, l
     """The mask whose rows start:stop `rows_of(start, stop)` gives ((b, h, stop - start, Lk)
     bool, b and h of `shape`), read a whole number of block rows at a time (about
     `rows_per_chunk` rows), each block classified EMPTY, FULL or partial. The partial blocks'
-    tiles are copied out and matched against the distinct ones so far `TILES_AT_ONCE` at a
+    tiles are copied out and matched against the distinct ones so far `BLOCKING().tiles_at_once` at a
     time, so that, beyond the rows read and the distinct tiles, no step holds more."""
     r, k = block
     n_q, n_k = -(-len_q // r), -(-len_k // k)
@@ -110,8 +121,9 @@ def from_rows(rows_of: Callable[[int, int], Tensor], shape: tuple, len_q: int, l
         part = (taken > 0) & ~whole
         chunk = torch.where(whole, FULL, EMPTY).to(torch.int32)
         partial = part.nonzero(as_tuple=True)  # in order: entry, head, block row, block column
-        for first in range(0, len(partial[0]), TILES_AT_ONCE):
-            some = tuple(p[first: first + TILES_AT_ONCE] for p in partial)
+        at_once = BLOCKING().tiles_at_once
+        for first in range(0, len(partial[0]), at_once):
+            some = tuple(p[first: first + at_once] for p in partial)
             chunk[some] = (_numbered(tiles[some], kept, places) + 2).to(torch.int32)  # after EMPTY and FULL
         index[:, :, start // r: start // r + blocks_q] = chunk
     fixed = torch.zeros(2, r, k, dtype=torch.bool, device=device)

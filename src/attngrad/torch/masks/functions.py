@@ -2,7 +2,7 @@
 signature transformers' mask functions share) and FlexAttention's `BlockMask`, evaluated
 into what the kernels take.
 
-A mask function is evaluated a few rows at a time (at most `ENTRIES` entries at once, so
+A mask function is evaluated a few rows at a time (at most `EVALUATION().entries` entries at once, so
 nothing Lq x Lk is ever held), and each row is reduced to its kept keys' first, stop and
 count. Where every row's keys form one interval [lo, hi) and the heads agree, the mask
 becomes per-row key bounds, the form the structured masks take (`structured`,
@@ -35,12 +35,21 @@ import torch
 from torch import Tensor
 
 from .. import regime
+from ..tuning import Tuning
 from . import blocks as mask_blocks
 from .blocks import MaskBlocks
 from .memo import remembered
 
-# Entries of one evaluated chunk of rows: 4M booleans (and their int32 key indices).
-ENTRIES = 1 << 22
+
+@dataclass(frozen=True)
+class Evaluation:
+    """How a mask function is evaluated: `entries` of one chunk of rows, 4M booleans (and
+    their int32 key indices)."""
+
+    entries: int = 1 << 22
+
+
+EVALUATION: Tuning[Evaluation] = Tuning("attngrad_mask_evaluation", Evaluation())
 
 RowsOf = Callable[[int, int], Tensor]  # (start, stop) -> kept keys of rows start:stop
 
@@ -142,7 +151,7 @@ def _row_extents(rows_of: RowsOf, batch: int, heads: int, len_q: int, len_k: int
     los, his, holes = [], [], []
     start, width = 0, batch * heads
     while start < len_q:
-        stop = min(len_q, start + max(1, ENTRIES // max(1, width * len_k)))
+        stop = min(len_q, start + max(1, EVALUATION().entries // max(1, width * len_k)))
         kept = _checked(rows_of(start, stop), start, stop, batch, heads, len_k, device)
         width = kept.shape[0] * kept.shape[1]  # a result shared by the entries or heads: more rows at once
         start = stop
@@ -161,7 +170,7 @@ def _per_block(rows_of: RowsOf, shape: tuple, batch: int, heads: int, device: to
                block: tuple[int, int]) -> EvaluatedMask:
     """The mask kept per block of `block` (R, K) (`mask_blocks`), a chunk of rows at a time."""
     len_q, len_k = shape[2:]
-    step = max(1, ENTRIES // max(1, shape[0] * shape[1] * len_k))
+    step = max(1, EVALUATION().entries // max(1, shape[0] * shape[1] * len_k))
 
     def checked(start: int, stop: int) -> Tensor:
         return _checked(rows_of(start, stop), start, stop, batch, heads, len_k, device)
@@ -173,7 +182,7 @@ def _written_out(rows_of: RowsOf, shape: tuple, batch: int, heads: int, device: 
     """The mask entry by entry, (1 or batch, 1 or heads, Lq, Lk) boolean, a chunk of rows at a time."""
     len_q, len_k = shape[2:]
     mask = torch.empty(shape, dtype=torch.bool, device=device)
-    step = max(1, ENTRIES // max(1, shape[0] * shape[1] * len_k))
+    step = max(1, EVALUATION().entries // max(1, shape[0] * shape[1] * len_k))
     for start in range(0, len_q, step):
         stop = min(len_q, start + step)
         mask[:, :, start:stop] = _checked(rows_of(start, stop), start, stop, batch, heads, len_k, device)

@@ -1,4 +1,4 @@
-"""The compiled tiles' block sizes and thresholds, as data (`op.tuning`): `TILING()` is the
+"""The compiled tiles' block sizes and thresholds, as data (`tuning`): `TILING()` is the
 tiling in force, `TILING.override(block_keys=8)` changes it inside a block. The timings that
 chose each value are in docs/bench.md, "How the compiled tiles' sizes were chosen"."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...op.tuning import Tuning
+from ...tuning import Tuning
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The torch-ops kernels' block sizes, as data (`op.tuning`): `TILING()` is the tiling in
+"""The torch-ops kernels' block sizes, as data (`tuning`): `TILING()` is the tiling in
 force, `TILING.override(min_rows=3)` changes it inside a block. The timings that chose each
 value are in docs/bench.md, "How the torch-ops kernels' sizes were chosen"."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...op.tuning import Tuning
+from ...tuning import Tuning
 
 
 @dataclass(frozen=True)

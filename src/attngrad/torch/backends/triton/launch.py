@@ -37,8 +37,8 @@ from ...masks.block_map import ScoreFilter, empty_tiles, unmasked_tiles
 from ...op.call import AttentionCall, PassInputs
 from ...op.dropout import as_int64, keep_value, threshold
 from ...op.key_constant_bias import is_key_constant, rows_to_bias, sink_share
-from ...op.tuning import Tuning
 from ...precision import compute_dtype
+from ...tuning import Tuning
 from . import kernels
 from .tile_ops import BACKWARD, BACKWARD_JVP, DOUBLE_BACKWARD, SUMS, Sizes, Switches
 
@@ -144,7 +144,7 @@ _HOPPER_LIGHT: dict[tuple[str, str, int], Blocks] = {
 
 @dataclass(frozen=True)
 class Options:
-    """How the backend walks, as data (`op.tuning`): `TUNING()` is in force,
+    """How the backend walks, as data (`tuning`): `TUNING()` is in force,
     `TUNING.override(fused_backward=True)` changes it inside a block (tests, sweeps)."""
 
     # the interpreter runs one program at a time on NumPy: the smallest tiles tl.dot takes,

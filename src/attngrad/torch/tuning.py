@@ -1,7 +1,9 @@
-"""A backend's tuning as data: a frozen dataclass of block sizes and thresholds, the value in
-force read at each call, and overridden inside a `with` block (tests, sweeps) rather than by
-patching module constants. The override is a context variable: it holds in the thread (and
-asyncio task) that set it, which is where a CPU pass and its backward run."""
+"""Tuning as data (a backend's block sizes and thresholds, how the masks are evaluated): a
+frozen dataclass, the value in force read at each call, and overridden inside a `with`
+block (tests, sweeps) rather than by patching module constants. The override is a context
+variable: it holds in the thread (and asyncio task) that set it, which is where a CPU pass
+and its backward run. Code Dynamo traces (the masks) reads it when the graph is traced, and
+the graph keeps that value."""
 
 from __future__ import annotations
 
@@ -11,7 +13,14 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any, Generic, TypeVar
 
+import torch
+
 T = TypeVar("T")
+
+
+@torch.compiler.assume_constant_result  # Dynamo cannot trace ContextVar.get: a constant of the graph
+def _read(value: ContextVar) -> Any:
+    return value.get()
 
 
 class Tuning(Generic[T]):
@@ -22,7 +31,7 @@ class Tuning(Generic[T]):
         self._value: ContextVar[T] = ContextVar(name, default=default)
 
     def __call__(self) -> T:
-        return self._value.get()
+        return _read(self._value)
 
     @contextlib.contextmanager
     def override(self, **changes: Any) -> Iterator[T]:

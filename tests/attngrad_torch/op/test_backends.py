@@ -26,19 +26,21 @@ def randn(*shape, seed, grad=True):
 
 
 def test_the_old_names_still_work_and_say_they_are_deprecated():
-    """`use_implementation` and `attngrad.torch.backends()` were renamed `use_backend` and
-    `list_backends()`; the old ones still work, with a FutureWarning. `attngrad.torch.backends`
-    is the package of the backends, which the function's name shadowed (its modules imported
-    by a dotted name failed)."""
+    """`use_implementation` was renamed `use_backend`; the old name still works, with a
+    FutureWarning. `attngrad.torch.backends` is the package of the backends, a plain module
+    (calling it, the deprecated `backends()` that `list_backends()` replaced, ended:
+    CHANGELOG.md)."""
     import importlib
+    import types
 
     import attngrad.torch
 
     with pytest.warns(FutureWarning, match="use_backend"):
         with attngrad.torch.use_implementation("torch-ops"):
             assert dispatch.allowed() == ("torch-ops",)
-    with pytest.warns(FutureWarning, match="list_backends"):
-        assert attngrad.torch.backends() == list_backends()
+    assert type(attngrad.torch.backends) is types.ModuleType
+    with pytest.raises(TypeError, match="not callable"):
+        attngrad.torch.backends()
     native = importlib.import_module("attngrad.torch.backends.cpu_tiles.native")
     assert attngrad.torch.backends.cpu_tiles.native is native
 

@@ -99,7 +99,10 @@ class Regime:
         if _transforms_active():
             transforms = tuple(interpreter.key() for interpreter in retrieve_all_functorch_interpreters())
         level = forward_ad._current_level
-        if level < 0 and any(t is not None and _unpack_dual(t, 0).tangent is not None for t in probe):
+        # (under a transform, forward mode is torch.func.jvp's, whose level the global holds;
+        # and a batched tensor has no rule to unpack)
+        if level < 0 and not transforms and any(t is not None and _unpack_dual(t, 0).tangent is not None
+                                                for t in probe):
             level = 0
         return cls(current, transforms, level, torch.is_grad_enabled())
 

@@ -67,6 +67,10 @@ def _vjp_of_jvp(f, x, t, c):
     return torch.func.vjp(lambda *x: torch.func.jvp(f, x, t)[1], *x)[1](c)
 
 
+def _vmap(f, x, t, c):
+    return torch.func.vmap(lambda *x: f(*(a[None] for a in x))[0])(*x)
+
+
 def _vmap_jacrev(f, x, t, c):
     q, *rest = x
     return torch.func.vmap(torch.func.jacrev(lambda q: f(q[None], *rest)[0]))(q)
@@ -84,7 +88,7 @@ def _double_backward(f, x, t, c):
 
 
 TRANSFORMS = {"backward": _backward, "grad": _grad, "jvp": _jvp, "dual": _dual, "hvp": _hvp,
-              "vjp_of_jvp": _vjp_of_jvp, "vmap_jacrev": _vmap_jacrev, "hessian": _hessian,
+              "vjp_of_jvp": _vjp_of_jvp, "vmap": _vmap, "vmap_jacrev": _vmap_jacrev, "hessian": _hessian,
               "double_backward": _double_backward}
 # fullgraph before compile: where a fullgraph graph is made, compile makes the same one,
 # and runs only where fullgraph hits PyTorch's own limit (`_cells`)
@@ -180,7 +184,7 @@ def _cells(only, names, variant):
 # Triton's interpreter (0.1-1 s a cell) the first-order cells and the HVP, one mask.
 # ATTNGRAD_FULL_MATRIX=1 runs every cell everywhere (about 4 minutes on 2 cores).
 GROUPS = {"forward": ("jvp", "dual", "hvp"), "reverse": ("backward", "grad", "vjp_of_jvp"),
-          "second": ("vmap_jacrev", "hessian", "double_backward")}
+          "second": ("vmap", "vmap_jacrev", "hessian", "double_backward")}
 FULL = os.environ.get("ATTNGRAD_FULL_MATRIX") == "1"
 SUITE = [("tiles", group, variant) for group in GROUPS for variant in ("bias", "causal")] + \
     [(backend, group, "bias") for backend in ("torch-ops", "triton") for group in ("forward", "reverse")]

@@ -3,16 +3,21 @@
 Dynamo cannot trace an autograd.Function that defines a jvp (torch 2.13 breaks the graph on
 it), and where it inlines one instead, forward mode is lost. So where Dynamo traces a call
 (`regime.Mode.DYNAMO`), the call becomes this operator: a leaf of Dynamo's graph, whose
-Autograd kernel AOTAutograd (or make_fx) runs while it makes the compiled graph, under the
-torch.func transforms and forward-mode levels that the graph opens. That kernel applies the
-Functions of `autograd`, whose forward, backward and jvp call the passes' ops (`ops`): those
-are what the compiled graph holds. So every derivative a Function gives eagerly, a compiled
-graph gives too: reverse mode, torch.func.grad, jvp, a dual level, an HVP, reverse over
-forward, vmap of any of them.
+kernels AOTAutograd (or make_fx) runs while it makes the compiled graph, under the
+torch.func transforms and forward-mode levels that the graph opens. They apply the
+Functions of `autograd` (at autograd's key, and at functorch's own entry, so that each
+transform takes them as PyTorch's apply gives them to it), whose forward, backward and jvp
+call the passes' ops (`ops`): those are what the compiled graph holds. So every derivative
+a Function gives eagerly, a compiled graph gives too: reverse mode, torch.func.grad, jvp, a
+dual level, an HVP, reverse over forward, vmap of any of them.
 
-Its schema is the forward pass's arguments (`call.CALL_FIELDS`) with the output alone as
-its result; below autograd it runs the forward pass; its fake says the output's shape; its
-batching rule is the passes' (`vmap_rules`).
+Where nothing differentiates a call while the graph is made, the graph keeps the forward
+alone, as `attngrad::attention_in_graph`, which refuses, when the graph runs, a dual tensor,
+a tensor that requires grad or a transform: the graph's other kernels may have dropped their
+tangents or gradients, and a partial tangent would be silently wrong.
+
+Their schema is the forward pass's arguments (`call.CALL_FIELDS`) with the output alone as
+the result; below autograd they run the forward pass; their fake says the output's shape.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ import torch
 from torch import Tensor
 
 from .. import regime
-from . import vmap_rules
 from .call import FIELDS, AttentionCall, empty_like_field
 from .checks import check_fields
 from .ops import ARGUMENTS, DEFAULTS, run_pass
@@ -87,7 +91,6 @@ def _in_graph_transformed(*args: Any, **kwargs: Any) -> Tensor:
 for _name in ("attention", "attention_in_graph"):
     LIBRARY.impl(_name, _below_autograd, "CompositeExplicitAutograd")
     torch.library.register_fake(f"attngrad::{_name}", _fake, lib=LIBRARY)
-torch.library.register_vmap("attngrad::attention", vmap_rules.make_rule(OP, "forward", NAMES), lib=LIBRARY)
 LIBRARY.impl("attention_in_graph", _in_graph, "Autograd")
 LIBRARY.impl("attention_in_graph", _in_graph_transformed, "FuncTorchDynamicLayerFrontMode")
 

@@ -74,8 +74,12 @@ def mode() -> Mode:
     if not torch.compiler.is_compiling():
         return Mode.EAGER
     # Dynamo folds is_dynamo_compiling() to True in what it traces; code it runs (a kernel's
-    # fake propagation, AOTAutograd's tracing) sees False while is_compiling() holds
-    return Mode.DYNAMO if torch.compiler.is_dynamo_compiling() else Mode.TRACING
+    # fake propagation, AOTAutograd's tracing) sees False while is_compiling() holds, and
+    # runs under a fake-tensor or proxy mode. Without one it is real work that the compile
+    # session's flag outlived (a frame Dynamo falls back on under a torch.func transform)
+    if torch.compiler.is_dynamo_compiling():
+        return Mode.DYNAMO
+    return Mode.TRACING if _dispatch_modes() else Mode.EAGER
 
 
 @dataclass(frozen=True)
@@ -83,21 +87,28 @@ class Regime:
     """The state a call's path is decided from (see the module)."""
 
     mode: Mode
-    transforms: tuple  # the active torch.func transforms' kinds, outermost first
+    transforms: tuple  # the active torch.func transforms' kinds, outermost first (None: unnamed)
     level: int  # the open forward-mode level the call's tangents live at, or -1
     grad: bool  # grad mode
 
     @classmethod
-    def now(cls, probe: tuple = ()) -> Regime:
+    def now(cls, probe: tuple = (), in_kernel: bool = False) -> Regime:
         """The state now. `probe`: tensors to ask for a tangent at level 0 where no Python
         level is open: a compiled graph opens its dual levels in C++ alone, and hands the
-        operator's kernel dual tensors that forward_ad's global does not know of."""
+        operator's kernel dual tensors that forward_ad's global does not know of.
+        `in_kernel`: read in an operator's kernel, which Dynamo never traces: a DYNAMO
+        reading there is Dynamo's flag outliving its trace (a frame it runs eagerly under a
+        torch.func transform), so the mode is read as a kernel's."""
         current = mode()
+        if current is Mode.DYNAMO and in_kernel:
+            current = Mode.TRACING if _dispatch_modes() else Mode.EAGER
         if current is Mode.DYNAMO:  # the graph's operator decides later; Dynamo reads nothing else
             return cls(current, (), -1, torch.is_grad_enabled())
         transforms = ()
         if _transforms_active():
-            transforms = tuple(interpreter.key() for interpreter in retrieve_all_functorch_interpreters())
+            # (while Dynamo propagates fake tensors under an outer transform, functorch's C++
+            # flag holds where the Python list of interpreters is empty: active, unnamed)
+            transforms = tuple(interpreter.key() for interpreter in retrieve_all_functorch_interpreters()) or (None,)
         level = forward_ad._current_level
         # (under a transform, forward mode is torch.func.jvp's, whose level the global holds;
         # and a batched tensor has no rule to unpack)

@@ -95,13 +95,13 @@ TRANSFORMS = {"backward": _backward, "grad": _grad, "jvp": _jvp, "dual": _dual, 
 MODES = ("eager", "fullgraph", "compile", "transform_of_compiled")
 
 
-def _run(mode, transform, attention, x, t, c, options):
+def _run(mode, transform, attention, x, t, c, options, backend=COMPILE):
     f = lambda *x: attention(*x, **options)  # noqa: E731
     if mode == "transform_of_compiled":
-        f = torch.compile(f, backend=COMPILE)
+        f = torch.compile(f, backend=backend)
     program = lambda x, t, c: transform(f, x, t, c)  # noqa: E731
     if mode in ("compile", "fullgraph"):
-        program = torch.compile(program, backend=COMPILE, fullgraph=mode == "fullgraph")
+        program = torch.compile(program, backend=backend, fullgraph=mode == "fullgraph")
     torch._dynamo.reset()  # each cell compiles afresh: no cell reuses another's graph
     return program(x, t, c)
 
@@ -219,3 +219,15 @@ def test_inductor_gives_the_exact_tangent_and_refuses_a_tangent_it_cannot_vouch_
             compiled(*duals)
     # without a dual tensor the same graph runs
     assert error(compiled(*x), math_attention(*x, **options)) < BAR
+
+
+def test_dynamos_own_backend_after_another_compile():
+    """backend="eager" (Dynamo's graph run as it is): a transform of a compiled function,
+    after another function was compiled in the process, where Dynamo's flag outlived its
+    trace and the call ran eagerly under it (it raised; the kernels now read it as theirs)."""
+    x, t, c, options = _inputs("bias", seed=5)
+    for name in ("jvp", "vjp_of_jvp"):
+        expected = _flat(_run("eager", TRANSFORMS[name], math_attention, x, t, c, options))
+        for mode in ("fullgraph", "transform_of_compiled"):
+            got = _flat(_run(mode, TRANSFORMS[name], attngrad_attention, x, t, c, options, backend="eager"))
+            assert all(error(a, b) < BAR for a, b in zip(got, expected)), (name, mode)

@@ -74,7 +74,9 @@ class _Function(torch.autograd.Function):
 
     @classmethod
     def apply(cls, *args: Any) -> Any:
-        if regime.mode() is not Mode.EAGER:
+        # (Dynamo never traces a Function's apply: under Dynamo a call is the operator, so a
+        # DYNAMO reading here is Dynamo's flag outliving its trace, and the work is eager)
+        if regime.mode() is Mode.TRACING:
             return super().apply(*args)
         if regime.transforms_active():
             if regime.custom_function_call is None:  # pragma: no cover
@@ -416,7 +418,7 @@ def differentiable_attention(call: AttentionCall, in_kernel: bool = False) -> Te
     whose Autograd kernel comes back here (`in_kernel`) and takes `_traced`'s path; eagerly,
     the op alone where nothing differentiates, the fused forward and JVP where forward mode
     alone does, else the Functions."""
-    now = Regime.now(probe=_differentiable(call) if in_kernel else ())
+    now = Regime.now(probe=_differentiable(call) if in_kernel else (), in_kernel=in_kernel)
     if not now.eager:
         return _traced(call, now) if in_kernel else traced_op.apply(call)
     if now.untracked(call.tensors()):

@@ -104,6 +104,7 @@ def register_autograd(differentiable: Callable[[AttentionCall, bool], Tensor]) -
     autograd: there the Functions are applied as PyTorch's apply does under a transform
     (`custom_function_call`, which takes each level in turn, their vmap rules included)."""
 
+    @regime.outside_dynamo  # a kernel: run, never traced (where Dynamo compiles nested frames)
     def kernel(*args: Any, **kwargs: Any) -> Tensor:
         return differentiable(as_call(args, kwargs), True)
 

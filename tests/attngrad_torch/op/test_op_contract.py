@@ -406,3 +406,17 @@ def test_pass_inputs_name_every_passs_inputs():
     named = {field.name for field in PASS_FIELDS}
     assert {name for p in PASSES.values() for name in p.inputs} <= named
     assert set(PassInputs.__annotations__) == named | {"row_sums", "sink_rows"}
+
+
+@pytest.mark.parametrize("variant", ["plain", "all", "sinks-bias", "blocks"])
+def test_opcheck_the_whole_call_operators(variant):
+    """`attngrad::attention` (a whole differentiable call, what Dynamo's graphs hold) and
+    `attngrad::attention_in_graph` (the forward a graph keeps where nothing differentiated
+    it): schema, fakes against the real results, the autograd kernel's registration, and
+    AOT dispatch (forward and backward through the operator's kernels) on the first."""
+    from attngrad.torch.op import traced_op
+
+    args, kwargs = _call_args(variant, "contiguous")[0]
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(traced_op.OP, args, kwargs, test_utils=utils[:3] + utils[3:] * (variant == "all"))
+    torch.library.opcheck(traced_op.IN_GRAPH, args, kwargs, test_utils=("test_schema", "test_faketensor"))

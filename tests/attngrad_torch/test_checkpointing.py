@@ -10,6 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts  # noqa: E402
 
 from attngrad.torch import replace_sdpa  # noqa: E402
@@ -81,6 +82,10 @@ def test_checkpointed_training_equals_unchecked_training(way, masked, backward_i
         sum(n for (p, _), n in before.items() if p == "forward")
     assert forwards == 2
     for g, e in zip(got, expected):
+        assert rel_err(g, e) < EXACT
+    with sdpa_kernel(SDPBackend.MATH):  # PyTorch's math path, checkpointed the same way
+        math = _gradients(layer, x, way, mask)
+    for g, e in zip(got, math):
         assert rel_err(g, e) < EXACT
 
 

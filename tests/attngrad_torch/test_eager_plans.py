@@ -116,12 +116,11 @@ def test_a_plan_follows_the_backends_and_their_settings(monkeypatch, tuned):
             scaled_dot_product_attention(q, k, v)
         assert dispatch.ran[("forward", "torch-ops")] - before == 2
         tuned(native.TILING, block_keys=8)
-        recorded, original = [], native._op
-        op, names = original("forward")
-        monkeypatch.setattr(native, "_op", lambda name: (lambda *args: recorded.append(args) or op(*args), names)
-                            if name == "forward" else original(name))
+        recorded, original = [], native._planned_options
+        monkeypatch.setattr(native, "_planned_options", lambda call, layout: recorded.append(native._options(
+            call, layout)) or original(call, layout))
         scaled_dot_product_attention(q, k, v)
-    assert recorded and recorded[0][names.index("block_keys")] == 8
+    assert recorded and recorded[0]["block_keys"] == 8
     assert len(builds) == 3
 
 
@@ -200,10 +199,73 @@ def test_no_plan_where_something_could_differentiate_or_see_the_call():
     with torch.no_grad():
         with Seen():
             scaled_dot_product_attention(q, k, v)
-        scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(3, 5, dtype=torch.bool))
         scaled_dot_product_attention(q, k, v, dropout_p=0.5)
         attention(q, k, v, softcap=5.0)
+        attention(q, k, v, key_padding=torch.zeros(2, 5, dtype=torch.bool))
+    learned = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)  # its gradient: the full path's
+    assert scaled_dot_product_attention(q, k, v, attn_mask=learned).grad_fn is not None
     assert len(eager_plans._plans) == 0
+
+
+MASK_SHAPES = [(5, 7), (1, 1, 5, 7), (2, 1, 5, 7), (2, 4, 5, 7), (2, 4, 1, 7)]  # broadcast to (2, 4, 5, 7)
+
+
+@needs_tiles
+@settings(max_examples=30, deadline=None)
+@given(mask_shape=st.sampled_from(MASK_SHAPES), boolean=st.booleans(), expanded=st.booleans(),
+       dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]), grads=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_a_masked_plan_gives_the_full_paths_bits(mask_shape, boolean, expanded, dtype, grads, seed):
+    """A boolean or float attn_mask, broadcast or expanded (stride 0), through
+    scaled_dot_product_attention's plan: output and gradients equal the full path's bit for
+    bit, from the plan; float64 against PyTorch's math path. A new mask of the same
+    signature, or the same mask written in place, gives its own result: its tile map and
+    key ranges are its own (the plan is made on a mask that masks nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 4, n, 8, generator=g, dtype=torch.float64).to(dtype) for n in (5, 7, 7))
+    for t in (q, k, v):
+        t.requires_grad_(grads)
+    keep = torch.rand(mask_shape, generator=g) > 0.4
+    keep[..., 0] = True  # every row sees a key: PyTorch's math path gives NaN where none
+    mask = keep if boolean else torch.where(keep, torch.randn(mask_shape, generator=g, dtype=torch.float64),
+                                            -torch.inf).to(dtype)
+    base = mask
+    if expanded:
+        mask = mask.expand(2, 4, 5, 7)
+    dout = torch.randn(2, 4, 5, 8, generator=g, dtype=torch.float64).to(dtype)
+    eager_plans.clear()
+
+    def run(fn, m):
+        out = fn(q, k, v, attn_mask=m)
+        return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout)) if grads else (out,)
+
+    def full(query, key, value, attn_mask):
+        name = "attn_mask" if attn_mask.dtype == torch.bool else "attn_bias"
+        return _full_path(query, key, value, **{name: attn_mask})
+
+    whole = torch.ones_like(base) if boolean else torch.zeros_like(base)  # every tile taken without the mask
+    whole = whole.expand(2, 4, 5, 7) if expanded else whole
+    assert all(torch.equal(a, b) for a, b in zip(run(scaled_dot_product_attention, whole), run(full, whole)))
+    first, planned, reference = run(scaled_dot_product_attention, mask), run(scaled_dot_product_attention, mask), \
+        run(full, mask)
+    assert len(eager_plans._plans) == 1
+    for a, b, c in zip(first, planned, reference):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    if dtype == torch.float64:
+        math = run(math_sdpa, mask)
+        for ours, theirs in zip(planned, math):
+            assert rel_err(ours, theirs) < EXACT
+    other = base.flip(-1).clone()  # the same signature, other values
+    other = other.expand(2, 4, 5, 7) if expanded else other
+    assert all(torch.equal(a, b) for a, b in zip(run(scaled_dot_product_attention, other), run(full, other)))
+    saved = base.clone()
+    with torch.no_grad():
+        base.copy_(torch.ones_like(base) if boolean else torch.zeros_like(base))  # every tile taken whole
+    assert all(torch.equal(a, b) for a, b in zip(run(scaled_dot_product_attention, mask), run(full, mask)))
+    with torch.no_grad():
+        base.copy_(saved)  # an in-place write: its version moves on, its tiles masked again
+    assert all(torch.equal(a, b) for a, b in zip(run(scaled_dot_product_attention, mask), run(full, mask)))
+    assert len(eager_plans._plans) == 1
 
 
 @needs_tiles

@@ -80,11 +80,17 @@ def scaled_dot_product_attention(
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype not in FLOATS:
         raise TypeError(f"attn_mask must be boolean or floating; got {attn_mask.dtype}")
     if attn_mask is None:
-        return attention(query, key, value, is_causal=bool(is_causal), dropout_p=dropout_p, scale=scale,
-                         enable_gqa=enable_gqa)
+        options = dict(is_causal=bool(is_causal), dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+        planned = eager_plans.forward(query, key, value, options)  # attention()'s first step, without its call
+        return planned if planned is not None else attention(query, key, value, **options)
     # attention()'s own path for a mask, save that a float mask's errors name it attn_mask, as
     # the user passed it, not attention()'s attn_bias
     boolean = attn_mask.dtype == torch.bool
+    given = dict(attn_mask=attn_mask) if boolean else dict(attn_bias=attn_mask)
+    planned = eager_plans.forward(query, key, value, dict(given, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa),
+                                  bias_name="attn_mask")
+    if planned is not None:  # a repeated call that nothing differentiates, or reverse mode alone
+        return planned
     call, layout = build_call(query, key, value, attn_mask=attn_mask if boolean else None,
                               attn_bias=None if boolean else attn_mask, dropout_p=dropout_p, scale=scale,
                               enable_gqa=enable_gqa, bias_name="attn_mask")

@@ -151,13 +151,7 @@ class Layout:
         if not ok:
             raise ValueError(f"{name} of shape {tuple(mask.shape)} does not broadcast to the scores' shape {target} "
                              f"({self.shapes})")
-        mask = mask[(None,) * max(0, 4 - mask.dim())]  # at least (b, h, lq, lk)
-        if len(self.batch) <= 1:  # the batch axis is the op's as it is
-            return mask
-        lead = mask.shape[:-3]
-        if all(size == 1 for size in lead):
-            return mask.reshape(1, *mask.shape[-3:])
-        return mask.expand(*self.batch, *mask.shape[-3:]).reshape(math.prod(self.batch), *mask.shape[-3:])
+        return fold_mask(mask, self.batch)
 
     def unfold(self, out: Tensor) -> Tensor:
         """(B, H, Lq, Ev) back to the inputs' layout (..., H, Lq, Ev)."""
@@ -173,6 +167,17 @@ def fold(t: Tensor, batch: torch.Size, heads: int) -> Tensor:
         t = t.unsqueeze(0)
     t = t.expand(*batch, heads, *t.shape[-2:])
     return t.reshape(math.prod(batch), *t.shape[-3:]) if len(batch) != 1 else t
+
+
+def fold_mask(mask: Tensor, batch: torch.Size) -> Tensor:
+    """A mask or bias broadcastable to (..., H, Lq, Lk) with leading dimensions `batch` as
+    one broadcastable to the op's (B, H, Lq, Lk) (`Layout.fold_mask`, which checks it)."""
+    mask = mask[(None,) * max(0, 4 - mask.dim())]  # at least (b, h, lq, lk)
+    if len(batch) <= 1:  # the batch axis is the op's as it is
+        return mask
+    if all(size == 1 for size in mask.shape[:-3]):
+        return mask.reshape(1, *mask.shape[-3:])
+    return mask.expand(*batch, *mask.shape[-3:]).reshape(math.prod(batch), *mask.shape[-3:])
 
 
 def unfold(out: Tensor, batch: torch.Size, flat: bool) -> Tensor:

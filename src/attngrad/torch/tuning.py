@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any, Generic, TypeVar
@@ -20,23 +21,30 @@ T = TypeVar("T")
 
 @torch.compiler.assume_constant_result  # Dynamo cannot trace ContextVar.get: a constant of the graph
 def _read(value: ContextVar) -> Any:
-    return value.get()
+    return value.get()[0]
+
+
+_overrides = itertools.count(1)  # each override's key: never reused, so a key names one value
 
 
 class Tuning(Generic[T]):
     """`tuning()` is the value in force; `with tuning.override(field=value):` changes fields
-    inside the block."""
+    inside the block. `tuning.key()` names the value in force, for caches that depend on it
+    (0 for the default; hashing the value itself costs a microsecond a call)."""
 
     def __init__(self, name: str, default: T) -> None:
-        self._value: ContextVar[T] = ContextVar(name, default=default)
+        self._value: ContextVar[tuple[T, int]] = ContextVar(name, default=(default, 0))
 
     def __call__(self) -> T:
         return _read(self._value)
 
+    def key(self) -> int:
+        return self._value.get()[1]
+
     @contextlib.contextmanager
     def override(self, **changes: Any) -> Iterator[T]:
-        token = self._value.set(dataclasses.replace(self._value.get(), **changes))
+        token = self._value.set((dataclasses.replace(self._value.get()[0], **changes), next(_overrides)))
         try:
-            yield self._value.get()
+            yield self._value.get()[0]
         finally:
             self._value.reset(token)

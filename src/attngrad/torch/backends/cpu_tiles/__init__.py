@@ -84,31 +84,36 @@ def forward(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
     return out.to(call.q.dtype), row_max, inv_sum  # the statistics stay in the compute dtype
 
 
-def plan_forward(call: AttentionCall) -> Optional[Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]]:
-    """The forward prepared for calls like `call` (`dispatch.plan`): those without a mask, a
-    bias, key bounds, dropout or sinks."""
-    if call.mask is not None or call.bias is not None or call.bounds is not None or call.blocks is not None or \
-            call.dropout_p or call.sink or call.sinks is not None:
+def _plannable(call: AttentionCall) -> bool:
+    return call.bounds is None and call.blocks is None and not call.dropout_p and not call.sink and call.sinks is None
+
+
+def plan_forward(call: AttentionCall) -> Optional[Callable[..., tuple[Tensor, Tensor, Tensor]]]:
+    """The forward prepared for calls like `call` (`dispatch.plan`): those without key
+    bounds, mask blocks, dropout or sinks (a mask and a bias are the plan's per call):
+    run(q, k, v, mask, bias) -> (out, row_max, inv_sum)."""
+    if not _plannable(call):
         return None
     prepared = native.forward_plan(call)
     dtype = call.q.dtype
 
-    def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        out, row_max, inv_sum = prepared(q, k, v)
+    def run(*tensors: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        out, row_max, inv_sum = prepared(*tensors)
         return (out if out.dtype == dtype else out.to(dtype)), row_max, inv_sum
 
     return run
 
 
 def plan_backward(call: AttentionCall) -> Optional[Callable[..., tuple[Tensor, Tensor, Tensor]]]:
-    """The backward (dq, dk, dv) prepared for calls like `call`, as `plan_forward`: run(q, k,
-    v, dout, out, row_max, inv_sum), each gradient in its input's dtype."""
-    if plan_forward(call) is None or call.q.device.type != "cpu":
+    """The backward (dq, dk, dv) prepared for calls like `call`, as `plan_forward`, without a
+    bias gradient: run(q, k, v, mask, bias, dout, out, row_max, inv_sum), each gradient in
+    its input's dtype."""
+    if not _plannable(call):
         return None
     prepared = native.backward_plan(call)
     dtypes = (call.q.dtype, call.k.dtype, call.v.dtype)
 
-    def run(*tensors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def run(*tensors: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         return tuple(g if g.dtype == dtype else g.to(dtype) for g, dtype in zip(prepared(*tensors), dtypes))
 
     return run

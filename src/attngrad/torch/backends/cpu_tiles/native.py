@@ -195,7 +195,13 @@ def _score_masks(call: AttentionCall, dtype: torch.dtype, full_bias: bool = Fals
         described["key_bounds"] = call.bounds.contiguous()
     if call.blocks is not None:
         described["mask_blocks"], described["mask_tiles"] = call.blocks.index.contiguous(), call.blocks.tiles.contiguous()
-    for name, t, kind in (("mask", call.mask, torch.bool), ("bias", call.bias, dtype)):
+    return _mask_and_bias(described, call.mask, call.bias, dtype, full_bias)
+
+
+def _mask_and_bias(described: dict, mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype,
+                   full_bias: bool) -> dict:
+    """`described` with `_score_masks`'s mask and bias and their sizes (each where given)."""
+    for name, t, kind in (("mask", mask, torch.bool), ("bias", bias, dtype)):
         if t is None:
             continue
         t = t[(None,) * (4 - t.dim())]
@@ -344,74 +350,84 @@ def attention_forward(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def settings() -> tuple:
-    """The tiling in force (`TILING`), which every pass reads at its call: a prepared pass
-    (`forward_plan`) holds while it stays."""
-    return (TILING(),)
+    """The tiling in force (`TILING`), by its key, which every pass reads at its call: a
+    prepared pass (`forward_plan`) holds while it stays."""
+    return (TILING.key(),)
 
 
-def forward_plan(call: AttentionCall) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
-    """`attention_forward` of a call without masks or dropout, prepared for every call like
-    `call` (q, k, v of these sizes, dtypes and layouts, the same options): the blocks, key
-    ranges, options and the op's argument list worked out once, so that a call is its
-    allocations and the op (`eager_plans`)."""
+def _planned_options(call: AttentionCall, layout: _Layout) -> Tensor:
+    """`_options` of `call` and `layout` as the planned ops take them, made once per plan:
+    (19,) int64, causal's presence and value, then the rest in the passes' schema order,
+    each float as its bits (`unpack_options` in csrc/ops.cpp)."""
+    options = _options(call, layout)
+    causal = options.pop("causal")
+    packed = [causal is not None, causal or 0] + [
+        _float_bits(options[name]) if name in _REAL_OPTIONS else int(options[name])
+        for name in _op("forward")[1] if name in options]
+    return torch.tensor(packed, dtype=torch.int64)
+
+
+_REAL_OPTIONS = frozenset({"scale", "softcap", "keep_value"})  # the options' doubles (float in the schema)
+
+
+def _float_bits(x: float) -> int:
+    return int(torch.tensor(float(x), dtype=torch.float64).view(torch.int64))
+
+
+def _plan_masks(call: AttentionCall, layout: _Layout) -> Callable[..., tuple]:
+    """masks(q, k, mask, bias) -> (mask, bias, tile_map, key_ranges) as the planned ops take
+    them, for the calls of a plan (`forward_plan`): a mask and bias as `_score_masks` makes
+    them, with their tile map and key ranges, kept while the mask lives (`version_cache`);
+    without either, the causal key ranges, made once."""
+    if call.mask is None and call.bias is None:
+        ranges = _causal_key_ranges(call.q.shape[2], call.k.shape[2], call.causal, layout.block_rows)
+        return lambda q, k, mask, bias: (None, None, None, ranges)
+    causal, rows, block_keys = call.causal, layout.block_rows, layout.block_keys
+
+    def masks(q: Tensor, k: Tensor, mask: Tensor | None, bias: Tensor | None) -> tuple:
+        described = _mask_and_bias({}, mask, bias, q.dtype, full_bias=False)
+        ranges = _key_ranges(q, k, causal, rows, described)
+        tile_map = _tile_map(q, k, described, causal, rows, block_keys, ranges)
+        return described.get("mask"), described.get("bias"), tile_map, ranges
+
+    return masks
+
+
+def forward_plan(call: AttentionCall) -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
+    """`attention_forward` of a call without key bounds, mask blocks, dropout or a sink,
+    prepared for every call like `call` (q, k, v of these sizes, dtypes and layouts, a mask
+    and bias of theirs, the same options): run(q, k, v, mask, bias) -> (out, row_max,
+    inv_sum) in the compute dtype. The blocks and options are worked out once, so that a
+    call is its masks' maps (kept while a mask lives) and one op, `forward_planned`, which
+    makes its results (`eager_plans`)."""
     q, k, v = call.q, call.k, call.v
-    work = compute_dtype(q.dtype)
-    converted = any(t.dtype != work or not t.is_contiguous() for t in (q, k, v))
-    batch, heads, len_q, _ = q.shape
-    out_shape, stats_shape = (batch, heads, len_q, v.shape[-1]), (batch, heads, len_q)
-    rows = _block_rows(len_q, k.shape[2], call.causal, _bf16(q))
-    tensors = ("q", "k", "v", "out", "row_max", "inv_sum")  # each call's own
-    given = dict(dict.fromkeys(tensors), tile_map=None,
-                 key_ranges=_causal_key_ranges(len_q, k.shape[2], call.causal, rows))
-    op, template = _arguments("forward", call, _Layout(rows), {}, given)  # {}: no masks
-    names = _op("forward")[1]
-    at = {name: names.index(name) for name in tensors}
+    converted = any(t.dtype != compute_dtype(q.dtype) or not t.is_contiguous() for t in (q, k, v))
+    layout = _Layout(_block_rows(q.shape[2], k.shape[2], call.causal, _bf16(q)), _block_keys(None))
+    options, masks, op = _planned_options(call, layout), _plan_masks(call, layout), _ops().forward_planned.default
 
-    def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None) -> tuple:
         if converted:
             q, k, v = _work(q, k, v)
-        out = torch.empty(out_shape, dtype=work, device=q.device)
-        row_max = torch.empty(stats_shape, dtype=work, device=q.device)
-        inv_sum = torch.empty(stats_shape, dtype=work, device=q.device)
-        args = list(template)
-        for name, t in zip(tensors, (q, k, v, out, row_max, inv_sum)):
-            args[at[name]] = t
-        op(*args)
-        return out, row_max, inv_sum
+        return op(q, k, v, *masks(q, k, mask, bias), options)
 
     return run
 
 
 def backward_plan(call: AttentionCall) -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
-    """`attention_backward` of a call without masks, a bias or dropout, prepared as
-    `forward_plan` is: run(q, k, v, dout, out, row_max, inv_sum) -> (dq, dk, dv) in the
-    compute dtype, the same tiles, chunks and bits as the whole path's."""
-    q, k, v = call.q, call.k, call.v
-    work = compute_dtype(q.dtype)
-    bf16 = _bf16(q)
+    """`attention_backward` of the calls `forward_plan` takes, without a bias gradient,
+    prepared as it is: run(q, k, v, mask, bias, dout, out, row_max, inv_sum) -> (dq, dk, dv)
+    in the compute dtype, the same tiles, chunks and bits as the whole path's, from one op,
+    `backward_planned`."""
+    q, k = call.q, call.k
     block_keys = _block_keys(None)
     chunks = _chunks(_independent(k, None), -(-k.shape[2] // block_keys))
-    rows = _block_rows(q.shape[2], k.shape[2], call.causal, bf16)
-    layout = _Layout(rows, block_keys, chunks, _band_keys_transposed(q.shape[2], rows, None, bf16))
-    tensors = ("q", "k", "v", "dout", "out", "row_max", "inv_sum", "delta", "dq_parts", "dk", "dv")
-    given = dict(dict.fromkeys(tensors), dbias_parts=None, tile_map=None,
-                 key_ranges=_causal_key_ranges(q.shape[2], k.shape[2], call.causal, rows))
-    op, template = _arguments("backward", call, layout, {}, given)  # {}: no masks
-    names = _op("backward")[1]
-    at = [names.index(name) for name in tensors]
-    q_shape, k_shape, v_shape = tuple(q.shape), tuple(k.shape), tuple(v.shape)
+    layout = _Layout(_block_rows(q.shape[2], k.shape[2], call.causal, _bf16(q)), block_keys, chunks)
+    options, masks, op = _planned_options(call, layout), _plan_masks(call, layout), _ops().backward_planned.default
 
-    def run(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor, row_max: Tensor,
-            inv_sum: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v, dout, out, row_max, inv_sum = _work(q, k, v, dout, out, row_max, inv_sum)
-        dq_parts = torch.empty((chunks, *q_shape), dtype=work)  # the pass zeroes its parts, dk and dv itself
-        dk, dv = torch.empty(k_shape, dtype=work), torch.empty(v_shape, dtype=work)
-        delta = torch.empty(q_shape[:-1], dtype=work)
-        args = list(template)
-        for i, t in zip(at, (q, k, v, dout, out, row_max, inv_sum, delta, dq_parts, dk, dv)):
-            args[i] = t
-        op(*args)
-        return _sum_parts(dq_parts), dk, dv
+    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, *after_forward: Tensor) -> tuple:
+        q, k, v, dout, out, row_max, inv_sum = _work(q, k, v, *after_forward)
+        mask, bias, tile_map, ranges = masks(q, k, mask, bias)
+        return op(q, k, v, mask, bias, out, row_max, inv_sum, dout, tile_map, ranges, options)
 
     return run
 

@@ -279,6 +279,13 @@ def _tiles_calls():
     with_backward = dict(backward_jvp, dq=torch.empty(1, 2, 8, 8), dk_parts=torch.zeros(1, 1, 2, 8, 8),
                          dv_parts=torch.zeros(1, 1, 2, 8, 8))
     bounds = torch.tensor([[0, 8]] * 8).reshape(1, 8, 2)
+    planned_call = make_call(q, k, v, scale=0.25)
+    packed = native._planned_options(planned_call, native._Layout(block_rows=4, block_keys=4))
+    ranges = native._causal_key_ranges(8, 8, None, 4)
+    forward_planned = dict(q=q, k=k, v=v, mask=None, bias=None, tile_map=None, key_ranges=ranges, options=packed)
+    backward_planned = dict(q=q, k=k, v=v, mask=None, bias=None, out=out, row_max=row_max, inv_sum=inv_sum, dout=dout,
+                            tile_map=None, key_ranges=ranges, options=packed)
+    chunks_at = 2 + [n for n in native._op("forward")[1] if n in options].index("chunks") - 1  # after causal's two
     keep = dict(out=torch.empty(1, 3, 8, 8), seed=7, row_start=0, key_start=0, threshold=1 << 31, value=2.0)
     return [
         ("heads 3 over kv_heads 2", "forward", forward,
@@ -372,6 +379,22 @@ def _tiles_calls():
          r"dv_parts has shape \[2, 1, 2, 8, 8\], expected \[1, 1, 2, 8, 8\]"),
         ("dq of float64", "backward_jvp", with_backward, dict(dq=torch.empty(1, 2, 8, 8, dtype=torch.float64)),
          "dq must be Float, got Double"),
+        # the planned ops (a plan's options packed once): they make their results from q, k, v's sizes
+        ("a planned forward's q 3-D", "forward_planned", forward_planned, dict(q=q[0]), "q, k and v must be 4-D"),
+        ("a planned forward's options of int32", "forward_planned", forward_planned, dict(options=packed.int()),
+         "options must be Long, got Int"),
+        ("a planned forward's options one short", "forward_planned", forward_planned, dict(options=packed[:-1]),
+         r"options has shape \[18\], expected \[19\]"),
+        ("a planned backward's chunks 0", "backward_planned", backward_planned,
+         dict(options=packed.clone().index_fill_(0, torch.tensor(chunks_at), 0)), "chunks is 0"),
+        ("a planned backward's chunks past 2^31", "backward_planned", backward_planned,
+         dict(options=packed.clone().index_fill_(0, torch.tensor(chunks_at), 1 << 40)), "chunks is 1099511627776"),
+        ("a planned backward's dout over one row too few", "backward_planned", backward_planned,
+         dict(dout=dout[:, :, 1:]), r"dout has shape \[1, 2, 7, 8\]"),
+        ("a planned backward's mask over 3 keys of 8", "backward_planned", backward_planned,
+         dict(mask=torch.ones(1, 1, 8, 3, dtype=torch.bool)), r"mask has shape \[1, 1, 8, 3\]"),
+        ("a planned forward's key ranges past the last key", "forward_planned", forward_planned,
+         dict(key_ranges=ranges + 1), "key_ranges holds"),
         ("a keep-scale tile not contiguous", "dropout_keep_scale", keep, dict(out=torch.empty(1, 3, 8, 8).transpose(2, 3)),
          "out must be contiguous"),
         ("a keep-scale tile of float16", "dropout_keep_scale", keep, dict(out=torch.empty(1, 3, 8, 8, dtype=torch.float16)),

@@ -1,7 +1,7 @@
 """Dropout keep-masks from a counter-based generator: the draw for score (b, h, i, j) is a
 hash of the seed and those four coordinates alone, so a mask is the same whatever the
 tiling, the thread count, the batch folding or the implementation (this module, or the
-compiled tiles' copy of it in `csrc/tiles.h`, which must give the same bits).
+compiled tiles' copy of it in `csrc/tile_call.h`, which must give the same bits).
 
 The hash is SplitMix64's output function (Steele, Lea and Flood, 2014) applied to a
 counter, which is what makes SplitMix a counter-based generator:

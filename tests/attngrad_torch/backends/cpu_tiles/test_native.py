@@ -513,7 +513,7 @@ def test_narrow_band_tiles_from_transposed_keys_match_the_torch_ops_kernels(
         batch, kv_heads, groups, len_q, len_k, dim, dim_v, causal, masking, band, width, block_keys, chunks,
         dropout_p, softcap, bias_grad, seed):
     """A narrow band's forward and backward on query blocks of a quarter of block_rows take
-    S and dP from transposed copies of K and V (csrc/tiles.h, BandKeys): a copy per run of
+    S and dP from transposed copies of K and V (csrc/pass.h, BandKeys): a copy per run of
     query blocks in the forward, per key block in the backward (blocks of 7 and 16 keys
     split the runs' ranges), with masks, a bias and its gradient, dropout, a softcap, GQA and
     any causal diagonal: float64 results equal the torch-ops kernels' to 1e-12."""

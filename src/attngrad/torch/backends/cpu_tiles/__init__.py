@@ -96,6 +96,8 @@ def plan_forward(call: AttentionCall) -> Optional[Callable[..., tuple[Tensor, Te
         return None
     prepared = native.forward_plan(call)
     dtype = call.q.dtype
+    if dtype in (torch.float32, torch.float64):
+        return prepared  # the tiles' output is in the input's dtype: nothing to convert
 
     def run(*tensors: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         out, row_max, inv_sum = prepared(*tensors)
@@ -112,6 +114,8 @@ def plan_backward(call: AttentionCall) -> Optional[Callable[..., tuple[Tensor, T
         return None
     prepared = native.backward_plan(call)
     dtypes = (call.q.dtype, call.k.dtype, call.v.dtype)
+    if all(dtype == dtypes[0] for dtype in dtypes) and dtypes[0] in (torch.float32, torch.float64):
+        return prepared
 
     def run(*tensors: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         return tuple(g if g.dtype == dtype else g.to(dtype) for g, dtype in zip(prepared(*tensors), dtypes))

@@ -45,7 +45,8 @@ import torch
 NAME = "attngrad_tiles"  # the extension's name and its ops' namespace
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("ops.cpp", "checked_call.cpp", "runtime.cpp", "bf16_products.cpp", "passes.cpp", "passes_higher.cpp", "passes_given_sums.cpp")
-HEADERS = ("checked_call.h", "tiles.h", "tiles_math.h", "row_products.h", "whole_rows.h", "bf16_products.h")
+HEADERS = ("checked_call.h", "tiles.h", "tile_call.h", "score_masks.h", "pass.h", "accumulation.h", "tiles_math.h",
+           "row_products.h", "whole_rows.h", "bf16_products.h")
 # -fno-trapping-math lets the row loops' compares and selects vectorise; -ffp-contract=fast
 # turns their a * b + c into FMAs. No -ffast-math: the code relies on -inf and exact order.
 # -fopenmp where PyTorch's thread pool is OpenMP's: at::parallel_for is inline code in the

@@ -266,7 +266,7 @@ def _block_keys(bounds: Tensor | None) -> int:
 
 def _band_keys_transposed(len_q: int, rows: int, bounds: Tensor | None, bf16: bool) -> bool:
     """Whether the forward and the backward take S and dP from transposed copies of K and V
-    (csrc/tiles.h, BandKeys): on a narrow band's query blocks of a quarter of block_rows (a
+    (csrc/pass.h, BandKeys): on a narrow band's query blocks of a quarter of block_rows (a
     causal window's 32 rows), whose NT products run slowest (with 64 rows, documents of 512
     ran 2-4% slower with the copies), for float32 and float64 products over at least
     band_transpose_rows query rows, which share the copies (a decode step's one row keeps

@@ -29,11 +29,12 @@ namespace {
 // out (B, H, Lq, dv), row_max and inv_sum (B, H, Lq) from q, k, v; mask (bool, true = take
 // part), bias and key bounds optional; dropout in the output's E V; tile_map, where given,
 // the tiles to skip and those to compute without the mask and bias (bind_tile_map).
-void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
-                 const OptTensor& bias, const OptTensor& key_bounds, const at::Tensor& out, const at::Tensor& row_max,
-                 const at::Tensor& inv_sum, const Options& options, const OptTensor& tile_map,
-                 const OptTensor& key_ranges, const OptTensor& mask_blocks, const OptTensor& mask_tiles) {
-    Call call = make_call("attngrad_tiles.forward", q, k, v, mask, bias, key_bounds, options);
+void run_forward(const char* what, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const OptTensor& mask, const OptTensor& bias, const OptTensor& key_bounds, const at::Tensor& out,
+                 const at::Tensor& row_max, const at::Tensor& inv_sum, const Options& options,
+                 const OptTensor& tile_map, const OptTensor& key_ranges, const OptTensor& mask_blocks,
+                 const OptTensor& mask_tiles) {
+    Call call = make_call(what, q, k, v, mask, bias, key_bounds, options);
     call.call.key_readers = AttngradCall::KeyReaders::forward;
     bind_mask_blocks(call, mask_blocks, mask_tiles);
     bind_key_ranges(call, key_ranges);
@@ -48,8 +49,8 @@ void forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
                 const OptTensor& bias, const OptTensor& key_bounds, const at::Tensor& out, const at::Tensor& row_max,
                 const at::Tensor& inv_sum, ATTNGRAD_OPTIONS_PARAMS, const OptTensor& tile_map,
                 const OptTensor& key_ranges, const OptTensor& mask_blocks, const OptTensor& mask_tiles) {
-    run_forward(q, k, v, mask, bias, key_bounds, out, row_max, inv_sum, ATTNGRAD_OPTIONS_ARGS, tile_map, key_ranges,
-                mask_blocks, mask_tiles);
+    run_forward("attngrad_tiles.forward", q, k, v, mask, bias, key_bounds, out, row_max, inv_sum,
+                ATTNGRAD_OPTIONS_ARGS, tile_map, key_ranges, mask_blocks, mask_tiles);
 }
 
 // The buffers every pass after the forward reads: the forward's output and statistics,
@@ -67,13 +68,13 @@ void bind_after_forward(Call& call, const at::Tensor& out, const at::Tensor& row
 // the pass writes every entry of them, of dk and of dv, reading none first; delta is
 // (B, H, Lq) scratch; dbias_parts, where given, holds the zeroed parts of the bias's
 // gradient (bias_grad_parts of them); tile_map as the forward's (bind_tile_map).
-void run_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
-                  const OptTensor& bias, const OptTensor& key_bounds, const at::Tensor& out, const at::Tensor& row_max,
-                  const at::Tensor& inv_sum, const at::Tensor& dout, const at::Tensor& delta,
+void run_backward(const char* what, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const OptTensor& mask, const OptTensor& bias, const OptTensor& key_bounds, const at::Tensor& out,
+                  const at::Tensor& row_max, const at::Tensor& inv_sum, const at::Tensor& dout, const at::Tensor& delta,
                   const at::Tensor& dq_parts, const at::Tensor& dk, const at::Tensor& dv, const OptTensor& dbias_parts,
                   const Options& options, const OptTensor& tile_map, const OptTensor& key_ranges,
                   const OptTensor& mask_blocks, const OptTensor& mask_tiles) {
-    Call call = make_call("attngrad_tiles.backward", q, k, v, mask, bias, key_bounds, options);
+    Call call = make_call(what, q, k, v, mask, bias, key_bounds, options);
     call.call.key_readers = AttngradCall::KeyReaders::backward;
     bind_mask_blocks(call, mask_blocks, mask_tiles);
     bind_key_ranges(call, key_ranges);
@@ -92,8 +93,8 @@ void backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                  const at::Tensor& dq_parts, const at::Tensor& dk, const at::Tensor& dv, const OptTensor& dbias_parts,
                  ATTNGRAD_OPTIONS_PARAMS, const OptTensor& tile_map, const OptTensor& key_ranges,
                  const OptTensor& mask_blocks, const OptTensor& mask_tiles) {
-    run_backward(q, k, v, mask, bias, key_bounds, out, row_max, inv_sum, dout, delta, dq_parts, dk, dv, dbias_parts,
-                 ATTNGRAD_OPTIONS_ARGS, tile_map, key_ranges, mask_blocks, mask_tiles);
+    run_backward("attngrad_tiles.backward", q, k, v, mask, bias, key_bounds, out, row_max, inv_sum, dout, delta,
+                 dq_parts, dk, dv, dbias_parts, ATTNGRAD_OPTIONS_ARGS, tile_map, key_ranges, mask_blocks, mask_tiles);
 }
 
 // A pass's options made once for a run of calls alike (attngrad.torch.eager_plans) and
@@ -133,7 +134,7 @@ Results forward_planned_op(const at::Tensor& q, const at::Tensor& k, const at::T
     at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
     at::Tensor row_max = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
     at::Tensor inv_sum = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-    run_forward(q, k, v, mask, bias, std::nullopt, out, row_max, inv_sum, options, tile_map, key_ranges,
+    run_forward(what, q, k, v, mask, bias, std::nullopt, out, row_max, inv_sum, options, tile_map, key_ranges,
                 std::nullopt, std::nullopt);
     return {out, row_max, inv_sum};
 }
@@ -150,7 +151,7 @@ Results backward_planned_op(const at::Tensor& q, const at::Tensor& k, const at::
     at::Tensor delta = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
     at::Tensor dq_parts = at::empty({o.chunks, q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
     at::Tensor dk = at::empty(k.sizes(), q.options()), dv = at::empty(v.sizes(), q.options());
-    run_backward(q, k, v, mask, bias, std::nullopt, out, row_max, inv_sum, dout, delta, dq_parts, dk, dv,
+    run_backward(what, q, k, v, mask, bias, std::nullopt, out, row_max, inv_sum, dout, delta, dq_parts, dk, dv,
                  std::nullopt, o, tile_map, key_ranges, std::nullopt, std::nullopt);
     if (o.chunks == 1) return {dq_parts.select(0, 0), dk, dv};
     at::Tensor dq = dq_parts.select(0, 0).add(dq_parts.select(0, 1));
@@ -452,7 +453,8 @@ TORCH_LIBRARY(attngrad_tiles, m) {
     m.def("forward_planned(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? tile_map, "
           "Tensor key_ranges, Tensor options) -> (Tensor, Tensor, Tensor)");
     m.def("backward_planned(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor out, Tensor row_max, "
-          "Tensor inv_sum, Tensor dout, Tensor? tile_map, Tensor key_ranges, Tensor options) -> (Tensor, Tensor, Tensor)");
+          "Tensor inv_sum, Tensor dout, Tensor? tile_map, Tensor key_ranges, Tensor options) "
+          "-> (Tensor, Tensor, Tensor)");
     m.def("dropout_keep_scale(Tensor(a!) out, int seed, int row_start, int key_start, int threshold, float value) -> ()");
     m.def("gemm_path(int choose) -> int", &gemm_path_op);
     m.def("brgemm_path(int choose) -> int", &brgemm_path_op);

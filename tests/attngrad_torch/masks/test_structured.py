@@ -380,17 +380,6 @@ def test_documents_need_as_many_queries_as_keys():
         attention(q, k, k, cu_seqlens=torch.tensor([0, 3, 7]))
 
 
-def test_torch_ops_blocks_hold_only_their_band():
-    """The torch-ops kernels' query blocks under a causal window of w keys see their R rows'
-    R + w - 1 keys at most, wherever they lie: the band, not the prefix."""
-    length, keys = 64, 5
-    bounds, _ = structure((1,), length, length, 0, torch.device("cpu"), window=(keys - 1, None))
-    plan = first_order.blocks(1, 1, length, length, 0, bounds=bounds)
-    assert len(plan) > 3 and plan[-1][1] == length
-    for start, stop, first, last in plan:
-        assert first == max(0, start - keys + 1) and last == stop
-
-
 def test_compiles_with_fullgraph():
     """Under torch.compile(fullgraph=True) the structures build their bounds without reading
     values (boolean padding becomes the mask), and the results are eager's, backward too."""

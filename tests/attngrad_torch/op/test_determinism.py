@@ -7,11 +7,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attngrad.torch import attention  # noqa: E402
-from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
-from attngrad.torch.backends.torch_ops import first_order  # noqa: E402
+from attngrad.torch.backends.cpu_tiles import tiling  # noqa: E402
 from attngrad.torch.op import dropout  # noqa: E402
 
-from ...conftest import EXACT, rel_err  # noqa: E402
+from ...conftest import rel_err  # noqa: E402
 from ..conftest import make_call  # noqa: E402
 
 CASES = {
@@ -154,9 +153,9 @@ def test_a_ring_steps_bits_do_not_depend_on_the_thread_count(many_blocks):
 def test_chunks_follow_the_shapes_alone(monkeypatch):
     """The backward's work split, the one thing that once followed the thread count."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    one = [native._chunks(heads, blocks) for heads in (1, 3, 8, 16, 40) for blocks in (1, 2, 9)]
+    one = [tiling.chunk_count(heads, blocks) for heads in (1, 3, 8, 16, 40) for blocks in (1, 2, 9)]
     monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
-    assert one == [native._chunks(heads, blocks) for heads in (1, 3, 8, 16, 40) for blocks in (1, 2, 9)]
+    assert one == [tiling.chunk_count(heads, blocks) for heads in (1, 3, 8, 16, 40) for blocks in (1, 2, 9)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -185,24 +184,3 @@ def test_dropout_keeps_one_minus_p():
     for axis in (0, 1, 2, 3):
         per = keep.double().mean(dim=[d for d in range(4) if d != axis])
         assert float((per - 0.75).abs().max()) < 6 * (0.75 * 0.25 / (n / keep.shape[axis])) ** 0.5
-
-
-def test_dropout_mask_does_not_depend_on_the_tiling(monkeypatch, tuned):
-    """The torch-ops kernels draw per block: with one tile of 2^22 scores or many of 2^9
-    the keep-mask is the same, so the output and gradients agree to rounding (a different
-    mask would change them by O(1))."""
-    g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(2, 3, 60, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    dout = torch.randn(2, 3, 60, 16, generator=g, dtype=torch.float64)
-
-    def run():
-        torch.manual_seed(11)
-        out = attention(q, k, v, is_causal=True, dropout_p=0.4)
-        return (out, *torch.autograd.grad(out, (q, k, v), dout))
-
-    big, big_plan = run(), first_order.blocks(2, 3, 60, 60, 0)
-    tuned(first_order.TILING, tile_elements=1 << 9, min_rows=3)
-    small, small_plan = run(), first_order.blocks(2, 3, 60, 60, 0)
-    assert len(big_plan) == 1 and len(small_plan) > 10
-    for a, b in zip(big, small):
-        assert rel_err(a, b) < EXACT

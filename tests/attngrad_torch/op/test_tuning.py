@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from attngrad.torch.backends.cpu_tiles import native
+from attngrad.torch.backends.cpu_tiles import native, tiling
 from attngrad.torch.tuning import Tuning
 
 
@@ -45,9 +45,9 @@ def test_an_override_holds_in_its_own_thread_alone():
 
 
 def test_the_tiles_read_their_tiling_at_each_call(tuned):
-    """The compiled tiles' block rows follow an override (`native._block_rows`), and the
+    """The compiled tiles' block rows follow an override (`tiling.query_block_rows`), and the
     tiles' settings, which key a prepared plan, change with it."""
     before = native.settings()
-    assert native._block_rows(4096, 4096, None, False) == native.TILING().block_rows == 128
+    assert tiling.query_block_rows(4096, 4096, None, False) == native.TILING().block_rows == 128
     tuned(native.TILING, block_rows=16)
-    assert native._block_rows(4096, 4096, None, False) == 16 and native.settings() != before
+    assert tiling.query_block_rows(4096, 4096, None, False) == 16 and native.settings() != before

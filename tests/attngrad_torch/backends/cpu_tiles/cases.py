@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from hypothesis import strategies as st  # noqa: E402
 
-from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
+from attngrad.torch.backends.cpu_tiles import native, tiling  # noqa: E402
 from attngrad.torch.backends.torch_ops import first_order, higher_order  # noqa: E402
 from attngrad.torch.op.call import AttentionCall  # noqa: E402
 from attngrad.torch.op.dropout import Placement  # noqa: E402
@@ -165,8 +165,8 @@ def tiles_not_empty(q, k, causal, mask=None, bias=None, bounds=None, block_keys=
     from attngrad.torch.masks.block_map import ScoreFilter, empty_tiles
 
     masks = native._score_masks(tiles_call(q, k, q, causal, mask=mask, bias=bias, bounds=bounds), q.dtype)
-    block_keys = block_keys or native._block_keys(bounds)
-    rows = native._block_rows(q.shape[2], k.shape[2], causal, q.dtype == torch.bfloat16, masks.get("key_bounds"))
+    block_keys = block_keys or tiling.keys_per_block(bounds)
+    rows = tiling.query_block_rows(q.shape[2], k.shape[2], causal, q.dtype == torch.bfloat16, masks.get("key_bounds"))
     scores = ScoreFilter(q.shape[2], k.shape[2], causal, masks.get("key_bounds"), masks.get("mask"), masks.get("bias"))
     empty = empty_tiles(scores, rows, block_keys)
     empty = empty.expand(q.shape[0], q.shape[1], *empty.shape[2:])

@@ -7,7 +7,7 @@ from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from attngrad.torch import scaled_dot_product_attention  # noqa: E402
-from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
+from attngrad.torch.backends.cpu_tiles import native, tiling  # noqa: E402
 from attngrad.torch.backends.torch_ops import first_order, higher_order  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
 from attngrad.torch.op.dropout import Placement  # noqa: E402
@@ -423,7 +423,7 @@ def test_a_broadcast_bias_gradient_takes_no_copy_per_batch_entry_or_head():
     assert parts((1, 1, 1, 300), backward_jvp=True) == 5
     with pytest.raises(RuntimeError, match="bias_sizes must have 4 entries"):
         torch.ops.attngrad_tiles.bias_grad_parts([37, 300], 5, False)  # the backward's JVP chunks the query rows
-    assert native._independent(k, (1, 4, 37, 300)) == 2 and native._independent(k, None) == 6
+    assert tiling.independent_items(k, (1, 4, 37, 300)) == 2 and tiling.independent_items(k, None) == 6
 
 
 @needs_tiles

@@ -5,7 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
+from attngrad.torch.backends.cpu_tiles import native, tiling  # noqa: E402
 from attngrad.torch.backends.torch_ops import first_order, higher_order  # noqa: E402
 
 from ....conftest import EXACT, assert_all_close, rel_err  # noqa: E402
@@ -18,12 +18,12 @@ from .cases import after_forward, needs_tiles, query_blocks_taken, random_inputs
     (128, None, torch.float32, False), (1024, 0, torch.float32, False), (128, 0, torch.bfloat16, False)])
 def test_forward_and_backward_take_the_same_query_blocks(monkeypatch, len_q, causal, dtype, short):
     """The backward recomputes the forward's scores bit for bit only where its tiles are the
-    forward's: both passes take their query blocks from `_block_rows`, smaller than
+    forward's: both passes take their query blocks from `tiling.query_block_rows`, smaller than
     block_rows for a short causal call (its blocks skip more of the masked triangle) unless
     its products are bfloat16's."""
     q, k, v, dout = random_inputs(2, 2, 2, len_q, 4096 if len_q == 1 else len_q, 8, 8, dtype, 0)
     rows = query_blocks_taken(monkeypatch, q, k, v, dout, causal)
-    assert rows["forward"] == rows["backward"] == native._block_rows(len_q, k.shape[2], causal, dtype == torch.bfloat16)
+    assert rows["forward"] == rows["backward"] == tiling.query_block_rows(len_q, k.shape[2], causal, dtype == torch.bfloat16)
     assert (rows["forward"] < native.TILING().block_rows) is short
 
 
@@ -57,7 +57,7 @@ def test_double_backward_at_its_own_block_heights(len_q, len_k, causal, rows):
     library's own settings, several blocks and a short last one (bottom-right where causal),
     float64: `higher_order`'s results to 1e-12."""
     causal = len_k - len_q if causal else None
-    assert native._whole_row_split(torch.empty(1, 1, len_q, 1), torch.empty(1, 1, len_k, 1), {}, False, 1, causal,
+    assert tiling.whole_row_split(torch.empty(1, 1, len_q, 1), torch.empty(1, 1, len_k, 1), {}, False, 1, causal,
                                    double_backward=True)[0] == rows
     q, k, v, dout = random_inputs(2, 4, 2, len_q, len_k, 24, 16, torch.float64, 5)
     g = torch.Generator().manual_seed(6)
@@ -79,10 +79,10 @@ def test_whole_row_blocks_are_taller_where_nothing_bands_the_keys():
     q = torch.empty(1, 1, 4096, 1)
 
     def rows(len_k, causal=None, **masks):
-        return native._whole_row_split(q, torch.empty(1, 1, len_k, 1), masks, False, 1, causal)[0]
+        return tiling.whole_row_split(q, torch.empty(1, 1, len_k, 1), masks, False, 1, causal)[0]
 
-    tiling = native.TILING()
-    assert rows(4096) == 2 * tiling.block_rows == 256 and rows(8192) == tiling.double_tile // 8192 == 128
+    sizes = tiling.TILING()
+    assert rows(4096) == 2 * sizes.block_rows == 256 and rows(8192) == sizes.double_tile // 8192 == 128
     assert rows(4096, 0) == rows(4096, key_bounds=torch.zeros(1)) == rows(4096, mask_blocks=object()) == 128
 
 

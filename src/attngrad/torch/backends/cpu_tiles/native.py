@@ -39,7 +39,16 @@ from ...op.dropout import Placement, as_int64, keep_value, threshold
 from ...precision import compute_dtype
 from . import buffer_cache
 from .build import build_info, fresh_build_seconds, library
-from .tiling import TILING
+from .tiling import (
+    TILING,
+    band_keys_transposed,
+    chunk_count,
+    independent_items,
+    keys_per_block,
+    keys_transposed,
+    query_block_rows,
+    whole_row_split,
+)
 
 __all__ = ["attention_forward", "attention_backward", "attention_double_backward", "attention_jvp",
            "attention_forward_jvp", "attention_backward_jvp", "attention_backward_jvp_given_sums", "forward_plan",
@@ -220,74 +229,6 @@ def _mask_args(masks: dict) -> dict:
                 mask_blocks=masks.get("mask_blocks"), mask_tiles=masks.get("mask_tiles"))
 
 
-def _block_rows(len_q: int, len_k: int, causal: int | None, bf16: bool, bounds: Tensor | None = None) -> int:
-    """Rows per query block of the forward and the backward (both: their tiles must be the
-    same for the backward to recompute the forward's scores bit for bit): block_rows; for a
-    causal call shorter than causal_short rows a quarter of them, 32 to 64; where the key
-    `bounds` leave every row a band of at most narrow_band keys, `_band_rows`'s. bfloat16's
-    products keep block_rows (`tiling.Tiling`)."""
-    tiling = TILING()
-    if bf16:
-        return tiling.block_rows
-    if _narrow(bounds):
-        return _band_rows(len_q, len_k, causal, bounds)
-    if causal is None or len_q >= tiling.causal_short:
-        return tiling.block_rows
-    return min(tiling.block_rows, max(32, min(64, 1 << max(0, (len_q // 4).bit_length() - 1))))
-
-
-def _band_rows(len_q: int, len_k: int, causal: int | None, bounds: Tensor) -> int:
-    """block_rows, a half or a quarter of it: the one whose query blocks' key ranges
-    (`block_map.key_ranges`), rows times keys, cover the fewest scores, weighted by
-    band_row_cost. Kept while the bounds live unchanged (`version_cache.value`)."""
-    tiling = TILING()
-
-    def make() -> Tensor:
-        costs = {}
-        for rows, weight in zip((tiling.block_rows, tiling.block_rows // 2, tiling.block_rows // 4),
-                                tiling.band_row_cost):
-            if rows >= 1:
-                keys = key_ranges(len_q, len_k, causal, bounds, rows)[..., 1]  # (1 or B, query blocks)
-                sizes = torch.full((keys.shape[1],), rows)
-                sizes[-1] = len_q - rows * (keys.shape[1] - 1)  # the last block's rows
-                costs.setdefault(rows, float((keys * sizes).sum()) * weight)
-        return torch.tensor(min(costs, key=costs.get))
-
-    return int(version_cache.value("band_rows", (len_q, len_k, causal, tiling.block_rows, tiling.band_row_cost),
-                                   (bounds,), make))
-
-
-def _block_keys(bounds: Tensor | None) -> int:
-    """Keys per block of the forward and backward: block_keys, or narrow_block_keys where the
-    key bounds leave every row a narrow band (a query block's range then rarely straddles
-    two blocks, each straddle a second, smaller tile)."""
-    return TILING().narrow_block_keys if _narrow(bounds) else TILING().block_keys
-
-
-def _band_keys_transposed(len_q: int, rows: int, bounds: Tensor | None, bf16: bool) -> bool:
-    """Whether the forward and the backward take S and dP from transposed copies of K and V
-    (csrc/pass.h, BandKeys): on a narrow band's query blocks of a quarter of block_rows (a
-    causal window's 32 rows), whose NT products run slowest (with 64 rows, documents of 512
-    ran 2-4% slower with the copies), for float32 and float64 products over at least
-    band_transpose_rows query rows, which share the copies (a decode step's one row keeps
-    its own one-row product). Both passes decide from the same sizes and bounds: the
-    backward recomputes the forward's scores with the same product."""
-    tiling = TILING()
-    return not bf16 and rows <= tiling.block_rows // 4 and len_q >= tiling.band_transpose_rows and _narrow(bounds)
-
-
-def _narrow(bounds: Tensor | None) -> bool:
-    """Whether key `bounds` are given and leave every row at most narrow_band keys. Kept while
-    the bounds live unchanged (`version_cache.value`): a pass asks three times, a reduction each."""
-    if bounds is None or bounds.numel() == 0:
-        return False
-
-    def make() -> bool:
-        return int((bounds[..., 1] - bounds[..., 0]).max()) <= TILING().narrow_band
-
-    return version_cache.value("narrow", (TILING().narrow_band,), (bounds,), make)
-
-
 def _tile_map(q: Tensor, k: Tensor, masks: dict, causal: int | None, block_rows: int, block_keys: int,
               ranges: Tensor) -> Tensor | None:
     """The tile map the forward and the backward read (`block_map.tile_map`: (1 or B, 1 or H,
@@ -340,10 +281,10 @@ def attention_forward(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
     batch, heads, len_q, _ = q.shape
     out = q.new_empty(batch, heads, len_q, v.shape[-1])
     row_max, inv_sum = q.new_empty(batch, heads, len_q), q.new_empty(batch, heads, len_q)
-    masks, block_keys = _score_masks(call, q.dtype), _block_keys(bounds)
-    rows = _block_rows(len_q, k.shape[2], causal, bf16, masks.get("key_bounds"))
+    masks, block_keys = _score_masks(call, q.dtype), keys_per_block(bounds)
+    rows = query_block_rows(len_q, k.shape[2], causal, bf16, masks.get("key_bounds"))
     ranges = _key_ranges(q, k, causal, rows, masks)
-    layout = _Layout(rows, block_keys, transposed_keys=_band_keys_transposed(len_q, rows, bounds, bf16))
+    layout = _Layout(rows, block_keys, transposed_keys=band_keys_transposed(len_q, rows, bounds, bf16))
     _run("forward", call, layout, masks, q=q, k=k, v=v, out=out, row_max=row_max, inv_sum=inv_sum,
          tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges)
     return out, row_max, inv_sum
@@ -402,7 +343,7 @@ def forward_plan(call: AttentionCall) -> Callable[..., tuple[Tensor, Tensor, Ten
     makes its results (`eager_plans`)."""
     q, k, v = call.q, call.k, call.v
     converted = any(t.dtype != compute_dtype(q.dtype) or not t.is_contiguous() for t in (q, k, v))
-    layout = _Layout(_block_rows(q.shape[2], k.shape[2], call.causal, _bf16(q)), _block_keys(None))
+    layout = _Layout(query_block_rows(q.shape[2], k.shape[2], call.causal, _bf16(q)), keys_per_block(None))
     options, masks, op = _planned_options(call, layout), _plan_masks(call, layout), _ops().forward_planned.default
 
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None) -> tuple:
@@ -419,9 +360,9 @@ def backward_plan(call: AttentionCall) -> Callable[..., tuple[Tensor, Tensor, Te
     in the compute dtype, the same tiles, chunks and bits as the whole path's, from one op,
     `backward_planned`."""
     q, k = call.q, call.k
-    block_keys = _block_keys(None)
-    chunks = _chunks(_independent(k, None), -(-k.shape[2] // block_keys))
-    layout = _Layout(_block_rows(q.shape[2], k.shape[2], call.causal, _bf16(q)), block_keys, chunks)
+    block_keys = keys_per_block(None)
+    chunks = chunk_count(independent_items(k, None), -(-k.shape[2] // block_keys))
+    layout = _Layout(query_block_rows(q.shape[2], k.shape[2], call.causal, _bf16(q)), block_keys, chunks)
     options, masks, op = _planned_options(call, layout), _plan_masks(call, layout), _ops().backward_planned.default
 
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, *after_forward: Tensor) -> tuple:
@@ -430,44 +371,6 @@ def backward_plan(call: AttentionCall) -> Callable[..., tuple[Tensor, Tensor, Te
         return op(q, k, v, mask, bias, out, row_max, inv_sum, dout, tile_map, ranges, options)
 
     return run
-
-
-def _chunks(batch_kv_heads: int, blocks: int) -> int:
-    """Work items of the backward passes are (batch, key/value head, chunk of blocks); each
-    chunk sums its own copy of the gradients its blocks share, and the copies are added in
-    chunk order. One chunk when there are `Tiling.target_items` heads or more; otherwise
-    enough chunks for about that many items, no more than the blocks. The count follows the
-    shapes alone, never the thread count, so the bits do not either."""
-    target = TILING().target_items
-    if batch_kv_heads >= target:
-        return 1
-    return max(1, min(blocks, -(-target // batch_kv_heads)))
-
-
-def _independent(k: Tensor, bias_sizes: tuple | None) -> int:
-    """How many (b, key/value head) work items a backward pass can run apart: all of them,
-    except that the tiles give one item the batch entries or heads whose gradient of a
-    broadcast bias (of 4-D `bias_sizes`, None without a gradient) adds into the same entries."""
-    batch, kv_heads = k.shape[:2]
-    if bias_sizes is None:
-        return batch * kv_heads
-    return (1 if bias_sizes[0] == 1 else batch) * (1 if bias_sizes[1] == 1 else kv_heads)
-
-
-def _whole_row_split(q: Tensor, k: Tensor, masks: dict, bias_grad: bool, chunks: int | None, causal: int | None,
-                     double_backward: bool = False) -> tuple[int, int]:
-    """(rows per query block, chunks) of a pass on whole rows (JVP, the backward's JVP,
-    double backward): `chunks` as given, or enough for its independent work items. Blocks
-    take up to twice block_rows rows (whole_rows); a causal call's, or a band's, block_rows,
-    and a short causal call's double backward fewer (double_causal_rows)."""
-    banded = causal is not None or masks.get("key_bounds") is not None or masks.get("mask_blocks") is not None
-    tiling = TILING()
-    rows = _rows_per_block(k.shape[2], tiling.block_rows if banded else tiling.whole_rows * tiling.block_rows)
-    if double_backward and causal is not None:
-        rows = min([rows] + [r for longest, r in tiling.double_causal_rows if q.shape[2] <= longest])
-    if chunks is None:
-        chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-q.shape[2] // rows))
-    return rows, chunks
 
 
 def _with_bias_like(masks: dict, name: str, t: Tensor | None, dtype: torch.dtype) -> dict:
@@ -513,42 +416,29 @@ def attention_backward(call: AttentionCall, inputs: PassInputs,
     """(dq, dk, dv, dbias or None): `first_order.attention_backward`'s results for the cases
     the tiles backend takes, from the pass's `inputs` (dout, out, row_max, inv_sum,
     bias_grad); dbias in the bias's shape and the compute dtype. `chunks` splits each head's
-    keys into that many work items (default: `_chunks`)."""
+    keys into that many work items (default: `chunk_count`)."""
     bf16, causal, bias_grad = _bf16(call.q), call.causal, inputs.get("bias_grad", False)
     tensors = _tensors(call, inputs, _AFTER_FORWARD)
     q, k = tensors["q"], tensors["k"]
     masks = _score_masks(call, q.dtype, full_bias=bias_grad)
-    block_keys = _block_keys(call.bounds)
+    block_keys = keys_per_block(call.bounds)
     if bias_grad and q.dtype == torch.float32 and masks["bias_sizes"][3] > 1 and k.shape[2] <= TILING().whole_row_keys:
         # a float32 bias gradient: each row in one key block, whose D = rowsum(P dP) follows the
         # block's own P and dP where rowsum(dO O) carries O's rounding (ALiBi, GQA, d=40, Lq=1024:
         # dbias 2.0x PyTorch's error -> see docs/api.md)
         block_keys = max(block_keys, k.shape[2])
     if chunks is None:
-        chunks = _chunks(_independent(k, masks["bias_sizes"] if bias_grad else None), -(-k.shape[2] // block_keys))
+        chunks = chunk_count(independent_items(k, masks["bias_sizes"] if bias_grad else None), -(-k.shape[2] // block_keys))
     dq_parts = q.new_empty(chunks, *q.shape)  # the pass zeroes its parts, dk and dv itself
     dk, dv = torch.empty_like(k), torch.empty_like(tensors["v"])
     delta = q.new_empty(q.shape[:-1])
     dbias_parts = _bias_grad_buffer(masks, bias_grad, chunks, False, q.dtype)
-    rows = _block_rows(q.shape[2], k.shape[2], causal, bf16, masks.get("key_bounds"))
+    rows = query_block_rows(q.shape[2], k.shape[2], causal, bf16, masks.get("key_bounds"))
     ranges = _key_ranges(q, k, causal, rows, masks)
-    layout = _Layout(rows, block_keys, chunks, _band_keys_transposed(q.shape[2], rows, call.bounds, bf16))
+    layout = _Layout(rows, block_keys, chunks, band_keys_transposed(q.shape[2], rows, call.bounds, bf16))
     _run("backward", call, layout, masks, **tensors, delta=delta, dq_parts=dq_parts, dk=dk, dv=dv,
          dbias_parts=dbias_parts, tile_map=_tile_map(q, k, masks, causal, rows, block_keys, ranges), key_ranges=ranges)
     return _sum_parts(dq_parts), dk, dv, _finish_bias_grad(dbias_parts, call.bias)
-
-
-def _transposed_keys(k: Tensor, v: Tensor) -> bool:
-    """Whether the whole-row passes take the key side transposed (transposed_keys): at most
-    three K-like and three V-like heads of Lk keys."""
-    return k.shape[2] * 3 * (k.shape[3] + v.shape[3]) <= TILING().transposed_keys
-
-
-def _rows_per_block(len_k: int, most: int) -> int:
-    """Query rows per block of a whole-row pass (the double backward holds four R x Lk'
-    tiles of whole rows): at most double_tile numbers each, 8 (or `most` if fewer) to `most`
-    rows."""
-    return max(min(8, most), min(most, TILING().double_tile // max(1, len_k)))
 
 
 def attention_double_backward(call: AttentionCall, inputs: PassInputs, chunks: int | None = None
@@ -557,7 +447,7 @@ def attention_double_backward(call: AttentionCall, inputs: PassInputs, chunks: i
     results for the cases the tiles backend takes, from the pass's `inputs` (dout, out,
     row_max, inv_sum, bias_grad, dout_grad, gq, gk, gv, gbias, sink_rows), in the compute
     dtype; an absent cotangent is zero (`gbias`, dbias's, only with `bias_grad`). `chunks`
-    splits each head's query blocks into that many work items (default: `_chunks`). With a
+    splits each head's query blocks into that many work items (default: `chunk_count`). With a
     sink, `sink_rows` (B, H, Lq, compute dtype), where given, takes each row's P_sink (u - t
     D), its share of the sink logit's gradient (`sink_logits`)."""
     bias_grad = inputs.get("bias_grad", False)
@@ -565,12 +455,12 @@ def attention_double_backward(call: AttentionCall, inputs: PassInputs, chunks: i
     q, k, v = tensors["q"], tensors["k"], tensors["v"]
     masks = _score_masks(call, q.dtype, full_bias=bias_grad)
     _with_bias_like(masks, "gbias", inputs.get("gbias") if bias_grad else None, q.dtype)
-    rows, chunks = _whole_row_split(q, k, masks, bias_grad, chunks, call.causal, double_backward=True)
+    rows, chunks = whole_row_split(q, k, masks, bias_grad, chunks, call.causal, double_backward=True)
     g_dout = torch.empty_like(tensors["dout"]) if inputs["dout_grad"] else None
     g_q = torch.empty_like(q)
     gk_parts, gv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
     g_bias_parts = _bias_grad_buffer(masks, bias_grad, chunks, True, q.dtype)
-    layout = _Layout(rows, chunks=chunks, transposed_keys=_transposed_keys(k, v))
+    layout = _Layout(rows, chunks=chunks, transposed_keys=keys_transposed(k, v))
     _run("double_backward", call, layout, masks, **tensors, delta=q.new_empty(q.shape[:-1]), gbias=masks.get("gbias"),
          g_dout=g_dout, g_q=g_q, gk_parts=gk_parts, gv_parts=gv_parts, g_bias_parts=g_bias_parts,
          key_ranges=_key_ranges(q, k, call.causal, rows, masks), sink_rows=inputs.get("sink_rows"))
@@ -593,8 +483,8 @@ def attention_jvp(call: AttentionCall, inputs: PassInputs) -> Tensor:
     q, k, v, tbias = tensors["q"], tensors["k"], tensors["v"], inputs.get("tbias")
     masks = _with_bias_like(_score_masks(call, q.dtype, full_bias=tbias is not None), "tbias", tbias, q.dtype)
     out_t = q.new_empty(*q.shape[:3], v.shape[-1])
-    rows, chunks = _whole_row_split(q, k, masks, False, None, call.causal)  # each work item owns its rows
-    layout = _Layout(rows, chunks=chunks, transposed_keys=_transposed_keys(k, v))
+    rows, chunks = whole_row_split(q, k, masks, False, None, call.causal)  # each work item owns its rows
+    layout = _Layout(rows, chunks=chunks, transposed_keys=keys_transposed(k, v))
     _run("jvp", call, layout, masks, **tensors, tbias=masks.get("tbias"), tout=out_t,
          key_ranges=_key_ranges(q, k, call.causal, rows, masks))
     return out_t
@@ -620,8 +510,8 @@ def attention_forward_jvp(call: AttentionCall, inputs: PassInputs) -> tuple[Tens
     out, row_max, inv_sum = _results_into(row_sums.get("results"), (out_shape, q.shape[:3], q.shape[:3]), q.dtype,
                                           "forward_jvp")
     out_t = q.new_empty(out_shape)
-    rows, chunks = _whole_row_split(q, k, masks, False, None, call.causal)  # each work item owns its rows
-    layout = _Layout(rows, chunks=chunks, transposed_keys=_transposed_keys(k, v))
+    rows, chunks = whole_row_split(q, k, masks, False, None, call.causal)  # each work item owns its rows
+    layout = _Layout(rows, chunks=chunks, transposed_keys=keys_transposed(k, v))
     _run("forward_jvp", call, layout, masks, **tensors, tbias=masks.get("tbias"), out=out, tout=out_t,
          row_max=row_max, inv_sum=inv_sum, key_ranges=_key_ranges(q, k, call.causal, rows, masks), centre=centre,
          peak=peak)
@@ -638,15 +528,15 @@ def attention_backward_jvp_given_sums(call: AttentionCall, inputs: PassInputs, w
     ring step: its seed's placement says so), the sums the whole row's. In the compute
     dtype; `with_backward`: the backward's (dq, dk, dv) first, from the same pass, written
     into row_sums' "results" where given (`_results_into`). `chunks` splits each head's keys
-    into that many work items (default: `_chunks`)."""
+    into that many work items (default: `chunk_count`)."""
     bf16, causal, row_sums, tbias = _bf16(call.q), call.causal, inputs["row_sums"], inputs.get("tbias")
     # the sums are work tensors too: their dtype counts towards the work dtype
     tensors = _tensors(call, {**inputs, **row_sums}, (*_AFTER_FORWARD, "tdout", *_TANGENTS, "centre", "delta_t"))
     q, k, v = tensors["q"], tensors["k"], tensors["v"]
     masks = _with_bias_like(_score_masks(call, q.dtype, full_bias=tbias is not None), "tbias", tbias, q.dtype)
-    block_keys = _block_keys(call.bounds)
+    block_keys = keys_per_block(call.bounds)
     if chunks is None:
-        chunks = _chunks(_independent(k, None), -(-k.shape[2] // block_keys))
+        chunks = chunk_count(independent_items(k, None), -(-k.shape[2] // block_keys))
     tdq_parts = q.new_zeros(chunks, *q.shape)
     tdk, tdv = torch.zeros_like(k), torch.zeros_like(v)
     grads = dict(dq_parts=None, dk=None, dv=None)
@@ -655,7 +545,7 @@ def attention_backward_jvp_given_sums(call: AttentionCall, inputs: PassInputs, w
                                    "backward_jvp_given_sums")
         dq_parts = dq[None] if chunks == 1 else q.new_empty(chunks, *q.shape)  # one part: dq itself
         grads = dict(dq_parts=dq_parts.zero_(), dk=dk.zero_(), dv=dv.zero_())
-    rows = _block_rows(q.shape[2], k.shape[2], causal, bf16, masks.get("key_bounds"))
+    rows = query_block_rows(q.shape[2], k.shape[2], causal, bf16, masks.get("key_bounds"))
     ranges = _key_ranges(q, k, causal, rows, masks)
     peak = row_sums.get("peak")
     tensors.update(centre=tensors["centre"].reshape(q.shape[:-1]).contiguous(),
@@ -678,7 +568,7 @@ def attention_backward_jvp(call: AttentionCall, inputs: PassInputs, with_backwar
     results for the cases the tiles backend takes, from the pass's `inputs` (dout, out,
     row_max, inv_sum, bias_grad, tdout, tq, tk, tv, tbias, sink_rows), in the compute dtype;
     an absent tangent is zero. `chunks` splits each head's query blocks into that many work
-    items (default: `_chunks`). `with_backward`: the backward's (dq, dk, dv, dbias or None)
+    items (default: `chunk_count`). `with_backward`: the backward's (dq, dk, dv, dbias or None)
     first, then the tangents, from the one pass (the backward's P and dS are the JVP's too).
     A sink (the call's) says the statistics hold its term, which a bias constant along the
     keys needs for its gradient's tangent in closed form; `sink_rows` (B, H, Lq, compute
@@ -689,7 +579,7 @@ def attention_backward_jvp(call: AttentionCall, inputs: PassInputs, with_backwar
     q, k, v = tensors["q"], tensors["k"], tensors["v"]
     masks = _score_masks(call, q.dtype, full_bias=bias_grad or tbias is not None)
     _with_bias_like(masks, "tbias", tbias, q.dtype)
-    rows, chunks = _whole_row_split(q, k, masks, bias_grad, chunks, call.causal)
+    rows, chunks = whole_row_split(q, k, masks, bias_grad, chunks, call.causal)
     tdq = q.new_empty(q.shape)
     tdk_parts, tdv_parts = k.new_zeros(chunks, *k.shape), v.new_zeros(chunks, *v.shape)
     tdbias_parts = _bias_grad_buffer(masks, bias_grad, chunks, True, q.dtype)
@@ -698,7 +588,7 @@ def attention_backward_jvp(call: AttentionCall, inputs: PassInputs, with_backwar
         grads = dict(dq=q.new_empty(q.shape), dk_parts=k.new_zeros(chunks, *k.shape),
                      dv_parts=v.new_zeros(chunks, *v.shape),
                      dbias_row_parts=_bias_grad_buffer(masks, bias_grad, chunks, True, q.dtype))
-    layout = _Layout(rows, chunks=chunks, transposed_keys=_transposed_keys(k, v))
+    layout = _Layout(rows, chunks=chunks, transposed_keys=keys_transposed(k, v))
     _run("backward_jvp", call, layout, masks, **tensors, delta=q.new_empty(q.shape[:-1]), tbias=masks.get("tbias"),
          tdq=tdq, tdk_parts=tdk_parts, tdv_parts=tdv_parts, tdbias_parts=tdbias_parts, **grads,
          key_ranges=_key_ranges(q, k, call.causal, rows, masks), sink_rows=inputs.get("sink_rows"))

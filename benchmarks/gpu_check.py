@@ -42,7 +42,7 @@ from typing import Optional
 
 DOUBLE = "float64"
 DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16")
-# float32 with split products on the tensor cores (`launch.Options.float32_products`): opt-in
+# float32 with split products on the tensor cores (`config.Options.float32_products`): opt-in
 SPLIT = ("tf32x3", "bf16x6")
 
 
@@ -370,7 +370,7 @@ class Timed:
     causal: bool = False
     mode: str = "train"  # forward, train (fwd+bwd), bias (train with an (H, L, L) bias's gradient), jvp, double, hvp
     yardstick: str = "default"  # default or math
-    products: str = "ieee"  # float32's products on our side (`launch.Options.float32_products`)
+    products: str = "ieee"  # float32's products on our side (`config.Options.float32_products`)
 
 
 def _timed_cases(quick: bool) -> list:

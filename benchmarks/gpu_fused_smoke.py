@@ -1,6 +1,6 @@
 """The fused backward's first run on a GPU, kept short so that a hang or a wrong order shows
 before anything longer runs: bfloat16, B = 4, L = 4096, H * d = 2048, causal and not; the
-fused backward (`launch.Options.fused_backward`) against the split one, its gradients' largest
+fused backward (`config.Options.fused_backward`) against the split one, its gradients' largest
 difference, whether a rerun gives the same bits, and each one's time (median of
 `triton.testing.do_bench`). Exit status 1 if the fused one differs from the split one by
 more than bfloat16's rounding or changes its bits on a rerun.

@@ -1,4 +1,4 @@
-"""The tiles of `launch._TABLE` timed on a heavy call: for each entry named, its candidates
+"""The tiles of `config._TABLE` timed on a heavy call: for each entry named, its candidates
 (`tile_candidates.py`'s, those that compile without spills for sm_80 and sm_90) each take the
 entry's place in turn, and one step of the entry's pass runs on a call with an (H, L, L)
 bias and the causal diagonal (B = 1, H = 16, L = 2048), in rounds, interleaved. A program
@@ -50,7 +50,7 @@ def _step(key: tuple, candidate, device: str, small: bool):
     import torch
 
     from attngrad.torch import attention, use_backend
-    from attngrad.torch.backends.triton import launch
+    from attngrad.torch.backends.triton import config
 
     pass_name, kind, width = key
     dtype = torch.bfloat16 if kind == "half" else torch.float32
@@ -68,7 +68,7 @@ def _step(key: tuple, candidate, device: str, small: bool):
     step = mode_step(MODES[pass_name], sdpa, (q, k, v), dout, tangents)
 
     def run() -> None:
-        launch._TABLE[key] = candidate
+        config._TABLE[key] = candidate
         torch.backends.cuda.matmul.allow_tf32 = kind == "tf32"
         try:
             step()
@@ -99,7 +99,7 @@ def main(argv: Optional[list] = None) -> int:
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"
         args.rounds = 1
-    from attngrad.torch.backends.triton import launch
+    from attngrad.torch.backends.triton import config, launch
 
     if args.interpret:  # the table's tiles, as on an sm_90 GPU
         table = launch.blocks_for
@@ -107,7 +107,7 @@ def main(argv: Optional[list] = None) -> int:
             name, dtype, width, False, tf32, 90, light)
     device = "cpu" if args.interpret else "cuda"
     keys = [(p, k, int(w)) for p, k, w in args.entry]
-    entries = {key: launch._TABLE[key] for key in keys}
+    entries = {key: config._TABLE[key] for key in keys}
     jobs = [(key, c) for key in keys for c in _candidates(entries[key])]
     if not args.no_check:
         with multiprocessing.get_context("spawn").Pool(args.workers, initializer=_compiled_kernels) as pool:
@@ -125,7 +125,7 @@ def main(argv: Optional[list] = None) -> int:
         for job, run in runs.items():
             times[job].append(_time(run, device))
     for key, entry in entries.items():
-        launch._TABLE[key] = entry
+        config._TABLE[key] = entry
     results = []
     for (key, candidate), ts in times.items():
         ms = sorted(ts)[len(ts) // 2]

@@ -1,8 +1,8 @@
 """The Triton backend's tiles, timed on a GPU: for the forward and the backward of a light
-call (`launch.is_light`) in bfloat16, each candidate (rows x keys, warps, pipeline stages,
+call (`config.is_light`) in bfloat16, each candidate (rows x keys, warps, pipeline stages,
 head-width slice) takes the place of sm_90's entry in turn and is timed on one call, B=4,
 L=4096, H = 2048 / d. A program for a lent GPU; it prints every candidate's time, best
-first per pass, width and mask, to choose `launch._HOPPER_LIGHT` from (each then checked
+first per pass, width and mask, to choose `config._HOPPER_LIGHT` from (each then checked
 for spills by `attngrad gpu-report --features light plain`).
 
     python benchmarks/gpu_tiles.py --workers 12              # the sweep
@@ -14,13 +14,13 @@ for spills by `attngrad gpu-report --features light plain`).
     python benchmarks/gpu_tiles.py --tma --out DIR           # tensor descriptors against pointer loads
 
 `--split` times the walks that take the tiles needing no masking in a loop of their own
-(`launch.Options.interior_tiles`, the default) against walks that take every tile in the
+(`config.Options.interior_tiles`, the default) against walks that take every tile in the
 masked loop, at the table's tiles and 1 to 3 stages, and a few other tiles at 2 and 3 stages. `--fused` times the backward split into query_side and
-key_side (7 products per tile, `launch.Options.fused_backward` False) against key_side fused with
+key_side (7 products per tile, `config.Options.fused_backward` False) against key_side fused with
 dQ's ordered adds (5 products), at the table's tile and others. `--exp2` times the table's
-tiles with log2(e) folded into the scale (`launch.Options.exp2_dtypes`, the default) against
+tiles with log2(e) folded into the scale (`config.Options.exp2_dtypes`, the default) against
 `tl.exp` of natural scores. `--tma` times the table's tiles with the walks' loads through
-tensor descriptors (`launch.Options.tensor_descriptors`) against pointer loads, at 1 to 3 stages.
+tensor descriptors (`config.Options.tensor_descriptors`) against pointer loads, at 1 to 3 stages.
 """
 
 from __future__ import annotations
@@ -56,12 +56,12 @@ def _setup(name: str, d: int, candidate: Optional[tuple], causal: bool, split: b
     import torch
 
     from attngrad.torch import scaled_dot_product_attention, use_backend
-    from attngrad.torch.backends.triton import launch
+    from attngrad.torch.backends.triton import config, launch
 
     options = dict(interior_tiles=split, fused_backward=way == "fused", light_key_side=way == "light",
                    exp2_dtypes=(torch.float16, torch.bfloat16) if exp2 else (), tensor_descriptors=tma)
     if candidate is not None:
-        launch._HOPPER_LIGHT[(name, "half", d)] = launch.Blocks(*candidate)
+        config._HOPPER_LIGHT[(name, "half", d)] = launch.Blocks(*candidate)
     leaves, dout = inputs(d)
 
     def forward():
@@ -108,13 +108,13 @@ def final_jobs(widths) -> list:
 def split_jobs(widths) -> list:
     """The table's tiles with whole walks (every tile masked), against split walks at 1 to 3
     stages, and other tiles split, causal and not."""
-    from attngrad.torch.backends.triton import launch
+    from attngrad.torch.backends.triton import config
 
     more = {"forward": [(128, 64, 4), (128, 128, 4), (128, 128, 8)],
             "backward": [(64, 64, 4), (128, 64, 8), (64, 128, 4)]}
     jobs = []
     for name, d, causal in itertools.product(("forward", "backward"), widths, (False, True)):
-        table = tuple(vars(launch._HOPPER_LIGHT[(name, "half", d)]).values())[:4]
+        table = tuple(vars(config._HOPPER_LIGHT[(name, "half", d)]).values())[:4]
         jobs.append((name, d, None, causal, False))
         jobs += [(name, d, table[:3] + (stages,), causal, True) for stages in (1, 2, 3)]
         jobs += [(name, d, tile + (stages,), causal, True) for tile in more[name] if tile != table[:3]
@@ -162,11 +162,11 @@ def exp2_jobs(widths) -> list:
 def tma_jobs(widths) -> list:
     """The table's tiles at 1 to 3 stages, the backward's key side split (the default), loads
     through tensor descriptors against pointers, causal and not."""
-    from attngrad.torch.backends.triton import launch
+    from attngrad.torch.backends.triton import config
 
     jobs = []
     for name, d, causal in itertools.product(("forward", "backward"), widths, (False, True)):
-        table = tuple(vars(launch._HOPPER_LIGHT[(name, "half", d)]).values())[:3]
+        table = tuple(vars(config._HOPPER_LIGHT[(name, "half", d)]).values())[:3]
         jobs.append((name, d, None, causal, True, "split", True, False))
         jobs += [(name, d, table + (stages,), causal, True, "split", True, True) for stages in (1, 2, 3)]
     return jobs
@@ -205,7 +205,7 @@ def main(argv: Optional[list] = None) -> int:
     import torch
     import triton.testing
 
-    from attngrad.torch.backends.triton import launch
+    from attngrad.torch.backends.triton import config
 
     todo = (tma_jobs(args.widths) if args.tma else exp2_jobs(args.widths) if args.exp2
             else key_side_jobs(args.widths) if args.key_side
@@ -220,12 +220,12 @@ def main(argv: Optional[list] = None) -> int:
         for d, causal in itertools.product(args.widths, (False, True)):
             print(f"d={d} causal={causal}: same bits through descriptors: {same_bits_through_descriptors(d, causal)}",
                   flush=True)
-    table = dict(launch._HOPPER_LIGHT)
+    table = dict(config._HOPPER_LIGHT)
     times: dict = {job: [] for job in todo}
     for _ in range(args.rounds):
         for job in todo:
-            launch._HOPPER_LIGHT.clear()
-            launch._HOPPER_LIGHT.update(table)
+            config._HOPPER_LIGHT.clear()
+            config._HOPPER_LIGHT.update(table)
             try:
                 step = _setup(*job)
                 step()
@@ -233,7 +233,7 @@ def main(argv: Optional[list] = None) -> int:
             except Exception:  # noqa: BLE001
                 pass
             torch.cuda.empty_cache()
-    launch._HOPPER_LIGHT.update(table)
+    config._HOPPER_LIGHT.update(table)
     print(f"\n{torch.cuda.get_device_name()}, triton {triton.__version__}, bfloat16, B={B}, L={L}, H=2048/d, "
           f"median of {args.rounds} interleaved rounds")
     results = []

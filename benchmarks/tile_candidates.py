@@ -1,6 +1,6 @@
 """Tile candidates for the Triton backend's table, checked without a GPU: each candidate
 (rows x keys, warps, stages, head-width slice, registers, split walks) takes the place of a
-`launch._TABLE` entry in turn, and the pass's kernels are compiled for sm_80 and sm_90 in
+`config._TABLE` entry in turn, and the pass's kernels are compiled for sm_80 and sm_90 in
 every feature set of `attngrad gpu-report`; a candidate is kept where none spills. What it
 keeps is what a GPU then times (`gpu_tiles.py`), and the first kept of each entry is the
 one to take where no GPU has timed them.
@@ -50,12 +50,12 @@ def check(key: tuple, candidate) -> tuple[int, str]:
     """(spill bytes, where) of one candidate of one entry: its pass (and the passes that take
     its tiles) compiled in every feature set for every target, stopping at the first variant
     that spills or fails (0, "" if none)."""
-    from attngrad.torch.backends.triton import compile_report, launch
+    from attngrad.torch.backends.triton import compile_report, config
 
     pass_name, kind, width = key
-    launch._TABLE[key] = candidate
+    config._TABLE[key] = candidate
     passes = (pass_name,)
-    if pass_name == "jvp" and ("forward_jvp", kind, width) not in launch._TABLE:  # it takes the JVP's tiles
+    if pass_name == "jvp" and ("forward_jvp", kind, width) not in config._TABLE:  # it takes the JVP's tiles
         passes += ("forward_jvp",)
     for dtype in KINDS[kind]:
         for features in ("all", "broadcast-bias", "light", "plain"):  # the heaviest first
@@ -78,11 +78,11 @@ def first_clean(job: tuple) -> tuple:
     """(key, lines, the first candidate that compiles clean or None), trying the entry's
     candidates in order (all of them with `every`)."""
     warnings.filterwarnings("ignore")
-    from attngrad.torch.backends.triton import launch
+    from attngrad.torch.backends.triton import config
 
     key, every = job
     lines, first = [], None
-    for candidate in _candidates(launch._TABLE[key]):
+    for candidate in _candidates(config._TABLE[key]):
         spills, where = check(key, candidate)
         verdict = "clean" if spills == 0 else f"spills {spills} B ({where})" if spills > 0 else f"error ({where})"
         lines.append(f"{key[0]:15s} {key[1]:7s} {key[2]:3d}  {label(candidate):30s} {verdict}")
@@ -101,11 +101,11 @@ def label(b) -> str:
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--entry", nargs=3, action="append", required=True, metavar=("PASS", "KIND", "WIDTH"),
-                        help="an entry of launch._TABLE (kind: half, float32, tf32), as `gpu-report` names a spill")
+                        help="an entry of config._TABLE (kind: half, float32, tf32), as `gpu-report` names a spill")
     parser.add_argument("--every", action="store_true", help="every candidate, not only up to the first clean one")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     args = parser.parse_args(argv)
-    from attngrad.torch.backends.triton import launch
+    from attngrad.torch.backends.triton import config
 
     keys = [(p, k, int(w)) for p, k, w in args.entry]
     firsts = {}
@@ -116,7 +116,7 @@ def main(argv: Optional[list] = None) -> int:
     print("\nfirst clean candidate per entry:")
     for key in keys:
         first = firsts[key]
-        print(f"  {key}: {'none' if first is None else label(first)}  (was {label(launch._TABLE[key])})"
+        print(f"  {key}: {'none' if first is None else label(first)}  (was {label(config._TABLE[key])})"
               + ("" if first is None else f"  {first!r}"))
     return 0
 

@@ -29,12 +29,12 @@ def gpu_report(*args, interpret=None):
 
 # The compiling tests share one fresh process (each start imports torch and triton anew):
 # it runs each report through `main` and prints {name: [exit code, stdout]} as JSON.
-# The spill case patches the launch table, so it runs last.
+# The spill case patches the tiles' table, so it runs last.
 _REPORTS = """
 import contextlib, io, json, sys
 import torch
 from attngrad.cli.main import main
-from attngrad.torch.backends.triton import compile_report, launch
+from attngrad.torch.backends.triton import compile_report, config
 
 results = {}
 def report(name, *args):
@@ -51,7 +51,7 @@ report("light", "--dtypes", "bfloat16", "--widths", "128", "--features", "light"
        "--passes", "backward")
 forward = compile_report.record_launches(torch.bfloat16, 64, "plain", passes=("forward",), arch=80)[0]
 results["twice"] = [compile_report.compile_launch(forward, 80), compile_report.compile_launch(forward, 80)]
-launch._TABLE[("jvp", "float32", 128)] = launch.Blocks(16, 16, 8, 1)  # the JVP's products unsliced
+config._TABLE[("jvp", "float32", 128)] = config.Blocks(16, 16, 8, 1)  # the JVP's products unsliced
 report("unsliced_jvp", "--dtypes", "float32", "--widths", "128", "--features", "all", "--passes", "jvp",
        "--archs", "80")
 sys.__stdout__.write(json.dumps(results))
@@ -99,7 +99,7 @@ def test_the_uncentred_half_precision_walks_compile(reports):
 
 def test_light_calls_compile_for_sm90_with_hoppers_tiles_without_spills(reports):
     """A light call (causal, key bounds, GQA) in bfloat16 at d = 128: its backward takes
-    sm_90's own 128 x 64 tiles over the whole head width (launch._HOPPER_LIGHT), 4.4-4.9x
+    sm_90's own 128 x 64 tiles over the whole head width (config._HOPPER_LIGHT), 4.4-4.9x
     as fast on an H100 as the general table's (docs/gpu-runs), and compiles for sm_90
     without a spill."""
     code, stdout = reports["light"]

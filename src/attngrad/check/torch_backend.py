@@ -137,7 +137,7 @@ def check_backend(case: Case, tol: float) -> list[BackendRow]:
                                   for z in zero]}
     rows = []
     # Every backend that runs here, on the check's CPU tensors: Triton's only in its
-    # interpreter, far too slow for every case (tests/attngrad_torch/backends/triton/test_triton.py holds it to
+    # interpreter, far too slow for every case (tests/attngrad_torch/backends/triton/test_passes.py holds it to
     # the math path instead).
     for implementation in [b.name for b in list_backends() if b.available and b.name != "triton"]:
         with use_backend(implementation):

@@ -270,7 +270,7 @@ def test_every_pass_reads_the_blocks_in_triton(name):
     from attngrad.torch.op import dispatch
 
     if not triton_backend.interpreting():
-        pytest.skip("the Triton kernels are compiled here (TRITON_INTERPRET=0): tests/attngrad_torch/backends/triton/test_triton.py")
+        pytest.skip("the Triton kernels are compiled here (TRITON_INTERPRET=0): tests/attngrad_torch/backends/triton/test_passes.py")
     before = dict(dispatch.ran)
     with use_backend("triton"):
         _every_pass(Case(**TRITON_CASES[name]))

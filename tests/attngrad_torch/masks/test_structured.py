@@ -253,7 +253,7 @@ def structured_calls(draw):
     return options
 
 
-# the CPU backends: Triton's interpreter (seconds a call) has its structures in test_triton
+# the CPU backends: Triton's interpreter (seconds a call) has its structures in test_passes
 @settings(max_examples=40, deadline=None)
 @given(structured_calls(), st.sampled_from([b.name for b in list_backends() if b.available and b.name != "triton"]))
 def test_random_structures_match_the_math_kernel(options, implementation_name):

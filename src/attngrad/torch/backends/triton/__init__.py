@@ -1,5 +1,5 @@
 """The "triton" backend: every pass of attention as fused Triton kernels in O(L) memory, for
-GPUs (`launch`, `kernels`, `tiles`). It takes CUDA tensors by default where triton is
+GPUs (`config`, `launch`, `kernels`, `tiles`). It takes CUDA tensors by default where triton is
 installed. CPU tensors it takes only when chosen (`use_backend("triton")`) and under
 Triton's interpreter (TRITON_INTERPRET=1 before triton is first imported), which runs the
 same kernels on NumPy: how its numbers are tested without a GPU. `attngrad gpu-report` compiles every kernel variant for sm_80 and
@@ -107,7 +107,7 @@ def _refuses(call: AttentionCall, pass_name: str, inputs: dict) -> Optional[str]
             return too_old
     if min(call.q.shape) == 0 or min(call.k.shape) == 0 or min(call.v.shape) == 0:
         return "it takes no empty dimension"
-    from .launch import MAX_WIDTH
+    from .config import MAX_WIDTH
 
     if max(call.q.shape[-1], call.v.shape[-1]) > MAX_WIDTH:
         return f"it takes head widths up to {MAX_WIDTH}; got d={call.q.shape[-1]}, dv={call.v.shape[-1]}"

@@ -507,7 +507,7 @@ def key_side(tensors, OUT_K, OUT_V, strides, cbias, sc, masks, meta, fmeta, walk
 
 @triton.jit
 def key_side_light(tensors, OUT_K, OUT_V, strides, key_bounds, fmeta, walks, sizes, SW: tl.constexpr):
-    """key_side's backward (dK, dV) for a light call (`launch.is_light`) whose walks are
+    """key_side's backward (dK, dV) for a light call (`config.is_light`) whose walks are
     contiguous, in the keys' orientation, as FlashAttention-2's dK/dV loop: S^T = K Q^T and
     dP^T = V dO^T come out as the left operands of dV += P^T dO and dK += dS^T Q, where
     key_side transposes P and dS in registers for them (a trip through shared memory each;

@@ -41,7 +41,7 @@ ARCHS = (80, 90)
 # kernel (boolean mask, a mask kept per block, a bias with the scores' shape and its gradient,
 # key bounds, the causal diagonal, soft cap, dropout, GQA, every tangent and cotangent); "broadcast-bias"
 # the same with a (1, H, 1, Lk) bias, whose gradient the bias-side kernel reduces; "light"
-# the options a light call may have (`launch.is_light`: key bounds, the causal diagonal, GQA),
+# the options a light call may have (`config.is_light`: key bounds, the causal diagonal, GQA),
 # which take sm_90's own tiles in half precision.
 FEATURES = ("plain", "all", "broadcast-bias", "light")
 # Where a spill fails the check: head widths up to 128 in float16, bfloat16 and float32.
@@ -281,9 +281,9 @@ def compile_report(dtypes: Sequence[str] = tuple(DTYPES), widths: Sequence[int] 
     """Every distinct kernel variant of the given calls, compiled for every target with the
     target's tiles (with `tensor_descriptors`, the walks' loads through TMA where
     `launch._descriptors` takes them: sm_90)."""
-    from . import launch
+    from . import config
 
-    with launch.TUNING.override(tensor_descriptors=tensor_descriptors):
+    with config.TUNING.override(tensor_descriptors=tensor_descriptors):
         return _compile_all(dtypes, widths, archs, features, passes, progress)
 
 

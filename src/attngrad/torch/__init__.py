@@ -20,6 +20,8 @@ operators and sends each to a backend (`op.dispatch`); each backend is one packa
 `backends`; `masks` holds masks in every form. docs/design.md draws it.
 """
 
+import torch
+
 from . import backends  # registers the backends
 from .arguments import AttentionOptions
 from .functional import attention, scaled_dot_product_attention
@@ -28,6 +30,9 @@ from .masks.version_cache import forget_masks
 from .mha import MultiheadAttention
 from .op.dispatch import list_backends, ran, use_backend, use_implementation
 from .sdpa_mode import SDPACalls, replace_sdpa
+
+if torch.distributed.is_available():
+    from . import distributed  # noqa: F401 - registers the passes' DTensor handlers
 
 __all__ = ["AttentionOptions", "MultiheadAttention", "SDPACalls", "attention", "backends", "create_block_mask", "forget_masks",
            "list_backends", "ran", "replace_sdpa", "scaled_dot_product_attention", "use_backend", "use_implementation"]

@@ -12,7 +12,8 @@ Inside `torch.utils.checkpoint` (either kind, selective checkpointing, the gradi
 checkpointing of diffusers, timm and transformers), the mode follows the forward into its
 recomputation in the backward (`recomputation`), which then takes the same backend.
 
-A call attngrad does not take (a tensor subclass such as DTensor, a strided nested tensor,
+DTensors are taken (`context_parallel()`'s sharded sequences: `distributed.dtensor_passes`).
+A call attngrad does not take (another tensor subclass, a strided nested tensor,
 arguments attngrad refuses and PyTorch accepts) goes to PyTorch's own function: counted
 in the `SDPACalls` the context yields and reported once per reason, never silently
 different. `strict=True` raises instead.
@@ -80,6 +81,15 @@ def _arguments(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_
                 scale=scale, enable_gqa=enable_gqa)
 
 
+def _is_dtensor(t: Tensor) -> bool:
+    """DTensors are taken: their passes have DTensor handlers (`distributed.dtensor_passes`)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 def _not_taken(arguments: dict) -> Optional[str]:
     """Why attngrad does not take this call (None: it does)."""
     for name in ("query", "key", "value", "attn_mask"):
@@ -88,7 +98,7 @@ def _not_taken(arguments: dict) -> Optional[str]:
             continue
         if t.is_nested:
             return f"{name} is a strided nested tensor (attngrad takes layout=torch.jagged)"
-        if regime.is_wrapper_subclass(t):
+        if regime.is_wrapper_subclass(t) and not _is_dtensor(t):
             return f"{name} is a {type(t).__name__}, a tensor subclass attngrad's op has no rule for"
     return None  # anything else attngrad's own checks judge, naming the arguments
 

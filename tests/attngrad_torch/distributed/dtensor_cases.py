@@ -1,0 +1,198 @@
+"""What each rank runs in the DTensor and context-parallel tests (importable by spawned
+processes): attngrad's passes on DTensors sharded along the sequence, and PyTorch's
+`context_parallel()` with `replace_sdpa()` around a model, each compared on every rank with
+one process on the whole sequence. Each case returns the largest relative error over its
+tensors (max |ours - theirs| / max |theirs|), or the message it raised."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from attngrad.torch import attention, replace_sdpa, scaled_dot_product_attention
+from attngrad.torch.distributed import ring_attention
+
+B, H, E = 2, 2, 4
+
+
+def _relative(ours: Tensor, theirs: Tensor) -> float:
+    ours = ours.full_tensor() if isinstance(ours, DTensor) else ours
+    scale = theirs.abs().max().item()
+    return (ours.detach() - theirs.detach()).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def _differentiate(run, leaves: list, dout) -> list:
+    """[out, the gradients of <out, dout>, the gradients of the squared gradients' sum]: the
+    first and second derivatives, as a gradient penalty takes them."""
+    out = run(*leaves)
+    grads = torch.autograd.grad(out, leaves, dout, create_graph=True)
+    penalty = sum((g * g).sum() for g in grads)
+    return [out, *grads, *torch.autograd.grad(penalty, leaves[:3])]
+
+
+def derivatives(rank: int, world: int) -> dict:
+    """Every reverse-mode derivative on DTensors sharded along the sequence (Shard(2)), with a
+    bias or a mask as this rank's rows, a bias every row shares (its gradient Partial), and
+    every DTensor replicated, against one process: out, the gradients of q, k, v and the
+    bias, and the double backward's."""
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(7)
+    length = 6 * world
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    q, k, v, dout = randn(B, H, length, E), randn(B, H, length, E), randn(B, H, length, E + 1), randn(B, H, length, E + 1)
+    rows_bias, shared_bias = randn(B, H, length, length), randn(1, H, 1, length)
+    keep = torch.rand(B, 1, length, length, generator=g) > 0.3
+    keep[..., 0] = True
+    cases = {"plain": {}, "causal": dict(is_causal=True), "rows-bias": dict(attn_bias=rows_bias),
+             "causal-shared-bias": dict(is_causal=True, attn_bias=shared_bias), "rows-mask": dict(attn_mask=keep),
+             "replicated-causal-bias": dict(is_causal=True, attn_bias=rows_bias)}
+    errors = {}
+    for name, options in cases.items():
+        bias = options.get("attn_bias")
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, *([] if bias is None else [bias]))]
+        whole = _differentiate(lambda *x: attention(*x[:3], **{**options, **({"attn_bias": x[3]} if len(x) > 3 else {})}),
+                               leaves, dout)
+        placement = [Replicate()] if name.startswith("replicated") else [Shard(2)]
+
+        def place(t: Tensor, shared: bool = False) -> DTensor:
+            return distribute_tensor(t, mesh, [Replicate()] if shared else placement)
+
+        dleaves = [place(t).requires_grad_() for t in (q, k, v)]
+        if bias is not None:
+            dleaves.append(place(bias, shared=bias is shared_bias).requires_grad_())
+        doptions = dict(options, attn_mask=None if "attn_mask" not in options else place(keep))
+        doptions.pop("attn_bias", None)
+        ours = _differentiate(lambda *x: attention(*x[:3], **doptions, **({"attn_bias": x[3]} if len(x) > 3 else {})),
+                              dleaves, place(dout))
+        errors[name] = max(_relative(a, b) for a, b in zip(ours, whole))
+        errors[f"{name}-each"] = [_relative(a, b) for a, b in zip(ours, whole)]
+        errors[f"{name}-placements"] = str(ours[0].placements)
+    return errors
+
+
+def refusals(rank: int, world: int) -> dict:
+    """What each placement the passes do not take raises."""
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.randn(B, H, 4 * world, E, dtype=torch.float64)
+    cases = {"heads": ([Shard(1)],) * 3, "mixed": ([Shard(2)], [Replicate()], [Shard(2)])}
+    said = {}
+    for name, placements in cases.items():
+        q, k, v = (distribute_tensor(x, mesh, p) for p in placements)
+        try:
+            attention(q, k, v)
+            said[name] = "no error"
+        except NotImplementedError as e:
+            said[name] = str(e)
+    return said
+
+
+class Layer(nn.Module):
+    """Self-attention through torch.nn.functional.scaled_dot_product_attention, as a model
+    written for PyTorch's own context parallelism calls it, then an MLP."""
+
+    def __init__(self, width: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attend = None  # another function of (q, k, v, is_causal) than PyTorch's, where set
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x: Tensor, causal: bool) -> Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        a = (self.attend or F.scaled_dot_product_attention)(q, k, v, is_causal=causal)
+        x = x + self.proj(a.transpose(1, 2).reshape(batch, length, width))
+        return x + self.mlp(x)
+
+
+def context_parallel_model(rank: int, world: int) -> dict:
+    """A layer under `context_parallel()` (its sequence sharded in PyTorch's head-tail order)
+    and `replace_sdpa(strict=True)`: its output and every parameter's gradient equal one
+    process's, causal and not, every call on attngrad."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    layer = Layer().double()
+    x = torch.randn(2, 8 * world, 8, dtype=torch.float64)
+    weights = torch.randn(2, 8 * world, 8, dtype=torch.float64)
+    result = {}
+    for causal in (False, True):
+        layer.zero_grad()
+        whole = layer(x, causal)
+        (whole * weights).sum().backward()
+        expected = [p.grad.clone() for p in layer.parameters()]
+        layer.zero_grad()
+        xs, ws = x.clone(), weights.clone()
+        with context_parallel(mesh, buffers=[xs, ws], buffer_seq_dims=[1, 1]):
+            with replace_sdpa(strict=True) as calls:
+                out = layer(xs, causal)
+            (out * ws).sum().backward()
+            (gathered,) = context_parallel_unshard(mesh, [out.detach()], [1])
+        grads = [p.grad.clone() for p in layer.parameters()]
+        for grad in grads:  # each rank's tokens' part of the loss
+            dist.all_reduce(grad)
+        result[f"causal={causal}"] = max([_relative(gathered, whole)] +
+                                         [_relative(a, b) for a, b in zip(grads, expected)])
+        result[f"causal={causal}-calls"] = (calls.attngrad, dict(calls.pytorch))
+    return result
+
+
+def meanflow_step(rank: int, world: int) -> dict:
+    """A MeanFlow-style step inside `context_parallel()`: u and du/dt by torch.func.jvp
+    through attention, then a loss on both and its backward. PyTorch's `context_parallel()`
+    SDPA cannot carry a tangent (its DTensor.from_local has no forward-mode rule), so the
+    layer calls attngrad's `ring_attention` on the same head-tail shards (layout "zigzag");
+    the JVP and every parameter's gradient equal one process's. Also what PyTorch's path
+    raises."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    mesh = init_device_mesh("cpu", (world,))
+    group = mesh.get_group()
+    torch.manual_seed(1)
+    layer = Layer().double()
+    x, t = torch.randn(2, 8 * world, 8, dtype=torch.float64), torch.randn(2, 8 * world, 8, dtype=torch.float64)
+
+    def ring(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> Tensor:
+        return ring_attention(q, k, v, group=group, layout="zigzag", is_causal=is_causal)
+
+    def step(inputs: Tensor, tangents: Tensor, attend: object) -> tuple:
+        layer.zero_grad()
+        layer.attend = attend
+        u, du = torch.func.jvp(lambda a: layer(a, True), (inputs,), (tangents,))
+        layer.attend = None
+        ((u - du.detach()).square().sum() + du.square().sum()).backward()
+        return u, du, [p.grad.clone() for p in layer.parameters()]
+
+    u, du, expected = step(x, t, scaled_dot_product_attention)
+    xs, ts = x.clone(), t.clone()
+    result = {}
+    with context_parallel(mesh, buffers=[xs, ts], buffer_seq_dims=[1, 1]):
+        try:
+            with replace_sdpa(strict=True):
+                torch.func.jvp(lambda a: layer(a, True), (xs,), (ts,))
+            result["pytorch-cp"] = "no error"
+        except RuntimeError as e:
+            result["pytorch-cp"] = str(e)
+        su, sdu, grads = step(xs, ts, ring)
+        gathered = context_parallel_unshard(mesh, [su.detach(), sdu.detach()], [1, 1])
+    for grad in grads:
+        dist.all_reduce(grad)
+    result["error"] = max([_relative(gathered[0], u), _relative(gathered[1], du)] +
+                          [_relative(a, b) for a, b in zip(grads, expected)])
+    return result
+
+
+def all_cases(rank: int, world: int) -> dict:
+    return dict(derivatives=derivatives(rank, world), refusals=refusals(rank, world),
+                context_parallel=context_parallel_model(rank, world), meanflow=meanflow_step(rank, world))

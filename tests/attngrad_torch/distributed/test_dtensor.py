@@ -1,0 +1,61 @@
+"""attngrad's passes on DTensors and under PyTorch's `context_parallel()`, on 2 local
+processes (gloo on 127.0.0.1), one spawn running every case of `dtensor_cases`: every
+derivative equals one process on the whole sequence to 1e-12 relative in float64."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from attngrad.torch.distributed.launch import spawn  # noqa: E402
+
+from . import dtensor_cases  # noqa: E402
+
+WORLD = 2
+
+
+@functools.cache
+def _results() -> list[dict]:
+    return spawn(WORLD, dtensor_cases.all_cases, timeout=240, collective_timeout=60)
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "rows-bias", "causal-shared-bias", "rows-mask",
+                                  "replicated-causal-bias"])
+def test_every_reverse_derivative_on_dtensors_equals_one_process(case: str) -> None:
+    """Output, the gradients of q, k, v and the bias, and the double backward, on DTensors
+    sharded along the sequence (or replicated), with the output placed as the query."""
+    for rank, result in enumerate(_results()):
+        errors = result["derivatives"]
+        assert errors[case] <= 1e-12, f"rank {rank}, {case}: off by {errors[case]:.2e} {errors.get(case + '-each')}"
+        replicated = case.startswith("replicated")
+        assert errors[f"{case}-placements"] == ("(Replicate(),)" if replicated else "(Shard(dim=2),)")
+
+
+def test_placements_the_passes_cannot_take_raise_naming_them() -> None:
+    for result in _results():
+        said = result["refusals"]
+        assert "sharded along the sequence" in said["heads"] and "query (Shard(dim=1),)" in said["heads"], said
+        assert "query (Shard(dim=2),), key (Replicate(),)" in said["mixed"], said
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_context_parallel_with_replace_sdpa_equals_one_process(causal: bool) -> None:
+    """PyTorch's context_parallel() around a layer that calls F.scaled_dot_product_attention,
+    with replace_sdpa(strict=True): output and every parameter's gradient as in one process,
+    in PyTorch's load-balanced (head-tail) order, every call on attngrad."""
+    for rank, result in enumerate(_results()):
+        errors = result["context_parallel"]
+        assert errors[f"causal={causal}"] <= 1e-12, (rank, errors)
+        assert errors[f"causal={causal}-calls"] == (1, {}), errors
+
+
+def test_a_meanflow_step_inside_context_parallel_equals_one_process() -> None:
+    """The JVP through attention, then the backward, inside context_parallel(): through
+    attngrad's ring_attention on the same shards; PyTorch's own context-parallel SDPA
+    cannot carry the tangent (its DTensor.from_local has no forward-mode rule)."""
+    for rank, result in enumerate(_results()):
+        meanflow = result["meanflow"]
+        assert meanflow["error"] <= 1e-12, (rank, meanflow)
+        assert "setup_context" in meanflow["pytorch-cp"] or "jvp" in meanflow["pytorch-cp"], meanflow

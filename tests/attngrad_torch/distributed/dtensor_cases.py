@@ -196,3 +196,38 @@ def meanflow_step(rank: int, world: int) -> dict:
 def all_cases(rank: int, world: int) -> dict:
     return dict(derivatives=derivatives(rank, world), refusals=refusals(rank, world),
                 context_parallel=context_parallel_model(rank, world), meanflow=meanflow_step(rank, world))
+
+
+def fsdp_by_context_parallel(rank: int, world: int) -> dict:
+    """Three SGD steps on a 2 x 2 mesh (4 ranks): FSDP2 shards the layer over "data" and
+    replicates it over "context" (HSDP: its gradients averaged over all four ranks), PyTorch's
+    context_parallel() shards each data rank's sequences over "context" with replace_sdpa():
+    the parameters after every step equal one process's on the whole batch."""
+    import copy
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("context", "data"))
+    torch.manual_seed(2)
+    reference = Layer().double()
+    model = copy.deepcopy(reference)
+    fully_shard(model, mesh=mesh)  # sharded over "data", replicated over "context"
+    batch, length = 4, 16
+    x, weights = torch.randn(batch, length, 8, dtype=torch.float64), torch.randn(batch, length, 8, dtype=torch.float64)
+    optimizers = [torch.optim.SGD(reference.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)]
+    rows = slice(2 * mesh["data"].get_local_rank(), 2 * mesh["data"].get_local_rank() + 2)
+    errors = []
+    for _ in range(3):
+        ((reference(x, True) * weights).sum() / (batch * length)).backward()
+        xs, ws = x[rows].clone(), weights[rows].clone()
+        with context_parallel(mesh["context"], buffers=[xs, ws], buffer_seq_dims=[1, 1]):
+            with replace_sdpa(strict=True):
+                out = model(xs, True)
+            # this rank's tokens' part of the mean, times the 4 ranks FSDP averages over
+            (4 * (out * ws).sum() / (batch * length)).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        errors.append(max(_relative(p.full_tensor(), r) for p, r in zip(model.parameters(), reference.parameters())))
+    return dict(steps=errors)

@@ -1,10 +1,13 @@
 """attngrad's passes on DTensors and under PyTorch's `context_parallel()`, on 2 local
-processes (gloo on 127.0.0.1), one spawn running every case of `dtensor_cases`: every
-derivative equals one process on the whole sequence to 1e-12 relative in float64."""
+processes (gloo on 127.0.0.1; 4 with ATTNGRAD_FOUR_RANKS=1, by hand, which also runs FSDP2
+beside context parallelism on a 2 x 2 mesh), one spawn running every case of
+`dtensor_cases`: every derivative equals one process on the whole sequence to 1e-12
+relative in float64."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
@@ -13,7 +16,8 @@ from attngrad.torch.distributed.launch import spawn  # noqa: E402
 
 from . import dtensor_cases  # noqa: E402
 
-WORLD = 2
+FOUR = os.environ.get("ATTNGRAD_FOUR_RANKS") == "1"
+WORLD = 4 if FOUR else 2
 
 
 @functools.cache
@@ -59,3 +63,11 @@ def test_a_meanflow_step_inside_context_parallel_equals_one_process() -> None:
         meanflow = result["meanflow"]
         assert meanflow["error"] <= 1e-12, (rank, meanflow)
         assert "setup_context" in meanflow["pytorch-cp"] or "jvp" in meanflow["pytorch-cp"], meanflow
+
+
+@pytest.mark.skipif(not FOUR, reason="4 ranks on a 2 x 2 mesh: by hand "
+                    "(ATTNGRAD_FOUR_RANKS=1), as the CI's 2 cores would take most of a minute")
+def test_fsdp2_by_context_parallel_on_a_2x2_mesh_trains_as_one_process() -> None:
+    for rank, result in enumerate(spawn(4, dtensor_cases.fsdp_by_context_parallel, timeout=300,
+                                        collective_timeout=120)):
+        assert max(result["steps"]) <= 1e-12, (rank, result)

@@ -111,38 +111,74 @@ class Layer(nn.Module):
         return x + self.mlp(x)
 
 
+class BiasedLayer(Layer):
+    """`Layer` with ALiBi-like learned slopes: a bias -slope_h |i - j| made from the query
+    rows' positions (a buffer context_parallel() shards, as it shards the tokens) against the
+    whole sequence's keys, passed to SDPA as its float attn_mask; its gradient reaches the
+    slopes."""
+
+    def __init__(self, width: int = 8, heads: int = 2) -> None:
+        super().__init__(width, heads)
+        self.slopes = nn.Parameter(torch.linspace(0.1, 0.5, heads, dtype=torch.float64))
+
+    def forward(self, x: Tensor, positions: Tensor, whole: int, causal: bool) -> Tensor:
+        batch, length, width = x.shape  # length: this rank's tokens, of `whole`
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        keys = torch.arange(whole, dtype=torch.float64)  # the whole sequence's, in order
+        distance = (positions[:, None].to(torch.float64) - keys[None, :]).abs()
+        if causal:  # the causal mask in the bias, as models with a learned bias must pass it
+            distance = distance.masked_fill(keys[None, :] > positions[:, None], float("inf"))
+        bias = -self.slopes[:, None, None] * distance  # (H, this rank's rows, L)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None].expand(batch, -1, -1, -1))
+        x = x + self.proj(a.transpose(1, 2).reshape(batch, length, width))
+        return x + self.mlp(x)
+
+
 def context_parallel_model(rank: int, world: int) -> dict:
-    """A layer under `context_parallel()` (its sequence sharded in PyTorch's head-tail order)
-    and `replace_sdpa(strict=True)`: its output and every parameter's gradient equal one
-    process's, causal and not, every call on attngrad."""
+    """Layers under `context_parallel()` (their sequences sharded in PyTorch's head-tail
+    order) and `replace_sdpa(strict=True)`: the output and every parameter's gradient equal
+    one process's, causal and not, with a learned bias (`BiasedLayer`: its slopes' gradient),
+    and a gradient penalty's double backward; every call on attngrad."""
     import torch.distributed as dist
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
-    layer = Layer().double()
-    x = torch.randn(2, 8 * world, 8, dtype=torch.float64)
-    weights = torch.randn(2, 8 * world, 8, dtype=torch.float64)
+    length = 8 * world
+    layers = {"plain": Layer().double(), "bias": BiasedLayer().double()}
+    x = torch.randn(2, length, 8, dtype=torch.float64)
+    weights = torch.randn(2, length, 8, dtype=torch.float64)
     result = {}
-    for causal in (False, True):
-        layer.zero_grad()
-        whole = layer(x, causal)
-        (whole * weights).sum().backward()
-        expected = [p.grad.clone() for p in layer.parameters()]
-        layer.zero_grad()
-        xs, ws = x.clone(), weights.clone()
-        with context_parallel(mesh, buffers=[xs, ws], buffer_seq_dims=[1, 1]):
-            with replace_sdpa(strict=True) as calls:
-                out = layer(xs, causal)
-            (out * ws).sum().backward()
-            (gathered,) = context_parallel_unshard(mesh, [out.detach()], [1])
-        grads = [p.grad.clone() for p in layer.parameters()]
-        for grad in grads:  # each rank's tokens' part of the loss
-            dist.all_reduce(grad)
-        result[f"causal={causal}"] = max([_relative(gathered, whole)] +
-                                         [_relative(a, b) for a, b in zip(grads, expected)])
-        result[f"causal={causal}-calls"] = (calls.attngrad, dict(calls.pytorch))
+    for name, layer in layers.items():
+        for causal in (False, True):
+            for penalty in (False, True):
+                def loss(inputs: Tensor, positions: Tensor, w: Tensor) -> Tensor:
+                    out = layer(inputs, causal) if name == "plain" else layer(inputs, positions, length, causal)
+                    value = (out * w).sum()
+                    if penalty:  # a gradient penalty: the backward of a backward
+                        (g,) = torch.autograd.grad(value, inputs, create_graph=True)
+                        value = value + (g * g).sum()
+                    return out, value
+
+                layer.zero_grad()
+                with replace_sdpa(strict=True):  # one process on attngrad too: PyTorch's CPU kernel has no double backward
+                    whole, value = loss(x.clone().requires_grad_(), torch.arange(length), weights)
+                value.backward()
+                expected = [p.grad.clone() for p in layer.parameters()]
+                layer.zero_grad()
+                xs, ws, ps = x.clone(), weights.clone(), torch.arange(length)
+                with context_parallel(mesh, buffers=[xs, ws, ps], buffer_seq_dims=[1, 1, 0]):
+                    with replace_sdpa(strict=True) as calls:
+                        out, value = loss(xs.clone().requires_grad_(), ps, ws)  # the buffer itself is restored
+                    value.backward()
+                    (gathered,) = context_parallel_unshard(mesh, [out.detach()], [1])
+                grads = [p.grad.clone() for p in layer.parameters()]
+                for grad in grads:  # each rank's tokens' part of the loss
+                    dist.all_reduce(grad)
+                case = f"{name} causal={causal} penalty={penalty}"
+                result[case] = max([_relative(gathered, whole)] + [_relative(a, b) for a, b in zip(grads, expected)])
+                result[f"{case} calls"] = (calls.attngrad, dict(calls.pytorch))
     return result
 
 

@@ -44,15 +44,19 @@ def test_placements_the_passes_cannot_take_raise_naming_them() -> None:
         assert "query (Shard(dim=2),), key (Replicate(),)" in said["mixed"], said
 
 
+@pytest.mark.parametrize("layer", ["plain", "bias"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_context_parallel_with_replace_sdpa_equals_one_process(causal: bool) -> None:
+@pytest.mark.parametrize("penalty", [False, True])
+def test_context_parallel_with_replace_sdpa_equals_one_process(layer: str, causal: bool, penalty: bool) -> None:
     """PyTorch's context_parallel() around a layer that calls F.scaled_dot_product_attention,
     with replace_sdpa(strict=True): output and every parameter's gradient as in one process,
-    in PyTorch's load-balanced (head-tail) order, every call on attngrad."""
+    in PyTorch's load-balanced (head-tail) order, with a learned bias (its gradient) and a
+    gradient penalty's double backward, every call on attngrad."""
+    case = f"{layer} causal={causal} penalty={penalty}"
     for rank, result in enumerate(_results()):
         errors = result["context_parallel"]
-        assert errors[f"causal={causal}"] <= 1e-12, (rank, errors)
-        assert errors[f"causal={causal}-calls"] == (1, {}), errors
+        assert errors[case] <= 1e-12, (rank, case, errors[case])
+        assert errors[f"{case} calls"] == (1, {}), errors
 
 
 def test_a_meanflow_step_inside_context_parallel_equals_one_process() -> None:

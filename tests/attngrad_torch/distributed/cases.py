@@ -260,16 +260,19 @@ def on_a_counting_backend(world: int) -> dict:
 
 
 def example_losses(rank: int, world: int) -> dict:
-    """The context-parallel example's first steps here and in one process (on this rank,
-    without the group): their largest loss difference."""
+    """The context-parallel example's first steps here, through attngrad's ring_attention and
+    through PyTorch's context_parallel(), and in one process (on this rank, without the
+    group): their largest loss differences."""
     path = Path(__file__).resolve().parents[3] / "examples" / "context_parallel_lm.py"
     spec = importlib.util.spec_from_file_location("context_parallel_lm", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     small = dict(steps=6, context=32, batch=2, width=32, heads=2, layers=2)
     sharded = example.train(**small, group=dist.group.WORLD)
+    pytorch = example.train(**small, group=dist.group.WORLD, api="pytorch")
     one = example.train(**small)
-    return dict(difference=max(abs(a - b) for a, b in zip(sharded, one)), first=one[0], last=one[-1])
+    return dict(difference=max(abs(a - b) for a, b in zip(sharded, one)), first=one[0], last=one[-1],
+                pytorch_difference=max(abs(a - b) for a, b in zip(pytorch, one)))
 
 
 def disagreeing_shapes(rank: int, world: int) -> str:

@@ -77,6 +77,7 @@ def test_the_example_trains_as_in_one_process() -> None:
         example = result["example"]
         assert example["last"] < example["first"]  # it learns
         assert example["difference"] < 1e-5, example  # float32 rounding, summed in another order
+        assert example["pytorch_difference"] < 1e-5, example  # PyTorch's context_parallel() on attngrad
 
 
 @pytest.mark.parametrize("entry", ["ring_attention", "all_to_all_attention"])

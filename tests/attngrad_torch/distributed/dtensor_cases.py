@@ -229,8 +229,46 @@ def meanflow_step(rank: int, world: int) -> dict:
     return result
 
 
+def pass_ops(rank: int, world: int) -> dict:
+    """Every pass op called on DTensors sharded along the sequence, forward mode's too (no
+    transform reaches those on DTensors: `forward_ad.make_dual` takes none), causal with a
+    bias as the query's rows, against the same op on the whole tensors: each pass's
+    largest relative error over its results."""
+    from attngrad.torch.arguments import build_call
+    from attngrad.torch.op import ops
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(11)
+    length = 6 * world
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    q, k, v = randn(B, H, length, E), randn(B, H, length, E), randn(B, H, length, E + 1)
+    bias = randn(B, H, length, length)
+    call, _ = build_call(q, k, v, is_causal=True, attn_bias=bias)
+    out, row_max, inv_sum = ops.run_op("forward", call)
+    like = dict(q=q, k=k, v=v, out=out, bias=bias)
+    inputs = dict(dout=randn(*out.shape), out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=True, dout_grad=True,
+                  tsinks=None, gsinks=None, **{f"{kind}{name}": randn(*like[name].shape) for kind in "tg"
+                                              for name in ("q", "k", "v", "bias")}, tdout=randn(*out.shape))
+    whole = {**call.fields(), **inputs}
+
+    def place(value):
+        return distribute_tensor(value, mesh, [Shard(2)]) if isinstance(value, Tensor) and value.dim() >= 3 else value
+
+    sharded = {name: place(value) for name, value in whole.items()}
+    errors = {}
+    for pass_name, op in ops.OPS.items():
+        theirs = op(*(whole[name] for name in ops.ARGUMENTS[pass_name]))
+        ours = op(*(sharded[name] for name in ops.ARGUMENTS[pass_name]))
+        pairs = [(ours, theirs)] if isinstance(theirs, Tensor) else list(zip(ours, theirs))
+        errors[pass_name] = max(_relative(a, b) for a, b in pairs if b.numel())
+    return errors
+
+
 def all_cases(rank: int, world: int) -> dict:
-    return dict(derivatives=derivatives(rank, world), refusals=refusals(rank, world),
+    return dict(derivatives=derivatives(rank, world), refusals=refusals(rank, world), pass_ops=pass_ops(rank, world),
                 context_parallel=context_parallel_model(rank, world), meanflow=meanflow_step(rank, world))
 
 

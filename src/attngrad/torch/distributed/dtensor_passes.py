@@ -152,9 +152,9 @@ def _wrap(pass_name: str, call: AttentionCall, results: Any, dimension: Optional
     """The local results as DTensors placed as the inputs they are shaped like; an absent one
     (None or empty) an empty replicated DTensor, as the op returns an empty tensor."""
     mesh = call.q.device_mesh
-    single = isinstance(results, Tensor)
+    single = len(PASSES[pass_name].outputs) == 1  # the op returns the tensor itself
     wrapped = []
-    for output, r in zip(PASSES[pass_name].outputs, (results,) if single else results):
+    for output, r in zip(PASSES[pass_name].outputs, (results,) if isinstance(results, Tensor) else results):
         if r is None or r.numel() == 0 and output.like != "out":
             local = call.q.to_local().new_empty(0)
             wrapped.append(DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False))

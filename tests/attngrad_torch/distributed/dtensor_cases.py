@@ -51,7 +51,11 @@ def derivatives(rank: int, world: int) -> dict:
     keep[..., 0] = True
     cases = {"plain": {}, "causal": dict(is_causal=True), "rows-bias": dict(attn_bias=rows_bias),
              "causal-shared-bias": dict(is_causal=True, attn_bias=shared_bias), "rows-mask": dict(attn_mask=keep),
-             "replicated-causal-bias": dict(is_causal=True, attn_bias=rows_bias)}
+             "replicated-causal-bias": dict(is_causal=True, attn_bias=rows_bias),
+             "causal-window": dict(is_causal=True, window=(3, None)),
+             "padding-documents": dict(key_padding=torch.tensor([length - 3, length // 2 + 1]),
+                                       document_ids=torch.arange(length) // 5),
+             "padding-holes-bias": dict(key_padding=keep[:, 0, 0] ^ True, attn_bias=rows_bias)}
     errors = {}
     for name, options in cases.items():
         bias = options.get("attn_bias")

@@ -26,10 +26,13 @@ def _results() -> list[dict]:
 
 
 @pytest.mark.parametrize("case", ["plain", "causal", "rows-bias", "causal-shared-bias", "rows-mask",
-                                  "replicated-causal-bias"])
+                                  "replicated-causal-bias", "causal-window", "padding-documents",
+                                  "padding-holes-bias"])
 def test_every_reverse_derivative_on_dtensors_equals_one_process(case: str) -> None:
     """Output, the gradients of q, k, v and the bias, and the double backward, on DTensors
-    sharded along the sequence (or replicated), with the output placed as the query."""
+    sharded along the sequence (or replicated), with the output placed as the query; the
+    structured masks (a causal window, padding lengths, documents, padding with holes)
+    given over the whole sequence."""
     for rank, result in enumerate(_results()):
         errors = result["derivatives"]
         assert errors[case] <= 1e-12, f"rank {rank}, {case}: off by {errors[case]:.2e} {errors.get(case + '-each')}"

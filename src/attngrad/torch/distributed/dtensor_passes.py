@@ -13,10 +13,11 @@ shards:
     every DTensor replicated: the one-process pass on the local tensors, replicated
 
 A mask or bias is this rank's query rows, Shard(2) of (B, H, L, L) with the keys whole, or
-replicated and the same for every row (size 1 along the rows); the gradient of a
-replicated bias is each rank's part of it (Partial: summed where it is used). Any other
-placement, a structured mask, sink logits or a causal diagonal other than the whole
-sequence's raises NotImplementedError naming it.
+replicated (a mask also a plain tensor) and the same for every row (size 1 along the rows); the
+gradient of a replicated bias is each rank's part of it (Partial: summed where it is used).
+The structured masks (key_padding, window, document_ids, cu_seqlens) are given over the
+whole sequence, as in one process. Any other placement, sink logits, a block mask or a
+causal diagonal other than the whole sequence's raises NotImplementedError naming it.
 
 The sequence's order: inside `context_parallel()` with load balancing (PyTorch's head-tail
 order, a rank holding chunks r and 2P - 1 - r) the ring takes attngrad's "zigzag" layout,
@@ -77,18 +78,23 @@ def _ring_dimension(call: AttentionCall) -> Optional[int]:
 
 
 def _check_score_tensors(call: AttentionCall, dimension: Optional[int]) -> None:
-    """A mask or bias as the module says; no structured mask, sinks or block mask."""
-    for name, value in (("key bounds (a structured mask)", call.bounds), ("sinks", call.sinks),
-                        ("a block mask", call.blocks)):
+    """A mask or bias as the module says; the structured masks' key bounds (plain tensors of
+    the whole sequence's rows); no sinks or block mask."""
+    for name, value in (("sinks", call.sinks), ("a block mask", call.blocks)):
         if value is not None:
             raise NotImplementedError(f"attngrad attention on DTensors takes no {name} yet")
+    if isinstance(call.bounds, DTensor):
+        raise NotImplementedError("attngrad attention on DTensors takes the structured masks' inputs (key_padding, "
+                                  "document_ids, cu_seqlens) as plain tensors of the whole sequence")
     for name, t in (("mask", call.mask), ("bias", call.bias)):
         if t is None:
             continue
         placement = _placements(t)
         if placement != _placements(call.q):
-            rows_alike = t.shape[-2] == 1 and placement is not None and all(p == Replicate() for p in placement)
-            if dimension is None or not rows_alike:
+            # the same for every row: replicated, or a plain tensor (a padding mask made from key_padding)
+            plain = placement is None and name == "mask"
+            rows_alike = t.shape[-2] == 1 and (plain or placement is not None and all(p == Replicate() for p in placement))
+            if dimension is None and placement is not None or not rows_alike:
                 raise NotImplementedError(
                     f"attngrad attention on DTensors takes a {name} as this rank's query rows (placed as the query) "
                     f"or replicated and the same for every row; got {_describe(call)}")
@@ -113,7 +119,7 @@ def _placed_as_its_input(call: AttentionCall, name: str, value: Any) -> Any:
         return value
     source = {"q": call.q, "out": call.q, "rows": call.q, "k": call.k, "v": call.v, "bias": call.bias}.get(
         FIELDS[name].like)
-    if source is None or tuple(value.placements) == tuple(source.placements):
+    if not isinstance(source, DTensor) or tuple(value.placements) == tuple(source.placements):
         return value
     return value.redistribute(source.device_mesh, source.placements)
 
@@ -127,7 +133,11 @@ def _ring_plan(pass_name: str, call: AttentionCall, local: AttentionCall, dimens
     # every rank draws with rank 0's seed, and the ranks' calls must agree (one collective)
     seed = agree(ring.group, f"attngrad attention_{pass_name} on DTensors", facts, int(local.seed))
     sharding = Sharding(_layout(), ring.size, local.q.shape[SEQUENCE] * ring.size)
-    masks = ScoreMasks(mask=local.mask, bias=local.bias, causal=local.causal, softcap=local.softcap, sink=local.sink)
+    bounds = local.bounds  # the whole sequence's rows: this rank's, which the ring takes
+    if bounds is not None:
+        bounds = bounds[:, sharding.positions(ring.rank, bounds.device)]
+    masks = ScoreMasks(mask=local.mask, bias=local.bias, bounds=bounds, causal=local.causal, softcap=local.softcap,
+                       sink=local.sink)
     return RingPlan(ring, sharding, masks, seed, local.scale, local.dropout_p)
 
 

@@ -27,20 +27,39 @@ def many_blocks(monkeypatch, tuned):
 
 
 BACKENDS = ("tiles", "torch-ops")
+# Triton's kernels in its interpreter take 0.1-1 s a call: the shared tests that run them too
+# are those whose every case is a few calls (`every_backend`)
+EVERY_BACKEND = (*BACKENDS, "triton")
+
+
+def _alone(name: str):
+    """Backend `name` alone, skipped where it does not run here; the test fails if any pass
+    ran on another one."""
+    status = {b.name: b for b in dispatch.list_backends()}[name]
+    if not status.available:
+        pytest.skip(f"backend {name} does not run here: {status.reason}")
+    if name == "triton":
+        from attngrad.torch.backends import triton as triton_backend
+
+        if not triton_backend.interpreting():
+            pytest.skip("Triton's kernels are compiled here (TRITON_INTERPRET=0): these tests are on CPU tensors")
+    before = dict(dispatch.ran)
+    with use_backend(name):
+        yield name
+    ran = {backend for (pass_name, backend), count in dispatch.ran.items() if count > before.get((pass_name, backend), 0)}
+    assert ran <= {name}, f"passes ran on {ran}"
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    """Each backend alone, skipped where it does not run here; the test fails if any pass
-    ran on another one."""
-    status = {b.name: b for b in dispatch.list_backends()}[request.param]
-    if not status.available:
-        pytest.skip(f"backend {request.param} does not run here: {status.reason}")
-    before = dict(dispatch.ran)
-    with use_backend(request.param):
-        yield request.param
-    ran = {backend for (pass_name, backend), count in dispatch.ran.items() if count > before.get((pass_name, backend), 0)}
-    assert ran <= {request.param}, f"passes ran on {ran}"
+    """Each CPU backend alone (`_alone`)."""
+    yield from _alone(request.param)
+
+
+@pytest.fixture(params=EVERY_BACKEND)
+def every_backend(request):
+    """Each backend alone, Triton's in its interpreter among them (`_alone`)."""
+    yield from _alone(request.param)
 
 
 def math_sdpa(*args, **kwargs):

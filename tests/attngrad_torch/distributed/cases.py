@@ -106,6 +106,9 @@ def _inputs(config: Config, world: int) -> dict:
 
 
 def _relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """inf where either holds a NaN (max() over the errors would drop a NaN)."""
+    if ours.isnan().any() or theirs.isnan().any():
+        return float("inf")
     scale = theirs.abs().max().item()
     return (ours - theirs).abs().max().item() / (scale if scale > 0 else 1.0)
 

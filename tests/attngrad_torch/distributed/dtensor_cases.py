@@ -19,7 +19,10 @@ B, H, E = 2, 2, 4
 
 
 def _relative(ours: Tensor, theirs: Tensor) -> float:
+    """inf where either holds a NaN: none of these cases makes one, and max() would drop it."""
     ours = ours.full_tensor() if isinstance(ours, DTensor) else ours
+    if ours.isnan().any() or theirs.isnan().any():
+        return float("inf")
     scale = theirs.abs().max().item()
     return (ours.detach() - theirs.detach()).abs().max().item() / (scale if scale > 0 else 1.0)
 
@@ -130,9 +133,9 @@ class BiasedLayer(Layer):
         q, k, v = self.qkv(x).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         keys = torch.arange(whole, dtype=torch.float64)  # the whole sequence's, in order
         distance = (positions[:, None].to(torch.float64) - keys[None, :]).abs()
-        if causal:  # the causal mask in the bias, as models with a learned bias must pass it
-            distance = distance.masked_fill(keys[None, :] > positions[:, None], float("inf"))
         bias = -self.slopes[:, None, None] * distance  # (H, this rank's rows, L)
+        if causal:  # the causal mask in the bias, as models with a learned bias must pass it
+            bias = bias.masked_fill(keys[None, :] > positions[:, None], float("-inf"))
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None].expand(batch, -1, -1, -1))
         x = x + self.proj(a.transpose(1, 2).reshape(batch, length, width))
         return x + self.mlp(x)
@@ -271,11 +274,6 @@ def pass_ops(rank: int, world: int) -> dict:
     return errors
 
 
-def all_cases(rank: int, world: int) -> dict:
-    return dict(derivatives=derivatives(rank, world), refusals=refusals(rank, world), pass_ops=pass_ops(rank, world),
-                context_parallel=context_parallel_model(rank, world), meanflow=meanflow_step(rank, world))
-
-
 def fsdp_by_context_parallel(rank: int, world: int) -> dict:
     """Three SGD steps on a 2 x 2 mesh (4 ranks): FSDP2 shards the layer over "data" and
     replicates it over "context" (HSDP: its gradients averaged over all four ranks), PyTorch's
@@ -309,3 +307,47 @@ def fsdp_by_context_parallel(rank: int, world: int) -> dict:
             optimizer.zero_grad()
         errors.append(max(_relative(p.full_tensor(), r) for p, r in zip(model.parameters(), reference.parameters())))
     return dict(steps=errors)
+
+
+def data_parallel(rank: int, world: int) -> dict:
+    """Two SGD steps of `BiasedLayer` under `replace_sdpa()`, its batch split over the ranks,
+    with DistributedDataParallel and with FSDP2 (`fully_shard`): the parameters equal one
+    process's on the whole batch."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(3)
+    reference = BiasedLayer().double()
+    batch, length = 2 * world, 12
+    x, weights = torch.randn(batch, length, 8, dtype=torch.float64), torch.randn(batch, length, 8, dtype=torch.float64)
+    rows = slice(2 * rank, 2 * rank + 2)
+    positions = torch.arange(length)
+    models = {"ddp": DistributedDataParallel(copy.deepcopy(reference)), "fsdp2": copy.deepcopy(reference)}
+    fully_shard(models["fsdp2"], mesh=mesh)
+    optimizers = {name: torch.optim.SGD(model.parameters(), lr=0.1) for name, model in models.items()}
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    errors = {name: [] for name in models}
+    for _ in range(2):
+        with replace_sdpa(strict=True):
+            ((reference(x, positions, length, True) * weights).mean()).backward()
+            for model in models.values():
+                ((model(x[rows], positions, length, True) * weights[rows]).mean()).backward()  # averaged over ranks
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        for name, model in models.items():
+            optimizers[name].step()
+            optimizers[name].zero_grad()
+            params = [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters()]
+            errors[name].append(max(_relative(p, r) for p, r in zip(params, reference.parameters())))
+    dist.barrier()
+    return errors
+
+
+def all_cases(rank: int, world: int) -> dict:
+    return dict(derivatives=derivatives(rank, world), refusals=refusals(rank, world), pass_ops=pass_ops(rank, world),
+                data_parallel=data_parallel(rank, world),
+                context_parallel=context_parallel_model(rank, world), meanflow=meanflow_step(rank, world))

@@ -81,6 +81,14 @@ def test_a_meanflow_step_inside_context_parallel_equals_one_process() -> None:
         assert "setup_context" in meanflow["pytorch-cp"] or "jvp" in meanflow["pytorch-cp"], meanflow
 
 
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_ddp_and_fsdp2_under_replace_sdpa_train_as_one_process(wrapper: str) -> None:
+    """Data parallelism beside attngrad: DistributedDataParallel and FSDP2 (fully_shard)
+    around a layer with a learned bias, two steps, as in one process on the whole batch."""
+    for rank, result in enumerate(_results()):
+        assert max(result["data_parallel"][wrapper]) <= 1e-12, (rank, result["data_parallel"])
+
+
 @pytest.mark.skipif(not FOUR, reason="4 ranks on a 2 x 2 mesh: by hand "
                     "(ATTNGRAD_FOUR_RANKS=1), as the CI's 2 cores would take most of a minute")
 def test_fsdp2_by_context_parallel_on_a_2x2_mesh_trains_as_one_process() -> None:

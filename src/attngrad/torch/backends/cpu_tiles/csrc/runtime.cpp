@@ -7,7 +7,7 @@
 // BLAS wherever PyTorch has one). A tile of one query row takes neither: its products are
 // row_products.h's, the same on both paths.
 // Threads: at::parallel_for, PyTorch's pool. With PyTorch's OpenMP backend it is inline
-// code, an `omp parallel` region, so these sources are built with -fopenmp (native_build),
+// code, an `omp parallel` region, so these sources are built with -fopenmp (build.py),
 // on PyTorch's own libgomp (loaded first, under the same soname): one pool in the process.
 // Both GEMMs run single-threaded inside a worker: at::parallel_for marks its threads as in a
 // parallel region, so ATen's own loops run inline there, and OpenMP does not nest

@@ -106,3 +106,8 @@ def test_the_other_private_reads_exist():
         assert regime.innermost_saved_tensor_hooks()[0] is pack
     assert regime.innermost_saved_tensor_hooks() is None
     assert not regime.dispatch_modes()
+    if torch.distributed.is_available():
+        from attngrad.torch.op import ops
+
+        assert ops.OPS["forward"]._opoverload in regime.dtensor_op_handlers()  # attngrad's, registered at import
+        assert regime.context_parallel_load_balanced() is False  # no context_parallel() in force

@@ -32,6 +32,9 @@ torch that moves one fails there first:
     torch._dynamo._trace_wrapped_higher_order_op.TransformGetItemToIndex (mask functions)
     torch._C._autograd._top_saved_tensors_default_hooks; torch.utils.checkpoint's
         _CheckpointFrame and CheckpointFunction (`recomputation`)
+    DTensor._op_dispatcher._custom_op_handlers (DTensor's op handlers), and
+        torch.distributed.tensor.experimental._context_parallel._attention._cp_options
+        (whether context_parallel() balances its shards: `distributed.dtensor_passes`)
 """
 
 from __future__ import annotations
@@ -228,3 +231,20 @@ def indexable_under_vmap() -> Any:
 def innermost_saved_tensor_hooks() -> Any:
     """The innermost saved-tensor hooks in force, (pack, unpack), or None."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def dtensor_op_handlers() -> dict:
+    """DTensor's own table of op handlers, by OpOverload (the dict itself, which
+    `context_parallel()` copies and restores)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
+def context_parallel_load_balanced() -> bool:
+    """Whether PyTorch's context parallelism is in force (its SDPA handlers installed) and
+    shards the sequence in its load-balanced head-tail order."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as context_parallel
+
+    active = torch.ops.aten._scaled_dot_product_flash_attention.default in dtensor_op_handlers()
+    return active and context_parallel._cp_options.enable_load_balance

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from .. import regime
 from ..op import ops
 from ..op.call import FIELDS, PASSES, AttentionCall, ScoreMasks
 from .ring_comm import Ring, agree
@@ -106,10 +106,7 @@ def _check_score_tensors(call: AttentionCall, dimension: Optional[int]) -> None:
 def _layout() -> str:
     """zigzag inside `context_parallel()` with load balancing (its head-tail order), else
     contiguous."""
-    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
-
-    active = torch.ops.aten._scaled_dot_product_flash_attention.default in DTensor._op_dispatcher._custom_op_handlers
-    return "zigzag" if active and cp._cp_options.enable_load_balance else "contiguous"
+    return "zigzag" if regime.context_parallel_load_balanced() else "contiguous"
 
 
 def _placed_as_its_input(call: AttentionCall, name: str, value: Any) -> Any:
@@ -197,6 +194,6 @@ def register() -> None:
     """Hand DTensor's dispatcher a handler for each pass op. The handlers go into the dict
     DTensor reads, in place: PyTorch's context parallelism keeps that dict and restores it
     when its context ends, so handlers added to it outlive the context."""
-    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handlers = regime.dtensor_op_handlers()
     for pass_name, op in ops.OPS.items():
         handlers[op._opoverload] = _handler(pass_name)

@@ -299,3 +299,26 @@ def test_a_plan_holds_no_tensor_and_the_cache_is_bounded():
         for length in range(1, eager_plans.KEPT + 6):
             scaled_dot_product_attention(torch.randn(1, 2, length, 8), k, v)
     assert len(eager_plans._plans) == eager_plans.KEPT
+
+
+@needs_tiles
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_plans_bits_do_not_depend_on_the_thread_count(masked):
+    """The planned ops (forward_planned, backward_planned) on 1, 2 and 4 threads, with and
+    without a mask: output and gradients bit-equal, at sizes whose backward splits its keys
+    into chunks."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, n, 32, generator=g, requires_grad=True) for n in (300, 700, 700))
+    dout = torch.randn(2, 2, 300, 32, generator=g)
+    mask = torch.rand(2, 1, 300, 700, generator=g) > 0.3 if masked else None
+    threads, results = torch.get_num_threads(), {}
+    try:
+        for count in (1, 2, 4):
+            torch.set_num_threads(count)
+            out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            results[count] = (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
+    finally:
+        torch.set_num_threads(threads)
+    assert type(out.grad_fn).__name__ == "_PlannedBackward"
+    for count in (2, 4):
+        assert all(torch.equal(a, b) for a, b in zip(results[1], results[count])), count

@@ -130,6 +130,29 @@ def test_a_workload_holds_memory_flat(workload, replaced):
     _assert_flat(counts, growth)
 
 
+class MaskedBlock(Block):
+    """`Block` given a boolean (B, 1, L, L) causal-and-padding mask made anew each call, as
+    transformers' layers pass one: the masked eager plans, and the tile maps kept per mask."""
+
+    def __init__(self) -> None:
+        super().__init__(scaled_dot_product_attention)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, L, D = x.shape
+        keep = torch.ones(L, L, dtype=torch.bool).tril().expand(B, 1, L, L).clone()
+        keep[1:, :, :, :2] = False  # padding on the second batch entry's first two keys...
+        keep[1:, :, :2, 0] = True  # ...whose first rows keep a key
+        q, k, v = self.qkv(self.norm(x)).view(B, L, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        return x + self.proj(self.sdpa(q, k, v, attn_mask=keep).transpose(1, 2).reshape(B, L, D))
+
+
+def test_a_masked_workload_holds_memory_flat():
+    torch.manual_seed(0)
+    model = nn.Sequential(MaskedBlock(), MaskedBlock()).double()
+    x = torch.randn(2, 24, 32, dtype=torch.float64)
+    _assert_flat(*_soak(lambda: _plain_step(model, x)))
+
+
 class SinkBlock(Block):
     """`Block` with learned attention sinks (GPT-OSS's), through attngrad's `attention`."""
 

@@ -25,6 +25,7 @@ the work is split into items depends on the shapes alone.
 from __future__ import annotations
 
 import functools
+import struct
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -312,7 +313,7 @@ _REAL_OPTIONS = frozenset({"scale", "softcap", "keep_value"})  # the options' do
 
 
 def _float_bits(x: float) -> int:
-    return int(torch.tensor(float(x), dtype=torch.float64).view(torch.int64))
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 def _plan_masks(call: AttentionCall, layout: _Layout) -> Callable[..., tuple]:

@@ -24,7 +24,7 @@ python -m pytest -q -p no:cacheprovider --capture=sys \
     tests/attngrad_torch/test_input_range.py tests/attngrad_torch/op/test_op_contract.py \
     tests/attngrad_torch/masks/test_structured.py tests/attngrad_torch/op/test_placement.py tests/attngrad_torch/op/test_sinks.py \
     tests/attngrad_torch/masks/test_blocks.py tests/attngrad_torch/op/test_forward_jvp.py tests/attngrad_torch/backends/cpu_tiles/test_buffer_cache.py \
-    tests/attngrad_torch/test_eager_plans.py \
+    tests/attngrad_torch/test_eager_plans.py tests/attngrad_torch/backends/cpu_tiles/test_fast_entry.py \
     -k "not test_compiled_ and not in_triton" "$@"
 python - <<'PY'
 from attngrad.torch.backends.cpu_tiles import native

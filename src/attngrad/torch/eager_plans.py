@@ -21,6 +21,12 @@ that reverse mode tracks runs through `_Planned`, a Function whose backward is t
 backward pass (the same tiles, the same bits) and, where that backward is itself
 differentiated (create_graph), the full path's (`autograd.differentiable_backward`).
 Everything else takes the full path, as does a backend without a plan.
+
+A backend's prepared forward may also publish itself in a fast entry of its own, keyed by
+the public call's arguments (the tiles' C++ table, `csrc/fast_entry.cpp`): then a repeated
+scaled_dot_product_attention call without a mask or dropout, that nothing differentiates,
+on (B, H, L, E) tensors of one dtype, is found and run there (`unmasked`), at about
+PyTorch's own cost: the same op, the same bits.
 """
 
 from __future__ import annotations
@@ -188,6 +194,8 @@ def forward(query: Tensor, key: Tensor, value: Tensor, options: AttentionOptions
         plan = _plans[signature] = _make(query, key, value, keyed, bias_name)
         while len(_plans) > KEPT:
             _plans.popitem(last=False)
+        if plan is not _NO_PLAN:
+            _publish(plan, query, key, value, keyed)
     else:
         _plans.move_to_end(signature)
     if plan is _NO_PLAN:
@@ -195,6 +203,38 @@ def forward(query: Tensor, key: Tensor, value: Tensor, options: AttentionOptions
     return plan.run(query, key, value, mask, bias)
 
 
+def unmasked(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale: Optional[float],
+             enable_gqa: bool) -> Optional[Tensor]:
+    """scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale,
+    enable_gqa=enable_gqa) from a published forward (see the module), or None: the caller
+    takes `forward`."""
+    fast = _fast
+    if fast is None or type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
+        return None
+    if type(is_causal) is not bool or not (scale is None or type(scale) is float) or not regime.quiet():
+        return None
+    return fast(query, key, value, is_causal, scale, bool(enable_gqa), dispatch.state())
+
+
+_fast: Optional[Callable[..., Optional[Tensor]]] = None  # the fast entry plans are published in
+
+
+def _publish(plan: _Plan, query: Tensor, key: Tensor, value: Tensor, keyed: dict) -> None:
+    """Publish the plan's forward for `unmasked` where it can be: a call it would take (no
+    mask or bias, a bool is_causal, a float scale or none), on unfolded inputs."""
+    global _fast
+    publish = getattr(plan.forward, "publish", None)
+    if publish is None or plan.fold is not None or keyed["attn_mask"] is not None or keyed["attn_bias"] is not None:
+        return
+    is_causal, scale = keyed["is_causal"], keyed["scale"]
+    if type(is_causal) is bool and (scale is None or type(scale) is float):
+        _fast = publish(query, key, value, is_causal, scale, bool(keyed["enable_gqa"]), dispatch.state())
+
+
 def clear() -> None:
     """Forget every plan."""
+    global _fast
     _plans.clear()
+    if _fast is not None:
+        _fast.clear()
+    _fast = None

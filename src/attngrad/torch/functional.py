@@ -80,6 +80,10 @@ def scaled_dot_product_attention(
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype not in FLOATS:
         raise TypeError(f"attn_mask must be boolean or floating; got {attn_mask.dtype}")
     if attn_mask is None:
+        if not dropout_p:
+            out = eager_plans.unmasked(query, key, value, is_causal, scale, enable_gqa)
+            if out is not None:
+                return out
         options = dict(is_causal=bool(is_causal), dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
         planned = eager_plans.forward(query, key, value, options)  # attention()'s first step, without its call
         return planned if planned is not None else attention(query, key, value, **options)

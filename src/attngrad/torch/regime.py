@@ -195,6 +195,14 @@ def unseen(*groups: Any) -> bool:
     return plain_tensors(*groups)
 
 
+def quiet() -> bool:
+    """`unseen` without its tensors: eager, no torch.func transform, no function or dispatch
+    mode, no forward-mode level. A caller that asks this checks the tensors itself (the
+    tiles' fast entry does, in C++)."""
+    return not (torch.compiler.is_compiling() or _transforms_active() or _dispatch_modes() or _function_mode()
+                or forward_ad._current_level >= 0)
+
+
 def forward_level_open() -> bool:
     return forward_ad._current_level >= 0
 

@@ -25,6 +25,14 @@ def _read(value: ContextVar) -> Any:
 
 
 _overrides = itertools.count(1)  # each override's key: never reused, so a key names one value
+# the key of the innermost override in force, of any Tuning: it names every Tuning's value at
+# once (each override sets it and puts the outer one back), for `dispatch.state()`
+_in_force: ContextVar[int] = ContextVar("attngrad_tuning_in_force", default=0)
+
+
+def in_force() -> int:
+    """A key naming the value in force of every Tuning together (0: all at their defaults)."""
+    return _in_force.get()
 
 
 class Tuning(Generic[T]):
@@ -43,8 +51,11 @@ class Tuning(Generic[T]):
 
     @contextlib.contextmanager
     def override(self, **changes: Any) -> Iterator[T]:
-        token = self._value.set((dataclasses.replace(self._value.get()[0], **changes), next(_overrides)))
+        key = next(_overrides)
+        token = self._value.set((dataclasses.replace(self._value.get()[0], **changes), key))
+        all_token = _in_force.set(key)
         try:
             yield self._value.get()[0]
         finally:
+            _in_force.reset(all_token)
             self._value.reset(token)

@@ -347,7 +347,52 @@ def data_parallel(rank: int, world: int) -> dict:
     return errors
 
 
+SOAK_WARM_UP, SOAK_STEPS = 3, 16
+
+
+def soak(rank: int, world: int) -> dict:
+    """Training steps under `context_parallel()` and `replace_sdpa()` through the DTensor
+    handlers, every autograd path they serve (a learned bias's gradient, a gradient
+    penalty's double backward): this rank's reachable tensors after the warm-up and at the
+    end, and its resident memory's growth (MiB) between them."""
+    import gc
+    import os
+
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    length = 8 * world
+    layer = BiasedLayer().double()
+    x, weights = (torch.randn(2, length, 8, dtype=torch.float64) for _ in range(2))
+
+    def tensors() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, Tensor))
+
+    def resident() -> float:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    counts, start = [], 0.0
+    for step in range(SOAK_WARM_UP + SOAK_STEPS):
+        xs, ws, ps = x.clone(), weights.clone(), torch.arange(length)
+        with context_parallel(mesh, buffers=[xs, ws, ps], buffer_seq_dims=[1, 1, 0]):
+            with replace_sdpa(strict=True):
+                inputs = xs.clone().requires_grad_()
+                value = (layer(inputs, ps, length, causal=True) * ws).sum()
+                (g,) = torch.autograd.grad(value, inputs, create_graph=True)
+                (value + (g * g).sum()).backward()
+        layer.zero_grad(set_to_none=True)
+        if step + 1 in (SOAK_WARM_UP, SOAK_WARM_UP + SOAK_STEPS):
+            counts.append(tensors())
+            if step + 1 == SOAK_WARM_UP:
+                start = resident()
+    return dict(tensors=counts, growth=resident() - start)
+
+
 def all_cases(rank: int, world: int) -> dict:
     return dict(derivatives=derivatives(rank, world), refusals=refusals(rank, world), pass_ops=pass_ops(rank, world),
                 data_parallel=data_parallel(rank, world),
-                context_parallel=context_parallel_model(rank, world), meanflow=meanflow_step(rank, world))
+                context_parallel=context_parallel_model(rank, world), meanflow=meanflow_step(rank, world),
+                soak=soak(rank, world))

@@ -95,3 +95,13 @@ def test_fsdp2_by_context_parallel_on_a_2x2_mesh_trains_as_one_process() -> None
     for rank, result in enumerate(spawn(4, dtensor_cases.fsdp_by_context_parallel, timeout=300,
                                         collective_timeout=120)):
         assert max(result["steps"]) <= 1e-12, (rank, result)
+
+
+def test_training_through_the_dtensor_handlers_holds_memory_flat() -> None:
+    """Steps of `context_parallel()` with `replace_sdpa()`, a bias gradient and a double
+    backward each: no rank's reachable tensors grow after the warm-up, nor its resident
+    memory by more than allocator noise (as tests/attngrad_torch/op/test_soak.py asks)."""
+    for rank, result in enumerate(_results()):
+        first, last = result["soak"]["tensors"]
+        assert last <= first, f"rank {rank}: reachable tensors grew over {dtensor_cases.SOAK_STEPS} steps: {first} -> {last}"
+        assert result["soak"]["growth"] <= 16, f"rank {rank}: resident memory grew {result['soak']['growth']:.1f} MiB"

@@ -9,6 +9,7 @@ grow every step. ATTNGRAD_SOAK_STEPS sets the steps (CI: 16; the issue's bar: 20
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import warnings
@@ -79,7 +80,13 @@ def _inference_jvp_step(model: nn.Module, x: Tensor) -> None:
         torch.func.jvp(model, (x,), (torch.randn_like(x),))
 
 
-WORKLOADS = {"plain": _plain_step, "meanflow": _meanflow_step, "meanflow through du": _meanflow_through_jvp_step,
+def _evaluation_step(model: nn.Module, x: Tensor) -> None:
+    """No gradient: from the second step on, the tiles' fast entry serves every layer's call."""
+    with torch.no_grad():
+        model(x)
+
+
+WORKLOADS = {"plain": _plain_step, "evaluation": _evaluation_step, "meanflow": _meanflow_step, "meanflow through du": _meanflow_through_jvp_step,
              "gradient penalty": _gradient_penalty_step,
              "hvp": _hvp_step, "inference jvp": _inference_jvp_step}
 
@@ -127,6 +134,29 @@ def test_a_workload_holds_memory_flat(workload, replaced):
             counts, growth = _soak(lambda: step(model, x))
     else:
         counts, growth = _soak(lambda: step(model, x))
+    _assert_flat(counts, growth)
+
+
+@pytest.mark.parametrize("replaced", [False, True], ids=["attngrad", "replace_sdpa"])
+def test_an_evaluation_served_by_the_fast_entry_holds_memory_flat(replaced, monkeypatch):
+    """The evaluation workload runs on the tiles' fast entry (`eager_plans.unmasked`): only
+    the first call, which makes the plan, runs it from Python; memory holds flat."""
+    from attngrad.torch import eager_plans
+    from attngrad.torch.backends.cpu_tiles import native
+
+    if native.library() is None:
+        pytest.skip(f"no compiled tiles: {native.build_info.reason}")
+    planned = []
+    run = eager_plans._Plan.run
+    monkeypatch.setattr(eager_plans._Plan, "run", lambda *arguments: planned.append(1) or run(*arguments))
+    torch.manual_seed(0)
+    sdpa = F.scaled_dot_product_attention if replaced else scaled_dot_product_attention
+    model = nn.Sequential(Block(sdpa), Block(sdpa)).double()
+    x = torch.randn(2, 24, 32, dtype=torch.float64)
+    eager_plans.clear()
+    with replace_sdpa(strict=True) if replaced else contextlib.nullcontext():
+        counts, growth = _soak(lambda: _evaluation_step(model, x))
+    assert len(planned) == 1 and native.fast_entry().published() == 1
     _assert_flat(counts, growth)
 
 

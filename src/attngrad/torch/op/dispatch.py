@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
+from .. import tuning
 from .call import PASSES, AttentionCall
 
 # A pass only the ring runs: one walk for the double backward's whole-row sums.
@@ -60,8 +61,9 @@ class Backend:
     lazily); `refuses(call, pass_name, inputs)` is None where it takes the call, else why
     not; `row_sums`: it may be handed rows' sums (a ring step's higher passes, on a part
     of each row's keys; a Hessian-vector product's, `hvp_fusion.ForwardSums`), and its
-    `refuses` says which it takes. `plans` maps pass names to planners (`plan`), and `settings()` is
-    what its plans depend on beyond the call (the tiles' block sizes)."""
+    `refuses` says which it takes. `plans` maps pass names to planners (`plan`). What its
+    plans depend on beyond the call (the tiles' block sizes) is `Tuning` values, which
+    `state()` names."""
 
     name: str
     passes: dict[str, Callable[..., Any]]
@@ -70,7 +72,6 @@ class Backend:
     row_sums: bool = False
     description: str = ""
     plans: dict[str, Planner] = field(default_factory=dict)
-    settings: Callable[[], tuple] = lambda: ()
 
 
 class BackendStatus(NamedTuple):
@@ -197,17 +198,31 @@ def run(pass_name: str, call: AttentionCall, **inputs: Any) -> Any:
     return backend.passes[pass_name](call, **inputs)
 
 
-def state() -> tuple:
-    """What the backends' choice and their plans depend on beyond a call: the registry, the
-    backends allowed, each backend's settings."""
-    return _generation, _allowed, tuple(backend.settings() for backend in _registry.values())
+_states: dict[tuple, int] = {}
+
+
+def state() -> int:
+    """What the backends' choice and their plans depend on beyond a call, as an int: the
+    registry, the backends allowed, and every backend's settings, which are `Tuning` values
+    (the tiles' block sizes), named together by `tuning.in_force()`. One int, so that a
+    plan's key is cheap to make and to compare (in C++ too: `eager_plans.unmasked`)."""
+    key = (_generation, _allowed, tuning.in_force())
+    serial = _states.get(key)
+    if serial is None:
+        serial = _states[key] = len(_states)
+    return serial
 
 
 def plan(pass_name: str, call: AttentionCall) -> Optional[Callable[..., Any]]:
     """Pass `pass_name` prepared, by the backend `choose` takes, for every call that differs
     from `call` only in its tensors' values (the same sizes, strides, dtypes and options, the
-    same `state()`): prepared(q, k, v) runs it, counted in `ran`. None where that backend has
-    no plan for it. An eager caller keeps one per signature (`eager_plans`)."""
+    same `state()`): prepared(q, k, v) runs it, counted in `ran`. None where that backend
+    has no plan for it. An eager caller keeps one per signature (`eager_plans`). A prepared
+    pass may also offer `publish(query, key, value, *arguments)`: it puts itself in its
+    backend's fast entry, keyed by the public call's own arguments, and returns the entry,
+    whose forward(query, key, value, *arguments) runs it for every such call and returns
+    None for one not in the entry (`eager_plans.unmasked`), and whose clear() forgets what
+    was published; here the entry's forward is returned, counted, with its clear."""
     backend = choose(pass_name, call)
     planner = backend.plans.get(pass_name)
     prepared = planner(call) if planner is not None else None
@@ -219,4 +234,20 @@ def plan(pass_name: str, call: AttentionCall) -> Optional[Callable[..., Any]]:
         ran[counted] += 1
         return prepared(*tensors)
 
+    publish = getattr(prepared, "publish", None)
+    if publish is not None:
+        def published(*arguments: Any) -> Callable[..., Optional[Any]]:
+            entry = publish(*arguments)
+            forward = entry.forward
+
+            def counted_forward(*call: Any) -> Optional[Any]:
+                out = forward(*call)
+                if out is not None:
+                    ran[counted] += 1
+                return out
+
+            counted_forward.clear = entry.clear
+            return counted_forward
+
+        run.publish = published
     return run

@@ -3,7 +3,8 @@
 `torch.utils.cpp_extension.load` compiles the sources with the system's C++ compiler and
 ninja (the files in parallel) into a cache folder, once per source, flags, compiler and CPU,
 and loads the library into the process (is_python_module=False), whose TORCH_LIBRARY
-registers the ops `torch.ops.attngrad_tiles.*`. A later process finds the built library in
+registers the ops `torch.ops.attngrad_tiles.*`; the same file is also a Python module, the
+eager fast path (`fast_entry`). A later process finds the built library in
 its folder and loads it without a build step. The build says so on stderr, once, with the
 cache folder and the seconds it usually takes, then how long it took (`announced`): a first
 use waits for it.
@@ -38,13 +39,14 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TextIO
 
 import torch
 
 NAME = "attngrad_tiles"  # the extension's name and its ops' namespace
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("ops.cpp", "checked_call.cpp", "runtime.cpp", "bf16_products.cpp", "passes.cpp", "passes_higher.cpp", "passes_given_sums.cpp")
+SOURCES = ("ops.cpp", "fast_entry.cpp", "checked_call.cpp", "runtime.cpp", "bf16_products.cpp", "passes.cpp", "passes_higher.cpp", "passes_given_sums.cpp")
 HEADERS = ("checked_call.h", "tiles.h", "tile_call.h", "score_masks.h", "pass.h", "accumulation.h", "tiles_math.h",
            "row_products.h", "whole_rows.h", "bf16_products.h")
 # -fno-trapping-math lets the row loops' compares and selects vectorise; -ffp-contract=fast
@@ -172,6 +174,7 @@ def announced(folder: Path, stream: TextIO | None = None, tick: float = 1.0) -> 
 
 
 _loaded: Path | None = None  # the library this process has loaded (one per process: its ops' namespace)
+_module: ModuleType | None = None  # its Python module
 DEFAULT_BUILD_WAIT = 900.0  # seconds a process waits for another's build (ATTNGRAD_BUILD_WAIT)
 
 
@@ -265,7 +268,32 @@ def _load_or_build(openmp: bool) -> Path:
         if not built_here:
             torch.ops.load_library(str(target))
         _loaded = target
+    global _module
+    if _module is None:
+        _module = _python_module(target)
     return target
+
+
+def _python_module(target: Path) -> ModuleType:
+    """The loaded library's Python module (`csrc/fast_entry.cpp`): the same file, which the
+    loader finds loaded already (a build loads it from the folder it was built in, moved
+    since: the same file), so its ops are not registered twice."""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.ExtensionFileLoader(NAME, str(target))
+    spec = importlib.util.spec_from_file_location(NAME, str(target), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def fast_entry() -> ModuleType:
+    """The tiles' Python module, once `library()` has loaded them: the eager fast path of a
+    repeated forward (`eager_plans.unmasked`)."""
+    if _module is None:
+        raise RuntimeError("attngrad's compiled tiles are not loaded: library() loads them")
+    return _module
 
 
 def build(cache: Path | None = None) -> BuildInfo:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -39,7 +39,7 @@ from ...op.call import AttentionCall, PassInputs
 from ...op.dropout import Placement, as_int64, keep_value, threshold
 from ...precision import compute_dtype
 from . import buffer_cache
-from .build import build_info, fresh_build_seconds, library
+from .build import build_info, fast_entry, fresh_build_seconds, library
 from .tiling import (
     TILING,
     band_keys_transposed,
@@ -53,7 +53,7 @@ from .tiling import (
 
 __all__ = ["attention_forward", "attention_backward", "attention_double_backward", "attention_jvp",
            "attention_forward_jvp", "attention_backward_jvp", "attention_backward_jvp_given_sums", "forward_plan",
-           "settings", "dropout_keep_scale_into", "status", "available", "library", "build_info", "fresh_build_seconds"]
+           "dropout_keep_scale_into", "status", "available", "library", "build_info", "fresh_build_seconds"]
 
 
 
@@ -291,12 +291,6 @@ def attention_forward(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
     return out, row_max, inv_sum
 
 
-def settings() -> tuple:
-    """The tiling in force (`TILING`), by its key, which every pass reads at its call: a
-    prepared pass (`forward_plan`) holds while it stays."""
-    return (TILING.key(),)
-
-
 def _planned_options(call: AttentionCall, layout: _Layout) -> Tensor:
     """`_options` of `call` and `layout` as the planned ops take them, made once per plan:
     (19,) int64, causal's presence and value, then the rest in the passes' schema order,
@@ -352,6 +346,19 @@ def forward_plan(call: AttentionCall) -> Callable[..., tuple[Tensor, Tensor, Ten
             q, k, v = _work(q, k, v)
         return op(q, k, v, *masks(q, k, mask, bias), options)
 
+    if call.mask is None and call.bias is None and q.dtype == k.dtype == v.dtype:
+        ranges = masks(q, k, None, None)[3]
+
+        def publish(query: Tensor, key: Tensor, value: Tensor, *arguments: Any) -> Any:
+            """Put this forward in the fast entry's table for the calls (query, key, value,
+            is_causal, scale, enable_gqa, dispatch state) like this one, which run it as
+            `run` would, the output in the inputs' dtype (`eager_plans.unmasked`); the
+            entry."""
+            entry = fast_entry()
+            entry.publish(query, key, value, *arguments, ranges, options)
+            return entry
+
+        run.publish = publish
     return run
 
 

@@ -10,6 +10,7 @@
 
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <ostream>
 
 #include "tiles.h"
@@ -79,6 +80,13 @@ Call make_call(const char* what, const at::Tensor& q, const at::Tensor& k, const
 void bind_tile_map(Call& call, const OptTensor& tile_map);
 void bind_key_ranges(Call& call, const OptTensor& key_ranges);
 void bind_mask_blocks(Call& call, const OptTensor& mask_blocks, const OptTensor& mask_tiles);
+
+using Results = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+// ops.cpp's forward_planned without a mask or bias, called from fast_entry.cpp without the
+// dispatcher: (out, row_max, inv_sum), every entry check made as the op makes them.
+Results forward_planned_unmasked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& key_ranges, const at::Tensor& packed);
 
 // Runs `pass` on the checked call in its element type.
 template <typename Run>

@@ -113,8 +113,6 @@ Options unpack_options(const char* what, const at::Tensor& packed) {
                    o[18] != 0};
 }
 
-using Results = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
-
 // The sizes the planned ops allocate by, checked before they allocate: q, k, v 4-D, and the
 // options' chunks in range (make_call checks everything else before the pass runs).
 void check_planned(const char* what, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -418,6 +416,11 @@ int64_t bias_grad_parts_op(c10::IntArrayRef bias_sizes, int64_t chunks, bool who
 }
 
 }  // namespace
+
+Results forward_planned_unmasked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& key_ranges, const at::Tensor& packed) {
+    return forward_planned_op(q, k, v, std::nullopt, std::nullopt, std::nullopt, key_ranges, packed);
+}
 
 TORCH_LIBRARY(attngrad_tiles, m) {
     m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? key_bounds, Tensor(a!) out, "

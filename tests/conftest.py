@@ -25,6 +25,35 @@ import pytest
 from attngrad.check.compare import error_figure
 
 
+@pytest.fixture(scope="session")
+def once_per_session(tmp_path_factory, worker_id):
+    """once_per_session(name, make): make()'s result, made once in the whole test session, also
+    across pytest-xdist's workers: the first worker to ask makes it under a file lock and
+    pickles it in the session's shared folder; a worker that asks meanwhile waits for it
+    rather than making it again beside (a spawn of ranks, a compile of kernels: the two would
+    share the cores and each take longer)."""
+    import pickle
+
+    from filelock import FileLock
+
+    made: dict = {}
+
+    def get(name: str, make):
+        if name in made:
+            return made[name]
+        if worker_id == "master":  # no xdist: the process is the session
+            made[name] = make()
+            return made[name]
+        path = tmp_path_factory.getbasetemp().parent / f"{name}.pickle"  # the session's, shared by its workers
+        with FileLock(f"{path}.lock"):
+            if not path.is_file():
+                path.write_bytes(pickle.dumps(make()))
+            made[name] = pickle.loads(path.read_bytes())
+        return made[name]
+
+    return get
+
+
 @pytest.fixture
 def tuned():
     """A backend's tuning changed for one test: `tuned(native.TILING, block_keys=8)` (each

@@ -58,12 +58,16 @@ sys.__stdout__.write(json.dumps(results))
 """
 
 
-@pytest.fixture(scope="module")
-def reports() -> dict:
+def _reports() -> dict:
     done = subprocess.run([sys.executable, "-c", _REPORTS], capture_output=True, text=True, timeout=600,
                           env=_without_interpreter())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.fixture
+def reports(once_per_session) -> dict:
+    return once_per_session("gpu_reports", _reports)
 
 
 def _rows(stdout: str) -> list[list[str]]:

@@ -6,7 +6,6 @@ the same at every size, and 3 is the odd one.)"""
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import pytest
@@ -21,14 +20,16 @@ WORLDS = (2, 3)
 DERIVATIVES = ("forward", "backward", "jvp", "double_backward", "hvp", "reverse_over_forward")
 
 
-@functools.cache
-def _results(world: int) -> list[dict]:
-    return spawn(world, cases.all_cases, timeout=240, collective_timeout=60)
+@pytest.fixture
+def results(once_per_session):
+    """results(world): what every rank of a `world`-rank spawn returned, made once a session."""
+    return lambda world: once_per_session(f"context_parallel_{world}", lambda: spawn(
+        world, cases.all_cases, timeout=240, collective_timeout=60))
 
 
 @pytest.mark.parametrize("world,name", [(world, config.name) for world in WORLDS for config in cases.configs(world)])
-def test_every_derivative_equals_one_process(world: int, name: str) -> None:
-    for rank, result in enumerate(_results(world)):
+def test_every_derivative_equals_one_process(world: int, name: str, results) -> None:
+    for rank, result in enumerate(results(world)):
         errors = result[name]
         assert set(errors) == set(DERIVATIVES)
         worst = max(errors, key=errors.get)
@@ -37,30 +38,30 @@ def test_every_derivative_equals_one_process(world: int, name: str) -> None:
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_shard_and_gather_invert_each_other(world: int, layout: str) -> None:
-    for result in _results(world):
+def test_shard_and_gather_invert_each_other(world: int, layout: str, results) -> None:
+    for result in results(world):
         assert result[f"shard-gather-{layout}"] == {"roundtrip": 0.0}
 
 
-def test_float32_error_does_not_grow_with_the_world() -> None:
-    for result in _results(3):
+def test_float32_error_does_not_grow_with_the_world(results) -> None:
+    for result in results(3):
         errors = result["float32"]
         assert 0 < errors["ring"] <= 1.5 * errors["single"], errors
 
 
-def test_the_ring_runs_on_any_registered_backend() -> None:
+def test_the_ring_runs_on_any_registered_backend(results) -> None:
     """A backend defined in the tests (`tests/counting_backend.py`), registered and alone
     allowed, runs every pass of the ring's steps, and ring and all-to-all attention on it
     equal one process."""
-    for result in _results(2):
+    for result in results(2):
         counts = result["counting-backend"]
         assert all(n > 0 for n in counts["ring_steps"].values()), counts["ring_steps"]
         for name, errors in counts["errors"].items():
             assert max(errors.values()) <= 1e-12, (name, errors)
 
 
-def test_ranks_that_disagree_on_shapes_all_raise_naming_them() -> None:
-    for rank, result in enumerate(_results(2)):
+def test_ranks_that_disagree_on_shapes_all_raise_naming_them(results) -> None:
+    for rank, result in enumerate(results(2)):
         assert "rank 1 has query (1, 2, 9, 4)" in result["disagreeing-shapes"], (rank, result["disagreeing-shapes"])
         assert "rank 0 has query (1, 2, 8, 4)" in result["disagreeing-shapes"]
 
@@ -72,8 +73,8 @@ def test_a_failing_rank_makes_the_others_raise_within_the_timeout(how: str) -> N
     assert kind != "no error" and seconds < 6, results[0]  # the group gives up after 3 s
 
 
-def test_the_example_trains_as_in_one_process() -> None:
-    for result in _results(2):
+def test_the_example_trains_as_in_one_process(results) -> None:
+    for result in results(2):
         example = result["example"]
         assert example["last"] < example["first"]  # it learns
         assert example["difference"] < 1e-5, example  # float32 rounding, summed in another order

@@ -111,3 +111,4 @@ def test_the_other_private_reads_exist():
 
         assert ops.OPS["forward"]._opoverload in regime.dtensor_op_handlers()  # attngrad's, registered at import
         assert regime.context_parallel_load_balanced() is False  # no context_parallel() in force
+        assert regime.context_parallel_all_to_all() is False  # PyTorch's default rotate method: allgather

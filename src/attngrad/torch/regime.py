@@ -34,7 +34,8 @@ torch that moves one fails there first:
         _CheckpointFrame and CheckpointFunction (`recomputation`)
     DTensor._op_dispatcher._custom_op_handlers (DTensor's op handlers), and
         torch.distributed.tensor.experimental._context_parallel._attention._cp_options
-        (whether context_parallel() balances its shards: `distributed.dtensor_passes`)
+        (whether context_parallel() balances its shards, and its rotate method:
+        `distributed.dtensor_passes`)
 """
 
 from __future__ import annotations
@@ -256,3 +257,10 @@ def context_parallel_load_balanced() -> bool:
 
     active = torch.ops.aten._scaled_dot_product_flash_attention.default in dtensor_op_handlers()
     return active and context_parallel._cp_options.enable_load_balance
+
+
+def context_parallel_all_to_all() -> bool:
+    """Whether `set_rotate_method("alltoall")` is in force for PyTorch's context parallelism."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as context_parallel
+
+    return context_parallel._cp_options.rotate_method == context_parallel._RotateMethod.ALL_TO_ALL

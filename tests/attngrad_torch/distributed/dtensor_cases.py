@@ -347,6 +347,26 @@ def data_parallel(rank: int, world: int) -> dict:
     return errors
 
 
+def all_to_all(rank: int, world: int) -> dict:
+    """`derivatives`, `pass_ops` and `context_parallel_model` again under PyTorch's
+    `set_rotate_method("alltoall")`: attngrad's passes trade the sequence for heads
+    (`dtensor_all_to_all`) where the heads split over the ranks (H = 2: on 2 ranks); and
+    which passes took the trade."""
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+    from attngrad.torch.distributed import dtensor_all_to_all
+
+    traded, run = [], dtensor_all_to_all.run
+    dtensor_all_to_all.run = lambda pass_name, *rest: traded.append(pass_name) or run(pass_name, *rest)
+    set_rotate_method("alltoall")
+    try:
+        return dict(derivatives=derivatives(rank, world), pass_ops=pass_ops(rank, world),
+                    context_parallel=context_parallel_model(rank, world), traded=sorted(set(traded)))
+    finally:
+        set_rotate_method("allgather")  # PyTorch's default
+        dtensor_all_to_all.run = run
+
+
 SOAK_WARM_UP, SOAK_STEPS = 3, 16
 
 
@@ -395,4 +415,4 @@ def all_cases(rank: int, world: int) -> dict:
     return dict(derivatives=derivatives(rank, world), refusals=refusals(rank, world), pass_ops=pass_ops(rank, world),
                 data_parallel=data_parallel(rank, world),
                 context_parallel=context_parallel_model(rank, world), meanflow=meanflow_step(rank, world),
-                soak=soak(rank, world))
+                soak=soak(rank, world), all_to_all=all_to_all(rank, world))

@@ -106,3 +106,18 @@ def test_training_through_the_dtensor_handlers_holds_memory_flat(results) -> Non
         first, last = result["soak"]["tensors"]
         assert last <= first, f"rank {rank}: reachable tensors grew over {dtensor_cases.SOAK_STEPS} steps: {first} -> {last}"
         assert result["soak"]["growth"] <= 16, f"rank {rank}: resident memory grew {result['soak']['growth']:.1f} MiB"
+
+
+@pytest.mark.parametrize("part", ["derivatives", "pass_ops", "context_parallel"])
+def test_set_rotate_method_alltoall_trades_the_sequence_for_heads(part: str, results) -> None:
+    """Under PyTorch's `set_rotate_method("alltoall")`: every reverse derivative, every pass
+    op and context_parallel() with replace_sdpa() equal one process as on the ring, each
+    pass trading the sequence for heads (`dtensor_all_to_all`) where the 2 heads split over
+    the ranks (on 2 ranks; 4 ranks take the ring)."""
+    from attngrad.torch.op import ops
+
+    for rank, result in enumerate(results()):
+        traded = result["all_to_all"]
+        errors = {name: e for name, e in traded[part].items() if isinstance(e, float)}
+        assert errors and max(errors.values()) <= 1e-12, (rank, part, errors)
+        assert set(traded["traded"]) == (set(ops.OPS) if WORLD == 2 else set()), traded["traded"]

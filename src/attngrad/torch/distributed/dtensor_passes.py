@@ -22,18 +22,25 @@ causal diagonal other than the whole sequence's raises NotImplementedError namin
 The sequence's order: inside `context_parallel()` with load balancing (PyTorch's head-tail
 order, a rank holding chunks r and 2P - 1 - r) the ring takes attngrad's "zigzag" layout,
 which is that order; otherwise "contiguous".
+
+Where PyTorch's context parallelism is set to rotate by all-to-all
+(`set_rotate_method("alltoall")`), a pass trades the sequence for heads instead
+(`dtensor_all_to_all`: Ulysses), the same numbers with other communication, wherever the
+heads split over the ranks and there is no dropout; elsewhere the ring runs.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .. import regime
 from ..op import ops
 from ..op.call import FIELDS, PASSES, AttentionCall, ScoreMasks
+from . import dtensor_all_to_all
 from .ring_comm import Ring, agree
 from .ring_passes import ring_backward, ring_backward_jvp, ring_double_backward, ring_forward, ring_jvp
 from .ring_plan import RingPlan
@@ -184,6 +191,11 @@ def _handler(pass_name: str):
         if dimension is None:  # replicated: every rank runs the whole call
             return _wrap(pass_name, call, ops.run_pass(pass_name, local, local_inputs), None)
         lowered = {name: value for name, value in local_inputs.items() if name not in ("tsinks", "gsinks")}
+        group = call.q.device_mesh.get_group(dimension)
+        if regime.context_parallel_all_to_all() and dtensor_all_to_all.takes(local, dist.get_world_size(group)):
+            facts = dict(query=tuple(local.q.shape), key=tuple(local.k.shape), value=tuple(local.v.shape))
+            agree(group, f"attngrad attention_{pass_name} on DTensors", facts)
+            return _wrap(pass_name, call, dtensor_all_to_all.run(pass_name, local, lowered, group, _layout()), dimension)
         plan = _ring_plan(pass_name, call, local, dimension)
         return _wrap(pass_name, call, _ring_pass(pass_name, plan, local, lowered), dimension)
 

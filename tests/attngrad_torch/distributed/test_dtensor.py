@@ -121,3 +121,15 @@ def test_set_rotate_method_alltoall_trades_the_sequence_for_heads(part: str, res
         errors = {name: e for name, e in traded[part].items() if isinstance(e, float)}
         assert errors and max(errors.values()) <= 1e-12, (rank, part, errors)
         assert set(traded["traded"]) == (set(ops.OPS) if WORLD == 2 else set()), traded["traded"]
+
+
+def test_a_block_mask_through_pytorchs_flex_context_parallelism_equals_one_process(results) -> None:
+    """PyTorch's FlexAttention context parallelism (`_ContextParallel(attention_type=FLEX)`,
+    its block mask for this rank's queries, head-tail load balancing) around a module that
+    attends by attngrad with `block_mask=`: the output and the gradients of q, k and v equal
+    one process's. A double backward stops in PyTorch's all-gather, whose backward op has
+    no derivative of its own (torch 2.13): PyTorch's limit, named by its op."""
+    for rank, result in enumerate(results()):
+        assert result["flex"]["error"] <= 1e-12, (rank, result["flex"])
+        said = result["flex"]["double backward"]
+        assert said == "ran" or "flex_cp_allgather_backward" in said, said

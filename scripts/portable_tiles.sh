@@ -24,6 +24,7 @@ python -m pytest -q -p no:cacheprovider \
     tests/attngrad_torch/backends/cpu_tiles/test_tile_map.py tests/attngrad_torch/backends/cpu_tiles/test_half_precision.py \
     tests/attngrad_torch/backends/cpu_tiles/test_build.py tests/attngrad_torch/op/test_determinism.py \
     tests/attngrad_torch/masks/test_structured.py tests/attngrad_torch/op/test_sinks.py tests/attngrad_torch/op/test_forward_jvp.py \
+    tests/attngrad_torch/backends/cpu_tiles/test_fast_entry.py \
     -k "not test_compiled_ and not in_triton" "$@"
 python scripts/tile_bits.py compare "$cache/native.pt"
 ATTNGRAD_BUILD_TESTS=1 python -m pytest -q -p no:cacheprovider tests/attngrad_torch/backends/cpu_tiles/test_build.py -k without_openmp

@@ -118,7 +118,8 @@ def test_a_failed_openmp_build_is_tried_again_without_it(monkeypatch):
 def test_a_compiler_without_openmp_still_builds_the_tiles(tmp_path):
     """Where the compiler refuses the OpenMP flag (Apple's clang), the tiles are built
     without it and run, on one thread, with a warning that says so (a fresh process: one
-    build of the tiles per process)."""
+    build of the tiles per process); the next process finds that build in the cache and
+    compiles nothing."""
     script = textwrap.dedent("""
         import warnings, torch
         from attngrad.torch.backends.cpu_tiles import build as tiles_build, native
@@ -135,11 +136,12 @@ def test_a_compiler_without_openmp_still_builds_the_tiles(tmp_path):
             out = attention(q, q, q, is_causal=True)
         ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
         assert float((out - ref).abs().max()) < 1e-12 and ran[("forward", "tiles")] == 1
-        print("ok")
+        print("ok", native.build_info.compiled)
     """)
     env = {**os.environ, "ATTNGRAD_CACHE": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    for compiled in (True, False):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0 and done.stdout.strip().endswith(f"ok {compiled}"), done.stderr[-3000:]
 
 
 def test_a_build_says_so_on_stderr_and_a_cached_load_is_quiet(monkeypatch, tmp_path, capsys):

@@ -131,6 +131,10 @@ def _build(folder: Path, openmp: bool) -> None:
             extra_ldflags=extra, extra_include_paths=[str(CSRC)], build_directory=str(folder),
             is_python_module=False, with_cuda=False, verbose=False,
         )
+    # cpp_extension names a second build in one process NAME_v1 (after a first that failed,
+    # with OpenMP): the cache holds it under the name every process looks for
+    for built in folder.glob(f"{NAME}_v*.so"):
+        built.replace(_library_file(folder))
 
 
 def _is_terminal(stream: TextIO) -> bool:

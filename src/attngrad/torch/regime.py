@@ -25,7 +25,7 @@ torch that moves one fails there first:
     torch._functorch.autograd_function.custom_function_call (PyTorch's apply under a transform)
     torch.autograd.forward_ad._current_level (a Python global: eager levels only), and
     torch._VF._unpack_dual at a given level (a compiled graph opens its levels in C++ alone)
-    torch._C._len_torch_dispatch_stack, _is_torch_function_mode_enabled
+    torch._C._len_torch_dispatch_stack, _is_torch_function_mode_enabled, _is_tracing
     torch._C._AutoDispatchBelowAutograd, _DisableFuncTorch
     torch._C._storage_Use_Count (optional: the tiles' buffer cache keeps nothing without it)
     torch.utils._python_dispatch.is_traceable_wrapper_subclass
@@ -59,6 +59,7 @@ _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 transforms_active = _transforms_active = torch._C._are_functorch_transforms_active
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_mode = torch._C._is_torch_function_mode_enabled
+_jit_tracing = torch._C._is_tracing  # torch.jit.trace recording
 below_autograd = torch._C._AutoDispatchBelowAutograd  # a kernel's redispatch past autograd
 storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # a storage's references (the tiles' buffers)
 is_wrapper_subclass = torch.utils._python_dispatch.is_traceable_wrapper_subclass  # DTensor and its kind
@@ -197,11 +198,12 @@ def unseen(*groups: Any) -> bool:
 
 
 def quiet() -> bool:
-    """`unseen` without its tensors: eager, no torch.func transform, no function or dispatch
-    mode, no forward-mode level. A caller that asks this checks the tensors itself (the
-    tiles' fast entry does, in C++)."""
+    """`unseen` without its tensors, and more: eager, no torch.func transform, no function or
+    dispatch mode, no forward-mode level, no torch.jit.trace recording (it records what the
+    dispatcher sees). A caller that asks this checks the tensors itself and skips the
+    dispatcher (the tiles' fast entry, in C++)."""
     return not (torch.compiler.is_compiling() or _transforms_active() or _dispatch_modes() or _function_mode()
-                or forward_ad._current_level >= 0)
+                or forward_ad._current_level >= 0 or _jit_tracing())
 
 
 def forward_level_open() -> bool:

@@ -3,6 +3,8 @@ forward that nothing differentiates, found by its own arguments in C++ and run b
 op. The same bits as the full path, counted, and never used where anything but plain eager
 evaluation could see the call, nor after the dispatch state changed."""
 
+import warnings
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -93,8 +95,8 @@ def test_a_served_call_gives_the_full_paths_bits(heads, lengths, dtype, is_causa
 
 def test_the_entry_serves_only_what_plain_eager_evaluation_would_see(served):
     """Once published: reverse mode tracking an input, a forward-mode level, torch.func's
-    jvp, vmap and grad, a function mode, a dispatch mode, torch.compile and a tensor
-    subclass all take the Python path, and get their right results there."""
+    jvp, vmap and grad, a function mode, a dispatch mode, torch.compile, torch.jit.trace
+    and a tensor subclass all take the Python path, and get their right results there."""
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 3, n, 8, generator=g, dtype=torch.float64) for n in (5, 7, 7))
     t = torch.randn(2, 3, 5, 8, generator=g, dtype=torch.float64)
@@ -135,6 +137,10 @@ def test_the_entry_serves_only_what_plain_eager_evaluation_would_see(served):
         assert len(seen) >= 2
         compiled = torch.compile(scaled_dot_product_attention, backend="eager", fullgraph=True)
         assert torch.equal(compiled(q, k, v), expected)
+        with warnings.catch_warnings():  # torch.jit.trace's own, on the Python in the traced function
+            warnings.simplefilter("ignore")
+            traced = torch.jit.trace(lambda *x: scaled_dot_product_attention(*x), (q, k, v), check_trace=False)
+        assert torch.equal(traced(t, k, v), _full_path(t, k, v))  # recorded, not a constant
         assert torch.equal(scaled_dot_product_attention(q.as_subclass(Sub), k, v).as_subclass(torch.Tensor), expected)
     assert len(served) == 1
 

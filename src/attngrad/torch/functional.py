@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from typing_extensions import Unpack  # typing's from Python 3.11
 
-from . import eager_plans
+from . import eager_plans, regime
 from .arguments import ATTENTION, AttentionOptions, build_call
 from .layout import FLOATS, describe_shapes
 from .nested import is_jagged, jagged_attention
@@ -29,6 +29,9 @@ def _causal_bias_type() -> Optional[type]:
     return CausalBias
 
 
+JIT_TRACE = ("attngrad's {} does not run under torch.jit.trace (TorchScript, which PyTorch deprecates): a trace "
+             "would hold a call made for the traced sizes alone. torch.compile and torch.export take attngrad's "
+             "operator whole, every derivative included")
 _CAUSAL_BIAS = _causal_bias_type()  # once: the import statement took 0.8 us of every call
 
 
@@ -52,6 +55,8 @@ def scaled_dot_product_attention(
     Returns (..., H, Lq, Ev). Memory beyond inputs and outputs is O(Lq + Lk), apart from a
     float mask's gradient, which has the mask's own size.
     """
+    if regime.jit_tracing():
+        raise NotImplementedError(JIT_TRACE.format("scaled_dot_product_attention"))
     if not isinstance(is_causal, (bool, torch.SymBool)):  # as PyTorch: a truthy string is no alignment
         raise TypeError(f"is_causal must be a bool, as in PyTorch; got {is_causal!r}. A bottom-right causal mask: "
                         f"attn_mask=torch.nn.attention.bias.causal_lower_right(Lq, Lk), or attngrad.torch.attention("
@@ -156,6 +161,8 @@ def attention(query: Tensor, key: Tensor, value: Tensor, **options: Unpack[Atten
     kernel can skip the masked half. Here the tiles that the causal or a structured mask
     excludes are skipped whatever else is given: a window of w keys costs O(L w).
     """
+    if regime.jit_tracing():
+        raise NotImplementedError(JIT_TRACE.format("attention"))
     out = eager_plans.forward(query, key, value, options)  # a repeated call that nothing differentiates
     if out is not None:  # its options were all declared ones
         return out

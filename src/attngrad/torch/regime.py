@@ -197,6 +197,12 @@ def unseen(*groups: Any) -> bool:
     return plain_tensors(*groups)
 
 
+def jit_tracing() -> bool:
+    """Whether torch.jit.trace is recording (never while Dynamo traces: it cannot trace the
+    question, and a compiled graph is not TorchScript)."""
+    return not torch.compiler.is_compiling() and _jit_tracing()
+
+
 def quiet() -> bool:
     """`unseen` without its tensors, and more: eager, no torch.func transform, no function or
     dispatch mode, no forward-mode level, no torch.jit.trace recording (it records what the

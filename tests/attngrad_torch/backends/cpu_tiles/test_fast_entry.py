@@ -3,15 +3,13 @@ forward that nothing differentiates, found by its own arguments in C++ and run b
 op. The same bits as the full path, counted, and never used where anything but plain eager
 evaluation could see the call, nor after the dispatch state changed."""
 
-import warnings
-
 import pytest
 
 torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from attngrad.torch import eager_plans, scaled_dot_product_attention, use_backend  # noqa: E402
+from attngrad.torch import attention, eager_plans, scaled_dot_product_attention, use_backend  # noqa: E402
 from attngrad.torch.arguments import build_call  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
@@ -95,8 +93,9 @@ def test_a_served_call_gives_the_full_paths_bits(heads, lengths, dtype, is_causa
 
 def test_the_entry_serves_only_what_plain_eager_evaluation_would_see(served):
     """Once published: reverse mode tracking an input, a forward-mode level, torch.func's
-    jvp, vmap and grad, a function mode, a dispatch mode, torch.compile, torch.jit.trace
-    and a tensor subclass all take the Python path, and get their right results there."""
+    jvp, vmap and grad, a function mode, a dispatch mode, torch.compile and a tensor
+    subclass all take the Python path, and get their right results there; torch.jit.trace,
+    which would hold the call as a constant, is refused by name."""
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 3, n, 8, generator=g, dtype=torch.float64) for n in (5, 7, 7))
     t = torch.randn(2, 3, 5, 8, generator=g, dtype=torch.float64)
@@ -137,10 +136,11 @@ def test_the_entry_serves_only_what_plain_eager_evaluation_would_see(served):
         assert len(seen) >= 2
         compiled = torch.compile(scaled_dot_product_attention, backend="eager", fullgraph=True)
         assert torch.equal(compiled(q, k, v), expected)
-        with warnings.catch_warnings():  # torch.jit.trace's own, on the Python in the traced function
-            warnings.simplefilter("ignore")
-            traced = torch.jit.trace(lambda *x: scaled_dot_product_attention(*x), (q, k, v), check_trace=False)
-        assert torch.equal(traced(t, k, v), _full_path(t, k, v))  # recorded, not a constant
+        for entry in (scaled_dot_product_attention, attention):  # refused by name, not traced into a constant
+            with pytest.warns(DeprecationWarning, match="torch.jit.trace` is deprecated"), \
+                    pytest.raises(NotImplementedError, match=f"attngrad's {entry.__name__} does not run under "
+                                                             "torch.jit.trace"):
+                torch.jit.trace(lambda *x: entry(*x), (q, k, v), check_trace=False)
         assert torch.equal(scaled_dot_product_attention(q.as_subclass(Sub), k, v).as_subclass(torch.Tensor), expected)
     assert len(served) == 1
 

@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import regime
 from .arguments import build_call
+from .functional import JIT_TRACE
 from .functional import attention as attention_function
 from .nested import is_jagged
 from .op import dropout as dropout_masks
@@ -114,6 +116,8 @@ class MultiheadAttention(nn.Module):
     ) -> tuple[Tensor, Optional[Tensor]]:
         """query (L, N, E) or (N, L, E) with batch_first, key (S, N, kdim), value (S, N, vdim);
         unbatched (L, E) inputs too. Returns (attn_output, attn_weights or None)."""
+        if regime.jit_tracing():
+            raise NotImplementedError(JIT_TRACE.format("MultiheadAttention"))
         if is_jagged(query):
             return self._forward_jagged(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal), None
         unbatched = query.dim() == 2

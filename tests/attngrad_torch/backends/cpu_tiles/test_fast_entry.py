@@ -9,7 +9,13 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from attngrad.torch import attention, eager_plans, scaled_dot_product_attention, use_backend  # noqa: E402
+from attngrad.torch import (  # noqa: E402
+    MultiheadAttention,
+    attention,
+    eager_plans,
+    scaled_dot_product_attention,
+    use_backend,
+)
 from attngrad.torch.arguments import build_call  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
@@ -136,10 +142,11 @@ def test_the_entry_serves_only_what_plain_eager_evaluation_would_see(served):
         assert len(seen) >= 2
         compiled = torch.compile(scaled_dot_product_attention, backend="eager", fullgraph=True)
         assert torch.equal(compiled(q, k, v), expected)
-        for entry in (scaled_dot_product_attention, attention):  # refused by name, not traced into a constant
+        layer = MultiheadAttention(8, 2, batch_first=True).double()
+        for entry in (scaled_dot_product_attention, attention, layer):  # refused by name, not traced into a constant
+            name = getattr(entry, "__name__", type(entry).__name__)
             with pytest.warns(DeprecationWarning, match="torch.jit.trace` is deprecated"), \
-                    pytest.raises(NotImplementedError, match=f"attngrad's {entry.__name__} does not run under "
-                                                             "torch.jit.trace"):
+                    pytest.raises(NotImplementedError, match=f"attngrad's {name} does not run under torch.jit.trace"):
                 torch.jit.trace(lambda *x: entry(*x), (q, k, v), check_trace=False)
         assert torch.equal(scaled_dot_product_attention(q.as_subclass(Sub), k, v).as_subclass(torch.Tensor), expected)
     assert len(served) == 1

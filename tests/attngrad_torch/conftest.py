@@ -62,6 +62,24 @@ def every_backend(request):
     yield from _alone(request.param)
 
 
+@pytest.fixture
+def fresh_plans():
+    """No eager plan (nor published forward) before or after the test (`eager_plans`)."""
+    from attngrad.torch import eager_plans
+
+    eager_plans.clear()
+    yield
+    eager_plans.clear()
+
+
+def full_path(query, key, value, **options):
+    """The call through the full path: built and differentiated without a plan."""
+    from attngrad.torch.arguments import build_call
+
+    call, layout = build_call(query, key, value, **options)
+    return layout.unfold(differentiable_attention(call))
+
+
 def math_sdpa(*args, **kwargs):
     with sdpa_kernel(SDPBackend.MATH):
         return F.scaled_dot_product_attention(*args, **kwargs)

@@ -12,28 +12,19 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from attngrad.torch import attention, eager_plans, scaled_dot_product_attention, use_backend  # noqa: E402
-from attngrad.torch.arguments import ATTENTION, build_call  # noqa: E402
+from attngrad.torch.arguments import ATTENTION  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
-from attngrad.torch.op.autograd import differentiable_attention  # noqa: E402
 
 from ..conftest import EXACT, rel_err  # noqa: E402
-from .conftest import math_sdpa  # noqa: E402
+from .conftest import full_path, math_sdpa  # noqa: E402
 
 needs_tiles = pytest.mark.skipif(native.library() is None, reason=f"no compiled tiles: {native.build_info.reason}")
 
 
 @pytest.fixture(autouse=True)
-def _fresh_plans():
-    eager_plans.clear()
-    yield
-    eager_plans.clear()
-
-
-def _full_path(query, key, value, **options):
-    """The same call through the full path: its call built and differentiated without a plan."""
-    call, layout = build_call(query, key, value, **options)
-    return layout.unfold(differentiable_attention(call))
+def _fresh_plans(fresh_plans):
+    pass
 
 
 def _count_builds(monkeypatch) -> list:
@@ -71,7 +62,7 @@ def test_a_plan_gives_the_full_paths_bits(shapes, dtype, is_causal, scale, trans
     options = dict(is_causal=is_causal, scale=scale, enable_gqa=gqa)
     with torch.no_grad():
         first, planned = attention(q, k, v, **options), attention(q, k, v, **options)
-        full = _full_path(q, k, v, **options)
+        full = full_path(q, k, v, **options)
     assert first.shape == full.shape and first.dtype == full.dtype
     assert torch.equal(first, full) and torch.equal(planned, full)
     if dtype == torch.float64 and is_causal in (False, True):
@@ -148,7 +139,7 @@ def test_a_differentiated_plan_gives_the_full_paths_bits(shapes, dtype, is_causa
     eager_plans.clear()  # hypothesis's examples share the test's fixture
     before = dispatch.ran[("backward", "tiles")]
     results = []
-    for run in (attention, attention, _full_path):
+    for run in (attention, attention, full_path):
         out = run(q, k, v, **options)
         results.append((out.detach(), *torch.autograd.grad(out, wanted, dout)))
     assert dispatch.ran[("backward", "tiles")] - before == 3
@@ -172,7 +163,7 @@ def test_a_planned_backward_differentiated_again_takes_the_full_paths():
     q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64, requires_grad=True) for n in (5, 7, 7))
     w = torch.randn(2, 3, 5, 8, dtype=torch.float64)
     results = []
-    for run in (attention, attention, _full_path):
+    for run in (attention, attention, full_path):
         grads = torch.autograd.grad((run(q, k, v, is_causal=True) * w).sum(), (q, k, v), create_graph=True)
         results.append(torch.autograd.grad(sum(g.square().sum() for g in grads), (q, k, v)))
     for a, b, c in zip(*results):
@@ -241,7 +232,7 @@ def test_a_masked_plan_gives_the_full_paths_bits(mask_shape, boolean, expanded, 
 
     def full(query, key, value, attn_mask):
         name = "attn_mask" if attn_mask.dtype == torch.bool else "attn_bias"
-        return _full_path(query, key, value, **{name: attn_mask})
+        return full_path(query, key, value, **{name: attn_mask})
 
     whole = torch.ones_like(base) if boolean else torch.zeros_like(base)  # every tile taken without the mask
     whole = whole.expand(2, 4, 5, 7) if expanded else whole

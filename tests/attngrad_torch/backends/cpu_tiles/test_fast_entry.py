@@ -16,22 +16,18 @@ from attngrad.torch import (  # noqa: E402
     scaled_dot_product_attention,
     use_backend,
 )
-from attngrad.torch.arguments import build_call  # noqa: E402
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
-from attngrad.torch.op.autograd import differentiable_attention  # noqa: E402
 
 from ....conftest import EXACT, rel_err  # noqa: E402
-from ...conftest import math_sdpa  # noqa: E402
+from ...conftest import full_path, math_sdpa  # noqa: E402
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no compiled tiles: {native.build_info.reason}")
 
 
 @pytest.fixture(autouse=True)
-def _fresh_plans():
-    eager_plans.clear()
-    yield
-    eager_plans.clear()
+def _fresh_plans(fresh_plans):
+    pass
 
 
 @pytest.fixture
@@ -60,11 +56,6 @@ def served(monkeypatch) -> list:
     return calls
 
 
-def _full_path(query, key, value, **options):
-    call, layout = build_call(query, key, value, **options)
-    return layout.unfold(differentiable_attention(call))
-
-
 @settings(max_examples=40, deadline=None)
 @given(heads=st.sampled_from([(1, 1), (4, 4), (4, 2)]), lengths=st.sampled_from([(1, 16), (5, 7), (40, 300)]),
        dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16]),
@@ -91,7 +82,7 @@ def test_a_served_call_gives_the_full_paths_bits(heads, lengths, dtype, is_causa
         before = dispatch.ran[("forward", "tiles")]
         fast = eager_plans.unmasked(q, k, v, **options)
         assert fast is not None and dispatch.ran[("forward", "tiles")] == before + 1
-        full = _full_path(q, k, v, **options)
+        full = full_path(q, k, v, **options)
     assert fast.dtype == dtype and fast.shape == full.shape and torch.equal(fast, full)
     if dtype == torch.float64:
         assert rel_err(fast, math_sdpa(q, k, v, **options)) < EXACT

@@ -211,6 +211,8 @@ def unmasked(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale: 
     fast = _fast
     if fast is None or type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
         return None
+    if (query.requires_grad or key.requires_grad or value.requires_grad) and torch.is_grad_enabled():
+        return None  # reverse mode tracks it: the entry would say so only after the call into it (2 us)
     if type(is_causal) is not bool or not (scale is None or type(scale) is float) or not regime.quiet():
         return None
     return fast(query, key, value, is_causal, scale, bool(enable_gqa), dispatch.state())

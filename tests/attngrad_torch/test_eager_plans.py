@@ -96,7 +96,9 @@ def test_a_signature_is_planned_once_and_counted(monkeypatch):
 @needs_tiles
 def test_a_plan_follows_the_backends_and_their_settings(monkeypatch, tuned):
     """use_backend, a change of the registry and the tiles' block sizes make a new
-    signature: the plan never runs a backend that is not allowed, nor stale blocks."""
+    signature: the plan never runs a backend that is not allowed, nor stale blocks, and
+    neither does the tiles' fast entry (which the first call published): the override's
+    plan publishes an entry of its own."""
     builds = _count_builds(monkeypatch)
     q, k, v = (torch.randn(1, 2, n, 16) for n in (3, 40, 40))
     with torch.no_grad():
@@ -112,7 +114,7 @@ def test_a_plan_follows_the_backends_and_their_settings(monkeypatch, tuned):
             call, layout)) or original(call, layout))
         scaled_dot_product_attention(q, k, v)
     assert recorded and recorded[0]["block_keys"] == 8
-    assert len(builds) == 3
+    assert len(builds) == 3 and native.fast_entry().published() == 2
 
 
 @needs_tiles

@@ -417,7 +417,7 @@ def flex_context_parallel(rank: int, world: int) -> dict:
     result = {"error": max(_relative(a, shard(b)) for a, b in zip(ours, expected))}
     try:  # a gradient penalty: the backward of PyTorch's all-gather differentiated again
         torch.autograd.grad(sum((d * d).sum() for d in ours[1:]), mine)
-        result["double backward"] = "ran"
+        result["double backward"] = "ran"  # not compared: PyTorch 2.13 raises (test_dtensor)
     except Exception as error:  # noqa: BLE001 (what PyTorch's op says is the finding)
         result["double backward"] = f"{type(error).__name__}: {error}"
     return result

@@ -131,5 +131,5 @@ def test_a_block_mask_through_pytorchs_flex_context_parallelism_equals_one_proce
     no derivative of its own (torch 2.13): PyTorch's limit, named by its op."""
     for rank, result in enumerate(results()):
         assert result["flex"]["error"] <= 1e-12, (rank, result["flex"])
-        said = result["flex"]["double backward"]
-        assert said == "ran" or "flex_cp_allgather_backward" in said, said
+        # when PyTorch gives its all-gather a second derivative, this fails: compare that one then
+        assert "flex_cp_allgather_backward" in result["flex"]["double backward"], result["flex"]

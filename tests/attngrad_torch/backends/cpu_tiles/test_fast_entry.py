@@ -1,7 +1,7 @@
 """The tiles' fast entry (csrc/fast_entry.cpp, `eager_plans.unmasked`): a repeated unmasked
 forward that nothing differentiates, found by its own arguments in C++ and run by the planned
 op. The same bits as the full path, counted, and never used where anything but plain eager
-evaluation could see the call, nor after the dispatch state changed."""
+evaluation could see the call (a changed dispatch state: test_eager_plans)."""
 
 import pytest
 
@@ -14,7 +14,6 @@ from attngrad.torch import (  # noqa: E402
     attention,
     eager_plans,
     scaled_dot_product_attention,
-    use_backend,
 )
 from attngrad.torch.backends.cpu_tiles import native  # noqa: E402
 from attngrad.torch.op import dispatch  # noqa: E402
@@ -161,24 +160,24 @@ def test_the_entry_checks_its_tensors_itself():
                       torch.zeros(19, dtype=torch.int64))
 
 
-def test_a_changed_dispatch_state_is_never_served_stale(served, tuned):
-    """use_backend and an override of the tiles' block sizes change the dispatch state: the
-    published forward is not served under them, the allowed backend runs, and the override's
-    plan publishes its own entry."""
-    q, k, v = (torch.randn(1, 2, n, 16) for n in (3, 40, 40))
-    with torch.no_grad():
-        scaled_dot_product_attention(q, k, v)
-        before = dispatch.ran[("forward", "torch-ops")]
-        with use_backend("torch-ops"):
-            scaled_dot_product_attention(q, k, v)
-            scaled_dot_product_attention(q, k, v)
-        assert dispatch.ran[("forward", "torch-ops")] == before + 2 and served == []
-        tuned(native.TILING, block_keys=8)
-        scaled_dot_product_attention(q, k, v)
-        assert served == []
-        scaled_dot_product_attention(q, k, v)
-        assert len(served) == 1
-    assert native.fast_entry().published() == 2
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_a_served_calls_bits_do_not_depend_on_the_thread_count(served, is_causal):
+    """The entry's forward on 1, 2 and 4 threads, at sizes of several query blocks and key
+    chunks: bit-equal outputs, every one served by the entry."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, n, 32, generator=g).transpose(1, 2).contiguous().transpose(1, 2)
+               for n in (300, 700, 700))
+    threads, outputs = torch.get_num_threads(), []
+    try:
+        with torch.no_grad():
+            scaled_dot_product_attention(q, k, v, is_causal=is_causal)  # publishes
+            for count in (1, 2, 4):
+                torch.set_num_threads(count)
+                outputs.append(scaled_dot_product_attention(q, k, v, is_causal=is_causal))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(served) == 3
+    assert all(torch.equal(outputs[0], out) for out in outputs[1:])
 
 
 def test_the_table_is_bounded_and_cleared_with_the_plans():

@@ -151,3 +151,37 @@ def test_transformers_gradient_checkpointing_under_replace_sdpa(reentrant):
     assert plain.attngrad == 2 and calls.attngrad == 4 and not calls.pytorch
     for g, e in zip(got, expected):
         assert rel_err(g, e) < EXACT
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_timm_vit_grad_checkpointing(reentrant):
+    """timm's ViT checkpointed by its own set_grad_checkpointing(), in both of timm's modes.
+    Skipped where timm does not import: it needs torchvision, and PyPI's torchvision 0.28.0 is
+    a CUDA build that does not load beside torch 2.13.0+cpu (docs/api.md says how it was run)."""
+    timm = pytest.importorskip("timm")
+    from timm.layers import set_reentrant_ckpt, use_reentrant_ckpt
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4, embed_dim=16,
+                              depth=2, num_heads=2, num_classes=5).double().train()
+    images = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    w = torch.randn(2, 5, dtype=torch.float64)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        (model(images) * w).sum().backward()
+        return [p.grad for p in model.parameters()]
+
+    with replace_sdpa(strict=True) as plain:
+        expected = grads()
+    before = use_reentrant_ckpt()
+    set_reentrant_ckpt(reentrant)
+    model.set_grad_checkpointing(True)
+    try:
+        with replace_sdpa(strict=True) as calls:
+            got = grads()
+    finally:
+        set_reentrant_ckpt(before)
+    assert plain.attngrad == 2 and calls.attngrad == 4 and not calls.pytorch
+    for g, e in zip(got, expected):
+        assert rel_err(g, e) < EXACT

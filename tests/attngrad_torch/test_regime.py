@@ -112,3 +112,21 @@ def test_the_other_private_reads_exist():
         assert ops.OPS["forward"]._opoverload in regime.dtensor_op_handlers()  # attngrad's, registered at import
         assert regime.context_parallel_load_balanced() is False  # no context_parallel() in force
         assert regime.context_parallel_all_to_all() is False  # PyTorch's default rotate method: allgather
+
+
+def test_an_operators_caller_is_read_from_its_frames():
+    """Yes only for an operator's kernel called by a GraphModule of operators alone (what
+    aot_eager runs); No eagerly and for a graph that calls a plain function."""
+    seen = []
+    library = torch.library.Library("attngrad_regime_probe", "DEF")
+    library.define("probe(Tensor x) -> Tensor")
+    library.impl("probe", lambda x: seen.append(regime.called_by_a_graph_run_op_by_op()) or x.clone(),
+                 "CompositeExplicitAutograd")
+    probe = torch.ops.attngrad_regime_probe.probe.default
+    x = torch.randn(3)
+    probe(x)
+    ops_only = torch.fx.symbolic_trace(lambda x: probe(torch.ops.aten.sin.default(x)))
+    ops_only(x)
+    with_a_function = torch.fx.symbolic_trace(lambda x: probe(torch.sin(x)))  # torch.sin: not an operator
+    with_a_function(x)
+    assert seen == [False, True, False]

@@ -30,6 +30,8 @@ torch that moves one fails there first:
     torch._C._storage_Use_Count (optional: the tiles' buffer cache keeps nothing without it)
     torch.utils._python_dispatch.is_traceable_wrapper_subclass
     torch._dynamo._trace_wrapped_higher_order_op.TransformGetItemToIndex (mask functions)
+    torch.fx.GraphModule's generated forward as an operator's caller (`sys._getframe`): where
+        a compiled graph runs op by op (`called_by_a_graph_run_op_by_op`)
     torch._C._autograd._top_saved_tensors_default_hooks; torch.utils.checkpoint's
         _CheckpointFrame and CheckpointFunction (`recomputation`)
     DTensor._op_dispatcher._custom_op_handlers (DTensor's op handlers), and
@@ -41,6 +43,9 @@ torch that moves one fails there first:
 from __future__ import annotations
 
 import enum
+import operator
+import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -231,6 +236,39 @@ def carries_tangent(t: Optional[Tensor]) -> bool:
     if t is None:
         return False
     return _unpack_dual(t, max(forward_ad._current_level, 0)).tangent is not None
+
+
+def called_by_a_graph_run_op_by_op() -> bool:
+    """Whether the operator whose kernel asks was called straight from an fx GraphModule that
+    holds nothing but operators (AOTAutograd's graph as `aot_eager` runs it). Each of those ran
+    eagerly through its own forward-mode formula or raised, so the tangents that reach the
+    call are whole. A fusing backend (inductor) calls from its own generated code, and a graph
+    that calls modules or other callables may have fused kernels of its own: both are No.
+    Reads the callers' frames: the kernel's, torch/_ops.py's `__call__`, then fx's `forward`
+    (torch 2.13); a torch that adds a frame between them gives No, never a wrong Yes."""
+    frame = sys._getframe(1).f_back  # the kernel's caller
+    while frame is not None and frame.f_code.co_filename == _OPS_FILE:
+        frame = frame.f_back
+    if frame is None or frame.f_code.co_name != "forward":
+        return False
+    module = frame.f_locals.get("self")
+    if not isinstance(module, torch.fx.GraphModule):
+        return False
+    verdict = _op_by_op.get(module)
+    if verdict is None:
+        verdict = _op_by_op[module] = all(_an_operator(node) for node in module.graph.nodes)
+    return verdict
+
+
+_OPS_FILE = torch._ops.__file__
+_op_by_op: weakref.WeakKeyDictionary[torch.fx.GraphModule, bool] = weakref.WeakKeyDictionary()
+
+
+def _an_operator(node: torch.fx.Node) -> bool:
+    if node.op in ("placeholder", "output", "get_attr"):
+        return True
+    return node.op == "call_function" and (isinstance(node.target, torch._ops.OpOverload)
+                                           or node.target is operator.getitem)
 
 
 def dispatch_modes() -> bool:

@@ -14,7 +14,8 @@ dual level, an HVP, reverse over forward, vmap of any of them.
 Where nothing differentiates a call while the graph is made, the graph keeps the forward
 alone, as `attngrad::attention_in_graph`, which refuses, when the graph runs, a dual tensor,
 a tensor that requires grad or a transform: the graph's other kernels may have dropped their
-tangents or gradients, and a partial tangent would be silently wrong.
+tangents or gradients, and a partial tangent would be silently wrong. A dual tensor is
+taken where the graph runs op by op (`aot_eager`): there every tangent reaches the call.
 
 Their schema is the forward pass's arguments (`call.CALL_FIELDS`) with the output alone as
 the result; below autograd they run the forward pass; their fake says the output's shape.
@@ -77,6 +78,8 @@ def _in_graph(*args: Any, **kwargs: Any) -> Tensor:
     call = as_call(args, kwargs)
     tensors = (call.q, call.k, call.v, call.bias, call.sinks)
     if any(regime.carries_tangent(t) for t in tensors):
+        if regime.called_by_a_graph_run_op_by_op():  # every tangent reached it: the whole call
+            return apply(call)
         raise NotImplementedError(UNDIFFERENTIATED.format(what="a dual tensor (forward_ad)"))
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise NotImplementedError(UNDIFFERENTIATED.format(what="a tensor that requires grad"))

@@ -54,7 +54,8 @@ def compiled_matches_eager(name: str, backend: str) -> None:
     assert_all_close(compiled, eager, zeros={n for n in eager if "k_proj.bias" in n}, bar=FLOAT32_ROUNDING)
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen2", "gemma2", "gpt_oss", "gemma3_images"])
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "gemma2", "gpt_oss",
+                                  pytest.param("gemma3_images", marks=pytest.mark.full)])  # 10 s of compiling
 def test_a_training_step_traces_into_one_graph(name):
     """fullgraph: the masks (read eagerly, evaluated when compiled: Dynamo cannot read a
     closure; Gemma 3's or_masks under vmap) and attngrad's op trace without a break."""

@@ -9,7 +9,6 @@ returns must give the eager math path's numbers: never a zero tangent, never Non
 
 import contextlib
 import math
-import os
 
 import pytest
 
@@ -174,18 +173,20 @@ def _cells(only, names, variant):
                 assert error(a, b) < BAR, f"{name} {mode}: result {i} off by {error(a, b):.2e}"
 
 
-# Which cells each backend runs in the suite: every one on the tiles; on torch-ops and on
-# Triton's interpreter (0.1-1 s a cell) the first-order cells and the HVP, one mask.
-# ATTNGRAD_FULL_MATRIX=1 runs every cell everywhere (about 4 minutes on 2 cores).
+# Which cells each backend runs in the README's suite: every one on the tiles with a bias,
+# and the forward-mode ones causal too; on torch-ops and on Triton's interpreter (0.1-1 s a
+# cell) the first-order cells and the HVP, with a bias. The full tier (ATTNGRAD_FULL=1,
+# scripts/full_suite.sh) runs every cell everywhere (about 2 minutes on 2 cores).
 GROUPS = {"forward": ("jvp", "dual", "hvp"), "reverse": ("backward", "grad", "vjp_of_jvp"),
           "second": ("vmap", "vmap_jacrev", "hessian", "double_backward")}
-FULL = os.environ.get("ATTNGRAD_FULL_MATRIX") == "1"
-SUITE = [("tiles", group, variant) for group in GROUPS for variant in ("bias", "causal")] + \
+SUITE = [("tiles", group, "bias") for group in GROUPS] + [("tiles", "forward", "causal")] + \
     [(backend, group, "bias") for backend in ("torch-ops", "triton") for group in ("forward", "reverse")]
-EVERY = [(backend, group, variant) for backend in BACKENDS for group in GROUPS for variant in ("bias", "causal")]
+EVERY = [pytest.param(*cell, marks=() if cell in SUITE else pytest.mark.full)
+         for cell in [(backend, group, variant) for backend in BACKENDS for group in GROUPS
+                      for variant in ("bias", "causal")]]
 
 
-@pytest.mark.parametrize("backend_name, group, variant", EVERY if FULL else SUITE)
+@pytest.mark.parametrize("backend_name, group, variant", EVERY)
 def test_every_cell_is_exact(backend_name, group, variant):
     """Before the operator, compiled forward mode gave zeros (jvp) or None (dual), and the
     compiled grad, HVP and reverse over forward raised."""

@@ -279,6 +279,7 @@ def test_a_wait_for_a_live_build_says_so_and_ends(monkeypatch, tmp_path):
 
 
 @needs_tiles
+@pytest.mark.full  # a whole build at -O0 (30 s of CI's 2 cores); the lock's rules are tested above without one
 def test_a_first_use_killed_mid_compile_leaves_a_cache_the_next_one_builds_in(tmp_path):
     """A real first use, killed (SIGKILL) while its compiler runs, as a scheduler's time
     limit or an out-of-memory kill would: the next process builds and loads the tiles in the

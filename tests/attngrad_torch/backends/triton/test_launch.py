@@ -23,7 +23,7 @@ from attngrad.torch.backends.triton.kernels import dq_rank  # noqa: E402
 from attngrad.torch.op import dispatch, ops  # noqa: E402
 from attngrad.torch.op.call import HvpSums, RingSums, ScoreMasks  # noqa: E402
 
-from ....conftest import EXACT, rel_err  # noqa: E402
+from ....conftest import EXACT, examples, rel_err  # noqa: E402
 from ...cases import calls  # noqa: E402
 from ...conftest import make_call  # noqa: E402
 from .cases import DOUBLE, DV, LK, LQ, B, D, H, interpreted, math_attention, randn  # noqa: E402
@@ -369,7 +369,7 @@ def _hvp_sums(call):
 
 
 @interpreted
-@settings(max_examples=10, deadline=None)  # 300 more by hand: every one within EXACT
+@settings(max_examples=examples(4, 10), deadline=None)  # 300 more by hand: every one within EXACT
 @given(calls(), st.booleans(), st.booleans())
 def test_an_hvps_backward_takes_its_row_sums_from_the_forwards_walk(case, with_tdout, bias_grad):
     """float64, every option: forward_jvp leaves each row's t - c, c and peak key, and the

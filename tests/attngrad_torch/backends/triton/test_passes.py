@@ -22,7 +22,7 @@ from attngrad.torch import attention, use_backend  # noqa: E402
 from attngrad.torch.backends.triton import config, launch  # noqa: E402
 from attngrad.torch.op import dispatch, dropout, ops  # noqa: E402
 
-from ....conftest import EXACT, assert_all_close, rel_err  # noqa: E402
+from ....conftest import EXACT, assert_all_close, examples, rel_err  # noqa: E402
 from ...cases import calls  # noqa: E402
 from ...conftest import make_call, op_attention  # noqa: E402
 from .cases import CASES, DEVICES, DOUBLE, Case, case_of, interpreted, randn, zero_gradients  # noqa: E402
@@ -229,7 +229,7 @@ def test_the_walks_zero_the_peak_by_its_index(on_triton, monkeypatch):
 
 
 @interpreted
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(10, 30), deadline=None)
 @given(calls())
 def test_the_forward_and_its_jvp_take_one_walk(case):
     """float64, every option (masks whose rows see one key or none, bias and its tangent,
@@ -249,7 +249,7 @@ def test_the_forward_and_its_jvp_take_one_walk(case):
 
 
 @interpreted
-@pytest.mark.parametrize("key_side", ["split", "light", "fused"])
+@pytest.mark.parametrize("key_side", [pytest.param("split", marks=pytest.mark.full), "light", "fused"])
 def test_scores_in_base_two_give_every_derivative_and_natural_row_maxima(on_triton, tiles_of, tuned, key_side):
     """log2(e) folded into the scale (`Options.exp2_dtypes`, half precision by default),
     forced here for float64: a light call's every derivative (causal bottom-right, GQA,

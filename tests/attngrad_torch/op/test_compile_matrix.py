@@ -174,13 +174,14 @@ def _cells(only, names, variant):
 
 
 # Which cells each backend runs in the README's suite: every one on the tiles with a bias,
-# and the forward-mode ones causal too; on torch-ops and on Triton's interpreter (0.1-1 s a
-# cell) the first-order cells and the HVP, with a bias. The full tier (ATTNGRAD_FULL=1,
+# and the forward-mode ones causal too; on torch-ops the first-order cells and the HVP, with
+# a bias, and on Triton's interpreter (0.1-1 s a cell) the forward-mode ones (a compiled
+# training step on Triton: test_launch.py). The full tier (ATTNGRAD_FULL=1,
 # scripts/full_suite.sh) runs every cell everywhere (about 2 minutes on 2 cores).
 GROUPS = {"forward": ("jvp", "dual", "hvp"), "reverse": ("backward", "grad", "vjp_of_jvp"),
           "second": ("vmap", "vmap_jacrev", "hessian", "double_backward")}
 SUITE = [("tiles", group, "bias") for group in GROUPS] + [("tiles", "forward", "causal")] + \
-    [(backend, group, "bias") for backend in ("torch-ops", "triton") for group in ("forward", "reverse")]
+    [("torch-ops", group, "bias") for group in ("forward", "reverse")] + [("triton", "forward", "bias")]
 EVERY = [pytest.param(*cell, marks=() if cell in SUITE else pytest.mark.full)
          for cell in [(backend, group, variant) for backend in BACKENDS for group in GROUPS
                       for variant in ("bias", "causal")]]

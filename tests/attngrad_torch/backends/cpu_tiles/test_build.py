@@ -278,27 +278,59 @@ def test_a_wait_for_a_live_build_says_so_and_ends(monkeypatch, tmp_path):
         assert lock.read_text() == f"{os.getpid()}\n"
 
 
+# A stand-in for the tiles' sources: a Python module by their name whose compile takes a
+# couple of seconds (a constant the compiler evaluates), so a kill lands while it runs.
+STAND_IN = """
+#include <Python.h>
+constexpr unsigned long mix(unsigned long s, unsigned long n) {
+    for (unsigned long i = 0; i < n; ++i) s = s * 6364136223846793005UL + i;
+    return s;
+}
+constexpr unsigned long spin(int rounds) {
+    unsigned long s = 1;
+    for (int r = 0; r < rounds; ++r) s = mix(s, 100000);
+    return s;
+}
+static_assert(spin(15) != 0, "a few seconds of the compiler's time");
+PyMODINIT_FUNC PyInit_attngrad_tiles(void) {
+    static PyModuleDef module = {PyModuleDef_HEAD_INIT, "attngrad_tiles", nullptr, -1, nullptr};
+    return PyModule_Create(&module);
+}
+"""
+
+
 @needs_tiles
-@pytest.mark.full  # a whole build at -O0 (30 s of CI's 2 cores); the lock's rules are tested above without one
-def test_a_first_use_killed_mid_compile_leaves_a_cache_the_next_one_builds_in(tmp_path):
-    """A real first use, killed (SIGKILL) while its compiler runs, as a scheduler's time
-    limit or an out-of-memory kill would: the next process builds and loads the tiles in the
-    usual time. (Built at -O0 in a cache of the test's own: the kill is the point here.)"""
+@pytest.mark.parametrize("sources", [
+    "stand-in",  # the build's own machinery (lock, folders, cpp_extension, ninja) on a small source
+    pytest.param("tiles", marks=pytest.mark.full),  # the tiles themselves, at -O0: 30 s of CI's 2 cores
+])
+def test_a_first_use_killed_mid_compile_leaves_a_cache_the_next_one_builds_in(tmp_path, sources):
+    """A first use, killed (SIGKILL) while its compiler runs, as a scheduler's time limit or
+    an out-of-memory kill would: the next process builds and loads the library in the usual
+    time. (Built at -O0 in a cache of the test's own: the kill is the point here.)"""
     import signal
     import time
 
+    cache = tmp_path / "cache"
+    if sources == "stand-in":
+        (tmp_path / "stand_in.cpp").write_text(STAND_IN)
+        use = f"tiles_build.CSRC, tiles_build.SOURCES, tiles_build.HEADERS = Path({str(tmp_path)!r}), ('stand_in.cpp',), ()"
+    else:
+        use = ""
     script = textwrap.dedent("""
-        from attngrad.torch.backends.cpu_tiles import build as tiles_build, native
+        from pathlib import Path
+        from attngrad.torch.backends.cpu_tiles import build as tiles_build
         tiles_build.FLAGS = ("-O0", *tiles_build.FLAGS[1:])
-        assert native.library() is not None, native.build_info.reason
-        print("loaded", native.build_info.compiled)
-    """)
-    env = {**os.environ, "ATTNGRAD_CACHE": str(tmp_path), "ATTNGRAD_BUILD_WAIT": "240"}
+        {use}
+        assert tiles_build.library() is not None, tiles_build.build_info.reason
+        print("loaded", tiles_build.build_info.compiled)
+    """).format(use=use)
+    env = {**os.environ, "ATTNGRAD_CACHE": str(cache), "ATTNGRAD_BUILD_WAIT": "240"}
     first = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not any(tmp_path.glob("*/build.ninja")):  # its compiler has started
+        while not any(cache.glob("*/build.ninja")):  # its compiler has started
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
             time.sleep(0.1)
         time.sleep(1.0)
@@ -307,4 +339,4 @@ def test_a_first_use_killed_mid_compile_leaves_a_cache_the_next_one_builds_in(tm
         first.communicate()
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0 and done.stdout.strip() == "loaded True", done.stderr[-3000:]
-    assert not list(tmp_path.glob("*.building-*"))
+    assert not list(cache.glob("*.building-*"))

@@ -42,6 +42,17 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: absent under -p no:xdist
+def pytest_xdist_make_scheduler(config, log):
+    """Work stealing, whatever `-n` was given with: a worker that runs out takes pending tests
+    from the other, so a long test near the end does not leave a core idle."""
+    if config.getoption("dist") == "load":
+        from xdist.scheduler import WorkStealingScheduling
+
+        return WorkStealingScheduling(config, log)
+    return None
+
+
 def examples(suite: int, full: int) -> int:
     """A hypothesis test's draws: `suite` in the README's suite, `full` in the full tier."""
     return full if FULL else suite

@@ -291,7 +291,7 @@ constexpr unsigned long spin(int rounds) {
     for (int r = 0; r < rounds; ++r) s = mix(s, 100000);
     return s;
 }
-static_assert(spin(15) != 0, "a few seconds of the compiler's time");
+static_assert(spin(10) != 0, "a few seconds of the compiler's time");
 PyMODINIT_FUNC PyInit_attngrad_tiles(void) {
     static PyModuleDef module = {PyModuleDef_HEAD_INIT, "attngrad_tiles", nullptr, -1, nullptr};
     return PyModule_Create(&module);

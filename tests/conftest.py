@@ -59,7 +59,7 @@ def examples(suite: int, full: int) -> int:
 
 
 @pytest.fixture(scope="session")
-def once_per_session(tmp_path_factory, worker_id):
+def once_per_session(tmp_path_factory):
     """once_per_session(name, make): make()'s result, made once in the whole test session, also
     across pytest-xdist's workers: the first worker to ask makes it under a file lock and
     pickles it in the session's shared folder; a worker that asks meanwhile waits for it
@@ -74,7 +74,7 @@ def once_per_session(tmp_path_factory, worker_id):
     def get(name: str, make):
         if name in made:
             return made[name]
-        if worker_id == "master":  # no xdist: the process is the session
+        if "PYTEST_XDIST_WORKER" not in os.environ:  # no xdist (or -p no:xdist): the process is the session
             made[name] = make()
             return made[name]
         path = tmp_path_factory.getbasetemp().parent / f"{name}.pickle"  # the session's, shared by its workers

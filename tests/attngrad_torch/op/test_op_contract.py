@@ -443,3 +443,21 @@ def test_opcheck_the_whole_call_operators(variant):
     utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(traced_op.OP, args, kwargs, test_utils=utils[:3] + utils[3:] * (variant == "all"))
     torch.library.opcheck(traced_op.IN_GRAPH, args, kwargs, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_a_function_takes_the_call_as_its_options_and_its_tensors():
+    """What an autograd Function keeps on its ctx (`AttentionCall.options`) holds no tensor,
+    and the call comes back whole from it and the tensors autograd hands back, every
+    optional tensor included (a sink, a mask kept per block)."""
+    from attngrad.torch.op.call import TENSOR_SLOTS, AttentionCall
+
+    for variant in ("all", "sinks-bias", "blocks"):
+        fields, extra = _call_args(variant, "contiguous")[0]
+        call = AttentionCall.from_fields({**op.DEFAULTS, **dict(zip(op.CALL_NAMES, fields)), **extra})
+        slots = call.tensor_slots()
+        assert len(slots) == len(TENSOR_SLOTS) and call.options().tensors() == ()
+        assert all(getattr(call.options(), name, None) is None for name in ("q", "k", "v", "seed"))
+        again = call.options().with_tensors(slots)
+        assert again.fields().keys() == call.fields().keys()
+        for name, value in call.fields().items():
+            assert again.fields()[name] is value, (variant, name)

@@ -36,8 +36,10 @@ generates in torch 2.13 has no setup_context, and torch.func refuses it: pytorch
 The forward saves the call's tensors, out, and per query row the score maximum and the
 inverse softmax denominator: O(L). `out`, the row statistics and `seed` reach
 AttentionBackward as caches: its derivatives are taken through q, k, v, bias and dout
-alone, which determine them. The Functions take the call's fields positionally (autograd
-tracks tensors among positional arguments only) and rebuild the `AttentionCall` from them.
+alone, which determine them. A Function takes the call whole, as its options (the call
+without its tensors), and the call's tensors positionally after it (autograd and torch.func
+track tensors among positional arguments only): `options.with_tensors(tensors)` is the call
+again, on the tensors autograd or a transform hands the Function.
 """
 
 from __future__ import annotations
@@ -53,12 +55,13 @@ from torch import Tensor
 from .. import regime
 from ..regime import Mode, Regime
 from . import traced_op
-from .call import AttentionCall
+from .call import TENSOR_SLOTS, AttentionCall
 from .hvp_fusion import Deferred, ForwardSums
-from .ops import CALL_NAMES, run_op
+from .ops import run_op
 
-_Q, _K, _V, _BIAS, _SINKS = (CALL_NAMES.index(name) for name in ("q", "k", "v", "bias", "sinks"))
-_DIFFERENTIABLE = ("q", "k", "v", "bias", "sinks")  # the call's fields with derivatives
+_Q, _K, _V, _BIAS, _SINKS = (TENSOR_SLOTS.index(name) for name in ("q", "k", "v", "bias", "sinks"))
+_DIFFERENTIABLE = ("q", "k", "v", "bias", "sinks")  # the call's tensors with derivatives
+_OPTIONS = 2  # a Function's arguments before the tensors it differentiates: the call's options and `deferred`
 
 _BACKWARD_INPUTS = ("dout", "out", "row_max", "inv_sum", "bias_grad")  # AttentionBackward's, before the call's
 
@@ -114,32 +117,27 @@ class Final(_Function):
         raise NotImplementedError(ctx.refusal)
 
 
-def _pass(pass_name: str, *call_fields: Any, **inputs: Any) -> Any:
-    """Run the op of `pass_name` on a call given by its fields in order (`Final`'s form)."""
-    return run_op(pass_name, AttentionCall.from_fields(dict(zip(CALL_NAMES, call_fields))), **inputs)
-
-
-def _bound(pass_name: str, fields: list, deferred: Optional[Deferred], sums: Optional[ForwardSums],
-           inputs: dict) -> tuple[Callable[..., Any], list[Tensor]]:
+def _bound(pass_name: str, options: AttentionCall, slots: list, deferred: Optional[Deferred],
+           sums: Optional[ForwardSums], inputs: dict) -> tuple[Callable[..., Any], list[Tensor]]:
     """The op of `pass_name` as a function of the call's and the inputs' tensors alone, and
     those tensors: torch.func's Function calls walk every argument at every level, so the
-    options and absent inputs ride in the closure. With `deferred`, the op is a fused pass:
-    its primal results fill `deferred`, and the rest are returned. With `sums`, forward_jvp
-    makes them where a backend can, and backward_with_jvp takes them (`ForwardSums.run`)."""
-    names, values = tuple(inputs), [*fields, *inputs.values()]
+    call's options and absent inputs ride in the closure. With `deferred`, the op is a fused
+    pass: its primal results fill `deferred`, and the rest are returned. With `sums`,
+    forward_jvp makes them where a backend can, and backward_with_jvp takes them
+    (`ForwardSums.run`)."""
+    names, values = tuple(inputs), [*slots, *inputs.values()]
     at = [i for i, value in enumerate(values) if isinstance(value, Tensor)]
 
     def run(*tensors: Tensor) -> Any:
         args = list(values)
         for i, t in zip(at, tensors):
             args[i] = t
-        call_fields, given = args[:len(CALL_NAMES)], dict(zip(names, args[len(CALL_NAMES):]))
+        call, given = options.with_tensors(args[:len(TENSOR_SLOTS)]), dict(zip(names, args[len(TENSOR_SLOTS):]))
         results = None
         if sums is not None:
-            call = AttentionCall.from_fields(dict(zip(CALL_NAMES, call_fields)))
             results = sums.run(pass_name, call, given, deferred.results)
         if results is None:
-            results = _pass(pass_name, *call_fields, **given)
+            results = run_op(pass_name, call, **given)
         if deferred is None:
             return results
         deferred.fill(results)
@@ -148,11 +146,11 @@ def _bound(pass_name: str, fields: list, deferred: Optional[Deferred], sums: Opt
     return run, [values[i] for i in at]
 
 
-def _final(pass_name: str, refusal: str, fields: list, deferred: Optional[Deferred] = None,
+def _final(pass_name: str, refusal: str, options: AttentionCall, slots: list, deferred: Optional[Deferred] = None,
            sums: Optional[ForwardSums] = None, **inputs: Any) -> Any:
     """The op of `pass_name` as a leaf of differentiation (`Final`), every tensor handed to
     it as an argument, so that a torch.func transform unwraps each (`_bound`)."""
-    run, tensors = _bound(pass_name, fields, deferred, sums, inputs)
+    run, tensors = _bound(pass_name, options, slots, deferred, sums, inputs)
     return Final.apply(run, refusal, *tensors)
 
 
@@ -166,8 +164,9 @@ class Tangent(_Function):
     that backward along t. The fused backward_with_jvp pass gives both at once (with no
     tangent of c), in O(L) memory. out, row_max and inv_sum enter as the forward's caches.
 
-    Arguments: the pass's function of the tensors (`_bound`), where in them the call's
-    fields, the caches and the tangents lie (`layout`), then the tensors."""
+    Arguments: the pass's function of the tensors (`_bound`), the call's options and where
+    in the tensors the call's own, the caches and the tangents lie (`layout`), then the
+    tensors."""
 
     generate_vmap_rule = True
 
@@ -194,18 +193,18 @@ class Tangent(_Function):
             # tangents of its results would be third derivatives, which nothing asked for
             saved = tuple(None if t is None else forward_ad.unpack_dual(t).primal for t in saved)
             c = forward_ad.unpack_dual(c).primal
-        fields = [saved[i] if isinstance(i, int) else option for i, option in layout["fields"]]
+        slots = [None if i is None else saved[i] for i in layout["slots"]]
         out, row_max, inv_sum = (saved[i] for i in layout["caches"])
         tangents = {name: None if i is None else saved[i] for name, i in layout["tangents"].items()}
         # the bias, even without a tangent of its own, shapes J; its tangent gets J^T c's part
         bias_grad = any(i is not None and ctx.needs_input_grad[2 + i]
-                        for i in (layout["fields"][_BIAS][0], layout["tangents"]["tbias"]))
+                        for i in (layout["slots"][_BIAS], layout["tangents"]["tbias"]))
         dq, dk, dv, dbias, dsinks, tdq, tdk, tdv, tdbias, tdsinks = _final(
-            "backward_with_jvp", THIRD_ORDER, fields, dout=c.contiguous(), out=out, row_max=row_max, inv_sum=inv_sum,
-            bias_grad=bias_grad, tdout=None, **tangents)
+            "backward_with_jvp", THIRD_ORDER, layout["options"], slots, dout=c.contiguous(), out=out, row_max=row_max,
+            inv_sum=inv_sum, bias_grad=bias_grad, tdout=None, **tangents)
         for name, grad, grad_t in (("q", tdq, dq), ("k", tdk, dk), ("v", tdv, dv), ("bias", tdbias, dbias),
                                    ("sinks", tdsinks, dsinks)):
-            at, tangent_at = layout["fields"][CALL_NAMES.index(name)][0], layout["tangents"]["t" + name]
+            at, tangent_at = layout["slots"][TENSOR_SLOTS.index(name)], layout["tangents"]["t" + name]
             if name == "bias" and not bias_grad:
                 continue
             if at is not None:
@@ -219,21 +218,21 @@ class Tangent(_Function):
         raise NotImplementedError(THIRD_ORDER)
 
 
-def _tangent(pass_name: str, fields: list, caches: tuple, deferred: Optional[Deferred] = None,
+def _tangent(pass_name: str, options: AttentionCall, slots: list, caches: tuple, deferred: Optional[Deferred] = None,
              sums: Optional[ForwardSums] = None, **inputs: Any) -> Tensor:
     """The op of `pass_name`, the jvp or the fused forward_jvp, whose last result is out_t,
     as a `Tangent`: out_t differentiable in reverse mode. `caches` are out, row_max and
     inv_sum (with `deferred`, the held results the pass fills), detached."""
-    run, tensors = _bound(pass_name, fields, deferred, sums, inputs)
+    run, tensors = _bound(pass_name, options, slots, deferred, sums, inputs)
     # where each argument lies among `tensors`, by position (a tangent may be the very
     # tensor of its primal: ids would merge the two)
-    values = [*fields, *inputs.values()]
+    values = [*slots, *inputs.values()]
     position = {i: n for n, i in enumerate(i for i, value in enumerate(values) if isinstance(value, Tensor))}
     names = tuple(inputs)
-    layout = {"fields": [(position.get(i), None if isinstance(f, Tensor) else f) for i, f in enumerate(fields)],
-              "tangents": {name: position.get(len(fields) + names.index(name)) for name in names if name[0] == "t"},
+    layout = {"options": options, "slots": [position.get(i) for i in range(len(slots))],
+              "tangents": {name: position.get(len(slots) + names.index(name)) for name in names if name[0] == "t"},
               "caches": [], "caches_only": set()}
-    given = {id(inputs[name]): position[len(fields) + names.index(name)] for name in ("row_max", "inv_sum")
+    given = {id(inputs[name]): position[len(slots) + names.index(name)] for name in ("row_max", "inv_sum")
              if isinstance(inputs.get(name), Tensor)}
     for cache in caches:
         if id(cache) not in given:  # not an input of the pass itself: the backward's alone
@@ -244,45 +243,44 @@ def _tangent(pass_name: str, fields: list, caches: tuple, deferred: Optional[Def
     return Tangent.apply(run, layout, *tensors)
 
 
-def _tangents_of(fields: list, tangents: tuple) -> dict[str, Optional[Tensor]]:
-    """The tangents of the call's differentiable fields, by the passes' names (tq, ...); None
-    for a field the call lacks."""
-    return {"t" + name: tangents[i] if fields[i] is not None else None
+def _tangents_of(slots: list, tangents: tuple) -> dict[str, Optional[Tensor]]:
+    """The tangents of the call's differentiable tensors, by the passes' names (tq, ...); None
+    for a tensor the call lacks."""
+    return {"t" + name: tangents[i] if slots[i] is not None else None
             for name, i in zip(_DIFFERENTIABLE, (_Q, _K, _V, _BIAS, _SINKS))}
 
 
-def _save(ctx: Any, fields: tuple, *extra: Tensor) -> None:
-    """Save the call's fields (tensors through autograd, options as they are) and `extra`."""
-    tensors = [f if isinstance(f, Tensor) or f is None else None for f in fields]
-    ctx.options = [None if isinstance(f, Tensor) or f is None else f for f in fields]
-    ctx.save_for_backward(*tensors, *extra)
-    ctx.save_for_forward(*tensors, *extra)
+def _save(ctx: Any, options: AttentionCall, slots: tuple, *extra: Tensor) -> None:
+    """Keep the call's options, and save its tensors and `extra` through autograd."""
+    ctx.options = options
+    ctx.save_for_backward(*slots, *extra)
+    ctx.save_for_forward(*slots, *extra)
 
 
 def _saved(ctx: Any) -> tuple[list, tuple]:
-    """The call's fields and the extra tensors `_save` kept."""
+    """The call's tensors (`TENSOR_SLOTS` order) and the extra tensors `_save` kept."""
     saved = ctx.saved_tensors
-    fields = [t if option is None else option for t, option in zip(saved, ctx.options)]
-    return fields, saved[len(ctx.options):]
+    return list(saved[:len(TENSOR_SLOTS)]), saved[len(TENSOR_SLOTS):]
 
 
 class Attention(_Function):
-    """out = attention(call) with the tiled backward. Arguments: the call's fields in order."""
+    """out = attention(call) with the tiled backward. Arguments: the call's options, a
+    `Deferred` or None, then the call's tensors (`TENSOR_SLOTS`)."""
 
     generate_vmap_rule = True  # vmap runs the custom ops once per batched slice
 
     @staticmethod
     @regime.outside_dynamo
-    def forward(*args: Any):
-        *fields, deferred = args
+    def forward(options: AttentionCall, deferred: Optional[Deferred], *slots: Optional[Tensor]):
+        call = options.with_tensors(slots)
         if deferred is not None:
-            return deferred.hold(AttentionCall.from_fields(dict(zip(CALL_NAMES, fields))), {})
-        return _pass("forward", *fields)
+            return deferred.hold(call, {})
+        return run_op("forward", call)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        ctx.deferred = inputs[-1]
-        _save(ctx, inputs[:-1], *output)
+        ctx.deferred = inputs[1]
+        _save(ctx, inputs[0], inputs[_OPTIONS:], *output)
         # row_max and inv_sum are not marked non-differentiable: under vmap, torch.func's
         # generated rule loses that mark and then refuses the None tangent (torch 2.13).
         # They get zero tangents, and their incoming gradients are ignored.
@@ -290,83 +288,88 @@ class Attention(_Function):
     @staticmethod
     @regime.outside_dynamo
     def backward(ctx: Any, dout: Tensor, _dmax: Tensor, _dinv: Tensor):
-        fields, (out, row_max, inv_sum) = _saved(ctx)
-        bias_grad = fields[_BIAS] is not None and ctx.needs_input_grad[_BIAS]
+        slots, (out, row_max, inv_sum) = _saved(ctx)
+        bias_grad = slots[_BIAS] is not None and ctx.needs_input_grad[_OPTIONS + _BIAS]
         # the sinks' gradient is a row sum of what the pass has: made whether asked or not
         # out and the statistics enter as caches, detached: the second derivatives are taken
         # through q, k, v and bias, and a graph edge back into this node would only make
         # autograd rerun this backward on zeros
         inputs = (dout.contiguous(), out.detach(), row_max.detach(), inv_sum.detach(), bias_grad)
         now = Regime.now()
-        if now.untracked((inputs[0], *fields)):  # no create_graph: the backward pass alone
-            dq, dk, dv, dbias, dsinks = _pass("backward", *fields, **dict(zip(_BACKWARD_INPUTS, inputs)))
+        if now.untracked((inputs[0], *slots)):  # no create_graph: the backward pass alone
+            dq, dk, dv, dbias, dsinks = run_op("backward", ctx.options.with_tensors(slots),
+                                               **dict(zip(_BACKWARD_INPUTS, inputs)))
         else:
             sums = ctx.deferred.sums if ctx.deferred is not None else None
             deferred = Deferred("backward", sums) if now.defers() else None
-            dq, dk, dv, dbias, dsinks = AttentionBackward.apply(*inputs, *fields, deferred)
+            dq, dk, dv, dbias, dsinks = AttentionBackward.apply(ctx.options, deferred, *inputs, *slots)
             if deferred is not None:
-                deferred.settle(fields, **dict(zip(_BACKWARD_INPUTS, inputs)))
-        grads = [None] * len(fields)
+                deferred.settle(ctx.options, slots, **dict(zip(_BACKWARD_INPUTS, inputs)))
+        grads = [None] * len(slots)
         grads[_Q], grads[_K], grads[_V], grads[_BIAS] = dq, dk, dv, dbias if bias_grad else None
-        grads[_SINKS] = dsinks if fields[_SINKS] is not None else None
-        return (*grads, None)  # and none for `deferred`
+        grads[_SINKS] = dsinks if slots[_SINKS] is not None else None
+        return (None, None, *grads)  # none for the options and `deferred`
 
     @staticmethod
     @regime.outside_dynamo
-    def jvp(ctx: Any, *tangents: Any):
-        fields, (_out, row_max, inv_sum) = _saved(ctx)
-        along = _tangents_of(fields, tangents)
+    def jvp(ctx: Any, _options: None, _deferred: None, *tangents: Any):
+        slots, (_out, row_max, inv_sum) = _saved(ctx)
+        along = _tangents_of(slots, tangents)
         if ctx.deferred is not None:  # the forward's results with the tangent, one pass
             ctx.deferred.sums = ForwardSums(tuple(along.values()))
             caches = tuple(t.detach() for t in ctx.deferred.results)  # filled by the pass, before the backward reads them
-            out_t = _tangent("forward_jvp", fields, caches, ctx.deferred, ctx.deferred.sums, **along)
+            out_t = _tangent("forward_jvp", ctx.options, slots, caches, ctx.deferred, ctx.deferred.sums, **along)
         else:
             caches = (_out.detach(), row_max.detach(), inv_sum.detach())
-            out_t = _tangent("jvp", fields, caches, row_max=caches[1], inv_sum=caches[2], **along)
+            out_t = _tangent("jvp", ctx.options, slots, caches, row_max=caches[1], inv_sum=caches[2], **along)
         return out_t, torch.zeros_like(row_max), torch.zeros_like(inv_sum)
 
 
 class AttentionBackward(_Function):
     """(dq, dk, dv, dbias, dsinks) = the backward of `Attention`, itself differentiable once
-    more. Arguments: dout, out, row_max, inv_sum, bias_grad, then the call's fields in order."""
+    more. Arguments: the call's options, a `Deferred` or None, dout, out, row_max, inv_sum,
+    bias_grad, then the call's tensors (`TENSOR_SLOTS`)."""
 
     generate_vmap_rule = True
 
     @staticmethod
     @regime.outside_dynamo
-    def forward(*args: Any):
-        dout, out, row_max, inv_sum, bias_grad, *fields, deferred = args
+    def forward(options: AttentionCall, deferred: Optional[Deferred], dout: Tensor, out: Tensor, row_max: Tensor,
+                inv_sum: Tensor, bias_grad: bool, *slots: Optional[Tensor]):
+        call = options.with_tensors(slots)
         if deferred is not None:
-            return deferred.hold(AttentionCall.from_fields(dict(zip(CALL_NAMES, fields))), {"bias_grad": bias_grad})
-        return _pass("backward", *fields, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad)
+            return deferred.hold(call, {"bias_grad": bias_grad})
+        return run_op("backward", call, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum, bias_grad=bias_grad)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        dout, out, row_max, inv_sum, bias_grad, *fields, deferred = inputs
-        _save(ctx, tuple(fields), dout, out, row_max, inv_sum)
+        options, deferred, dout, out, row_max, inv_sum, bias_grad, *slots = inputs
+        _save(ctx, options, tuple(slots), dout, out, row_max, inv_sum)
         ctx.bias_grad, ctx.deferred = bias_grad, deferred
         ctx.set_materialize_grads(False)  # a gradient nobody used arrives as None: no work for it
 
     @staticmethod
     @regime.outside_dynamo
     def backward(ctx: Any, gq: Tensor, gk: Tensor, gv: Tensor, gbias: Tensor, gsinks: Tensor):
-        fields, (dout, out, row_max, inv_sum) = _saved(ctx)
-        dout_grad = ctx.needs_input_grad[0]  # a gradient penalty's dout is a constant
-        with_sinks = fields[_SINKS] is not None
+        slots, (dout, out, row_max, inv_sum) = _saved(ctx)
+        dout_grad = ctx.needs_input_grad[_OPTIONS]  # a gradient penalty's dout is a constant
+        with_sinks = slots[_SINKS] is not None
         g_dout, g_q, g_k, g_v, g_bias, g_sinks = _final(
-            "double_backward", THIRD_ORDER, fields, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum,
+            "double_backward", THIRD_ORDER, ctx.options, slots, dout=dout, out=out, row_max=row_max, inv_sum=inv_sum,
             bias_grad=ctx.bias_grad, dout_grad=dout_grad, gq=gq, gk=gk, gv=gv, gbias=gbias if ctx.bias_grad else None,
             gsinks=gsinks if with_sinks else None)
-        grads = [None] * len(fields)
+        grads = [None] * len(slots)
         grads[_Q], grads[_K], grads[_V], grads[_BIAS] = g_q, g_k, g_v, g_bias if ctx.bias_grad else None
         grads[_SINKS] = g_sinks if with_sinks else None
-        return (g_dout if dout_grad else None, None, None, None, None, *grads, None)
+        return (None, None, g_dout if dout_grad else None, None, None, None, None, *grads)
 
     @staticmethod
     @regime.outside_dynamo
-    def jvp(ctx: Any, tdout, _tout, _tmax, _tinv, _tbias_grad, *tangents: Any):
-        fields, (dout, out, row_max, inv_sum) = _saved(ctx)
-        along = _tangents_of(fields, tangents)
+    def jvp(ctx: Any, *tangents: Any):
+        # the options, `deferred`, out, row_max, inv_sum and bias_grad have none that counts
+        _options, _deferred, tdout, _tout, _tmax, _tinv, _tbias_grad, *slot_tangents = tangents
+        slots, (dout, out, row_max, inv_sum) = _saved(ctx)
+        along = _tangents_of(slots, slot_tangents)
         # without a bias gradient, the last result is the empty placeholder; a deferred forward's
         # results come from the same pass (backward_with_jvp)
         pass_name = "backward_jvp" if ctx.deferred is None else "backward_with_jvp"
@@ -374,8 +377,8 @@ class AttentionBackward(_Function):
         sums = ctx.deferred.sums if ctx.deferred is not None else None
         if sums is None or ctx.bias_grad or not sums.along(tuple(along.values())):
             sums = None
-        return _final(pass_name, THIRD_ORDER, fields, ctx.deferred, sums, dout=dout, out=out, row_max=row_max,
-                      inv_sum=inv_sum, bias_grad=ctx.bias_grad, tdout=tdout, **along)
+        return _final(pass_name, THIRD_ORDER, ctx.options, slots, ctx.deferred, sums, dout=dout, out=out,
+                      row_max=row_max, inv_sum=inv_sum, bias_grad=ctx.bias_grad, tdout=tdout, **along)
 
 
 def differentiable_backward(call: AttentionCall, dout: Tensor, out: Tensor, row_max: Tensor,
@@ -384,9 +387,9 @@ def differentiable_backward(call: AttentionCall, dout: Tensor, out: Tensor, row_
     forward's results, differentiable once more (`AttentionBackward`): what `Attention`'s
     backward gives under create_graph, for a caller that ran the forward itself
     (`eager_plans`)."""
-    fields = [call.fields()[name] for name in CALL_NAMES]
-    dq, dk, dv, _dbias, _dsinks = AttentionBackward.apply(dout.contiguous(), out.detach(), row_max.detach(),
-                                                          inv_sum.detach(), False, *fields, None)
+    dq, dk, dv, _dbias, _dsinks = AttentionBackward.apply(call.options(), None, dout.contiguous(), out.detach(),
+                                                          row_max.detach(), inv_sum.detach(), False,
+                                                          *call.tensor_slots())
     return dq, dk, dv
 
 
@@ -431,11 +434,11 @@ def differentiable_attention(call: AttentionCall, in_kernel: bool = False) -> Te
 
 
 def _through_functions(call: AttentionCall, now: Regime) -> Tensor:
-    fields = [call.fields()[name] for name in CALL_NAMES]
+    options, slots = call.options(), call.tensor_slots()
     deferred = Deferred("forward") if now.defers() else None
-    out = Attention.apply(*fields, deferred)[0]
+    out = Attention.apply(options, deferred, *slots)[0]
     if deferred is not None:
-        deferred.settle(fields)
+        deferred.settle(options, slots)
     return out
 
 

@@ -18,6 +18,7 @@ and tiles (T, R, K).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, TypedDict
 
@@ -208,6 +209,10 @@ class ScoreMasks:
     sinks: Optional[Tensor] = None  # (1 or B, H)
 
 
+# the call's tensors, in the order a Function takes them (`AttentionCall.tensor_slots`)
+TENSOR_SLOTS = ("q", "k", "v", "mask", "bias", "bounds", "seed", "sinks", "mask_blocks", "mask_tiles")
+
+
 @dataclass(frozen=True)
 class AttentionCall:
     """An attention call on (B, H, L, E) tensors: what every pass of it computes."""
@@ -260,6 +265,27 @@ class AttentionCall:
     def partial_rows(self) -> bool:
         """Whether the call's keys are a part of each row's (a ring step)."""
         return self.seed.dim() > 0 and bool(self.placement.partial_rows)
+
+    def tensor_slots(self) -> tuple[Optional[Tensor], ...]:
+        """The call's tensors in `TENSOR_SLOTS` order, None where it has none: what an autograd
+        Function takes positionally (autograd and torch.func track those alone), beside the
+        call's `options()`."""
+        blocks = self.masks.blocks
+        return (self.q, self.k, self.v, self.mask, self.bias, self.bounds, self.seed, self.sinks,
+                None if blocks is None else blocks.index, None if blocks is None else blocks.tiles)
+
+    def options(self) -> AttentionCall:
+        """The call without its tensors: what travels beside them through a Function (its ctx
+        keeps this, and saves the tensors for autograd)."""
+        return self.with_tensors((None,) * len(TENSOR_SLOTS))
+
+    def with_tensors(self, tensors: tuple[Optional[Tensor], ...] | list) -> AttentionCall:
+        """This call's options with `tensors` (`TENSOR_SLOTS` order) in its tensors' places: the
+        ones autograd or a transform hands a Function."""
+        q, k, v, mask, bias, bounds, seed, sinks, index, tiles = tensors
+        blocks = None if index is None else MaskBlocks(index, tiles)
+        masks = dataclasses.replace(self.masks, mask=mask, bias=bias, bounds=bounds, sinks=sinks, blocks=blocks)
+        return dataclasses.replace(self, q=q, k=k, v=v, masks=masks, seed=seed)
 
     def tensors(self) -> tuple[Tensor, ...]:
         """Every tensor of the call that is not None."""

@@ -25,7 +25,7 @@ from .. import regime
 from ..precision import compute_dtype
 from . import dispatch
 from .call import AttentionCall, HvpSums
-from .ops import CALL_NAMES, empty_results, run_op, run_pass
+from .ops import empty_results, run_op, run_pass
 
 
 class ForwardSums:
@@ -139,7 +139,7 @@ class Deferred:
         rest = results[len(self.results):]
         return rest[0] if len(rest) == 1 else rest
 
-    def settle(self, fields: list, **inputs: Any) -> None:
+    def settle(self, options: AttentionCall, slots: tuple | list, **inputs: Any) -> None:
         """Fill the results if no jvp did, then let go of them: they are the Function's
         outputs, and this object stays on its ctx, whose node they point back to. A cycle
         through autograd's C++ graph, which Python's collector cannot see, would keep the
@@ -147,6 +147,6 @@ class Deferred:
         if not self.filled:
             with regime.functorch_disabled(), torch.no_grad():
                 plain = {name: _plain(t) for name, t in inputs.items()}
-                call = AttentionCall.from_fields(dict(zip(CALL_NAMES, (_plain(f) for f in fields))))
+                call = options.with_tensors([_plain(t) for t in slots])
                 self.fill(run_op(self.plain, call, **plain))
         self.results = None

@@ -186,7 +186,7 @@ def _handler(pass_name: str):
         call, inputs = ops.split_fields(pass_name, args, kwargs)
         dimension = _ring_dimension(call)
         _check_score_tensors(call, dimension)
-        local = AttentionCall.from_fields({name: _local(value) for name, value in call.fields().items()})
+        local = call.with_tensors([_local(t) for t in call.tensor_slots()])
         local_inputs = {name: _local(_placed_as_its_input(call, name, value)) for name, value in inputs.items()}
         if dimension is None:  # replicated: every rank runs the whole call
             return _wrap(pass_name, call, ops.run_pass(pass_name, local, local_inputs), None)

@@ -25,7 +25,7 @@ import pytest
 from attngrad.check.compare import error_figure
 
 # The full tier: the README's suite leaves out the tests marked `full` (each a costlier case
-# of something the suite covers in kind), so it keeps to 3 minutes on CI's 2 cores;
+# of something the suite covers in kind), to keep it near 3 minutes on CI's 2 cores;
 # ATTNGRAD_FULL=1 (scripts/full_suite.sh) runs them too, before a change to what they cover lands.
 FULL = os.environ.get("ATTNGRAD_FULL") == "1"
 

@@ -69,7 +69,7 @@ def _rows(stdout: str) -> list[list[str]]:
     return [line.split(" | ") for line in stdout.splitlines() if line.startswith("| ") and "kernel" not in line]
 
 
-def _the_backward_jvp_compiles_for_sm80_without_spills(reports):
+def _check_the_backward_jvp_compiles_for_sm80_without_spills(reports):
     """IEEE float32 at d = 128 with every option (a boolean mask, a mask kept per block, a
     bias and its gradient, key bounds, causal, soft cap, dropout, GQA, every tangent and
     cotangent): the backward's JVP, whose kernels spilled most before their products over
@@ -87,7 +87,7 @@ def _the_backward_jvp_compiles_for_sm80_without_spills(reports):
     assert "0 failed" in stdout
 
 
-def _the_uncentred_half_precision_walks_compile(reports):
+def _check_the_uncentred_half_precision_walks_compile(reports):
     """The backward-type walks of float16 read their row sums without the centres
     (`tile_ops.load_row_sums`, CENTRE off): a compiled kernel's tuple may not hold None, which
     the interpreter allows, so only a compile shows it."""
@@ -96,7 +96,7 @@ def _the_uncentred_half_precision_walks_compile(reports):
     assert {row[0].strip("| ") for row in _rows(stdout)} == {"row_dot", "row_sums", "query_side", "key_side"}
 
 
-def _light_calls_compile_for_sm90_with_hoppers_tiles_without_spills(reports):
+def _check_light_calls_compile_for_sm90_with_hoppers_tiles_without_spills(reports):
     """A light call (causal, key bounds, GQA) in bfloat16 at d = 128: its backward takes
     sm_90's own 128 x 64 tiles over the whole head width (config._HOPPER_LIGHT), 4.4-4.9x
     as fast on an H100 as the general table's (docs/gpu-runs), and compiles for sm_90
@@ -109,7 +109,7 @@ def _light_calls_compile_for_sm90_with_hoppers_tiles_without_spills(reports):
     assert all(row[8] == "0" for row in rows), stdout  # spill bytes
 
 
-def _a_spill_where_the_bar_forbids_it_fails_the_report(reports):
+def _check_a_spill_where_the_bar_forbids_it_fails_the_report(reports):
     """The JVP in IEEE float32 at d = 128 with its products over the whole head width at
     once (no slices) spills about 1 KB: the report says so and exits 1."""
     code, stdout = reports["unsliced_jvp"]
@@ -131,7 +131,7 @@ def test_the_interpreter_is_refused_by_name():
     assert result.returncode == 2 and "unset TRITON_INTERPRET" in result.stdout
 
 
-def _the_figures_are_those_of_tritons_own_ptxas_run(reports):
+def _check_the_figures_are_those_of_tritons_own_ptxas_run(reports):
     """The registers and spills come from the log of the ptxas run that builds the cubin,
     with Triton's flags; Triton skips ptxas for a kernel in its cache, so the report compiles
     past the cache: the same variant compiled twice in one process reports twice, alike."""
@@ -153,8 +153,8 @@ def test_the_reports_compile_for_a100_and_h100():
     """Every report above from one compiling process, in one test: a fixture shared by
     several tests made the second xdist worker wait idle for the first's compiles."""
     reports = _reports()
-    _the_backward_jvp_compiles_for_sm80_without_spills(reports)
-    _the_uncentred_half_precision_walks_compile(reports)
-    _light_calls_compile_for_sm90_with_hoppers_tiles_without_spills(reports)
-    _a_spill_where_the_bar_forbids_it_fails_the_report(reports)
-    _the_figures_are_those_of_tritons_own_ptxas_run(reports)
+    _check_the_backward_jvp_compiles_for_sm80_without_spills(reports)
+    _check_the_uncentred_half_precision_walks_compile(reports)
+    _check_light_calls_compile_for_sm90_with_hoppers_tiles_without_spills(reports)
+    _check_a_spill_where_the_bar_forbids_it_fails_the_report(reports)
+    _check_the_figures_are_those_of_tritons_own_ptxas_run(reports)
